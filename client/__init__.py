@@ -1,0 +1,1 @@
+"""Client SDK and the `ember` command line."""

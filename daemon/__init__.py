@@ -1,0 +1,1 @@
+"""The server side of ember: model files, models, runtime, and (later) the daemon process."""

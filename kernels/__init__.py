@@ -1,0 +1,16 @@
+"""Numerical primitives behind one ops API (ops.py) with a numpy reference and per-device backends.
+
+`get_ops("cpu")` returns the numba backend; CUDA backends live in kernels/cuda and are imported only
+when asked for, so CPU-only machines never touch cupy.
+"""
+from __future__ import annotations
+
+from ember.kernels.ops import Ops
+
+
+def get_ops(device: str = "cpu") -> Ops:
+    if device == "cpu":
+        from ember.kernels.cpu.backend import CpuOps
+
+        return CpuOps()
+    raise ValueError(f"unknown device {device!r}: this build supports 'cpu'")

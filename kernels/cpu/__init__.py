@@ -1,0 +1,1 @@
+"""The CPU backend: numba kernels (nogil, parallel) behind the ops API."""

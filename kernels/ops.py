@@ -1,0 +1,78 @@
+"""The ops API: every numerical primitive a model needs, one interface, one backend chosen at load.
+
+Model code (ember.daemon.models) calls only these methods and plain array arithmetic (`a + b`,
+slicing), which numpy and cupy share, so the same model runs on every backend without `if`s.
+Shapes: n = tokens in the step, d = hidden, h = heads, hd = head_dim, f = FFN width. Activations are
+float32 at every interface; storage formats live inside the backend.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from ember.kernels.raw_tensor import RawTensor
+
+Array = Any  # numpy.ndarray on cpu, cupy.ndarray on cuda
+Weight = Any  # a backend's packed matrix (keeps the file's quantization)
+
+
+class Ops(ABC):
+    name: str
+
+    # --- placing weights ------------------------------------------------------------------------
+    @abstractmethod
+    def weight(self, t: RawTensor) -> Weight:
+        """A 2-D matrix [rows, cols] for matmul/embedding, in the kernels' layout, still quantized."""
+
+    @abstractmethod
+    def vector(self, t: RawTensor) -> Array:
+        """A small 1-D tensor (norm weight, bias) as float32 on the device."""
+
+    @abstractmethod
+    def weight_rows(self, w: Weight) -> int: ...
+
+    # --- kernels --------------------------------------------------------------------------------
+    @abstractmethod
+    def matmul(self, x: Array, w: Weight) -> Array:
+        """x [n, cols] f32 times w^T -> [n, rows] f32 (a matvec when n == 1)."""
+
+    @abstractmethod
+    def embedding(self, w: Weight, ids: np.ndarray) -> Array:
+        """Rows `ids` of w, dequantized -> [len(ids), cols] f32."""
+
+    @abstractmethod
+    def rmsnorm(self, x: Array, w: Array, eps: float) -> Array:
+        """RMS-normalise over the last axis and scale by w; x is [..., d]."""
+
+    @abstractmethod
+    def rope(self, x: Array, positions: np.ndarray, inv_freq: Array, interleaved: bool) -> Array:
+        """Rotary embedding of x [n, h, hd] at positions [n] (in place, returns x).
+
+        interleaved=True rotates adjacent pairs (x[2i], x[2i+1]), the layout of llama-arch GGUF files
+        whose q/k rows llama.cpp's converter permuted; False rotates halves (x[i], x[i+hd/2]), the
+        Hugging Face layout (and qwen2/qwen3 GGUF, which the converter leaves alone).
+        """
+
+    @abstractmethod
+    def attention(self, q: Array, k: Array, v: Array, start: int, scale: float) -> Array:
+        """Causal GQA attention of q [n, hq, hd] over a cache k, v [hkv, T, hd] (T >= start + n).
+
+        Query i sits at position start + i and sees keys 0 .. start + i. Returns [n, hq, hd].
+        """
+
+    @abstractmethod
+    def swiglu(self, gate: Array, up: Array) -> Array:
+        """silu(gate) * up, elementwise."""
+
+    @abstractmethod
+    def softmax(self, x: Array) -> Array:
+        """Softmax over the last axis."""
+
+    # --- moving data ----------------------------------------------------------------------------
+    @abstractmethod
+    def zeros(self, shape: tuple[int, ...]) -> Array: ...
+
+    @abstractmethod
+    def to_numpy(self, x: Array) -> np.ndarray: ...

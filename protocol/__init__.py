@@ -1,0 +1,1 @@
+"""Wire messages and codec (msgspec), shared-memory rings and CUDA IPC descriptors."""
