@@ -9,14 +9,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["load", "Model", "ModelLoadError", "__version__"]
+__all__ = ["load", "Model", "ModelFileError", "__version__"]
 
 if TYPE_CHECKING:
-    from ember.daemon.runtime import Model, ModelLoadError, load
+    from ember.daemon.model_file_error import ModelFileError
+    from ember.daemon.runtime import Model, load
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("load", "Model", "ModelLoadError"):
+    if name in ("load", "Model", "ModelFileError"):
         from ember.daemon import runtime
 
         return getattr(runtime, name)

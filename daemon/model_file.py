@@ -1,0 +1,57 @@
+"""ModelFile: one model on disk — its config, its tensors (zero-copy views of the mmap'd file) and
+what the tokenizer needs — whichever format it came in. `open_model_file` picks the reader.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ember.daemon.model_config import ModelConfig
+from ember.daemon.model_file_error import ModelFileError
+from ember.kernels.raw_tensor import RawTensor
+
+
+@dataclass
+class ModelFile:
+    path: Path
+    format: str  # "gguf" or "hf"
+    config: ModelConfig
+    # tensors under GGUF names (token_embd.weight, blk.0.attn_q.weight, ...), whatever the format
+    tensors: dict[str, RawTensor]
+    # GGUF: the whole metadata (tokenizer.ggml.* included); HF: config.json
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def rope_interleaved(self) -> bool:
+        # llama.cpp's converter permutes llama q/k rows so rotary pairs are adjacent; it leaves the
+        # qwen family in the Hugging Face half-split layout
+        return self.format == "gguf" and self.config.arch in ("llama", "mixtral")
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def tensor(self, name: str) -> RawTensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelFileError(str(self.path), f"missing tensor {name}") from None
+
+
+def open_model_file(path: str | Path) -> ModelFile:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelFileError(str(p), "no such file or directory")
+    if p.is_dir():
+        from ember.daemon.hf_dir import open_hf_dir
+
+        return open_hf_dir(p)
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        from ember.daemon.gguf_file import open_gguf
+
+        return open_gguf(p)
+    raise ModelFileError(str(p), "not a GGUF file (bad magic) and not a Hugging Face model directory")

@@ -1,0 +1,26 @@
+"""What distinguishes the supported architectures, as data: the transformer block is shared."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ember.daemon.model_file_error import ModelFileError
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    qkv_bias: bool = False  # qwen2: biases on the q, k, v projections
+    qk_norm: bool = False  # qwen3: RMSNorm over head_dim of q and k before rope
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": ArchSpec(),
+    "qwen2": ArchSpec(qkv_bias=True),
+    "qwen3": ArchSpec(qk_norm=True),
+}
+
+
+def architecture(name: str, source: str) -> ArchSpec:
+    try:
+        return ARCHITECTURES[name]
+    except KeyError:
+        raise ModelFileError(source, f"unsupported architecture {name!r} (supported: {', '.join(ARCHITECTURES)})") from None

@@ -1,0 +1,129 @@
+"""The decoder-only transformer shared by every supported architecture, written against the ops API.
+
+Per-architecture differences come in as an ArchSpec (architectures.py); the feed-forward part is its
+own object so mixture-of-experts layers can take its place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ember.daemon.kv_cache import KVCache
+from ember.daemon.model_config import ModelConfig
+from ember.daemon.model_file import ModelFile
+from ember.daemon.models.architectures import ArchSpec, architecture
+from ember.kernels.ops import Array, Ops, Weight
+from ember.kernels.raw_tensor import RawTensor
+from ember.kernels.tensor_types import TensorType
+
+
+@dataclass
+class Attention:
+    wq: Weight
+    wk: Weight
+    wv: Weight
+    wo: Weight
+    bq: Array | None
+    bk: Array | None
+    bv: Array | None
+    q_norm: Array | None
+    k_norm: Array | None
+
+    def __call__(self, ops: Ops, cfg: ModelConfig, rope: "Rope", x: Array, cache: KVCache, layer: int, start: int) -> Array:
+        n = x.shape[0]
+        q = self._project(ops, x, self.wq, self.bq).reshape(n, cfg.n_heads, cfg.head_dim)
+        k = self._project(ops, x, self.wk, self.bk).reshape(n, cfg.n_kv_heads, cfg.head_dim)
+        v = self._project(ops, x, self.wv, self.bv).reshape(n, cfg.n_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = ops.rmsnorm(q, self.q_norm, cfg.norm_eps), ops.rmsnorm(k, self.k_norm, cfg.norm_eps)
+        positions = np.arange(start, start + n)
+        q, k = rope(ops, q, positions), rope(ops, k, positions)
+        cache.write(layer, start, k, v)
+        out = ops.attention(q, cache.k[layer], cache.v[layer], start, cfg.head_dim**-0.5)
+        return ops.matmul(out.reshape(n, cfg.n_heads * cfg.head_dim), self.wo)
+
+    @staticmethod
+    def _project(ops: Ops, x: Array, w: Weight, b: Array | None) -> Array:
+        y = ops.matmul(x, w)
+        return y if b is None else y + b
+
+
+@dataclass
+class DenseFFN:
+    gate: Weight
+    up: Weight
+    down: Weight
+
+    def __call__(self, ops: Ops, x: Array) -> Array:
+        return ops.matmul(ops.swiglu(ops.matmul(x, self.gate), ops.matmul(x, self.up)), self.down)
+
+
+@dataclass
+class Rope:
+    inv_freq: Array
+    interleaved: bool
+
+    def __call__(self, ops: Ops, x: Array, positions: np.ndarray) -> Array:
+        return ops.rope(x, positions, self.inv_freq, self.interleaved)
+
+
+@dataclass
+class Block:
+    attn_norm: Array
+    attn: Attention
+    ffn_norm: Array
+    ffn: DenseFFN
+
+    def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: KVCache, layer: int, start: int) -> Array:
+        x = x + self.attn(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache, layer, start)
+        return x + self.ffn(ops, ops.rmsnorm(x, self.ffn_norm, cfg.norm_eps))
+
+
+class Transformer:
+    def __init__(self, mf: ModelFile, ops: Ops) -> None:
+        self.ops, self.config = ops, mf.config
+        spec = architecture(mf.config.arch, str(mf.path))
+        self.embed = ops.weight(mf.tensor("token_embd.weight"))
+        self.blocks = [_load_block(mf, ops, spec, i) for i in range(mf.config.n_layers)]
+        self.norm = ops.vector(mf.tensor("output_norm.weight"))
+        # tied embeddings: the output projection is the embedding matrix, shared, not loaded twice
+        self.output = ops.weight(mf.tensors["output.weight"]) if "output.weight" in mf.tensors else self.embed
+        factors = mf.tensors.get("rope_freqs.weight")
+        inv_freq = mf.config.inv_freq(None if factors is None else ops.to_numpy(ops.vector(factors)))
+        self.rope = Rope(ops.vector(RawTensor("rope.inv_freq", TensorType.F32, inv_freq.shape, inv_freq)), mf.rope_interleaved)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        c = self.config
+        return KVCache(self.ops, c.n_layers, c.n_kv_heads, c.head_dim, capacity)
+
+    def forward(self, ids: np.ndarray, cache: KVCache, start: int, all_logits: bool = False) -> Array:
+        """Run tokens `ids` at positions start.. through the model, extending `cache`.
+
+        Returns logits [len(ids), vocab] when all_logits, else [1, vocab] for the last token only.
+        """
+        x = self.ops.embedding(self.embed, ids)
+        for i, block in enumerate(self.blocks):
+            x = block(self.ops, self.config, self.rope, x, cache, i, start)
+        if not all_logits:
+            x = x[-1:]
+        return self.ops.matmul(self.ops.rmsnorm(x, self.norm, self.config.norm_eps), self.output)
+
+
+def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int) -> Block:
+    def w(name: str) -> Weight:
+        return ops.weight(mf.tensor(f"blk.{i}.{name}.weight"))
+
+    def vec(name: str) -> Array:
+        return ops.vector(mf.tensor(f"blk.{i}.{name}"))
+
+    attn = Attention(
+        wq=w("attn_q"), wk=w("attn_k"), wv=w("attn_v"), wo=w("attn_output"),
+        bq=vec("attn_q.bias") if spec.qkv_bias else None,
+        bk=vec("attn_k.bias") if spec.qkv_bias else None,
+        bv=vec("attn_v.bias") if spec.qkv_bias else None,
+        q_norm=vec("attn_q_norm.weight") if spec.qk_norm else None,
+        k_norm=vec("attn_k_norm.weight") if spec.qk_norm else None,
+    )
+    ffn = DenseFFN(gate=w("ffn_gate"), up=w("ffn_up"), down=w("ffn_down"))
+    return Block(vec("attn_norm.weight"), attn, vec("ffn_norm.weight"), ffn)

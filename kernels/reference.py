@@ -1,0 +1,57 @@
+"""Plain numpy references of the ops API's dense kernels: the oracle the backends are tested against.
+
+Written for clarity, in float64 where it matters, never for speed. Quantized formats have their own
+reference in quant_reference.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x64 = x.astype(np.float64)
+    inv = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    return (x64 * inv * w).astype(np.float32)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, interleaved: bool) -> np.ndarray:
+    half = x.shape[-1] // 2
+    angles = positions.astype(np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]  # [n, half]
+    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    x64 = x.astype(np.float64)
+    if interleaved:
+        a, b = x64[..., 0::2], x64[..., 1::2]
+    else:
+        a, b = x64[..., :half], x64[..., half:]
+    ra, rb = a * cos - b * sin, a * sin + b * cos
+    out = np.empty_like(x64)
+    if interleaved:
+        out[..., 0::2], out[..., 1::2] = ra, rb
+    else:
+        out[..., :half], out[..., half:] = ra, rb
+    return out.astype(np.float32)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float) -> np.ndarray:
+    n, hq, _ = q.shape
+    group = hq // k.shape[0]
+    out = np.empty(q.shape, np.float64)
+    for i in range(n):
+        visible = start + i + 1
+        for h in range(hq):
+            kh, vh = k[h // group, :visible].astype(np.float64), v[h // group, :visible].astype(np.float64)
+            s = kh @ q[i, h].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            out[i, h] = (p / p.sum()) @ vh
+    return out.astype(np.float32)
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    g = gate.astype(np.float64)
+    return (g / (1.0 + np.exp(-g)) * up).astype(np.float32)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    x64 = x.astype(np.float64)
+    e = np.exp(x64 - x64.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)

@@ -1,0 +1,51 @@
+"""CPU dense kernels (rmsnorm, rope, attention, swiglu, softmax) against the numpy reference."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ember.kernels import reference
+from ember.kernels.cpu import dense
+
+rng = np.random.default_rng(0)
+
+
+def randn(*shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (5, 384), (3, 4, 64), (2, 7)])
+def test_rmsnorm(shape: tuple[int, ...]) -> None:
+    x, w = randn(*shape), randn(shape[-1])
+    np.testing.assert_allclose(dense.rmsnorm(x, w, 1e-6), reference.rmsnorm(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("n,heads,hd", [(1, 1, 2), (5, 3, 64), (17, 2, 128)])
+def test_rope(interleaved: bool, n: int, heads: int, hd: int) -> None:
+    x = randn(n, heads, hd)
+    positions = rng.integers(0, 100_000, n)
+    inv_freq = (10000.0 ** (-np.arange(0, hd, 2) / hd)).astype(np.float32)
+    expected = reference.rope(x, positions, inv_freq, interleaved)
+    np.testing.assert_allclose(dense.rope(x.copy(), positions, inv_freq, interleaved), expected, atol=2e-5)
+
+
+def test_rope_layouts_differ() -> None:
+    x = randn(2, 1, 8)
+    pos, inv = np.array([3, 9]), np.ones(4, np.float32)
+    assert not np.allclose(dense.rope(x.copy(), pos, inv, True), dense.rope(x.copy(), pos, inv, False))
+
+
+@pytest.mark.parametrize("n,start,hq,hkv,hd", [(1, 0, 1, 1, 8), (1, 40, 6, 2, 64), (9, 0, 4, 4, 16), (5, 11, 8, 2, 32)])
+def test_attention(n: int, start: int, hq: int, hkv: int, hd: int) -> None:
+    q = randn(n, hq, hd)
+    k, v = randn(hkv, start + n + 3, hd), randn(hkv, start + n + 3, hd)  # extra rows must stay unseen
+    scale = hd**-0.5
+    np.testing.assert_allclose(dense.attention(q, k, v, start, scale), reference.attention(q, k, v, start, scale), rtol=1e-4, atol=1e-5)
+
+
+def test_swiglu_and_softmax() -> None:
+    g, u = randn(3, 37), randn(3, 37)
+    np.testing.assert_allclose(dense.swiglu(g, u), reference.swiglu(g, u), rtol=1e-5, atol=1e-6)
+    x = randn(4, 1000) * 20
+    np.testing.assert_allclose(dense.softmax(x), reference.softmax(x), rtol=1e-5, atol=1e-7)
