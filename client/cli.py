@@ -1,0 +1,78 @@
+"""The `ember` command line.
+
+Subcommands:
+  ember run [MODEL] PROMPT   load a model in this process and stream a completion to stdout
+                             (MODEL: a GGUF file or Hugging Face directory; omitted: the built-in demo)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description="ember: a local LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"ember {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = sub.add_parser("run", help="generate a completion in this process and stream it to stdout",
+                         description="Load MODEL (default: the built-in demo model) and stream a completion of PROMPT.")
+    run.add_argument("args", nargs="+", metavar="[MODEL] PROMPT", help="model path (optional) and prompt text")
+    run.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    run.add_argument("--top-k", type=int, default=0, help="sample among the k best tokens (0 = all)")
+    run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    run.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the best probability")
+    run.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    run.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    run.add_argument("--device", default="cpu", help="cpu (default)")
+    run.set_defaults(func=_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+    except (OSError, ValueError) as e:  # ModelFileError, TokenizerError and bad options are one-liners
+        print(f"ember: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ember.daemon.demo_model import DEMO_MODEL
+    from ember.daemon.model_file_error import ModelFileError
+    from ember.daemon.runtime import load
+
+    if len(args.args) > 2:
+        raise ValueError("expected [MODEL] PROMPT: quote the prompt")
+    model_path, prompt = (args.args if len(args.args) == 2 else (DEMO_MODEL, args.args[0]))
+    try:
+        model = load(model_path, device=args.device)
+    except ModelFileError as e:
+        print(f"ember: error: cannot load model: {e}", file=sys.stderr)
+        return 1
+    decoder = model.tokenizer.stream_decoder()
+    out = sys.stdout
+    out.write(prompt)
+    for token in model.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos):
+        out.write(decoder.feed(token))
+        out.flush()
+    out.write(decoder.flush() + "\n")
+    return 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ember")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,6 @@
+"""The built-in demo model: where it lives, so every entry point uses the same default."""
+from __future__ import annotations
+
+from pathlib import Path
+
+DEMO_MODEL = Path(__file__).parent / "assets" / "ember-demo-dense-q8_0.gguf"
