@@ -55,9 +55,9 @@ def open_hf_dir(path: Path) -> ModelFile:
     tensors: dict[str, RawTensor] = {}
     for shard in _shards(path):
         for name, t in _read_safetensors(shard).items():
-            gguf_name = _gguf_name(name)
-            if gguf_name is not None:
-                tensors[gguf_name] = RawTensor(gguf_name, t.ttype, t.shape, t.data)
+            new_name = gguf_name(name)
+            if new_name is not None:
+                tensors[new_name] = RawTensor(new_name, t.ttype, t.shape, t.data)
     if "token_embd.weight" not in tensors:
         raise ModelFileError(source, "missing tensor model.embed_tokens.weight")
     return ModelFile(path=path, format="hf", config=config, tensors=tensors, metadata=cfg)
@@ -114,7 +114,7 @@ def _read_safetensors(path: Path) -> dict[str, RawTensor]:
     return tensors
 
 
-def _gguf_name(hf_name: str) -> str | None:
+def gguf_name(hf_name: str) -> str | None:
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     m = _LAYER.fullmatch(hf_name)

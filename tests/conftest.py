@@ -1,41 +1,13 @@
-"""Shared fixtures: tiny random Hugging Face models (the transformers oracle) saved to disk."""
+"""Shared fixtures."""
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures"
-DEMO_TOKENIZER = FIXTURES / "ember-demo-dense"
-
-# small but not degenerate: GQA (4 query heads on 2 kv heads), head_dim 32, vocab of the demo tokenizer
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, vocab_size=8192, max_position_embeddings=512,
-            rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
-
-HF_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
-
-
-def build_hf_model(arch: str, out: Path, seed: int = 0, **overrides: Any) -> tuple[Path, Any]:
-    """Build a random tiny model with transformers' from_config, save it with save_pretrained, and
-    give it the demo tokenizer. Returns (directory, the torch model in eval mode)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    config = getattr(transformers, HF_CLASSES[arch])(**(TINY | overrides))
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # HF inits norms to 1 and biases to 0: randomise them so they are tested
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
-    model.eval()
-    model.save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEMO_TOKENIZER / f, out / f)
-    return out, model
+from tiny_models import build_hf_model
 
 
 @pytest.fixture

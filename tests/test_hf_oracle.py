@@ -5,17 +5,16 @@ import numpy as np
 import pytest
 
 import ember
+from tiny_models import LLAMA3
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.oracle
 
 ARCH_CASES = {
-    "llama": {},
-    "llama3-rope": {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
-                                        "rope_theta": 500000.0}},
-    "qwen2": {},
-    "qwen3": {"tie_word_embeddings": True},
+    "llama": ("llama", {}),
+    "llama3-rope": ("llama", LLAMA3),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"tie_word_embeddings": True}),
 }
 
 
@@ -32,8 +31,8 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("case", ARCH_CASES)
 def test_logits_and_greedy_match_transformers(hf_model, case: str) -> None:
-    arch = case.split("-")[0]
-    path, ref = hf_model(arch, **ARCH_CASES[case])
+    arch, extra = ARCH_CASES[case]
+    path, ref = hf_model(arch, **extra)
     model = ember.load(path)
     rng = np.random.default_rng(1)
     for n in (1, 2, 7, 33, 64):
