@@ -35,7 +35,7 @@ def write_gguf(path: Path, hf_config: Any, state: dict[str, np.ndarray], types: 
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[hf_config.model_type]
     writer = gguf.GGUFWriter(str(path), arch)
     _add_hparams(writer, arch, hf_config)
-    _copy_tokenizer(writer)
+    _copy_tokenizer(writer, hf_config.vocab_size)
     for hf_name, value in state.items():
         name = gguf_name(hf_name)
         if name is None:
@@ -87,12 +87,18 @@ def _add_hparams(writer: gguf.GGUFWriter, arch: str, c: Any) -> None:
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
+def _copy_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
+    """The demo model's tokenizer, padded with control tokens up to vocab_size (for model shapes
+    with a bigger vocabulary; the extra ids never come out of tokenization)."""
     reader = gguf.GGUFReader(DEMO_MODEL)
     for field in reader.fields.values():
         if not field.name.startswith("tokenizer."):
             continue
         value = field.contents()
+        if field.name == "tokenizer.ggml.tokens":
+            value = value + [f"<|pad_{i}|>" for i in range(len(value), vocab_size)]
+        elif field.name == "tokenizer.ggml.token_type":
+            value = value + [3] * (vocab_size - len(value))
         vtype = gguf.GGUFValueType(field.types[0])
         sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, value, vtype, sub_type=sub)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import ember
+from ember.daemon.demo_model import DEMO_MODEL
 from ember.kernels.quant_reference import quantize
 from ember.kernels.tensor_types import TensorType
 from gguf_writer import MIXED, Q4_K_M, write_gguf
@@ -83,7 +84,7 @@ def test_quantized_gguf_equals_transformers_on_dequantized_weights(hf_model, tmp
 
 def llama_cpp_logits(path: Path, ids: list[int]) -> np.ndarray:
     llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, type_k=0, type_v=0,
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, type_k=0, type_v=0,
                           n_threads=2, verbose=False)
     llm.eval(ids)
     out = np.array(llm.scores[: len(ids)], dtype=np.float32)
@@ -92,10 +93,25 @@ def llama_cpp_logits(path: Path, ids: list[int]) -> np.ndarray:
 
 
 # llama.cpp multiplies quantized weights with activations it has itself quantized (to Q8_0 or Q8_K,
-# 8 bits per value): each dot product carries a relative error of ~0.5% that ember, with f32
-# activations, does not have; through a few layers it reaches about 1% of the logit range (measured
-# <= 0.6%). Tolerance: 3% of the range. Top-1 must agree on >= 95% of positions.
-LLAMA_CPP_TOLERANCE = 0.03
+# 8 bits per value), each dot product carrying ~0.4% relative error that ember, with f32 activations,
+# does not have. Through the layers this reaches, measured over 9 files (3 architectures x Q8_0 / Q4_K_M
+# / mixed, 64 tokens): max |diff| 0.4-1.05% of the logit range, RMS 0.08-0.21%. Tolerance: 2% of the
+# range. Random tiny models have near-ties, so top-1 may differ where llama.cpp's own top-1/top-2
+# margin is inside that noise (measured: every disagreement had a margin < 0.55% of the range; rate
+# 90.6-100%); it must agree wherever the margin exceeds the tolerance. The trained demo model below
+# gives the meaningful top-1 rate.
+LLAMA_CPP_TOLERANCE = 0.02
+
+
+def assert_close_to_llama_cpp(ours: np.ndarray, theirs: np.ndarray) -> float:
+    """Checks the tolerance rules above and returns the top-1 agreement rate."""
+    span = theirs.max() - theirs.min()
+    assert np.abs(ours - theirs).max() <= LLAMA_CPP_TOLERANCE * span
+    top2 = np.sort(theirs, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > LLAMA_CPP_TOLERANCE * span
+    agree = ours.argmax(-1) == theirs.argmax(-1)
+    assert agree[clear].all(), "top-1 differs where llama.cpp's margin is above the noise"
+    return float(agree.mean())
 
 
 @pytest.mark.parametrize("types_name", ["Q8_0", "Q4_K_M", "MIXED"])
@@ -106,11 +122,17 @@ def test_logits_match_llama_cpp_on_same_file(hf_model, tmp_path: Path, arch: str
     _, ref = hf_model(arch, **KQ, **extra)
     path = write_gguf(tmp_path / f"{arch}.gguf", ref.config, state_dict(ref), types)
     model = ember.load(path)
-    agree = total = 0
-    for ids in prompts(model.config.vocab, (3, 64)):
-        ours, theirs = model.logits(ids), llama_cpp_logits(path, ids)
-        span = theirs.max() - theirs.min()
-        assert np.abs(ours - theirs).max() <= LLAMA_CPP_TOLERANCE * span
-        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
-        total += len(ids)
-    assert agree / total >= 0.95, f"top-1 agreement {agree}/{total}"
+    ids = prompts(model.config.vocab, (64,))[0]
+    assert assert_close_to_llama_cpp(model.logits(ids), llama_cpp_logits(path, ids)) >= 0.85
+    short = ids[:3]  # a prompt shorter than one block of work, on the same file
+    assert_close_to_llama_cpp(model.logits(short), llama_cpp_logits(path, short))
+
+
+def test_trained_demo_model_matches_llama_cpp() -> None:
+    """The trained demo model (converted by llama.cpp's own converter) on real Python text: top-1 must
+    agree on nearly every position."""
+    model = ember.load(DEMO_MODEL)
+    text = (DEMO_MODEL.parent.parent / "gguf_file.py").read_text()
+    ids = model.tokenize(text)[:200]
+    rate = assert_close_to_llama_cpp(model.logits(ids), llama_cpp_logits(DEMO_MODEL, ids))
+    assert rate >= 0.99, f"top-1 agreement {rate:.3f}"
