@@ -10,6 +10,12 @@ from ember.kernels.cpu import dense
 rng = np.random.default_rng(0)
 
 
+@pytest.fixture(autouse=True, params=["serial", "parallel"])
+def kernel_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run every test against both compiled variants of each kernel."""
+    monkeypatch.setattr(dense, "PARALLEL_MIN_WORK", 1 << 62 if request.param == "serial" else 0)
+
+
 def randn(*shape: int) -> np.ndarray:
     return rng.standard_normal(shape).astype(np.float32)
 

@@ -8,10 +8,22 @@ import math
 import numpy as np
 from numba import njit, prange
 
-_JIT = dict(parallel=True, fastmath=True, cache=True, nogil=True)
+_JIT = dict(fastmath=True, cache=True, nogil=True)
+
+# Below this many multiply-adds a kernel runs on the calling thread: waking the thread pool costs
+# more than a decode step's rmsnorm or rope (and much more when other processes hold the cores).
+PARALLEL_MIN_WORK = 1 << 16
 
 
-@njit(**_JIT)
+def _twin(core):  # type: ignore[no-untyped-def]
+    """A kernel compiled twice, serial and parallel (prange is a plain range in the serial one)."""
+    return njit(**_JIT)(core), njit(parallel=True, **_JIT)(core)
+
+
+def _pick(pair, work: int):  # type: ignore[no-untyped-def]
+    return pair[1] if work >= PARALLEL_MIN_WORK else pair[0]
+
+
 def _rmsnorm_rows(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
     rows, d = x.shape
     for r in prange(rows):
@@ -23,14 +35,16 @@ def _rmsnorm_rows(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> 
             out[r, j] = x[r, j] * inv * w[j]
 
 
+_RMSNORM = _twin(_rmsnorm_rows)
+
+
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
     out = np.empty_like(x2)
-    _rmsnorm_rows(x2, w, eps, out)
+    _pick(_RMSNORM, x2.size)(x2, w, eps, out)
     return out.reshape(x.shape)
 
 
-@njit(**_JIT)
 def _rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, interleaved: bool) -> None:
     n, heads, hd = x.shape
     half = hd // 2
@@ -46,12 +60,14 @@ def _rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, interleave
                 x[i, h, ib] = a * s + b * c
 
 
+_ROPE = _twin(_rope)
+
+
 def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, interleaved: bool) -> np.ndarray:
-    _rope(x, positions.astype(np.int64), inv_freq, interleaved)
+    _pick(_ROPE, x.size * 8)(x, positions.astype(np.int64), inv_freq, interleaved)
     return x
 
 
-@njit(**_JIT)
 def _attention(q, k, v, start, scale, out):  # type: ignore[no-untyped-def]
     n, hq, hd = q.shape
     group = hq // k.shape[0]
@@ -81,26 +97,32 @@ def _attention(q, k, v, start, scale, out):  # type: ignore[no-untyped-def]
             out[i, h, j] = acc[j] / total
 
 
+_ATTENTION = _twin(_attention)
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float) -> np.ndarray:
     out = np.empty_like(q)
-    _attention(q, k, v, start, np.float32(scale), out)
+    n = q.shape[0]
+    work = q.size * 2 * (start + (n + 1) // 2)  # q.k and p.v over the visible keys, on average
+    _pick(_ATTENTION, work)(q, k, v, start, np.float32(scale), out)
     return out
 
 
-@njit(**_JIT)
 def _swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
     g, u, o = gate.reshape(-1), up.reshape(-1), out.reshape(-1)
     for i in prange(g.size):
         o[i] = g[i] / (1.0 + math.exp(-g[i])) * u[i]
 
 
+_SWIGLU = _twin(_swiglu)
+
+
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     out = np.empty_like(gate)
-    _swiglu(np.ascontiguousarray(gate), np.ascontiguousarray(up), out)
+    _pick(_SWIGLU, gate.size * 8)(np.ascontiguousarray(gate), np.ascontiguousarray(up), out)
     return out
 
 
-@njit(**_JIT)
 def _softmax_rows(x: np.ndarray, out: np.ndarray) -> None:
     rows, d = x.shape
     for r in prange(rows):
@@ -116,8 +138,11 @@ def _softmax_rows(x: np.ndarray, out: np.ndarray) -> None:
             out[r, j] /= total
 
 
+_SOFTMAX = _twin(_softmax_rows)
+
+
 def softmax(x: np.ndarray) -> np.ndarray:
     x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
     out = np.empty_like(x2)
-    _softmax_rows(x2, out)
+    _pick(_SOFTMAX, x2.size * 8)(x2, out)
     return out.reshape(x.shape)
