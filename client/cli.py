@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-k", type=int, default=0, help="sample among the k best tokens (0 = all)")
     run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     run.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the best probability")
+    run.add_argument("--repetition-penalty", type=float, default=1.0, help="llama.cpp-style multiplicative penalty (1 = off)")
+    run.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI additive penalty per repeat (-2..2)")
+    run.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI additive penalty once seen (-2..2)")
     run.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     run.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     run.add_argument("--device", default="cpu", help="cpu (default)")
@@ -57,8 +60,10 @@ def _run(args: argparse.Namespace) -> int:
     decoder = model.tokenizer.stream_decoder()
     out = sys.stdout
     out.write(prompt)
-    for token in model.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos):
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                    presence_penalty=args.presence_penalty)
+    for token in model.generate(prompt, max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos, **sampling):
         out.write(decoder.feed(token))
         out.flush()
     out.write(decoder.flush() + "\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -54,19 +55,20 @@ class Model:
         prompt: str | Sequence[int],
         max_tokens: int = 256,
         temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
         seed: int | None = None,
         stop_ids: Iterable[int] = (),
         ignore_eos: bool = False,
+        **sampling: Any,
     ) -> Iterator[int]:
         """Yield generated token ids one at a time, as they are produced.
 
         Stops after max_tokens, at an end-of-sequence token (which is yielded) unless ignore_eos, at
-        any of stop_ids (also yielded), or when the context is full.
+        any of stop_ids (also yielded), or when the context is full. Other keyword arguments are
+        SamplingParams fields (top_k, top_p, min_p, repetition_penalty, frequency_penalty,
+        presence_penalty, logit_bias, ...); see kernels/sampling.py for their order.
         """
-        params = SamplingParams(temperature, top_k, top_p, min_p)  # validates before any work
+        params = SamplingParams(temperature=temperature, **sampling)  # validates before any work
+        params.check_vocab(self.config.vocab)
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         ids = self._check_ids(self.tokenize(prompt) if isinstance(prompt, str) else prompt)
@@ -81,11 +83,12 @@ class Model:
         pos = 0
         for pos in range(0, len(ids), PREFILL_CHUNK):
             logits = self._net.forward(ids[pos : pos + PREFILL_CHUNK], cache, pos)
-        pos = len(ids)
+        pos, prompt, generated = len(ids), ids.tolist(), []
         for _ in range(max_tokens):
             if pos >= capacity:
                 return
-            token = sample(self._net.ops.to_numpy(logits)[0], params, rng)
+            token = sample(self._net.ops.to_numpy(logits)[0], params, rng, prompt, generated).token
+            generated.append(token)
             yield token
             if token in stop or pos + 1 >= capacity:
                 return

@@ -1,53 +1,145 @@
-"""Choosing the next token from a row of logits: greedy, temperature, top-k, top-p and min-p.
+"""Choosing the next token from a row of logits, with every option users expect.
 
-Order of operations (as llama.cpp's default chain): temperature 0 -> argmax; otherwise top-k, then
-softmax at the temperature, then top-p (smallest set whose mass reaches p), then min-p (drop tokens
-below min_p x the best probability), renormalise, draw with the request's own generator.
+Order of operations (documented in docs/sampling.md; the same as vLLM / HF transformers):
+  1. logit_bias        logits[id] += bias
+  2. repetition        llama.cpp / CTRL multiplicative penalty on every token seen in the window
+                       (prompt included by default): logit / p if logit > 0 else logit * p
+  3. frequency and     OpenAI additive penalties over the tokens generated so far:
+     presence          logit -= count * frequency_penalty + (count > 0) * presence_penalty
+  4. greedy            temperature 0 or top_k 1: argmax, nothing below applies
+  5. temperature       logits / T, then softmax
+  6. top_k             keep the k most probable
+  7. top_p             keep the smallest set whose probability reaches p
+  8. min_p             drop tokens below min_p x the best probability
+  9. draw              from the renormalised distribution with the request's own generator
+Logprobs are log-softmax of the logits after steps 1-3 (what the model, penalised, believes), before
+temperature and truncation, so they do not depend on sampling settings.
+
+Written with array operations only, so the same code runs where the logits live.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
+
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
-    top_k: int = 0  # 0 = all tokens
+    top_k: int = 0  # 0 = no limit
     top_p: float = 1.0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    repetition_window: int = 64  # tokens looked back (-1 = whole context), as llama.cpp's last_n
+    penalize_prompt: bool = True  # the repetition window covers prompt tokens too
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    logprobs: int = 0  # top-n alternatives reported with each token (0 = only the chosen one's, if asked)
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(self.repetition_window >= -1, f"repetition_window must be >= -1, got {self.repetition_window}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for token, bias in self.logit_bias.items():
+            _check(-100.0 <= bias <= 100.0, f"logit_bias for token {token} must be in [-100, 100], got {bias}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    def check_vocab(self, vocab: int) -> None:
+        for token in self.logit_bias:
+            _check(0 <= int(token) < vocab, f"logit_bias token {token} is outside the vocabulary [0, {vocab})")
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    if params.greedy:
-        return int(np.argmax(logits))
-    ids = np.arange(logits.size)
-    if 0 < params.top_k < logits.size:
-        ids = np.argpartition(logits, -params.top_k)[-params.top_k :]
-    scaled = logits[ids].astype(np.float64) / params.temperature
+
+@dataclass(frozen=True)
+class Choice:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most probable first
+
+
+def penalized_logits(logits: np.ndarray, params: SamplingParams, prompt: Sequence[int], generated: Sequence[int]) -> np.ndarray:
+    """Steps 1-3: the logits after bias and penalties (a new float32 array)."""
+    out = np.array(logits, dtype=np.float32)
+    if params.logit_bias:
+        ids = np.fromiter(params.logit_bias.keys(), np.int64)
+        out[ids] += np.fromiter(params.logit_bias.values(), np.float32)
+    if params.repetition_penalty != 1.0:
+        seen = _window(prompt, generated, params)
+        if seen.size:
+            ids = np.unique(seen)
+            vals = out[ids]
+            out[ids] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if (params.frequency_penalty or params.presence_penalty) and len(generated):
+        ids, counts = np.unique(np.asarray(generated, np.int64), return_counts=True)
+        out[ids] -= counts * params.frequency_penalty + params.presence_penalty
+    return out
+
+
+def _window(prompt: Sequence[int], generated: Sequence[int], params: SamplingParams) -> np.ndarray:
+    history = np.asarray(generated, np.int64)
+    if params.penalize_prompt:
+        history = np.concatenate([np.asarray(prompt, np.int64), history])
+    if params.repetition_window == -1:
+        return history
+    return history[max(0, len(history) - params.repetition_window):]
+
+
+def final_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Steps 5-8 on penalised logits: the probabilities draws come from (float64, sums to 1)."""
+    scaled = logits.astype(np.float64) / params.temperature
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")
-    ids, probs = ids[order], probs[order]
+    keep = np.ones(probs.size, bool)
+    if 0 < params.top_k < probs.size:
+        keep[order[params.top_k:]] = False
     if params.top_p < 1.0:
-        keep = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1
-        ids, probs = ids[:keep], probs[:keep]
+        sorted_probs = probs[order]
+        cut = int(np.searchsorted(np.cumsum(sorted_probs), params.top_p)) + 1  # smallest set reaching p
+        keep[order[cut:]] = False
     if params.min_p > 0.0:
-        keep_mask = probs >= params.min_p * probs[0]
-        ids, probs = ids[keep_mask], probs[keep_mask]
-    return int(ids[rng.choice(ids.size, p=probs / probs.sum())])
+        keep &= probs >= params.min_p * probs[order[0]]
+    probs = np.where(keep, probs, 0.0)
+    return probs / probs.sum()
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+           prompt: Sequence[int] = (), generated: Sequence[int] = ()) -> Choice:
+    """Pick the next token; `rng` is the request's own generator, so a seeded request gives the same
+    tokens whatever else runs beside it."""
+    penalized = penalized_logits(logits, params, prompt, generated)
+    if params.greedy:
+        token = int(np.argmax(penalized))
+    else:
+        probs = final_distribution(penalized, params)
+        token = int(rng.choice(probs.size, p=probs))
+    return _choice(penalized, token, params.logprobs)
+
+
+def _choice(penalized: np.ndarray, token: int, top_n: int) -> Choice:
+    shifted = penalized.astype(np.float64) - penalized.max()
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    top: tuple[tuple[int, float], ...] = ()
+    if top_n:
+        best = np.argpartition(-logprobs, top_n - 1)[:top_n]
+        best = best[np.argsort(-logprobs[best], kind="stable")]
+        top = tuple((int(t), float(logprobs[t])) for t in best)
+    return Choice(token, float(logprobs[token]), top)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

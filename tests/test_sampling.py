@@ -1,0 +1,102 @@
+"""The sampler against independent numpy references on fixed logits: penalties exactly, distributions
+by chi-square over many draws."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ember.kernels.sampling import SamplingParams, final_distribution, penalized_logits, sample
+
+rng0 = np.random.default_rng(3)
+LOGITS = (rng0.standard_normal(50) * 2).astype(np.float32)
+
+
+def reference_distribution(logits: np.ndarray, t: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
+    """HF-style warpers written out plainly: temperature, then top-k, top-p, min-p on a sorted copy."""
+    p = np.exp(logits.astype(np.float64) / t)
+    p /= p.sum()
+    order = sorted(range(len(p)), key=lambda i: -p[i])
+    kept = set(order[:top_k] if top_k else order)
+    mass, nucleus = 0.0, set()
+    for i in order:
+        nucleus.add(i)
+        mass += p[i]
+        if mass >= top_p:
+            break
+    kept &= nucleus
+    kept &= {i for i in range(len(p)) if p[i] >= min_p * p[order[0]]}
+    q = np.array([p[i] if i in kept else 0.0 for i in range(len(p))])
+    return q / q.sum()
+
+
+def chi_square(draws: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    counts = np.bincount(draws, minlength=probs.size)
+    assert counts[probs == 0].sum() == 0, "drew a token the distribution excludes"
+    support = probs > 0
+    expected = probs[support] * draws.size
+    return float(((counts[support] - expected) ** 2 / expected).sum()), int(support.sum()) - 1
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.8),
+    dict(temperature=1.0, min_p=0.1), dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05),
+])
+def test_distribution_matches_reference_and_draws_follow_it(params: dict) -> None:
+    sp = SamplingParams(**params)
+    ref = reference_distribution(LOGITS, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+    np.testing.assert_allclose(final_distribution(LOGITS, sp), ref, rtol=1e-9, atol=1e-12)
+    rng = np.random.default_rng(11)
+    draws = np.array([sample(LOGITS, sp, rng).token for _ in range(6000)])
+    stat, df = chi_square(draws, ref)
+    if df > 0:  # critical value far beyond chance (df + 6 sd) so the test fails only on a real bias
+        assert stat < df + 6 * np.sqrt(2 * df), (stat, df)
+
+
+def test_greedy_equivalences() -> None:
+    rng = np.random.default_rng(0)
+    best = int(np.argmax(LOGITS))
+    assert sample(LOGITS, SamplingParams(), rng).token == best
+    assert sample(LOGITS, SamplingParams(temperature=0.0, top_p=0.5), rng).token == best
+    assert all(sample(LOGITS, SamplingParams(temperature=1.5, top_k=1), rng).token == best for _ in range(50))
+
+
+def test_repetition_penalty_exact_with_window_and_prompt() -> None:
+    logits = np.array([2.0, -1.0, 0.5, 3.0, -2.0, 1.0], np.float32)
+    sp = SamplingParams(repetition_penalty=2.0, repetition_window=3)
+    # history = prompt + generated = [0, 1, 1, 4, 5]; the window of 3 sees tokens {1, 4, 5}
+    out = penalized_logits(logits, sp, prompt=[0, 1], generated=[1, 4, 5])
+    np.testing.assert_array_equal(out, [2.0, -2.0, 0.5, 3.0, -4.0, 0.5])
+    no_prompt = SamplingParams(repetition_penalty=2.0, repetition_window=-1, penalize_prompt=False)
+    np.testing.assert_array_equal(penalized_logits(logits, no_prompt, [0, 1], [3]), [2.0, -1.0, 0.5, 1.5, -2.0, 1.0])
+
+
+def test_frequency_presence_and_bias_exact() -> None:
+    logits = np.zeros(5, np.float32)
+    sp = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, logit_bias={4: 3.0, 0: -100.0})
+    out = penalized_logits(logits, sp, prompt=[2, 2, 2], generated=[1, 1, 3, 1])  # prompt not counted
+    np.testing.assert_allclose(out, [-100.0, -(3 * 0.5 + 0.25), 0.0, -(0.5 + 0.25), 3.0])
+
+
+def test_logprobs_of_chosen_and_top_tokens() -> None:
+    sp = SamplingParams(logprobs=3)
+    choice = sample(LOGITS, sp, np.random.default_rng(0))
+    ref = LOGITS.astype(np.float64) - np.log(np.exp(LOGITS.astype(np.float64)).sum())
+    assert choice.token == int(np.argmax(LOGITS)) and choice.logprob == pytest.approx(ref.max())
+    assert [t for t, _ in choice.top] == list(np.argsort(-ref)[:3])
+    assert [lp for _, lp in choice.top] == pytest.approx(sorted(ref)[::-1][:3])
+
+
+def test_same_seed_same_tokens() -> None:
+    sp = SamplingParams(temperature=1.0)
+    r1, r2, r3 = np.random.default_rng(42), np.random.default_rng(42), np.random.default_rng(43)
+    first = [sample(LOGITS, sp, r1).token for _ in range(30)]
+    assert first == [sample(LOGITS, sp, r2).token for _ in range(30)]
+    assert first != [sample(LOGITS, sp, r3).token for _ in range(30)]
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(min_p=2),
+                                 dict(repetition_penalty=0), dict(frequency_penalty=3), dict(logit_bias={1: 1e9}),
+                                 dict(logprobs=100)])
+def test_invalid_parameters_are_refused(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
