@@ -1,21 +1,22 @@
-"""KVCache: keys and values of one sequence, per layer, as contiguous [kv_heads, capacity, head_dim]
-float32 arrays on the model's device. (The paged, multi-sequence cache of the scheduler replaces it.)
+"""PagedKVCache: the device memory of the KV cache — per layer, a K and a V store of fixed-size blocks
+in the policy's dtype. Which block belongs to whom is the BlockManager's business (block_manager.py).
 """
 from __future__ import annotations
+
+import numpy as np
 
 from ember.kernels.ops import Array, Ops
 
 
-class KVCache:
-    def __init__(self, ops: Ops, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int) -> None:
-        self.capacity = capacity
-        self.k = [ops.zeros((n_kv_heads, capacity, head_dim)) for _ in range(n_layers)]
-        self.v = [ops.zeros((n_kv_heads, capacity, head_dim)) for _ in range(n_layers)]
+class PagedKVCache:
+    def __init__(self, ops: Ops, n_layers: int, kv_heads: int, head_dim: int, n_blocks: int,
+                 block_size: int = 16, dtype: str = "f32") -> None:
+        self.ops, self.n_blocks, self.block_size, self.dtype = ops, n_blocks, block_size, dtype
+        self.k = [ops.kv_store(dtype, n_blocks, block_size, kv_heads, head_dim) for _ in range(n_layers)]
+        self.v = [ops.kv_store(dtype, n_blocks, block_size, kv_heads, head_dim) for _ in range(n_layers)]
 
-    def write(self, layer: int, start: int, k: Array, v: Array) -> None:
-        """Store k, v [n, kv_heads, head_dim] at positions start .. start + n."""
-        n = k.shape[0]
-        if start + n > self.capacity:
-            raise ValueError(f"KV cache full: {start + n} positions > capacity {self.capacity}")
-        self.k[layer][:, start : start + n] = k.transpose(1, 0, 2)
-        self.v[layer][:, start : start + n] = v.transpose(1, 0, 2)
+    def write(self, layer: int, slots: np.ndarray, k: Array, v: Array) -> None:
+        """Store k, v [n, kv_heads, head_dim] at slots (block * block_size + offset)."""
+        blocks, offsets = np.divmod(slots, self.block_size)
+        self.ops.kv_write(self.k[layer], blocks, offsets, k)
+        self.ops.kv_write(self.v[layer], blocks, offsets, v)

@@ -12,22 +12,27 @@ import numpy as np
 
 from ember.daemon.model_file import ModelFile, open_model_file
 from ember.daemon.model_file_error import ModelFileError
+from ember.daemon.kv_cache import PagedKVCache
 from ember.daemon.models.transformer import Transformer
+from ember.daemon.step_batch import StepBatch
 from ember.daemon.tokenizer import Tokenizer, TokenizerError
 from ember.kernels import get_ops
+from ember.kernels.cpu.paged_attention import KV_DTYPES
 from ember.kernels.sampling import SamplingParams, sample
 
 __all__ = ["Model", "ModelFileError", "load"]
 
 PREFILL_CHUNK = 256  # tokens per forward pass while reading a prompt: bounds activation memory
+KV_BLOCK = 16  # tokens per KV cache block
 
 
 class Model:
-    def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str) -> None:
+    def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str, kv_dtype: str = "f32") -> None:
         self.path = mf.path
         self.config = mf.config
         self.tokenizer = tokenizer
         self.device = device
+        self.kv_dtype = kv_dtype
         self.file_bytes = mf.file_bytes
         self._net = Transformer(mf, get_ops(device))
 
@@ -46,9 +51,15 @@ class Model:
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits of every position, float32 [len(token_ids), vocab]."""
         ids = self._check_ids(token_ids)
-        cache = self._net.new_cache(len(ids))
-        chunks = [self._net.forward(ids[s : s + PREFILL_CHUNK], cache, s, all_logits=True) for s in range(0, len(ids), PREFILL_CHUNK)]
-        return np.concatenate([self._net.ops.to_numpy(c) for c in chunks])
+        cache, table = self._private_cache(len(ids))
+        chunks = [self._step(ids[s : s + PREFILL_CHUNK], s, table, cache, all_logits=True)
+                  for s in range(0, len(ids), PREFILL_CHUNK)]
+        return np.concatenate(chunks)
+
+    @property
+    def net(self) -> Transformer:
+        """The model itself, for the engine, which runs batches of many sequences through it."""
+        return self._net
 
     def generate(
         self,
@@ -77,23 +88,32 @@ class Model:
     def _generate(self, ids: np.ndarray, max_tokens: int, params: SamplingParams, rng: np.random.Generator,
                   stop: set[int], ignore_eos: bool) -> Iterator[int]:
         capacity = min(len(ids) + max_tokens, self.config.context_length)
-        cache = self._net.new_cache(capacity)
+        cache, table = self._private_cache(capacity)
         if not ignore_eos:
             stop |= self.tokenizer.eos_ids
-        pos = 0
         for pos in range(0, len(ids), PREFILL_CHUNK):
-            logits = self._net.forward(ids[pos : pos + PREFILL_CHUNK], cache, pos)
+            logits = self._step(ids[pos : pos + PREFILL_CHUNK], pos, table, cache)
         pos, prompt, generated = len(ids), ids.tolist(), []
         for _ in range(max_tokens):
             if pos >= capacity:
                 return
-            token = sample(self._net.ops.to_numpy(logits)[0], params, rng, prompt, generated).token
+            token = sample(logits[0], params, rng, prompt, generated).token
             generated.append(token)
             yield token
             if token in stop or pos + 1 >= capacity:
                 return
-            logits = self._net.forward(np.array([token]), cache, pos)
+            logits = self._step([token], pos, table, cache)
             pos += 1
+
+    def _private_cache(self, capacity: int) -> tuple[PagedKVCache, list[int]]:
+        """A KV cache for one sequence of `capacity` tokens, and its block table (all of it)."""
+        n_blocks = -(-capacity // KV_BLOCK)
+        return self._net.new_cache(n_blocks, KV_BLOCK, self.kv_dtype), list(range(n_blocks))
+
+    def _step(self, tokens: Sequence[int], start: int, table: list[int], cache: PagedKVCache,
+              all_logits: bool = False) -> np.ndarray:
+        batch = StepBatch.build([(tokens, start, table)], KV_BLOCK, all_logits)
+        return self._net.ops.to_numpy(self._net.forward(batch, cache))
 
     def _check_ids(self, token_ids: Sequence[int]) -> np.ndarray:
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
@@ -106,11 +126,14 @@ class Model:
         return ids
 
 
-def load(path: str | Path, device: str = "cpu") -> Model:
-    """Open a GGUF file or Hugging Face directory and place the model on `device` ("cpu")."""
+def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32") -> Model:
+    """Open a GGUF file or Hugging Face directory and place the model on `device` ("cpu"); its KV
+    cache holds `kv_dtype` (f32, f16, bf16 or q8_0)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
     mf = open_model_file(path)
     try:
         tokenizer = Tokenizer.from_gguf(mf.metadata) if mf.format == "gguf" else Tokenizer.from_hf_dir(mf.path)
     except TokenizerError as e:
         raise ModelFileError(str(mf.path), str(e)) from None
-    return Model(mf, tokenizer, device)
+    return Model(mf, tokenizer, device, kv_dtype)

@@ -56,10 +56,22 @@ class Ops(ABC):
         """
 
     @abstractmethod
-    def attention(self, q: Array, k: Array, v: Array, start: int, scale: float) -> Array:
-        """Causal GQA attention of q [n, hq, hd] over a cache k, v [hkv, T, hd] (T >= start + n).
+    def kv_store(self, dtype: str, n_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> Any:
+        """One layer's K (or V) storage: n_blocks blocks of block_size rows [kv_heads, head_dim],
+        held as `dtype` (f32, f16, bf16 or q8_0)."""
 
-        Query i sits at position start + i and sees keys 0 .. start + i. Returns [n, hq, hd].
+    @abstractmethod
+    def kv_write(self, store: Any, blocks: np.ndarray, offsets: np.ndarray, rows: Array) -> None:
+        """Store rows [n, kv_heads, head_dim] at (blocks[i], offsets[i]), converting to the store's dtype."""
+
+    @abstractmethod
+    def paged_attention(self, q: Array, k: Any, v: Any, tables: np.ndarray, token_seq: np.ndarray,
+                        positions: np.ndarray, scale: float) -> Array:
+        """Causal GQA attention of q [n, hq, hd] over paged K/V stores.
+
+        Token i belongs to sequence token_seq[i], sits at positions[i] and sees that sequence's keys
+        0..positions[i], located through tables[token_seq[i]] (block ids, one per block_size positions).
+        Returns [n, hq, hd].
         """
 
     @abstractmethod

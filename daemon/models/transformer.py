@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ember.daemon.kv_cache import KVCache
+from ember.daemon.kv_cache import PagedKVCache
 from ember.daemon.model_config import ModelConfig
 from ember.daemon.model_file import ModelFile
 from ember.daemon.models.architectures import ArchSpec, architecture
+from ember.daemon.step_batch import StepBatch
 from ember.kernels.ops import Array, Ops, Weight
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType
@@ -30,17 +31,18 @@ class Attention:
     q_norm: Array | None
     k_norm: Array | None
 
-    def __call__(self, ops: Ops, cfg: ModelConfig, rope: "Rope", x: Array, cache: KVCache, layer: int, start: int) -> Array:
+    def __call__(self, ops: Ops, cfg: ModelConfig, rope: "Rope", x: Array, cache: PagedKVCache, layer: int,
+                 batch: StepBatch) -> Array:
         n = x.shape[0]
         q = self._project(ops, x, self.wq, self.bq).reshape(n, cfg.n_heads, cfg.head_dim)
         k = self._project(ops, x, self.wk, self.bk).reshape(n, cfg.n_kv_heads, cfg.head_dim)
         v = self._project(ops, x, self.wv, self.bv).reshape(n, cfg.n_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = ops.rmsnorm(q, self.q_norm, cfg.norm_eps), ops.rmsnorm(k, self.k_norm, cfg.norm_eps)
-        positions = np.arange(start, start + n)
-        q, k = rope(ops, q, positions), rope(ops, k, positions)
-        cache.write(layer, start, k, v)
-        out = ops.attention(q, cache.k[layer], cache.v[layer], start, cfg.head_dim**-0.5)
+        q, k = rope(ops, q, batch.positions), rope(ops, k, batch.positions)
+        cache.write(layer, batch.slots, k, v)
+        out = ops.paged_attention(q, cache.k[layer], cache.v[layer], batch.tables, batch.token_seq, batch.positions,
+                                  cfg.head_dim**-0.5)
         return ops.matmul(out.reshape(n, cfg.n_heads * cfg.head_dim), self.wo)
 
     @staticmethod
@@ -75,8 +77,9 @@ class Block:
     ffn_norm: Array
     ffn: DenseFFN
 
-    def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: KVCache, layer: int, start: int) -> Array:
-        x = x + self.attn(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache, layer, start)
+    def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: PagedKVCache, layer: int,
+                 batch: StepBatch) -> Array:
+        x = x + self.attn(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache, layer, batch)
         return x + self.ffn(ops, ops.rmsnorm(x, self.ffn_norm, cfg.norm_eps))
 
 
@@ -93,20 +96,17 @@ class Transformer:
         inv_freq = mf.config.inv_freq(None if factors is None else ops.to_numpy(ops.vector(factors)))
         self.rope = Rope(ops.vector(RawTensor("rope.inv_freq", TensorType.F32, inv_freq.shape, inv_freq)), mf.rope_interleaved)
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def new_cache(self, n_blocks: int, block_size: int = 16, dtype: str = "f32") -> PagedKVCache:
         c = self.config
-        return KVCache(self.ops, c.n_layers, c.n_kv_heads, c.head_dim, capacity)
+        return PagedKVCache(self.ops, c.n_layers, c.n_kv_heads, c.head_dim, n_blocks, block_size, dtype)
 
-    def forward(self, ids: np.ndarray, cache: KVCache, start: int, all_logits: bool = False) -> Array:
-        """Run tokens `ids` at positions start.. through the model, extending `cache`.
-
-        Returns logits [len(ids), vocab] when all_logits, else [1, vocab] for the last token only.
-        """
-        x = self.ops.embedding(self.embed, ids)
+    def forward(self, batch: StepBatch, cache: PagedKVCache) -> Array:
+        """Run one step's tokens (from any number of sequences) through the model, writing their K/V
+        into `cache`. Returns logits [len(batch.logit_rows), vocab]."""
+        x = self.ops.embedding(self.embed, batch.ids)
         for i, block in enumerate(self.blocks):
-            x = block(self.ops, self.config, self.rope, x, cache, i, start)
-        if not all_logits:
-            x = x[-1:]
+            x = block(self.ops, self.config, self.rope, x, cache, i, batch)
+        x = x[batch.logit_rows]
         return self.ops.matmul(self.ops.rmsnorm(x, self.norm, self.config.norm_eps), self.output)
 
 

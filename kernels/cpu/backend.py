@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ember.kernels.cpu import dense, quant_matmul
+from ember.kernels.cpu.paged_attention import KVLayerStore, paged_attention
 from ember.kernels.ops import Array, Ops
 from ember.kernels.quant_reference import dequantize
 from ember.kernels.raw_tensor import RawTensor
@@ -33,8 +34,15 @@ class CpuOps(Ops):
     def rope(self, x: Array, positions: np.ndarray, inv_freq: Array, interleaved: bool) -> np.ndarray:
         return dense.rope(x, positions, inv_freq, interleaved)
 
-    def attention(self, q: Array, k: Array, v: Array, start: int, scale: float) -> np.ndarray:
-        return dense.attention(q, k, v, start, scale)
+    def kv_store(self, dtype: str, n_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> KVLayerStore:
+        return KVLayerStore.allocate(dtype, n_blocks, block_size, kv_heads, head_dim)
+
+    def kv_write(self, store: KVLayerStore, blocks: np.ndarray, offsets: np.ndarray, rows: Array) -> None:
+        store.write(blocks, offsets, rows)
+
+    def paged_attention(self, q: Array, k: KVLayerStore, v: KVLayerStore, tables: np.ndarray, token_seq: np.ndarray,
+                        positions: np.ndarray, scale: float) -> np.ndarray:
+        return paged_attention(np.ascontiguousarray(q), k, v, tables, token_seq, positions, scale)
 
     def swiglu(self, gate: Array, up: Array) -> np.ndarray:
         return dense.swiglu(gate, up)

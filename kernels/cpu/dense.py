@@ -1,5 +1,5 @@
-"""Numba CPU kernels for the ops API's dense (unquantized) primitives: rmsnorm, rope, GQA attention,
-SwiGLU and softmax. All are nogil so the daemon's I/O loop keeps running while they compute.
+"""Numba CPU kernels for the ops API's dense (unquantized) primitives: rmsnorm, rope, SwiGLU and
+softmax. All are nogil so the daemon's I/O loop keeps running while they compute.
 """
 from __future__ import annotations
 
@@ -66,46 +66,6 @@ _ROPE = _twin(_rope)
 def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, interleaved: bool) -> np.ndarray:
     _pick(_ROPE, x.size * 8)(x, positions.astype(np.int64), inv_freq, interleaved)
     return x
-
-
-def _attention(q, k, v, start, scale, out):  # type: ignore[no-untyped-def]
-    n, hq, hd = q.shape
-    group = hq // k.shape[0]
-    for task in prange(n * hq):
-        i, h = task // hq, task % hq
-        kv = h // group
-        visible = start + i + 1
-        scores = np.empty(visible, np.float32)
-        best = -np.inf
-        for t in range(visible):
-            s = 0.0
-            for j in range(hd):
-                s += q[i, h, j] * k[kv, t, j]
-            s *= scale
-            scores[t] = s
-            best = max(best, s)
-        total = 0.0
-        for t in range(visible):
-            scores[t] = math.exp(scores[t] - best)
-            total += scores[t]
-        acc = np.zeros(hd, np.float32)
-        for t in range(visible):
-            p = scores[t]
-            for j in range(hd):
-                acc[j] += p * v[kv, t, j]
-        for j in range(hd):
-            out[i, h, j] = acc[j] / total
-
-
-_ATTENTION = _twin(_attention)
-
-
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float) -> np.ndarray:
-    out = np.empty_like(q)
-    n = q.shape[0]
-    work = q.size * 2 * (start + (n + 1) // 2)  # q.k and p.v over the visible keys, on average
-    _pick(_ATTENTION, work)(q, k, v, start, np.float32(scale), out)
-    return out
 
 
 def _swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:

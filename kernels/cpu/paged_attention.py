@@ -1,0 +1,149 @@
+"""Paged KV storage on the CPU and the attention kernel that reads it directly, in every KV dtype.
+
+A layer's cache is `n_blocks` blocks of `block_size` token rows, each row [kv_heads, head_dim] stored
+as f32, f16 or bf16 bits (uint16), or q8_0 (int8 values plus one f16 scale per 32 values, ggml's
+block_q8_0 split into two arrays). Writes convert with numpy (a step writes a few rows); the attention
+kernel dequantizes key/value rows as it reads them, so no f32 copy of the cache ever exists.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+
+KV_DTYPES = ("f32", "f16", "bf16", "q8_0")
+MODE = {name: i for i, name in enumerate(KV_DTYPES)}
+QK8_0 = 32
+
+# f16 and bf16 bit patterns -> float32 (numba has no float16; a table lookup is exact and cheap)
+F16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+BF16_TABLE = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
+
+
+@dataclass
+class KVLayerStore:
+    """One layer's K or V storage; the arrays a mode does not use are 1-element placeholders so one
+    compiled kernel serves every dtype."""
+    mode: int
+    f32: np.ndarray  # [n_blocks, block_size, kv_heads, head_dim] float32
+    u16: np.ndarray  # same shape, f16/bf16 bits
+    i8: np.ndarray  # same shape, q8_0 values
+    scales: np.ndarray  # [n_blocks, block_size, kv_heads, head_dim // 32] f16 bits of q8_0 scales
+
+    @classmethod
+    def allocate(cls, dtype: str, n_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> KVLayerStore:
+        if dtype not in MODE:
+            raise ValueError(f"unknown KV dtype {dtype!r} (choose from {', '.join(KV_DTYPES)})")
+        if dtype == "q8_0" and head_dim % QK8_0:
+            raise ValueError(f"q8_0 KV cache needs head_dim divisible by {QK8_0}, got {head_dim}")
+        shape = (n_blocks, block_size, kv_heads, head_dim)
+        tiny = (1, 1, 1, 1)
+        return cls(
+            mode=MODE[dtype],
+            f32=np.zeros(shape if dtype == "f32" else tiny, np.float32),
+            u16=np.zeros(shape if dtype in ("f16", "bf16") else tiny, np.uint16),
+            i8=np.zeros(shape if dtype == "q8_0" else tiny, np.int8),
+            scales=np.zeros(shape[:3] + (head_dim // QK8_0,) if dtype == "q8_0" else tiny, np.uint16),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.f32.nbytes + self.u16.nbytes + self.i8.nbytes + self.scales.nbytes
+
+    def write(self, blocks: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> None:
+        """Store rows [n, kv_heads, head_dim] (float32) at (blocks[i], offsets[i])."""
+        if self.mode == MODE["f32"]:
+            self.f32[blocks, offsets] = rows
+        elif self.mode == MODE["f16"]:
+            self.u16[blocks, offsets] = rows.astype(np.float16).view(np.uint16)
+        elif self.mode == MODE["bf16"]:
+            self.u16[blocks, offsets] = f32_to_bf16_bits(rows)
+        else:
+            q, d = quantize_q8_0_rows(rows)
+            self.i8[blocks, offsets] = q
+            self.scales[blocks, offsets] = d
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round to nearest even, as torch and ggml do."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+
+
+def quantize_q8_0_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's quantize_row_q8_0 along the last axis: d = amax / 127 (stored f16), q = round(x / d)."""
+    blocks = x.reshape(*x.shape[:-1], -1, QK8_0).astype(np.float32)
+    d = np.abs(blocks).max(axis=-1) / 127.0
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+    q = np.rint(blocks * inv[..., None]).astype(np.int8).reshape(x.shape)
+    return q, d.astype(np.float16).view(np.uint16)
+
+
+@njit(inline="always", fastmath=True, nogil=True, cache=True)
+def _load_row(s_f32, s_u16, s_i8, s_scales, mode, blk, off, h, lut, out):  # type: ignore[no-untyped-def]
+    hd = out.size
+    if mode == 0:
+        for j in range(hd):
+            out[j] = s_f32[blk, off, h, j]
+    elif mode == 3:
+        for g in range(hd // 32):
+            d = lut[s_scales[blk, off, h, g]]
+            for j in range(32):
+                out[g * 32 + j] = s_i8[blk, off, h, g * 32 + j] * d
+    else:
+        for j in range(hd):
+            out[j] = lut[s_u16[blk, off, h, j]]
+
+
+def _paged_attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut,  # type: ignore[no-untyped-def]
+                     tables, token_seq, positions, scale, out):
+    n, hq, hd = q.shape
+    block_size = max(k_f32.shape[1], k_u16.shape[1], k_i8.shape[1])
+    group = hq // max(k_f32.shape[2], k_u16.shape[2], k_i8.shape[2])
+    for task in prange(n * hq):
+        i, h = task // hq, task % hq
+        kv, seq, visible = h // group, token_seq[i], positions[i] + 1
+        scores = np.empty(visible, np.float32)
+        row = np.empty(hd, np.float32)
+        best = -np.inf
+        for t in range(visible):
+            _load_row(k_f32, k_u16, k_i8, k_sc, mode, tables[seq, t // block_size], t % block_size, kv, lut, row)
+            s = 0.0
+            for j in range(hd):
+                s += q[i, h, j] * row[j]
+            s *= scale
+            scores[t] = s
+            best = max(best, s)
+        total = 0.0
+        for t in range(visible):
+            scores[t] = math.exp(scores[t] - best)
+            total += scores[t]
+        acc = np.zeros(hd, np.float32)
+        for t in range(visible):
+            _load_row(v_f32, v_u16, v_i8, v_sc, mode, tables[seq, t // block_size], t % block_size, kv, lut, row)
+            p = scores[t]
+            for j in range(hd):
+                acc[j] += p * row[j]
+        for j in range(hd):
+            out[i, h, j] = acc[j] / total
+
+
+_JIT = dict(fastmath=True, cache=True, nogil=True)
+_KERNELS = (njit(**_JIT)(_paged_attention), njit(parallel=True, **_JIT)(_paged_attention))
+PARALLEL_MIN_WORK = 1 << 16  # as in dense.py: below this, waking the thread pool costs more
+
+
+def paged_attention(q: np.ndarray, k: KVLayerStore, v: KVLayerStore, tables: np.ndarray, token_seq: np.ndarray,
+                    positions: np.ndarray, scale: float) -> np.ndarray:
+    """Causal GQA attention of q [n, hq, hd]: token i belongs to sequence token_seq[i], sits at
+    positions[i] and sees that sequence's keys 0..positions[i], found through tables[seq] (block ids).
+    """
+    out = np.empty_like(q)
+    lut = BF16_TABLE if k.mode == MODE["bf16"] else F16_TABLE
+    work = q.size * 2 * int(positions.mean() + 1)
+    kernel = _KERNELS[1] if work >= PARALLEL_MIN_WORK else _KERNELS[0]
+    kernel(q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, lut,
+           tables, token_seq, positions, np.float32(scale), out)
+    return out
