@@ -19,9 +19,10 @@ class StepBatch:
 
     @classmethod
     def build(cls, chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], block_size: int,
-              all_logits: bool = False) -> StepBatch:
+              all_logits: bool = False, wants_logits: Sequence[bool] | None = None) -> StepBatch:
         """chunks: (token ids, position of the first, the sequence's block table) per sequence.
-        Logits come for the last token of each chunk, or for every token when all_logits."""
+        Logits come for the last token of each chunk (of those wants_logits marks, if given), or for
+        every token when all_logits."""
         ids, positions, token_seq, slots, last = [], [], [], [], []
         width = max(len(table) for _, _, table in chunks)
         tables = np.zeros((len(chunks), width), np.int32)
@@ -32,7 +33,8 @@ class StepBatch:
             positions.append(pos)
             token_seq.append(np.full(len(tokens), s, np.int32))
             slots.append(tables[s, pos // block_size].astype(np.int64) * block_size + pos % block_size)
-            last.append(sum(len(t) for t, _, _ in chunks[: s + 1]) - 1)
+            if wants_logits is None or wants_logits[s]:
+                last.append(sum(len(t) for t, _, _ in chunks[: s + 1]) - 1)
         n = sum(len(t) for t, _, _ in chunks)
         return cls(
             ids=np.concatenate(ids), positions=np.concatenate(positions), token_seq=np.concatenate(token_seq),

@@ -106,6 +106,8 @@ class Transformer:
         x = self.ops.embedding(self.embed, batch.ids)
         for i, block in enumerate(self.blocks):
             x = block(self.ops, self.config, self.rope, x, cache, i, batch)
+        if len(batch.logit_rows) == 0:  # prompt chunks only: their K/V is all this step produces
+            return self.ops.zeros((0, self.config.vocab))
         x = x[batch.logit_rows]
         return self.ops.matmul(self.ops.rmsnorm(x, self.norm, self.config.norm_eps), self.output)
 

@@ -1,0 +1,180 @@
+"""Scheduler: continuous batching over a paged KV cache.
+
+Each step, `schedule()` gives every running sequence its next tokens (decodes first, one token each,
+then chunks of prompts being read) within a token budget, and admits waiting sequences while the
+budget and free KV blocks allow — reusing cached prefix blocks. When blocks run out it preempts the
+youngest running sequence (its blocks are freed and it is recomputed later; nothing is lost).
+`update()` takes the sampled tokens and finishes sequences. Pure Python: testable without a model.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ember.daemon.block_manager import BlockManager
+from ember.daemon.sequence import Sequence, Status
+from ember.kernels.sampling import Choice
+
+
+@dataclass(frozen=True)
+class Chunk:
+    seq: Sequence
+    start: int  # first position run in this step
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so a token is sampled from it."""
+        return self.start + self.length == self.seq.n_tokens
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    chunks: list[Chunk]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_step_tokens: int = 256, max_running: int = 64,
+                 max_context: int | None = None) -> None:
+        self.blocks = blocks
+        self.max_step_tokens = max_step_tokens
+        self.max_running = max_running
+        pool_tokens = blocks.n_blocks * blocks.block_size
+        self.max_context = min(max_context or pool_tokens, pool_tokens)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    # --- requests in and out ----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if len(seq.prompt) >= self.max_context:
+            raise ValueError(f"prompt of {len(seq.prompt)} tokens does not fit the context of {self.max_context}")
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence, reason: str = "cancelled") -> None:
+        if seq.status == Status.FINISHED:
+            return  # cancelling twice, or after the end, is harmless
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self._finish(seq, reason)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.max_step_tokens
+        chunks: list[Chunk] = []
+        # decodes (one pending token) before prompt chunks, oldest first: latency of running streams
+        for seq in sorted(self.running, key=lambda s: (s.pending > 1, s.seq_id)):
+            if budget == 0 or seq not in self.running:
+                continue  # out of budget, or preempted by an older sequence in this loop
+            length = min(seq.pending, budget)
+            if not self._grow(seq, seq.n_computed + length):
+                continue
+            chunks.append(Chunk(seq, seq.n_computed, length))
+            budget -= length
+        chunks = [c for c in chunks if c.seq.status == Status.RUNNING]  # drop those preempted meanwhile
+        while budget and self.waiting and len(self.running) < self.max_running:
+            seq = self._next_waiting()
+            length = self._admit(seq, budget)
+            if length == 0:
+                break  # no memory for it now: it keeps its place at the head of the queue
+            chunks.append(Chunk(seq, seq.n_computed, length))
+            budget -= length
+        return StepPlan(chunks)
+
+    def update(self, plan: StepPlan, choices: Iterable[Choice]) -> list[Sequence]:
+        """Account the step's work; `choices` has one entry per sampling chunk, in plan order.
+        Returns the sequences that finished."""
+        sampled = iter(choices)
+        finished = []
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if seq.status != Status.RUNNING:
+                continue  # aborted while the step ran
+            seq.n_computed = chunk.start + chunk.length
+            self.blocks.register(seq.table, seq.tokens, seq.n_computed)
+            if not chunk.samples:
+                continue
+            choice = next(sampled)
+            seq.append(choice)
+            reason = self._finish_reason(seq, choice.token)
+            if reason:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    # --- internals --------------------------------------------------------------------------------
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in seq.stop_ids:
+            return "stop"
+        if len(seq.generated) >= seq.max_tokens or seq.n_tokens >= self.max_context:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.blocks.release(seq.table)
+        seq.table = []
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def _next_waiting(self) -> Sequence:
+        """Fairness: the first waiting sequence of the client with the fewest running ones."""
+        running = Counter(s.client for s in self.running)
+        best = min(self.waiting, key=lambda s: running[s.client])
+        if best is not self.waiting[0] and running[self.waiting[0].client] == running[best.client]:
+            best = self.waiting[0]
+        return best
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        if not seq.table:
+            seq.table = self.blocks.match_prefix(seq.tokens)
+            seq.n_computed = len(seq.table) * self.blocks.block_size
+        length = min(seq.pending, budget)
+        needed = self.blocks.blocks_for(seq.n_computed + length) - len(seq.table)
+        if not self.blocks.can_allocate(needed):
+            length = (len(seq.table) + self.blocks.num_free) * self.blocks.block_size - seq.n_computed
+            if length <= 0:
+                # waiting sequences hold no blocks (else they could starve the running ones); the
+                # matched blocks stay cached, so the match is found again next time
+                self.blocks.release(seq.table)
+                seq.table, seq.n_computed = [], 0
+                return 0
+            needed = self.blocks.blocks_for(seq.n_computed + length) - len(seq.table)
+        seq.table += self.blocks.allocate(needed)
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = Status.RUNNING
+        return length
+
+    def _grow(self, seq: Sequence, n_tokens: int) -> bool:
+        """Give seq blocks for n_tokens positions, preempting younger sequences if memory is short.
+        False if seq itself had to be preempted."""
+        needed = self.blocks.blocks_for(n_tokens) - len(seq.table)
+        while not self.blocks.can_allocate(needed):
+            victim = max(self.running, key=lambda s: s.seq_id)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        seq.table += self.blocks.allocate(needed)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq.table)
+        seq.table, seq.n_computed = [], 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)

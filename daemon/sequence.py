@@ -1,0 +1,56 @@
+"""Sequence: the engine's mutable state of one generation request (never sent over a socket)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from ember.kernels.sampling import Choice, SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    stop_ids: frozenset[int] = frozenset()
+    client: object = None  # whose request it is, for fairness between clients
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    generated: list[int] = field(default_factory=list)
+    choices: list[Choice] = field(default_factory=list)
+    table: list[int] = field(default_factory=list)  # KV block ids
+    n_computed: int = 0  # tokens whose K/V are in the cache
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+    preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.seed)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def pending(self) -> int:
+        """Tokens to run through the model before the next one can be sampled."""
+        return self.n_tokens - self.n_computed
+
+    def append(self, choice: Choice) -> None:
+        self.generated.append(choice.token)
+        self.choices.append(choice)
