@@ -1,0 +1,130 @@
+"""Throughput of the CPU quantized-weight kernels (kernels/cpu/quant_matmul.py), optionally vs llama.cpp.
+
+For each type and shape: the matvec (n=1) time and GB/s of weight bytes read, and the n=16 kernel's
+time and tokens/s through the matrix (16 / time). numpy float32 `W @ x` on the same shape is printed
+for context. With --llama-cpp, ggml's own mul_mat on the same quantized bytes is timed too, through
+ctypes into the libggml that llama-cpp-python ships: a graph of many mul_mat nodes computed with the
+same thread count, so ggml's per-graph thread start is amortized as in a real decode graph.
+
+    python3 benchmarks/quant_matmul.py [--types Q4_K,Q8_0] [--repeat 200] [--llama-cpp]
+
+Run from a checkout where `ember` is importable. Numba's thread count is used as is. Weights are
+cache-resident after the first call (all these shapes fit a 32 MiB L3), as for llama.cpp here.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import time
+
+import numba
+import numpy as np
+
+from ember.kernels.cpu.quant_matmul import matmul, pack
+from ember.kernels.quant_reference import quantize
+from ember.kernels.raw_tensor import RawTensor
+from ember.kernels.tensor_types import TensorType
+
+SHAPES = [(2048, 768), (768, 2048), (32000, 768)]
+TYPES = ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
+
+
+def best_time(fn, repeat: int) -> float:
+    """Fastest of `repeat` timed calls after warm-up.
+
+    The minimum, not the median: on a shared 2-core VM another process holding one core stalls a
+    2-thread kernel for a whole scheduler tick (~4 ms), which says nothing about the kernel.
+    """
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.min(times))
+
+
+def row(name: str, rows: int, cols: int, nbytes: int, t1: float, t16: float) -> str:
+    return (f"{name:10} {rows:>5}x{cols:<5} {nbytes / 1e6:6.1f} {t1 * 1e6:8.1f} {nbytes / t1 / 1e9:6.1f} "
+            f"{t16 * 1e6:9.1f} {16 / t16:8.0f}")
+
+
+class GgmlMulMat:
+    """ggml's mul_mat timed through llama-cpp-python's libggml (ctypes; no build needed)."""
+
+    class _InitParams(ctypes.Structure):
+        _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+    def __init__(self, threads: int) -> None:
+        import llama_cpp
+
+        lib_dir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+        self.base = ctypes.CDLL(os.path.join(lib_dir, "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+        self.cpu = ctypes.CDLL(os.path.join(lib_dir, "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+        self.threads = threads
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
+        for name, res, args in [("ggml_init", vp, [self._InitParams]),
+                                ("ggml_new_tensor_2d", vp, [vp, ctypes.c_int, i64, i64]),
+                                ("ggml_get_data", vp, [vp]), ("ggml_mul_mat", vp, [vp, vp, vp]),
+                                ("ggml_new_graph_custom", vp, [vp, ctypes.c_size_t, ctypes.c_bool]),
+                                ("ggml_build_forward_expand", None, [vp, vp]), ("ggml_free", None, [vp])]:
+            fn = getattr(self.base, name)
+            fn.restype, fn.argtypes = res, args
+        self.cpu.ggml_graph_compute_with_ctx.restype = ctypes.c_int
+        self.cpu.ggml_graph_compute_with_ctx.argtypes = [vp, vp, ctypes.c_int]
+
+    def time(self, ttype: TensorType, storage: np.ndarray, rows: int, cols: int, n: int, nodes: int) -> float:
+        """Seconds per mul_mat of storage [rows, cols] by n float32 tokens (best of 5 graph runs)."""
+        b = self.base
+        mem = storage.nbytes + n * cols * 4 + nodes * (rows * n * 4 + 4096) + (64 << 20)
+        ctx = b.ggml_init(self._InitParams(mem, None, False))
+        try:
+            w = b.ggml_new_tensor_2d(ctx, int(ttype), cols, rows)  # ggml order: ne0 = cols
+            ctypes.memmove(b.ggml_get_data(w), storage.ctypes.data, storage.nbytes)
+            x = b.ggml_new_tensor_2d(ctx, int(TensorType.F32), cols, n)
+            xs = np.random.default_rng(1).standard_normal((n, cols)).astype(np.float32)
+            ctypes.memmove(b.ggml_get_data(x), xs.ctypes.data, xs.nbytes)
+            graph = b.ggml_new_graph_custom(ctx, nodes + 16, False)
+            for _ in range(nodes):
+                b.ggml_build_forward_expand(graph, b.ggml_mul_mat(ctx, w, x))
+            run = lambda: self.cpu.ggml_graph_compute_with_ctx(ctx, graph, self.threads)  # noqa: E731
+            return best_time(run, 5) / nodes
+        finally:
+            b.ggml_free(ctx)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--repeat", type=int, default=100)
+    ap.add_argument("--llama-cpp", action="store_true", help="also time ggml's mul_mat (needs llama-cpp-python)")
+    args = ap.parse_args()
+    ggml = GgmlMulMat(numba.get_num_threads()) if args.llama_cpp else None
+    rng = np.random.default_rng(0)
+    print(f"threads: {numba.get_num_threads()}")
+    print(f"{'kernel':10} {'shape':>11} {'MB':>6} {'n=1 us':>8} {'GB/s':>6} {'n=16 us':>9} {'tok/s':>8}")
+    for rows, cols in SHAPES:
+        w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.02
+        x1 = rng.standard_normal((1, cols)).astype(np.float32)
+        x16 = rng.standard_normal((16, cols)).astype(np.float32)
+        repeat = max(10, args.repeat * 2048 * 768 // (rows * cols))
+        print(row("numpy f32", rows, cols, w.nbytes, best_time(lambda: w @ x1[0], repeat),
+                  best_time(lambda: x16 @ w.T, repeat)))
+        for name in args.types.split(","):
+            tt = TensorType[name]
+            storage = quantize(tt, w)
+            cw = pack(RawTensor(name, tt, (rows, cols), storage))
+            t1 = best_time(lambda: matmul(x1, cw), repeat)
+            t16 = best_time(lambda: matmul(x16, cw), repeat)
+            print(row(f"ember {name}", rows, cols, cw.nbytes, t1, t16))
+            if ggml is not None:
+                nodes = max(4, 100 * 2048 * 768 // (rows * cols))
+                t1 = ggml.time(tt, storage, rows, cols, 1, nodes)
+                t16 = ggml.time(tt, storage, rows, cols, 16, max(2, nodes // 8))
+                print(row(f"ggml {name}", rows, cols, cw.nbytes, t1, t16), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""kernels/cpu/quant_matmul.py against the numpy reference: matmul, embedding, and pack's zero-copy.
+
+The reference product is quant_reference.dequantize(...) @ x in float64. The kernels accumulate in
+float32 (lane partial sums, trees, FMAs), so each output may differ by float32 rounding of its terms:
+a few eps32 times sum_i |w_i x_i| for the row. The tolerance below is 2e-5 times that sum (about 170
+eps32, a loose bound for sums of <= 1024 terms); a wrong scale, nibble or bit shows up as O(1).
+"""
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ember.kernels.cpu import quant_matmul as qm
+from ember.kernels.cpu.quant_matmul import CpuWeight, embedding, matmul, pack
+from ember.kernels.quant_reference import dequantize, quantize
+from ember.kernels.raw_tensor import RawTensor
+from ember.kernels.tensor_types import TensorType, row_bytes
+
+ALL_TYPES = [TensorType.F32, TensorType.F16, TensorType.BF16, TensorType.Q8_0,
+             TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K]
+TOKENS = (1, 2, 3, 8, 17, 33)
+REL_TOL = 2e-5
+
+
+def make_weight(ttype: TensorType, rows: int, cols: int, seed: int = 0) -> tuple[CpuWeight, np.ndarray]:
+    """A packed random weight and its exact dequantized values (float64)."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    data = quantize(ttype, w)
+    packed = pack(RawTensor("w", ttype, (rows, cols), data))
+    return packed, dequantize(ttype, data, cols).astype(np.float64)
+
+
+def assert_product_close(y: np.ndarray, x: np.ndarray, w64: np.ndarray) -> None:
+    x64 = x.astype(np.float64)
+    expected = x64 @ w64.T
+    scale = np.abs(x64) @ np.abs(w64).T  # sum_i |w_i x_i| per output
+    assert y.shape == expected.shape and y.dtype == np.float32
+    excess = np.abs(y - expected) - REL_TOL * scale
+    assert excess.max() <= 0, f"worst excess {excess.max():.3g} at {np.unravel_index(excess.argmax(), excess.shape)}"
+
+
+@pytest.mark.parametrize("ttype", ALL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 7, 33, 300])
+@pytest.mark.parametrize("superblocks", [1, 2, 3, 4])
+def test_matmul_matches_reference(ttype: TensorType, rows: int, superblocks: int) -> None:
+    cols = 256 * superblocks
+    weight, w64 = make_weight(ttype, rows, cols, seed=rows + superblocks)
+    rng = np.random.default_rng(superblocks)
+    for n in TOKENS:
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        assert_product_close(matmul(x, weight), x, w64)
+
+
+@pytest.mark.parametrize("ttype,cols", [(TensorType.Q8_0, 32), (TensorType.Q8_0, 96), (TensorType.Q8_0, 288),
+                                        (TensorType.F16, 40), (TensorType.BF16, 200), (TensorType.F16, 1000)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_matmul_rows_that_are_not_whole_super_blocks(ttype: TensorType, cols: int) -> None:
+    """Q8_0 rows of any number of 32-blocks and 16-bit rows of any length take the tail paths."""
+    weight, w64 = make_weight(ttype, 5, cols)
+    for n in (1, 6):
+        x = np.random.default_rng(n).standard_normal((n, cols)).astype(np.float32)
+        assert_product_close(matmul(x, weight), x, w64)
+
+
+def test_matmul_accepts_a_vector() -> None:
+    weight, w64 = make_weight(TensorType.Q4_K, 9, 512)
+    x = np.random.default_rng(1).standard_normal(512).astype(np.float32)
+    y = matmul(x, weight)
+    assert y.shape == (9,)
+    assert_product_close(y[None, :], x[None, :], w64)
+
+
+def test_matmul_rejects_wrong_width() -> None:
+    weight, _ = make_weight(TensorType.Q8_0, 4, 256)
+    with pytest.raises(ValueError):
+        matmul(np.zeros((1, 512), np.float32), weight)
+
+
+@pytest.mark.parametrize("ttype", ALL_TYPES, ids=lambda t: t.name)
+def test_embedding_equals_dequantize(ttype: TensorType) -> None:
+    """Row dequantization follows the reference's operation order (no FMA), so it is exact."""
+    weight, w64 = make_weight(ttype, 40, 768)
+    ids = np.array([0, 39, 7, 7, 13])
+    np.testing.assert_array_equal(embedding(weight, ids), w64[ids].astype(np.float32))
+    assert embedding(weight, np.array([], np.int64)).shape == (0, 768)
+
+
+def test_embedding_rejects_bad_ids() -> None:
+    weight, _ = make_weight(TensorType.Q6_K, 4, 256)
+    with pytest.raises(IndexError):
+        embedding(weight, np.array([4]))
+
+
+@pytest.mark.parametrize("ttype", [TensorType.Q8_0, TensorType.Q4_K, TensorType.F16], ids=lambda t: t.name)
+def test_pack_makes_no_float32_copy(ttype: TensorType) -> None:
+    rows, cols = 512, 1024
+    data = quantize(ttype, np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32))
+    tracemalloc.start()
+    weight = pack(RawTensor("w", ttype, (rows, cols), data))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < rows * cols * 4 // 50  # a float32 copy would be 2 MiB; views cost a few hundred bytes
+    assert np.shares_memory(weight.u8, data) and not weight.u8.flags.writeable
+
+
+@pytest.mark.parametrize("ttype", [TensorType.Q8_0, TensorType.Q4_K, TensorType.Q6_K, TensorType.BF16],
+                         ids=lambda t: t.name)
+def test_pack_reads_a_read_only_memmap(tmp_path: Path, ttype: TensorType) -> None:
+    """Loaders hand over read-only np.memmap views of the file; pack and the kernels use them in place."""
+    rows, cols = 33, 512
+    w = np.random.default_rng(2).standard_normal((rows, cols)).astype(np.float32)
+    data = quantize(ttype, w)
+    path = tmp_path / "weights.bin"
+    data.tofile(path)
+    mapped = np.memmap(path, dtype=data.dtype, mode="r", shape=data.shape)
+    weight = pack(RawTensor("w", ttype, (rows, cols), mapped))
+    assert np.shares_memory(weight.u8, mapped)
+    w64 = dequantize(ttype, data, cols).astype(np.float64)
+    for n in (1, 5):
+        x = np.random.default_rng(n).standard_normal((n, cols)).astype(np.float32)
+        assert_product_close(matmul(x, weight), x, w64)
+    np.testing.assert_array_equal(embedding(weight, np.array([3, 32])), w64[[3, 32]].astype(np.float32))
+
+
+def test_pack_flattens_leading_dimensions() -> None:
+    data = quantize(TensorType.Q8_0, np.ones((6, 64), np.float32)).reshape(2, 3, row_bytes(TensorType.Q8_0, 64))
+    weight = pack(RawTensor("w", TensorType.Q8_0, (2, 3, 64), data))
+    assert (weight.rows, weight.cols) == (6, 64) and weight.u8.shape == (6, 68)
+
+
+def test_kernels_release_the_gil() -> None:
+    """The daemon's event loop runs beside these kernels: every jitted entry point must be nogil."""
+    for kernel in (qm._matvec, qm._matmul, qm._gather_rows):
+        assert kernel.targetoptions.get("nogil") is True
