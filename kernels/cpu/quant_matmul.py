@@ -6,25 +6,28 @@ with n tokens (dequantizes each row once into a small buffer, then a register-ti
 tokens), and embedding (dequantizes the selected rows). The block layouts are documented, and
 checked, in kernels/quant_reference.py; the kernels are tested against it.
 
-Why the kernels look the way they do:
-- numba has no float16 type; a two-line intrinsic (_f16) bitcasts the raw bits to LLVM `half` and
-  widens them, which LLVM turns into F16C vcvtph2ps. So f16 scales cost one instruction, F16 weights
-  vectorize, and no lookup table (a gather per block) is needed.
-- Every dot product keeps 32 running partial sums per row (one per lane of a block) and folds several
-  blocks into each update, so LLVM vectorizes the inner loop over the 32 lanes (AVX2/AVX-512 + FMA).
-  Summing each block to a scalar instead runs several times slower. Those lane loops are compiled
-  without the `reassoc` fast-math flag so LLVM keeps the tree-shaped sums as written (with it, LLVM
-  re-linearizes them into one long FMA chain); the lanes are independent, so no reassociation is
-  needed to vectorize them.
+Why the kernels look the way they do (each point measured on the 2-core Zen 4 VM this was built on):
+- Each row's dot product is a sum of small reductions, one per group of blocks (8 Q8_0 blocks, one
+  K-quant super-block): `t += lane(l)` over the group's 32 lanes, where lane(l) folds that lane's 8
+  products as a tree. LLVM vectorizes such a reduction into register accumulators. Two shapes that
+  looked attractive are worse: summing each 32-value block to a scalar (a horizontal sum per block),
+  and 32 partial sums kept in a scratch array (its store->load chain throttles how far loads run
+  ahead: 8 GB/s instead of 27-35 GB/s once the weights come from DRAM rather than cache).
+- numba rewrites every a[k] as a[k + n if k < 0 else k]; where LLVM cannot prove k >= 0 that select
+  stays and turns consecutive loads into gathers (10x slower). Hot loads use _ld/_ld1, which skip it.
+- numba has no float16; the _f16 intrinsic bitcasts the raw bits to LLVM `half` and widens them,
+  which becomes F16C vcvtph2ps: f16 scales cost one instruction and F16 weights vectorize, with no
+  lookup table (a gather per block).
+- numba widens small-int arithmetic to int64, which LLVM vectorizes in 64-bit lanes; quant bit fields
+  are therefore extracted by an intrinsic (_quant) in 32-bit IR, and Q4_K/Q5_K 6-bit scales are
+  unpacked by another (_k4_header) with ggml's 32-bit mask trick, as one vector.
 - Q4_K / Q5_K mins are applied once per sub-block through per-32-value sums of x
   (sum_i (d*sc*q_i - dmin*m) x_i = d*sc*sum_i q_i x_i - dmin*m*sum_i x_i), as llama.cpp does.
-- Quant bit fields are extracted by a small intrinsic (_quant) in 32-bit integer IR: numba widens
-  small-int arithmetic to int64, which LLVM would vectorize in 64-bit lanes. Q4_K/Q5_K 6-bit scales
-  are unpacked by another (_k4_header) with ggml's 32-bit mask trick, as one vector.
-- The matvec handles two rows per pass: entering a lane loop costs LLVM's runtime alias checks
-  (numba arrays carry no noalias), and zeroing and reducing the lanes is per row; pairs halve that.
 - The n-token kernel dequantizes 16 rows at a time (each block once per call) into an L2-resident
-  float32 buffer, then multiplies with 4-row x 4-token register tiles.
+  float32 buffer, then multiplies it with 4-row x 4-token register tiles.
+- Everything runs in float32 (weights widened, activations never quantized), so results match the
+  float64 reference to float32 rounding. llama.cpp instead quantizes x to int8 and uses integer dot
+  products, which is why it is faster on cache-resident K-quant matrices.
 - All kernels release the GIL (nogil) so the daemon's event loop keeps running beside them, and
   parallelize over output rows with prange.
 """
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ember.kernels.raw_tensor import RawTensor
@@ -52,10 +56,9 @@ _Q6_K = int(TensorType.Q6_K)
 
 _MATVEC_ROWS = 32  # rows per parallel work item of the matvec (scratch is allocated per item)
 _MATMUL_ROWS = 16  # rows dequantized together by the n-token kernel: 16 x cols f32 stays in L2
+_PREFETCH_AHEAD = 16  # the matvec prefetches the rows this far ahead of the pair it is reading
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
-# Lane-accumulator loops: every fast-math flag but reassoc (see the module docstring).
-_LANES = dict(fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn"}, cache=True, nogil=True)
 # Dequantizing rows: no reassoc and no FMA contraction, so values equal quant_reference's bit for bit.
 _EXACT = dict(fastmath={"nnan", "ninf", "nsz", "arcp", "afn"}, cache=True, nogil=True)
 
@@ -249,6 +252,35 @@ def _k4_header(typingctx, w0, w1, w2, d, dmin):
     return ret(w0, w1, w2, d, dmin), codegen
 
 
+@intrinsic
+def _ld(typingctx, arr, i, j):
+    """arr[i, j] of a 2-D array, without numba's negative-index wraparound.
+
+    numba turns every a[k] into a[k + n if k < 0 else k]; where LLVM cannot prove k >= 0 (e.g. k =
+    34*b + l) that select stays, and consecutive loads become gathers. Indices here are never negative.
+    """
+    if not (isinstance(arr, types.Array) and arr.ndim == 2):
+        return None
+    return arr.dtype(arr, i, j), _load_codegen
+
+
+@intrinsic
+def _ld1(typingctx, arr, j):
+    """arr[j] of a 1-D array, without negative-index wraparound (see _ld)."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1):
+        return None
+    return arr.dtype(arr, j), _load_codegen
+
+
+def _load_codegen(context, builder, sig, args):
+    aty = sig.args[0]
+    ary = context.make_array(aty)(context, builder, value=args[0])
+    ptr = cgutils.get_item_pointer2(context, builder, ary.data, cgutils.unpack_tuple(builder, ary.shape),
+                                    cgutils.unpack_tuple(builder, ary.strides), aty.layout, list(args[1:]),
+                                    wraparound=False, boundscheck=False)
+    return context.unpack_value(builder, aty.dtype, ptr)
+
+
 # --------------------------------------------------------------------------------------------------
 # parallel drivers: one per operation, switching on the type code once per row
 # --------------------------------------------------------------------------------------------------
@@ -257,21 +289,17 @@ def _matvec(tt, u8, i8, u16, u32, x, out):
     rows = out.shape[0]
     xsum = _block_sums(x)
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
-        acc = np.empty(64, np.float32)
-        for r0 in range(c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS), 2):
-            r1 = min(r0 + 1, rows - 1)  # an odd last row is computed twice, harmlessly
+        for r in range(c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS)):
             if tt == _Q8_0:
-                y0, y1 = _dot2_q8_0(i8, u16, r0, r1, x, acc)
+                out[r] = _dot_q8_0(i8, u16, r, x)
             elif tt == _Q4_K:
-                y0, y1 = _dot2_q4_k(u8, u16, u32, r0, r1, x, xsum, acc)
+                out[r] = _dot_q4_k(u8, u16, u32, r, x, xsum)
             elif tt == _Q5_K:
-                y0, y1 = _dot2_q5_k(u8, u16, u32, r0, r1, x, xsum, acc)
+                out[r] = _dot_q5_k(u8, u16, u32, r, x, xsum)
             elif tt == _Q6_K:
-                y0, y1 = _dot2_q6_k(u8, i8, u16, r0, r1, x, acc)
+                out[r] = _dot_q6_k(u8, i8, u16, r, x)
             else:
-                y0, y1 = _dot2_16bit(tt == _F16, u16, r0, r1, x, acc)
-            out[r0] = y0
-            out[r1] = y1
+                out[r] = _dot_16bit(tt == _F16, u16, r, x)
 
 
 @njit(parallel=True, **_JIT)
@@ -305,221 +333,194 @@ def _block_sums(x):
     return s
 
 
-@njit(inline="always", **_LANES)
-def _hsum32(a, o):
-    """Sum of the 32 lane accumulators a[o:o+32] as a balanced tree (a serial sum is ~100 cycles)."""
-    t = np.float32(0)
-    for k in range(4):  # four independent 8-leaf trees, unrolled by LLVM
-        b = o + k
-        t += (((a[b] + a[b + 16]) + (a[b + 8] + a[b + 24]))
-              + ((a[b + 4] + a[b + 20]) + (a[b + 12] + a[b + 28])))
-    return t
-
-
 # --------------------------------------------------------------------------------------------------
-# two rows . x, per type (the matvec inner loops)
+# one row . x, per type (the matvec inner loops)
 #
-# Each dot handles rows r0 and r1 in one pass (32 lanes each, acc[0:32] and acc[32:64]): the fixed
-# cost of entering a lane loop (LLVM's runtime alias checks), zeroing and reducing the lanes is paid
-# once per pair. Per-lane work is written as inline helpers returning a tree-shaped sum.
+# Each dot is a sum of per-group reductions (`t += lane(l)` over a block group's lanes) that LLVM
+# vectorizes into register accumulators: no scratch array, so no store->load chain through memory,
+# which lets loads run far ahead (this is what keeps DRAM-resident weights streaming at full speed).
+# All loads go through _ld/_ld1 (no negative-index wraparound). Per-lane work is written as inline
+# helpers returning a tree-shaped sum of that lane's products in the group.
 # --------------------------------------------------------------------------------------------------
-@njit(inline="always", **_LANES)
+@njit(inline="always", **_JIT)
 def _w16(is_f16, bits):
     return _f16(bits) if is_f16 else _bf16(bits)
 
 
-@njit(inline="always", **_LANES)
-def _lane_16bit(is_f16, u16, r, o, x, l):
-    """Lane l of four 32-value runs of an F16/BF16 row, from column o."""
-    return ((_w16(is_f16, u16[r, o + l]) * x[o + l] + _w16(is_f16, u16[r, o + 32 + l]) * x[o + 32 + l])
-            + (_w16(is_f16, u16[r, o + 64 + l]) * x[o + 64 + l]
-               + _w16(is_f16, u16[r, o + 96 + l]) * x[o + 96 + l]))
+@njit(**_JIT)
+def _dot_16bit(is_f16, u16, r, x):
+    """F16 or BF16 row r . x: one reduction over the row."""
+    s = np.float32(0)
+    for j in range(x.shape[0]):
+        s += _w16(is_f16, _ld(u16, r, j)) * _ld1(x, j)
+    return s
 
 
-@njit(**_LANES)
-def _dot2_16bit(is_f16, u16, r0, r1, x, acc):
-    acc[:] = 0
-    cols = x.shape[0]
-    o = 0
-    while o + 128 <= cols:
-        for l in range(32):
-            acc[l] += _lane_16bit(is_f16, u16, r0, o, x, l)
-            acc[32 + l] += _lane_16bit(is_f16, u16, r1, o, x, l)
-        o += 128
-    y0, y1 = _hsum32(acc, 0), _hsum32(acc, 32)
-    for j in range(o, cols):  # 16-bit rows need not be a multiple of 128
-        y0 += _w16(is_f16, u16[r0, j]) * x[j]
-        y1 += _w16(is_f16, u16[r1, j]) * x[j]
-    return y0, y1
-
-
-@njit(inline="always", **_LANES)
+@njit(inline="always", **_JIT)
 def _q8_0_scales(u16, r, b):
     """d of Q8_0 blocks b..b+7 of row r (block b's f16 d is u16 element 17b)."""
     o = 17 * b
-    return (_f16(u16[r, o]), _f16(u16[r, o + 17]), _f16(u16[r, o + 34]), _f16(u16[r, o + 51]),
-            _f16(u16[r, o + 68]), _f16(u16[r, o + 85]), _f16(u16[r, o + 102]), _f16(u16[r, o + 119]))
+    return (_f16(_ld(u16, r, o)), _f16(_ld(u16, r, o + 17)), _f16(_ld(u16, r, o + 34)),
+            _f16(_ld(u16, r, o + 51)), _f16(_ld(u16, r, o + 68)), _f16(_ld(u16, r, o + 85)),
+            _f16(_ld(u16, r, o + 102)), _f16(_ld(u16, r, o + 119)))
 
 
-@njit(inline="always", **_LANES)
+@njit(inline="always", **_JIT)
 def _lane_q8_0(i8, r, q, x, o, l, d):
     """Lane l of 8 consecutive Q8_0 blocks whose quants start at byte q (and q + 34k)."""
-    p0 = d[0] * np.float32(i8[r, q + l]) * x[o + l]
-    p1 = d[1] * np.float32(i8[r, q + 34 + l]) * x[o + 32 + l]
-    p2 = d[2] * np.float32(i8[r, q + 68 + l]) * x[o + 64 + l]
-    p3 = d[3] * np.float32(i8[r, q + 102 + l]) * x[o + 96 + l]
-    p4 = d[4] * np.float32(i8[r, q + 136 + l]) * x[o + 128 + l]
-    p5 = d[5] * np.float32(i8[r, q + 170 + l]) * x[o + 160 + l]
-    p6 = d[6] * np.float32(i8[r, q + 204 + l]) * x[o + 192 + l]
-    p7 = d[7] * np.float32(i8[r, q + 238 + l]) * x[o + 224 + l]
+    p0 = d[0] * np.float32(_ld(i8, r, q + l)) * _ld1(x, o + l)
+    p1 = d[1] * np.float32(_ld(i8, r, q + 34 + l)) * _ld1(x, o + 32 + l)
+    p2 = d[2] * np.float32(_ld(i8, r, q + 68 + l)) * _ld1(x, o + 64 + l)
+    p3 = d[3] * np.float32(_ld(i8, r, q + 102 + l)) * _ld1(x, o + 96 + l)
+    p4 = d[4] * np.float32(_ld(i8, r, q + 136 + l)) * _ld1(x, o + 128 + l)
+    p5 = d[5] * np.float32(_ld(i8, r, q + 170 + l)) * _ld1(x, o + 160 + l)
+    p6 = d[6] * np.float32(_ld(i8, r, q + 204 + l)) * _ld1(x, o + 192 + l)
+    p7 = d[7] * np.float32(_ld(i8, r, q + 238 + l)) * _ld1(x, o + 224 + l)
     return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
 
 
-@njit(**_LANES)
-def _dot2_q8_0(i8, u16, r0, r1, x, acc):
-    """Q8_0: block b is bytes 34b..34b+33 (f16 d, then 32 int8 quants); 8 blocks per update."""
-    acc[:] = 0
+@njit(**_JIT)
+def _dot_q8_0(i8, u16, r, x):
+    """Q8_0 row r . x: block b is bytes 34b..34b+33 (f16 d, then 32 int8 quants); 8 blocks a group."""
     nb = x.shape[0] // 32
-    b = 0
-    while b + 8 <= nb:
-        d0, d1 = _q8_0_scales(u16, r0, b), _q8_0_scales(u16, r1, b)
-        q, o = 34 * b + 2, 32 * b
+    total = np.float32(0)
+    for g in range(nb // 8):
+        b = 8 * g
+        d = _q8_0_scales(u16, r, b)
+        t = np.float32(0)
         for l in range(32):
-            acc[l] += _lane_q8_0(i8, r0, q, x, o, l, d0)
-            acc[32 + l] += _lane_q8_0(i8, r1, q, x, o, l, d1)
-        b += 8
-    while b < nb:  # rows of fewer than 8 blocks, or a remainder
-        e0, e1 = _f16(u16[r0, 17 * b]), _f16(u16[r1, 17 * b])
-        q, o = 34 * b + 2, 32 * b
+            t += _lane_q8_0(i8, r, 34 * b + 2, x, 32 * b, l, d)
+        total += t
+    for b in range(nb - nb % 8, nb):  # rows of fewer than 8 blocks, or a remainder
+        t = np.float32(0)
         for l in range(32):
-            acc[l] += e0 * np.float32(i8[r0, q + l]) * x[o + l]
-            acc[32 + l] += e1 * np.float32(i8[r1, q + l]) * x[o + l]
-        b += 1
-    return _hsum32(acc, 0), _hsum32(acc, 32)
+            t += np.float32(_ld(i8, r, 34 * b + 2 + l)) * _ld1(x, 32 * b + l)
+        total += _f16(_ld(u16, r, 17 * b)) * t
+    return total
 
 
-@njit(inline="always", **_LANES)
+@njit(inline="always", **_JIT)
 def _k4_scales(u16, u32, r, o, xsum, xs):
     """A Q4_K/Q5_K super-block's header at byte o: (d * sc_j for j < 8, dmin * sum_j m_j xsum[xs+j]).
 
     The mins are applied through per-32-value sums of x, once per sub-block instead of per value.
     """
     w = o // 4
-    h = _k4_header(u32[r, w + 1], u32[r, w + 2], u32[r, w + 3], _f16(u16[r, o // 2]), _f16(u16[r, o // 2 + 1]))
+    h = _k4_header(_ld(u32, r, w + 1), _ld(u32, r, w + 2), _ld(u32, r, w + 3),
+                   _f16(_ld(u16, r, o // 2)), _f16(_ld(u16, r, o // 2 + 1)))
     mins = (((h[8] * xsum[xs] + h[9] * xsum[xs + 1]) + (h[10] * xsum[xs + 2] + h[11] * xsum[xs + 3]))
             + ((h[12] * xsum[xs + 4] + h[13] * xsum[xs + 5]) + (h[14] * xsum[xs + 6] + h[15] * xsum[xs + 7])))
     return h[:8], mins
 
 
-@njit(inline="always", **_LANES)
+@njit(inline="always", **_JIT)
 def _lane_q4_k(u8, r, q, x, xo, l, d):
     """Lane l of a Q4_K super-block: qs byte q + 32g + l holds values 64g + l and 64g + 32 + l."""
-    b0, b1, b2, b3 = u8[r, q + l], u8[r, q + 32 + l], u8[r, q + 64 + l], u8[r, q + 96 + l]
-    p0 = d[0] * _quant(b0, 0, b0, 0, 0, 0) * x[xo + l]
-    p1 = d[1] * _quant(b0, 4, b0, 0, 0, 0) * x[xo + 32 + l]
-    p2 = d[2] * _quant(b1, 0, b1, 0, 0, 0) * x[xo + 64 + l]
-    p3 = d[3] * _quant(b1, 4, b1, 0, 0, 0) * x[xo + 96 + l]
-    p4 = d[4] * _quant(b2, 0, b2, 0, 0, 0) * x[xo + 128 + l]
-    p5 = d[5] * _quant(b2, 4, b2, 0, 0, 0) * x[xo + 160 + l]
-    p6 = d[6] * _quant(b3, 0, b3, 0, 0, 0) * x[xo + 192 + l]
-    p7 = d[7] * _quant(b3, 4, b3, 0, 0, 0) * x[xo + 224 + l]
+    b0, b1 = _ld(u8, r, q + l), _ld(u8, r, q + 32 + l)
+    b2, b3 = _ld(u8, r, q + 64 + l), _ld(u8, r, q + 96 + l)
+    p0 = d[0] * _quant(b0, 0, b0, 0, 0, 0) * _ld1(x, xo + l)
+    p1 = d[1] * _quant(b0, 4, b0, 0, 0, 0) * _ld1(x, xo + 32 + l)
+    p2 = d[2] * _quant(b1, 0, b1, 0, 0, 0) * _ld1(x, xo + 64 + l)
+    p3 = d[3] * _quant(b1, 4, b1, 0, 0, 0) * _ld1(x, xo + 96 + l)
+    p4 = d[4] * _quant(b2, 0, b2, 0, 0, 0) * _ld1(x, xo + 128 + l)
+    p5 = d[5] * _quant(b2, 4, b2, 0, 0, 0) * _ld1(x, xo + 160 + l)
+    p6 = d[6] * _quant(b3, 0, b3, 0, 0, 0) * _ld1(x, xo + 192 + l)
+    p7 = d[7] * _quant(b3, 4, b3, 0, 0, 0) * _ld1(x, xo + 224 + l)
     return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
 
 
-@njit(**_LANES)
-def _dot2_q4_k(u8, u16, u32, r0, r1, x, xsum, acc):
-    """Q4_K: super-block s is bytes o = 144s: d, dmin f16 | scales[12] | qs[128]."""
-    acc[:] = 0
-    mins0 = mins1 = np.float32(0)
+@njit(**_JIT)
+def _dot_q4_k(u8, u16, u32, r, x, xsum):
+    """Q4_K row r . x: super-block s is bytes o = 144s: d, dmin f16 | scales[12] | qs[128]."""
+    total = np.float32(0)
+    mins = np.float32(0)
     for s in range(x.shape[0] // 256):
         o = 144 * s
-        d0, m0 = _k4_scales(u16, u32, r0, o, xsum, 8 * s)
-        d1, m1 = _k4_scales(u16, u32, r1, o, xsum, 8 * s)
-        mins0 += m0
-        mins1 += m1
-        q, xo = o + 16, 256 * s
+        d, m = _k4_scales(u16, u32, r, o, xsum, 8 * s)
+        mins += m
+        t = np.float32(0)
         for l in range(32):
-            acc[l] += _lane_q4_k(u8, r0, q, x, xo, l, d0)
-            acc[32 + l] += _lane_q4_k(u8, r1, q, x, xo, l, d1)
-    return _hsum32(acc, 0) - mins0, _hsum32(acc, 32) - mins1
+            t += _lane_q4_k(u8, r, o + 16, x, 256 * s, l, d)
+        total += t
+    return total - mins
 
 
-@njit(inline="always", **_LANES)
+@njit(inline="always", **_JIT)
 def _lane_q5_k(u8, r, qh, q, x, xo, l, d):
     """Lane l of a Q5_K super-block: as Q4_K, plus bit j of qh[l] as bit 4 of value 32j + l."""
-    h = u8[r, qh + l]
-    b0, b1, b2, b3 = u8[r, q + l], u8[r, q + 32 + l], u8[r, q + 64 + l], u8[r, q + 96 + l]
-    p0 = d[0] * _quant(b0, 0, h, 0, 1, 0) * x[xo + l]
-    p1 = d[1] * _quant(b0, 4, h, 1, 1, 0) * x[xo + 32 + l]
-    p2 = d[2] * _quant(b1, 0, h, 2, 1, 0) * x[xo + 64 + l]
-    p3 = d[3] * _quant(b1, 4, h, 3, 1, 0) * x[xo + 96 + l]
-    p4 = d[4] * _quant(b2, 0, h, 4, 1, 0) * x[xo + 128 + l]
-    p5 = d[5] * _quant(b2, 4, h, 5, 1, 0) * x[xo + 160 + l]
-    p6 = d[6] * _quant(b3, 0, h, 6, 1, 0) * x[xo + 192 + l]
-    p7 = d[7] * _quant(b3, 4, h, 7, 1, 0) * x[xo + 224 + l]
+    h = _ld(u8, r, qh + l)
+    b0, b1 = _ld(u8, r, q + l), _ld(u8, r, q + 32 + l)
+    b2, b3 = _ld(u8, r, q + 64 + l), _ld(u8, r, q + 96 + l)
+    p0 = d[0] * _quant(b0, 0, h, 0, 1, 0) * _ld1(x, xo + l)
+    p1 = d[1] * _quant(b0, 4, h, 1, 1, 0) * _ld1(x, xo + 32 + l)
+    p2 = d[2] * _quant(b1, 0, h, 2, 1, 0) * _ld1(x, xo + 64 + l)
+    p3 = d[3] * _quant(b1, 4, h, 3, 1, 0) * _ld1(x, xo + 96 + l)
+    p4 = d[4] * _quant(b2, 0, h, 4, 1, 0) * _ld1(x, xo + 128 + l)
+    p5 = d[5] * _quant(b2, 4, h, 5, 1, 0) * _ld1(x, xo + 160 + l)
+    p6 = d[6] * _quant(b3, 0, h, 6, 1, 0) * _ld1(x, xo + 192 + l)
+    p7 = d[7] * _quant(b3, 4, h, 7, 1, 0) * _ld1(x, xo + 224 + l)
     return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
 
 
-@njit(**_LANES)
-def _dot2_q5_k(u8, u16, u32, r0, r1, x, xsum, acc):
-    """Q5_K: super-block s is bytes o = 176s: d, dmin f16 | scales[12] | qh[32] | qs[128]."""
-    acc[:] = 0
-    mins0 = mins1 = np.float32(0)
+@njit(**_JIT)
+def _dot_q5_k(u8, u16, u32, r, x, xsum):
+    """Q5_K row r . x: super-block s is bytes o = 176s: d, dmin f16 | scales[12] | qh[32] | qs[128]."""
+    total = np.float32(0)
+    mins = np.float32(0)
     for s in range(x.shape[0] // 256):
         o = 176 * s
-        d0, m0 = _k4_scales(u16, u32, r0, o, xsum, 8 * s)
-        d1, m1 = _k4_scales(u16, u32, r1, o, xsum, 8 * s)
-        mins0 += m0
-        mins1 += m1
-        qh, q, xo = o + 16, o + 48, 256 * s
+        d, m = _k4_scales(u16, u32, r, o, xsum, 8 * s)
+        mins += m
+        t = np.float32(0)
         for l in range(32):
-            acc[l] += _lane_q5_k(u8, r0, qh, q, x, xo, l, d0)
-            acc[32 + l] += _lane_q5_k(u8, r1, qh, q, x, xo, l, d1)
-    return _hsum32(acc, 0) - mins0, _hsum32(acc, 32) - mins1
+            t += _lane_q5_k(u8, r, o + 16, o + 48, x, 256 * s, l, d)
+        total += t
+    return total - mins
 
 
-@njit(inline="always", **_LANES)
+@njit(inline="always", **_JIT)
 def _q6_k_scales(i8, r, sc, d):
     """d * the 8 int8 scales at bytes sc, sc+2, ..., sc+14 (one 16-lane quarter of both halves)."""
-    return (d * np.float32(i8[r, sc]), d * np.float32(i8[r, sc + 2]), d * np.float32(i8[r, sc + 4]),
-            d * np.float32(i8[r, sc + 6]), d * np.float32(i8[r, sc + 8]), d * np.float32(i8[r, sc + 10]),
-            d * np.float32(i8[r, sc + 12]), d * np.float32(i8[r, sc + 14]))
+    return (d * np.float32(_ld(i8, r, sc)), d * np.float32(_ld(i8, r, sc + 2)),
+            d * np.float32(_ld(i8, r, sc + 4)), d * np.float32(_ld(i8, r, sc + 6)),
+            d * np.float32(_ld(i8, r, sc + 8)), d * np.float32(_ld(i8, r, sc + 10)),
+            d * np.float32(_ld(i8, r, sc + 12)), d * np.float32(_ld(i8, r, sc + 14)))
 
 
-@njit(inline="always", **_LANES)
+@njit(inline="always", **_JIT)
 def _lane_q6_k(u8, r, o, x, xo, l, s):
     """Lane l of a Q6_K super-block at byte o: value 128h + 32k + l for both halves h and k < 4."""
-    a0, b0, h0 = u8[r, o + l], u8[r, o + 32 + l], u8[r, o + 128 + l]
-    a1, b1, h1 = u8[r, o + 64 + l], u8[r, o + 96 + l], u8[r, o + 160 + l]
-    p0 = s[0] * _quant(a0, 0, h0, 0, 3, 32) * x[xo + l]
-    p1 = s[1] * _quant(b0, 0, h0, 2, 3, 32) * x[xo + 32 + l]
-    p2 = s[2] * _quant(a0, 4, h0, 4, 3, 32) * x[xo + 64 + l]
-    p3 = s[3] * _quant(b0, 4, h0, 6, 3, 32) * x[xo + 96 + l]
-    p4 = s[4] * _quant(a1, 0, h1, 0, 3, 32) * x[xo + 128 + l]
-    p5 = s[5] * _quant(b1, 0, h1, 2, 3, 32) * x[xo + 160 + l]
-    p6 = s[6] * _quant(a1, 4, h1, 4, 3, 32) * x[xo + 192 + l]
-    p7 = s[7] * _quant(b1, 4, h1, 6, 3, 32) * x[xo + 224 + l]
+    a0, b0, h0 = _ld(u8, r, o + l), _ld(u8, r, o + 32 + l), _ld(u8, r, o + 128 + l)
+    a1, b1, h1 = _ld(u8, r, o + 64 + l), _ld(u8, r, o + 96 + l), _ld(u8, r, o + 160 + l)
+    p0 = s[0] * _quant(a0, 0, h0, 0, 3, 32) * _ld1(x, xo + l)
+    p1 = s[1] * _quant(b0, 0, h0, 2, 3, 32) * _ld1(x, xo + 32 + l)
+    p2 = s[2] * _quant(a0, 4, h0, 4, 3, 32) * _ld1(x, xo + 64 + l)
+    p3 = s[3] * _quant(b0, 4, h0, 6, 3, 32) * _ld1(x, xo + 96 + l)
+    p4 = s[4] * _quant(a1, 0, h1, 0, 3, 32) * _ld1(x, xo + 128 + l)
+    p5 = s[5] * _quant(b1, 0, h1, 2, 3, 32) * _ld1(x, xo + 160 + l)
+    p6 = s[6] * _quant(a1, 4, h1, 4, 3, 32) * _ld1(x, xo + 192 + l)
+    p7 = s[7] * _quant(b1, 4, h1, 6, 3, 32) * _ld1(x, xo + 224 + l)
     return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
 
 
-@njit(**_LANES)
-def _dot2_q6_k(u8, i8, u16, r0, r1, x, acc):
-    """Q6_K: super-block s is bytes o = 210s: ql[128] | qh[64] | int8 scales[16] | d f16.
+@njit(**_JIT)
+def _dot_q6_k(u8, i8, u16, r, x):
+    """Q6_K row r . x: super-block s is bytes o = 210s: ql[128] | qh[64] | int8 scales[16] | d f16.
 
-    Lane l takes its scale from scales[8h + l//16 + 2k], so the lanes run as two 16-wide loops
-    (quarters) with their 8 scales hoisted.
+    Lane l takes its scale from scales[8h + l//16 + 2k], so each super-block is two 16-lane
+    reductions (quarters) with their 8 scales hoisted.
     """
-    acc[:] = 0
+    total = np.float32(0)
     for s in range(x.shape[0] // 256):
         o, xo = 210 * s, 256 * s
-        e0, e1 = _f16(u16[r0, 105 * s + 104]), _f16(u16[r1, 105 * s + 104])
+        e = _f16(_ld(u16, r, 105 * s + 104))
         for quarter in range(2):
-            s0 = _q6_k_scales(i8, r0, o + 192 + quarter, e0)
-            s1 = _q6_k_scales(i8, r1, o + 192 + quarter, e1)
+            sc = _q6_k_scales(i8, r, o + 192 + quarter, e)
+            t = np.float32(0)
             for l in range(16 * quarter, 16 * quarter + 16):
-                acc[l] += _lane_q6_k(u8, r0, o, x, xo, l, s0)
-                acc[32 + l] += _lane_q6_k(u8, r1, o, x, xo, l, s1)
-    return _hsum32(acc, 0), _hsum32(acc, 32)
+                t += _lane_q6_k(u8, r, o, x, xo, l, sc)
+            total += t
+    return total
 
 
 # --------------------------------------------------------------------------------------------------
