@@ -4,7 +4,7 @@ This is what the daemon's engine drives and what library users call directly.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ import numpy as np
 
 from ember.daemon.model_file import ModelFile, open_model_file
 from ember.daemon.model_file_error import ModelFileError
+from ember.daemon.chat_template import ChatTemplate, ChatTemplateError
 from ember.daemon.kv_cache import PagedKVCache
 from ember.daemon.models.transformer import Transformer
 from ember.daemon.step_batch import StepBatch
@@ -33,6 +34,7 @@ class Model:
         self.tokenizer = tokenizer
         self.device = device
         self.kv_dtype = kv_dtype
+        self._chat: ChatTemplate | None = None
         self.file_bytes = mf.file_bytes
         self._net = Transformer(mf, get_ops(device))
 
@@ -46,6 +48,21 @@ class Model:
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode(list(ids))
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for chat `messages`, by the model's own chat template."""
+        if self._chat is None:
+            source = self.tokenizer.chat_template
+            if source is None:
+                raise ChatTemplateError(f"{self.path}: the model has no chat template")
+            t = self.tokenizer
+            name = lambda i: "" if i is None else t.decode([i])  # noqa: E731
+            self._chat = ChatTemplate(source, name(t.bos_id), name(t.eos_id))
+        return self._chat.render(messages, add_generation_prompt)
+
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of the rendered chat (the template writes BOS itself where the model wants it)."""
+        return self.tokenizer.encode(self.render_chat(messages), add_special=False)
 
     # --- the model ------------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
