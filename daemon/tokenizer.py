@@ -1,260 +1,507 @@
 """Tokenizer: text <-> token ids exactly as the model file defines them.
 
-GGUF vocabularies (`tokenizer.ggml.*`) are rebuilt as a `tokenizers` BPE model: gpt2-style byte-level
-BPE with the pre-tokenizer regex llama.cpp uses for the file's `tokenizer.ggml.pre`, or llama-style
-SentencePiece BPE (merges ranked by the merged piece's score, byte fallback, "▁" for spaces).
-Special tokens in the text are split off first, fragment by fragment, as llama.cpp does, so ids equal
-llama.cpp's. Hugging Face directories use their tokenizer.json as it is, so ids equal transformers'.
+GGUF vocabularies (`tokenizer.ggml.*`) are rebuilt as a `tokenizers` BPE model so that ids equal
+llama.cpp's (src/llama-vocab.cpp):
+- `gpt2`: byte-level BPE over the words that the pre-tokenizer regexes llama.cpp uses for the file's
+  `tokenizer.ggml.pre` cut the text into (PRE_TOKENIZERS lists the values supported);
+- `llama`: SentencePiece BPE as llama.cpp runs it: the pair whose merged piece has the best score merges
+  first (merges ranked by that score), "▁" for spaces, a space before text at the start and after each
+  special token, byte tokens <0xXX> for characters the vocabulary lacks.
+Special tokens (control, user-defined, unknown) are cut out of the text first, longest first over the
+whole text, as llama.cpp does; the BPE never sees them. Decoding joins each token's bytes, as llama.cpp's
+token_to_piece does.
+
+Hugging Face directories use their tokenizer.json as it is (added tokens, normalizer, post-processor
+included), so ids and text equal transformers'.
 """
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as CoreTokenizer
 
 
 class TokenizerError(ValueError):
-    """The file's tokenizer is missing or cannot be built."""
+    """The file's tokenizer is missing or cannot be built (one line, fit to show as is)."""
 
 
-# llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), by tokenizer.ggml.pre
-_GPT2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-_LLAMA3 = (r"""(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
-           r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-_QWEN2 = (r"""(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
-          r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-PRE_TOKENIZERS = {"default": _GPT2, "gpt-2": _GPT2, "gpt2": _GPT2, "llama-bpe": _LLAMA3, "llama3": _LLAMA3,
-                  "qwen2": _QWEN2}
+# --- llama.cpp's pre-tokenizers, by tokenizer.ggml.pre -----------------------------------------------
+@dataclass(frozen=True)
+class PreTokenizer:
+    """How llama.cpp cuts text into words before BPE for one kind of vocabulary."""
+
+    regexes: tuple[str, ...]  # applied in turn, each cutting the pieces the one before left
+    ignore_merges: bool = False  # a word that is a token as a whole is not merged (Llama 3)
+    add_bos: bool = False  # llama.cpp's add_bos when the file has no tokenizer.ggml.add_bos_token
+
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+           r"|\s+(?!\S)|\s+")
+_SEED_CODER = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)"
+               r"|\s+")
+_PORO = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"  # … 。 ， 、 । ۔ ،
+_CJK_HANGUL = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+_DEEPSEEK3 = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# llama.cpp's rewrite of the \p{Lu}/\p{Ll} classes of Mistral's and GPT-4o's regexes: "a letter but not
+# a-z" / "a letter but not A-Z" (std::regex has no such classes); kept as llama.cpp runs them
+_UPPER, _LOWER = r"((?=[\p{L}])([^a-z]))", r"((?=[\p{L}])([^A-Z]))"
+_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*|\p{{N}}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
+          rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_BAILING = (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+            r"|\s*[\r\n]|\s+(?!\S)|\s+")
+_EXAONE_MOE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+")
+_MINICPM5 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+_PRE_GROUPS: list[tuple[tuple[str, ...], PreTokenizer]] = [
+    (("default",), PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))),
+    (("gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4", "a.x-4.0", "mellum",
+      "gigachat"), PreTokenizer((_GPT2,))),
+    (("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"),
+     PreTokenizer((r"\p{N}", _GPT2))),
+    (("falcon",), PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"))),
+    (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"),
+     PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)),
+    (("dbrx", "smaug-bpe", "chatglm-bpe", "glm4"), PreTokenizer((_LLAMA3,))),
+    (("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open", "grok-2"),
+     PreTokenizer((_QWEN2,))),
+    (("qwen35",), PreTokenizer((_QWEN35,))),
+    (("seed-coder",), PreTokenizer((_SEED_CODER,))),
+    (("poro-chat", "bloom", "gpt3-finnish"), PreTokenizer((_PORO,))),
+    (("viking",), PreTokenizer((_PORO, r"\p{N}"))),
+    (("deepseek-coder",), PreTokenizer(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_HANGUL, r"\p{N}"))),
+    (("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), PreTokenizer(_DEEPSEEK3)),
+    (("tekken",), PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True)),
+    (("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), PreTokenizer((_GPT4O,))),
+    (("bailingmoe", "bailingmoe2", "llada-moe"), PreTokenizer((_BAILING,))),
+    (("exaone-moe",), PreTokenizer((_EXAONE_MOE,))),
+    (("laguna",), PreTokenizer((r"[^\n]+|[\n]+", _QWEN2))),
+    (("minicpm5",), PreTokenizer((r"\p{N}{1,3}", _MINICPM5), ignore_merges=True)),
+]
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {name: pre for names, pre in _PRE_GROUPS for name in names}
 
 # GGUF token types (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-# end-of-generation tokens llama.cpp recognises by name when the file marks them as control tokens
-_EOG_NAMES = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-              "<EOT>", "<|eom_id|>")
+
+# Tokens llama.cpp treats as control tokens and as end of generation by their text alone, whatever type
+# the file gives them (llama_vocab::impl::load: EOT, EOM and the EOG list).
+_EOG_NAMES = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
+})
+# fill-in-the-middle pad/repo/file-separator tokens, which llama.cpp also counts as end of generation
+_FIM_EOG_NAMES = (("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+                  ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+                  ("<|file_sep|>",))
+# gpt-oss: llama.cpp always writes these out, and always parses them (user-defined)
+_ALWAYS_USER_DEFINED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 
 
-@dataclass
+# --- the tokenizer -----------------------------------------------------------------------------------
 class Tokenizer:
-    core: CoreTokenizer  # the BPE itself; for GGUF files it knows no special tokens (split off first)
-    specials: dict[str, int]  # special token text -> id, split off the text before the core runs
-    always_split: frozenset[str]  # user-defined tokens, parsed even when parse_special is False
-    bos_id: int | None
-    add_bos: bool
-    eos_id: int | None
-    add_eos: bool
-    eos_ids: frozenset[int]
-    vocab_size: int
-    chat_template: str | None = None
-    space_prefix: bool = False  # SPM: "▁" before each text fragment that follows a special token or the start
-    _special_ids: frozenset[int] = field(default=frozenset(), repr=False)
-    _pattern: re.Pattern[str] | None = field(default=None, repr=False)
-    _hf: bool = False  # a tokenizer.json used as it is (HF semantics for special tokens and BOS)
+    """Encode/decode for one model. Build it with from_gguf or from_hf_dir."""
 
-    def __post_init__(self) -> None:
-        self._special_ids = frozenset(self.specials.values())
-        if self.specials:
-            alternatives = sorted(self.specials, key=len, reverse=True)  # longest match first
-            self._pattern = re.compile("|".join(re.escape(s) for s in alternatives))
+    def __init__(self, core: CoreTokenizer, *, bos_id: int | None, eos_id: int | None, eos_ids: Iterable[int],
+                 add_bos: bool, add_eos: bool, chat_template: str | None, vocab_size: int,
+                 gguf: _GgufVocab | None = None) -> None:
+        self.core = core  # GGUF: the BPE alone (special tokens are cut out first); HF: tokenizer.json
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.eos_ids = frozenset(eos_ids)  # EOS plus every end-of-turn token the file names
+        self.add_bos, self.add_eos = add_bos, add_eos
+        self.chat_template = chat_template
+        self.vocab_size = vocab_size
+        self._gguf = gguf
+        self._literal_core: CoreTokenizer | None = None  # HF: a copy that leaves special tokens as text
 
-    # --- construction -----------------------------------------------------------------------------
+    # --- construction ---------------------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, meta: Mapping[str, Any]) -> Tokenizer:
-        kind = meta.get("tokenizer.ggml.model")
-        tokens = meta.get("tokenizer.ggml.tokens")
-        if kind is None or not tokens:
-            raise TokenizerError("no tokenizer in the file (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
-        types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
-        if len(types) != len(tokens):
-            raise TokenizerError("tokenizer.ggml.token_type and tokenizer.ggml.tokens differ in length")
+        """From GGUF metadata as `{f.name: f.contents() for f in GGUFReader(path).fields.values()}`."""
+        kind, tokens, types = _read_vocabulary(meta)
         if kind == "gpt2":
-            core = _gpt2_core(tokens, meta.get("tokenizer.ggml.merges") or [], meta.get("tokenizer.ggml.pre"))
-            space_prefix, default_bos = False, False
-        elif kind == "llama":
-            core = _spm_core(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types)
-            space_prefix, default_bos = bool(meta.get("tokenizer.ggml.add_space_prefix", True)), True
-        else:
-            raise TokenizerError(f"unsupported tokenizer model {kind!r} (supported: gpt2, llama)")
-        specials = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED, UNKNOWN)}
-        bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-        eog = {i for i in (eos, meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id"))
-               if i is not None}
-        eog |= {specials[name] for name in _EOG_NAMES if name in specials and types[specials[name]] == CONTROL}
-        return cls(
-            core=core, specials=specials,
-            always_split=frozenset(t for t, i in specials.items() if types[i] == USER_DEFINED),
-            bos_id=None if bos is None else int(bos), add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)),
-            eos_id=None if eos is None else int(eos), add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-            eos_ids=frozenset(int(i) for i in eog), vocab_size=len(tokens),
-            chat_template=meta.get("tokenizer.chat_template"), space_prefix=space_prefix,
-        )
+            pre = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+            core, add_bos, bos, eos = _gpt2_core(tokens, _read_merges(meta), pre), pre.add_bos, None, None
+        else:  # with llama.cpp's defaults for SentencePiece files
+            scores = _read_numbers(meta, "tokenizer.ggml.scores", len(tokens), 0.0, float)
+            core, add_bos, bos, eos = _spm_core(tokens, scores, types), True, 1, 2
+        bos, eos = _token_id(meta, "bos", len(tokens), bos), _token_id(meta, "eos", len(tokens), eos)
+        add_bos, add_eos = _add_flags(meta, add_bos, bos, eos)
+        eog = _end_of_generation_ids(meta, tokens, eos)
+        _drop_message_ends(tokens, types, eog)
+        space_prefix = kind == "llama" and bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        return cls(core, bos_id=bos, eos_id=eos, eos_ids=eog, add_bos=add_bos, add_eos=add_eos,
+                   chat_template=_str_or_none(meta.get("tokenizer.chat_template")), vocab_size=len(tokens),
+                   gguf=_GgufVocab(tokens, types, space_prefix, byte_level=kind == "gpt2"))
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """From a Hugging Face model directory: tokenizer.json, tokenizer_config.json, and the EOS ids of
+        generation_config.json / config.json."""
         path = Path(path)
-        if not (path / "tokenizer.json").exists():
+        if not (path / "tokenizer.json").is_file():
             raise TokenizerError(f"no tokenizer.json in {path}")
         try:
             core = CoreTokenizer.from_file(str(path / "tokenizer.json"))
-        except Exception as e:  # tokenizers raises its own Exception subclass for malformed files
-            raise TokenizerError(f"cannot read tokenizer.json: {e}") from None
+        except Exception as e:  # tokenizers raises a bare Exception for malformed files
+            raise TokenizerError(f"cannot read {path / 'tokenizer.json'}: {e}") from None
         config = _read_json(path / "tokenizer_config.json")
         vocab = core.get_vocab(with_added_tokens=True)
-        bos, eos = _token_id(config.get("bos_token"), vocab), _token_id(config.get("eos_token"), vocab)
+        bos, eos = _hf_token_id(config.get("bos_token"), vocab), _hf_token_id(config.get("eos_token"), vocab)
         eos_ids = {eos} if eos is not None else set()
         for name in ("generation_config.json", "config.json"):
             value = _read_json(path / name).get("eos_token_id")
-            eos_ids |= set(value if isinstance(value, list) else [] if value is None else [value])
-        template = config.get("chat_template")
-        if template is None and (path / "chat_template.jinja").exists():
-            template = (path / "chat_template.jinja").read_text()
-        specials = {t.content: i for i, t in core.get_added_tokens_decoder().items() if t.special}
-        return cls(core=core, specials=specials, always_split=frozenset(), bos_id=bos, add_bos=False, eos_id=eos,
-                   add_eos=False, eos_ids=frozenset(int(i) for i in eos_ids), vocab_size=core.get_vocab_size(),
-                   chat_template=template if isinstance(template, str) else None, _hf=True)
+            eos_ids |= {int(i) for i in (value if isinstance(value, list) else [value]) if isinstance(i, int)}
+        # encode adds BOS/EOS with the file's own post-processor, as transformers does; the flags say what it adds
+        added = core.encode("", add_special_tokens=True).ids
+        add_bos = bos is not None and added[:1] == [bos]
+        add_eos = eos is not None and len(added) > add_bos and added[-1] == eos
+        return cls(core, bos_id=bos, eos_id=eos, eos_ids=eos_ids, add_bos=add_bos, add_eos=add_eos,
+                   chat_template=_hf_chat_template(path, config),
+                   vocab_size=core.get_vocab_size(with_added_tokens=True))
 
-    # --- text <-> ids ---------------------------------------------------------------------------
+    # --- text -> ids ----------------------------------------------------------------------------------
     def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        if self._hf:  # the file's own post-processor adds BOS/EOS; its added tokens are split by the core
-            self.core.encode_special_tokens = not parse_special
-            return self.core.encode(text, add_special_tokens=add_special).ids
-        return self._encode_fragments(text, add_special, parse_special)
-
-    def _encode_fragments(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        """Token ids of `text`. add_special: BOS/EOS as the model's config says. parse_special: special
+        tokens written in the text become their ids (llama.cpp's special=True, transformers' default);
+        when False only user-defined tokens do, the rest is plain text."""
+        if self._gguf is None:
+            core = self.core if parse_special else self._literal()
+            return core.encode(text, add_special_tokens=add_special).ids
         ids: list[int] = []
-        if add_special and self.add_bos and self.bos_id is not None:
-            ids.append(self.bos_id)
-        after_special = True  # llama.cpp: a space prefix goes before text at the start or after a special
-        for piece, special_id in self._fragments(text, parse_special):
-            if special_id is not None:
-                ids.append(special_id)
+        if add_special and self.add_bos:
+            ids.append(self.bos_id)  # type: ignore[arg-type]  # checked in from_gguf
+        after_special = True  # SentencePiece: a space goes before text at the start and after a special
+        for piece in self._gguf.split_specials(text, parse_special):
+            if isinstance(piece, int):
+                ids.append(piece)
                 after_special = True
                 continue
-            if self.space_prefix and after_special:
+            if self._gguf.space_prefix and after_special:
                 piece = " " + piece
             ids.extend(self.core.encode(piece, add_special_tokens=False).ids)
             after_special = False
-        if add_special and self.add_eos and self.eos_id is not None:
-            ids.append(self.eos_id)
+        if add_special and self.add_eos:
+            ids.append(self.eos_id)  # type: ignore[arg-type]
         return ids
 
-    def _fragments(self, text: str, parse_special: bool) -> Iterable[tuple[str, int | None]]:
-        pos = 0
-        if self._pattern is not None:
-            for m in self._pattern.finditer(text):
-                if not parse_special and m.group() not in self.always_split:
-                    continue
-                if m.start() > pos:
-                    yield text[pos : m.start()], None
-                yield m.group(), self.specials[m.group()]
-                pos = m.end()
-        if pos < len(text):
-            yield text[pos:], None
+    def _literal(self) -> CoreTokenizer:
+        # a second core, so that encode never flips a flag on a tokenizer another thread may be using
+        if self._literal_core is None:
+            literal = CoreTokenizer.from_str(self.core.to_str())
+            literal.encode_special_tokens = True
+            self._literal_core = literal
+        return self._literal_core
 
+    # --- ids -> text ----------------------------------------------------------------------------------
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        """Text of `ids`; special tokens appear as their text unless skip_special."""
-        parts, run = [], []
-        for i in ids:
-            if i in self._special_ids:
-                parts.append(self._decode_run(run))
-                run = []
-                if not skip_special:
-                    parts.append(self.core.id_to_token(i) or "")
-            else:
-                run.append(i)
-        parts.append(self._decode_run(run))
-        text = "".join(parts)
-        # SPM: the space prefix added before the text is not part of it (HF's Strip decoder, llama.cpp)
-        return text[1:] if self.space_prefix and text.startswith(" ") else text
+        """The text of `ids`. Special tokens appear as written unless skip_special (user-defined tokens,
+        being text, always appear in GGUF vocabularies, as in llama.cpp)."""
+        if self._gguf is None:
+            return self.core.decode(list(ids), skip_special_tokens=skip_special)
+        text = b"".join(self._gguf.piece(i, skip_special) for i in ids).decode("utf-8", errors="replace")
+        # SentencePiece: the space put before the text is not part of it (HF's Strip decoder)
+        return text[1:] if self._gguf.space_prefix and text.startswith(" ") else text
 
-    def _decode_run(self, ids: list[int]) -> str:
-        return self.core.decode(ids, skip_special_tokens=False) if ids else ""
+    def token_text(self, token: int) -> str:
+        """The vocabulary entry of `token` as the file writes it (e.g. "<|im_end|>", "Ġthe")."""
+        if not 0 <= token < self.vocab_size:
+            raise TokenizerError(f"token id {token} is outside the vocabulary ({self.vocab_size} tokens)")
+        return self.core.id_to_token(token) if self._gguf is None else self._gguf.tokens[token]
 
-    def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
-        return StreamDecoder(self, skip_special)
+    def stream_decoder(self, skip_special: bool = False, context: Sequence[int] = ()) -> StreamDecoder:
+        return StreamDecoder(self, skip_special, context)
 
 
 class StreamDecoder:
-    """Token ids in, text deltas out, never splitting a UTF-8 character: the concatenation of the
-    deltas equals decode(all ids). Decodes a short window, not the whole text, at each token."""
+    """Token ids in, text deltas out, never splitting a UTF-8 character (bytes of an unfinished one are
+    held back). The deltas plus flush() add up to decode(all ids fed). Pass `context` (e.g. the prompt's
+    ids) when the tokens continue a text: the deltas are then what the tokens add to it, as in
+    decode(context + ids)[len(decode(context)):] (with SentencePiece the first token keeps its space).
+    Each step decodes a short window, not the whole text (the text-generation-inference method)."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False, context: Sequence[int] = ()) -> None:
         self.tokenizer, self.skip_special = tokenizer, skip_special
-        self.ids: list[int] = []
+        self._ids: list[int] = list(context[-5:])  # a few tokens of context are enough for any merge
         self._prefix = 0  # window start: text before it is final
-        self._read = 0  # ids whose text has been emitted
+        self._read = len(self._ids)  # ids whose text has been given out
 
     def feed(self, token: int) -> str:
-        self.ids.append(token)
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self._prefix : self._read], self.skip_special)
-        now = decode(self.ids[self._prefix :], self.skip_special)
+        self._ids.append(token)
+        before, now = self._window()
         if now.endswith("\ufffd") or len(now) <= len(before):
-            return ""  # an incomplete UTF-8 sequence: wait for the bytes that finish it
-        self._prefix, self._read = self._read, len(self.ids)
+            return ""  # an unfinished UTF-8 character (or no text yet): wait for the tokens that finish it
+        self._prefix, self._read = self._read, len(self._ids)
         return now[len(before) :]
 
     def flush(self) -> str:
-        """What is left at the end (a dangling partial character decodes as U+FFFD, as decode does)."""
+        """The rest, at the end of the stream (a dangling partial character comes out as U+FFFD, as in
+        decode)."""
+        before, now = self._window()
+        self._read = len(self._ids)
+        return now[len(before) :]
+
+    def _window(self) -> tuple[str, str]:
+        # the text of the window's tokens before and after the new ones; the window starts at a token
+        # whose text is final, so `before` is a prefix of `now` and the difference is the new text
+        window = self._ids[self._prefix :]
         decode = self.tokenizer.decode
-        rest = decode(self.ids[self._prefix :], self.skip_special)[len(decode(self.ids[self._prefix : self._read], self.skip_special)) :]
-        self._prefix = self._read = len(self.ids)
-        return rest
+        return decode(window[: self._read - self._prefix], self.skip_special), decode(window, self.skip_special)
 
 
-def _gpt2_core(tokens: list[str], merges: list[str], pre: str | None) -> CoreTokenizer:
-    if (pre or "default") not in PRE_TOKENIZERS:
-        raise TokenizerError(f"unsupported pre-tokenizer {pre!r} (supported: {', '.join(PRE_TOKENIZERS)})")
+# --- GGUF vocabularies ---------------------------------------------------------------------------------
+class _GgufVocab:
+    """What encode/decode need beyond the BPE: the special tokens and each token's bytes."""
+
+    def __init__(self, tokens: list[str], types: list[int], space_prefix: bool, byte_level: bool) -> None:
+        self.tokens, self.types = tokens, types
+        self.space_prefix, self.byte_level = space_prefix, byte_level
+        special = [i for i, ty in enumerate(types) if ty in (CONTROL, USER_DEFINED, UNKNOWN)]
+        special.sort(key=lambda i: len(tokens[i].encode()), reverse=True)  # llama.cpp: longest first, in bytes
+        self.specials = [(tokens[i], i, types[i] == USER_DEFINED) for i in special]
+        self._pieces: dict[int, bytes] = {}
+
+    def split_specials(self, text: str, parse_special: bool) -> list[str | int]:
+        """`text` as plain-text fragments and special token ids, cut as llama.cpp's
+        tokenizer_st_partition does: each special token, longest first, out of every fragment left."""
+        parts: list[str | int] = [text] if text else []
+        for token, token_id, user_defined in self.specials:
+            if not (parse_special or user_defined) or token not in text:
+                continue
+            cut: list[str | int] = []
+            for part in parts:
+                if isinstance(part, int) or token not in part:
+                    cut.append(part)
+                    continue
+                for j, fragment in enumerate(part.split(token)):
+                    if j:
+                        cut.append(token_id)
+                    if fragment:
+                        cut.append(fragment)
+            parts = cut
+        return parts
+
+    def piece(self, token: int, skip_special: bool) -> bytes:
+        """The bytes of one token, as llama.cpp's token_to_piece."""
+        if not 0 <= token < len(self.tokens):
+            raise TokenizerError(f"token id {token} is outside the vocabulary ({len(self.tokens)} tokens)")
+        kind = self.types[token]
+        if kind in (CONTROL, UNKNOWN):
+            return b"" if skip_special else self.tokens[token].encode()
+        if token not in self._pieces:
+            self._pieces[token] = self._bytes(token, kind)
+        return self._pieces[token]
+
+    def _bytes(self, token: int, kind: int) -> bytes:
+        text = self.tokens[token]
+        if kind == USER_DEFINED:
+            return text.encode()
+        if kind == BYTE:  # <0xXX>
+            return bytes([int(text[3:5], 16)])
+        if kind != NORMAL:
+            return b""  # unused and undefined tokens: llama.cpp writes nothing
+        if self.byte_level:  # gpt2: each character stands for one byte (a char outside the map: itself)
+            return b"".join(bytes([_BYTE_OF_CHAR[c]]) if c in _BYTE_OF_CHAR else c.encode() for c in text)
+        return text.replace("\u2581", " ").encode()
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte <-> printable character table (the one ByteLevel uses)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _gpt2_core(tokens: list[str], merges: list[tuple[str, str]], pre: PreTokenizer) -> CoreTokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    if any(len(p) != 2 for p in pairs):
-        raise TokenizerError("malformed tokenizer.ggml.merges entry")
-    core = CoreTokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False,
-                                    ignore_merges=pre in ("llama-bpe", "llama3")))
-    core.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRE_TOKENIZERS[pre or "default"]), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    core.decoder = decoders.ByteLevel()
-    return core
+    # a merge that names a piece missing from the vocabulary can never produce a token: leave it out
+    merges = [(a, b) for a, b in merges if a in vocab and b in vocab and a + b in vocab]
+    core = CoreTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False,
+                                    ignore_merges=pre.ignore_merges))
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+    core.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                     use_regex=False)])
+    return core  # no decoder: decode joins the tokens' bytes (_GgufVocab.piece), as llama.cpp does
 
 
 def _spm_core(tokens: list[str], scores: list[float], types: list[int]) -> CoreTokenizer:
-    """llama.cpp's SPM tokenizer as BPE: merging the pair whose result has the best score first is
-    what merges ranked by that score do."""
+    """llama.cpp's SentencePiece tokenizer as a BPE: it merges the adjacent pair whose concatenation
+    is the best-scoring token first, which is what merges ranked by that score do. Ties go by position
+    in llama.cpp and by rank here; real vocabularies rarely tie (transformers builds the same merges)."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    mergeable = {t for t, ty in zip(tokens, types) if ty in (NORMAL, UNUSED)}
     merges = []
-    for piece in mergeable:
+    for piece, token_id in vocab.items():
         for cut in range(1, len(piece)):
             left, right = piece[:cut], piece[cut:]
             if left in vocab and right in vocab:
-                merges.append((scores[vocab[piece]], -vocab[piece], left, right))
-    merges.sort(key=lambda m: (-m[0], -m[1]))
+                merges.append((-scores[token_id], -len(left), -len(right), left, right))
+    merges.sort(key=lambda m: m[:3])  # stable: the file's order among equals
     unk = next((t for t, ty in zip(tokens, types) if ty == UNKNOWN), None)
-    core = CoreTokenizer(models.BPE(vocab, [(a, b) for _, _, a, b in merges], unk_token=unk, fuse_unk=True,
+    core = CoreTokenizer(models.BPE(vocab, [(m[3], m[4]) for m in merges], unk_token=unk, fuse_unk=True,
                                     byte_fallback=True))
     core.normalizer = normalizers.Replace(" ", "\u2581")
-    core.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return core
 
 
+# --- reading GGUF metadata --------------------------------------------------------------------------------
+def _read_vocabulary(meta: Mapping[str, Any]) -> tuple[str, list[str], list[int]]:
+    """(tokenizer.ggml.model, tokens, token types as llama.cpp sees them), checked."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind is None or meta.get("tokenizer.ggml.tokens") is None:
+        raise TokenizerError("no tokenizer in the file (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
+    if kind not in ("gpt2", "llama"):
+        raise TokenizerError(f"unsupported tokenizer model {kind!r} (tokenizer.ggml.model; supported: gpt2, llama)")
+    tokens = meta["tokenizer.ggml.tokens"]
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise TokenizerError("tokenizer.ggml.tokens is not a list of strings")
+    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # as llama.cpp names empty entries
+    if len(set(tokens)) != len(tokens):
+        seen: set[str] = set()
+        duplicate = next(t for t in tokens if t in seen or seen.add(t))  # type: ignore[func-returns-value]
+        raise TokenizerError(f"duplicate token in tokenizer.ggml.tokens: {duplicate!r}")
+    types = _read_numbers(meta, "tokenizer.ggml.token_type", len(tokens), NORMAL, int)
+    return kind, tokens, _types_as_llama_cpp_sees_them(tokens, types)
+
+
+def _read_numbers(meta: Mapping[str, Any], key: str, n: int, default: Any, kind: type) -> list[Any]:
+    values = meta.get(key)
+    if values is None:
+        return [default] * n
+    if not isinstance(values, list) or len(values) < n or not all(isinstance(v, int | float) for v in values[:n]):
+        raise TokenizerError(f"{key} is not a list of {n} numbers")
+    return [kind(v) for v in values[:n]]
+
+
+def _read_merges(meta: Mapping[str, Any]) -> list[tuple[str, str]]:
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise TokenizerError("tokenizer.ggml.merges is missing (a gpt2 tokenizer needs its merges)")
+    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+        raise TokenizerError("tokenizer.ggml.merges is not a list of strings")
+    pairs = []
+    for merge in merges:
+        cut = merge.find(" ", 1)  # as llama.cpp: the first space after the first character
+        if cut > 0:
+            pairs.append((merge[:cut], merge[cut + 1 :]))
+    return pairs
+
+
+def _pre_tokenizer(name: Any) -> PreTokenizer:
+    if name is None:
+        return PRE_TOKENIZERS["default"]  # llama.cpp warns and uses its default regexes
+    if name not in PRE_TOKENIZERS:
+        raise TokenizerError(f"unsupported pre-tokenizer {name!r} (tokenizer.ggml.pre; supported: "
+                             f"{', '.join(sorted(PRE_TOKENIZERS))})")
+    return PRE_TOKENIZERS[name]
+
+
+def _types_as_llama_cpp_sees_them(tokens: list[str], types: list[int]) -> list[int]:
+    """llama.cpp makes tokens named like end-of-turn / fill-in-the-middle tokens control tokens, whatever
+    the file says, and the gpt-oss channel tokens user-defined."""
+    fim = {name for group in _FIM_EOG_NAMES for name in group}
+    forced = {"<fim-prefix>", "<|fim_prefix|>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+              "<|code_prefix|>", "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>",
+              "<SUF>", "▁<SUF>", "<|code_suffix|>", "<|suffix|>", "<|fim_middle|>", "<fim-middle>", "<fim_middle>",
+              "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>", "<|middle|>"} | fim | _EOG_NAMES
+    types = [CONTROL if t in forced and ty != CONTROL else ty for t, ty in zip(tokens, types)]
+    return [USER_DEFINED if t in _ALWAYS_USER_DEFINED else ty for t, ty in zip(tokens, types)]
+
+
+def _end_of_generation_ids(meta: Mapping[str, Any], tokens: list[str], eos: int | None) -> set[int]:
+    """llama.cpp's special_eog_ids: EOS, EOT, EOM, tokens with end-of-turn names, FIM pad/repo/sep."""
+    index = {t: i for i, t in enumerate(tokens)}
+    ids = {index[name] for name in _EOG_NAMES if name in index}
+    for key, names in zip(("fim_pad", "fim_rep", "fim_sep"), _FIM_EOG_NAMES):
+        ids.add(_token_id(meta, key, len(tokens), next((index[n] for n in names if n in index), None)))
+    for key, default in (("eot", None), ("eom", None), ("eos", eos)):
+        ids.add(_token_id(meta, key, len(tokens), default))
+    ids.discard(None)  # type: ignore[arg-type]
+    return ids
+
+
+def _drop_message_ends(tokens: list[str], types: list[int], eog: set[int]) -> None:
+    """llama.cpp's workarounds: with <|return|>/<|call|> (gpt-oss) or <|calls|>/<|flush|> (solar-open),
+    <|end|> ends a message, not the turn; with <|tool_response> (gemma 4), </s> is plain text."""
+    names = {tokens[i]: i for i in eog}
+    ends_turn = ({"<|return|>", "<|call|>"}, {"<|calls|>", "<|flush|>"})
+    if "<|end|>" in names and any(pair <= names.keys() for pair in ends_turn):
+        eog.discard(names["<|end|>"])
+        types[names["<|end|>"]] = USER_DEFINED
+    if "<|tool_response>" in names and "</s>" in names:
+        eog.discard(names["</s>"])
+        types[names["</s>"]] = NORMAL
+
+
+def _add_flags(meta: Mapping[str, Any], add_bos: bool, bos: int | None, eos: int | None) -> tuple[bool, bool]:
+    """(add BOS, add EOS): the file's flags, else llama.cpp's defaults; a flag needs its token."""
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    for name, wanted, token in (("bos", add_bos, bos), ("eos", add_eos, eos)):
+        if wanted and token is None:
+            raise TokenizerError(f"tokenizer.ggml.add_{name}_token is set but tokenizer.ggml.{name}_token_id "
+                                 "is missing")
+    return add_bos, add_eos
+
+
+def _token_id(meta: Mapping[str, Any], name: str, n_tokens: int, default: int | None) -> int | None:
+    """tokenizer.ggml.<name>_token_id; like llama.cpp, an id outside the vocabulary is ignored."""
+    value = meta.get(f"tokenizer.ggml.{name}_token_id")
+    if isinstance(value, int) and 0 <= value < n_tokens:
+        return value
+    return default if default is not None and default < n_tokens else None
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+# --- reading Hugging Face directories -------------------------------------------------------------------
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.exists():
+    if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"invalid JSON in {path.name}: {e}") from None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"invalid JSON in {path}: {e}") from None
     return data if isinstance(data, dict) else {}
 
 
-def _token_id(token: Any, vocab: Mapping[str, int]) -> int | None:
+def _hf_token_id(token: Any, vocab: Mapping[str, int]) -> int | None:
     if isinstance(token, dict):  # {"content": "<s>", ...} in older tokenizer_config files
         token = token.get("content")
     return vocab.get(token) if isinstance(token, str) else None
+
+
+def _hf_chat_template(path: Path, config: Mapping[str, Any]) -> str | None:
+    """The default chat template: chat_template.jinja, chat_template.json, or tokenizer_config.json's
+    (a string, or a list of named templates)."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    template = _read_json(path / "chat_template.json").get("chat_template", config.get("chat_template"))
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return _str_or_none(template)

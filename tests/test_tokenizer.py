@@ -1,190 +1,262 @@
 """Token ids equal llama.cpp's (same GGUF file) and Hugging Face's (same tokenizer.json), for the
-tokenizer kinds real files use: gpt2-style byte-level BPE with the gpt-2, llama-bpe (Llama 3) and qwen2
-pre-tokenizers, and llama-style SentencePiece BPE."""
+tokenizer kinds real files use: gpt2-style byte-level BPE under every pre-tokenizer ember supports, and
+llama-style SentencePiece BPE; plus decoding, streaming, end-of-generation ids and load errors."""
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
+from typing import Any
 
-import gguf
 import pytest
 
 from ember.daemon.demo_model import DEMO_MODEL
 from ember.daemon.gguf_file import open_gguf
-from ember.daemon.tokenizer import CONTROL, Tokenizer, TokenizerError
+from ember.daemon.tokenizer import PRE_TOKENIZERS, Tokenizer, TokenizerError
 from tiny_models import DEMO_TOKENIZER
+from tokenizer_fixtures import FIXED, byte_bpe_vocab, corpus, gguf_metadata, spm_vocab, write_vocab_gguf
 
-llama_cpp = pytest.importorskip("llama_cpp")
 tokenizers = pytest.importorskip("tokenizers")
-
-FIXED = [
-    "", " ", "\n", "hello world", "Hello World", "  multiple   spaces", "\t\ttabs\tand\nnewlines\n\n\n",
-    "def f(x):\n    return x**2  # squared\n", "don't I'll we've they're IT'S", "12345678 3.14159 1e-9 007",
-    "Ünïcödé café naïve", "日本語のテキスト", "中文 文本", "한국어", "emoji 🎉🎉 👩‍👩‍👧 🇫🇷", "a\u0301 e\u0300 combining",
-    "مرحبا بالعالم", "שלום עולם", "<|endoftext|>", "text<|endoftext|>more text", "<|endoftext|><|endoftext|>",
-    "   leading", "trailing   ", "x\r\ny\rz", "!!!???...,,,", "$$ € ¥ £", "\u00a0nbsp\u2003em space", "ALLCAPS lower MiXeD",
-    "https://example.com/path?q=1&r=2", "{\"json\": [1, 2, {\"k\": null}]}", "a" * 300,
-]
+llama_cpp = pytest.importorskip("llama_cpp")  # a guard only: CI installs it, so these tests run there
 
 
-def corpus(n: int = 300, seed: int = 0) -> list[str]:
-    """FIXED plus random strings over an alphabet that stresses the pre-tokenizers."""
-    rng = random.Random(seed)
-    alphabet = list("ab cd\n\t\r😀é日'sLL12.<|>_-") + ["'re", "<|endoftext|>", "  ", "\n\n", "ﬁ", "ß"]
-    return FIXED + ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(n - len(FIXED))]
+def llama(path: Path) -> Any:
+    return llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
 
 
-def llama_ids(path: Path, text: str, add_bos: bool = True) -> list[int]:
-    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-    return llm.tokenize(text.encode(), add_bos=add_bos, special=True)
+def assert_ids_equal_llama_cpp(ours: Tokenizer, path: Path, texts: list[str], parse_special: bool = True) -> None:
+    llm = llama(path)
+    differ = [t for t in texts if ours.encode(t, parse_special=parse_special)
+              != llm.tokenize(t.encode(), add_bos=True, special=parse_special)]
+    assert not differ, f"{len(differ)} of {len(texts)} differ from llama.cpp, e.g. {differ[:3]!r}"
 
 
-def assert_same_ids(ours: Tokenizer, path: Path, texts: list[str]) -> None:
-    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-    mismatches = [t for t in texts if ours.encode(t) != llm.tokenize(t.encode(), add_bos=True, special=True)]
-    assert not mismatches, f"{len(mismatches)} of {len(texts)} differ, e.g. {mismatches[:3]!r}"
+def llama_cpp_text(llm: Any, ids: list[int], special: bool) -> str:
+    """llama.cpp's pieces of `ids`, joined (llama_token_to_piece; llama-cpp-python's detokenize cuts
+    pieces longer than 32 bytes)."""
+    buffer = (llama_cpp.ctypes.c_char * 256)()
+    pieces = []
+    for i in ids:
+        n = llama_cpp.llama_token_to_piece(llm._model.vocab, i, buffer, len(buffer), 0, special)
+        pieces.append(bytes(buffer[:n]))
+    return b"".join(pieces).decode("utf-8", errors="replace")
 
 
-# --- gpt2 BPE from GGUF (the demo model, converted by llama.cpp's own converter) -----------------------
+def llama_cpp_eog_ids(path: Path) -> set[int]:
+    llm = llama(path)  # held: the vocabulary lives as long as the model
+    vocab = llm._model.vocab
+    return {i for i in range(llama_cpp.llama_vocab_n_tokens(vocab)) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+
+
+def assert_stream_equals_decode(tok: Tokenizer, ids: list[int], context: list[int] | None = None) -> None:
+    stream = tok.stream_decoder(context=context or [])
+    pieces = [stream.feed(i) for i in ids]
+    assert not any("\ufffd" in p for p in pieces if "\ufffd" not in tok.decode(ids))
+    expected = tok.decode(ids) if context is None else tok.decode(context + ids)[len(tok.decode(context)) :]
+    assert "".join(pieces) + stream.flush() == expected
+
+
+# --- gpt2 BPE from GGUF: the demo model, converted by llama.cpp's own converter -----------------------
 @pytest.fixture(scope="module")
 def demo() -> Tokenizer:
     return Tokenizer.from_gguf(open_gguf(DEMO_MODEL).metadata)
 
 
-def test_demo_gguf_ids_equal_llama_cpp(demo: Tokenizer) -> None:
-    assert_same_ids(demo, DEMO_MODEL, corpus())
+@pytest.mark.parametrize("parse_special", [True, False])
+def test_demo_ids_equal_llama_cpp(demo: Tokenizer, parse_special: bool) -> None:
+    assert_ids_equal_llama_cpp(demo, DEMO_MODEL, corpus(), parse_special)
 
 
-def test_demo_gguf_ids_equal_hf_tokenizer_json(demo: Tokenizer) -> None:
+def test_demo_ids_equal_hugging_face(demo: Tokenizer) -> None:
+    transformers = pytest.importorskip("transformers")
     hf = tokenizers.Tokenizer.from_file(str(DEMO_TOKENIZER / "tokenizer.json"))
+    auto = transformers.AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
     from_dir = Tokenizer.from_hf_dir(DEMO_TOKENIZER)
     for text in corpus():
-        assert demo.encode(text) == from_dir.encode(text) == hf.encode(text).ids, repr(text)
+        expected = hf.encode(text).ids
+        assert demo.encode(text) == from_dir.encode(text) == expected == auto(text)["input_ids"], repr(text)
 
 
-def test_decode_and_stream_round_trip(demo: Tokenizer) -> None:
-    for text in corpus(120, seed=1):
+def test_hf_dir_matches_its_files(tmp_path: Path) -> None:
+    t = Tokenizer.from_hf_dir(DEMO_TOKENIZER)
+    assert (t.bos_id, t.eos_ids, t.add_bos, t.vocab_size, t.chat_template) == (0, {0}, False, 8192, None)
+    literal = tokenizers.Tokenizer.from_file(str(DEMO_TOKENIZER / "tokenizer.json"))
+    literal.encode_special_tokens = True  # HF's split_special_tokens
+    for text in ["a<|endoftext|>b", "<|endoftext|>"]:
+        assert t.encode(text, parse_special=False) == literal.encode(text).ids != t.encode(text)
+    shutil.copytree(DEMO_TOKENIZER, tmp_path / "m")
+    (tmp_path / "m" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert Tokenizer.from_hf_dir(tmp_path / "m").chat_template == "{{ messages[0]['content'] }}"
+
+
+def test_decode_equals_hugging_face_and_llama_cpp(demo: Tokenizer) -> None:
+    """Random id sequences, broken UTF-8 included: the same text as HF's decode and llama.cpp's pieces."""
+    hf = tokenizers.Tokenizer.from_file(str(DEMO_TOKENIZER / "tokenizer.json"))
+    llm = llama(DEMO_MODEL)
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(demo.vocab_size) for _ in range(rng.randint(0, 12))]
+        text = demo.decode(ids)
+        assert text == hf.decode(ids, skip_special_tokens=False)
+        assert text == llama_cpp_text(llm, ids, special=True)
+        assert demo.decode(ids, skip_special=True) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_decode_round_trip_and_stream(demo: Tokenizer) -> None:
+    for text in corpus(150, seed=1):
         ids = demo.encode(text)
         assert demo.decode(ids) == text
-        stream = demo.stream_decoder()
-        pieces = [stream.feed(i) for i in ids]
-        assert "".join(pieces) + stream.flush() == text
-        assert not any("\ufffd" in p for p in pieces)
+        assert_stream_equals_decode(demo, ids)
 
 
-def test_special_tokens_parsing_and_skipping(demo: Tokenizer) -> None:
-    eot = demo.specials["<|endoftext|>"]
-    assert demo.encode("a<|endoftext|>b") == [demo.encode("a")[0], eot, demo.encode("b")[0]]
-    assert eot not in demo.encode("a<|endoftext|>b", parse_special=False)
+def test_stream_holds_back_split_characters(demo: Tokenizer) -> None:
+    ids = demo.encode("😀日本")  # characters this vocabulary splits into byte tokens
+    stream = demo.stream_decoder()
+    pieces = [stream.feed(i) for i in ids]
+    assert len(ids) > 3 and "" in pieces and "".join(pieces) == "😀日本"
+    rng = random.Random(2)  # and arbitrary ids, broken UTF-8 included
+    for _ in range(200):
+        assert_stream_equals_decode(demo, [rng.randrange(demo.vocab_size) for _ in range(rng.randint(1, 10))])
+
+
+def test_special_tokens(demo: Tokenizer) -> None:
+    eot = demo.encode("<|endoftext|>")
+    assert eot == [0] and demo.encode("a<|endoftext|>b") == demo.encode("a") + eot + demo.encode("b")
+    assert 0 not in demo.encode("a<|endoftext|>b", parse_special=False)
     assert demo.decode(demo.encode("a<|endoftext|>b"), skip_special=True) == "ab"
-    assert eot in demo.eos_ids and not demo.add_bos
+    assert demo.eos_ids == llama_cpp_eog_ids(DEMO_MODEL) == {0}
+    assert demo.encode("x") == demo.encode("x", add_special=False)  # the file says add_bos_token = false
 
 
-def test_hf_dir_reads_eos_and_bos() -> None:
-    t = Tokenizer.from_hf_dir(DEMO_TOKENIZER)
-    assert t.eos_ids == {0} and t.bos_id == 0 and t.vocab_size == 8192
+# --- gpt2 BPE under every pre-tokenizer, in vocabulary-only GGUF files written here ---------------------
+def byte_bpe_gguf(path: Path, pre: str | None, **keys: Any) -> Path:
+    tokens, types, merges = byte_bpe_vocab()
+    keys = dict(merges=merges, bos=tokens.index("<|begin|>"), eos=tokens.index("<|end|>"), add_bos=True) | keys
+    return write_vocab_gguf(path, "gpt2", tokens, types, **({"pre": pre} if pre else {}), **keys)
 
 
-# --- other gpt2 pre-tokenizers, in vocab-only GGUF files written here ------------------------------
-TRAIN_TEXT = [line for _ in range(3) for line in FIXED] + [
-    "The quick brown fox jumps over the lazy dog 1234567890 times. It's 3:45pm, isn't it?",
-    "for i in range(100):\n    total += values[i] * weights[i]\n", "Ça va? Très bien, merci! 日本語 中文 🎉",
-]
+# "|>xyzw<|" overlaps "<|end|>" and is longer: llama.cpp cuts it out first
+SPECIALS_TEXT = ["<|begin|>x<|end|>", "a<|im_end|>\nb", "<think>hm</think>", "<|end|>xyzw<|end|>", "ab|>xyzw<|cd",
+                 "<|im_end|>xyzw<|im_end|>", "999999 12 1234 digits", "A\n\n\nB"]
+# one name per distinct pre-tokenizer (the first of its group)
+REPRESENTATIVES = sorted({pre: name for name, pre in reversed(list(PRE_TOKENIZERS.items()))}.values())
 
 
-def write_vocab_gguf(path: Path, model: str, tokens: list[str], types: list[int], pre: str | None = None,
-                     merges: list[str] | None = None, scores: list[float] | None = None,
-                     bos: int | None = None, eos: int | None = None, add_bos: bool | None = None) -> Path:
-    """A vocab-only GGUF file llama.cpp can open (a llama architecture header with no tensors)."""
-    w = gguf.GGUFWriter(str(path), "llama")
-    for key, value in dict(block_count=1, context_length=512, embedding_length=64, feed_forward_length=128).items():
-        w.add_uint32(f"llama.{key}", value)
-    w.add_uint32("llama.attention.head_count", 4)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_tokenizer_model(model)
-    if pre:
-        w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    if merges is not None:
-        w.add_token_merges(merges)
-    if scores is not None:
-        w.add_token_scores(scores)
-    if bos is not None:
-        w.add_bos_token_id(bos)
-    if eos is not None:
-        w.add_eos_token_id(eos)
-    if add_bos is not None:
-        w.add_add_bos_token(add_bos)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+@pytest.mark.parametrize("pre", REPRESENTATIVES)
+def test_pre_tokenizer_ids_equal_llama_cpp(tmp_path: Path, pre: str) -> None:
+    path = byte_bpe_gguf(tmp_path / "v.gguf", pre)
+    ours = Tokenizer.from_gguf(gguf_metadata(path))
+    texts = corpus(250, seed=2, specials=("<|end|>", "<|im_end|>", "<think>", "|>xyzw<|")) + SPECIALS_TEXT
+    assert_ids_equal_llama_cpp(ours, path, texts)
+    assert_ids_equal_llama_cpp(ours, path, texts[::4] + SPECIALS_TEXT, parse_special=False)
 
 
-def trained_byte_bpe() -> tuple[list[str], list[str]]:
-    bpe = tokenizers.ByteLevelBPETokenizer()
-    bpe.train_from_iterator(TRAIN_TEXT, vocab_size=600, min_frequency=1, special_tokens=["<|begin|>", "<|end|>"])
-    vocab = bpe.get_vocab()
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    import json
-    merges = json.loads(bpe._tokenizer.to_str())["model"]["merges"]
-    return tokens, [m if isinstance(m, str) else " ".join(m) for m in merges]
+def test_every_pre_tokenizer_name_equals_llama_cpp(tmp_path: Path) -> None:
+    """Each name llama.cpp knows maps to the regexes llama.cpp uses for it (texts that tell them apart)."""
+    texts = FIXED[:40] + ["a1234b 12.5", "x  \n\n y", "Hello, World's", "日本語abc", "a(b)c", "I'M OK", "ǅA"]
+    for name in sorted(PRE_TOKENIZERS):
+        path = byte_bpe_gguf(tmp_path / f"{name}.gguf", name)
+        assert_ids_equal_llama_cpp(Tokenizer.from_gguf(gguf_metadata(path)), path, texts)
 
 
-@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt-2"])
-def test_gpt2_pre_tokenizers_equal_llama_cpp(tmp_path: Path, pre: str) -> None:
-    tokens, merges = trained_byte_bpe()
-    types = [CONTROL if t.startswith("<|") and t.endswith("|>") else 1 for t in tokens]
-    path = write_vocab_gguf(tmp_path / f"{pre}.gguf", "gpt2", tokens, types, pre=pre, merges=merges,
-                            bos=tokens.index("<|begin|>"), eos=tokens.index("<|end|>"), add_bos=True)
-    ours = Tokenizer.from_gguf(open_gguf_meta(path))
-    assert ours.encode("hi")[0] == tokens.index("<|begin|>")
-    assert_same_ids(ours, path, corpus(250, seed=2) + ["<|begin|>x<|end|>", "999999 12 1234 digits", "A\n\n\nB"])
+@pytest.mark.parametrize("pre", [None, "gpt-2", "llama-bpe", "tekken"])
+def test_add_bos_default_when_the_file_does_not_say(tmp_path: Path, pre: str | None) -> None:
+    path = byte_bpe_gguf(tmp_path / "v.gguf", pre, add_bos=None)
+    ours = Tokenizer.from_gguf(gguf_metadata(path))
+    assert ours.encode("hi") == llama(path).tokenize(b"hi", add_bos=True, special=True)
 
 
-def open_gguf_meta(path: Path) -> dict:
-    reader = gguf.GGUFReader(path)
-    return {f.name: f.contents() for f in reader.fields.values()}
+def test_end_of_generation_ids_equal_llama_cpp(tmp_path: Path) -> None:
+    path = byte_bpe_gguf(tmp_path / "v.gguf", "qwen2")
+    ours = Tokenizer.from_gguf(gguf_metadata(path))
+    tokens = byte_bpe_vocab()[0]
+    assert ours.eos_ids == llama_cpp_eog_ids(path) == {tokens.index("<|end|>"), tokens.index("<|im_end|>")}
 
 
-def test_unknown_pre_tokenizer_is_refused() -> None:
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "made-up", "tokenizer.ggml.tokens": ["a"],
-            "tokenizer.ggml.merges": []}
-    with pytest.raises(TokenizerError, match="made-up"):
-        Tokenizer.from_gguf(meta)
+def test_decode_as_llama_cpp_writes_pieces(tmp_path: Path) -> None:
+    """Control tokens are dropped by skip_special, user-defined ones (text) are not."""
+    path = byte_bpe_gguf(tmp_path / "v.gguf", "llama-bpe")
+    ours, llm = Tokenizer.from_gguf(gguf_metadata(path)), llama(path)
+    for text in SPECIALS_TEXT + corpus(60, seed=3):
+        ids = ours.encode(text)
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special=skip) == llama_cpp_text(llm, ids, not skip), (text, skip)
 
 
-def test_missing_tokenizer_is_refused() -> None:
-    with pytest.raises(TokenizerError, match="no tokenizer"):
-        Tokenizer.from_gguf({"general.architecture": "llama"})
+# --- llama-style SentencePiece ----------------------------------------------------------------------------
+def spm_gguf(path: Path, **keys: Any) -> Path:
+    tokens, types, scores = spm_vocab()
+    return write_vocab_gguf(path, "llama", tokens, types, **(dict(scores=scores, bos=1, eos=2) | keys))
 
 
-# --- llama-style SentencePiece BPE --------------------------------------------------------------------
-def spm_vocab() -> tuple[list[str], list[float], list[int]]:
-    """<unk>, <s>, </s>, 256 byte tokens, then pieces of a SentencePiece-style BPE trained here, scored
-    by merge order (earlier merge = higher score), as SentencePiece BPE models are."""
-    sp = tokenizers.SentencePieceBPETokenizer(add_prefix_space=True)
-    sp.train_from_iterator(TRAIN_TEXT, vocab_size=500, min_frequency=1, special_tokens=[])
-    import json
-    model = json.loads(sp._tokenizer.to_str())["model"]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    base = sorted(t for t in model["vocab"] if len(t) == 1)
-    pieces = base + ["".join(m.split(" ")) for m in merges]
-    pieces = list(dict.fromkeys(pieces))
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
-    types = [2, CONTROL, CONTROL] + [6] * 256 + [1] * len(pieces)
-    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
-    return tokens, scores, types
+SPM_TEXTS = ["<s>after bos", "x</s>y", "unknown ☃ chars", "a<start_of_turn>user\nhi", "     five", "x    y"]
 
 
-def test_spm_equals_llama_cpp(tmp_path: Path) -> None:
-    tokens, scores, types = spm_vocab()
-    path = write_vocab_gguf(tmp_path / "spm.gguf", "llama", tokens, types, scores=scores, bos=1, eos=2)
-    ours = Tokenizer.from_gguf(open_gguf_meta(path))
-    assert ours.encode("hello")[0] == 1  # SPM files add BOS by default
-    texts = [t for t in corpus(250, seed=3) if "<|endoftext|>" not in t] + ["<s>after bos", "x</s>y", "unknown ☃ chars"]
-    assert_same_ids(ours, path, texts)
-    for text in texts[:80]:
-        assert ours.decode(ours.encode(text, add_special=False)) == text
+@pytest.mark.parametrize("space_prefix", [True, False])
+def test_spm_ids_equal_llama_cpp(tmp_path: Path, space_prefix: bool) -> None:
+    path = spm_gguf(tmp_path / "spm.gguf", add_space_prefix=space_prefix)
+    ours = Tokenizer.from_gguf(gguf_metadata(path))
+    assert ours.encode("hello")[0] == 1  # SentencePiece files add BOS unless they say otherwise
+    texts = corpus(300, seed=4, specials=("<s>", "</s>", "<start_of_turn>")) + SPM_TEXTS
+    assert_ids_equal_llama_cpp(ours, path, texts)
+    assert_ids_equal_llama_cpp(ours, path, texts[::3] + SPM_TEXTS, parse_special=False)
+
+
+def test_spm_decode_round_trip_and_stream(tmp_path: Path) -> None:
+    ours = Tokenizer.from_gguf(gguf_metadata(spm_gguf(tmp_path / "spm.gguf")))
+    for text in [t for t in corpus(120, seed=5, specials=()) if "<|endoftext|>" not in t]:  # a space follows
+        ids = ours.encode(text, add_special=False)
+        assert ours.decode(ids) == text
+        assert_stream_equals_decode(ours, ids)
+    # a continuation keeps the space its first token starts with; alone, the text would lose it
+    prompt, more = ours.encode("Once upon a"), ours.encode("time there", add_special=False)  # ▁time ▁there
+    stream = ours.stream_decoder(context=prompt)
+    assert "".join(stream.feed(i) for i in more) + stream.flush() == " time there" != ours.decode(more)
+    assert_stream_equals_decode(ours, more, context=prompt)
+
+
+def test_spm_end_of_generation_ids_equal_llama_cpp(tmp_path: Path) -> None:
+    path = spm_gguf(tmp_path / "spm.gguf")
+    eos_ids = Tokenizer.from_gguf(gguf_metadata(path)).eos_ids
+    assert eos_ids == llama_cpp_eog_ids(path) and 2 in eos_ids
+
+
+# --- errors -----------------------------------------------------------------------------------------------
+def demo_meta(**changes: Any) -> dict[str, Any]:
+    meta = {k: v for k, v in open_gguf(DEMO_MODEL).metadata.items() if k.startswith("tokenizer.")}
+    return {k: v for k, v in (meta | changes).items() if v is not None}
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"tokenizer.ggml.model": None}, "no tokenizer"),
+    ({"tokenizer.ggml.tokens": None}, "no tokenizer"),
+    ({"tokenizer.ggml.model": "bert"}, "unsupported tokenizer model 'bert'"),
+    ({"tokenizer.ggml.pre": "made-up"}, "unsupported pre-tokenizer 'made-up'"),
+    ({"tokenizer.ggml.tokens": [1, 2, 3]}, "not a list of strings"),
+    ({"tokenizer.ggml.tokens": ["a", "b", "a"]}, "duplicate token"),
+    ({"tokenizer.ggml.token_type": [1, 1]}, "token_type is not a list of 8192 numbers"),
+    ({"tokenizer.ggml.merges": None}, "merges is missing"),
+    ({"tokenizer.ggml.merges": "a b"}, "merges is not a list of strings"),
+    ({"tokenizer.ggml.bos_token_id": None, "tokenizer.ggml.add_bos_token": True}, "bos_token_id is missing"),
+])
+def test_bad_gguf_metadata_is_refused(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(TokenizerError, match=message):
+        Tokenizer.from_gguf(demo_meta(**changes))
+
+
+def test_bad_hf_dir_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(TokenizerError, match="no tokenizer.json"):
+        Tokenizer.from_hf_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="cannot read"):
+        Tokenizer.from_hf_dir(tmp_path)
+    shutil.copy(DEMO_TOKENIZER / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text("[1,")
+    with pytest.raises(TokenizerError, match="invalid JSON"):
+        Tokenizer.from_hf_dir(tmp_path)
+
+
+def test_ids_outside_the_vocabulary_are_refused(demo: Tokenizer) -> None:
+    with pytest.raises(TokenizerError, match="outside the vocabulary"):
+        demo.decode([demo.vocab_size])
+    assert demo.token_text(0) == "<|endoftext|>"
