@@ -1,0 +1,184 @@
+"""The daemon's configuration: one msgspec Struct tree, from TOML, then EMBER_* variables, then flags.
+
+    [[models]]                    # none: the built-in demo model
+    path = "/var/lib/ember/models/qwen3-8b-q4_k_m.gguf"
+    name = "qwen3-8b"             # default: the file name without extension
+    [server]   socket, socket_group, drain_timeout, log_format, log_level, probe_interval, logits_slots
+    [engine]   device, kv_dtype, max_active, max_queued, warmup
+    [limits]   see protocol/limits.py
+
+Environment: EMBER_CONFIG (the file), EMBER_SOCKET, EMBER_MODELS (paths separated by ':'), and
+EMBER_<SECTION>_<FIELD> for every other scalar (EMBER_ENGINE_MAX_ACTIVE=2). A bad value is refused at
+start with the key, the reason and where the value came from.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ember.protocol.limits import Limits
+
+SYSTEM_CONFIG = Path("/etc/ember/ember.toml")
+LOG_FORMATS = ("auto", "json", "console")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message says which key, why, and where it was set."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class ModelSpec(_Section):
+    path: str
+    name: str = ""
+
+    @property
+    def display_name(self) -> str:
+        return self.name or Path(self.path).name.split(".")[0]
+
+
+class ServerConfig(_Section):
+    socket: str = ""  # "" = protocol/endpoint.py's default
+    socket_group: str = ""  # "": socket directory 0700; a group: 0750 and that group may connect
+    drain_timeout: float = 10.0  # seconds in-flight requests may run on after SIGTERM
+    log_format: str = "auto"  # auto: JSON under systemd or without a TTY, readable on a TTY
+    log_level: str = "info"
+    probe_interval: float = 1.0  # seconds between liveness probes of quiet clients with work
+    logits_slots: int = 64  # slots in each client's shared-memory logits ring
+
+    def __post_init__(self) -> None:
+        _check(self.drain_timeout >= 0, f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        _check(self.log_format in LOG_FORMATS, f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+        _check(self.log_level in LOG_LEVELS, f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        _check(0.05 <= self.probe_interval <= 60, f"probe_interval must be in [0.05, 60] s, got {self.probe_interval}")
+        _check(1 <= self.logits_slots <= 4096, f"logits_slots must be in [1, 4096], got {self.logits_slots}")
+
+
+class EngineConfig(_Section):
+    device: str = "cpu"  # cpu or cuda:N
+    kv_dtype: str = "f32"
+    max_active: int = 4  # requests generating at once (each holds its KV cache)
+    max_queued: int = 32  # admitted requests waiting for the engine; beyond: Error{code: "busy"}
+    warmup: bool = True  # run a short generation before READY (compiles kernels)
+
+    def __post_init__(self) -> None:
+        _check(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, f"device must be cpu or cuda:N, got {self.device!r}")
+        _check(self.max_active >= 1, f"max_active must be >= 1, got {self.max_active}")
+        _check(self.max_queued >= 0, f"max_queued must be >= 0, got {self.max_queued}")
+
+
+class Config(_Section):
+    models: tuple[ModelSpec, ...] = ()
+    server: ServerConfig = ServerConfig()
+    engine: EngineConfig = EngineConfig()
+    limits: Limits = Limits()
+
+    def __post_init__(self) -> None:
+        names = [m.display_name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        _check(not dupes, f"two models are named {', '.join(dupes)}: give them distinct `name`s")
+
+
+_SECTIONS: dict[str, type[msgspec.Struct]] = {"server": ServerConfig, "engine": EngineConfig, "limits": Limits}
+
+
+def load_config(file: str | Path | None = None, env: Mapping[str, str] | None = None,
+                flags: Mapping[str, Any] | None = None) -> Config:
+    """Defaults, overridden by the TOML file (`file`, else $EMBER_CONFIG, else /etc/ember/ember.toml if
+    it exists), by EMBER_* variables, then by `flags` ({"server.socket": ..., "models": [...]})."""
+    env = os.environ if env is None else env
+    raw: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    path = file or env.get("EMBER_CONFIG") or (SYSTEM_CONFIG if SYSTEM_CONFIG.exists() else None)
+    if path:
+        _merge(raw, sources, _read_toml(Path(path)), f"config file {path}")
+    _merge(raw, sources, _from_env(env), "the environment")
+    _merge(raw, sources, _unflatten(flags or {}), "the command line")
+    try:
+        return msgspec.convert(raw, Config, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(_explain(str(e), sources)) from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if env.get("EMBER_MODELS"):
+        out["models"] = [{"path": p} for p in env["EMBER_MODELS"].split(":") if p]
+    if env.get("EMBER_SOCKET"):
+        out.setdefault("server", {})["socket"] = env["EMBER_SOCKET"]
+    for section, cls in _SECTIONS.items():
+        for field in cls.__struct_fields__:
+            name = f"EMBER_{section}_{field}".upper()
+            if name in env:
+                out.setdefault(section, {})[field] = env[name]
+    return out
+
+
+def _unflatten(flags: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flags.items():
+        if value is None:
+            continue
+        if key == "models":
+            out["models"] = [{"path": str(p)} for p in value]
+            continue
+        section, field = key.split(".")
+        out.setdefault(section, {})[field] = value
+    return out
+
+
+def _merge(raw: dict[str, Any], sources: dict[str, str], layer: Mapping[str, Any], source: str) -> None:
+    """Later layers replace earlier values key by key (a section's other keys stay); lists replace whole."""
+    for key, value in layer.items():
+        if isinstance(value, Mapping) and isinstance(raw.get(key), dict):
+            for sub, v in value.items():
+                raw[key][sub] = v
+                sources[f"{key}.{sub}"] = source
+        else:
+            raw[key] = dict(value) if isinstance(value, Mapping) else value
+            sources[key] = source
+            for sub in value if isinstance(value, Mapping) else ():
+                sources[f"{key}.{sub}"] = source
+
+
+def _explain(message: str, sources: Mapping[str, str]) -> str:
+    """msgspec says `... - at `$.engine.max_active``; name the key as the user wrote it, and its source."""
+    match = re.search(r" - at `\$((?:\.\w+|\[\d+\])*)`", message)
+    if not match:
+        return f"invalid configuration: {message}"
+    key = re.sub(r"\[\d+\]", "", match.group(1)).lstrip(".")
+    reason = message[: match.start()]
+    first = reason.split(" ")[0].split(".")[-1]  # a section's own check names its field first
+    if key in _SECTIONS and first in _SECTIONS[key].__struct_fields__:
+        key = f"{key}.{first}"
+    source = next((sources[k] for k in _prefixes(key) if k in sources), "the defaults")
+    return f"invalid configuration: {key or 'top level'}: {reason} (set by {source})"
+
+
+def _prefixes(key: str) -> list[str]:
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]

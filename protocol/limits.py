@@ -1,0 +1,59 @@
+"""Hard limits on what one client may ask of the daemon, and the checks that enforce them.
+
+Every size or count a client controls is bounded here, so no message can make the daemon allocate
+without bound. The daemon's configuration may change the values (`[limits]` in ember.toml); the
+checks run on every Generate before anything is queued. A message over `max_message_bytes` never
+reaches Python: libzmq drops the connection that sent it (ZMQ_MAXMSGSIZE).
+"""
+from __future__ import annotations
+
+import msgspec
+
+from ember.protocol.messages import Generate
+
+
+class LimitExceeded(ValueError):
+    """A request over a hard limit (answered with Error{code: "limit"})."""
+
+
+class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    max_message_bytes: int = 4 << 20  # one frame; a 128k-token prompt as ids is ~640 KiB
+    max_prompt_tokens: int = 131072  # also never more than the model's context length
+    max_tokens: int = 32768  # per Generate
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256  # per stop string
+    max_stop_ids: int = 64
+    max_chat_messages: int = 1024
+    max_logit_bias: int = 1024  # entries
+    max_top_logprobs: int = 20
+    max_requests_per_client: int = 16  # Generates in flight per connection
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            if getattr(self, name) < 1:
+                raise ValueError(f"limits.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_message_bytes > 256 << 20:
+            raise ValueError(f"limits.max_message_bytes must be <= 256 MiB, got {self.max_message_bytes}")
+
+    def check_generate(self, msg: Generate) -> None:
+        """Raise LimitExceeded naming the first limit `msg` is over (prompt tokens are checked once the
+        prompt is tokenized, by the daemon)."""
+        _within("max_tokens", msg.max_tokens, self.max_tokens)
+        _within("stop strings", len(msg.stop), self.max_stop_strings)
+        for s in msg.stop:
+            _within("stop string length", len(s), self.max_stop_chars)
+        _within("stop_ids", len(msg.stop_ids), self.max_stop_ids)
+        _within("logit_bias entries", len(msg.logit_bias), self.max_logit_bias)
+        _within("top_logprobs", msg.top_logprobs, self.max_top_logprobs)
+        if msg.token_ids is not None:
+            _within("prompt tokens", len(msg.token_ids), self.max_prompt_tokens)
+        if msg.messages is not None:
+            _within("chat messages", len(msg.messages), self.max_chat_messages)
+
+    def check_prompt(self, n_tokens: int, context_length: int) -> None:
+        _within("prompt tokens", n_tokens, min(self.max_prompt_tokens, context_length))
+
+
+def _within(what: str, value: int, limit: int) -> None:
+    if value > limit:
+        raise LimitExceeded(f"{what}: {value} is over the limit of {limit}")

@@ -1,0 +1,245 @@
+"""Every message that crosses the daemon's socket, as msgspec Structs.
+
+Shape of the wire (docs/protocol.md has the full story):
+- one message per ZMQ frame, msgpack-encoded; each message is an array whose first element is its tag
+  (tagged unions with `array_like=True`), so one typed decoder dispatches on the tag;
+- every client message's second element is `id`, a client-chosen integer: a reply carries the id of the
+  request it answers, a Generate's id names its stream until Finished (or Error);
+- fields are positional, so they are only ever appended, with defaults (see VERSIONING below).
+
+These types are frozen values. The daemon never keeps them as state: it validates a message and builds
+its own Request from it.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+VERSIONING = """\
+A peer that receives an array with more elements than it knows ignores the extra trailing ones, and a
+missing trailing element takes its default. So, without a version bump, a new version may only:
+  - append fields, with a default that keeps the old meaning, to the end of a message;
+  - add message types (an older daemon answers an unknown tag with Error{code: "bad_message"});
+  - add error codes and finish reasons (clients treat an unknown code as a generic error).
+Anything else (removing, reordering or retyping a field, changing a meaning) bumps PROTOCOL_VERSION, and
+a daemon answers a Hello with another version with Error{code: "version"}."""
+
+
+class Wire(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+    """Base of all wire types: immutable, positional (msgpack arrays), never part of a reference cycle."""
+
+
+# --- error codes and finish reasons: short stable strings (an unknown one decodes fine) ----------
+class ErrorCode:
+    BAD_MESSAGE = "bad_message"  # not decodable: bytes, msgpack, types, unknown tag, extra frames
+    BAD_REQUEST = "bad_request"  # decodable but meaningless: no prompt, bad sampling value, token id out of range
+    LIMIT = "limit"  # over a hard limit: prompt length, max_tokens, stop strings, requests per client
+    BUSY = "busy"  # the daemon's queue is full: retry later
+    UNKNOWN_MODEL = "unknown_model"  # no such model loaded (or several loaded and none named)
+    DUPLICATE_ID = "duplicate_id"  # a Generate reused the id of this client's request still running
+    VERSION = "version"  # Hello with a protocol version this daemon does not speak
+    SHUTTING_DOWN = "shutting_down"  # the daemon is draining and takes no new work
+    INTERNAL = "internal"  # a bug in the daemon; the request is gone, the daemon goes on
+
+
+class FinishReason:
+    STOP = "stop"  # end-of-sequence token, a stop id or a stop string
+    LENGTH = "length"  # max_tokens reached or the context is full
+    CANCELLED = "cancelled"  # Cancel, a client that went away, or the daemon shutting down
+    ERROR = "error"  # the request failed after it started (message says why)
+
+
+# --- pieces ----------------------------------------------------------------------------------------
+class ChatMessage(Wire):
+    role: str
+    content: str
+
+
+class ModelInfo(Wire):
+    name: str
+    arch: str
+    vocab: int
+    context_length: int
+    chat_template: bool = False
+
+
+class TopLogprob(Wire):
+    token: int
+    logprob: float
+
+
+class ShmSlot(Wire):
+    """Where one block of logits lies: `offset` bytes into POSIX shared-memory `segment` (a name under
+    /dev/shm), an array of `shape` and `dtype` (little-endian "f32"). The slot stays valid until the
+    client sends Release for it."""
+
+    segment: str
+    slot: int
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str = "f32"
+
+
+class Usage(Wire):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timings(Wire):
+    queued_ms: float = 0.0  # admitted -> first forward pass
+    prefill_ms: float = 0.0  # first forward pass -> first token
+    decode_ms: float = 0.0  # first token -> finished
+    total_ms: float = 0.0  # admitted -> finished
+
+
+# --- client -> daemon ------------------------------------------------------------------------------
+class Hello(Wire, tag="hello"):
+    id: int
+    protocol: int
+    client: str = ""  # free text for the daemon's log, e.g. "ember-sdk/0.1.0"
+
+
+class Generate(Wire, tag="generate"):
+    id: int
+    model: str = ""  # "" = the only loaded model
+    prompt: str | None = None  # exactly one of prompt, token_ids, messages
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None  # rendered with the model's chat template
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings: the text stops before the first one found
+    stop_ids: tuple[int, ...] = ()  # stop token ids (the token is reported)
+    ignore_eos: bool = False
+    return_logits: bool = False  # each step's logits through the client's shared-memory ring
+    logprobs: bool = False  # the chosen token's log-probability with each token
+    top_logprobs: int = 0  # and that many alternatives
+    logit_bias: dict[int, float] = {}
+
+
+class Cancel(Wire, tag="cancel"):
+    id: int  # the Generate to stop; cancelling an unknown or finished id does nothing
+
+
+class Release(Wire, tag="release"):
+    id: int  # the Generate whose logits these were
+    slots: tuple[int, ...]
+
+
+class Tokenize(Wire, tag="tokenize"):
+    id: int
+    text: str
+    model: str = ""
+    add_special: bool = True
+
+
+class Detokenize(Wire, tag="detokenize"):
+    id: int
+    token_ids: tuple[int, ...]
+    model: str = ""
+
+
+class ListModels(Wire, tag="list_models"):
+    id: int
+
+
+class Health(Wire, tag="health"):
+    id: int
+
+
+class Stats(Wire, tag="stats"):
+    id: int
+
+
+ClientMessage = Union[Hello, Generate, Cancel, Release, Tokenize, Detokenize, ListModels, Health, Stats]
+
+
+# --- daemon -> client ------------------------------------------------------------------------------
+class Welcome(Wire, tag="welcome"):
+    id: int
+    protocol: int
+    server: str  # "ember/<version>"
+    models: tuple[ModelInfo, ...] = ()
+
+
+class Tokens(Wire, tag="tokens"):
+    """New tokens of a Generate and the text they add (possibly "" while a UTF-8 character or a
+    possible stop string is held back; a last Tokens may carry only text)."""
+
+    id: int
+    token_ids: tuple[int, ...]
+    text: str = ""
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[TopLogprob, ...], ...] | None = None
+    logits: tuple[ShmSlot, ...] | None = None  # one per token, shape [1, vocab]
+
+
+class Finished(Wire, tag="finished"):
+    """The last frame of a Generate that started; `message` explains reason "error"."""
+
+    id: int
+    reason: str
+    usage: Usage
+    timings: Timings = Timings()
+    message: str = ""
+
+
+class Error(Wire, tag="error"):
+    """A request refused or failed before producing anything; for a Generate it ends the stream.
+    `id` is None when the message could not be read far enough to find one."""
+
+    id: int | None
+    code: str
+    message: str
+
+
+class TokenIds(Wire, tag="token_ids"):
+    id: int
+    token_ids: tuple[int, ...]
+
+
+class Text(Wire, tag="text"):
+    id: int
+    text: str
+
+
+class Models(Wire, tag="models"):
+    id: int
+    models: tuple[ModelInfo, ...]
+
+
+class HealthStatus(Wire, tag="health_status"):
+    id: int
+    status: str  # "ok" or "draining"
+    uptime_s: float
+
+
+class StatsReport(Wire, tag="stats_report"):
+    id: int
+    uptime_s: float
+    clients: int  # clients with requests or a logits ring
+    active: int  # requests being generated
+    queued: int  # admitted, waiting for the engine
+    requests_total: int
+    tokens_total: int
+    cancelled_total: int
+    busy_total: int  # Generates refused with "busy"
+    errors_total: int  # Error replies of any code
+
+
+class Ping(Wire, tag="ping"):
+    """Sent to a client with requests in flight when nothing else was sent to it for a while: a
+    liveness probe for the daemon (a vanished client makes the send fail) and a keep-alive for the
+    client's timeouts. Clients ignore it."""
+
+
+ServerMessage = Union[Welcome, Tokens, Finished, Error, TokenIds, Text, Models, HealthStatus, StatsReport, Ping]
