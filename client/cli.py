@@ -3,6 +3,7 @@
 Subcommands:
   ember run [MODEL] PROMPT   load a model in this process and stream a completion to stdout
                              (MODEL: a GGUF file or Hugging Face directory; omitted: the built-in demo)
+  ember serve, generate, chat, status    the daemon and its clients (client/daemon_commands.py)
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     run.add_argument("--device", default="cpu", help="cpu (default)")
     run.set_defaults(func=_run)
+    from ember.client.daemon_commands import add_daemon_commands
+
+    add_daemon_commands(sub)
     return parser
 
 

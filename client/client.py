@@ -1,0 +1,232 @@
+"""Client: the synchronous SDK. One ZMQ DEALER connection to the daemon; many streams may be open on it
+at once (frames are sorted by request id as they arrive). Like a ZMQ socket, a Client belongs to one
+thread: use one per thread, or AsyncClient.
+
+    with Client() as c:                            # the default socket (protocol/endpoint.py)
+        stream = c.generate("def fib(n):", max_tokens=64)
+        for chunk in stream:
+            print(chunk.text, end="")
+        print(stream.finished.reason)
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+import ember
+from ember.client.errors import DaemonUnavailable, EmberTimeout
+from ember.client.request_builder import Chunk, chunk_from, end_of_stream, expect, generate_message
+from ember.protocol.codec import Codec, ProtocolError
+from ember.protocol.endpoint import client_socket_path, ipc_address
+from ember.protocol.messages import (PROTOCOL_VERSION, Cancel, ChatMessage, Detokenize, Error, Finished, Health,
+                                     HealthStatus, Hello, ListModels, ModelInfo, Models, Ping, Release, ServerMessage,
+                                     Stats, StatsReport, Text, TokenIds, Tokenize, Tokens, Welcome, Wire)
+from ember.protocol.shm_ring import ShmRingReader
+
+
+class Client:
+    def __init__(self, socket_path: str | Path | None = None, *, timeout: float = 30.0,
+                 connect_timeout: float = 5.0) -> None:
+        """Connect and greet the daemon. `timeout`: seconds of silence from the daemon after which a
+        call raises EmberTimeout (a daemon with work for us pings us, so a slow request is not silence)."""
+        self.socket_path = Path(socket_path) if socket_path is not None else client_socket_path()
+        self.timeout = timeout
+        if not self.socket_path.exists():
+            raise DaemonUnavailable(f"no ember daemon at {self.socket_path} (start one with `ember serve`)")
+        self._codec = Codec()
+        self._ids = itertools.count(1)
+        self._inbox: dict[int, deque[ServerMessage]] = {}
+        self._abandoned: list[tuple[int, list[int]]] = []  # streams dropped unfinished: cancel them
+        self._heard = time.monotonic()
+        self._reader = ShmRingReader()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing into a connection that does not exist
+        self._sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
+        self._sock.connect(ipc_address(self.socket_path))
+        try:
+            welcome = self._call(Hello(self._next_id(), PROTOCOL_VERSION, f"ember-sdk/{ember.__version__}"),
+                                 Welcome, connect_timeout)
+        except EmberTimeout:
+            self.close()
+            raise DaemonUnavailable(f"no answer from an ember daemon at {self.socket_path} "
+                                    f"within {connect_timeout:g} s") from None
+        except BaseException:
+            self.close()
+            raise
+        self.server: str = welcome.server
+        self.welcome_models: tuple[ModelInfo, ...] = welcome.models
+
+    # --- requests ----------------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], **options: Any) -> Stream:
+        """Start a completion of `prompt` (text or token ids); options as request_builder.generate_message
+        (model, max_tokens, temperature, top_k, top_p, min_p, seed, stop, stop_ids, return_logits, ...)."""
+        return self._start(generate_message(self._next_id(), prompt, **options), options.get("return_logits", False))
+
+    def chat(self, messages: Sequence[Mapping[str, str] | ChatMessage], **options: Any) -> Stream:
+        """Start the assistant's reply to `messages` ([{"role": ..., "content": ...}]), rendered by the
+        model's chat template."""
+        return self._start(generate_message(self._next_id(), messages=messages, **options),
+                           options.get("return_logits", False))
+
+    def tokenize(self, text: str, *, model: str | None = None, add_special: bool = True) -> list[int]:
+        return list(self._call(Tokenize(self._next_id(), text, model or "", add_special), TokenIds).token_ids)
+
+    def detokenize(self, token_ids: Sequence[int], *, model: str | None = None) -> str:
+        return self._call(Detokenize(self._next_id(), tuple(int(t) for t in token_ids), model or ""), Text).text
+
+    def models(self) -> list[ModelInfo]:
+        return list(self._call(ListModels(self._next_id()), Models).models)
+
+    def health(self) -> HealthStatus:
+        return self._call(Health(self._next_id()), HealthStatus)
+
+    def stats(self) -> StatsReport:
+        return self._call(Stats(self._next_id()), StatsReport)
+
+    def close(self) -> None:
+        if not self._sock.closed:
+            self._sock.close(linger=0)
+            self._ctx.term()
+        self._reader.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- plumbing ----------------------------------------------------------------------------------
+    def _next_id(self) -> int:
+        return next(self._ids)
+
+    def _start(self, message: Any, return_logits: bool) -> Stream:
+        self._inbox[message.id] = deque()
+        self._send(message)
+        return Stream(self, message.id)
+
+    def _call(self, message: Any, kind: type[Any], timeout: float | None = None) -> Any:
+        self._inbox[message.id] = deque()
+        try:
+            self._send(message)
+            return expect(self._next_for(message.id, timeout), kind)
+        finally:
+            self._inbox.pop(message.id, None)
+
+    def _send(self, message: Wire) -> None:
+        self._cancel_abandoned()
+        try:
+            self._sock.send(self._codec.encode(message))
+        except zmq.Again:
+            raise EmberTimeout(f"the daemon at {self.socket_path} takes no messages") from None
+
+    def _next_for(self, request_id: int, timeout: float | None = None) -> ServerMessage:
+        """The next frame for `request_id`, reading (and sorting) whatever arrives meanwhile."""
+        timeout = self.timeout if timeout is None else timeout
+        queue = self._inbox[request_id]
+        since = time.monotonic()
+        while not queue:
+            left = timeout - (time.monotonic() - max(since, self._heard))
+            if left <= 0:
+                raise EmberTimeout(f"nothing from the daemon at {self.socket_path} for {timeout:g} s")
+            if self._sock.poll(left * 1000, zmq.POLLIN):
+                self._read_available()
+        return queue.popleft()
+
+    def _read_available(self) -> None:
+        while True:
+            try:
+                payload = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._heard = time.monotonic()
+            try:
+                message = self._codec.decode_server(payload)
+            except ProtocolError:
+                continue  # a newer daemon's message type: not for us
+            if isinstance(message, Ping):
+                continue
+            queue = self._inbox.get(message.id) if message.id is not None else None
+            if queue is not None:
+                queue.append(message)
+
+    def _finish_stream(self, request_id: int) -> None:
+        self._inbox.pop(request_id, None)
+
+    def _release(self, request_id: int, slots: list[int]) -> None:
+        if slots and not self._sock.closed:
+            self._send(Release(request_id, tuple(slots)))
+
+    def _abandon(self, request_id: int, slots: list[int]) -> None:
+        """A Stream was dropped unfinished (from __del__: no socket calls here)."""
+        self._abandoned.append((request_id, slots))
+
+    def _cancel_abandoned(self) -> None:
+        while self._abandoned:
+            request_id, slots = self._abandoned.pop()
+            self._inbox.pop(request_id, None)
+            self._sock.send(self._codec.encode(Cancel(request_id)))
+            if slots:
+                self._sock.send(self._codec.encode(Release(request_id, tuple(slots))))
+
+
+class Stream:
+    """Chunks of one generation, as they are produced. After the last, `finished` is the Finished
+    message (reason, usage, timings). Iterating raises the typed error if the daemon refused the
+    request, and GenerationFailed if it failed midway."""
+
+    def __init__(self, client: Client, request_id: int) -> None:
+        self._client = client
+        self.id = request_id
+        self.finished: Finished | None = None
+        self._held: list[int] = []  # logits slots of the chunk handed out last
+        self._done = False
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Chunk:
+        self._release_held()
+        if self._done:
+            raise StopIteration
+        reply = self._client._next_for(self.id)
+        if isinstance(reply, Tokens):
+            self._held = [slot.slot for slot in reply.logits or ()]
+            return chunk_from(reply, self._client._reader)
+        self._done = True
+        self._client._finish_stream(self.id)
+        if isinstance(reply, Finished):
+            self.finished = reply
+        end_of_stream(reply if isinstance(reply, (Finished, Error)) else Error(self.id, "bad_message", repr(reply)))
+        raise StopIteration
+
+    def text(self) -> str:
+        """Read the rest of the stream; return its text."""
+        return "".join(chunk.text for chunk in self)
+
+    def cancel(self) -> None:
+        """Ask the daemon to stop; the stream then ends with Finished(reason="cancelled") (or the reason
+        it reached first). Harmless after the end."""
+        if not self._done:
+            self._client._send(Cancel(self.id))
+
+    def close(self) -> None:
+        """Cancel and read to the end, so nothing of this stream is left in flight."""
+        self.cancel()
+        for _ in self:
+            pass
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            self._client._abandon(self.id, self._held)
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, []
+        self._client._release(self.id, held)

@@ -1,0 +1,136 @@
+"""The `ember` subcommands that involve the daemon:
+
+  ember serve [--model PATH ...] [--config FILE] [--socket PATH] [--device cpu|cuda:N]
+  ember generate PROMPT [--model NAME] [sampling options]     stream a completion from the daemon
+  ember chat [--model NAME] [--system TEXT]                    an interactive chat with the daemon
+  ember status                                                 health, models and counters
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def add_daemon_commands(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="run the daemon: load models, serve clients on a Unix socket",
+                           description="Run the ember daemon (no --model: the built-in demo model).")
+    serve.add_argument("--model", action="append", metavar="PATH", help="a model to serve (repeatable)")
+    serve.add_argument("--config", metavar="FILE", help="TOML configuration (default: $EMBER_CONFIG, /etc/ember/ember.toml)")
+    serve.add_argument("--socket", metavar="PATH", help="Unix socket to serve on")
+    serve.add_argument("--device", help="cpu or cuda:N")
+    serve.add_argument("--log-format", choices=("auto", "json", "console"))
+    serve.set_defaults(func=_serve)
+
+    for name, helptext in (("generate", "stream a completion from the daemon"), ("chat", "chat with a model through the daemon")):
+        p = sub.add_parser(name, help=helptext)
+        if name == "generate":
+            p.add_argument("prompt", help="the prompt text")
+        else:
+            p.add_argument("--system", help="a system message to start the chat with")
+        p.add_argument("--model", help="model name (default: the only one loaded)")
+        p.add_argument("--socket", metavar="PATH", help="the daemon's socket (default: the usual places)")
+        p.add_argument("--max-tokens", type=int, default=256)
+        p.add_argument("--temperature", type=float, default=0.0 if name == "generate" else 0.7)
+        p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--min-p", type=float, default=0.0)
+        p.add_argument("--seed", type=int)
+        p.add_argument("--stop", action="append", help="stop string (repeatable)")
+        p.set_defaults(func=_generate if name == "generate" else _chat)
+
+    status = sub.add_parser("status", help="ask a running daemon how it is")
+    status.add_argument("--socket", metavar="PATH")
+    status.set_defaults(func=_status)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ember.daemon.config import load_config
+    from ember.daemon.serve import serve
+    from ember.daemon.socket_dir import SocketInUse
+
+    flags = {"models": args.model, "server.socket": args.socket, "engine.device": args.device,
+             "server.log_format": args.log_format}
+    try:
+        return serve(load_config(args.config, flags=flags))
+    except SocketInUse as e:
+        print(f"ember: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(model=args.model, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from ember.client.client import Client
+    from ember.client.errors import EmberError
+
+    try:
+        with Client(args.socket) as client:
+            stream = client.generate(args.prompt, **_options(args))
+            sys.stdout.write(args.prompt)
+            try:
+                for chunk in stream:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                stream.close()
+                raise
+            sys.stdout.write("\n")
+    except EmberError as e:
+        print(f"ember: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from ember.client.client import Client
+    from ember.client.errors import EmberError
+
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    try:
+        with Client(args.socket) as client:
+            print(f"{client.server} — an empty line or Ctrl-D ends the chat", file=sys.stderr)
+            while True:
+                try:
+                    line = input("> ")
+                except EOFError:
+                    break
+                if not line.strip():
+                    break
+                history.append({"role": "user", "content": line})
+                stream = client.chat(history, **_options(args))
+                reply = []
+                try:
+                    for chunk in stream:
+                        reply.append(chunk.text)
+                        sys.stdout.write(chunk.text)
+                        sys.stdout.flush()
+                except KeyboardInterrupt:  # stop this answer, keep the chat
+                    stream.close()
+                sys.stdout.write("\n")
+                history.append({"role": "assistant", "content": "".join(reply)})
+    except EmberError as e:
+        print(f"ember: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from ember.client.client import Client
+    from ember.client.errors import EmberError
+
+    try:
+        with Client(args.socket, timeout=5.0) as client:
+            health, stats, models = client.health(), client.stats(), client.models()
+    except EmberError as e:
+        print(f"ember: error: {e}", file=sys.stderr)
+        return 1
+    print(f"{client.server} at {client.socket_path}: {health.status}, up {health.uptime_s:.0f} s")
+    for m in models:
+        print(f"  model {m.name}: {m.arch}, vocab {m.vocab}, context {m.context_length}")
+    print(f"  requests: {stats.active} active, {stats.queued} queued, {stats.requests_total} total, "
+          f"{stats.tokens_total} tokens, {stats.cancelled_total} cancelled, {stats.busy_total} refused busy")
+    return 0

@@ -1,0 +1,112 @@
+"""Request: the daemon's own, mutable record of one Generate, built from a validated message.
+
+The wire message is read once, here (cheap checks only: the I/O loop calls this); the prompt is
+tokenized or rendered later by the engine thread, which also owns every field below the line.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ember.daemon.logging_setup import get_logger
+from ember.daemon.runtime import Model
+from ember.daemon.solo_decode import SoloDecode
+from ember.daemon.stop_strings import StopStrings
+from ember.daemon.tokenizer import StreamDecoder
+from ember.kernels.sampling import SamplingParams
+from ember.protocol.limits import Limits, LimitExceeded
+from ember.protocol.messages import ErrorCode, Generate
+
+
+class RequestError(ValueError):
+    """A request the daemon refuses; `code` is the Error code the client gets."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(eq=False)
+class Request:
+    client: bytes  # the ZMQ identity of the connection that sent it
+    id: int  # the client's id for it
+    model: Model
+    model_name: str
+    prompt_text: str | None
+    prompt_ids: list[int] | None
+    messages: list[dict[str, str]] | None
+    max_tokens: int
+    params: SamplingParams
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_ids: tuple[int, ...]
+    ignore_eos: bool
+    return_logits: bool
+    logprobs: bool
+    admitted: float = field(default_factory=time.perf_counter)
+    # --- engine thread only -------------------------------------------------------------------------
+    decode: SoloDecode | None = None
+    text: StreamDecoder | None = None
+    stops: StopStrings | None = None
+    started: float | None = None  # first forward pass
+    first_token: float | None = None
+    completion_tokens: int = 0
+
+    @property
+    def key(self) -> tuple[bytes, int]:
+        return (self.client, self.id)
+
+    @property
+    def rid(self) -> str:
+        """The request id in logs: the connection and the client's id."""
+        return f"{self.client.hex()}:{self.id}"
+
+    def __post_init__(self) -> None:
+        self.log = get_logger(req=self.rid, model=self.model_name)
+
+
+def resolve_model(name: str, models: Mapping[str, Model]) -> tuple[str, Model]:
+    if name:
+        if name not in models:
+            raise RequestError(ErrorCode.UNKNOWN_MODEL, f"no model named {name!r} (loaded: {', '.join(models)})")
+        return name, models[name]
+    if len(models) != 1:
+        raise RequestError(ErrorCode.UNKNOWN_MODEL, f"several models are loaded ({', '.join(models)}): name one")
+    return next(iter(models.items()))
+
+
+def request_from_generate(client: bytes, msg: Generate, models: Mapping[str, Model], limits: Limits) -> Request:
+    """Validate `msg` and build its Request; RequestError says what is wrong."""
+    try:
+        limits.check_generate(msg)
+    except LimitExceeded as e:
+        raise RequestError(ErrorCode.LIMIT, str(e)) from None
+    name, model = resolve_model(msg.model, models)
+    given = [x is not None for x in (msg.prompt, msg.token_ids, msg.messages)]
+    if sum(given) != 1:
+        raise RequestError(ErrorCode.BAD_REQUEST, "give exactly one of prompt, token_ids and messages")
+    if msg.max_tokens < 0:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"max_tokens must be >= 0, got {msg.max_tokens}")
+    vocab = model.config.vocab
+    for what, ids in (("token_ids", msg.token_ids or ()), ("stop_ids", msg.stop_ids), ("logit_bias", msg.logit_bias)):
+        if any(not 0 <= int(i) < vocab for i in ids):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"{what}: token ids must be in [0, {vocab})")
+    if msg.seed is not None and not 0 <= msg.seed < 2**64:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"seed must be in [0, 2**64), got {msg.seed}")
+    try:
+        params = SamplingParams(
+            temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
+            repetition_penalty=msg.repetition_penalty, frequency_penalty=msg.frequency_penalty,
+            presence_penalty=msg.presence_penalty, logit_bias=dict(msg.logit_bias),
+            logprobs=msg.top_logprobs,
+        )
+    except ValueError as e:
+        raise RequestError(ErrorCode.BAD_REQUEST, str(e)) from None
+    return Request(
+        client=client, id=msg.id, model=model, model_name=name, prompt_text=msg.prompt,
+        prompt_ids=list(msg.token_ids) if msg.token_ids is not None else None,
+        messages=[{"role": m.role, "content": m.content} for m in msg.messages] if msg.messages is not None else None,
+        max_tokens=msg.max_tokens, params=params, seed=msg.seed, stop=msg.stop, stop_ids=msg.stop_ids,
+        ignore_eos=msg.ignore_eos, return_logits=msg.return_logits, logprobs=msg.logprobs or msg.top_logprobs > 0,
+    )

@@ -1,0 +1,313 @@
+"""Server: the daemon's I/O loop (asyncio on uvloop) around a ZMQ ROUTER socket on a Unix socket.
+
+It reads one message per frame, validates it, answers small requests itself, hands Generates to the
+engine and streams the engine's frames back through the Outbox. It never runs model code (tokenize
+and detokenize go to a helper thread) and it answers every bad message with an Error, whatever the
+bytes. Admission is decided here, at once: a full queue is Error{code: "busy"}, never a wait.
+
+Shutdown (SIGTERM/SIGINT): STOPPING=1, new Generates are refused with "shutting_down", the engine
+drains in-flight requests for `drain_timeout` and cancels the rest (every stream gets its Finished),
+the backlogs are flushed, the socket is closed and unlinked, and run() returns.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+import ember
+from ember.daemon.config import Config
+from ember.daemon.engine import Engine, Output
+from ember.daemon.logging_setup import get_logger
+from ember.daemon.notify import Notifier
+from ember.daemon.outbox import Outbox
+from ember.daemon.peers import Peer, Peers
+from ember.daemon.request import RequestError, request_from_generate, resolve_model
+from ember.daemon.runtime import Model
+from ember.protocol.codec import Codec, ProtocolError
+from ember.protocol.endpoint import ipc_address
+from ember.protocol.messages import (PROTOCOL_VERSION, Cancel, Detokenize, Error, ErrorCode, Finished,
+                                     FinishReason, Generate, Health, HealthStatus, Hello, ListModels, ModelInfo,
+                                     Models, Release, ServerMessage, Stats, StatsReport, Text, TokenIds, Tokenize,
+                                     Tokens, Welcome)
+
+_FLUSH_GRACE = 2.0  # seconds at shutdown to deliver what clients have not read yet
+_LINGER_MS = 1000
+
+
+class Server:
+    def __init__(self, config: Config, models: Mapping[str, Model], socket_path: Path, notifier: Notifier,
+                 make_engine: Callable[[Callable[[list[Output]], None], Callable[[], None]], Engine]) -> None:
+        self._config, self._models, self._path, self._notifier = config, models, socket_path, notifier
+        self._limits = config.limits
+        self._make_engine = make_engine
+        self._codec = Codec()
+        self._peers = Peers()
+        self._helpers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-tokenize")
+        self._started = time.monotonic()
+        self._draining = False
+        self._in_flight = 0
+        self._counters = dict(requests=0, tokens=0, cancelled=0, busy=0, errors=0)
+        self._model_infos = tuple(_model_info(name, m) for name, m in models.items())
+        self._handlers: dict[type, Callable[[bytes, Any], None]] = {
+            Hello: self._hello, Generate: self._generate, Cancel: self._cancel, Release: self._release,
+            Tokenize: self._tokenize, Detokenize: self._detokenize, ListModels: self._list_models,
+            Health: self._health, Stats: self._stats,
+        }
+        self.log = get_logger()
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        engine_stopped = asyncio.Event()
+        self._engine = self._make_engine(lambda outs: _call_soon(loop, self._on_outputs, outs),
+                                         lambda: _call_soon(loop, engine_stopped.set))
+        ctx = zmq.asyncio.Context()
+        self._sock = self._bind(ctx)
+        self._outbox = Outbox(self._sock, self._codec, self._peers, on_dead=self._peer_died,
+                              set_paused=self._engine.set_paused)
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.shutdown)
+        self._engine.start()
+        tasks = [asyncio.create_task(c) for c in (self._receive(), self._probe(), self._watch(monitor))]
+        self._notifier.ready(f"serving {', '.join(self._models)} on {self._path}")
+        self.log.info("serving", socket=str(self._path), models=list(self._models), pid=os.getpid())
+        try:
+            await engine_stopped.wait()
+            await self._flush_backlogs()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._outbox.close()
+            self._sock.disable_monitor()
+            monitor.close(linger=0)
+            self._sock.close(linger=_LINGER_MS)
+            ctx.term()
+            self._helpers.shutdown(wait=False, cancel_futures=True)
+            self._unlink_socket()
+            self.log.info("stopped")
+
+    def shutdown(self) -> None:
+        """SIGTERM: finish or cancel in-flight work, then stop (run() returns)."""
+        if self._draining:
+            return
+        self._draining = True
+        drain = self._config.server.drain_timeout
+        self._notifier.stopping(f"draining {self._in_flight} requests (at most {drain:g} s)")
+        self.log.info("shutting down", in_flight=self._in_flight, drain_timeout=drain)
+        self._engine.shutdown(drain)
+
+    def _bind(self, ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable -> EHOSTUNREACH, full -> EAGAIN: never a silent drop
+        sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_message_bytes)  # bigger: libzmq drops the connection
+        sock.setsockopt(zmq.RCVHWM, 100)  # bounds what one connection can queue towards us
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # a peer that hangs without closing is dropped by libzmq
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        sock.bind(ipc_address(self._path))
+        if self._config.server.socket_group:  # the directory lets the group in; the socket must too
+            os.chmod(self._path, 0o660)
+        return sock
+
+    async def _flush_backlogs(self) -> None:
+        deadline = time.monotonic() + _FLUSH_GRACE
+        while self._outbox.backlogged and time.monotonic() < deadline:
+            self._outbox.flush()
+            await asyncio.sleep(0.01)
+
+    def _unlink_socket(self) -> None:
+        try:
+            self._path.unlink()
+        except FileNotFoundError:
+            pass  # libzmq removed it when the socket closed
+
+    # --- receiving -------------------------------------------------------------------------------
+    async def _receive(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                self._dispatch(frames)
+            except Exception:  # a bug in a handler must not take the daemon down
+                self.log.exception("handler failed")
+                self._reply(frames[0], Error(None, ErrorCode.INTERNAL, "internal error"))
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        if len(frames) != 2:
+            return self._reply(identity, Error(None, ErrorCode.BAD_MESSAGE, f"one message per frame, got {len(frames) - 1} frames"))
+        try:
+            message = self._codec.decode_client(frames[1])
+        except ProtocolError as e:
+            return self._reply(identity, Error(e.request_id, e.code, str(e)))
+        self._handlers[type(message)](identity, message)
+
+    def _reply(self, identity: bytes, message: ServerMessage) -> None:
+        if isinstance(message, Error):
+            self._counters["errors"] += 1
+        self._outbox.send(identity, message, stream=False)
+
+    # --- handlers ----------------------------------------------------------------------------------
+    def _hello(self, identity: bytes, msg: Hello) -> None:
+        if msg.protocol != PROTOCOL_VERSION:
+            return self._reply(identity, Error(msg.id, ErrorCode.VERSION,
+                                               f"this daemon speaks protocol {PROTOCOL_VERSION}, the client {msg.protocol}"))
+        self.log.debug("hello", client=identity.hex(), name=msg.client[:100])
+        self._reply(identity, Welcome(msg.id, PROTOCOL_VERSION, f"ember/{ember.__version__}", self._model_infos))
+
+    def _generate(self, identity: bytes, msg: Generate) -> None:
+        peer = self._peers.get(identity)
+        refusal = self._admission(peer, msg)
+        if refusal is None:
+            try:
+                request = request_from_generate(identity, msg, self._models, self._limits)
+            except RequestError as e:
+                refusal = Error(msg.id, e.code, str(e))
+        if refusal is not None:
+            return self._reply(identity, refusal)
+        peer = self._peers.get_or_add(identity)
+        peer.requests.add(msg.id)
+        self._in_flight += 1
+        self._counters["requests"] += 1
+        request.log.info("request admitted", client=peer.name, in_flight=self._in_flight)
+        self._engine.submit(request)
+
+    def _admission(self, peer: Peer | None, msg: Generate) -> Error | None:
+        if self._draining:
+            return Error(msg.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        if peer is not None and msg.id in peer.requests:
+            return Error(msg.id, ErrorCode.DUPLICATE_ID, f"request {msg.id} is still running")
+        if peer is not None and len(peer.requests) >= self._limits.max_requests_per_client:
+            return Error(msg.id, ErrorCode.LIMIT,
+                         f"at most {self._limits.max_requests_per_client} requests in flight per client")
+        if self._in_flight >= self._config.engine.max_active + self._config.engine.max_queued:
+            self._counters["busy"] += 1
+            return Error(msg.id, ErrorCode.BUSY, f"the queue is full ({self._in_flight} requests): retry later")
+        return None
+
+    def _cancel(self, identity: bytes, msg: Cancel) -> None:
+        peer = self._peers.get(identity)
+        if peer is not None and msg.id in peer.requests:
+            self._engine.cancel(identity, msg.id)
+
+    def _release(self, identity: bytes, msg: Release) -> None:
+        peer = self._peers.get(identity)
+        if peer is not None and peer.has_ring and len(msg.slots) <= self._config.server.logits_slots:
+            self._engine.release(identity, msg.slots)
+
+    def _tokenize(self, identity: bytes, msg: Tokenize) -> None:
+        def work() -> ServerMessage:
+            _, model = resolve_model(msg.model, self._models)
+            return TokenIds(msg.id, tuple(model.tokenize(msg.text, add_special=msg.add_special)))
+        self._helper(identity, msg.id, work)
+
+    def _detokenize(self, identity: bytes, msg: Detokenize) -> None:
+        def work() -> ServerMessage:
+            _, model = resolve_model(msg.model, self._models)
+            if any(not 0 <= t < model.config.vocab for t in msg.token_ids):
+                raise ValueError(f"token ids must be in [0, {model.config.vocab})")
+            return Text(msg.id, model.detokenize(msg.token_ids))
+        self._helper(identity, msg.id, work)
+
+    def _helper(self, identity: bytes, request_id: int, work: Callable[[], ServerMessage]) -> None:
+        """Run tokenizer work off the loop; bounded per client like Generates."""
+        peer = self._peers.get_or_add(identity)
+        if peer.helpers >= self._limits.max_requests_per_client:
+            self._peers.forget_if_idle(peer)
+            return self._reply(identity, Error(request_id, ErrorCode.LIMIT, "too many tokenizer requests in flight"))
+        peer.helpers += 1
+
+        def done(future: asyncio.Future[ServerMessage]) -> None:
+            peer.helpers -= 1
+            try:
+                reply = future.result()
+            except RequestError as e:
+                reply = Error(request_id, e.code, str(e))
+            except ValueError as e:
+                reply = Error(request_id, ErrorCode.BAD_REQUEST, str(e))
+            self._reply(identity, reply)
+            self._peers.forget_if_idle(peer)
+
+        asyncio.get_running_loop().run_in_executor(self._helpers, work).add_done_callback(done)
+
+    def _list_models(self, identity: bytes, msg: ListModels) -> None:
+        self._reply(identity, Models(msg.id, self._model_infos))
+
+    def _health(self, identity: bytes, msg: Health) -> None:
+        self._reply(identity, HealthStatus(msg.id, "draining" if self._draining else "ok", self._uptime()))
+
+    def _stats(self, identity: bytes, msg: Stats) -> None:
+        c = self._counters
+        self._reply(identity, StatsReport(
+            msg.id, self._uptime(), clients=len(self._peers), active=self._engine.active_count,
+            queued=self._engine.queued_count, requests_total=c["requests"], tokens_total=c["tokens"],
+            cancelled_total=c["cancelled"], busy_total=c["busy"], errors_total=c["errors"]))
+
+    # --- engine output and peers -------------------------------------------------------------------
+    def _on_outputs(self, outputs: list[Output]) -> None:
+        for identity, message in outputs:
+            peer = self._peers.get(identity)
+            if isinstance(message, Tokens):
+                self._counters["tokens"] += len(message.token_ids)
+                if message.logits and peer is not None:
+                    peer.has_ring = True
+            elif isinstance(message, (Finished, Error)):
+                self._in_flight -= 1
+                if isinstance(message, Error):
+                    self._counters["errors"] += 1
+                elif message.reason == FinishReason.CANCELLED:
+                    self._counters["cancelled"] += 1
+                if peer is not None:
+                    peer.requests.discard(message.id)
+            self._outbox.send(identity, message, stream=True)
+            if peer is not None:
+                self._peers.forget_if_idle(peer)
+
+    def _peer_died(self, peer: Peer) -> None:
+        self.log.info("client gone: cancelling its requests", client=peer.name, requests=len(peer.requests))
+        self._engine.drop_client(peer.identity)
+        peer.has_ring = False
+        self._peers.forget_if_idle(peer)
+
+    async def _probe(self) -> None:
+        interval = self._config.server.probe_interval
+        while True:
+            await asyncio.sleep(interval)
+            self._outbox.probe(quiet_for=interval)
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """A disconnection: probe every peer now, and again shortly (libzmq may still be tearing the
+        pipe down when the event arrives, and a probe into a dying pipe succeeds)."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._outbox.probe()
+                for delay in (0.05, 0.25):
+                    asyncio.get_running_loop().call_later(delay, self._outbox.probe)
+
+    def _uptime(self) -> float:
+        return round(time.monotonic() - self._started, 3)
+
+
+def _model_info(name: str, model: Model) -> ModelInfo:
+    c = model.config
+    return ModelInfo(name, c.arch, c.vocab, c.context_length, model.tokenizer.chat_template is not None)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nobody is left to tell
+        pass
