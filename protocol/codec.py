@@ -2,7 +2,8 @@
 
 Decoding never raises anything but ProtocolError, whatever the bytes: msgspec validates types while it
 decodes (no intermediate Python objects for hostile input to abuse), its own recursion guard stops
-deep nesting, and nothing is ever unpickled.
+deep nesting, and nothing is ever unpickled. Besides its own errors msgspec lets through
+UnicodeDecodeError (bad UTF-8 in a string) and RecursionError, so every Exception is caught.
 """
 from __future__ import annotations
 
@@ -52,19 +53,19 @@ class Codec:
         """A client's message, or ProtocolError (with the request id when one can be found)."""
         try:
             return self._client.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, MemoryError) as e:
+        except Exception as e:  # see the module docstring
             raise ProtocolError(_detail(e), self._request_id(data)) from None
 
     def decode_server(self, data: bytes | memoryview) -> ServerMessage:
         try:
             return self._server.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, MemoryError) as e:
+        except Exception as e:  # see the module docstring
             raise ProtocolError(_detail(e)) from None
 
     def _request_id(self, data: bytes | memoryview) -> int | None:
         try:
             return int(self._client_head.decode(data).id)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, MemoryError):
+        except Exception:
             return None
 
 
