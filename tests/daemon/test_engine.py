@@ -1,0 +1,160 @@
+"""The engine thread, in process: fed by commands, observed through what it publishes."""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from ember.daemon.engine import Engine, Output
+from ember.daemon.request import Request, request_from_generate
+from ember.protocol.limits import Limits
+from ember.protocol.messages import Error, Finished, Generate, Tokens
+from ember.protocol.shm_ring import ShmRing, ShmRingReader
+
+WAIT = 30.0  # seconds: a bound for a hung engine, never a pacing
+
+
+class Harness:
+    def __init__(self, model, max_active: int = 2, slots: int = 2) -> None:  # type: ignore[no-untyped-def]
+        self.model = model
+        self.outputs: queue.Queue[Output] = queue.Queue()
+        self.stopped = threading.Event()
+        self.rings: list[ShmRing] = []
+
+        def new_ring() -> ShmRing:
+            self.rings.append(ShmRing.create(slots, model.config.vocab * 4))
+            return self.rings[-1]
+
+        self.engine = Engine(max_active=max_active, limits=Limits(max_prompt_tokens=64), publish=self._publish,
+                             on_stopped=self.stopped.set, new_ring=new_ring)
+        self.engine.start()
+
+    def _publish(self, outputs: list[Output]) -> None:
+        for o in outputs:
+            self.outputs.put(o)
+
+    def request(self, client: bytes, msg: Generate) -> Request:
+        r = request_from_generate(client, msg, {"demo": self.model}, Limits())
+        self.engine.submit(r)
+        return r
+
+    def next(self) -> Output:
+        return self.outputs.get(timeout=WAIT)
+
+    def until_finished(self, count: int) -> dict[tuple[bytes, int], list[object]]:
+        frames: dict[tuple[bytes, int], list[object]] = {}
+        done = 0
+        while done < count:
+            client, message = self.next()
+            frames.setdefault((client, message.id), []).append(message)
+            done += isinstance(message, (Finished, Error))
+        return frames
+
+    def stop(self) -> None:
+        self.engine.shutdown(0.0)
+        assert self.stopped.wait(WAIT)
+
+
+@pytest.fixture
+def harness(demo_model) -> Iterator[Harness]:  # type: ignore[no-untyped-def]
+    h = Harness(demo_model)
+    yield h
+    h.stop()
+
+
+def tokens_of(frames: list[object]) -> list[int]:
+    return [t for f in frames if isinstance(f, Tokens) for t in f.token_ids]
+
+
+def test_interleaved_requests_each_equal_model_generate(harness: Harness, demo_model) -> None:  # type: ignore[no-untyped-def]
+    prompts = ["def f(x):", "import numpy as np\n", "class A:"]
+    for i, p in enumerate(prompts):
+        harness.request(b"c", Generate(i, prompt=p, max_tokens=15, temperature=0.8, seed=i))
+    frames = harness.until_finished(3)
+    for i, p in enumerate(prompts):
+        expected = list(demo_model.generate(p, max_tokens=15, temperature=0.8, seed=i))
+        got = frames[(b"c", i)]
+        assert tokens_of(got) == expected
+        assert "".join(f.text for f in got if isinstance(f, Tokens)) == demo_model.detokenize(expected)
+        assert isinstance(got[-1], Finished) and got[-1].usage.completion_tokens == len(expected)
+
+
+def test_cancel_stops_within_a_step_and_queued_requests_never_run(demo_model) -> None:  # type: ignore[no-untyped-def]
+    h = Harness(demo_model, max_active=1)
+    h.request(b"a", Generate(1, prompt="x", max_tokens=4000, ignore_eos=True))
+    h.request(b"b", Generate(2, prompt="y", max_tokens=4000, ignore_eos=True))  # queued behind a:1
+    client, first = h.next()
+    assert (client, first.id) == (b"a", 1) and isinstance(first, Tokens)
+    h.engine.drop_client(b"b")  # gone before it started
+    h.engine.cancel(b"a", 1)
+    frames = h.until_finished(2)
+    assert frames[(b"b", 2)] == [frames[(b"b", 2)][0]] and frames[(b"b", 2)][0].reason == "cancelled"
+    a = frames[(b"a", 1)]
+    assert a[-1].reason == "cancelled" and len(tokens_of(a)) <= 2  # the step in progress, at most
+    h.stop()
+
+
+def test_paused_client_waits_and_resumes(harness: Harness) -> None:
+    harness.engine.set_paused(b"p", True)
+    harness.request(b"p", Generate(1, prompt="x", max_tokens=5, ignore_eos=True))
+    harness.request(b"q", Generate(2, prompt="x", max_tokens=5, ignore_eos=True))
+    frames = harness.until_finished(1)
+    assert list(frames) == [(b"q", 2)]  # p's request made no progress meanwhile
+    harness.engine.set_paused(b"p", False)
+    assert len(tokens_of(harness.until_finished(1)[(b"p", 1)])) == 5
+
+
+def test_full_logits_ring_pauses_until_release(harness: Harness, demo_model) -> None:  # type: ignore[no-untyped-def]
+    harness.request(b"r", Generate(1, prompt="def f(x):", max_tokens=6, return_logits=True))
+    reader, got, rows = ShmRingReader(), [], []
+    while not got or not isinstance(got[-1][1], Finished):
+        try:
+            got.append(harness.outputs.get(timeout=0.5 if len(got) >= 2 else WAIT))
+        except queue.Empty:  # two slots held: the engine must be waiting for us
+            assert len(got) == 2 and harness.rings[0].free_slots == 0
+            for _, t in got:
+                rows.append(reader.view(t.logits[0]).copy())
+                harness.engine.release(b"r", [t.logits[0].slot])
+            got.clear()
+            continue
+        if isinstance(got[-1][1], Tokens) and len(got) > 2:
+            pytest.fail("a third frame while two slots were held")
+    rows += [reader.view(t.logits[0]).copy() for _, t in got if isinstance(t, Tokens)]
+    tokens = list(demo_model.generate("def f(x):", max_tokens=6))
+    assert [int(np.argmax(r)) for r in rows] == tokens
+
+
+def test_bad_prompts_are_errors_not_crashes(harness: Harness) -> None:
+    harness.request(b"e", Generate(1, token_ids=tuple(range(65))))  # over max_prompt_tokens
+    harness.request(b"e", Generate(2, prompt=""))
+    harness.request(b"e", Generate(3, messages=()))
+    frames = harness.until_finished(3)
+    assert [frames[(b"e", i)][0].code for i in (1, 2, 3)] == ["limit", "bad_request", "bad_request"]
+    harness.request(b"e", Generate(4, prompt="x", max_tokens=2))  # and the engine goes on
+    assert isinstance(harness.until_finished(1)[(b"e", 4)][-1], Finished)
+
+
+def test_stop_string_cuts_text_and_finishes(harness: Harness, demo_model) -> None:  # type: ignore[no-untyped-def]
+    full = demo_model.detokenize(list(demo_model.generate("def fibonacci(n):", max_tokens=30)))
+    stop = full[12:16]
+    harness.request(b"s", Generate(1, prompt="def fibonacci(n):", max_tokens=30, stop=(stop,), logprobs=True, top_logprobs=2))
+    frames = harness.until_finished(1)[(b"s", 1)]
+    assert "".join(f.text for f in frames if isinstance(f, Tokens)) == full[: full.index(stop)]
+    assert frames[-1].reason == "stop"
+    t = next(f for f in frames if isinstance(f, Tokens))
+    assert len(t.logprobs) == 1 and len(t.top_logprobs[0]) == 2 and t.top_logprobs[0][0].token == t.token_ids[0]
+
+
+def test_shutdown_drains_then_cancels_at_the_deadline(demo_model) -> None:  # type: ignore[no-untyped-def]
+    h = Harness(demo_model)
+    h.request(b"d", Generate(1, prompt="x", max_tokens=3))
+    h.request(b"d", Generate(2, prompt="x", max_tokens=4000, ignore_eos=True))
+    h.next()
+    h.engine.shutdown(0.3)
+    frames = h.until_finished(2)
+    assert frames[(b"d", 1)][-1].reason == "length"  # finished within the drain
+    assert frames[(b"d", 2)][-1].reason == "cancelled"  # cut at the deadline
+    assert h.stopped.wait(WAIT)
