@@ -1,0 +1,154 @@
+"""End to end: a real `ember serve` process on a temporary socket, the demo model, the SDKs."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ember.client import AsyncClient, Client
+from ember.client.errors import BadRequest, Busy, LimitExceeded, UnknownModel
+from ember.daemon.solo_decode import SoloDecode
+from ember.kernels.sampling import SamplingParams
+
+PROMPT = "def fibonacci(n):"
+
+
+def expected_tokens(model, prompt: str, **options) -> list[int]:  # type: ignore[no-untyped-def]
+    return list(model.generate(prompt, **options))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("options", [
+    {"max_tokens": 40},
+    {"max_tokens": 40, "temperature": 0.9, "top_p": 0.95, "seed": 1234},
+    {"max_tokens": 40, "temperature": 1.1, "top_k": 20, "min_p": 0.02, "repetition_penalty": 1.2, "seed": 5},
+])
+async def test_streaming_equals_in_process_generate(daemon, demo_model, options) -> None:  # type: ignore[no-untyped-def]
+    expected = expected_tokens(demo_model, PROMPT, **options)
+    async with AsyncClient(daemon.socket) as client:
+        stream = client.generate(PROMPT, **options)
+        chunks = [chunk async for chunk in stream]
+    assert [t for c in chunks for t in c.token_ids] == expected
+    assert "".join(c.text for c in chunks) == demo_model.detokenize(expected)
+    assert stream.finished is not None and stream.finished.usage.completion_tokens == len(expected)
+    assert stream.finished.reason == ("stop" if expected[-1] in demo_model.tokenizer.eos_ids else "length")
+
+
+@pytest.mark.asyncio
+async def test_concurrent_clients_get_their_own_complete_streams_in_order(daemon, demo_model) -> None:  # type: ignore[no-untyped-def]
+    jobs = [(f"def f{i}(x):", {"max_tokens": 24, "temperature": 0.8, "seed": i, "ignore_eos": True}) for i in range(6)]
+
+    async def one_client(mine: list[tuple[str, dict]]) -> list[list[int]]:  # type: ignore[type-arg]
+        async with AsyncClient(daemon.socket) as client:
+            streams = [client.generate(p, **o) for p, o in mine]
+
+            async def read(stream) -> list[int]:  # type: ignore[no-untyped-def]
+                ids = [t async for chunk in stream for t in chunk.token_ids]
+                assert stream.finished.reason == "length"
+                return ids
+
+            return await asyncio.gather(*[read(s) for s in streams])
+
+    results = await asyncio.gather(*[one_client(jobs[i : i + 2]) for i in range(0, 6, 2)])
+    got = [ids for per_client in results for ids in per_client]
+    assert got == [expected_tokens(demo_model, p, **o) for p, o in jobs]
+
+
+def test_sync_client_streams_and_helpers(daemon, demo_model) -> None:  # type: ignore[no-untyped-def]
+    with Client(daemon.socket) as client:
+        assert [m.name for m in client.models()] == ["ember-demo"]
+        assert client.health().status == "ok"
+        ids = client.tokenize(PROMPT)
+        assert ids == demo_model.tokenize(PROMPT)
+        assert client.detokenize(ids) == demo_model.detokenize(ids)
+        stream = client.generate(ids, max_tokens=10)  # token ids as the prompt
+        assert [t for c in stream for t in c.token_ids] == expected_tokens(demo_model, PROMPT, max_tokens=10)
+        before = client.stats()
+        assert before.requests_total >= 1 and before.active == 0
+
+
+def test_errors_are_typed(daemon) -> None:  # type: ignore[no-untyped-def]
+    with Client(daemon.socket) as client:
+        with pytest.raises(UnknownModel):
+            client.generate("x", model="no-such-model").text()
+        with pytest.raises(LimitExceeded, match="max_tokens"):
+            client.generate("x", max_tokens=1_000_000).text()
+        with pytest.raises(BadRequest, match="temperature"):
+            client.generate("x", temperature=-1.0).text()
+        with pytest.raises(BadRequest, match="token ids"):
+            client.generate([1, 2, 10**6]).text()
+        with pytest.raises(BadRequest, match="chat template"):
+            client.chat([{"role": "user", "content": "hi"}]).text()
+        with pytest.raises(BadRequest):
+            client.detokenize([-1])
+        assert client.health().status == "ok"  # and the daemon goes on
+
+
+def test_cancel_ends_the_stream_with_cancelled(daemon) -> None:  # type: ignore[no-untyped-def]
+    with Client(daemon.socket) as client:
+        stream = client.generate("x", max_tokens=4000, ignore_eos=True)
+        next(stream)
+        stream.cancel()
+        rest = list(stream)
+        assert stream.finished.reason == "cancelled"
+        assert stream.finished.usage.completion_tokens == 1 + sum(len(c.token_ids) for c in rest)
+        stream.cancel()  # twice is harmless
+
+
+def test_busy_when_the_queue_is_full(daemon) -> None:  # type: ignore[no-untyped-def]
+    # the shared daemon admits max_active + max_queued = 6 requests
+    with Client(daemon.socket) as client:
+        streams = [client.generate("x", max_tokens=4000, ignore_eos=True) for _ in range(6)]
+        with pytest.raises(Busy):
+            client.generate("y", max_tokens=1).text()
+        for s in streams:
+            s.cancel()
+        for s in streams:
+            list(s)
+            assert s.finished.reason == "cancelled"
+        assert client.generate("y", max_tokens=1).text() is not None  # room again
+
+
+@pytest.mark.asyncio
+async def test_logits_via_shared_memory_equal_model_logits(daemon, demo_model) -> None:  # type: ignore[no-untyped-def]
+    ids = demo_model.tokenize(PROMPT)
+    decode = SoloDecode(demo_model, ids, 20, SamplingParams())
+    in_process = []
+    while not decode.done:
+        in_process.append(decode.step().logits.copy())
+    async with AsyncClient(daemon.socket) as client:
+        # 20 tokens through a 4-slot ring: the request pauses whenever the ring is full
+        stream = client.generate(PROMPT, max_tokens=20, return_logits=True)
+        tokens, rows = [], []
+        async for chunk in stream:
+            assert chunk.logits is not None and chunk.logits.shape == (1, demo_model.config.vocab)
+            assert not chunk.logits.flags.writeable
+            tokens += chunk.token_ids
+            rows.append(chunk.logits[0].copy())
+            await client.health()  # a slow reader: the daemon runs ahead into a full ring
+    assert len(rows) == len(in_process) == 20
+    for got, want in zip(rows, in_process):
+        assert got.tobytes() == want.tobytes()  # the transport is exact
+    reference = demo_model.logits(ids + tokens[:-1])[len(ids) - 1 :]
+    np.testing.assert_allclose(np.stack(rows), reference, rtol=0, atol=1e-4)  # and equal to Model.logits
+
+
+def test_logprobs_arrive_with_tokens(daemon) -> None:  # type: ignore[no-untyped-def]
+    with Client(daemon.socket) as client:
+        chunks = list(client.generate(PROMPT, max_tokens=5, logprobs=True, top_logprobs=3))
+    for c in chunks:
+        assert len(c.logprobs) == 1 and c.logprobs[0] <= 0.0
+        assert len(c.top_logprobs[0]) == 3 and c.top_logprobs[0][0][0] == c.token_ids[0]  # greedy: the best
+
+
+def test_command_line_generate_and_status(daemon, demo_model) -> None:  # type: ignore[no-untyped-def]
+    out = subprocess.run([sys.executable, "-m", "ember.client.cli", "generate", PROMPT, "--max-tokens", "12",
+                          "--socket", str(daemon.socket)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == PROMPT + demo_model.detokenize(expected_tokens(demo_model, PROMPT, max_tokens=12)) + "\n"
+    status = subprocess.run([sys.executable, "-m", "ember.client.cli", "status", "--socket", str(daemon.socket)],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and "ok" in status.stdout and "ember-demo" in status.stdout
