@@ -32,8 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="cpu", help="cpu (default)")
     run.set_defaults(func=_run)
     from ember.client.daemon_commands import add_daemon_commands
+    from ember.client.plan_command import add_plan_parser
 
     add_daemon_commands(sub)
+    add_plan_parser(sub)
     return parser
 
 

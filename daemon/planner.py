@@ -1,0 +1,558 @@
+"""The memory planner: from a model's metadata alone — GGUF header or config.json and safetensors
+headers, never a weight byte — the bytes each device needs: weights by class, KV cache, activation
+reservation, CUDA-graph headroom, layer-split staging, the speculative feature mirror, and what
+remains for hot MoE experts. `Plan.check()` refuses a plan that does not fit with a message naming
+the device, the component to blame and what to change. docs/planner.md has the formulas and the
+JSON schema; benchmarks/planner_calibration.py measured the activation safety factor.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from ember.daemon.model_config import ModelConfig
+from ember.daemon.model_file import open_model_file
+from ember.daemon.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
+from ember.kernels.convert import storage_bytes
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+SCHEMA = "ember.plan/1"
+# Mirrors of daemon/runtime.py's PREFILL_CHUNK and KV_BLOCK (a test keeps them equal): importing the
+# runtime would pull the kernels into a tool that must stay metadata-only and quick.
+PREFILL_CHUNK = 256
+KV_BLOCK = 16
+# The safety factor, from measurement (benchmarks/planner_calibration.py, docs/planner.md): the CPU
+# runtime's step peaks in the FFN holding, per token, 3 widest-sized buffers (gate, up, their product)
+# and 3 hidden-sized ones (the block's input and output, the norm) in f32 — to the KiB on every shape
+# measured. Over widest x tokens x bytes that is 3 + 3 hidden/widest: 3.5 (Qwen2.5, hidden/ffn 0.17)
+# to 4.125 (Llama 3.2 3B, 0.375), too wide a spread for one constant to stay within 10%, so the
+# factor is that structure times a 2% margin. PlanRequest.act_safety overrides it with a number.
+ACT_WIDEST_BUFFERS, ACT_HIDDEN_BUFFERS, ACT_MARGIN = 3, 3, 1.02
+# numpy sampling of one row (top-k/top-p/min-p, penalties: float64 softmax, a sort, a cumsum)
+# peaked at 11.3 vocab-sized f32 rows under tracemalloc; greedy at 5.0
+SAMPLER_ROWS = 12
+ACT_CAP = {"cpu": 2 * GiB, "cuda": 1 * GiB}  # also the reservation when the dimensions are unknown
+GRAPH_HEADROOM = {"cpu": 0, "cuda": 256 * MiB}  # captured decode graphs' private pool (estimate)
+STAGING_BUFFERS = 2  # per layer-split boundary: one being filled while the other is read
+WEIGHT_CLASSES = ("embeddings", "attention", "dense_ffn", "experts", "output", "other")
+
+
+class PlanError(ValueError):
+    """The plan cannot be computed (a bad device spec, a context beyond the model's)."""
+
+
+class PlanDoesNotFit(ValueError):
+    """The model does not fit the given devices; the message says where, why and what to change."""
+
+    def __init__(self, plan: Plan, message: str) -> None:
+        super().__init__(message)
+        self.plan = plan
+
+
+# --- what the planner reads ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str  # a GGUF name, or a Hugging Face one (both are classified)
+    shape: tuple[int, ...]
+    nbytes: int  # in the file
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    format: str  # "gguf" or "hf"
+    config: ModelConfig
+    tensors: tuple[TensorInfo, ...]
+
+
+def read_model_info(path: str | Path) -> ModelInfo:
+    """Config and tensor sizes from headers. GGUF: gguf-py parses the header and maps the data without
+    touching it (RawTensor.nbytes is arithmetic on shape and type); HF: safetensors headers, read
+    again here unrenamed so that MoE expert tensors, which the runtime's renaming drops, count."""
+    mf = open_model_file(path)
+    if mf.format == "hf":
+        from ember.daemon.hf_dir import _read_safetensors, _shards  # the loader's own header parser
+
+        raws = [t for shard in _shards(mf.path) for t in _read_safetensors(shard).values()]
+    else:
+        raws = list(mf.tensors.values())
+    tensors = tuple(TensorInfo(t.name, tuple(t.shape), t.nbytes) for t in raws)
+    return ModelInfo(str(mf.path), mf.format, mf.config, tensors)
+
+
+def weight_class(name: str) -> str:
+    if name in ("token_embd.weight", "model.embed_tokens.weight"):
+        return "embeddings"
+    if name in ("output.weight", "output_norm.weight", "lm_head.weight", "model.norm.weight"):
+        return "output"
+    if "_exps." in name or ".experts." in name:  # GGUF ffn_*_exps; HF mlp.experts.N / block_sparse_moe.experts.N
+        return "experts"
+    if layer_of(name) is None:
+        return "other"
+    if ".attn_" in name or ".self_attn." in name or name.endswith(".input_layernorm.weight"):
+        return "attention"
+    if any(k in name for k in (".ffn_", ".mlp.", ".block_sparse_moe.", ".post_attention_layernorm.")):
+        return "dense_ffn"  # dense FFNs, MoE routers and shared experts: resident, run for every token
+    return "other"
+
+
+def layer_of(name: str) -> int | None:
+    m = re.match(r"(?:blk|model\.layers)\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+# --- what the caller asks -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Device:
+    name: str  # "cpu" or "cuda:N"
+    budget: int  # bytes the plan may use there
+    compute_capability: tuple[int, int] | None = None
+
+    @property
+    def kind(self) -> str:
+        return "cpu" if self.name == "cpu" else "cuda"
+
+    @property
+    def caps(self) -> DeviceCaps:
+        return DeviceCaps.of(self.name, self.compute_capability)
+
+
+@dataclass(frozen=True)
+class SpeculativeSettings:
+    feature_layers: int = 3  # hidden states captured per token (EAGLE-3: a low, a middle, a high layer)
+    ctx_cap: int = 4096  # positions mirrored per sequence, at most
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    devices: tuple[Device, ...]
+    policy: PrecisionPolicy
+    ctx: int | None = None  # tokens per sequence; None: the model's context length
+    seqs: int = 1  # sequences resident at once (each holds ctx tokens of KV)
+    prefill_chunk: int = PREFILL_CHUNK
+    kv_block: int = KV_BLOCK
+    split: tuple[int, ...] | None = None  # layers per device; None: proportional to the budgets
+    speculative: SpeculativeSettings | None = None
+    expert_offload: bool = False  # CUDA devices keep only the experts that fit; the rest run on CPU workers
+    act_safety: float | None = None  # None: act_safety_for(model), measured; a number overrides it
+    act_cap: int | None = None  # None: ACT_CAP of each device's kind
+    graph_headroom: int | None = None  # None: GRAPH_HEADROOM of each device's kind
+    staging_buffers: int = STAGING_BUFFERS
+    cpu_threads: int | None = None  # None: numba's (NUMBA_NUM_THREADS, else the CPU count)
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise PlanError("no devices")
+        for name in ("seqs", "prefill_chunk", "kv_block", "staging_buffers"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ctx is not None and self.ctx < 1:
+            raise PlanError(f"ctx must be >= 1, got {self.ctx}")
+        if self.split is not None and len(self.split) != len(self.devices):
+            raise PlanError(f"split gives {len(self.split)} layer counts for {len(self.devices)} devices")
+
+    @classmethod
+    def create(cls, devices: Sequence[Device], config: PrecisionSettings | None = None,
+               flags: PrecisionSettings | None = None, env: Mapping[str, str] | None = None, **options: Any) -> PlanRequest:
+        """A request whose precision policy is resolved for `devices` (precision.resolve_policy)."""
+        policy = resolve_policy([d.caps for d in devices], config, env, flags)
+        return cls(devices=tuple(devices), policy=policy, **options)
+
+
+# --- the plan -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WeightBytes:
+    embeddings: int = 0
+    attention: int = 0
+    dense_ffn: int = 0
+    experts: int = 0
+    output: int = 0
+    other: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass(frozen=True)
+class ActivationReservation:
+    bytes: int  # what the plan reserves
+    rule: str  # "estimate"; "cap": the estimate exceeded the cap; "fallback": dimensions missing
+    estimate: int | None  # max(buffers, logits + sampler) + scratch
+    cap: int
+    widest: int  # values per token of the widest activation buffer
+    tokens: int  # tokens per step: max(sequences, prefill chunk)
+    elem_bytes: int
+    safety: float
+    buffers: int  # widest x tokens x elem_bytes x safety: the layers' transient buffers
+    logits: int  # sequences x vocab x 4 (on the device that computes the output projection)
+    sampler: int  # SAMPLER_ROWS x vocab x 4 beside the logits (CPU, last device)
+    scratch: int  # CPU kernels' per-thread scratch: threads x (16 dequantized rows of widest + ctx) x 4
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    device: Device
+    layers: tuple[int, int]  # [first, end)
+    weights: WeightBytes
+    kv_cache: int
+    activations: ActivationReservation
+    graph_headroom: int
+    staging: int
+    feature_mirror: int
+    offloads_experts: bool  # only the experts that fit stay here (CUDA with expert offload)
+    expert_bytes: int = 0  # one expert's bytes (all its tensors in one layer); 0 for dense models
+
+    @property
+    def fixed(self) -> int:
+        """Everything but the experts."""
+        return (self.weights.total - self.weights.experts + self.kv_cache + self.activations.bytes
+                + self.graph_headroom + self.staging + self.feature_mirror)
+
+    @property
+    def required(self) -> int:
+        return self.fixed + (0 if self.offloads_experts else self.weights.experts)
+
+    @property
+    def experts_hot(self) -> int:
+        """Expert bytes resident here: all of them, or with offload whole experts filling what remains."""
+        if not self.offloads_experts:
+            return self.weights.experts
+        room = max(0, min(self.weights.experts, self.device.budget - self.fixed))
+        return room - room % self.expert_bytes if self.expert_bytes else 0
+
+    @property
+    def free(self) -> int:
+        return self.device.budget - self.fixed - self.experts_hot
+
+    @property
+    def fits(self) -> bool:
+        return self.required <= self.device.budget
+
+    def components(self) -> dict[str, int]:
+        w = self.weights
+        return {"weights": w.total - w.experts, "experts": w.experts if not self.offloads_experts else self.experts_hot,
+                "kv_cache": self.kv_cache, "activations": self.activations.bytes,
+                "graph_headroom": self.graph_headroom, "staging": self.staging, "feature_mirror": self.feature_mirror}
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelInfo = field(repr=False)
+    request: PlanRequest
+    ctx: int
+    devices: tuple[DevicePlan, ...]
+
+    @property
+    def fits(self) -> bool:
+        return all(d.fits for d in self.devices)
+
+    def check(self) -> None:
+        """Raise PlanDoesNotFit, with the readable message, unless every device fits."""
+        if not self.fits:
+            raise PlanDoesNotFit(self, explain(self))
+
+
+def plan_model(path: str | Path, request: PlanRequest) -> Plan:
+    """The plan for the model at `path` (GGUF file or HF directory); reads headers only."""
+    return build_plan(read_model_info(path), request)
+
+
+def build_plan(info: ModelInfo, request: PlanRequest) -> Plan:
+    cfg, devices = info.config, request.devices
+    ctx = request.ctx or cfg.context_length
+    if ctx > cfg.context_length:
+        raise PlanError(f"ctx {ctx} exceeds the model's context length {cfg.context_length}")
+    kv_dtype = request.policy.kv
+    if kv_dtype == "q8_0" and cfg.head_dim % 32:
+        raise PlanError(f"a q8_0 KV cache needs head_dim divisible by 32; this model's is {cfg.head_dim}")
+    bounds = split_layers(cfg.n_layers, devices, request.split)
+    weights = _weights_by_device(info, bounds, devices)
+    kv_tokens = -(-ctx // request.kv_block) * request.kv_block * request.seqs
+    kv_per_layer = 2 * cfg.n_kv_heads * storage_bytes(kv_dtype, cfg.head_dim) * kv_tokens
+    act_bytes = storage_bytes(request.policy.act, 1)
+    plans = []
+    for i, (dev, (first, end)) in enumerate(zip(devices, bounds, strict=True)):
+        last = i == len(devices) - 1
+        plans.append(DevicePlan(
+            device=dev, layers=(first, end), weights=weights[i],
+            kv_cache=(end - first) * kv_per_layer,
+            activations=activation_reservation(cfg, request, dev, ctx, logits_rows=request.seqs if last else 0),
+            graph_headroom=_per_kind(request.graph_headroom, GRAPH_HEADROOM, dev),
+            # a boundary's buffers live on the device that receives the hidden states
+            staging=cfg.hidden * ctx * act_bytes * request.staging_buffers if i > 0 else 0,
+            feature_mirror=_feature_mirror(cfg, request, ctx) if last else 0,
+            offloads_experts=request.expert_offload and dev.kind == "cuda",
+            expert_bytes=_expert_bytes(info),
+        ))
+    return Plan(info, request, ctx, tuple(plans))
+
+
+def activation_reservation(cfg: ModelConfig, request: PlanRequest, device: Device, ctx: int,
+                           logits_rows: int) -> ActivationReservation:
+    """The larger of the layers' buffers (widest per-token buffer x tokens per step x bytes x safety)
+    and the logits buffer with the sampler's workspace, plus the CPU kernels' scratch; capped.
+
+    The larger, not the sum: the output projection runs after the last layer has freed its buffers
+    (measured: the sum over-reserves up to 1.9x for big vocabularies; docs/planner.md). bytes: 4 on
+    the CPU, whose kernels keep activations f32 at every interface (kernels/ops.py) whatever the
+    staging dtype; elsewhere the policy's activation dtype. The sampler (numpy, on the host) holds
+    about SAMPLER_ROWS vocab-sized f32 rows at its peak. Each numba thread holds 16 dequantized
+    weight rows (quant_matmul's tile) and a score row as long as the context: small on 2 cores, not
+    on 64.
+    """
+    cap = _per_kind(request.act_cap, ACT_CAP, device)
+    widest = max(cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.ffn, expert_ffn(cfg) * cfg.n_experts_used)
+    tokens = max(request.seqs, request.prefill_chunk)
+    cpu = device.kind == "cpu"
+    elem = 4 if cpu else storage_bytes(request.policy.act, 1)
+    logits = logits_rows * cfg.vocab * 4
+    sampler = SAMPLER_ROWS * cfg.vocab * 4 if cpu and logits_rows else 0
+    scratch = _cpu_threads(request) * (16 * widest + ctx) * 4 if cpu else 0
+    safety = request.act_safety if request.act_safety is not None else act_safety_for(cfg, widest)
+    buffers = math.ceil(widest * tokens * elem * safety)
+    common = dict(cap=cap, widest=widest, tokens=tokens, elem_bytes=elem, safety=safety,
+                  buffers=buffers, logits=logits, sampler=sampler, scratch=scratch)
+    if min(cfg.hidden, cfg.vocab) <= 0 or max(cfg.ffn, expert_ffn(cfg) * cfg.n_experts_used) <= 0:
+        return ActivationReservation(bytes=cap, rule="fallback", estimate=None, **common)  # type: ignore[arg-type]
+    estimate = max(buffers, logits + sampler) + scratch
+    rule = "cap" if estimate > cap else "estimate"
+    return ActivationReservation(bytes=min(estimate, cap), rule=rule, estimate=estimate, **common)  # type: ignore[arg-type]
+
+
+def act_safety_for(cfg: ModelConfig, widest: int) -> float:
+    """The measured safety factor: ACT_MARGIN x (3 + 3 hidden / widest), see ACT_MARGIN."""
+    return ACT_MARGIN * (ACT_WIDEST_BUFFERS + ACT_HIDDEN_BUFFERS * cfg.hidden / max(widest, 1))
+
+
+def split_layers(n_layers: int, devices: Sequence[Device], split: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """[first, end) layer ranges per device: `split` as given, else proportional to the budgets."""
+    if split is not None:
+        if sum(split) != n_layers or min(split) < 0:
+            raise PlanError(f"split {','.join(map(str, split))} does not add up to the model's {n_layers} layers")
+        counts = list(split)
+    else:
+        total = sum(d.budget for d in devices) or 1
+        # integer ceilings: exact, and a rounding layer goes to the earlier device, leaving the last
+        # (which also holds the output projection and the logits) the lighter share
+        cuts = [0] + [-(-n_layers * sum(d.budget for d in devices[: i + 1]) // total) for i in range(len(devices))]
+        counts = [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
+    ends = [sum(counts[: i + 1]) for i in range(len(counts))]
+    return [(e - c, e) for c, e in zip(counts, ends, strict=True)]
+
+
+def _weights_by_device(info: ModelInfo, bounds: Sequence[tuple[int, int]], devices: Sequence[Device]) -> list[WeightBytes]:
+    sums = [dict.fromkeys(WEIGHT_CLASSES, 0) for _ in devices]
+    names = {t.name for t in info.tensors}
+    for t in info.tensors:
+        cls, layer = weight_class(t.name), layer_of(t.name)
+        if layer is not None:
+            owners = [next((i for i, (a, b) in enumerate(bounds) if a <= layer < b), len(devices) - 1)]
+        elif cls == "embeddings":
+            owners = [0]
+        elif cls == "output":
+            owners = [len(devices) - 1]
+        else:
+            owners = list(range(len(devices)))  # small globals (rope_freqs): every device reads them
+        for i in owners:
+            sums[i][cls] += _resident_bytes(t, devices[i])
+    tied = not names & {"output.weight", "lm_head.weight"}
+    if tied and len(devices) > 1:  # the output projection is the embedding: the last device needs a copy
+        embed = next(t for t in info.tensors if weight_class(t.name) == "embeddings")
+        sums[-1]["output"] += _resident_bytes(embed, devices[-1])
+    return [WeightBytes(**s) for s in sums]
+
+
+def _resident_bytes(t: TensorInfo, device: Device) -> int:
+    """Matrices stay in the file's format (mmap'd on the CPU, copied as-is to a GPU); vectors (norms,
+    biases) are widened to an f32 copy, and on the CPU their mapped file bytes count too."""
+    if len(t.shape) > 1:
+        return t.nbytes
+    return math.prod(t.shape) * 4 + (t.nbytes if device.kind == "cpu" else 0)
+
+
+def expert_ffn(cfg: ModelConfig) -> int:
+    """An expert's FFN width."""
+    # Mixtral GGUF files (arch "llama") have no expert_feed_forward_length: an expert is as wide as the FFN
+    return cfg.expert_ffn or (cfg.ffn if cfg.n_experts else 0)
+
+
+def _expert_bytes(info: ModelInfo) -> int:
+    cfg = info.config
+    total = sum(t.nbytes for t in info.tensors if weight_class(t.name) == "experts")
+    layers = {layer_of(t.name) for t in info.tensors if weight_class(t.name) == "experts"}
+    return total // (len(layers) * cfg.n_experts) if total and cfg.n_experts else 0
+
+
+def _feature_mirror(cfg: ModelConfig, request: PlanRequest, ctx: int) -> int:
+    spec = request.speculative
+    if spec is None:
+        return 0
+    positions = min(ctx, spec.ctx_cap)
+    return positions * request.seqs * storage_bytes(request.policy.feature, spec.feature_layers * cfg.hidden)
+
+
+def _cpu_threads(request: PlanRequest) -> int:
+    if request.cpu_threads is not None:
+        return request.cpu_threads
+    return int(os.environ.get("NUMBA_NUM_THREADS") or os.cpu_count() or 1)
+
+
+def _per_kind(override: int | None, defaults: Mapping[str, int], device: Device) -> int:
+    return defaults[device.kind] if override is None else override
+
+
+# --- devices from the command line --------------------------------------------------------------
+_UNITS = {"": 1, "b": 1, "k": KiB, "kib": KiB, "m": MiB, "mib": MiB, "g": GiB, "gib": GiB, "t": 1 << 40, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """'24GiB', '24G' (binary), '24GB' (decimal), '512MiB', '1073741824' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise PlanError(f"not a size: {text!r} (examples: 24GiB, 512MiB, 16GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_device(spec: str) -> Device:
+    """'cpu', 'cpu=16GiB', 'cuda:0=24GiB', 'cuda:1=11GiB@8.6' (compute capability, for the precision
+    policy; without it a CUDA device is assumed to lack native bf16)."""
+    m = re.fullmatch(r"(cpu|cuda(?::\d+)?)(?:=([^@]+))?(?:@(\d+)\.(\d+))?", spec.strip())
+    if not m:
+        raise PlanError(f"not a device: {spec!r} (examples: cpu, cpu=16GiB, cuda:0=24GiB, cuda:0=24GiB@8.9)")
+    name = "cuda:0" if m.group(1) == "cuda" else m.group(1)
+    cc = (int(m.group(3)), int(m.group(4))) if m.group(3) else None
+    if m.group(2):
+        return Device(name, parse_size(m.group(2)), cc)
+    if name == "cpu":
+        return Device("cpu", available_ram(), cc)
+    raise PlanError(f"give the memory budget of {name}, e.g. {name}=24GiB (ember plan does not probe GPUs)")
+
+
+def available_ram() -> int:
+    """MemAvailable: what the kernel could give without swapping (the CPU's default budget)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * KiB
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def with_request(plan: Plan, **changes: Any) -> Plan:
+    """The same model planned with some request fields changed (what-if questions, suggestions)."""
+    return build_plan(plan.model, replace(plan.request, **changes))
+
+
+# --- saying it ----------------------------------------------------------------------------------
+LABELS = {"weights": "weights", "experts": "MoE experts", "kv_cache": "KV cache", "activations": "activations",
+          "graph_headroom": "CUDA-graph headroom", "staging": "layer-split staging", "feature_mirror": "feature mirror"}
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def explain(plan: Plan) -> str:
+    """Why the plan does not fit, and changes that would make it fit (each one re-planned to be sure)."""
+    name = Path(plan.model.path).name
+    lines = []
+    for d in (d for d in plan.devices if not d.fits):
+        parts = {k: v for k, v in d.components().items() if v}
+        worst = max(parts, key=lambda k: parts[k])
+        detail = ", ".join(f"{LABELS[k]} {fmt_bytes(v)}" for k, v in parts.items())
+        lines.append(f"{name} does not fit {d.device.name}: it needs {fmt_bytes(d.required)} of the "
+                     f"{fmt_bytes(d.device.budget)} budget ({fmt_bytes(d.required - d.device.budget)} over): {detail}. "
+                     f"Too big: the {LABELS[worst]} ({fmt_bytes(parts[worst])}{_why(plan, worst)}).")
+    fixes = suggestions(plan)
+    lines.append("To make it fit: " + ("; or ".join(fixes) if fixes else "use a device with more memory") + ".")
+    return "\n".join(lines)
+
+
+def suggestions(plan: Plan) -> list[str]:
+    """Single changes that make the plan fit, each checked by planning again (every component grows
+    with ctx, sequences, chunk and headroom, so a bisection finds the largest value that fits)."""
+    req, cfg, out = plan.request, plan.model.config, []
+    narrower = [k for k in ("f16", "q8_0") if storage_bytes(k, 64) < storage_bytes(req.policy.kv, 64)
+                and not (k == "q8_0" and cfg.head_dim % 32)]
+    for kv in narrower:
+        alt = with_request(plan, policy=replace(req.policy, kv=kv))
+        if alt.fits:
+            out.append(f"the KV cache in {kv} (--kv-dtype {kv}: {fmt_bytes(_kv(plan))} -> {fmt_bytes(_kv(alt))})")
+            break
+    block = req.kv_block
+    for kv in [req.policy.kv] + narrower:
+        policy = replace(req.policy, kv=kv)
+        blocks = _largest(_fits_with(plan, "ctx", block, policy=policy), (plan.ctx - 1) // block)
+        if blocks:
+            flag = "" if kv == req.policy.kv else f" --kv-dtype {kv}"
+            out.append(f"a smaller context (--ctx {blocks * block}{flag} fits)")
+            break
+    seqs = _largest(_fits_with(plan, "seqs"), req.seqs - 1)
+    if seqs:
+        out.append(f"fewer sequences at once (--seqs {seqs})")
+    if cfg.n_experts and not req.expert_offload and any(d.device.kind == "cuda" for d in plan.devices):
+        if with_request(plan, expert_offload=True).fits:
+            out.append("expert offload (--expert-offload: the experts that fit stay on the GPU, CPU workers run the rest)")
+    chunk = _largest(_fits_with(plan, "prefill_chunk"), req.prefill_chunk - 1)
+    if chunk:
+        out.append(f"a smaller prefill chunk (--prefill-chunk {chunk})")
+    headroom = max(d.graph_headroom for d in plan.devices) // MiB
+    mib = _largest(_fits_with(plan, "graph_headroom", MiB), headroom - 1)
+    if mib:
+        out.append(f"less CUDA-graph headroom (--graph-headroom {mib}MiB: fewer captured batch sizes)")
+    if any(d.weights.total - (d.weights.experts if d.offloads_experts else 0) > d.device.budget for d in plan.devices):
+        out.append("a smaller quantization of the model")
+    out.append("another device to split the layers across (--device ... --device ...)")
+    return out
+
+
+def _why(plan: Plan, component: str) -> str:
+    req = plan.request
+    if component == "kv_cache":
+        return f" for {req.seqs} x {plan.ctx} tokens in {req.policy.kv}"
+    if component == "activations":
+        return f" for {max(req.seqs, req.prefill_chunk)} tokens per step"
+    return ""
+
+
+def _kv(plan: Plan) -> int:
+    return sum(d.kv_cache for d in plan.devices)
+
+
+def _fits_with(plan: Plan, name: str, unit: int = 1, **fixed: Any) -> Callable[[int], bool]:
+    """n -> whether the plan fits with request field `name` = n x unit (and `fixed` changes)."""
+    return lambda n: with_request(plan, **{name: n * unit}, **fixed).fits
+
+
+def _largest(fits: Callable[[int], bool], hi: int) -> int:
+    """The largest n in [1, hi] with fits(n), for a monotone `fits`; 0 if none."""
+    lo = 0  # invariant: lo == 0 or fits(lo); everything above hi does not fit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def log_plan(plan: Plan, log: Any) -> None:
+    """The plan as structlog events: one line per device, sizes readable (the daemon logs it at start)."""
+    for d in plan.devices:
+        log.info("memory plan", model=Path(plan.model.path).name, device=d.device.name,
+                 layers=f"{d.layers[0]}-{d.layers[1] - 1}", budget=fmt_bytes(d.device.budget),
+                 **{k: fmt_bytes(v) for k, v in d.components().items()},
+                 required=fmt_bytes(d.required), free=fmt_bytes(d.free), fits=d.fits,
+                 ctx=plan.ctx, seqs=plan.request.seqs, kv_dtype=plan.request.policy.kv)
