@@ -131,7 +131,7 @@ def render_table(plan: Any) -> str:
     else:
         capped = f", capped at {fmt_bytes(a.cap)}" if a.rule == "cap" else ""
         lines.append(f"\nactivations ({ds[-1].device.name}): the larger of {a.widest} wide x {a.tokens} tokens x "
-                     f"{a.elem_bytes} B x {a.safety} = {fmt_bytes(a.buffers)} and logits {fmt_bytes(a.logits)} + "
+                     f"{a.elem_bytes} B x {a.safety:.3f} = {fmt_bytes(a.buffers)} and logits {fmt_bytes(a.logits)} + "
                      f"sampler {fmt_bytes(a.sampler)}, plus kernel scratch {fmt_bytes(a.scratch)}{capped}")
     lines.append("\n" + ("It fits." if plan.fits else explain(plan)))
     return "\n".join(lines)
