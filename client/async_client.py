@@ -56,7 +56,8 @@ class AsyncClient:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        # no ZMQ_IMMEDIATE: with it, libzmq discards frames not yet read when the daemon
+        # disconnects, and a daemon that shuts down sends its last Finished frames just before that
         self._sock.connect(ipc_address(self.socket_path))
         self._task = asyncio.create_task(self._read())
         try:

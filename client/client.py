@@ -48,7 +48,8 @@ class Client:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing into a connection that does not exist
+        # no ZMQ_IMMEDIATE: with it, libzmq discards frames not yet read when the daemon
+        # disconnects, and a daemon that shuts down sends its last Finished frames just before that
         self._sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
         self._sock.connect(ipc_address(self.socket_path))
         try:

@@ -53,9 +53,7 @@ class Engine:
         self._deadline: float | None = None  # set by shutdown(): cancel what is left at this time
         self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
         self.log = get_logger()
-        # read by the I/O loop for Stats (plain ints: a stale value is harmless)
-        self.active_count = 0
-        self.queued_count = 0
+        self.active_count = 0  # read by the I/O loop for Stats (a plain int: a stale value is harmless)
 
     # --- commands (any thread) -----------------------------------------------------------------------
     def start(self) -> None:
@@ -264,7 +262,7 @@ class Engine:
         return self._rings[client]
 
     def _count(self) -> None:
-        self.active_count, self.queued_count = len(self._active), len(self._pending)
+        self.active_count = len(self._active)
 
 
 def _ms(seconds: float) -> float:

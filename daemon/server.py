@@ -250,9 +250,10 @@ class Server:
 
     def _stats(self, identity: bytes, msg: Stats) -> None:
         c = self._counters
+        active = self._engine.active_count  # admitted and not active: queued, here or in the engine's inbox
         self._reply(identity, StatsReport(
-            msg.id, self._uptime(), clients=len(self._peers), active=self._engine.active_count,
-            queued=self._engine.queued_count, requests_total=c["requests"], tokens_total=c["tokens"],
+            msg.id, self._uptime(), clients=len(self._peers), active=active,
+            queued=max(0, self._in_flight - active), requests_total=c["requests"], tokens_total=c["tokens"],
             cancelled_total=c["cancelled"], busy_total=c["busy"], errors_total=c["errors"]))
 
     # --- engine output and peers -------------------------------------------------------------------
