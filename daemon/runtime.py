@@ -13,6 +13,7 @@ import numpy as np
 from ember.daemon.model_file import ModelFile, open_model_file
 from ember.daemon.model_file_error import ModelFileError
 from ember.daemon.chat_template import ChatTemplate, ChatTemplateError
+from ember.daemon.kernel_cache import ensure_kernel_cache
 from ember.daemon.kv_cache import PagedKVCache
 from ember.daemon.models.transformer import Transformer
 from ember.daemon.step_batch import StepBatch
@@ -149,6 +150,8 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32") -> Model:
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
     mf = open_model_file(path)
+    if device == "cpu":
+        ensure_kernel_cache()
     try:
         tokenizer = Tokenizer.from_gguf(mf.metadata) if mf.format == "gguf" else Tokenizer.from_hf_dir(mf.path)
     except TokenizerError as e:

@@ -208,18 +208,26 @@ class Server:
             self._engine.release(identity, msg.slots)
 
     def _tokenize(self, identity: bytes, msg: Tokenize) -> None:
-        def work() -> ServerMessage:
-            _, model = resolve_model(msg.model, self._models)
-            return TokenIds(msg.id, tuple(model.tokenize(msg.text, add_special=msg.add_special)))
-        self._helper(identity, msg.id, work)
+        model = self._model_for(identity, msg.id, msg.model)
+        if model is not None:
+            self._helper(identity, msg.id, lambda: TokenIds(msg.id, tuple(model.tokenize(msg.text, add_special=msg.add_special))))
 
     def _detokenize(self, identity: bytes, msg: Detokenize) -> None:
-        def work() -> ServerMessage:
-            _, model = resolve_model(msg.model, self._models)
-            if any(not 0 <= t < model.config.vocab for t in msg.token_ids):
-                raise ValueError(f"token ids must be in [0, {model.config.vocab})")
-            return Text(msg.id, model.detokenize(msg.token_ids))
-        self._helper(identity, msg.id, work)
+        model = self._model_for(identity, msg.id, msg.model)
+        if model is None:
+            return
+        if any(not 0 <= t < model.config.vocab for t in msg.token_ids):
+            return self._reply(identity, Error(msg.id, ErrorCode.BAD_REQUEST, f"token ids must be in [0, {model.config.vocab})"))
+        self._helper(identity, msg.id, lambda: Text(msg.id, model.detokenize(msg.token_ids)))
+
+    def _model_for(self, identity: bytes, request_id: int, name: str) -> Model | None:
+        """The named model, or None after answering the Error (at once: only the tokenizer's work is
+        worth a helper thread)."""
+        try:
+            return resolve_model(name, self._models)[1]
+        except RequestError as e:
+            self._reply(identity, Error(request_id, e.code, str(e)))
+            return None
 
     def _helper(self, identity: bytes, request_id: int, work: Callable[[], ServerMessage]) -> None:
         """Run tokenizer work off the loop; bounded per client like Generates."""
@@ -233,9 +241,7 @@ class Server:
             peer.helpers -= 1
             try:
                 reply = future.result()
-            except RequestError as e:
-                reply = Error(request_id, e.code, str(e))
-            except ValueError as e:
+            except ValueError as e:  # TokenizerError
                 reply = Error(request_id, ErrorCode.BAD_REQUEST, str(e))
             self._reply(identity, reply)
             self._peers.forget_if_idle(peer)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ember.kernels import reference
-from ember.kernels.cpu import dense
+from ember.kernels.cpu import dense, twin
 
 rng = np.random.default_rng(0)
 
@@ -13,7 +13,7 @@ rng = np.random.default_rng(0)
 @pytest.fixture(autouse=True, params=["serial", "parallel"])
 def kernel_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run every test against both compiled variants of each kernel."""
-    monkeypatch.setattr(dense, "PARALLEL_MIN_WORK", 1 << 62 if request.param == "serial" else 0)
+    monkeypatch.setattr(twin, "PARALLEL_MIN_WORK", 1 << 62 if request.param == "serial" else 0)
 
 
 def randn(*shape: int) -> np.ndarray:

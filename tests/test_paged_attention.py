@@ -9,6 +9,7 @@ import pytest
 
 from ember.kernels import reference
 from ember.kernels.cpu import paged_attention as pa
+from ember.kernels.cpu import twin
 
 rng = np.random.default_rng(5)
 
@@ -30,7 +31,7 @@ def decoded(store: pa.KVLayerStore, rows: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("dtype", pa.KV_DTYPES)
 @pytest.mark.parametrize("parallel", [False, True])
 def test_paged_attention_matches_dense_reference(dtype: str, parallel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pa, "PARALLEL_MIN_WORK", 0 if parallel else 1 << 62)
+    monkeypatch.setattr(twin, "PARALLEL_MIN_WORK", 0 if parallel else 1 << 62)
     block_size, hkv, hq, hd, n_blocks = 4, 2, 6, 64, 40
     k_store = pa.KVLayerStore.allocate(dtype, n_blocks, block_size, hkv, hd)
     v_store = pa.KVLayerStore.allocate(dtype, n_blocks, block_size, hkv, hd)

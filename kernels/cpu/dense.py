@@ -6,22 +6,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
-_JIT = dict(fastmath=True, cache=True, nogil=True)
-
-# Below this many multiply-adds a kernel runs on the calling thread: waking the thread pool costs
-# more than a decode step's rmsnorm or rope (and much more when other processes hold the cores).
-PARALLEL_MIN_WORK = 1 << 16
-
-
-def _twin(core):  # type: ignore[no-untyped-def]
-    """A kernel compiled twice, serial and parallel (prange is a plain range in the serial one)."""
-    return njit(**_JIT)(core), njit(parallel=True, **_JIT)(core)
-
-
-def _pick(pair, work: int):  # type: ignore[no-untyped-def]
-    return pair[1] if work >= PARALLEL_MIN_WORK else pair[0]
+from ember.kernels.cpu.twin import Twin
 
 
 def _rmsnorm_rows(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
@@ -35,13 +22,13 @@ def _rmsnorm_rows(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> 
             out[r, j] = x[r, j] * inv * w[j]
 
 
-_RMSNORM = _twin(_rmsnorm_rows)
+_RMSNORM = Twin(_rmsnorm_rows)
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
     out = np.empty_like(x2)
-    _pick(_RMSNORM, x2.size)(x2, w, eps, out)
+    _RMSNORM.pick(x2.size)(x2, w, eps, out)
     return out.reshape(x.shape)
 
 
@@ -60,11 +47,11 @@ def _rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, interleave
                 x[i, h, ib] = a * s + b * c
 
 
-_ROPE = _twin(_rope)
+_ROPE = Twin(_rope)
 
 
 def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, interleaved: bool) -> np.ndarray:
-    _pick(_ROPE, x.size * 8)(x, positions.astype(np.int64), inv_freq, interleaved)
+    _ROPE.pick(x.size * 8)(x, positions.astype(np.int64), inv_freq, interleaved)
     return x
 
 
@@ -74,12 +61,12 @@ def _swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
         o[i] = g[i] / (1.0 + math.exp(-g[i])) * u[i]
 
 
-_SWIGLU = _twin(_swiglu)
+_SWIGLU = Twin(_swiglu)
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     out = np.empty_like(gate)
-    _pick(_SWIGLU, gate.size * 8)(np.ascontiguousarray(gate), np.ascontiguousarray(up), out)
+    _SWIGLU.pick(gate.size * 8)(np.ascontiguousarray(gate), np.ascontiguousarray(up), out)
     return out
 
 
@@ -98,11 +85,11 @@ def _softmax_rows(x: np.ndarray, out: np.ndarray) -> None:
             out[r, j] /= total
 
 
-_SOFTMAX = _twin(_softmax_rows)
+_SOFTMAX = Twin(_softmax_rows)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
     x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
     out = np.empty_like(x2)
-    _pick(_SOFTMAX, x2.size * 8)(x2, out)
+    _SOFTMAX.pick(x2.size * 8)(x2, out)
     return out.reshape(x.shape)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from ember.kernels.cpu.twin import Twin
+
 KV_DTYPES = ("f32", "f16", "bf16", "q8_0")
 MODE = {name: i for i, name in enumerate(KV_DTYPES)}
 QK8_0 = 32
@@ -130,9 +132,7 @@ def _paged_attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode
             out[i, h, j] = acc[j] / total
 
 
-_JIT = dict(fastmath=True, cache=True, nogil=True)
-_KERNELS = (njit(**_JIT)(_paged_attention), njit(parallel=True, **_JIT)(_paged_attention))
-PARALLEL_MIN_WORK = 1 << 16  # as in dense.py: below this, waking the thread pool costs more
+_KERNELS = Twin(_paged_attention)
 
 
 def paged_attention(q: np.ndarray, k: KVLayerStore, v: KVLayerStore, tables: np.ndarray, token_seq: np.ndarray,
@@ -143,7 +143,6 @@ def paged_attention(q: np.ndarray, k: KVLayerStore, v: KVLayerStore, tables: np.
     out = np.empty_like(q)
     lut = BF16_TABLE if k.mode == MODE["bf16"] else F16_TABLE
     work = q.size * 2 * int(positions.mean() + 1)
-    kernel = _KERNELS[1] if work >= PARALLEL_MIN_WORK else _KERNELS[0]
-    kernel(q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, lut,
+    _KERNELS.pick(work)(q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, lut,
            tables, token_seq, positions, np.float32(scale), out)
     return out

@@ -1,0 +1,118 @@
+"""The CPU kernels' compile cache, filled by a child process so that every process runs cached code.
+
+numba does not run the same machine code for a kernel that this process compiled and for one it loaded
+from its on-disk cache: a cached library carries its own copies of the functions it calls (the
+parallel loop body, the per-row dot products), optimized again together with the caller, while a
+process that has just compiled them calls the separately compiled ones. Measured on the 2-core
+development VM: the Q8_0 matvec ran 2x faster loaded from the cache, and the logits differed in their
+last bits — the first process after an install or a kernel change computed differently, and more
+slowly, than every later one.
+
+`ensure_kernel_cache()` makes every process a "later one": when the cache is not known to be complete,
+a child process compiles every kernel signature the runtime uses (a forward pass of a small synthetic
+model with every weight type and KV dtype, through both variants of each twin kernel) and leaves a
+stamp; this process then only ever loads. A lock keeps concurrent starts from compiling twice.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numba
+import numpy as np
+
+_CHILD_TIMEOUT = 900.0  # seconds: a cold compile of every kernel takes about 30 s on 2 cores
+
+
+def ensure_kernel_cache(on_compile: Callable[[], None] = lambda: None) -> bool:
+    """Fill numba's cache for the CPU kernels in a child process unless it is known to be complete.
+    Calls `on_compile` first when it compiles; returns whether it did. A failure to compile in the
+    child raises RuntimeError (with the child's output); this process would fail the same way."""
+    stamp = _stamp_path()
+    if stamp.exists():
+        return False
+    with open(stamp.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be compiling: wait for it
+        if stamp.exists():
+            return False
+        on_compile()
+        done = subprocess.run([sys.executable, "-m", "ember.daemon.kernel_cache"], capture_output=True, text=True,
+                              timeout=_CHILD_TIMEOUT)
+        if done.returncode != 0:
+            raise RuntimeError(f"compiling the CPU kernels failed:\n{done.stdout}{done.stderr}")
+        stamp.write_text("compiled by a child process; see ember/daemon/kernel_cache.py\n")
+    return True
+
+
+def _stamp_path() -> Path:
+    """A stamp beside numba's cache files, named for everything a cached kernel depends on."""
+    from ember.kernels.cpu import quant_matmul
+
+    sources = sorted(Path(quant_matmul.__file__).parent.glob("*.py"))
+    digest = hashlib.sha256()
+    for part in (numba.__version__, np.__version__, sys.version, *(p.read_bytes() for p in sources)):
+        digest.update(part if isinstance(part, bytes) else part.encode())
+    cache_dir = Path(quant_matmul._matvec._cache._cache_path)  # where numba keeps this module's kernels
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    return cache_dir / f"ember-kernels-{digest.hexdigest()[:16]}.stamp"
+
+
+def compile_all() -> None:
+    """Run every kernel signature the runtime uses: a small model whose layers cover every weight
+    type, a prompt and a decode step in every KV dtype, once with the serial and once with the
+    parallel variant of each twin kernel."""
+    from ember.daemon.step_batch import StepBatch
+    from ember.kernels.cpu import twin
+    from ember.kernels.cpu.paged_attention import KV_DTYPES
+
+    net = _synthetic_model()
+    for threshold in (1 << 62, 0):  # every twin serial, then every twin parallel
+        twin.PARALLEL_MIN_WORK = threshold
+        for dtype in KV_DTYPES:
+            cache = net.new_cache(2, 16, dtype)
+            net.forward(StepBatch.build([([1, 2, 3, 4, 5], 0, [0, 1])], 16, all_logits=True), cache)
+            net.forward(StepBatch.build([([6], 5, [0, 1])], 16), cache)  # one token: the matvec
+            net.forward(StepBatch.build([([7], 6, [0, 1]), ([8, 9], 0, [1])], 16), cache)
+
+
+def _synthetic_model():  # type: ignore[no-untyped-def]
+    """A qwen3-shaped Transformer (q/k norms, so every dense kernel runs) of random weights, layer i
+    stored in the i-th weight type."""
+    from ember.daemon.model_config import ModelConfig
+    from ember.daemon.model_file import ModelFile
+    from ember.daemon.models.transformer import Transformer
+    from ember.kernels import get_ops
+    from ember.kernels.quant_reference import quantize
+    from ember.kernels.raw_tensor import RawTensor
+    from ember.kernels.tensor_types import TensorType as T
+
+    types = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32]
+    cfg = ModelConfig(arch="qwen3", n_layers=len(types), hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=256,
+                      vocab=64, context_length=64, rope_theta=10000.0, norm_eps=1e-6)
+    rng = np.random.default_rng(0)
+    tensors: dict[str, RawTensor] = {}
+
+    def add(name: str, ttype: T, *shape: int) -> None:
+        data = quantize(ttype, rng.standard_normal(shape).astype(np.float32) * 0.1)
+        tensors[name] = RawTensor(name, ttype, shape, data.reshape(*shape[:-1], -1) if len(shape) > 1 else data.reshape(-1))
+
+    add("token_embd.weight", T.Q8_0, cfg.vocab, cfg.hidden)
+    add("output_norm.weight", T.F32, cfg.hidden)
+    for i, ttype in enumerate(types):
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        for name, shape in (("attn_q", (q, cfg.hidden)), ("attn_k", (kv, cfg.hidden)), ("attn_v", (kv, cfg.hidden)),
+                            ("attn_output", (cfg.hidden, q)), ("ffn_gate", (cfg.ffn, cfg.hidden)),
+                            ("ffn_up", (cfg.ffn, cfg.hidden)), ("ffn_down", (cfg.hidden, cfg.ffn))):
+            add(f"blk.{i}.{name}.weight", ttype, *shape)
+        for name, width in (("attn_norm", cfg.hidden), ("ffn_norm", cfg.hidden), ("attn_q_norm", cfg.head_dim),
+                            ("attn_k_norm", cfg.head_dim)):
+            add(f"blk.{i}.{name}.weight", T.F32, width)
+    return Transformer(ModelFile(Path("<kernel cache>"), "gguf", cfg, tensors), get_ops("cpu"))
+
+
+if __name__ == "__main__":
+    compile_all()

@@ -1,0 +1,38 @@
+"""Kernels compiled twice, serial and parallel, and the choice between them by the work at hand.
+
+numba's on-disk cache names an entry by the function's qualified name, line and bytecode, not by its
+compile options: compiling one Python function both ways with `cache=True` gave both variants a
+single cache entry, so a process that found the cache warm ran whichever variant was written last —
+different code, and different rounding, from a process that compiled afresh. The parallel twin is
+therefore compiled from a copy of the function under its own name.
+"""
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+from numba import njit
+
+JIT = dict(fastmath=True, cache=True, nogil=True)
+
+# Below this many multiply-adds a kernel runs on the calling thread: waking the thread pool costs
+# more than a decode step's rmsnorm or rope (and much more when other processes hold the cores).
+PARALLEL_MIN_WORK = 1 << 16
+
+
+class Twin:
+    def __init__(self, core: Callable[..., Any]) -> None:
+        self.serial = njit(**JIT)(core)
+        self.parallel = njit(parallel=True, **JIT)(_renamed(core, "_parallel"))
+
+    def pick(self, work: int) -> Any:
+        """The variant for `work` multiply-adds (or a comparable count)."""
+        return self.parallel if work >= PARALLEL_MIN_WORK else self.serial
+
+
+def _renamed(fn: Callable[..., Any], suffix: str) -> Callable[..., Any]:
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix, fn.__defaults__, fn.__closure__)
+    copy.__qualname__ = fn.__qualname__ + suffix
+    copy.__module__ = fn.__module__
+    return copy
