@@ -3,12 +3,15 @@
   ember serve [--model PATH ...] [--config FILE] [--socket PATH] [--device cpu|cuda:N]
   ember generate PROMPT [--model NAME] [sampling options]     stream a completion from the daemon
   ember chat [--model NAME] [--system TEXT]                    an interactive chat with the daemon
-  ember status                                                 health, models and counters
+  ember status                                                 health, models, batching and counters
+
+The client commands take --wait SECONDS: wait that long for a daemon that is still starting.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any
 
 
@@ -19,6 +22,9 @@ def add_daemon_commands(sub: Any) -> None:
     serve.add_argument("--config", metavar="FILE", help="TOML configuration (default: $EMBER_CONFIG, /etc/ember/ember.toml)")
     serve.add_argument("--socket", metavar="PATH", help="Unix socket to serve on")
     serve.add_argument("--device", help="cpu or cuda:N")
+    serve.add_argument("--ctx", type=int, help="tokens per sequence (default: the model's context, at most 4096)")
+    serve.add_argument("--max-active", type=int, help="sequences generated together (default 4)")
+    serve.add_argument("--kv-dtype", choices=("f32", "f16", "bf16", "q8_0"), help="KV cache dtype (default f32)")
     serve.add_argument("--log-format", choices=("auto", "json", "console"))
     serve.set_defaults(func=_serve)
 
@@ -35,13 +41,38 @@ def add_daemon_commands(sub: Any) -> None:
         p.add_argument("--top-k", type=int, default=0)
         p.add_argument("--top-p", type=float, default=1.0)
         p.add_argument("--min-p", type=float, default=0.0)
+        p.add_argument("--repetition-penalty", type=float, default=1.0, help="llama.cpp-style multiplicative (1 = off)")
+        p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI additive penalty per repeat (-2..2)")
+        p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI additive penalty once seen (-2..2)")
         p.add_argument("--seed", type=int)
         p.add_argument("--stop", action="append", help="stop string (repeatable)")
+        _add_wait(p)
         p.set_defaults(func=_generate if name == "generate" else _chat)
 
     status = sub.add_parser("status", help="ask a running daemon how it is")
     status.add_argument("--socket", metavar="PATH")
+    _add_wait(status)
     status.set_defaults(func=_status)
+
+
+def _add_wait(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="wait up to this long for the daemon to come up (default: fail at once)")
+
+
+def _connect(args: argparse.Namespace, timeout: float = 30.0) -> Any:
+    """A Client of the daemon, retrying for --wait seconds while no daemon answers yet."""
+    from ember.client.client import Client
+    from ember.client.errors import DaemonUnavailable
+
+    deadline = time.monotonic() + args.wait
+    while True:
+        try:
+            return Client(args.socket, timeout=timeout)
+        except DaemonUnavailable:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.25)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -50,6 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
     from ember.daemon.socket_dir import SocketInUse
 
     flags = {"models": args.model, "server.socket": args.socket, "engine.device": args.device,
+             "engine.ctx": args.ctx, "engine.max_active": args.max_active, "engine.kv_dtype": args.kv_dtype,
              "server.log_format": args.log_format}
     try:
         return serve(load_config(args.config, flags=flags))
@@ -60,15 +92,16 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(model=args.model, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop)
+                top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
+                stop=args.stop)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ember.client.client import Client
     from ember.client.errors import EmberError
 
     try:
-        with Client(args.socket) as client:
+        with _connect(args) as client:
             stream = client.generate(args.prompt, **_options(args))
             sys.stdout.write(args.prompt)
             try:
@@ -86,12 +119,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from ember.client.client import Client
     from ember.client.errors import EmberError
 
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     try:
-        with Client(args.socket) as client:
+        with _connect(args) as client:
             print(f"{client.server} — an empty line or Ctrl-D ends the chat", file=sys.stderr)
             while True:
                 try:
@@ -119,11 +151,10 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ember.client.client import Client
     from ember.client.errors import EmberError
 
     try:
-        with Client(args.socket, timeout=5.0) as client:
+        with _connect(args, timeout=5.0) as client:
             health, stats, models = client.health(), client.stats(), client.models()
     except EmberError as e:
         print(f"ember: error: {e}", file=sys.stderr)
@@ -131,6 +162,9 @@ def _status(args: argparse.Namespace) -> int:
     print(f"{client.server} at {client.socket_path}: {health.status}, up {health.uptime_s:.0f} s")
     for m in models:
         print(f"  model {m.name}: {m.arch}, vocab {m.vocab}, context {m.context_length}")
-    print(f"  requests: {stats.active} active, {stats.queued} queued, {stats.requests_total} total, "
+    print(f"  requests: {stats.active} running, {stats.queued} queued, {stats.requests_total} total, "
           f"{stats.tokens_total} tokens, {stats.cancelled_total} cancelled, {stats.busy_total} refused busy")
+    print(f"  batching: {stats.tokens_per_s:.1f} tokens/s, KV blocks {stats.kv_blocks_used} used / "
+          f"{stats.kv_blocks_free} free, prefix cache hit rate {stats.prefix_hit_rate:.0%}, "
+          f"{stats.preemptions} preemptions")
     return 0

@@ -4,7 +4,7 @@
     path = "/var/lib/ember/models/qwen3-8b-q4_k_m.gguf"
     name = "qwen3-8b"             # default: the file name without extension
     [server]   socket, socket_group, drain_timeout, log_format, log_level, probe_interval, logits_slots
-    [engine]   device, kv_dtype, max_active, max_queued, warmup
+    [engine]   device, kv_dtype, ctx, max_active, max_queued, max_step_tokens, prefix_caching, warmup
     [limits]   see protocol/limits.py
 
 Environment: EMBER_CONFIG (the file), EMBER_SOCKET, EMBER_MODELS (paths separated by ':'), and
@@ -68,17 +68,29 @@ class ServerConfig(_Section):
         _check(1 <= self.logits_slots <= 4096, f"logits_slots must be in [1, 4096], got {self.logits_slots}")
 
 
+DEFAULT_CTX = 4096  # tokens per sequence when `ctx` is not set (and the model allows that many)
+
+
 class EngineConfig(_Section):
     device: str = "cpu"  # cpu or cuda:N
-    kv_dtype: str = "f32"
-    max_active: int = 4  # requests generating at once (each holds its KV cache)
-    max_queued: int = 32  # admitted requests waiting for the engine; beyond: Error{code: "busy"}
-    warmup: bool = True  # run a short generation before READY (compiles kernels)
+    kv_dtype: str = ""  # f32, f16, bf16 or q8_0; "": the precision policy's (EMBER_KV_DTYPE, else f32)
+    ctx: int = 0  # tokens per sequence, prompt and output; 0: the model's context length, at most DEFAULT_CTX
+    max_active: int = 4  # sequences generated together (continuous batching); the KV cache holds ctx for each
+    max_queued: int = 32  # admitted requests beyond max_active waiting their turn; beyond: Error{code: "busy"}
+    max_step_tokens: int = 256  # tokens per forward pass: every running sequence's next token, then prompt chunks
+    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
+    warmup: bool = True  # run a short generation before READY (loads the compiled kernels)
 
     def __post_init__(self) -> None:
         _check(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, f"device must be cpu or cuda:N, got {self.device!r}")
+        _check(self.ctx >= 0, f"ctx must be >= 0, got {self.ctx}")
         _check(self.max_active >= 1, f"max_active must be >= 1, got {self.max_active}")
         _check(self.max_queued >= 0, f"max_queued must be >= 0, got {self.max_queued}")
+        _check(self.max_step_tokens >= 1, f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
+
+    def context_for(self, model_context: int) -> int:
+        """Tokens per sequence for a model whose own context length is `model_context`."""
+        return min(self.ctx or DEFAULT_CTX, model_context)
 
 
 class Config(_Section):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ember.daemon.logging_setup import get_logger
 from ember.daemon.runtime import Model
-from ember.daemon.solo_decode import SoloDecode
+from ember.daemon.sequence import Sequence
 from ember.daemon.stop_strings import StopStrings
 from ember.daemon.tokenizer import StreamDecoder
 from ember.kernels.sampling import SamplingParams
@@ -46,10 +46,9 @@ class Request:
     logprobs: bool
     admitted: float = field(default_factory=time.perf_counter)
     # --- engine thread only -------------------------------------------------------------------------
-    decode: SoloDecode | None = None
+    seq: Sequence | None = None  # once admitted to its model's scheduler
     text: StreamDecoder | None = None
     stops: StopStrings | None = None
-    started: float | None = None  # first forward pass
     first_token: float | None = None
     completion_tokens: int = 0
 

@@ -4,10 +4,13 @@ Each step, `schedule()` gives every running sequence its next tokens (decodes fi
 then chunks of prompts being read) within a token budget, and admits waiting sequences while the
 budget and free KV blocks allow — reusing cached prefix blocks. When blocks run out it preempts the
 youngest running sequence (its blocks are freed and it is recomputed later; nothing is lost).
-`update()` takes the sampled tokens and finishes sequences. Pure Python: testable without a model.
+`update()` takes the sampled tokens and finishes sequences. A sequence marked `held` (its client
+cannot take more output now) is skipped: it keeps its blocks and its place, and runs again once
+released. Pure Python: testable without a model.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -76,15 +79,15 @@ class Scheduler:
         chunks: list[Chunk] = []
         # decodes (one pending token) before prompt chunks, oldest first: latency of running streams
         for seq in sorted(self.running, key=lambda s: (s.pending > 1, s.seq_id)):
-            if budget == 0 or seq not in self.running:
-                continue  # out of budget, or preempted by an older sequence in this loop
+            if budget == 0 or seq not in self.running or seq.held:
+                continue  # out of budget, preempted by an older sequence in this loop, or held
             length = min(seq.pending, budget)
             if not self._grow(seq, seq.n_computed + length):
                 continue
             chunks.append(Chunk(seq, seq.n_computed, length))
             budget -= length
         chunks = [c for c in chunks if c.seq.status == Status.RUNNING]  # drop those preempted meanwhile
-        while budget and self.waiting and len(self.running) < self.max_running:
+        while budget and len(self.running) < self.max_running and any(not s.held for s in self.waiting):
             seq = self._next_waiting()
             length = self._admit(seq, budget)
             if length == 0:
@@ -132,10 +135,8 @@ class Scheduler:
     def _next_waiting(self) -> Sequence:
         """Fairness: the first waiting sequence of the client with the fewest running ones."""
         running = Counter(s.client for s in self.running)
-        best = min(self.waiting, key=lambda s: running[s.client])
-        if best is not self.waiting[0] and running[self.waiting[0].client] == running[best.client]:
-            best = self.waiting[0]
-        return best
+        ready = [s for s in self.waiting if not s.held]
+        return min(ready, key=lambda s: running[s.client])  # min() keeps the earliest of equals
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         if not seq.table:
@@ -156,6 +157,8 @@ class Scheduler:
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = Status.RUNNING
+        if seq.started is None:
+            seq.started = time.perf_counter()
         return length
 
     def _grow(self, seq: Sequence, n_tokens: int) -> bool:

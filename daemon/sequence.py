@@ -34,6 +34,9 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     preemptions: int = 0
+    wants_logits: bool = False  # keep the logits each token was sampled from (StepOutput.logits)
+    held: bool = False  # set by the daemon while the client cannot take output: not scheduled, keeps its blocks
+    started: float | None = None  # perf_counter() when first admitted to run
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)

@@ -1,7 +1,10 @@
-"""`ember serve`: configuration -> socket lock -> models loaded and warmed -> READY -> serve -> exit 0.
+"""`ember serve`: configuration -> socket lock -> memory plan -> models loaded and warmed -> READY ->
+serve -> exit 0.
 
 The lock is taken before anything slow, so a second daemon on the same socket fails at once with a
-message naming the first. Models are loaded once and stay resident for the life of the process.
+message naming the first. Each model's memory plan (daemon/planner.py) is computed from its metadata
+and logged before a weight is read; a model that does not fit stops the start with the planner's
+explanation. Models are loaded once and stay resident for the life of the process.
 """
 from __future__ import annotations
 
@@ -12,20 +15,26 @@ from pathlib import Path
 
 import uvloop
 
+from ember.daemon.batch_engine import BatchEngine
 from ember.daemon.config import Config, ModelSpec
 from ember.daemon.demo_model import DEMO_MODEL
 from ember.daemon.engine import Engine, Output
+from ember.daemon.kernel_cache import ensure_kernel_cache
 from ember.daemon.logging_setup import configure_logging, get_logger
 from ember.daemon.notify import Notifier
-from ember.daemon.runtime import Model, load
+from ember.daemon.planner import (Device, Plan, PlanDoesNotFit, PlanRequest, available_ram, build_plan, log_plan,
+                                  read_model_info)
+from ember.daemon.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
+from ember.daemon.runtime import KV_BLOCK, Model, load
 from ember.daemon.server import Server
 from ember.daemon.socket_dir import SocketLock, prepare_socket_dir
-from ember.daemon.solo_decode import SoloDecode
-from ember.kernels.sampling import SamplingParams
 from ember.protocol.endpoint import daemon_socket_path, ipc_address
 from ember.protocol.shm_ring import ShmRing
 
 DEMO_NAME = "ember-demo"
+# the planner speaks `ember plan`'s flags; what they are called in the daemon's configuration
+_DAEMON_KNOBS = ("In ember serve's configuration: --ctx is engine.ctx, --seqs is engine.max_active, --kv-dtype is "
+                 "engine.kv_dtype (or EMBER_KV_DTYPE), --prefill-chunk is engine.max_step_tokens.")
 
 
 def serve(config: Config) -> int:
@@ -38,7 +47,16 @@ def serve(config: Config) -> int:
     lock = SocketLock(path)
     lock.acquire()
     try:
-        models = _load_models(config, notifier)
+        specs = config.models or (ModelSpec(str(DEMO_MODEL), DEMO_NAME),)
+        policy = resolve_policy([DeviceCaps.of(config.engine.device)], PrecisionSettings(kv=config.engine.kv_dtype or None))
+        try:
+            _plan_models(config, specs, policy, notifier)
+        except PlanDoesNotFit as e:
+            log.error("model does not fit", problem=str(e))
+            raise PlanDoesNotFit(e.plan, f"{e}\n{_DAEMON_KNOBS}") from None
+        if config.engine.device == "cpu":
+            ensure_kernel_cache(on_compile=lambda: _compiling(notifier))
+        models = _load_models(config, specs, policy.kv, notifier)
         server = Server(config, models, path, notifier, _engine_factory(config, models, notifier))
         uvloop.run(server.run())
     finally:
@@ -48,30 +66,46 @@ def serve(config: Config) -> int:
     return 0
 
 
-def _load_models(config: Config, notifier: Notifier) -> dict[str, Model]:
+def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: PrecisionPolicy, notifier: Notifier) -> list[Plan]:
+    """Every model's plan, each within what the ones before it left of the device; PlanDoesNotFit
+    (with what to change) for the first that does not fit. Reads metadata only."""
+    notifier.status("planning memory")
+    budget = available_ram()
+    plans = []
+    for spec in specs:
+        info = read_model_info(spec.path)
+        request = PlanRequest(devices=(Device("cpu", budget),), policy=policy,
+                              ctx=config.engine.context_for(info.config.context_length), seqs=config.engine.max_active,
+                              prefill_chunk=config.engine.max_step_tokens)
+        plan = build_plan(info, request)
+        log_plan(plan, get_logger())
+        plan.check()
+        budget -= plan.devices[0].required
+        plans.append(plan)
+    return plans
+
+
+def _compiling(notifier: Notifier) -> None:
+    notifier.status("compiling the CPU kernels (first start; later starts load them)")
+    get_logger().info("compiling the CPU kernels in a child process (first start after an install or upgrade)")
+
+
+def _load_models(config: Config, specs: tuple[ModelSpec, ...], kv_dtype: str, notifier: Notifier) -> dict[str, Model]:
     log = get_logger()
-    specs = config.models or (ModelSpec(str(DEMO_MODEL), DEMO_NAME),)
     models: dict[str, Model] = {}
     for i, spec in enumerate(specs, 1):
         name = spec.display_name
         notifier.status(f"loading {name} ({i}/{len(specs)})")
         t0 = time.perf_counter()
-        model = load(spec.path, device=config.engine.device, kv_dtype=config.engine.kv_dtype)
+        model = load(spec.path, device=config.engine.device, kv_dtype=kv_dtype)
         if config.engine.warmup:
             notifier.status(f"warming up {name}")
-            _warm_up(model)
+            # a short prompt and a few sampled tokens: every kernel a request uses is loaded, so the
+            # first client does not pay for it and READY means ready
+            list(model.generate(list(range(1, 9)), max_tokens=3, temperature=0.5, top_k=5, seed=0, ignore_eos=True))
         models[name] = model
         log.info("model ready", model=name, path=spec.path, seconds=round(time.perf_counter() - t0, 2))
     return models
-
-
-def _warm_up(model: Model) -> None:
-    """A short prompt and a few tokens: compiles (or loads from cache) every kernel a request uses, so
-    the first client does not pay for it and READY means ready."""
-    decode = SoloDecode(model, [1, 2, 3, 4, 5, 6, 7, 8], 3, SamplingParams(temperature=0.5, top_k=5), seed=0,
-                        ignore_eos=True)
-    while not decode.done:
-        decode.step()
 
 
 def _engine_factory(config: Config, models: dict[str, Model], notifier: Notifier
@@ -79,13 +113,21 @@ def _engine_factory(config: Config, models: dict[str, Model], notifier: Notifier
     vocab = max(m.config.vocab for m in models.values())
     group = grp.getgrnam(config.server.socket_group).gr_gid if config.server.socket_group else None
     mode = 0o640 if group is not None else 0o600  # readable by those who may connect, no more
+    e = config.engine
 
     def new_ring() -> ShmRing:
         return ShmRing.create(config.server.logits_slots, vocab * 4, mode=mode, group=group)
 
+    def batch_engine(model: Model) -> BatchEngine:
+        ctx = e.context_for(model.config.context_length)
+        blocks = e.max_active * -(-ctx // KV_BLOCK)  # what the plan counted: max_active sequences of ctx
+        return BatchEngine(model.net, blocks, KV_BLOCK, model.kv_dtype, max_step_tokens=e.max_step_tokens,
+                           max_running=e.max_active, prefix_caching=e.prefix_caching, max_context=ctx)
+
     def make(publish: Callable[[list[Output]], None], on_stopped: Callable[[], None]) -> Engine:
-        return Engine(max_active=config.engine.max_active, limits=config.limits, publish=publish,
-                      on_stopped=on_stopped, new_ring=new_ring, heartbeat=notifier.watchdog,
+        return Engine(batches={name: batch_engine(m) for name, m in models.items()}, limits=config.limits,
+                      publish=publish, on_stopped=on_stopped, new_ring=new_ring, heartbeat=notifier.watchdog,
                       heartbeat_interval=notifier.watchdog_interval)
 
     return make
+

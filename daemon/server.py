@@ -255,12 +255,14 @@ class Server:
         self._reply(identity, HealthStatus(msg.id, "draining" if self._draining else "ok", self._uptime()))
 
     def _stats(self, identity: bytes, msg: Stats) -> None:
-        c = self._counters
-        active = self._engine.active_count  # admitted and not active: queued, here or in the engine's inbox
+        c, e = self._counters, self._engine.stats  # admitted and not running: queued, here or in the engine
         self._reply(identity, StatsReport(
-            msg.id, self._uptime(), clients=len(self._peers), active=active,
-            queued=max(0, self._in_flight - active), requests_total=c["requests"], tokens_total=c["tokens"],
-            cancelled_total=c["cancelled"], busy_total=c["busy"], errors_total=c["errors"]))
+            msg.id, self._uptime(), clients=len(self._peers), active=e.running,
+            queued=max(0, self._in_flight - e.running), requests_total=c["requests"], tokens_total=c["tokens"],
+            cancelled_total=c["cancelled"], busy_total=c["busy"], errors_total=c["errors"],
+            kv_blocks_used=e.kv_blocks_used, kv_blocks_free=e.kv_blocks_free,
+            prefix_hit_rate=round(e.prefix_hit_rate, 4), preemptions=e.preemptions,
+            tokens_per_s=round(e.tokens_per_s, 2)))
 
     # --- engine output and peers -------------------------------------------------------------------
     def _on_outputs(self, outputs: list[Output]) -> None:

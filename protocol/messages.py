@@ -227,13 +227,18 @@ class StatsReport(Wire, tag="stats_report"):
     id: int
     uptime_s: float
     clients: int  # clients with requests or a logits ring
-    active: int  # requests being generated
-    queued: int  # admitted, waiting for the engine
+    active: int  # requests being generated (in the running batch)
+    queued: int  # admitted, not running yet (waiting for KV blocks, a batch slot or the engine)
     requests_total: int
     tokens_total: int
     cancelled_total: int
     busy_total: int  # Generates refused with "busy"
     errors_total: int  # Error replies of any code
+    kv_blocks_used: int = 0  # KV cache blocks held by sequences (or cached, evictable prefixes: free)
+    kv_blocks_free: int = 0
+    prefix_hit_rate: float = 0.0  # share of full prompt blocks found in the prefix cache
+    preemptions: int = 0  # sequences evicted for KV memory and recomputed later
+    tokens_per_s: float = 0.0  # generated tokens per second over the last 10 s
 
 
 class Ping(Wire, tag="ping"):

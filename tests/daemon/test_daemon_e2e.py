@@ -10,8 +10,8 @@ import pytest
 
 from ember.client import AsyncClient, Client
 from ember.client.errors import BadRequest, Busy, LimitExceeded, UnknownModel
-from ember.daemon.solo_decode import SoloDecode
-from ember.kernels.sampling import SamplingParams
+from ember.daemon.batch_engine import BatchEngine
+from ember.daemon.sequence import Sequence
 
 PROMPT = "def fibonacci(n):"
 
@@ -115,10 +115,11 @@ def test_busy_when_the_queue_is_full(daemon) -> None:  # type: ignore[no-untyped
 @pytest.mark.asyncio
 async def test_logits_via_shared_memory_equal_model_logits(daemon, demo_model) -> None:  # type: ignore[no-untyped-def]
     ids = demo_model.tokenize(PROMPT)
-    decode = SoloDecode(demo_model, ids, 20, SamplingParams())
+    engine = BatchEngine(demo_model.net, kv_blocks=8)  # what the daemon runs for a request alone
+    engine.add(Sequence(ids, 20, wants_logits=True))
     in_process = []
-    while not decode.done:
-        in_process.append(decode.step().logits.copy())
+    while engine.has_work:
+        in_process += [o.logits for o in engine.step().outputs]
     async with AsyncClient(daemon.socket) as client:
         # 20 tokens through a 4-slot ring: the request pauses whenever the ring is full
         stream = client.generate(PROMPT, max_tokens=20, return_logits=True)
@@ -131,7 +132,7 @@ async def test_logits_via_shared_memory_equal_model_logits(daemon, demo_model) -
             await client.health()  # a slow reader: the daemon runs ahead into a full ring
     assert len(rows) == len(in_process) == 20
     for got, want in zip(rows, in_process):
-        assert got.tobytes() == want.tobytes()  # the transport is exact
+        assert got.tobytes() == want.tobytes()  # the transport is exact, and so is the computation
     reference = demo_model.logits(ids + tokens[:-1])[len(ids) - 1 :]
     np.testing.assert_allclose(np.stack(rows), reference, rtol=0, atol=1e-4)  # and equal to Model.logits
 
@@ -152,3 +153,23 @@ def test_command_line_generate_and_status(daemon, demo_model) -> None:  # type: 
     status = subprocess.run([sys.executable, "-m", "ember.client.cli", "status", "--socket", str(daemon.socket)],
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0 and "ok" in status.stdout and "ember-demo" in status.stdout
+
+
+def test_requests_run_as_one_batch_and_stats_show_the_cache(daemon, demo_model) -> None:  # type: ignore[no-untyped-def]
+    # a prompt of several full KV blocks, sent again: its blocks come from the prefix cache
+    prompt = "import os\nimport sys\nimport json\n\n\ndef main(argv):\n    parser = make_parser()\n" * 3
+    with Client(daemon.socket) as client:
+        before = client.stats()
+        streams = [client.generate(prompt, max_tokens=200, ignore_eos=True) for _ in range(3)]
+        for s in streams:
+            next(s)
+        during = client.stats()  # all three decode together: one forward pass per step for all of them
+        for s in streams:
+            s.cancel()
+            list(s)
+        assert [t for c in client.generate(prompt, max_tokens=8) for t in c.token_ids] == \
+            list(demo_model.generate(prompt, max_tokens=8))
+        after = client.stats()
+    assert during.active == 3 and during.queued == 0 and during.kv_blocks_used > 0
+    assert after.prefix_hit_rate > before.prefix_hit_rate and after.kv_blocks_free > 0
+    assert during.tokens_per_s > 0

@@ -138,3 +138,24 @@ def test_daemon_refuses_a_bad_config_with_one_line(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert out.stderr.strip() == ("ember: error: invalid configuration: engine.max_active: max_active must be >= 1, "
                                   f"got 0 (set by config file {tmp_path / 'bad.toml'})")
+
+
+def test_memory_plan_is_logged_before_the_model_loads(daemon) -> None:  # type: ignore[no-untyped-def]
+    events = [e["event"] for e in daemon.log_events()]
+    assert events.index("memory plan") < events.index("model ready")
+    plan = next(e for e in daemon.log_events() if e["event"] == "memory plan")
+    assert plan["fits"] is True and plan["device"] == "cpu" and plan["seqs"] == 3 and plan["ctx"] == 4096
+
+
+def test_a_model_that_does_not_fit_is_refused_with_what_to_change(tmp_path: Path) -> None:
+    # 100000 sequences of 4096 tokens: a KV cache of about 2 TB for the demo model
+    (tmp_path / "big.toml").write_text("[engine]\nmax_active = 100000\n")
+    out = subprocess.run([sys.executable, "-m", "ember.client.cli", "serve", "--config", str(tmp_path / "big.toml"),
+                          "--socket", str(tmp_path / "s.sock"), "--log-format", "json"], capture_output=True, text=True,
+                         timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith("EMBER_")})
+    assert out.returncode == 1
+    message = out.stderr.strip().splitlines()[-3:]  # the CLI's error: the verdict, the fixes, the knobs
+    assert message[0].startswith("ember: error: ember-demo-dense-q8_0.gguf does not fit cpu") and "KV cache" in message[0]
+    assert message[1].startswith("To make it fit:") and "--seqs" in message[1]
+    assert "--seqs is engine.max_active" in message[2]
+    assert "model ready" not in out.stderr and not (tmp_path / "s.sock").exists()

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from ember.daemon.batch_engine import BatchEngine
 from ember.daemon.engine import Engine, Output
 from ember.daemon.request import Request, request_from_generate
 from ember.protocol.limits import Limits
@@ -28,7 +29,8 @@ class Harness:
             self.rings.append(ShmRing.create(slots, model.config.vocab * 4))
             return self.rings[-1]
 
-        self.engine = Engine(max_active=max_active, limits=Limits(max_prompt_tokens=64), publish=self._publish,
+        batch = BatchEngine(model.net, kv_blocks=64, max_running=max_active)
+        self.engine = Engine(batches={"demo": batch}, limits=Limits(max_prompt_tokens=64), publish=self._publish,
                              on_stopped=self.stopped.set, new_ring=new_ring)
         self.engine.start()
 
