@@ -130,14 +130,16 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
 
 
 def _choice(penalized: np.ndarray, token: int, top_n: int) -> Choice:
-    shifted = penalized.astype(np.float64) - penalized.max()
-    logprobs = shifted - np.log(np.exp(shifted).sum())
+    # log-softmax without materializing it: exp in float32 (arguments <= 0, relative error ~1e-7),
+    # summed in float64; every token's value only when top alternatives are asked for
+    best = penalized.max()
+    log_total = float(np.log(np.exp(penalized - best).sum(dtype=np.float64)))
     top: tuple[tuple[int, float], ...] = ()
     if top_n:
-        best = np.argpartition(-logprobs, top_n - 1)[:top_n]
-        best = best[np.argsort(-logprobs[best], kind="stable")]
-        top = tuple((int(t), float(logprobs[t])) for t in best)
-    return Choice(token, float(logprobs[token]), top)
+        ids = np.argpartition(-penalized, top_n - 1)[:top_n]
+        ids = ids[np.argsort(-penalized[ids], kind="stable")]
+        top = tuple((int(t), float(penalized[t]) - float(best) - log_total) for t in ids)
+    return Choice(token, float(penalized[token]) - float(best) - log_total, top)
 
 
 def _check(ok: bool, message: str) -> None:
