@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -19,7 +20,7 @@ WAIT = 30.0  # seconds: a bound for a hung engine, never a pacing
 
 
 class Harness:
-    def __init__(self, model, max_active: int = 2, slots: int = 2) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, model, max_active: int = 2, slots: int = 2, kv_blocks: int = 64) -> None:  # type: ignore[no-untyped-def]
         self.model = model
         self.outputs: queue.Queue[Output] = queue.Queue()
         self.stopped = threading.Event()
@@ -29,7 +30,7 @@ class Harness:
             self.rings.append(ShmRing.create(slots, model.config.vocab * 4))
             return self.rings[-1]
 
-        batch = BatchEngine(model.net, kv_blocks=64, max_running=max_active)
+        batch = BatchEngine(model.net, kv_blocks=kv_blocks, max_running=max_active)
         self.engine = Engine(batches={"demo": batch}, limits=Limits(max_prompt_tokens=64), publish=self._publish,
                              on_stopped=self.stopped.set, new_ring=new_ring)
         self.engine.start()
@@ -160,3 +161,21 @@ def test_shutdown_drains_then_cancels_at_the_deadline(demo_model) -> None:  # ty
     assert frames[(b"d", 1)][-1].reason == "length"  # finished within the drain
     assert frames[(b"d", 2)][-1].reason == "cancelled"  # cut at the deadline
     assert h.stopped.wait(WAIT)
+
+
+def test_requests_share_steps_and_kv_exhaustion_loses_nothing(demo_model) -> None:  # type: ignore[no-untyped-def]
+    # 6 requests at once in a pool of 6 blocks of 16 tokens, each wanting ~40: the scheduler must
+    # preempt and recompute; every stream still equals Model.generate and the pool ends empty
+    h = Harness(demo_model, max_active=6, kv_blocks=6)
+    prompts = ["def f(x):", "import numpy as np\n", "class A:", "for i in range(3):", "x = [1,", "with open("]
+    for i, p in enumerate(prompts):
+        h.request(b"k", Generate(i, prompt=p, max_tokens=32, ignore_eos=True))
+    frames = h.until_finished(len(prompts))
+    for i, p in enumerate(prompts):
+        assert tokens_of(frames[(b"k", i)]) == list(demo_model.generate(p, max_tokens=32, ignore_eos=True)), p
+    deadline = time.monotonic() + WAIT  # the snapshot is refreshed just after the step's frames go out
+    while h.engine.stats.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = h.engine.stats
+    assert stats.preemptions > 0 and stats.kv_blocks_used == 0 and stats.running == stats.waiting == 0
+    h.stop()
