@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ember", description="ember: a local LLM inference engine")
+    parser = argparse.ArgumentParser(prog="ember", description="ember: a local LLM inference daemon, its clients and tools")
     parser.add_argument("--version", action="version", version=f"ember {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="generate a completion in this process and stream it to stdout",

@@ -7,7 +7,7 @@
     [engine]   device, kv_dtype, ctx, max_active, max_queued, max_step_tokens, prefix_caching, warmup
     [limits]   see protocol/limits.py
 
-Environment: EMBER_CONFIG (the file), EMBER_SOCKET, EMBER_MODELS (paths separated by ':'), and
+Environment: EMBER_CONFIG (the file), EMBER_SOCKET, EMBER_MODELS (paths separated by ':'), EMBER_KV_DTYPE, and
 EMBER_<SECTION>_<FIELD> for every other scalar (EMBER_ENGINE_MAX_ACTIVE=2). A bad value is refused at
 start with the key, the reason and where the value came from.
 """
@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from ember.daemon.precision import KV_DTYPES
 from ember.protocol.limits import Limits
 
 SYSTEM_CONFIG = Path("/etc/ember/ember.toml")
@@ -83,6 +84,7 @@ class EngineConfig(_Section):
 
     def __post_init__(self) -> None:
         _check(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, f"device must be cpu or cuda:N, got {self.device!r}")
+        _check(self.kv_dtype in ("", *KV_DTYPES), f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         _check(self.ctx >= 0, f"ctx must be >= 0, got {self.ctx}")
         _check(self.max_active >= 1, f"max_active must be >= 1, got {self.max_active}")
         _check(self.max_queued >= 0, f"max_queued must be >= 0, got {self.max_queued}")
@@ -142,6 +144,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         out["models"] = [{"path": p} for p in env["EMBER_MODELS"].split(":") if p]
     if env.get("EMBER_SOCKET"):
         out.setdefault("server", {})["socket"] = env["EMBER_SOCKET"]
+    if env.get("EMBER_KV_DTYPE"):  # the precision policy's variable (daemon/precision.py), same meaning
+        out.setdefault("engine", {})["kv_dtype"] = env["EMBER_KV_DTYPE"]
     for section, cls in _SECTIONS.items():
         for field in cls.__struct_fields__:
             name = f"EMBER_{section}_{field}".upper()

@@ -48,7 +48,9 @@ def serve(config: Config) -> int:
     lock.acquire()
     try:
         specs = config.models or (ModelSpec(str(DEMO_MODEL), DEMO_NAME),)
-        policy = resolve_policy([DeviceCaps.of(config.engine.device)], PrecisionSettings(kv=config.engine.kv_dtype or None))
+        # engine.kv_dtype already merges file < EMBER_KV_DTYPE < --kv-dtype (daemon/config.py)
+        policy = resolve_policy([DeviceCaps.of(config.engine.device)], env={},
+                                flags=PrecisionSettings(kv=config.engine.kv_dtype or None))
         try:
             _plan_models(config, specs, policy, notifier)
         except PlanDoesNotFit as e:

@@ -64,3 +64,13 @@ def test_errors_say_what_why_and_where(tmp_path: Path, toml: str, env: dict[str,
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "nope.toml", env={})
+
+
+def test_kv_dtype_follows_the_precision_policy_order(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, ""), env={}).engine.kv_dtype == ""  # the policy's default (f32)
+    path = write(tmp_path, '[engine]\nkv_dtype = "bf16"\n')
+    assert load_config(path, env={}).engine.kv_dtype == "bf16"
+    assert load_config(path, env={"EMBER_KV_DTYPE": "f16"}).engine.kv_dtype == "f16"
+    assert load_config(path, env={"EMBER_KV_DTYPE": "f16"}, flags={"engine.kv_dtype": "q8_0"}).engine.kv_dtype == "q8_0"
+    with pytest.raises(ConfigError, match=r"engine\.kv_dtype: kv_dtype must be one of .* \(set by the environment\)"):
+        load_config(path, env={"EMBER_KV_DTYPE": "f8"})
