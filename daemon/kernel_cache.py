@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import llvmlite.binding as llvm
 import numba
 import numpy as np
 
@@ -54,7 +55,8 @@ def _stamp_path() -> Path:
 
     sources = sorted(Path(quant_matmul.__file__).parent.glob("*.py"))
     digest = hashlib.sha256()
-    for part in (numba.__version__, np.__version__, sys.version, *(p.read_bytes() for p in sources)):
+    cpu = f"{llvm.get_host_cpu_name()} {llvm.get_host_cpu_features().flatten()}"  # numba's cache is per CPU too
+    for part in (numba.__version__, np.__version__, sys.version, cpu, *(p.read_bytes() for p in sources)):
         digest.update(part if isinstance(part, bytes) else part.encode())
     cache_dir = Path(quant_matmul._matvec._cache._cache_path)  # where numba keeps this module's kernels
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,10 @@ def test_matmul_matches_reference(ttype: TensorType, rows: int, superblocks: int
         assert_product_close(matmul(x, weight), x, w64)
 
 
+# Q8_0 blocks per row: 1, 3, 8+1, 4+1, 4+3, 8+4 (the demo model's hidden 384), 8+4+2
 @pytest.mark.parametrize("ttype,cols", [(TensorType.Q8_0, 32), (TensorType.Q8_0, 96), (TensorType.Q8_0, 288),
+                                        (TensorType.Q8_0, 160), (TensorType.Q8_0, 224), (TensorType.Q8_0, 384),
+                                        (TensorType.Q8_0, 448),
                                         (TensorType.F16, 40), (TensorType.BF16, 200), (TensorType.F16, 1000)],
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_matmul_rows_that_are_not_whole_super_blocks(ttype: TensorType, cols: int) -> None:
