@@ -22,7 +22,7 @@ from ember.daemon.engine import Engine, Output
 from ember.daemon.kernel_cache import ensure_kernel_cache
 from ember.daemon.logging_setup import configure_logging, get_logger
 from ember.daemon.notify import Notifier
-from ember.daemon.planner import (Device, Plan, PlanDoesNotFit, PlanRequest, available_ram, build_plan, log_plan,
+from ember.daemon.planner import (Device, PlanDoesNotFit, PlanRequest, available_ram, build_plan, log_plan,
                                   read_model_info)
 from ember.daemon.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.daemon.runtime import KV_BLOCK, Model, load
@@ -68,12 +68,11 @@ def serve(config: Config) -> int:
     return 0
 
 
-def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: PrecisionPolicy, notifier: Notifier) -> list[Plan]:
-    """Every model's plan, each within what the ones before it left of the device; PlanDoesNotFit
+def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: PrecisionPolicy, notifier: Notifier) -> None:
+    """Log every model's plan, each within what the ones before it left of the device; PlanDoesNotFit
     (with what to change) for the first that does not fit. Reads metadata only."""
     notifier.status("planning memory")
     budget = available_ram()
-    plans = []
     for spec in specs:
         info = read_model_info(spec.path)
         request = PlanRequest(devices=(Device("cpu", budget),), policy=policy,
@@ -83,8 +82,6 @@ def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
         log_plan(plan, get_logger())
         plan.check()
         budget -= plan.devices[0].required
-        plans.append(plan)
-    return plans
 
 
 def _compiling(notifier: Notifier) -> None:
