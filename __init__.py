@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 __all__ = ["load", "Model", "ModelFileError", "__version__"]
 
 if TYPE_CHECKING:
-    from ember.daemon.model_file_error import ModelFileError
+    from ember.daemon.loader.model_file_error import ModelFileError
     from ember.daemon.runtime import Model, load
 
 

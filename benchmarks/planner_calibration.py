@@ -11,7 +11,7 @@ cache, two ways:
           and numba's own scratch (not seen by tracemalloc) is included
   traced  tracemalloc's peak minus its current before (numpy's allocations)
 measured = the larger, over 3 runs after 2 warm-up runs (compilation, first touch of weights and KV).
-Printed: planned (daemon/planner.py) / measured, and the safety factor each shape implies,
+Printed: planned (daemon/planning/planner.py) / measured, and the safety factor each shape implies,
 measured / (widest x T x 4): the factor that alone would cover the peak (meaningful where the layers'
 buffers, not the logits, make it).
 
@@ -111,9 +111,9 @@ def _status(key: str) -> int:
 def measure_step(path: str, tokens: int, seqs: int) -> dict[str, int]:
     """Peak bytes above the resident model and KV cache while one step of `tokens` tokens from `seqs`
     sequences runs (forward + sampling). Runs in this process: call it in a fresh one."""
-    from ember.daemon.model_file import open_model_file
+    from ember.daemon.loader.model_file import open_model_file
     from ember.daemon.models.transformer import Transformer
-    from ember.daemon.step_batch import StepBatch
+    from ember.daemon.runner.step_batch import StepBatch
     from ember.kernels import get_ops
     from ember.kernels.sampling import SamplingParams, sample
 
@@ -166,7 +166,7 @@ def run_child(path: Path, tokens: int, seqs: int) -> dict[str, int]:
 
 # --- planned vs measured ------------------------------------------------------------------------
 def planned(path: Path, tokens: int, seqs: int) -> tuple[int, dict[str, float]]:
-    from ember.daemon.planner import GiB, Device, PlanRequest, plan_model
+    from ember.daemon.planning.planner import GiB, Device, PlanRequest, plan_model
 
     request = PlanRequest.create([Device("cpu", 64 * GiB)], env={}, ctx=4096, seqs=seqs, prefill_chunk=tokens)
     a = plan_model(path, request).devices[0].activations
@@ -174,7 +174,7 @@ def planned(path: Path, tokens: int, seqs: int) -> tuple[int, dict[str, float]]:
 
 
 def main() -> int:
-    from ember.daemon.demo_model import DEMO_MODEL
+    from ember.daemon.loader.demo_model import DEMO_MODEL
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the demo model and one synthetic shape, 3 steps")

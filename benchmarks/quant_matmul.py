@@ -22,7 +22,7 @@ import numba
 import numpy as np
 
 from ember.kernels.cpu.quant_matmul import matmul, pack
-from ember.kernels.quant_reference import quantize
+from ember.kernels.reference.quant import quantize
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType
 

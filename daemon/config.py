@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from ember.daemon.precision import KV_DTYPES
+from ember.daemon.planning.precision import KV_DTYPES
 from ember.protocol.limits import Limits
 
 SYSTEM_CONFIG = Path("/etc/ember/ember.toml")
@@ -144,7 +144,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         out["models"] = [{"path": p} for p in env["EMBER_MODELS"].split(":") if p]
     if env.get("EMBER_SOCKET"):
         out.setdefault("server", {})["socket"] = env["EMBER_SOCKET"]
-    if env.get("EMBER_KV_DTYPE"):  # the precision policy's variable (daemon/precision.py), same meaning
+    if env.get("EMBER_KV_DTYPE"):  # the precision policy's variable (daemon/planning/precision.py), same meaning
         out.setdefault("engine", {})["kv_dtype"] = env["EMBER_KV_DTYPE"]
     for section, cls in _SECTIONS.items():
         for field in cls.__struct_fields__:

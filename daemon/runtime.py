@@ -10,14 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from ember.daemon.model_file import ModelFile, open_model_file
-from ember.daemon.model_file_error import ModelFileError
-from ember.daemon.chat_template import ChatTemplate, ChatTemplateError
-from ember.daemon.kernel_cache import ensure_kernel_cache
-from ember.daemon.kv_cache import PagedKVCache
+from ember.daemon.loader.model_file import ModelFile, open_model_file
+from ember.daemon.loader.model_file_error import ModelFileError
+from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
+from ember.daemon.runner.kernel_cache import ensure_kernel_cache
+from ember.daemon.runner.kv_cache import PagedKVCache
 from ember.daemon.models.transformer import Transformer
-from ember.daemon.step_batch import StepBatch
-from ember.daemon.tokenizer import Tokenizer, TokenizerError
+from ember.daemon.runner.step_batch import StepBatch
+from ember.daemon.text.tokenizer import Tokenizer, TokenizerError
 from ember.kernels import get_ops
 from ember.kernels.cpu.paged_attention import KV_DTYPES
 from ember.kernels.sampling import SamplingParams, sample

@@ -13,9 +13,9 @@ from typing import Any
 import gguf
 import numpy as np
 
-from ember.daemon.demo_model import DEMO_MODEL
-from ember.daemon.hf_dir import gguf_name
-from ember.kernels.quant_reference import quantize
+from ember.daemon.loader.demo_model import DEMO_MODEL
+from ember.daemon.loader.hf_dir import gguf_name
+from ember.kernels.reference.quant import quantize
 from ember.kernels.tensor_types import TensorType
 
 # tensor-name pattern -> type, first match wins; 1-D tensors are always F32, as llama.cpp wants

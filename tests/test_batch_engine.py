@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import ember
-from ember.daemon.batch_engine import BatchEngine
-from ember.daemon.demo_model import DEMO_MODEL
-from ember.daemon.sequence import Sequence, Status
+from ember.daemon.engine.batch_engine import BatchEngine
+from ember.daemon.loader.demo_model import DEMO_MODEL
+from ember.daemon.engine.sequence import Sequence, Status
 from ember.kernels.sampling import SamplingParams
 
 SNIPPETS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",

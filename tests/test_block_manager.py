@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ember.daemon.block_manager import BlockManager
+from ember.daemon.engine.block_manager import BlockManager
 
 
 def test_allocate_release_and_exhaustion() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ember.daemon.chat_template import ChatTemplate, ChatTemplateError
+from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
 from tiny_models import DEMO_TOKENIZER
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>'"

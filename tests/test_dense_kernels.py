@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ember.kernels import reference
+from ember.kernels.reference import dense as reference
 from ember.kernels.cpu import dense, twin
 
 rng = np.random.default_rng(0)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import ember
-from ember.daemon.demo_model import DEMO_MODEL
-from ember.kernels.quant_reference import quantize
+from ember.daemon.loader.demo_model import DEMO_MODEL
+from ember.kernels.reference.quant import quantize
 from ember.kernels.tensor_types import TensorType
 from gguf_writer import MIXED, Q4_K_M, write_gguf
 from tiny_models import LLAMA3
@@ -53,7 +53,7 @@ def test_same_weights_as_safetensors_and_gguf_give_same_logits(hf_model, tmp_pat
 def dequantized_copy(model, types) -> None:
     """Replace the model's matrices by what the GGUF file stores (quantize, then gguf-py dequantize)."""
     from gguf_writer import _type_for
-    from ember.daemon.hf_dir import gguf_name
+    from ember.daemon.loader.hf_dir import gguf_name
 
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -1,5 +1,5 @@
 """The CPU kernels compute the same bits in the first process after a (re)compile as in every later one
-(daemon/kernel_cache.py explains why that needed a child process)."""
+(daemon/runner/kernel_cache.py explains why that needed a child process)."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ import pytest
 
 LOGITS_DIGEST = """
 import hashlib, ember
-from ember.daemon.demo_model import DEMO_MODEL
+from ember.daemon.loader.demo_model import DEMO_MODEL
 m = ember.load(DEMO_MODEL)
 ids = m.tokenize("def fibonacci(n):\\n    " * 20)  # long enough for the parallel kernels; then one token
 print(hashlib.sha256(m.logits(ids).tobytes() + m.logits(ids[:1]).tobytes()).hexdigest())

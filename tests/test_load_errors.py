@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ember
-from ember.daemon.demo_model import DEMO_MODEL
+from ember.daemon.loader.demo_model import DEMO_MODEL
 
 
 def load_error(path: Path) -> str:

@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 
-from ember.kernels import reference
+from ember.kernels.reference import dense as reference
 from ember.kernels.cpu import paged_attention as pa
 from ember.kernels.cpu import twin
 

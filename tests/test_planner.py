@@ -1,4 +1,4 @@
-"""The memory planner (daemon/planner.py) and `ember plan`: byte counts computed by hand in each test
+"""The memory planner (daemon/planning/planner.py) and `ember plan`: byte counts computed by hand in each test
 (never by calling the planner's own helpers), metadata read from real GGUF files and HF directories
 without reading weights, the refusal message, and the activation estimate against a measured peak."""
 from __future__ import annotations
@@ -15,12 +15,12 @@ import gguf
 import numpy as np
 import pytest
 
-from ember.daemon.demo_model import DEMO_MODEL
-from ember.daemon.model_config import ModelConfig
-from ember.daemon.planner import (GiB, MiB, Device, ModelInfo, PlanDoesNotFit, PlanError, PlanRequest,
+from ember.daemon.loader.demo_model import DEMO_MODEL
+from ember.daemon.loader.model_config import ModelConfig
+from ember.daemon.planning.planner import (GiB, MiB, Device, ModelInfo, PlanDoesNotFit, PlanError, PlanRequest,
                                   SpeculativeSettings, TensorInfo, build_plan, layer_of, parse_device, parse_size,
                                   plan_model, weight_class, with_request)
-from ember.daemon.precision import PrecisionSettings
+from ember.daemon.planning.precision import PrecisionSettings
 
 QWEN3_8B = ModelConfig(arch="qwen3", n_layers=36, hidden=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn=12288,
                        vocab=151936, context_length=40960, rope_theta=1e6, norm_eps=1e-6)
@@ -353,7 +353,7 @@ def test_refused_before_any_weight_is_read(tmp_path: Path) -> None:
     # the header and the kernel's readahead around it, not the 32 MiB of weights
     assert resident_fraction(path, data_start, end) < 0.05
     # control: reading the weights is visible to the same measurement
-    from ember.daemon.model_file import open_model_file
+    from ember.daemon.loader.model_file import open_model_file
 
     float(np.asarray(open_model_file(path).tensors["token_embd.weight"].data).sum())
     assert resident_fraction(path, data_start, end) > 0.95
@@ -380,9 +380,9 @@ def test_demo_model_step_peak_within_the_plan() -> None:
     """One 256-token step of the demo model (the default prefill chunk) plus sampling, measured with
     tracemalloc: the plan is above it and not by much. benchmarks/planner_calibration.py has the tight
     comparison over many shapes."""
-    from ember.daemon.model_file import open_model_file
+    from ember.daemon.loader.model_file import open_model_file
     from ember.daemon.models.transformer import Transformer
-    from ember.daemon.step_batch import StepBatch
+    from ember.daemon.runner.step_batch import StepBatch
     from ember.kernels import get_ops
     from ember.kernels.sampling import SamplingParams, sample
 
@@ -410,7 +410,8 @@ def test_demo_model_step_peak_within_the_plan() -> None:
 
 
 def test_planner_mirrors_the_runtime_constants() -> None:
-    from ember.daemon import planner, runtime
+    from ember.daemon import runtime
+    from ember.daemon.planning import planner
 
     assert (planner.PREFILL_CHUNK, planner.KV_BLOCK) == (runtime.PREFILL_CHUNK, runtime.KV_BLOCK)
 

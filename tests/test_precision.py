@@ -1,4 +1,4 @@
-"""Precision policies (daemon/precision.py) and the row conversions behind them (kernels/convert.py):
+"""Precision policies (daemon/planning/precision.py) and the row conversions behind them (kernels/convert.py):
 bit-exact against numpy, torch and gguf-py where those define the format, bounded round-trip error,
 and the choice of dtypes from devices, config, environment and flags."""
 from __future__ import annotations
@@ -7,11 +7,11 @@ import gguf
 import numpy as np
 import pytest
 
-from ember.daemon.precision import (DeviceCaps, PrecisionError, PrecisionSettings, StagedRows, auto_act_dtype,
+from ember.daemon.planning.precision import (DeviceCaps, PrecisionError, PrecisionSettings, StagedRows, auto_act_dtype,
                                     resolve_policy)
 from ember.kernels.convert import decode_rows, encode_rows, quantize_q8_0, storage_bytes
-from ember.kernels.quant_reference import dequantize
-from ember.kernels.reference import rmsnorm
+from ember.kernels.reference.quant import dequantize
+from ember.kernels.reference.dense import rmsnorm
 from ember.kernels.tensor_types import TensorType
 
 RNG = np.random.default_rng(7)

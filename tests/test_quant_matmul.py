@@ -15,7 +15,7 @@ import pytest
 
 from ember.kernels.cpu import quant_matmul as qm
 from ember.kernels.cpu.quant_matmul import CpuWeight, embedding, matmul, pack
-from ember.kernels.quant_reference import dequantize, quantize
+from ember.kernels.reference.quant import dequantize, quantize
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType, row_bytes
 

@@ -1,4 +1,4 @@
-"""kernels/quant_reference.py: dequantize against gguf-py (the oracle), and the quantizers' error.
+"""kernels/reference/quant.py: dequantize against gguf-py (the oracle), and the quantizers' error.
 
 Random bytes are valid blocks of every type once their f16 scale fields hold finite values, so
 dequantize is checked bit for bit on random blocks, and on the quantizers' own output.
@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 
-from ember.kernels.quant_reference import dequantize, quantize
+from ember.kernels.reference.quant import dequantize, quantize
 from ember.kernels.tensor_types import BLOCK_GEOMETRY, TensorType, row_bytes
 
 ALL_TYPES = [TensorType.F32, TensorType.F16, TensorType.BF16, TensorType.Q8_0,

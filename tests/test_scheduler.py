@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ember.daemon.block_manager import BlockManager
-from ember.daemon.scheduler import Scheduler
-from ember.daemon.sequence import Sequence, Status
+from ember.daemon.engine.block_manager import BlockManager
+from ember.daemon.engine.scheduler import Scheduler
+from ember.daemon.engine.sequence import Sequence, Status
 from ember.kernels.sampling import Choice
 
 

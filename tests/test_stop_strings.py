@@ -4,7 +4,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ember.daemon.stop_strings import StopStrings
+from ember.daemon.text.stop_strings import StopStrings
 
 
 def stream(deltas: list[str], stops: list[str]) -> tuple[str, bool]:

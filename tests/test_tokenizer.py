@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from ember.daemon.demo_model import DEMO_MODEL
-from ember.daemon.gguf_file import open_gguf
-from ember.daemon.tokenizer import PRE_TOKENIZERS, Tokenizer, TokenizerError
+from ember.daemon.loader.demo_model import DEMO_MODEL
+from ember.daemon.loader.gguf_file import open_gguf
+from ember.daemon.text.tokenizer import PRE_TOKENIZERS, Tokenizer, TokenizerError
 from tiny_models import DEMO_TOKENIZER
 from tokenizer_fixtures import FIXED, byte_bpe_vocab, corpus, gguf_metadata, spm_vocab, write_vocab_gguf
 

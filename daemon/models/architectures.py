@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ember.daemon.model_file_error import ModelFileError
+from ember.daemon.loader.model_file_error import ModelFileError
 
 
 @dataclass(frozen=True)

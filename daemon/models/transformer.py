@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ember.daemon.kv_cache import PagedKVCache
-from ember.daemon.model_config import ModelConfig
-from ember.daemon.model_file import ModelFile
+from ember.daemon.runner.kv_cache import PagedKVCache
+from ember.daemon.loader.model_config import ModelConfig
+from ember.daemon.loader.model_file import ModelFile
 from ember.daemon.models.architectures import ArchSpec, architecture
-from ember.daemon.step_batch import StepBatch
+from ember.daemon.runner.step_batch import StepBatch
 from ember.kernels.ops import Array, Ops, Weight
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType

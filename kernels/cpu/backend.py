@@ -6,7 +6,7 @@ import numpy as np
 from ember.kernels.cpu import dense, quant_matmul
 from ember.kernels.cpu.paged_attention import KVLayerStore, paged_attention
 from ember.kernels.ops import Array, Ops
-from ember.kernels.quant_reference import dequantize
+from ember.kernels.reference.quant import dequantize
 from ember.kernels.raw_tensor import RawTensor
 
 

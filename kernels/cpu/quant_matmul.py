@@ -4,7 +4,7 @@ This module owns the CPU backend's weight layout (CpuWeight, made by pack) and i
 matmul with one token (the decode hot path: a matvec that streams the quantized bytes once), matmul
 with n tokens (dequantizes each row once into a small buffer, then a register-tiled product with all n
 tokens), and embedding (dequantizes the selected rows). The block layouts are documented, and
-checked, in kernels/quant_reference.py; the kernels are tested against it.
+checked, in kernels/reference/quant.py; the kernels are tested against it.
 
 Why the kernels look the way they do (each point measured on the 2-core Zen 4 VM this was built on):
 - Each row's dot product is a sum of small reductions, one per group of blocks (8 Q8_0 blocks, one

@@ -36,7 +36,7 @@ def pytest_asyncio_loop_factories(config, item):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def demo_model():  # type: ignore[no-untyped-def]
     import ember
-    from ember.daemon.demo_model import DEMO_MODEL
+    from ember.daemon.loader.demo_model import DEMO_MODEL
 
     return ember.load(DEMO_MODEL)
 

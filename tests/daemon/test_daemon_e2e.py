@@ -10,8 +10,8 @@ import pytest
 
 from ember.client import AsyncClient, Client
 from ember.client.errors import BadRequest, Busy, LimitExceeded, UnknownModel
-from ember.daemon.batch_engine import BatchEngine
-from ember.daemon.sequence import Sequence
+from ember.daemon.engine.batch_engine import BatchEngine
+from ember.daemon.engine.sequence import Sequence
 
 PROMPT = "def fibonacci(n):"
 

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ember.daemon.batch_engine import BatchEngine
-from ember.daemon.engine import Engine, Output
-from ember.daemon.request import Request, request_from_generate
+from ember.daemon.engine.batch_engine import BatchEngine
+from ember.daemon.server.engine_thread import Engine, Output
+from ember.daemon.server.request import Request, request_from_generate
 from ember.protocol.limits import Limits
 from ember.protocol.messages import Error, Finished, Generate, Tokens
 from ember.protocol.shm_ring import ShmRing, ShmRingReader

@@ -6,7 +6,7 @@ import socket
 import uuid
 from pathlib import Path
 
-from ember.daemon.notify import Notifier
+from ember.daemon.server.notify import Notifier
 
 
 def listener(path: str) -> socket.socket:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ember.daemon.socket_dir import SocketInUse, SocketLock, prepare_socket_dir
+from ember.daemon.server.socket_dir import SocketInUse, SocketLock, prepare_socket_dir
 
 
 def test_directory_is_created_private_and_tightened(tmp_path: Path) -> None:

@@ -39,8 +39,8 @@ def add_plan_parser(sub: Any) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from ember.daemon.model_file_error import ModelFileError
-    from ember.daemon.planner import plan_model
+    from ember.daemon.loader.model_file_error import ModelFileError
+    from ember.daemon.planning.planner import plan_model
 
     try:
         plan = plan_model(args.model, _request(args))
@@ -55,8 +55,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _request(args: argparse.Namespace) -> Any:
-    from ember.daemon.planner import PlanRequest, SpeculativeSettings, parse_device, parse_size
-    from ember.daemon.precision import PrecisionSettings
+    from ember.daemon.planning.planner import PlanRequest, SpeculativeSettings, parse_device, parse_size
+    from ember.daemon.planning.precision import PrecisionSettings
 
     devices = [parse_device(s) for s in (args.device or ["cpu"])]
     options: dict[str, Any] = dict(ctx=args.ctx, seqs=args.seqs, expert_offload=args.expert_offload)
@@ -79,7 +79,7 @@ def render_table(plan: Any) -> str:
     fit, what to change)."""
     from pathlib import Path
 
-    from ember.daemon.planner import explain, fmt_bytes
+    from ember.daemon.planning.planner import explain, fmt_bytes
 
     cfg, req, pol = plan.model.config, plan.request, plan.request.policy
     moe = f", {cfg.n_experts} experts ({cfg.n_experts_used} used)" if cfg.n_experts else ""
@@ -139,7 +139,7 @@ def render_table(plan: Any) -> str:
 
 def plan_dict(plan: Any) -> dict[str, Any]:
     """The plan as the JSON document of docs/planner.md (schema ember.plan/1); all sizes in bytes."""
-    from ember.daemon.planner import SCHEMA, explain, expert_ffn
+    from ember.daemon.planning.planner import SCHEMA, explain, expert_ffn
 
     cfg, req, pol = plan.model.config, plan.request, plan.request.policy
     return {
@@ -159,7 +159,7 @@ def plan_dict(plan: Any) -> dict[str, Any]:
 
 
 def _device_dict(d: Any) -> dict[str, Any]:
-    from ember.daemon.planner import WEIGHT_CLASSES
+    from ember.daemon.planning.planner import WEIGHT_CLASSES
 
     w, a = d.weights, d.activations
     return {

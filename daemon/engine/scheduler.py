@@ -15,8 +15,8 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ember.daemon.block_manager import BlockManager
-from ember.daemon.sequence import Sequence, Status
+from ember.daemon.engine.block_manager import BlockManager
+from ember.daemon.engine.sequence import Sequence, Status
 from ember.kernels.sampling import Choice
 
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ember.daemon.model_config import ModelConfig
-from ember.daemon.model_file import open_model_file
-from ember.daemon.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
+from ember.daemon.loader.model_config import ModelConfig
+from ember.daemon.loader.model_file import open_model_file
+from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.kernels.convert import storage_bytes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -76,7 +76,7 @@ def read_model_info(path: str | Path) -> ModelInfo:
     again here unrenamed so that MoE expert tensors, which the runtime's renaming drops, count."""
     mf = open_model_file(path)
     if mf.format == "hf":
-        from ember.daemon.hf_dir import _read_safetensors, _shards  # the loader's own header parser
+        from ember.daemon.loader.hf_dir import _read_safetensors, _shards  # the loader's own header parser
 
         raws = [t for shard in _shards(mf.path) for t in _read_safetensors(shard).values()]
     else:

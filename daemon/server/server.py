@@ -26,12 +26,12 @@ from zmq.utils.monitor import parse_monitor_message
 
 import ember
 from ember.daemon.config import Config
-from ember.daemon.engine import Engine, Output
+from ember.daemon.server.engine_thread import Engine, Output
 from ember.daemon.logging_setup import get_logger
-from ember.daemon.notify import Notifier
-from ember.daemon.outbox import Outbox
-from ember.daemon.peers import Peer, Peers
-from ember.daemon.request import RequestError, request_from_generate, resolve_model
+from ember.daemon.server.notify import Notifier
+from ember.daemon.server.outbox import Outbox
+from ember.daemon.server.peers import Peer, Peers
+from ember.daemon.server.request import RequestError, request_from_generate, resolve_model
 from ember.daemon.runtime import Model
 from ember.protocol.codec import Codec, ProtocolError
 from ember.protocol.endpoint import ipc_address

@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader
 
-from ember.daemon.model_config import config_from_gguf
-from ember.daemon.model_file import ModelFile
-from ember.daemon.model_file_error import ModelFileError
+from ember.daemon.loader.model_config import config_from_gguf
+from ember.daemon.loader.model_file import ModelFile
+from ember.daemon.loader.model_file_error import ModelFileError
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import UnsupportedTensorType, row_bytes, tensor_type
 

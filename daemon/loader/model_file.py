@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ember.daemon.model_config import ModelConfig
-from ember.daemon.model_file_error import ModelFileError
+from ember.daemon.loader.model_config import ModelConfig
+from ember.daemon.loader.model_file_error import ModelFileError
 from ember.kernels.raw_tensor import RawTensor
 
 
@@ -45,13 +45,13 @@ def open_model_file(path: str | Path) -> ModelFile:
     if not p.exists():
         raise ModelFileError(str(p), "no such file or directory")
     if p.is_dir():
-        from ember.daemon.hf_dir import open_hf_dir
+        from ember.daemon.loader.hf_dir import open_hf_dir
 
         return open_hf_dir(p)
     with open(p, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF":
-        from ember.daemon.gguf_file import open_gguf
+        from ember.daemon.loader.gguf_file import open_gguf
 
         return open_gguf(p)
     raise ModelFileError(str(p), "not a GGUF file (bad magic) and not a Hugging Face model directory")

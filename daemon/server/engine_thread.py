@@ -3,7 +3,7 @@
 They meet in two places: the engine's inbox (a thread-safe queue of commands: submit, cancel, drop a
 client, pause a client, release logits slots, shut down) and `publish`, which the server wires to
 `loop.call_soon_threadsafe`. Each loop turn: apply every command that arrived, then run one
-continuous-batching step (daemon/batch_engine.py) of the next model with runnable work — every running
+continuous-batching step (daemon/engine/batch_engine.py) of the next model with runnable work — every running
 sequence of that model advances together, prompts are read in chunks beside them — and publish the
 frames. Commands are applied between steps, so a Cancel stops a request within one step.
 
@@ -20,12 +20,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from ember.daemon.batch_engine import BatchEngine, StepOutput
-from ember.daemon.chat_template import ChatTemplateError
+from ember.daemon.engine.batch_engine import BatchEngine, StepOutput
+from ember.daemon.text.chat_template import ChatTemplateError
 from ember.daemon.logging_setup import get_logger
-from ember.daemon.request import Request
-from ember.daemon.sequence import Sequence, Status
-from ember.daemon.stop_strings import StopStrings
+from ember.daemon.server.request import Request
+from ember.daemon.engine.sequence import Sequence, Status
+from ember.daemon.text.stop_strings import StopStrings
 from ember.protocol.limits import Limits, LimitExceeded
 from ember.protocol.messages import (Error, ErrorCode, Finished, FinishReason, ServerMessage, Timings, Tokens,
                                      TopLogprob, Usage)

@@ -77,8 +77,8 @@ def _connect(args: argparse.Namespace, timeout: float = 30.0) -> Any:
 
 def _serve(args: argparse.Namespace) -> int:
     from ember.daemon.config import load_config
-    from ember.daemon.serve import serve
-    from ember.daemon.socket_dir import SocketInUse
+    from ember.daemon.server.serve import serve
+    from ember.daemon.server.socket_dir import SocketInUse
 
     flags = {"models": args.model, "server.socket": args.socket, "engine.device": args.device,
              "engine.ctx": args.ctx, "engine.max_active": args.max_active, "engine.kv_dtype": args.kv_dtype,

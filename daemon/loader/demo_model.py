@@ -3,4 +3,4 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DEMO_MODEL = Path(__file__).parent / "assets" / "ember-demo-dense-q8_0.gguf"
+DEMO_MODEL = Path(__file__).parents[1] / "assets" / "ember-demo-dense-q8_0.gguf"

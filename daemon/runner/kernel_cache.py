@@ -41,7 +41,7 @@ def ensure_kernel_cache(on_compile: Callable[[], None] = lambda: None) -> bool:
         if stamp.exists():
             return False
         on_compile()
-        done = subprocess.run([sys.executable, "-m", "ember.daemon.kernel_cache"], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", "ember.daemon.runner.kernel_cache"], capture_output=True, text=True,
                               timeout=_CHILD_TIMEOUT)
         if done.returncode != 0:
             raise RuntimeError(f"compiling the CPU kernels failed:\n{done.stdout}{done.stderr}")
@@ -67,7 +67,7 @@ def compile_all() -> None:
     """Run every kernel signature the runtime uses: a small model whose layers cover every weight
     type, a prompt and a decode step in every KV dtype, once with the serial and once with the
     parallel variant of each twin kernel."""
-    from ember.daemon.step_batch import StepBatch
+    from ember.daemon.runner.step_batch import StepBatch
     from ember.kernels.cpu import twin
     from ember.kernels.cpu.paged_attention import KV_DTYPES
 
@@ -84,11 +84,11 @@ def compile_all() -> None:
 def _synthetic_model():  # type: ignore[no-untyped-def]
     """A qwen3-shaped Transformer (q/k norms, so every dense kernel runs) of random weights, layer i
     stored in the i-th weight type."""
-    from ember.daemon.model_config import ModelConfig
-    from ember.daemon.model_file import ModelFile
+    from ember.daemon.loader.model_config import ModelConfig
+    from ember.daemon.loader.model_file import ModelFile
     from ember.daemon.models.transformer import Transformer
     from ember.kernels import get_ops
-    from ember.kernels.quant_reference import quantize
+    from ember.kernels.reference.quant import quantize
     from ember.kernels.raw_tensor import RawTensor
     from ember.kernels.tensor_types import TensorType as T
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from ember.daemon.logging_setup import get_logger
 from ember.daemon.runtime import Model
-from ember.daemon.sequence import Sequence
-from ember.daemon.stop_strings import StopStrings
-from ember.daemon.tokenizer import StreamDecoder
+from ember.daemon.engine.sequence import Sequence
+from ember.daemon.text.stop_strings import StopStrings
+from ember.daemon.text.tokenizer import StreamDecoder
 from ember.kernels.sampling import SamplingParams
 from ember.protocol.limits import Limits, LimitExceeded
 from ember.protocol.messages import ErrorCode, Generate

@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from ember.daemon.logging_setup import get_logger
-from ember.daemon.peers import Peer, Peers
+from ember.daemon.server.peers import Peer, Peers
 from ember.protocol.codec import Codec
 from ember.protocol.messages import Ping, ServerMessage
 

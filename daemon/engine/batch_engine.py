@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ember.daemon.block_manager import BlockManager
-from ember.daemon.kv_cache import PagedKVCache
+from ember.daemon.engine.block_manager import BlockManager
+from ember.daemon.runner.kv_cache import PagedKVCache
 from ember.daemon.models.transformer import Transformer
-from ember.daemon.scheduler import Scheduler, StepPlan
-from ember.daemon.sequence import Sequence
-from ember.daemon.step_batch import StepBatch
+from ember.daemon.engine.scheduler import Scheduler, StepPlan
+from ember.daemon.engine.sequence import Sequence
+from ember.daemon.runner.step_batch import StepBatch
 from ember.kernels.sampling import Choice, sample
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ember.daemon.model_file_error import ModelFileError
+from ember.daemon.loader.model_file_error import ModelFileError
 
 # HF model_type -> the GGUF architecture name ember uses internally
 HF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "mixtral"}

@@ -3,7 +3,7 @@
 Subcommands:
   ember run [MODEL] PROMPT   load a model in this process and stream a completion to stdout
                              (MODEL: a GGUF file or Hugging Face directory; omitted: the built-in demo)
-  ember serve, generate, chat, status    the daemon and its clients (client/daemon_commands.py)
+  ember serve, generate, chat, status    the daemon and its clients (client/cli/daemon_commands.py)
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     run.add_argument("--device", default="cpu", help="cpu (default)")
     run.set_defaults(func=_run)
-    from ember.client.daemon_commands import add_daemon_commands
-    from ember.client.plan_command import add_plan_parser
+    from ember.client.cli.daemon_commands import add_daemon_commands
+    from ember.client.cli.plan_command import add_plan_parser
 
     add_daemon_commands(sub)
     add_plan_parser(sub)
@@ -51,8 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ember.daemon.demo_model import DEMO_MODEL
-    from ember.daemon.model_file_error import ModelFileError
+    from ember.daemon.loader.demo_model import DEMO_MODEL
+    from ember.daemon.loader.model_file_error import ModelFileError
     from ember.daemon.runtime import load
 
     if len(args.args) > 2:

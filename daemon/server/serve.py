@@ -2,7 +2,7 @@
 serve -> exit 0.
 
 The lock is taken before anything slow, so a second daemon on the same socket fails at once with a
-message naming the first. Each model's memory plan (daemon/planner.py) is computed from its metadata
+message naming the first. Each model's memory plan (daemon/planning/planner.py) is computed from its metadata
 and logged before a weight is read; a model that does not fit stops the start with the planner's
 explanation. Models are loaded once and stay resident for the life of the process.
 """
@@ -15,19 +15,19 @@ from pathlib import Path
 
 import uvloop
 
-from ember.daemon.batch_engine import BatchEngine
+from ember.daemon.engine.batch_engine import BatchEngine
 from ember.daemon.config import Config, ModelSpec
-from ember.daemon.demo_model import DEMO_MODEL
-from ember.daemon.engine import Engine, Output
-from ember.daemon.kernel_cache import ensure_kernel_cache
+from ember.daemon.loader.demo_model import DEMO_MODEL
+from ember.daemon.server.engine_thread import Engine, Output
+from ember.daemon.runner.kernel_cache import ensure_kernel_cache
 from ember.daemon.logging_setup import configure_logging, get_logger
-from ember.daemon.notify import Notifier
-from ember.daemon.planner import (Device, PlanDoesNotFit, PlanRequest, available_ram, build_plan, log_plan,
+from ember.daemon.server.notify import Notifier
+from ember.daemon.planning.planner import (Device, PlanDoesNotFit, PlanRequest, available_ram, build_plan, log_plan,
                                   read_model_info)
-from ember.daemon.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
+from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.daemon.runtime import KV_BLOCK, Model, load
-from ember.daemon.server import Server
-from ember.daemon.socket_dir import SocketLock, prepare_socket_dir
+from ember.daemon.server.server import Server
+from ember.daemon.server.socket_dir import SocketLock, prepare_socket_dir
 from ember.protocol.endpoint import daemon_socket_path, ipc_address
 from ember.protocol.shm_ring import ShmRing
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ember.daemon.model_config import config_from_hf
-from ember.daemon.model_file import ModelFile
-from ember.daemon.model_file_error import ModelFileError
+from ember.daemon.loader.model_config import config_from_hf
+from ember.daemon.loader.model_file import ModelFile
+from ember.daemon.loader.model_file_error import ModelFileError
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType
 

@@ -1,0 +1,132 @@
+"""What serving costs over running the model in process, measured side by side in one run.
+
+- in-process: `ember.load(model).generate(prompt, max_tokens=N)` greedy, tokens/s over the whole call;
+- daemon: the same request streamed from a real `ember serve` through the sync `Client`, tokens/s from
+  the request to its Finished frame (the client shares the machine's cores with the daemon, as a local
+  client does);
+- host time per step at batch 1: the in-process engine's decode steps timed whole, and the time spent
+  inside kernels (every ops call timed), the difference being the Python around them;
+- aggregate tokens/s of 8 concurrent streams over one stream (AsyncClient, one process).
+Medians of `--repeats` runs, the two single-stream paths alternating so drift hits both alike.
+
+    python benchmarks/engine_overhead.py [--model PATH] [--tokens 256] [--repeats 3] [--streams 8]
+
+Goals (issue: engine core): daemon / in-process >= 0.95; 8 streams >= 4x one.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests" / "daemon"))  # the test suite's daemon launcher
+
+from daemon_process import DaemonProcess  # noqa: E402
+
+import ember  # noqa: E402
+from ember.client import AsyncClient, Client  # noqa: E402
+from ember.daemon.loader.demo_model import DEMO_MODEL  # noqa: E402
+
+PROMPT = "def fibonacci(n):"
+
+
+def in_process(model: ember.Model, tokens: int) -> float:
+    t0 = time.perf_counter()
+    n = sum(1 for _ in model.generate(PROMPT, max_tokens=tokens, ignore_eos=True))
+    return n / (time.perf_counter() - t0)
+
+
+def via_daemon(socket: Path, tokens: int) -> float:
+    with Client(socket, timeout=600) as client:
+        t0 = time.perf_counter()
+        n = sum(len(chunk.token_ids) for chunk in client.generate(PROMPT, max_tokens=tokens, ignore_eos=True))
+        return n / (time.perf_counter() - t0)
+
+
+async def _stream(socket: Path, prompt: str, tokens: int) -> int:
+    async with AsyncClient(socket, timeout=600) as client:
+        return sum([len(c.token_ids) async for c in client.generate(prompt, max_tokens=tokens, ignore_eos=True)])
+
+
+async def concurrent(socket: Path, n: int, tokens: int) -> float:
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(_stream(socket, f"{PROMPT}{' ' * i}", tokens) for i in range(n)))
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+class KernelClock:
+    """Wraps a runner's ops so that every kernel call adds its wall time to `seconds`."""
+
+    def __init__(self, ops: Any) -> None:
+        self.seconds = 0.0
+        self._ops = ops
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._ops, name)
+        if not callable(fn):
+            return fn
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+
+def host_time_per_step(model: ember.Model, tokens: int) -> tuple[float, float]:
+    """(ms per decode step, ms of it outside kernels) at batch 1, in process."""
+    clock = KernelClock(model.runner_ops)
+    with model.instrumented_ops(clock):
+        stream = model.generate(PROMPT, max_tokens=tokens + 1, ignore_eos=True)
+        next(stream)  # the prompt's step, not a decode
+        clock.seconds = 0.0
+        t0 = time.perf_counter()
+        n = sum(1 for _ in stream)
+        wall = time.perf_counter() - t0
+    return 1e3 * wall / n, 1e3 * (wall - clock.seconds) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="GGUF file or HF directory (default: the built-in demo model)")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=8)
+    args = parser.parse_args()
+    path = args.model or str(DEMO_MODEL)
+    config = f"[engine]\nmax_active = {max(8, args.streams)}\nctx = 2048\n[limits]\nmax_requests_per_client = 64\n"
+    daemon = DaemonProcess(config, args=("--model", path)).wait_ready(timeout=900)
+    try:
+        model = ember.load(path)
+        in_process(model, 16), via_daemon(daemon.socket, 16)  # warm both paths
+        inproc, served = [], []
+        for _ in range(args.repeats):
+            inproc.append(in_process(model, args.tokens))
+            served.append(via_daemon(daemon.socket, args.tokens))
+        step_ms, host_ms = host_time_per_step(model, args.tokens)
+        one = statistics.median(asyncio.run(concurrent(daemon.socket, 1, args.tokens)) for _ in range(args.repeats))
+        many = statistics.median(asyncio.run(concurrent(daemon.socket, args.streams, args.tokens))
+                                 for _ in range(args.repeats))
+    finally:
+        daemon.stop()
+    a, b = statistics.median(inproc), statistics.median(served)
+    print(f"{Path(path).name}, {os.cpu_count()} CPUs, greedy, {args.tokens} tokens, medians of {args.repeats}")
+    print(f"in-process          {a:8.1f} tok/s   (runs: {', '.join(f'{x:.0f}' for x in inproc)})")
+    print(f"daemon + Client     {b:8.1f} tok/s   (runs: {', '.join(f'{x:.0f}' for x in served)})")
+    print(f"daemon / in-process {b / a:8.3f}     (goal >= 0.95)")
+    print(f"decode step, batch 1: {step_ms:.3f} ms, of which {host_ms:.3f} ms outside kernels "
+          f"({100 * host_ms / step_ms:.0f}%)")
+    print(f"1 stream {one:.1f} tok/s, {args.streams} streams {many:.1f} tok/s: {many / one:.2f}x (goal >= 4x)")
+
+
+if __name__ == "__main__":
+    main()

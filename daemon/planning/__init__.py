@@ -1,0 +1,1 @@
+"""Planning before loading: the memory planner and the precision policies."""
