@@ -1,6 +1,7 @@
 """The in-process API: `load(path, device)` -> Model, with tokenize, detokenize, logits and generate.
 
-This is what the daemon's engine drives and what library users call directly.
+Library users call it directly; the daemon loads its models through it too. Generating runs on the
+same engine core as the daemon (engine/engine_core.py), holding one sequence.
 """
 from __future__ import annotations
 
@@ -10,17 +11,17 @@ from typing import Any
 
 import numpy as np
 
+from ember.daemon.engine.engine_core import EngineCore, StepOutput
+from ember.daemon.engine.sequence import Sequence as EngineSequence
 from ember.daemon.loader.model_file import ModelFile, open_model_file
 from ember.daemon.loader.model_file_error import ModelFileError
-from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
-from ember.daemon.runner.kernel_cache import ensure_kernel_cache
-from ember.daemon.runner.kv_cache import PagedKVCache
 from ember.daemon.models.transformer import Transformer
-from ember.daemon.runner.step_batch import StepBatch
+from ember.daemon.runner.devices import DeviceName, backend_for
+from ember.daemon.runner.model_runner import ModelRunner
+from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
 from ember.daemon.text.tokenizer import Tokenizer, TokenizerError
-from ember.kernels import get_ops
 from ember.kernels.cpu.paged_attention import KV_DTYPES
-from ember.kernels.sampling import SamplingParams, sample
+from ember.kernels.sampling import SamplingParams
 
 __all__ = ["Model", "ModelFileError", "load"]
 
@@ -29,15 +30,16 @@ KV_BLOCK = 16  # tokens per KV cache block
 
 
 class Model:
-    def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str, kv_dtype: str = "f32") -> None:
+    def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str = "cpu", kv_dtype: str = "f32") -> None:
         self.path = mf.path
         self.config = mf.config
         self.tokenizer = tokenizer
-        self.device = device
+        name = DeviceName.parse(device)
+        self.device = str(name)
         self.kv_dtype = kv_dtype
         self._chat: ChatTemplate | None = None
         self.file_bytes = mf.file_bytes
-        self._net = Transformer(mf, get_ops(device))
+        self._net = Transformer(mf, backend_for(name).ops(name))
 
     def __repr__(self) -> str:
         c = self.config
@@ -69,15 +71,24 @@ class Model:
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits of every position, float32 [len(token_ids), vocab]."""
         ids = self._check_ids(token_ids)
-        cache, table = self._private_cache(len(ids))
-        chunks = [self._step(ids[s : s + PREFILL_CHUNK], s, table, cache, all_logits=True)
-                  for s in range(0, len(ids), PREFILL_CHUNK)]
-        return np.concatenate(chunks)
+        seq = EngineSequence(ids.tolist(), max_tokens=0, prompt_logits=True)
+        engine = self.engine(len(ids))
+        engine.add(seq)
+        rows = [out.logits for out in _drive(engine) if out.logits is not None]
+        return np.concatenate(rows)
 
     @property
     def net(self) -> Transformer:
-        """The model itself, for the engine, which runs batches of many sequences through it."""
+        """The model's weights on its device, which runners (each with its own KV cache) share."""
         return self._net
+
+    def engine(self, capacity: int, max_running: int = 1, **options: Any) -> EngineCore:
+        """An engine core of its own over this model's weights, with KV cache for `capacity` tokens
+        (more sequences: EngineCore's options, e.g. max_running, max_context, prefix_caching)."""
+        runner = ModelRunner(self._net, -(-capacity // KV_BLOCK), KV_BLOCK, self.kv_dtype)
+        options.setdefault("prefix_caching", False)
+        options.setdefault("max_step_tokens", PREFILL_CHUNK)
+        return EngineCore(runner, max_running=max_running, **options)
 
     def generate(
         self,
@@ -100,38 +111,18 @@ class Model:
         params.check_vocab(self.config.vocab)
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        ids = self._check_ids(self.tokenize(prompt) if isinstance(prompt, str) else prompt)
-        return self._generate(ids, max_tokens, params, np.random.default_rng(seed), set(stop_ids), ignore_eos)
+        ids = self._check_ids(self.tokenize(prompt) if isinstance(prompt, str) else prompt).tolist()
+        stop = frozenset(stop_ids) | (frozenset() if ignore_eos else frozenset(self.tokenizer.eos_ids))
+        return self._generate(EngineSequence(ids, max_tokens, params, seed, stop))
 
-    def _generate(self, ids: np.ndarray, max_tokens: int, params: SamplingParams, rng: np.random.Generator,
-                  stop: set[int], ignore_eos: bool) -> Iterator[int]:
-        capacity = min(len(ids) + max_tokens, self.config.context_length)
-        cache, table = self._private_cache(capacity)
-        if not ignore_eos:
-            stop |= self.tokenizer.eos_ids
-        for pos in range(0, len(ids), PREFILL_CHUNK):
-            logits = self._step(ids[pos : pos + PREFILL_CHUNK], pos, table, cache)
-        pos, prompt, generated = len(ids), ids.tolist(), []
-        for _ in range(max_tokens):
-            if pos >= capacity:
-                return
-            token = sample(logits[0], params, rng, prompt, generated).token
-            generated.append(token)
-            yield token
-            if token in stop or pos + 1 >= capacity:
-                return
-            logits = self._step([token], pos, table, cache)
-            pos += 1
-
-    def _private_cache(self, capacity: int) -> tuple[PagedKVCache, list[int]]:
-        """A KV cache for one sequence of `capacity` tokens, and its block table (all of it)."""
-        n_blocks = -(-capacity // KV_BLOCK)
-        return self._net.new_cache(n_blocks, KV_BLOCK, self.kv_dtype), list(range(n_blocks))
-
-    def _step(self, tokens: Sequence[int], start: int, table: list[int], cache: PagedKVCache,
-              all_logits: bool = False) -> np.ndarray:
-        batch = StepBatch.build([(tokens, start, table)], KV_BLOCK, all_logits)
-        return self._net.ops.to_numpy(self._net.forward(batch, cache))
+    def _generate(self, seq: EngineSequence) -> Iterator[int]:
+        capacity = min(len(seq.prompt) + seq.max_tokens, self.config.context_length)
+        if seq.max_tokens == 0 or len(seq.prompt) >= capacity:
+            return  # nothing to generate: the prompt alone fills what was asked for
+        engine = self.engine(capacity)
+        engine.add(seq)
+        for out in _drive(engine):
+            yield from out.new_tokens
 
     def _check_ids(self, token_ids: Sequence[int]) -> np.ndarray:
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
@@ -144,14 +135,20 @@ class Model:
         return ids
 
 
+def _drive(engine: EngineCore) -> Iterator[StepOutput]:
+    """Step `engine` until it has no work, yielding every output."""
+    while engine.has_work:
+        yield from engine.step().outputs
+
+
 def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32") -> Model:
     """Open a GGUF file or Hugging Face directory and place the model on `device` ("cpu"); its KV
     cache holds `kv_dtype` (f32, f16, bf16 or q8_0)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
+    backend = backend_for(device)  # an unknown device fails before the file is read
     mf = open_model_file(path)
-    if device == "cpu":
-        ensure_kernel_cache()
+    backend.prepare()
     try:
         tokenizer = Tokenizer.from_gguf(mf.metadata) if mf.format == "gguf" else Tokenizer.from_hf_dir(mf.path)
     except TokenizerError as e:

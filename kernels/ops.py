@@ -82,7 +82,16 @@ class Ops(ABC):
     def softmax(self, x: Array) -> Array:
         """Softmax over the last axis."""
 
+    @abstractmethod
+    def argmax_rows(self, x: Array, rows: np.ndarray) -> Array:
+        """The index of the largest value of each of x's `rows` (x is [n, vocab]): greedy sampling
+        where the logits are, so only token ids leave the device."""
+
     # --- moving data ----------------------------------------------------------------------------
+    @abstractmethod
+    def to_device(self, x: np.ndarray) -> Array:
+        """A host array (a step's token ids, positions, block tables) where the kernels read it."""
+
     @abstractmethod
     def zeros(self, shape: tuple[int, ...]) -> Array: ...
 

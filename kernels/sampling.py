@@ -19,6 +19,7 @@ Written with array operations only, so the same code runs where the logits live.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +58,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits first: the token is the row's argmax."""
+        return (self.greedy and not self.logit_bias and self.repetition_penalty == 1.0
+                and not self.frequency_penalty and not self.presence_penalty and not self.logprobs)
 
     def check_vocab(self, vocab: int) -> None:
         for token in self.logit_bias:
@@ -117,9 +124,12 @@ def final_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
-           prompt: Sequence[int] = (), generated: Sequence[int] = ()) -> Choice:
+           prompt: Sequence[int] = (), generated: Sequence[int] = (), logprob: bool = True) -> Choice:
     """Pick the next token; `rng` is the request's own generator, so a seeded request gives the same
-    tokens whatever else runs beside it."""
+    tokens whatever else runs beside it. Without `logprob` (and no top alternatives asked for), a
+    plain greedy choice is just the argmax and its logprob is NaN."""
+    if not logprob and params.plain_greedy:
+        return Choice(int(np.argmax(logits)), math.nan)
     penalized = penalized_logits(logits, params, prompt, generated)
     if params.greedy:
         token = int(np.argmax(penalized))

@@ -57,7 +57,7 @@ def dequantized_copy(model, types) -> None:
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            g = gguf_name(name)
+            g = gguf_name(name, model.config.model_type, model.config.num_hidden_layers)
             if g is None or p.ndim == 1:
                 continue
             t = _type_for(g, types)
@@ -132,7 +132,7 @@ def test_trained_demo_model_matches_llama_cpp() -> None:
     """The trained demo model (converted by llama.cpp's own converter) on real Python text: top-1 must
     agree on nearly every position."""
     model = ember.load(DEMO_MODEL)
-    text = (DEMO_MODEL.parent.parent / "gguf_file.py").read_text()
+    text = (DEMO_MODEL.parents[1] / "loader" / "gguf_file.py").read_text()
     ids = model.tokenize(text)[:200]
     rate = assert_close_to_llama_cpp(model.logits(ids), llama_cpp_logits(DEMO_MODEL, ids))
     assert rate >= 0.99, f"top-1 agreement {rate:.3f}"

@@ -77,12 +77,18 @@ class BlockManager:
             matched.append(block)
         return matched
 
-    def register(self, table: Sequence[int], tokens: Sequence[int], n_computed: int) -> None:
-        """Record the prefixes of the blocks of `table` that are full of computed tokens."""
-        if not self.prefix_caching:
-            return
-        parent = ROOT
-        for b in range(n_computed // self.block_size):
+    def register(self, table: Sequence[int], tokens: Sequence[int], n_computed: int,
+                 done: tuple[int, bytes] | None = None) -> tuple[int, bytes]:
+        """Record the prefixes of the blocks of `table` that are full of computed tokens.
+
+        `done` is what an earlier call for the same table returned (blocks already recorded, and the
+        last one's digest): only the blocks filled since are hashed, so a sequence costs one digest
+        per block over its life, not one per block per step. Returns the progress to pass next time."""
+        n_done, parent = done or (0, ROOT)
+        full = n_computed // self.block_size
+        if not self.prefix_caching or full <= n_done:
+            return n_done, parent
+        for b in range(n_done, full):
             parent = chain_digest(parent, tokens[b * self.block_size : (b + 1) * self.block_size])
             block = table[b]
             if self._digest_of.get(block) == parent:
@@ -90,6 +96,7 @@ class BlockManager:
             if parent not in self._block_of:  # the first block with this prefix stays its keeper
                 self._digest_of[block] = parent
                 self._block_of[parent] = block
+        return full, parent
 
     # --- allocation -------------------------------------------------------------------------------
     def allocate(self, n_blocks: int) -> list[int]:

@@ -4,7 +4,8 @@ Each step, `schedule()` gives every running sequence its next tokens (decodes fi
 then chunks of prompts being read) within a token budget, and admits waiting sequences while the
 budget and free KV blocks allow — reusing cached prefix blocks. When blocks run out it preempts the
 youngest running sequence (its blocks are freed and it is recomputed later; nothing is lost).
-`update()` takes the sampled tokens and finishes sequences. A sequence marked `held` (its client
+`update()` takes the sampled tokens and finishes sequences: this is where every sequence's end is
+decided (a stop id, max_tokens, the context; cancelling and stop strings end it through `abort`). A sequence marked `held` (its client
 cannot take more output now) is skipped: it keeps its blocks and its place, and runs again once
 released. Pure Python: testable without a model.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ember.daemon.engine.block_manager import BlockManager
 from ember.daemon.engine.sequence import Sequence, Status
@@ -21,20 +22,26 @@ from ember.kernels.sampling import Choice
 
 
 @dataclass(frozen=True)
-class Chunk:
+class ScheduledChunk:
     seq: Sequence
     start: int  # first position run in this step
     length: int
 
     @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so a token is sampled from it."""
+    def reaches_end(self) -> bool:
+        """Whether this chunk runs the sequence's last token: after it, a token can be sampled."""
         return self.start + self.length == self.seq.n_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether a token is sampled from this chunk (the end is reached and max_tokens not yet)."""
+        return self.reaches_end and len(self.seq.generated) < self.seq.max_tokens
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    chunks: list[Chunk]
+    chunks: list[ScheduledChunk]
+    started: list[Sequence] = field(default_factory=list)  # sequences running for the first time
 
     @property
     def n_tokens(self) -> int:
@@ -55,7 +62,7 @@ class Scheduler:
 
     # --- requests in and out ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        if len(seq.prompt) >= self.max_context:
+        if len(seq.prompt) + (seq.max_tokens > 0) > self.max_context:  # room for the prompt and one token
             raise ValueError(f"prompt of {len(seq.prompt)} tokens does not fit the context of {self.max_context}")
         seq.status = Status.WAITING
         self.waiting.append(seq)
@@ -76,7 +83,8 @@ class Scheduler:
     # --- one step ---------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         budget = self.max_step_tokens
-        chunks: list[Chunk] = []
+        chunks: list[ScheduledChunk] = []
+        started: list[Sequence] = []
         # decodes (one pending token) before prompt chunks, oldest first: latency of running streams
         for seq in sorted(self.running, key=lambda s: (s.pending > 1, s.seq_id)):
             if budget == 0 or seq not in self.running or seq.held:
@@ -84,17 +92,20 @@ class Scheduler:
             length = min(seq.pending, budget)
             if not self._grow(seq, seq.n_computed + length):
                 continue
-            chunks.append(Chunk(seq, seq.n_computed, length))
+            chunks.append(ScheduledChunk(seq, seq.n_computed, length))
             budget -= length
         chunks = [c for c in chunks if c.seq.status == Status.RUNNING]  # drop those preempted meanwhile
         while budget and len(self.running) < self.max_running and any(not s.held for s in self.waiting):
             seq = self._next_waiting()
+            first = seq.started is None
             length = self._admit(seq, budget)
             if length == 0:
                 break  # no memory for it now: it keeps its place at the head of the queue
-            chunks.append(Chunk(seq, seq.n_computed, length))
+            chunks.append(ScheduledChunk(seq, seq.n_computed, length))
             budget -= length
-        return StepPlan(chunks)
+            if first:
+                started.append(seq)
+        return StepPlan(chunks, started)
 
     def update(self, plan: StepPlan, choices: Iterable[Choice]) -> list[Sequence]:
         """Account the step's work; `choices` has one entry per sampling chunk, in plan order.
@@ -106,12 +117,15 @@ class Scheduler:
             if seq.status != Status.RUNNING:
                 continue  # aborted while the step ran
             seq.n_computed = chunk.start + chunk.length
-            self.blocks.register(seq.table, seq.tokens, seq.n_computed)
-            if not chunk.samples:
+            seq.registered = self.blocks.register(seq.table, seq.tokens, seq.n_computed, seq.registered)
+            if not chunk.reaches_end:
                 continue
-            choice = next(sampled)
-            seq.append(choice)
-            reason = self._finish_reason(seq, choice.token)
+            if chunk.samples:
+                choice = next(sampled)
+                seq.append(choice)
+                reason = self._finish_reason(seq, choice.token)
+            else:
+                reason = "length"  # max_tokens 0: the prompt was all that was asked for
             if reason:
                 self.running.remove(seq)
                 self._finish(seq, reason)
@@ -128,7 +142,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.blocks.release(seq.table)
-        seq.table = []
+        seq.table, seq.registered = [], None
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
@@ -150,7 +164,7 @@ class Scheduler:
                 # waiting sequences hold no blocks (else they could starve the running ones); the
                 # matched blocks stay cached, so the match is found again next time
                 self.blocks.release(seq.table)
-                seq.table, seq.n_computed = [], 0
+                seq.table, seq.n_computed, seq.registered = [], 0, None
                 return 0
             needed = self.blocks.blocks_for(seq.n_computed + length) - len(seq.table)
         seq.table += self.blocks.allocate(needed)
@@ -176,7 +190,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq.table)
-        seq.table, seq.n_computed = [], 0
+        seq.table, seq.n_computed, seq.registered = [], 0, None
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1

@@ -35,19 +35,19 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     preemptions: int = 0
     wants_logits: bool = False  # keep the logits each token was sampled from (StepOutput.logits)
+    wants_logprob: bool = False  # compute each chosen token's logprob (else Choice.logprob is NaN)
+    prompt_logits: bool = False  # keep the logits of every prompt position (StepOutput.logits)
     held: bool = False  # set by the daemon while the client cannot take output: not scheduled, keeps its blocks
     started: float | None = None  # perf_counter() when first admitted to run
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.generated
+        self.tokens: list[int] = list(self.prompt) + self.generated  # prompt + generated, kept, not rebuilt per step
+        self.registered: tuple[int, bytes] | None = None  # prefix-cache progress: (full blocks, last digest)
 
     @property
     def n_tokens(self) -> int:
-        return len(self.prompt) + len(self.generated)
+        return len(self.tokens)
 
     @property
     def pending(self) -> int:
@@ -56,4 +56,5 @@ class Sequence:
 
     def append(self, choice: Choice) -> None:
         self.generated.append(choice.token)
+        self.tokens.append(choice.token)
         self.choices.append(choice)

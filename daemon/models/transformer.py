@@ -40,7 +40,7 @@ class Attention:
         if self.q_norm is not None:
             q, k = ops.rmsnorm(q, self.q_norm, cfg.norm_eps), ops.rmsnorm(k, self.k_norm, cfg.norm_eps)
         q, k = rope(ops, q, batch.positions), rope(ops, k, batch.positions)
-        cache.write(layer, batch.slots, k, v)
+        cache.write(layer, batch.kv_blocks, batch.kv_offsets, k, v)
         out = ops.paged_attention(q, cache.k[layer], cache.v[layer], batch.tables, batch.token_seq, batch.positions,
                                   cfg.head_dim**-0.5)
         return ops.matmul(out.reshape(n, cfg.n_heads * cfg.head_dim), self.wo)
@@ -106,7 +106,7 @@ class Transformer:
         x = self.ops.embedding(self.embed, batch.ids)
         for i, block in enumerate(self.blocks):
             x = block(self.ops, self.config, self.rope, x, cache, i, batch)
-        if len(batch.logit_rows) == 0:  # prompt chunks only: their K/V is all this step produces
+        if batch.n_logits == 0:  # prompt chunks only: their K/V is all this step produces
             return self.ops.zeros((0, self.config.vocab))
         x = x[batch.logit_rows]
         return self.ops.matmul(self.ops.rmsnorm(x, self.norm, self.config.norm_eps), self.output)

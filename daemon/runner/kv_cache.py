@@ -3,8 +3,6 @@ in the policy's dtype. Which block belongs to whom is the BlockManager's busines
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ember.kernels.ops import Array, Ops
 
 
@@ -15,8 +13,7 @@ class PagedKVCache:
         self.k = [ops.kv_store(dtype, n_blocks, block_size, kv_heads, head_dim) for _ in range(n_layers)]
         self.v = [ops.kv_store(dtype, n_blocks, block_size, kv_heads, head_dim) for _ in range(n_layers)]
 
-    def write(self, layer: int, slots: np.ndarray, k: Array, v: Array) -> None:
-        """Store k, v [n, kv_heads, head_dim] at slots (block * block_size + offset)."""
-        blocks, offsets = np.divmod(slots, self.block_size)
+    def write(self, layer: int, blocks: Array, offsets: Array, k: Array, v: Array) -> None:
+        """Store k, v [n, kv_heads, head_dim] at row offsets[i] of block blocks[i]."""
         self.ops.kv_write(self.k[layer], blocks, offsets, k)
         self.ops.kv_write(self.v[layer], blocks, offsets, v)

@@ -1,43 +1,77 @@
 """StepBatch: the tokens of one forward pass, from any number of sequences, and where their keys and
-values live in the paged KV cache."""
+values live in the paged KV cache — built on the host by the engine, moved to the runner's device once
+per step (`on`), then read by every layer."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+ChunkSpec = tuple[Sequence[int], int, Sequence[int]]  # (token ids, position of the first, block table)
 
 
 @dataclass(frozen=True)
 class StepBatch:
-    ids: np.ndarray  # [n] token ids
-    positions: np.ndarray  # [n] position of each token in its sequence
-    token_seq: np.ndarray  # [n] which sequence (row of tables) each token belongs to
-    slots: np.ndarray  # [n] where each token's K/V goes: block * block_size + offset
-    tables: np.ndarray  # [sequences, max_blocks] int32 block ids (unused entries 0)
-    logit_rows: np.ndarray  # indices of the tokens whose logits are wanted
+    ids: Any  # [n] token ids
+    positions: Any  # [n] position of each token in its sequence
+    token_seq: Any  # [n] which sequence (row of tables) each token belongs to
+    kv_blocks: Any  # [n] the KV block each token's K/V goes to
+    kv_offsets: Any  # [n] and the row inside that block
+    tables: Any  # [sequences, max_blocks] int32 block ids (unused entries 0)
+    logit_rows: Any  # indices of the tokens whose logits are wanted
+
+    @property
+    def n_logits(self) -> int:
+        return len(self.logit_rows)
 
     @classmethod
-    def build(cls, chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], block_size: int,
-              all_logits: bool = False, wants_logits: Sequence[bool] | None = None) -> StepBatch:
-        """chunks: (token ids, position of the first, the sequence's block table) per sequence.
-        Logits come for the last token of each chunk (of those wants_logits marks, if given), or for
-        every token when all_logits."""
-        ids, positions, token_seq, slots, last = [], [], [], [], []
+    def build(cls, chunks: Sequence[ChunkSpec], block_size: int, all_logits: bool | Sequence[bool] = False,
+              wants_logits: Sequence[bool] | None = None) -> StepBatch:
+        """Host arrays for `chunks`. Logits come for the last token of each chunk (of those
+        `wants_logits` marks, if given); `all_logits` (for every chunk, or per chunk) asks for every
+        token of a chunk instead."""
+        every = [all_logits] * len(chunks) if isinstance(all_logits, bool) else list(all_logits)
+        if all(len(tokens) == 1 for tokens, _, _ in chunks):  # every token is its chunk's last
+            wants = None if wants_logits is None else [w or a for w, a in zip(wants_logits, every, strict=True)]
+            return cls._decodes(chunks, block_size, wants)
+        ids, positions, token_seq, rows = [], [], [], []
         width = max(len(table) for _, _, table in chunks)
         tables = np.zeros((len(chunks), width), np.int32)
+        n = 0
         for s, (tokens, start, table) in enumerate(chunks):
-            pos = np.arange(start, start + len(tokens))
             tables[s, : len(table)] = table
             ids.append(np.asarray(tokens, np.int64))
-            positions.append(pos)
+            positions.append(np.arange(start, start + len(tokens)))
             token_seq.append(np.full(len(tokens), s, np.int32))
-            slots.append(tables[s, pos // block_size].astype(np.int64) * block_size + pos % block_size)
-            if wants_logits is None or wants_logits[s]:
-                last.append(sum(len(t) for t, _, _ in chunks[: s + 1]) - 1)
-        n = sum(len(t) for t, _, _ in chunks)
-        return cls(
-            ids=np.concatenate(ids), positions=np.concatenate(positions), token_seq=np.concatenate(token_seq),
-            slots=np.concatenate(slots), tables=tables,
-            logit_rows=np.arange(n) if all_logits else np.asarray(last, np.int64),
-        )
+            if every[s]:
+                rows.append(np.arange(n, n + len(tokens)))
+            elif wants_logits is None or wants_logits[s]:
+                rows.append(np.array([n + len(tokens) - 1]))
+            n += len(tokens)
+        pos = np.concatenate(positions)
+        seq = np.concatenate(token_seq)
+        return cls(ids=np.concatenate(ids), positions=pos, token_seq=seq,
+                   kv_blocks=tables[seq, pos // block_size].astype(np.int64), kv_offsets=pos % block_size,
+                   tables=tables, logit_rows=np.concatenate(rows) if rows else np.zeros(0, np.int64))
+
+    @classmethod
+    def _decodes(cls, chunks: Sequence[ChunkSpec], block_size: int, wants_logits: Sequence[bool] | None) -> StepBatch:
+        """The common decode step, one token per sequence, without per-sequence array work."""
+        n = len(chunks)
+        pos = np.fromiter((start for _, start, _ in chunks), np.int64, n)
+        width = max(len(table) for _, _, table in chunks)
+        tables = np.zeros((n, width), np.int32)
+        for s, (_, _, table) in enumerate(chunks):
+            tables[s, : len(table)] = table
+        seq = np.arange(n, dtype=np.int32)
+        rows = np.arange(n) if wants_logits is None else np.flatnonzero(np.asarray(wants_logits, bool))
+        return cls(ids=np.fromiter((tokens[0] for tokens, _, _ in chunks), np.int64, n), positions=pos, token_seq=seq,
+                   kv_blocks=tables[seq, pos // block_size].astype(np.int64), kv_offsets=pos % block_size,
+                   tables=tables, logit_rows=rows)
+
+    def on(self, to_device: Any) -> StepBatch:
+        """The same batch with every array moved by `to_device` (the runner's ops.to_device): done once
+        per step, so no layer moves metadata again."""
+        return StepBatch(*(to_device(getattr(self, f)) for f in self.__dataclass_fields__))

@@ -1,15 +1,16 @@
-"""Engine: the one worker thread that runs models. It never awaits; the I/O loop never runs model code.
+"""EngineThread: the one worker thread that runs models. It never awaits; the I/O loop never runs model
+code, and it does no text work either (daemon/text/text_worker.py does, in its own thread).
 
-They meet in two places: the engine's inbox (a thread-safe queue of commands: submit, cancel, drop a
-client, pause a client, release logits slots, shut down) and `publish`, which the server wires to
-`loop.call_soon_threadsafe`. Each loop turn: apply every command that arrived, then run one
-continuous-batching step (daemon/engine/batch_engine.py) of the next model with runnable work — every running
-sequence of that model advances together, prompts are read in chunks beside them — and publish the
-frames. Commands are applied between steps, so a Cancel stops a request within one step.
+Commands reach it through its inbox (a thread-safe queue: add a tokenized request, cancel, finish one
+that hit a stop string, drop a client, pause a client, release logits slots, shut down). Each turn:
+apply every command that arrived, then run one continuous-batching step (engine/engine_core.py) of
+the next model with runnable work — every running sequence of that model advances together, prompts
+are read in chunks beside them — and hand the step's progress, all requests at once, to the text
+worker. Commands are applied between steps, so a Cancel stops a request within one step.
 
 A sequence is held (not scheduled, keeping its KV blocks and its place) while its client is paused
 (its socket backlog is full) or, asking for logits, while its client's logits ring has no free slot
-for it: nothing is ever dropped.
+for it: nothing is ever dropped. Logits go into the ring here, where the step produced them.
 """
 from __future__ import annotations
 
@@ -18,24 +19,33 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ember.daemon.engine.batch_engine import BatchEngine, StepOutput
-from ember.daemon.text.chat_template import ChatTemplateError
+from ember.daemon.engine.engine_core import EngineCore, StepOutput
+from ember.daemon.engine.sequence import Status
 from ember.daemon.logging_setup import get_logger
 from ember.daemon.server.request import Request
-from ember.daemon.engine.sequence import Sequence, Status
-from ember.daemon.text.stop_strings import StopStrings
-from ember.protocol.limits import Limits, LimitExceeded
-from ember.protocol.messages import (Error, ErrorCode, Finished, FinishReason, ServerMessage, Timings, Tokens,
-                                     TopLogprob, Usage)
+from ember.kernels.sampling import Choice
+from ember.protocol.messages import ErrorCode, FinishReason, ShmSlot
 from ember.protocol.shm_ring import ShmRing
 
-Output = tuple[bytes, ServerMessage]  # (client identity, message)
 Command = Callable[[], None]
 
 _IDLE_WAKE = 1.0  # seconds an idle engine sleeps between watchdog pings when systemd sets none
 _RATE_WINDOW = 10.0  # seconds of recent steps behind EngineStats.tokens_per_s
+_STATS_EVERY = 0.05  # seconds between refreshes of the stats snapshot while steps generate tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What happened to one request: new tokens, and its end if it ended (reason, or an error code)."""
+    request: Request
+    tokens: list[int] = field(default_factory=list)
+    choices: list[Choice] = field(default_factory=list)
+    logits: tuple[ShmSlot, ...] | None = None
+    finish: str | None = None  # a FinishReason, once it ended
+    error: str | None = None  # an ErrorCode: refused before it ran (the client gets an Error, not Finished)
+    message: str = ""
 
 
 @dataclass(frozen=True)
@@ -50,15 +60,13 @@ class EngineStats:
     tokens_per_s: float = 0.0  # generated tokens over the last _RATE_WINDOW seconds
 
 
-class Engine:
-    def __init__(self, *, batches: Mapping[str, BatchEngine], limits: Limits,
-                 publish: Callable[[list[Output]], None], on_stopped: Callable[[], None],
-                 new_ring: Callable[[], ShmRing], heartbeat: Callable[[], None] = lambda: None,
-                 heartbeat_interval: float | None = None) -> None:
-        self._batches = dict(batches)  # model name -> its continuous-batching engine
-        self._order = deque(self._batches)  # round robin over models with work
-        self._limits = limits
-        self._publish = publish
+class EngineThread:
+    def __init__(self, *, cores: Mapping[str, EngineCore], progress: Callable[[list[Progress]], None],
+                 on_stopped: Callable[[], None], new_ring: Callable[[], ShmRing],
+                 heartbeat: Callable[[], None] = lambda: None, heartbeat_interval: float | None = None) -> None:
+        self._cores = dict(cores)  # model name -> its engine core
+        self._order = deque(self._cores)  # round robin over models with work
+        self._progress = progress
         self._on_stopped = on_stopped
         self._new_ring = new_ring
         self._heartbeat = heartbeat
@@ -66,8 +74,10 @@ class Engine:
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._live: dict[int, Request] = {}  # seq_id -> request, for every request with a sequence
         self._paused: set[bytes] = set()
+        self._holding = False  # some sequence is held now
         self._rings: dict[bytes, ShmRing] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
+        self._stats_at = 0.0  # when self.stats was last refreshed
         self._deadline: float | None = None  # set by shutdown(): cancel what is left at this time
         self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
         self.log = get_logger()
@@ -77,14 +87,19 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: Request) -> None:
-        self._inbox.put(lambda: self._admit(request))
+    def add(self, request: Request) -> None:
+        """A request whose prompt is tokenized and checked (request.seq is set): schedule it."""
+        self._inbox.put(lambda: self._add(request))
 
     def cancel(self, client: bytes, request_id: int) -> None:
-        self._inbox.put(lambda: self._cancel(lambda r: r.key == (client, request_id)))
+        self._inbox.put(lambda: self._end(lambda r: r.key == (client, request_id)))
+
+    def finish(self, request: Request, reason: str) -> None:
+        """The text worker saw the request end (a stop string): free its sequence, report nothing."""
+        self._inbox.put(lambda: self._abort(request, reason))
 
     def drop_client(self, client: bytes) -> None:
-        """The client is gone: cancel its requests (queued ones never run) and free its ring."""
+        """The client is gone: cancel its requests and free its ring."""
         self._inbox.put(lambda: self._drop_client(client))
 
     def set_paused(self, client: bytes, paused: bool) -> None:
@@ -109,7 +124,7 @@ class Engine:
                 self._apply(block=False)
                 if self._deadline is not None:
                     if time.monotonic() >= self._deadline:
-                        self._cancel(lambda r: True)
+                        self._end(lambda r: True)
                     if not self._live:
                         break
                 if not self._step_next_model():
@@ -146,32 +161,46 @@ class Engine:
         for _ in range(len(self._order)):
             name = self._order[0]
             self._order.rotate(-1)
-            batch = self._batches[name]
-            if not batch.has_work:
+            core = self._cores[name]
+            if not core.has_work:
                 continue
-            unstarted = [r for r in self._live.values() if r.model_name == name and r.seq.started is None]  # type: ignore[union-attr]
             try:
-                result = batch.step()
+                result = core.step()
             except Exception as e:  # the model failed mid-step: its requests end, the daemon goes on
                 self.log.exception("step failed", model=name)
-                self._cancel(lambda r: r.model_name == name, FinishReason.ERROR, f"{type(e).__name__}: {e}")
+                self._end(lambda r: r.model_name == name, FinishReason.ERROR, f"{type(e).__name__}: {e}")
                 return True
             if result.tokens == 0:
                 continue  # everything it has is held
-            for r in unstarted:
-                if r.seq is not None and r.seq.started is not None:
-                    r.log.info("request started", prompt_tokens=len(r.seq.prompt), max_tokens=r.max_tokens)
-            for out in result.outputs:
-                self._emit(self._live[out.seq.seq_id], out)
+            for seq in result.started:
+                r = self._live[seq.seq_id]
+                r.log.info("request started", prompt_tokens=len(seq.prompt), max_tokens=r.max_tokens)
+            self._progress([self._news(out) for out in result.outputs])
             self._account(sum(len(o.new_tokens) for o in result.outputs))
             return True
         self._account(0)
         return False
 
+    def _news(self, out: StepOutput) -> Progress:
+        r = self._live[out.seq.seq_id]
+        if out.finished:
+            del self._live[out.seq.seq_id]
+        logits = None
+        if out.logits is not None:
+            ring = self._ring(r.client)
+            slot = ring.acquire()
+            assert slot is not None  # _mark_held ran it only with a free slot
+            logits = (ring.write(slot, out.logits),)
+        choices = out.seq.choices[len(out.seq.choices) - len(out.new_tokens):]
+        return Progress(r, out.new_tokens, choices, logits, out.seq.finish_reason if out.finished else None)
+
     def _mark_held(self) -> None:
         """Hold the sequences whose clients cannot take a frame now: paused clients, and logits
         requests beyond the free slots of their client's ring (a step fills one slot per sequence)."""
+        if not (self._paused or self._rings or self._holding):
+            return  # nobody can be held: skip the scan of every live request
         free = {client: ring.free_slots for client, ring in self._rings.items()}
+        self._holding = False
         for r in self._live.values():
             assert r.seq is not None
             held = r.client in self._paused
@@ -179,99 +208,35 @@ class Engine:
                 held = free[r.client] == 0
                 free[r.client] -= not held
             r.seq.held = held
+            self._holding |= held
 
     # --- request lifecycle (engine thread) --------------------------------------------------------
-    def _admit(self, r: Request) -> None:
-        """Tokenize or render the prompt and hand the sequence to its model's scheduler, or answer an Error."""
-        batch = self._batches[r.model_name]
-        try:
-            if r.prompt_ids is None:
-                r.prompt_ids = r.model.chat_ids(r.messages) if r.messages is not None else r.model.tokenize(r.prompt_text or "")
-            if not r.prompt_ids:
-                raise ValueError("the prompt is empty")
-            # a prompt must leave room for one token in the sequence's context
-            self._limits.check_prompt(len(r.prompt_ids), batch.scheduler.max_context - 1)
-            if r.return_logits:
+    def _add(self, r: Request) -> None:
+        assert r.seq is not None
+        if r.return_logits:
+            try:
                 self._ring(r.client)
-        except LimitExceeded as e:
-            return self._reject(r, ErrorCode.LIMIT, str(e))
-        except (ValueError, ChatTemplateError) as e:  # TokenizerError is a ValueError
-            return self._reject(r, ErrorCode.BAD_REQUEST, str(e))
-        except OSError as e:  # no shared memory left for the ring
-            return self._reject(r, ErrorCode.INTERNAL, f"cannot create the logits ring: {e}")
-        r.text = r.model.tokenizer.stream_decoder(context=r.prompt_ids)
-        r.stops = StopStrings(r.stop)
-        if r.max_tokens == 0:
-            return self._finish(r, FinishReason.LENGTH)
-        stop_ids = set(r.stop_ids) | (set() if r.ignore_eos else set(r.model.tokenizer.eos_ids))
-        r.seq = Sequence(r.prompt_ids, r.max_tokens, r.params, r.seed, frozenset(stop_ids), client=r.client,
-                         wants_logits=r.return_logits)
-        batch.add(r.seq)
+            except OSError as e:  # no shared memory left for the ring
+                self._progress([Progress(r, error=ErrorCode.INTERNAL, message=f"cannot create the logits ring: {e}")])
+                return
+        self._cores[r.model_name].add(r.seq)
         self._live[r.seq.seq_id] = r
 
-    def _emit(self, r: Request, out: StepOutput) -> None:
-        assert r.text is not None and r.stops is not None and r.seq is not None
-        if r.first_token is None:
-            r.first_token = time.perf_counter()
-        text = "".join(r.stops.feed(r.text.feed(t)) for t in out.new_tokens)
-        r.completion_tokens += len(out.new_tokens)
-        finish = FinishReason.STOP if r.stops.stopped else (r.seq.finish_reason if out.finished else None)
-        if finish is not None:
-            text += r.stops.feed(r.text.flush()) + r.stops.flush()
-        if out.new_tokens:
-            self._publish([(r.client, self._tokens_frame(r, out, text))])
-        elif text:
-            self._publish([(r.client, Tokens(r.id, (), text))])
-        if finish is not None:
-            self._finish(r, finish)
-
-    def _tokens_frame(self, r: Request, out: StepOutput, text: str) -> Tokens:
-        assert r.seq is not None
-        choices = r.seq.choices[len(r.seq.choices) - len(out.new_tokens):]
-        logits = None
-        if out.logits is not None:
-            ring = self._ring(r.client)
-            slot = ring.acquire()
-            assert slot is not None  # _mark_held ran it only with a free slot
-            logits = (ring.write(slot, out.logits[None, :]),)
-        top = tuple(tuple(TopLogprob(t, lp) for t, lp in c.top) for c in choices) if r.params.logprobs else None
-        return Tokens(r.id, tuple(out.new_tokens), text, tuple(c.logprob for c in choices) if r.logprobs else None,
-                      top, logits)
-
-    def _finish(self, r: Request, reason: str, message: str = "") -> None:
-        """End a request (waiting, running or just done): free its KV blocks, send its last frames."""
-        outputs: list[Output] = []
+    def _abort(self, r: Request, reason: str) -> None:
+        """End a request's sequence (waiting or running) and free its KV blocks."""
         seq = r.seq
-        if seq is not None:
-            if seq.status != Status.FINISHED:
-                self._batches[r.model_name].abort(seq, reason)
-            self._live.pop(seq.seq_id, None)
-        if reason in (FinishReason.CANCELLED, FinishReason.ERROR) and r.text is not None and r.stops is not None:
-            tail = r.stops.feed(r.text.flush()) + r.stops.flush()  # text held back for a partial character
-            if tail:
-                outputs.append((r.client, Tokens(r.id, (), tail)))
-        r.text = None
-        now = time.perf_counter()
-        started = (seq.started if seq is not None else None) or now
-        first = r.first_token or now
-        timings = Timings(queued_ms=_ms(started - r.admitted), prefill_ms=_ms(first - started),
-                          decode_ms=_ms(now - first), total_ms=_ms(now - r.admitted))
-        usage = Usage(len(r.prompt_ids or ()), r.completion_tokens)
-        outputs.append((r.client, Finished(r.id, reason, usage, timings, message)))
-        self._publish(outputs)
-        r.log.info("request finished", reason=reason, completion_tokens=r.completion_tokens,
-                   total_ms=round(timings.total_ms, 1), **({"error": message} if message else {}))
+        if seq is not None and self._live.pop(seq.seq_id, None) is not None and seq.status != Status.FINISHED:
+            self._cores[r.model_name].abort(seq, reason)
 
-    def _reject(self, r: Request, code: str, message: str) -> None:
-        r.log.info("request refused", code=code, error=message)
-        self._publish([(r.client, Error(r.id, code, message))])
-
-    def _cancel(self, which: Callable[[Request], bool], reason: str = FinishReason.CANCELLED, message: str = "") -> None:
-        for r in [r for r in self._live.values() if which(r)]:
-            self._finish(r, reason, message)
+    def _end(self, which: Callable[[Request], bool], reason: str = FinishReason.CANCELLED, message: str = "") -> None:
+        ended = [r for r in self._live.values() if which(r)]
+        for r in ended:
+            self._abort(r, reason)
+        if ended:
+            self._progress([Progress(r, finish=reason, message=message) for r in ended])
 
     def _drop_client(self, client: bytes) -> None:
-        self._cancel(lambda r: r.client == client)
+        self._end(lambda r: r.client == client)
         self._paused.discard(client)
         ring = self._rings.pop(client, None)
         if ring is not None:
@@ -289,13 +254,17 @@ class Engine:
         return self._rings[client]
 
     def _account(self, generated: int) -> None:
-        """Refresh the stats snapshot after a step that generated `generated` tokens."""
+        """Count a step that generated `generated` tokens; refresh the stats snapshot now and then
+        while busy (it is read by people, not by the step loop), and whenever the engine goes idle."""
         now = time.monotonic()
         if generated:
             self._recent.append((now, generated))
+            if now - self._stats_at < _STATS_EVERY:
+                return
+        self._stats_at = now
         while self._recent and self._recent[0][0] < now - _RATE_WINDOW:
             self._recent.popleft()
-        parts = [b.stats() for b in self._batches.values()]
+        parts = [c.stats() for c in self._cores.values()]
         queries = sum(p.prefix_queries for p in parts)
         span = now - self._recent[0][0] if len(self._recent) > 1 else 0.0
         self.stats = EngineStats(
@@ -305,7 +274,3 @@ class Engine:
             preemptions=sum(p.preemptions for p in parts),
             tokens_per_s=sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0,
         )
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000.0, 3)

@@ -1,7 +1,8 @@
 """Request: the daemon's own, mutable record of one Generate, built from a validated message.
 
 The wire message is read once, here (cheap checks only: the I/O loop calls this); the prompt is
-tokenized or rendered later by the engine thread, which also owns every field below the line.
+tokenized or rendered later by the text worker, which owns the fields below the line (the engine
+thread reads `seq`, and the scheduler owns the sequence itself).
 """
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ class Request:
     return_logits: bool
     logprobs: bool
     admitted: float = field(default_factory=time.perf_counter)
-    # --- engine thread only -------------------------------------------------------------------------
+    # --- text worker only ---------------------------------------------------------------------------
     seq: Sequence | None = None  # once admitted to its model's scheduler
+    done: bool = False  # its last frame (Finished or Error) is out
     text: StreamDecoder | None = None
     stops: StopStrings | None = None
     first_token: float | None = None

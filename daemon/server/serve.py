@@ -15,18 +15,17 @@ from pathlib import Path
 
 import uvloop
 
-from ember.daemon.engine.batch_engine import BatchEngine
+from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.config import Config, ModelSpec
 from ember.daemon.loader.demo_model import DEMO_MODEL
-from ember.daemon.server.engine_thread import Engine, Output
-from ember.daemon.runner.kernel_cache import ensure_kernel_cache
+from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.logging_setup import configure_logging, get_logger
 from ember.daemon.server.notify import Notifier
-from ember.daemon.planning.planner import (Device, PlanDoesNotFit, PlanRequest, available_ram, build_plan, log_plan,
-                                  read_model_info)
+from ember.daemon.planning.planner import Device, PlanDoesNotFit, PlanRequest, build_plan, log_plan, read_model_info
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.daemon.runtime import KV_BLOCK, Model, load
 from ember.daemon.server.server import Server
+from ember.daemon.text.text_worker import Output, TextWorker
 from ember.daemon.server.socket_dir import SocketLock, prepare_socket_dir
 from ember.protocol.endpoint import daemon_socket_path, ipc_address
 from ember.protocol.shm_ring import ShmRing
@@ -48,16 +47,17 @@ def serve(config: Config) -> int:
     lock.acquire()
     try:
         specs = config.models or (ModelSpec(str(DEMO_MODEL), DEMO_NAME),)
+        device = DeviceName.parse(config.engine.device)
+        backend = backend_for(device)
         # engine.kv_dtype already merges file < EMBER_KV_DTYPE < --kv-dtype (daemon/config.py)
         policy = resolve_policy([DeviceCaps.of(config.engine.device)], env={},
                                 flags=PrecisionSettings(kv=config.engine.kv_dtype or None))
         try:
-            _plan_models(config, specs, policy, notifier)
+            _plan_models(config, specs, policy, device, notifier)
         except PlanDoesNotFit as e:
             log.error("model does not fit", problem=str(e))
             raise PlanDoesNotFit(e.plan, f"{e}\n{_DAEMON_KNOBS}") from None
-        if config.engine.device == "cpu":
-            ensure_kernel_cache(on_compile=lambda: _compiling(notifier))
+        backend.prepare(on_compile=lambda: _compiling(notifier))
         models = _load_models(config, specs, policy.kv, notifier)
         server = Server(config, models, path, notifier, _engine_factory(config, models, notifier))
         uvloop.run(server.run())
@@ -68,14 +68,15 @@ def serve(config: Config) -> int:
     return 0
 
 
-def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: PrecisionPolicy, notifier: Notifier) -> None:
+def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: PrecisionPolicy, device: DeviceName,
+                 notifier: Notifier) -> None:
     """Log every model's plan, each within what the ones before it left of the device; PlanDoesNotFit
     (with what to change) for the first that does not fit. Reads metadata only."""
     notifier.status("planning memory")
-    budget = available_ram()
+    budget = backend_for(device).available_memory(device)
     for spec in specs:
         info = read_model_info(spec.path)
-        request = PlanRequest(devices=(Device("cpu", budget),), policy=policy,
+        request = PlanRequest(devices=(Device(str(device), budget),), policy=policy,
                               ctx=config.engine.context_for(info.config.context_length), seqs=config.engine.max_active,
                               prefill_chunk=config.engine.max_step_tokens)
         plan = build_plan(info, request)
@@ -108,25 +109,28 @@ def _load_models(config: Config, specs: tuple[ModelSpec, ...], kv_dtype: str, no
 
 
 def _engine_factory(config: Config, models: dict[str, Model], notifier: Notifier
-                    ) -> Callable[[Callable[[list[Output]], None], Callable[[], None]], Engine]:
+                    ) -> Callable[[Callable[[list[Output]], None], Callable[[], None]], TextWorker]:
     vocab = max(m.config.vocab for m in models.values())
     group = grp.getgrnam(config.server.socket_group).gr_gid if config.server.socket_group else None
     mode = 0o640 if group is not None else 0o600  # readable by those who may connect, no more
     e = config.engine
+    contexts = {name: e.context_for(m.config.context_length) for name, m in models.items()}
 
     def new_ring() -> ShmRing:
         return ShmRing.create(config.server.logits_slots, vocab * 4, mode=mode, group=group)
 
-    def batch_engine(model: Model) -> BatchEngine:
-        ctx = e.context_for(model.config.context_length)
-        blocks = e.max_active * -(-ctx // KV_BLOCK)  # what the plan counted: max_active sequences of ctx
-        return BatchEngine(model.net, blocks, KV_BLOCK, model.kv_dtype, max_step_tokens=e.max_step_tokens,
-                           max_running=e.max_active, prefix_caching=e.prefix_caching, max_context=ctx)
+    def core(name: str, model: Model) -> EngineCore:
+        # the KV pool the plan counted: max_active sequences of ctx tokens
+        return model.engine(e.max_active * _round_up(contexts[name], KV_BLOCK), max_running=e.max_active, max_context=contexts[name],
+                            prefix_caching=e.prefix_caching, max_step_tokens=e.max_step_tokens)
 
-    def make(publish: Callable[[list[Output]], None], on_stopped: Callable[[], None]) -> Engine:
-        return Engine(batches={name: batch_engine(m) for name, m in models.items()}, limits=config.limits,
-                      publish=publish, on_stopped=on_stopped, new_ring=new_ring, heartbeat=notifier.watchdog,
-                      heartbeat_interval=notifier.watchdog_interval)
+    def make(publish: Callable[[list[Output]], None], on_stopped: Callable[[], None]) -> TextWorker:
+        return TextWorker(cores={name: core(name, m) for name, m in models.items()}, limits=config.limits,
+                          publish=publish, on_stopped=on_stopped, new_ring=new_ring, heartbeat=notifier.watchdog,
+                          heartbeat_interval=notifier.watchdog_interval)
 
     return make
 
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

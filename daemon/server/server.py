@@ -26,12 +26,12 @@ from zmq.utils.monitor import parse_monitor_message
 
 import ember
 from ember.daemon.config import Config
-from ember.daemon.server.engine_thread import Engine, Output
 from ember.daemon.logging_setup import get_logger
 from ember.daemon.server.notify import Notifier
 from ember.daemon.server.outbox import Outbox
 from ember.daemon.server.peers import Peer, Peers
 from ember.daemon.server.request import RequestError, request_from_generate, resolve_model
+from ember.daemon.text.text_worker import Output, TextWorker
 from ember.daemon.runtime import Model
 from ember.protocol.codec import Codec, ProtocolError
 from ember.protocol.endpoint import ipc_address
@@ -46,7 +46,7 @@ _LINGER_MS = 1000
 
 class Server:
     def __init__(self, config: Config, models: Mapping[str, Model], socket_path: Path, notifier: Notifier,
-                 make_engine: Callable[[Callable[[list[Output]], None], Callable[[], None]], Engine]) -> None:
+                 make_engine: Callable[[Callable[[list[Output]], None], Callable[[], None]], TextWorker]) -> None:
         self._config, self._models, self._path, self._notifier = config, models, socket_path, notifier
         self._limits = config.limits
         self._make_engine = make_engine

@@ -50,6 +50,12 @@ class CpuOps(Ops):
     def softmax(self, x: Array) -> np.ndarray:
         return dense.softmax(x)
 
+    def argmax_rows(self, x: Array, rows: np.ndarray) -> np.ndarray:
+        return np.argmax(x[rows], axis=1)
+
+    def to_device(self, x: np.ndarray) -> np.ndarray:
+        return x  # host memory is this backend's memory
+
     def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
         return np.zeros(shape, np.float32)
 

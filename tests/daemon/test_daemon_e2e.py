@@ -10,8 +10,8 @@ import pytest
 
 from ember.client import AsyncClient, Client
 from ember.client.errors import BadRequest, Busy, LimitExceeded, UnknownModel
-from ember.daemon.engine.batch_engine import BatchEngine
 from ember.daemon.engine.sequence import Sequence
+from ember.daemon.runtime import KV_BLOCK
 
 PROMPT = "def fibonacci(n):"
 
@@ -98,7 +98,7 @@ def test_cancel_ends_the_stream_with_cancelled(daemon) -> None:  # type: ignore[
         stream.cancel()  # twice is harmless
 
 
-def test_busy_when_the_queue_is_full(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_busy_when_the_queue_is_full(daemon, demo_model) -> None:  # type: ignore[no-untyped-def]
     # the shared daemon admits max_active + max_queued = 6 requests
     with Client(daemon.socket) as client:
         streams = [client.generate("x", max_tokens=4000, ignore_eos=True) for _ in range(6)]
@@ -109,13 +109,15 @@ def test_busy_when_the_queue_is_full(daemon) -> None:  # type: ignore[no-untyped
         for s in streams:
             list(s)
             assert s.finished.reason == "cancelled"
-        assert client.generate("y", max_tokens=1).text() is not None  # room again
+        again = client.generate("y", max_tokens=1, ignore_eos=True)  # room again
+        assert again.text() == demo_model.detokenize(expected_tokens(demo_model, "y", max_tokens=1, ignore_eos=True))
+        assert again.finished.reason == "length" and again.finished.usage.completion_tokens == 1
 
 
 @pytest.mark.asyncio
 async def test_logits_via_shared_memory_equal_model_logits(daemon, demo_model) -> None:  # type: ignore[no-untyped-def]
     ids = demo_model.tokenize(PROMPT)
-    engine = BatchEngine(demo_model.net, kv_blocks=8)  # what the daemon runs for a request alone
+    engine = demo_model.engine(8 * KV_BLOCK)  # what the daemon runs for a request alone
     engine.add(Sequence(ids, 20, wants_logits=True))
     in_process = []
     while engine.has_work:

@@ -1,4 +1,4 @@
-"""The engine thread, in process: fed by commands, observed through what it publishes."""
+"""The engine thread behind its text worker, in process: fed by commands, observed through what it publishes."""
 from __future__ import annotations
 
 import queue
@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ember.daemon.engine.batch_engine import BatchEngine
-from ember.daemon.server.engine_thread import Engine, Output
+from ember.daemon.runtime import KV_BLOCK
+from ember.daemon.text.text_worker import Output, TextWorker
 from ember.daemon.server.request import Request, request_from_generate
 from ember.protocol.limits import Limits
 from ember.protocol.messages import Error, Finished, Generate, Tokens
@@ -30,9 +30,9 @@ class Harness:
             self.rings.append(ShmRing.create(slots, model.config.vocab * 4))
             return self.rings[-1]
 
-        batch = BatchEngine(model.net, kv_blocks=kv_blocks, max_running=max_active)
-        self.engine = Engine(batches={"demo": batch}, limits=Limits(max_prompt_tokens=64), publish=self._publish,
-                             on_stopped=self.stopped.set, new_ring=new_ring)
+        core = model.engine(kv_blocks * KV_BLOCK, max_running=max_active, prefix_caching=True)
+        self.engine = TextWorker(cores={"demo": core}, limits=Limits(max_prompt_tokens=64), publish=self._publish,
+                                 on_stopped=self.stopped.set, new_ring=new_ring)
         self.engine.start()
 
     def _publish(self, outputs: list[Output]) -> None:

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 import ember
-from ember.daemon.engine.batch_engine import BatchEngine
+from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.engine.sequence import Sequence, Status
+from ember.daemon.runner.model_runner import ModelRunner
 from ember.kernels.sampling import SamplingParams
 
 SNIPPETS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
@@ -25,7 +26,11 @@ def alone(model, prompt: list[int], n: int, **sampling) -> list[int]:
     return list(model.generate(prompt, max_tokens=n, ignore_eos=True, **sampling))
 
 
-def run(engine: BatchEngine, arrivals: dict[int, list[Sequence]], max_steps: int = 5000) -> None:
+def engine_of(model, kv_blocks: int, block_size: int = 16, **options) -> EngineCore:
+    return EngineCore(ModelRunner(model.net, kv_blocks, block_size), **options)
+
+
+def run(engine: EngineCore, arrivals: dict[int, list[Sequence]], max_steps: int = 5000) -> None:
     """Step the engine, adding sequences at the steps given in `arrivals`."""
     for step in range(max_steps):
         for seq in arrivals.get(step, []):
@@ -40,7 +45,7 @@ def run(engine: BatchEngine, arrivals: dict[int, list[Sequence]], max_steps: int
 @pytest.mark.parametrize("n_seqs", range(1, 9))
 def test_batched_greedy_equals_alone(model, n_seqs: int) -> None:
     prompts = [model.tokenize(s) for s in SNIPPETS[:n_seqs]]
-    engine = BatchEngine(model.net, kv_blocks=64, max_step_tokens=24)
+    engine = engine_of(model, kv_blocks=64, max_step_tokens=24)
     seqs = [Sequence(p, max_tokens=20) for p in prompts]
     run(engine, {i * 3: [s] for i, s in enumerate(seqs)})  # staggered arrivals: prefill meets decode
     for seq, prompt in zip(seqs, prompts):
@@ -52,7 +57,7 @@ def test_prefix_reuse_gives_identical_output_and_hits(model) -> None:
     prompts = [shared + model.tokenize(tail) for tail in ("        return json.load(f)\n", "        data = f.read()\n", "        for")]
     outputs = {}
     for caching in (False, True):
-        engine = BatchEngine(model.net, kv_blocks=64, block_size=4, prefix_caching=caching)
+        engine = engine_of(model, kv_blocks=64, block_size=4, prefix_caching=caching)
         seqs = [Sequence(p, max_tokens=12) for p in prompts]
         run(engine, {0: seqs[:1], 6: seqs[1:]})
         outputs[caching] = [s.generated for s in seqs]
@@ -63,7 +68,7 @@ def test_prefix_reuse_gives_identical_output_and_hits(model) -> None:
 
 def test_kv_exhaustion_preempts_and_finishes_everything(model) -> None:
     prompts = [model.tokenize(s) for s in SNIPPETS[:6]]
-    engine = BatchEngine(model.net, kv_blocks=10, block_size=4, max_step_tokens=32)  # 40 slots, 6 x ~30 wanted
+    engine = engine_of(model, kv_blocks=10, block_size=4, max_step_tokens=32)  # 40 slots, 6 x ~30 wanted
     seqs = [Sequence(p, max_tokens=16) for p in prompts]
     run(engine, {0: seqs})
     assert engine.scheduler.preemptions > 0
@@ -84,10 +89,10 @@ def test_narrow_kv_dtypes_track_f32(model, kv_dtype: str) -> None:
 def test_seeded_sampling_is_independent_of_batch_company(model) -> None:
     params = SamplingParams(temperature=0.8, top_p=0.95)
     prompt = model.tokenize(SNIPPETS[0])
-    solo = BatchEngine(model.net, kv_blocks=32)
+    solo = engine_of(model, kv_blocks=32)
     s1 = Sequence(prompt, max_tokens=16, params=params, seed=1234)
     run(solo, {0: [s1]})
-    crowd = BatchEngine(model.net, kv_blocks=64)
+    crowd = engine_of(model, kv_blocks=64)
     s2 = Sequence(prompt, max_tokens=16, params=params, seed=1234)
     others = [Sequence(model.tokenize(t), max_tokens=16, params=params, seed=i) for i, t in enumerate(SNIPPETS[1:4])]
     run(crowd, {0: others, 2: [s2]})

@@ -1,0 +1,132 @@
+"""EngineCore: many sequences generated together — schedule a step, run it as one batch on the model
+runner, account the results. It is the only generation path: the daemon's engine loop steps one per
+model, and `Model.generate` / `Model.logits` step a private one holding a single sequence.
+
+A step: the scheduler picks each running sequence's next tokens (runner-independent), the runner runs
+them and samples on its device, the scheduler appends the tokens and decides which sequences end.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ember.daemon.engine.block_manager import BlockManager
+from ember.daemon.engine.scheduler import Scheduler, StepPlan
+from ember.daemon.engine.sequence import Sequence
+from ember.daemon.runner.model_runner import ModelRunner, StepRun
+from ember.daemon.runner.step_batch import StepBatch
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    seq: Sequence
+    new_tokens: list[int]  # at most one: a step samples one token per sequence
+    finished: bool
+    # seq.wants_logits: [1, vocab] f32, the logits the new token was sampled from;
+    # seq.prompt_logits: [chunk length, vocab], the logits of every position this step computed
+    logits: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    tokens: int  # tokens run through the model (0: nothing was runnable)
+    outputs: list[StepOutput] = field(default_factory=list)
+    started: list[Sequence] = field(default_factory=list)  # sequences that ran for the first time
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    waiting: int
+    running: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    prefix_queries: int  # full prompt blocks looked up in the prefix cache
+    prefix_hits: int  # of those, found
+    preemptions: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, max_step_tokens: int = 256, max_running: int = 64,
+                 prefix_caching: bool = True, max_context: int | None = None) -> None:
+        """max_context: tokens per sequence at most (default and upper bound: the model's context)."""
+        self.runner = runner
+        self.blocks = BlockManager(runner.kv_blocks, runner.block_size, prefix_caching)
+        context = min(max_context or runner.config.context_length, runner.config.context_length)
+        self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context)
+
+    def add(self, seq: Sequence) -> None:
+        seq.params.check_vocab(self.runner.config.vocab)
+        self.scheduler.add(seq)
+
+    def abort(self, seq: Sequence, reason: str = "cancelled") -> None:
+        self.scheduler.abort(seq, reason)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> StepResult:
+        """One forward pass; its outputs are the sequences that got a new token, logits or finished."""
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return StepResult(0)
+        rows = _LogitRows(plan)
+        samples = [c.samples for c in plan.chunks]  # before update() appends the tokens
+        run = self._run(plan, rows)
+        finished = set(map(id, self.scheduler.update(plan, run.choices)))
+        outputs = []
+        for i, chunk in enumerate(plan.chunks):
+            seq, done = chunk.seq, id(chunk.seq) in finished
+            new = [seq.generated[-1]] if samples[i] else []
+            logits = rows.kept_logits(i, run)
+            if new or done or logits is not None:
+                outputs.append(StepOutput(seq, new, done, logits))
+        return StepResult(plan.n_tokens, outputs, plan.started)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
+            kv_blocks_used=self.blocks.n_blocks - self.blocks.num_free, kv_blocks_free=self.blocks.num_free,
+            prefix_queries=self.blocks.stats.prefix_queries, prefix_hits=self.blocks.stats.prefix_hits,
+            preemptions=self.scheduler.preemptions,
+        )
+
+    def _run(self, plan: StepPlan, rows: _LogitRows) -> StepRun:
+        chunks = plan.chunks
+        batch = StepBatch.build(
+            [(c.seq.tokens[c.start : c.start + c.length], c.start, c.seq.table) for c in chunks],
+            self.runner.block_size, all_logits=[c.seq.prompt_logits for c in chunks],
+            wants_logits=[c.samples for c in chunks],
+        )
+        samplers = [(rows.last[i], c.seq) for i, c in enumerate(chunks) if c.samples]
+        return self.runner.execute(batch, samplers, rows.keep)
+
+
+class _LogitRows:
+    """Which logits row belongs to which chunk: a prompt-logits chunk has a row per token, a sampling
+    chunk one (its last token), others none; and which rows go back to the host."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.first: list[int] = []
+        self.last: list[int] = []
+        self.keep: list[int] = []
+        n = 0
+        for c in plan.chunks:
+            count = c.length if c.seq.prompt_logits else int(c.samples)
+            self.first.append(n)
+            self.last.append(n + count - 1)
+            if c.seq.prompt_logits or (c.samples and c.seq.wants_logits):
+                self.keep.extend(range(n, n + count))
+            n += count
+
+    def kept_logits(self, i: int, run: StepRun) -> np.ndarray | None:
+        rows = range(self.first[i], self.last[i] + 1)
+        if not rows or rows[0] not in run.kept:
+            return None
+        return np.stack([run.kept[r] for r in rows])
+

@@ -1,0 +1,65 @@
+"""ModelRunner: one model on one device — its weights, its KV cache and what a step moves there.
+
+The engine core hands it a host StepBatch and the sampling rows of the step; the runner moves the
+batch's metadata to the device once (`prepare`), runs the model, and samples where the logits are.
+Only token ids leave the device, and logits rows when a sequence asks for them: on a GPU the full
+[tokens, vocab] logits never cross to the host. Everything device-specific lives behind the ops
+API of the backend the runner was built with (runner/devices.py chooses it), so the engine, the
+scheduler and the model code are the same for every device.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import numpy as np
+
+from ember.daemon.engine.sequence import Sequence
+from ember.daemon.models.transformer import Transformer
+from ember.daemon.runner.kv_cache import PagedKVCache
+from ember.daemon.runner.step_batch import StepBatch
+from ember.kernels.ops import Array
+from ember.kernels.sampling import Choice, sample
+
+
+@dataclass(frozen=True)
+class StepRun:
+    choices: list[Choice]  # one per sampling row, in order
+    kept: dict[int, np.ndarray]  # row index -> host logits, for the rows asked to be kept
+
+
+class ModelRunner:
+    def __init__(self, net: Transformer, kv_blocks: int, block_size: int = 16, kv_dtype: str = "f32") -> None:
+        self.net = net
+        self.config = net.config
+        self.cache: PagedKVCache = net.new_cache(kv_blocks, block_size, kv_dtype)
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.cache.n_blocks
+
+    def prepare(self, batch: StepBatch) -> StepBatch:
+        """The step's metadata on the device, moved once for every layer to read."""
+        return batch.on(self.net.ops.to_device)
+
+    def execute(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], keep: Seq[int] = ()) -> StepRun:
+        """Run `batch`; sample row r for each (r, sequence) of `samplers` with that sequence's
+        parameters and generator; bring the rows in `keep` to the host."""
+        logits = self.net.forward(self.prepare(batch), self.cache)
+        if batch.n_logits == 0:
+            return StepRun([], {})
+        return StepRun(self._sample(logits, samplers), {r: self.net.ops.to_numpy(logits[r]) for r in keep})
+
+    def _sample(self, logits: Array, samplers: Seq[tuple[int, Sequence]]) -> list[Choice]:
+        if not samplers:
+            return []
+        if all(not s.wants_logprob and s.params.plain_greedy for _, s in samplers):  # the greedy fast path: one argmax over the rows, no per-row copy
+            rows = np.fromiter((r for r, _ in samplers), np.int64, len(samplers))
+            best = self.net.ops.to_numpy(self.net.ops.argmax_rows(logits, rows))
+            return [Choice(int(t), float("nan")) for t in best]
+        host = self.net.ops.to_numpy(logits)
+        return [sample(host[r], s.params, s.rng, s.prompt, s.generated, logprob=s.wants_logprob) for r, s in samplers]

@@ -1,0 +1,179 @@
+"""TextWorker: the text side of serving, in a thread of its own so that the step loop never waits for
+it — and the daemon's front for the engine: the I/O loop gives it every engine command.
+
+In, through one queue (so that a Cancel never overtakes the Generate it cancels):
+- requests from the I/O loop: tokenize or render the prompt, check it against the limits, build the
+  sequence, hand it to the engine thread (or answer an Error);
+- cancels, dropped clients and the shutdown, forwarded to the engine in that order;
+- after each engine step, its progress: detokenize, find stop strings, build the Tokens / Finished
+  frames of every request the step touched, and publish them together (one wake-up of the I/O loop
+  per step, not per request).
+A stop string is found here: the request's Finished goes out at once and the engine is told to free
+the sequence (engine/scheduler.py decides every other end). Pause and logits-slot releases go straight
+to the engine: they carry no order with admissions.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from ember.daemon.engine.engine_core import EngineCore
+from ember.daemon.engine.sequence import Sequence
+from ember.daemon.logging_setup import get_logger
+from ember.daemon.server.engine_thread import EngineStats, EngineThread, Progress
+from ember.daemon.server.request import Request
+from ember.daemon.text.chat_template import ChatTemplateError
+from ember.daemon.text.stop_strings import StopStrings
+from ember.protocol.limits import LimitExceeded, Limits
+from ember.protocol.messages import (Error, ErrorCode, Finished, FinishReason, ServerMessage, Timings, Tokens,
+                                     TopLogprob, Usage)
+
+Output = tuple[bytes, ServerMessage]  # (client identity, message)
+_Item = Callable[[], None]
+
+
+class TextWorker:
+    def __init__(self, *, cores: Mapping[str, EngineCore], limits: Limits, publish: Callable[[list[Output]], None],
+                 on_stopped: Callable[[], None], **engine_options: Any) -> None:
+        """cores: each model's engine core, stepped by an EngineThread made here (engine_options: its
+        new_ring, heartbeat, heartbeat_interval); frames go to `publish`; `on_stopped` runs once the
+        engine has stopped and its last frames are published."""
+        self._limits = limits
+        self._contexts = {name: core.scheduler.max_context for name, core in cores.items()}
+        self._publish = publish
+        self._on_stopped = on_stopped
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="ember-text", daemon=True)
+        self.engine = EngineThread(cores=cores, progress=self.progress, on_stopped=self.engine_stopped, **engine_options)
+        self.log = get_logger()
+
+    # --- the I/O loop's commands (any thread) --------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        self.engine.start()
+
+    def submit(self, request: Request) -> None:
+        self._queue.put(lambda: self._admit(request))
+
+    def cancel(self, client: bytes, request_id: int) -> None:
+        self._queue.put(lambda: self.engine.cancel(client, request_id))
+
+    def drop_client(self, client: bytes) -> None:
+        self._queue.put(lambda: self.engine.drop_client(client))
+
+    def shutdown(self, drain_timeout: float) -> None:
+        self._queue.put(lambda: self.engine.shutdown(drain_timeout))
+
+    def set_paused(self, client: bytes, paused: bool) -> None:
+        self.engine.set_paused(client, paused)
+
+    def release(self, client: bytes, slots: Iterable[int]) -> None:
+        self.engine.release(client, slots)
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    # --- the engine's reports (engine thread) --------------------------------------------------------
+    def progress(self, news: list[Progress]) -> None:
+        self._queue.put(lambda: self._frames(news))
+
+    def engine_stopped(self) -> None:
+        """The engine thread ended: publish what its last steps produced, then stop."""
+        self._queue.put(None)
+
+    # --- the worker thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while (item := self._queue.get()) is not None:
+                item()
+        except Exception:  # a bug here: say so; the engine's drain still ends the daemon cleanly
+            self.log.exception("text worker failed")
+        finally:
+            self._on_stopped()
+
+    def _admit(self, r: Request) -> None:
+        """Tokenize or render the prompt and hand the sequence to the engine, or answer an Error."""
+        try:
+            if r.prompt_ids is None:
+                r.prompt_ids = r.model.chat_ids(r.messages) if r.messages is not None else r.model.tokenize(r.prompt_text or "")
+            if not r.prompt_ids:
+                raise ValueError("the prompt is empty")
+            self._limits.check_prompt(len(r.prompt_ids), self._contexts[r.model_name] - 1)
+        except LimitExceeded as e:
+            return self._reject(r, ErrorCode.LIMIT, str(e))
+        except (ValueError, ChatTemplateError) as e:  # TokenizerError is a ValueError
+            return self._reject(r, ErrorCode.BAD_REQUEST, str(e))
+        r.text = r.model.tokenizer.stream_decoder(context=r.prompt_ids)
+        r.stops = StopStrings(r.stop)
+        stop_ids = frozenset(r.stop_ids) | (frozenset() if r.ignore_eos else frozenset(r.model.tokenizer.eos_ids))
+        r.seq = Sequence(r.prompt_ids, r.max_tokens, r.params, r.seed, stop_ids, client=r.client,
+                         wants_logits=r.return_logits, wants_logprob=r.logprobs or r.params.logprobs > 0)
+        self.engine.add(r)
+
+    def _frames(self, news: list[Progress]) -> None:
+        frames: list[Output] = []
+        for p in news:
+            r = p.request
+            if r.done:
+                continue  # ended here already (a stop string); the engine's late news changes nothing
+            if p.error is not None:
+                frames.append(self._refusal(r, p.error, p.message))
+                continue
+            frames += self._request_frames(r, p)
+        if frames:
+            self._publish(frames)
+
+    def _request_frames(self, r: Request, p: Progress) -> list[Output]:
+        assert r.text is not None and r.stops is not None
+        if p.tokens and r.first_token is None:
+            r.first_token = time.perf_counter()
+        text = "".join(r.stops.feed(r.text.feed(t)) for t in p.tokens)
+        r.completion_tokens += len(p.tokens)
+        finish = FinishReason.STOP if r.stops.stopped else p.finish
+        if finish is not None:
+            text += r.stops.feed(r.text.flush()) + r.stops.flush()  # text held back for a partial character
+        frames: list[Output] = []
+        if p.tokens or text:
+            frames.append((r.client, self._tokens(r, p, text)))
+        if finish is not None:
+            r.done = True
+            if p.finish is None:  # the engine still runs it: free the sequence
+                self.engine.finish(r, finish)
+            frames.append((r.client, self._finished(r, finish, p.message)))
+        return frames
+
+    @staticmethod
+    def _tokens(r: Request, p: Progress, text: str) -> Tokens:
+        if not p.tokens:
+            return Tokens(r.id, (), text)
+        top = tuple(tuple(TopLogprob(t, lp) for t, lp in c.top) for c in p.choices) if r.params.logprobs else None
+        return Tokens(r.id, tuple(p.tokens), text, tuple(c.logprob for c in p.choices) if r.logprobs else None,
+                      top, p.logits)
+
+    @staticmethod
+    def _finished(r: Request, reason: str, message: str) -> Finished:
+        now = time.perf_counter()
+        started = (r.seq.started if r.seq is not None else None) or now
+        first = r.first_token or now
+        timings = Timings(queued_ms=_ms(started - r.admitted), prefill_ms=_ms(first - started),
+                          decode_ms=_ms(now - first), total_ms=_ms(now - r.admitted))
+        r.log.info("request finished", reason=reason, completion_tokens=r.completion_tokens,
+                   total_ms=round(timings.total_ms, 1), **({"error": message} if message else {}))
+        return Finished(r.id, reason, Usage(len(r.prompt_ids or ()), r.completion_tokens), timings, message)
+
+    def _reject(self, r: Request, code: str, message: str) -> None:
+        self._publish([self._refusal(r, code, message)])
+
+    @staticmethod
+    def _refusal(r: Request, code: str, message: str) -> Output:
+        r.done = True
+        r.log.info("request refused", code=code, error=message)
+        return (r.client, Error(r.id, code, message))
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
