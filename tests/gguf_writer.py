@@ -37,7 +37,7 @@ def write_gguf(path: Path, hf_config: Any, state: dict[str, np.ndarray], types: 
     _add_hparams(writer, arch, hf_config)
     _copy_tokenizer(writer, hf_config.vocab_size)
     for hf_name, value in state.items():
-        name = gguf_name(hf_name)
+        name = gguf_name(hf_name, arch, hf_config.num_hidden_layers)
         if name is None:
             continue
         w = np.ascontiguousarray(value, dtype=np.float32)

@@ -96,6 +96,22 @@ def test_hf_dir_unknown_architecture(tmp_path: Path) -> None:
     assert "gpt_neox" in load_error(d)
 
 
+def test_hf_dir_two_tensors_with_one_gguf_name(tmp_path: Path) -> None:
+    """gguf's name table knows several spellings of each tensor; a checkpoint holding two of them is refused
+    rather than one silently replacing the other."""
+    from safetensors.numpy import save_file
+
+    d = tmp_path / "m"
+    d.mkdir()
+    cfg = {"model_type": "qwen3", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 4}
+    (d / "config.json").write_text(json.dumps(cfg))
+    w = np.zeros((8, 8), np.float32)
+    save_file({"model.embed_tokens.weight": np.zeros((4, 8), np.float32), "model.layers.0.self_attn.q_proj.weight": w,
+               "layers.0.attention.wq.weight": w}, str(d / "model.safetensors"))
+    message = load_error(d)
+    assert "both map to blk.0.attn_q.weight" in message and "model.layers.0.self_attn.q_proj.weight" in message
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ember.client.cli", *args], capture_output=True, text=True, timeout=300)
 

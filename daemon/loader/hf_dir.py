@@ -1,13 +1,33 @@
 """Reading Hugging Face model directories: config.json and *.safetensors (sharded or not), tensors
 mmap'd without copies and renamed to GGUF names so the models see one naming scheme.
+
+Names come from gguf-py's TensorNameMap for the config's architecture and layer count: the table
+llama.cpp's converter (convert_hf_to_gguf.py) renames with, so a directory's tensors get the names the
+converted GGUF file would have. Tensors it has no name for (buffers, per-expert MoE weights, anything
+unknown) are dropped; a model missing a tensor it needs fails when it asks for it.
+
+Only the names follow the converter. It also permutes llama's q/k rows so rotary pairs are adjacent;
+these tensors keep the Hugging Face half-split row order, and ModelFile.rope_interleaved (False for
+"hf") makes the rotary kernel pair halves to match. Tied embeddings need nothing here: save_pretrained
+writes no lm_head.weight, and the model falls back to token_embd.weight when output.weight is absent.
+
+MoE experts: TensorNameMap names only a layer's experts stacked into one 3-D tensor
+(model.layers.N.mlp.experts.gate_proj.weight -> blk.N.ffn_gate_exps.weight; Mixtral, converted as
+llama: layers.N.feed_forward.experts.w1.weight), because the converter stacks the per-expert tensors
+(model.layers.N.mlp.experts.E.gate_proj.weight, block_sparse_moe.experts.E.w1.weight) in expert order
+under that merged name before mapping it. Those per-expert names map to nothing, so they are dropped
+here: ember runs dense models, and the planner sizes experts from the raw headers. An MoE loader would
+group them by (layer, projection), stack them by E (a copy: safetensors stores each expert apart) and
+map the merged name with the same map. Routers (mlp.gate.weight -> blk.N.ffn_gate_inp.weight) do map.
 """
 from __future__ import annotations
 
+import functools
 import json
-import re
 import struct
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from ember.daemon.loader.model_config import config_from_hf
@@ -18,28 +38,15 @@ from ember.kernels.tensor_types import TensorType
 
 _DTYPES = {"F32": (TensorType.F32, np.float32), "F16": (TensorType.F16, np.uint16), "BF16": (TensorType.BF16, np.uint16)}
 
-_GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_GGUF_ARCHES = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+# ember's arch names are GGUF's, except where llama.cpp converts a model type under another one:
+# its converter registers MixtralForCausalLM on LlamaModel (MODEL_ARCH.LLAMA)
+_CONVERTED_AS = {"mixtral": "llama"}
+# buffers, not weights: the converter skips these before mapping (TensorNameMap would otherwise name
+# llama's rotary_emb.inv_freq blk.N.attn_rot_embd)
+_SKIPPED_SUFFIXES = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
+# as the converter's map_tensor_name: the table's keys are module paths, parameters add these
+_PARAM_SUFFIXES = (".weight", ".bias")
 
 
 def open_hf_dir(path: Path) -> ModelFile:
@@ -52,15 +59,26 @@ def open_hf_dir(path: Path) -> ModelFile:
     except json.JSONDecodeError as e:
         raise ModelFileError(str(config_path), f"invalid JSON ({e})") from None
     config = config_from_hf(cfg, source)
-    tensors: dict[str, RawTensor] = {}
-    for shard in _shards(path):
-        for name, t in _read_safetensors(shard).items():
-            new_name = gguf_name(name)
-            if new_name is not None:
-                tensors[new_name] = RawTensor(new_name, t.ttype, t.shape, t.data)
+    raws = [t for shard in _shards(path) for t in _read_safetensors(shard).values()]
+    tensors = _with_gguf_names(raws, config.arch, config.n_layers, source)
     if "token_embd.weight" not in tensors:
         raise ModelFileError(source, "missing tensor model.embed_tokens.weight")
     return ModelFile(path=path, format="hf", config=config, tensors=tensors, metadata=cfg)
+
+
+def _with_gguf_names(raws: list[RawTensor], arch: str, n_layers: int, source: str) -> dict[str, RawTensor]:
+    """The tensors that have a GGUF name, under it (same data, no copy)."""
+    by_name: dict[str, RawTensor] = {}  # still under their HF names, for the message below
+    for t in raws:
+        name = gguf_name(t.name, arch, n_layers)
+        if name is None:
+            continue
+        if name in by_name:
+            # TensorNameMap knows many models' spellings of each tensor; two of them in one checkpoint
+            # (or one name in two shards) must not silently replace each other
+            raise ModelFileError(source, f"tensors {by_name[name].name} and {t.name} both map to {name}")
+        by_name[name] = t
+    return {name: RawTensor(name, t.ttype, t.shape, t.data) for name, t in by_name.items()}
 
 
 def _shards(path: Path) -> list[Path]:
@@ -114,10 +132,17 @@ def _read_safetensors(path: Path) -> dict[str, RawTensor]:
     return tensors
 
 
-def gguf_name(hf_name: str) -> str | None:
-    if hf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[hf_name]
-    m = _LAYER.fullmatch(hf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return None  # rotary caches and other buffers some checkpoints carry
+def gguf_name(hf_name: str, arch: str, n_layers: int) -> str | None:
+    """The GGUF name llama.cpp's converter gives `hf_name` in an `arch` model (ember's architecture
+    name, e.g. "qwen3") of `n_layers` blocks; None for the buffers it skips and for names it has none for."""
+    if hf_name.endswith(_SKIPPED_SUFFIXES):
+        return None
+    return tensor_name_map(arch, n_layers).get_name(hf_name, try_suffixes=_PARAM_SUFFIXES)
+
+
+@functools.lru_cache(maxsize=8)
+def tensor_name_map(arch: str, n_layers: int) -> gguf.TensorNameMap:
+    """gguf-py's HF -> GGUF table for one architecture, expanded for n_layers blocks (built once: it
+    holds every known spelling of every tensor of every block)."""
+    # arch is one of model_config.HF_ARCHITECTURES' values, which all name a gguf-py architecture
+    return gguf.TensorNameMap(_GGUF_ARCHES[_CONVERTED_AS.get(arch, arch)], n_layers)
