@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ember.daemon.engine.defaults import KV_BLOCK, PREFILL_CHUNK
 from ember.daemon.engine.engine_core import EngineCore, StepOutput
 from ember.daemon.engine.sequence import Sequence as EngineSequence
 from ember.daemon.loader.model_file import ModelFile, open_model_file
@@ -25,8 +26,6 @@ from ember.kernels.sampling import SamplingParams
 
 __all__ = ["Model", "ModelFileError", "load"]
 
-PREFILL_CHUNK = 256  # tokens per forward pass while reading a prompt: bounds activation memory
-KV_BLOCK = 16  # tokens per KV cache block
 
 
 class Model:

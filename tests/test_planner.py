@@ -409,13 +409,6 @@ def test_demo_model_step_peak_within_the_plan() -> None:
     assert measured <= planned <= 1.5 * measured, (planned, measured)
 
 
-def test_planner_mirrors_the_runtime_constants() -> None:
-    from ember.daemon import runtime
-    from ember.daemon.planning import planner
-
-    assert (planner.PREFILL_CHUNK, planner.KV_BLOCK) == (runtime.PREFILL_CHUNK, runtime.KV_BLOCK)
-
-
 # --- device specs -------------------------------------------------------------------------------------------
 def test_sizes_and_devices() -> None:
     assert parse_size("24GiB") == parse_size("24G") == 24 * 2**30

@@ -19,13 +19,10 @@ from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import open_model_file
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.kernels.convert import storage_bytes
+from ember.daemon.engine.defaults import KV_BLOCK, PREFILL_CHUNK
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SCHEMA = "ember.plan/1"
-# Mirrors of daemon/runtime.py's PREFILL_CHUNK and KV_BLOCK (a test keeps them equal): importing the
-# runtime would pull the kernels into a tool that must stay metadata-only and quick.
-PREFILL_CHUNK = 256
-KV_BLOCK = 16
 # The safety factor, from measurement (benchmarks/planner_calibration.py, docs/planner.md): the CPU
 # runtime's step peaks in the FFN holding, per token, 3 widest-sized buffers (gate, up, their product)
 # and 3 hidden-sized ones (the block's input and output, the norm) in f32 — to the KiB on every shape

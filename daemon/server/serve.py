@@ -23,7 +23,8 @@ from ember.daemon.logging_setup import configure_logging, get_logger
 from ember.daemon.server.notify import Notifier
 from ember.daemon.planning.planner import Device, PlanDoesNotFit, PlanRequest, build_plan, log_plan, read_model_info
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
-from ember.daemon.runtime import KV_BLOCK, Model, load
+from ember.daemon.engine.defaults import KV_BLOCK
+from ember.daemon.runtime import Model, load
 from ember.daemon.server.server import Server
 from ember.daemon.text.text_worker import Output, TextWorker
 from ember.daemon.server.socket_dir import SocketLock, prepare_socket_dir

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ember.daemon.runtime import KV_BLOCK
+from ember.daemon.engine.defaults import KV_BLOCK
 from ember.daemon.text.text_worker import Output, TextWorker
 from ember.daemon.server.request import Request, request_from_generate
 from ember.protocol.limits import Limits
