@@ -14,10 +14,15 @@ from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.loader.gguf_file import open_gguf
 from ember.daemon.text.tokenizer import PRE_TOKENIZERS, Tokenizer, TokenizerError
 from tiny_models import DEMO_TOKENIZER
-from tokenizer_fixtures import FIXED, byte_bpe_vocab, corpus, gguf_metadata, spm_vocab, write_vocab_gguf
+from tokenizer_fixtures import (FIXED, NORMAL, byte_bpe_vocab, corpus, gguf_metadata, spm_vocab,
+                                whole_text_bpe_vocab, write_vocab_gguf)
 
 tokenizers = pytest.importorskip("tokenizers")
-llama_cpp = pytest.importorskip("llama_cpp")  # a guard only: CI installs it, so these tests run there
+try:
+    import llama_cpp
+except ImportError:  # the oracle: a guard only for the tests that compare with it (CI installs it)
+    llama_cpp = None
+needs_llama_cpp = pytest.mark.skipif(llama_cpp is None, reason="llama-cpp-python (the oracle) is not installed")
 
 
 def llama(path: Path) -> Any:
@@ -62,6 +67,7 @@ def demo() -> Tokenizer:
     return Tokenizer.from_gguf(open_gguf(DEMO_MODEL).metadata)
 
 
+@needs_llama_cpp
 @pytest.mark.parametrize("parse_special", [True, False])
 def test_demo_ids_equal_llama_cpp(demo: Tokenizer, parse_special: bool) -> None:
     assert_ids_equal_llama_cpp(demo, DEMO_MODEL, corpus(), parse_special)
@@ -89,6 +95,7 @@ def test_hf_dir_matches_its_files(tmp_path: Path) -> None:
     assert Tokenizer.from_hf_dir(tmp_path / "m").chat_template == "{{ messages[0]['content'] }}"
 
 
+@needs_llama_cpp
 def test_decode_equals_hugging_face_and_llama_cpp(demo: Tokenizer) -> None:
     """Random id sequences, broken UTF-8 included: the same text as HF's decode and llama.cpp's pieces."""
     hf = tokenizers.Tokenizer.from_file(str(DEMO_TOKENIZER / "tokenizer.json"))
@@ -119,6 +126,7 @@ def test_stream_holds_back_split_characters(demo: Tokenizer) -> None:
         assert_stream_equals_decode(demo, [rng.randrange(demo.vocab_size) for _ in range(rng.randint(1, 10))])
 
 
+@needs_llama_cpp
 def test_special_tokens(demo: Tokenizer) -> None:
     eot = demo.encode("<|endoftext|>")
     assert eot == [0] and demo.encode("a<|endoftext|>b") == demo.encode("a") + eot + demo.encode("b")
@@ -142,6 +150,7 @@ SPECIALS_TEXT = ["<|begin|>x<|end|>", "a<|im_end|>\nb", "<think>hm</think>", "<|
 REPRESENTATIVES = sorted({pre: name for name, pre in reversed(list(PRE_TOKENIZERS.items()))}.values())
 
 
+@needs_llama_cpp
 @pytest.mark.parametrize("pre", REPRESENTATIVES)
 def test_pre_tokenizer_ids_equal_llama_cpp(tmp_path: Path, pre: str) -> None:
     path = byte_bpe_gguf(tmp_path / "v.gguf", pre)
@@ -151,6 +160,7 @@ def test_pre_tokenizer_ids_equal_llama_cpp(tmp_path: Path, pre: str) -> None:
     assert_ids_equal_llama_cpp(ours, path, texts[::4] + SPECIALS_TEXT, parse_special=False)
 
 
+@needs_llama_cpp
 def test_every_pre_tokenizer_name_equals_llama_cpp(tmp_path: Path) -> None:
     """Each name llama.cpp knows maps to the regexes llama.cpp uses for it (texts that tell them apart)."""
     texts = FIXED[:40] + ["a1234b 12.5", "x  \n\n y", "Hello, World's", "日本語abc", "a(b)c", "I'M OK", "ǅA"]
@@ -159,6 +169,29 @@ def test_every_pre_tokenizer_name_equals_llama_cpp(tmp_path: Path) -> None:
         assert_ids_equal_llama_cpp(Tokenizer.from_gguf(gguf_metadata(path)), path, texts)
 
 
+# what the regexes tell apart, one place at a time (a whole text is one token of the vocabulary below):
+# cased letters of many scripts (DeepSeek LLM spells them out; not ƻ or ʔ), ASCII, CJK and fullwidth
+# punctuation, spaces (non-ASCII ones inside CJK ranges among them), digits, newlines, emoji
+CUT_TEXTS = ["Ω𐐀", "ℂ\u2126", "ǅ𞤀", "ꙀḀ", "µØ", "Øƻø", "ʔx", "Ꮳherokee", "ﬁx", "Kelvin", "ＡＢＣ！", "ａｂ：",
+             "！\u3000！", "a\u3000b", "。\u3000。", "\u3000\u3000", "日\u2003本", "한\u2000국", "中\u1680文", "テ\u3000ス",
+             "「引用」！？", "中文，标点！", "‘q’", "“dq” „low“ …", "trailing   ", "x  ", "  lead", "a \t", "end\u3000",
+             "a\r\nb", "\r\n\r\n", "x\n", "123", "١٢٣", "½", "Ⅻ", "3.14", "12abc", "a😀b", "🎉🎉", "don't", "WE'LL",
+             "\u0085x", "x\u00a0y", "x\u1680y", "x\u205fz"]
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("pre", sorted({*REPRESENTATIVES, "deepseek-llm"}))  # named: tested even if missing
+def test_pre_tokenizer_cuts_equal_llama_cpp(tmp_path: Path, pre: str) -> None:
+    """The words each pre-tokenizer cuts equal llama.cpp's, not only where a merge is at stake: each text
+    is one token of the vocabulary, so a cut that one makes and the other does not changes the ids."""
+    texts = corpus(150, seed=8, specials=()) + CUT_TEXTS
+    tokens, merges = whole_text_bpe_vocab(tuple(texts))
+    path = write_vocab_gguf(tmp_path / "v.gguf", "gpt2", tokens, [NORMAL] * len(tokens), merges=merges, pre=pre,
+                            add_bos=False)
+    assert_ids_equal_llama_cpp(Tokenizer.from_gguf(gguf_metadata(path)), path, texts)
+
+
+@needs_llama_cpp
 @pytest.mark.parametrize("pre", [None, "gpt-2", "llama-bpe", "tekken"])
 def test_add_bos_default_when_the_file_does_not_say(tmp_path: Path, pre: str | None) -> None:
     path = byte_bpe_gguf(tmp_path / "v.gguf", pre, add_bos=None)
@@ -166,6 +199,7 @@ def test_add_bos_default_when_the_file_does_not_say(tmp_path: Path, pre: str | N
     assert ours.encode("hi") == llama(path).tokenize(b"hi", add_bos=True, special=True)
 
 
+@needs_llama_cpp
 def test_end_of_generation_ids_equal_llama_cpp(tmp_path: Path) -> None:
     path = byte_bpe_gguf(tmp_path / "v.gguf", "qwen2")
     ours = Tokenizer.from_gguf(gguf_metadata(path))
@@ -173,6 +207,7 @@ def test_end_of_generation_ids_equal_llama_cpp(tmp_path: Path) -> None:
     assert ours.eos_ids == llama_cpp_eog_ids(path) == {tokens.index("<|end|>"), tokens.index("<|im_end|>")}
 
 
+@needs_llama_cpp
 def test_decode_as_llama_cpp_writes_pieces(tmp_path: Path) -> None:
     """Control tokens are dropped by skip_special, user-defined ones (text) are not."""
     path = byte_bpe_gguf(tmp_path / "v.gguf", "llama-bpe")
@@ -192,6 +227,7 @@ def spm_gguf(path: Path, **keys: Any) -> Path:
 SPM_TEXTS = ["<s>after bos", "x</s>y", "unknown ☃ chars", "a<start_of_turn>user\nhi", "     five", "x    y"]
 
 
+@needs_llama_cpp
 @pytest.mark.parametrize("space_prefix", [True, False])
 def test_spm_ids_equal_llama_cpp(tmp_path: Path, space_prefix: bool) -> None:
     path = spm_gguf(tmp_path / "spm.gguf", add_space_prefix=space_prefix)
@@ -215,6 +251,27 @@ def test_spm_decode_round_trip_and_stream(tmp_path: Path) -> None:
     assert_stream_equals_decode(ours, more, context=prompt)
 
 
+@needs_llama_cpp
+@pytest.mark.parametrize("drop_chars", ["▁", "*"])
+def test_spm_merges_characters_that_are_not_tokens(tmp_path: Path, drop_chars: str) -> None:
+    """llama.cpp merges "▁" + "t" into "▁t" though "▁" (or also "t") is no token; only the characters
+    left unmerged that are no token become byte tokens."""
+    tokens, types, scores = spm_vocab(drop_chars)
+    path = write_vocab_gguf(tmp_path / "spm.gguf", "llama", tokens, types, scores=scores, bos=1, eos=2)
+    ours = Tokenizer.from_gguf(gguf_metadata(path))
+    assert "▁" not in tokens and ("t" in tokens) == (drop_chars != "*")
+    assert [tokens[i] for i in ours.encode("return the text", add_special=False)] == ["▁return", "▁the", "▁text"]
+    texts = corpus(300, seed=6, specials=("<s>", "</s>", "<start_of_turn>")) + SPM_TEXTS + [
+        "the 日本語 text", "x  y  ", " ☃ snow", "abc\n\ndef", "  leading", "Ünïcödé café", "1,000,000 😀😀"]
+    assert_ids_equal_llama_cpp(ours, path, texts)
+    assert_ids_equal_llama_cpp(ours, path, texts[::3] + SPM_TEXTS, parse_special=False)
+    llm = llama(path)  # characters left unmerged decode to their bytes (a lone "▁" to "▁"), as in llama.cpp
+    for text in texts[:60] + ["x  y  ", "unknown ☃ chars"]:
+        ids = ours.encode(text)
+        assert ours.decode(ids) == llama_cpp_text(llm, ids, special=True), text
+
+
+@needs_llama_cpp
 def test_spm_end_of_generation_ids_equal_llama_cpp(tmp_path: Path) -> None:
     path = spm_gguf(tmp_path / "spm.gguf")
     eos_ids = Tokenizer.from_gguf(gguf_metadata(path)).eos_ids

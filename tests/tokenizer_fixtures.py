@@ -85,6 +85,20 @@ BPE_SPECIAL_TYPES = {"<|begin|>": CONTROL, "<|end|>": CONTROL, "<|im_end|>": NOR
 
 
 @cache
+def whole_text_bpe_vocab(texts: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(tokens, merges) of a byte-level BPE trained here on whole texts, with no pre-tokenizer, until each
+    text is one token: a pre-tokenizer that cuts a text shows in its ids."""
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=100_000, min_frequency=1, show_progress=False,
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(texts, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    return tokens, [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+
+
+@cache
 def byte_bpe_vocab() -> tuple[list[str], list[int], list[str]]:
     """(tokens, types, merges) of a byte-level BPE trained here with `tokenizers`."""
     bpe = tokenizers.ByteLevelBPETokenizer()
@@ -99,15 +113,17 @@ SPM_SPECIALS = {"<unk>": UNKNOWN, "<s>": CONTROL, "</s>": CONTROL, "<start_of_tu
 
 
 @cache
-def spm_vocab() -> tuple[list[str], list[int], list[float]]:
+def spm_vocab(drop_chars: str = "") -> tuple[list[str], list[int], list[float]]:
     """(tokens, types, scores) of a llama-style SentencePiece vocabulary: <unk>, <s>, </s>, a user-defined
     token, 256 byte tokens, then the pieces of a SentencePiece BPE trained here, scored by merge order
-    (earlier merge, higher score) as SentencePiece BPE models are."""
+    (earlier merge, higher score) as SentencePiece BPE models are. drop_chars: single characters left
+    out of the pieces ("*": all of them) while the pieces merged from them stay (e.g. "▁t" without "▁")."""
     sp = tokenizers.SentencePieceBPETokenizer(add_prefix_space=True)
     sp.train_from_iterator(TRAIN_TEXT, vocab_size=500, min_frequency=1, special_tokens=[])
     model = json.loads(sp._tokenizer.to_str())["model"]
     merged = ["".join(m if isinstance(m, list) else m.split(" ")) for m in model["merges"]]
-    pieces = list(dict.fromkeys(sorted(t for t in model["vocab"] if len(t) == 1) + merged))
+    chars = [t for t in sorted(model["vocab"]) if len(t) == 1 and drop_chars != "*" and t not in drop_chars]
+    pieces = list(dict.fromkeys(chars + merged))
     tokens = [*SPM_SPECIALS, *(f"<0x{b:02X}>" for b in range(256)), *pieces]
     types = [*SPM_SPECIALS.values(), *[BYTE] * 256, *[NORMAL] * len(pieces)]
     scores = [0.0] * (len(SPM_SPECIALS) + 256) + [-float(i) for i in range(len(pieces))]

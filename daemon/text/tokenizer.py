@@ -4,9 +4,10 @@ GGUF vocabularies (`tokenizer.ggml.*`) are rebuilt as a `tokenizers` BPE model s
 llama.cpp's (src/llama-vocab.cpp):
 - `gpt2`: byte-level BPE over the words that the pre-tokenizer regexes llama.cpp uses for the file's
   `tokenizer.ggml.pre` cut the text into (PRE_TOKENIZERS lists the values supported);
-- `llama`: SentencePiece BPE as llama.cpp runs it: the pair whose merged piece has the best score merges
-  first (merges ranked by that score), "▁" for spaces, a space before text at the start and after each
-  special token, byte tokens <0xXX> for characters the vocabulary lacks.
+- `llama`: SentencePiece BPE as llama.cpp runs it: from the text's characters, tokens or not, the pair
+  whose merged piece has the best score merges first (merges ranked by that score), "▁" for spaces, a
+  space before text at the start and after each special token, byte tokens <0xXX> for characters that are
+  no token and are left unmerged.
 Special tokens (control, user-defined, unknown) are cut out of the text first, longest first over the
 whole text, as llama.cpp does; the BPE never sees them. Decoding joins each token's bytes, as llama.cpp's
 token_to_piece does.
@@ -49,7 +50,10 @@ _QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\
 _SEED_CODER = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)"
                r"|\s+")
 _PORO = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"  # … 。 ， 、 । ۔ ،
-_CJK_HANGUL = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+# llama.cpp runs a regex without \p{..} classes on the text with each non-ASCII space made "\v" (the \s of
+# std::wregex knows ASCII ones only), so no space ever falls in a [...] range there: `&&\S` takes them out
+# of the ranges here (U+0800-U+4E00 holds U+1680, U+2000-U+200A, U+2028, U+2029, U+202F, U+205F, U+3000)
+_CJK_HANGUL = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff&&\\S]+"
 _DEEPSEEK3 = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
               r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
               r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -65,6 +69,23 @@ _BAILING = (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}
             r"|\s*[\r\n]|\s+(?!\S)|\s+")
 _EXAONE_MOE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+")
+# DeepSeek LLM's: newlines; cased letters (Unicode's Lu, Ll, Lt, spelled out as its tokenizer.json and
+# llama.cpp write them); printable ASCII but digits, and CJK punctuation (but U+3000, a space: see
+# _CJK_HANGUL); spaces at the end; CJK and Hangul; digits
+_CASED_LETTERS = ("A-Za-z\xb5\xc0-\xd6\xd8-\xf6\xf8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373\u0376"
+                  "\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481"
+                  "\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf"
+                  "\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d"
+                  "\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4"
+                  "\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107"
+                  "\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f"
+                  "\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+                  "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17"
+                  "\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb"
+                  "\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943")
+_DEEPSEEK_LLM = ("[\r\n]", f"\\s?[{_CASED_LETTERS}]+",
+                 "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002&&\\S]+", "\\s+$", _CJK_HANGUL,
+                 r"\p{N}+")
 _MINICPM5 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
 _PRE_GROUPS: list[tuple[tuple[str, ...], PreTokenizer]] = [
@@ -84,6 +105,7 @@ _PRE_GROUPS: list[tuple[tuple[str, ...], PreTokenizer]] = [
     (("poro-chat", "bloom", "gpt3-finnish"), PreTokenizer((_PORO,))),
     (("viking",), PreTokenizer((_PORO, r"\p{N}"))),
     (("deepseek-coder",), PreTokenizer(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_HANGUL, r"\p{N}"))),
+    (("deepseek-llm",), PreTokenizer(_DEEPSEEK_LLM)),
     (("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), PreTokenizer(_DEEPSEEK3)),
     (("tekken",), PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True)),
     (("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), PreTokenizer((_GPT4O,))),
@@ -136,9 +158,10 @@ class Tokenizer:
         if kind == "gpt2":
             pre = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
             core, add_bos, bos, eos = _gpt2_core(tokens, _read_merges(meta), pre), pre.add_bos, None, None
+            unmerged: dict[int, list[int]] = {}
         else:  # with llama.cpp's defaults for SentencePiece files
             scores = _read_numbers(meta, "tokenizer.ggml.scores", len(tokens), 0.0, float)
-            core, add_bos, bos, eos = _spm_core(tokens, scores, types), True, 1, 2
+            (core, unmerged), add_bos, bos, eos = _spm_core(tokens, scores, types), True, 1, 2
         bos, eos = _token_id(meta, "bos", len(tokens), bos), _token_id(meta, "eos", len(tokens), eos)
         add_bos, add_eos = _add_flags(meta, add_bos, bos, eos)
         eog = _end_of_generation_ids(meta, tokens, eos)
@@ -146,7 +169,7 @@ class Tokenizer:
         space_prefix = kind == "llama" and bool(meta.get("tokenizer.ggml.add_space_prefix", True))
         return cls(core, bos_id=bos, eos_id=eos, eos_ids=eog, add_bos=add_bos, add_eos=add_eos,
                    chat_template=_str_or_none(meta.get("tokenizer.chat_template")), vocab_size=len(tokens),
-                   gguf=_GgufVocab(tokens, types, space_prefix, byte_level=kind == "gpt2"))
+                   gguf=_GgufVocab(tokens, types, space_prefix, byte_level=kind == "gpt2", unmerged=unmerged))
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
@@ -193,7 +216,7 @@ class Tokenizer:
                 continue
             if self._gguf.space_prefix and after_special:
                 piece = " " + piece
-            ids.extend(self.core.encode(piece, add_special_tokens=False).ids)
+            ids.extend(self._gguf.resolve(self.core.encode(piece, add_special_tokens=False).ids))
             after_special = False
         if add_special and self.add_eos:
             ids.append(self.eos_id)  # type: ignore[arg-type]
@@ -265,11 +288,14 @@ class StreamDecoder:
 
 # --- GGUF vocabularies ---------------------------------------------------------------------------------
 class _GgufVocab:
-    """What encode/decode need beyond the BPE: the special tokens and each token's bytes."""
+    """What encode/decode need beyond the BPE: the special tokens, each token's bytes, and (SentencePiece)
+    the byte tokens of the characters that are no token, for when the BPE leaves them unmerged."""
 
-    def __init__(self, tokens: list[str], types: list[int], space_prefix: bool, byte_level: bool) -> None:
+    def __init__(self, tokens: list[str], types: list[int], space_prefix: bool, byte_level: bool,
+                 unmerged: Mapping[int, list[int]]) -> None:
         self.tokens, self.types = tokens, types
         self.space_prefix, self.byte_level = space_prefix, byte_level
+        self.unmerged = unmerged  # SentencePiece: the BPE's ids past the vocabulary -> their byte tokens
         special = [i for i, ty in enumerate(types) if ty in (CONTROL, USER_DEFINED, UNKNOWN)]
         special.sort(key=lambda i: len(tokens[i].encode()), reverse=True)  # llama.cpp: longest first, in bytes
         self.specials = [(tokens[i], i, types[i] == USER_DEFINED) for i in special]
@@ -294,6 +320,12 @@ class _GgufVocab:
                         cut.append(fragment)
             parts = cut
         return parts
+
+    def resolve(self, ids: list[int]) -> list[int]:
+        """The BPE's ids with the characters it left unmerged that are no token as their byte tokens."""
+        if not self.unmerged:
+            return ids
+        return [j for i in ids for j in self.unmerged.get(i, (i,))]
 
     def piece(self, token: int, skip_special: bool) -> bytes:
         """The bytes of one token, as llama.cpp's token_to_piece."""
@@ -347,23 +379,42 @@ def _gpt2_core(tokens: list[str], merges: list[tuple[str, str]], pre: PreTokeniz
     return core  # no decoder: decode joins the tokens' bytes (_GgufVocab.piece), as llama.cpp does
 
 
-def _spm_core(tokens: list[str], scores: list[float], types: list[int]) -> CoreTokenizer:
-    """llama.cpp's SentencePiece tokenizer as a BPE: it merges the adjacent pair whose concatenation
-    is the best-scoring token first, which is what merges ranked by that score do. Ties go by position
-    in llama.cpp and by rank here; real vocabularies rarely tie (transformers builds the same merges)."""
+def _spm_core(tokens: list[str], scores: list[float],
+              types: list[int]) -> tuple[CoreTokenizer, dict[int, list[int]]]:
+    """llama.cpp's SentencePiece tokenizer as a BPE, and the byte tokens of the BPE's ids past the
+    vocabulary (for _GgufVocab.resolve).
+
+    llama.cpp starts from the text's characters and merges the adjacent pair whose concatenation is the
+    best-scoring token first, which is what merges ranked by that score do. A character need not be a
+    token to merge ("▁" + "a" -> "▁a" without "▁" or "a" in the vocabulary); only those left unmerged at
+    the end become byte tokens. A BPE merges only pieces of its vocabulary, so such characters join it
+    here past the file's ids, and the ones left in its output are turned into bytes afterwards. Ties go by
+    position in llama.cpp and by rank here; real vocabularies rarely tie (transformers builds the same
+    merges)."""
     vocab = {t: i for i, t in enumerate(tokens)}
+    loose = sorted({c for t in tokens for c in t} - vocab.keys())  # characters that are no token
+    symbols = vocab | {c: len(tokens) + k for k, c in enumerate(loose)}
     merges = []
     for piece, token_id in vocab.items():
         for cut in range(1, len(piece)):
             left, right = piece[:cut], piece[cut:]
-            if left in vocab and right in vocab:
+            if left in symbols and right in symbols:
                 merges.append((-scores[token_id], -len(left), -len(right), left, right))
     merges.sort(key=lambda m: m[:3])  # stable: the file's order among equals
     unk = next((t for t, ty in zip(tokens, types) if ty == UNKNOWN), None)
-    core = CoreTokenizer(models.BPE(vocab, [(m[3], m[4]) for m in merges], unk_token=unk, fuse_unk=True,
+    core = CoreTokenizer(models.BPE(symbols, [(m[3], m[4]) for m in merges], unk_token=unk, fuse_unk=True,
                                     byte_fallback=True))
     core.normalizer = normalizers.Replace(" ", "\u2581")
-    return core
+    return core, {symbols[c]: _byte_fallback(c, vocab, unk) for c in loose}
+
+
+def _byte_fallback(char: str, vocab: Mapping[str, int], unk: str | None) -> list[int]:
+    """What the BPE's byte_fallback gives a character that is no token: its bytes' <0xXX> tokens if the
+    vocabulary has them all (as llama.cpp), else the unknown token."""
+    byte_tokens = [f"<0x{b:02X}>" for b in char.encode()]
+    if all(t in vocab for t in byte_tokens):
+        return [vocab[t] for t in byte_tokens]
+    return [vocab[unk]] if unk is not None else []
 
 
 # --- reading GGUF metadata --------------------------------------------------------------------------------
