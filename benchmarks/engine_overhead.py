@@ -1,6 +1,8 @@
 """What serving costs over running the model in process, measured side by side in one run.
 
-- in-process: `ember.load(model).generate(prompt, max_tokens=N)` greedy, tokens/s over the whole call;
+- in-process: `ember.load(model).generate(prompt, max_tokens=N)` greedy, tokens/s over the whole call,
+  with numba's default threads (one per core) and again with the daemon's kernel threads (one per
+  core but one: `engine.threads`), which isolates what serving itself costs;
 - daemon: the same request streamed from a real `ember serve` through the sync `Client`, tokens/s from
   the request to its Finished frame (the client shares the machine's cores with the daemon, as a local
   client does);
@@ -24,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numba
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "daemon"))  # the test suite's daemon launcher
 
@@ -36,7 +40,8 @@ from ember.daemon.loader.demo_model import DEMO_MODEL  # noqa: E402
 PROMPT = "def fibonacci(n):"
 
 
-def in_process(model: ember.Model, tokens: int) -> float:
+def in_process(model: ember.Model, tokens: int, threads: int | None = None) -> float:
+    numba.set_num_threads(threads or numba.config.NUMBA_NUM_THREADS)
     t0 = time.perf_counter()
     n = sum(1 for _ in model.generate(PROMPT, max_tokens=tokens, ignore_eos=True))
     return n / (time.perf_counter() - t0)
@@ -112,24 +117,33 @@ def main() -> None:
     try:
         model = ember.load(path)
         in_process(model, 16), via_daemon(daemon.socket, 16)  # warm both paths
-        inproc, served = [], []
+        threads = max(1, len(os.sched_getaffinity(0)) - 1)  # the daemon's default engine.threads
+        inproc, same, served = [], [], []
         for _ in range(args.repeats):
             inproc.append(in_process(model, args.tokens))
+            same.append(in_process(model, args.tokens, threads))
             served.append(via_daemon(daemon.socket, args.tokens))
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
         step_ms, host_ms = host_time_per_step(model, args.tokens)
         one = statistics.median(asyncio.run(concurrent(daemon.socket, 1, args.tokens)) for _ in range(args.repeats))
         many = statistics.median(asyncio.run(concurrent(daemon.socket, args.streams, args.tokens))
                                  for _ in range(args.repeats))
     finally:
         daemon.stop()
-    a, b = statistics.median(inproc), statistics.median(served)
+    a, s, b = statistics.median(inproc), statistics.median(same), statistics.median(served)
     print(f"{Path(path).name}, {os.cpu_count()} CPUs, greedy, {args.tokens} tokens, medians of {args.repeats}")
-    print(f"in-process          {a:8.1f} tok/s   (runs: {', '.join(f'{x:.0f}' for x in inproc)})")
-    print(f"daemon + Client     {b:8.1f} tok/s   (runs: {', '.join(f'{x:.0f}' for x in served)})")
-    print(f"daemon / in-process {b / a:8.3f}     (goal >= 0.95)")
+    print(f"in-process, {numba.config.NUMBA_NUM_THREADS} threads  {a:8.1f} tok/s   (runs: {_runs(inproc)})")
+    print(f"in-process, {threads} threads  {s:8.1f} tok/s   (runs: {_runs(same)})")
+    print(f"daemon + Client       {b:8.1f} tok/s   (runs: {_runs(served)}; engine.threads {threads})")
+    print(f"daemon / in-process   {b / a:8.3f}     (goal >= 0.95)")
+    print(f"daemon / in-process at the daemon's threads {b / s:.3f}   (what serving costs)")
     print(f"decode step, batch 1: {step_ms:.3f} ms, of which {host_ms:.3f} ms outside kernels "
           f"({100 * host_ms / step_ms:.0f}%)")
     print(f"1 stream {one:.1f} tok/s, {args.streams} streams {many:.1f} tok/s: {many / one:.2f}x (goal >= 4x)")
+
+
+def _runs(values: list[float]) -> str:
+    return ", ".join(f"{x:.0f}" for x in values)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ from typing import Any
 
 import msgspec
 
-from ember.daemon.planning.precision import KV_DTYPES
+from ember.kernels.convert import KV_DTYPES
+from ember.daemon.runner.devices import DeviceName
 from ember.protocol.limits import Limits
 
 SYSTEM_CONFIG = Path("/etc/ember/ember.toml")
@@ -81,9 +82,11 @@ class EngineConfig(_Section):
     max_step_tokens: int = 256  # tokens per forward pass: every running sequence's next token, then prompt chunks
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
     warmup: bool = True  # run a short generation before READY (loads the compiled kernels)
+    threads: int = 0  # kernel threads of the engine; 0: one per core but one, left to the I/O loop and clients
 
     def __post_init__(self) -> None:
-        _check(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, f"device must be cpu or cuda:N, got {self.device!r}")
+        _check(_is_device(self.device), f"device must be cpu or cuda:N, got {self.device!r}")
+        _check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         _check(self.kv_dtype in ("", *KV_DTYPES), f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         _check(self.ctx >= 0, f"ctx must be >= 0, got {self.ctx}")
         _check(self.max_active >= 1, f"max_active must be >= 1, got {self.max_active}")
@@ -93,6 +96,14 @@ class EngineConfig(_Section):
     def context_for(self, model_context: int) -> int:
         """Tokens per sequence for a model whose own context length is `model_context`."""
         return min(self.ctx or DEFAULT_CTX, model_context)
+
+
+def _is_device(name: str) -> bool:
+    try:
+        DeviceName.parse(name)
+    except ValueError:
+        return False
+    return True
 
 
 class Config(_Section):

@@ -1,6 +1,6 @@
 """The `ember` subcommands that involve the daemon:
 
-  ember serve [--model PATH ...] [--config FILE] [--socket PATH] [--device cpu|cuda:N]
+  ember serve [--model PATH ...] [--config FILE] [--socket PATH] [--device cpu|cuda:N] [--threads N]
   ember generate PROMPT [--model NAME] [sampling options]     stream a completion from the daemon
   ember chat [--model NAME] [--system TEXT]                    an interactive chat with the daemon
   ember status                                                 health, models, batching and counters
@@ -25,6 +25,7 @@ def add_daemon_commands(sub: Any) -> None:
     serve.add_argument("--ctx", type=int, help="tokens per sequence (default: the model's context, at most 4096)")
     serve.add_argument("--max-active", type=int, help="sequences generated together (default 4)")
     serve.add_argument("--kv-dtype", choices=("f32", "f16", "bf16", "q8_0"), help="KV cache dtype (default: EMBER_KV_DTYPE, else f32)")
+    serve.add_argument("--threads", type=int, help="kernel threads of the engine (default: one per core but one)")
     serve.add_argument("--log-format", choices=("auto", "json", "console"))
     serve.set_defaults(func=_serve)
 
@@ -82,7 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     flags = {"models": args.model, "server.socket": args.socket, "engine.device": args.device,
              "engine.ctx": args.ctx, "engine.max_active": args.max_active, "engine.kv_dtype": args.kv_dtype,
-             "server.log_format": args.log_format}
+             "engine.threads": args.threads, "server.log_format": args.log_format}
     try:
         return serve(load_config(args.config, flags=flags))
     except SocketInUse as e:

@@ -7,6 +7,7 @@ exists) is refused with a message that says so.
 """
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +48,9 @@ class Backend(Protocol):
     def available_memory(self, device: DeviceName) -> int:
         """Bytes a plan may use on `device` when the user gives no budget."""
 
+    def use_threads(self, threads: int) -> None:
+        """Kernel threads for the kernels the calling thread runs (0: the backend's serving default)."""
+
 
 class CpuBackend:
     kind = "cpu"
@@ -63,6 +67,16 @@ class CpuBackend:
         from ember.daemon.planning.planner import available_ram
 
         return available_ram()
+
+    def use_threads(self, threads: int) -> None:
+        # numba's thread count is per calling thread: the engine thread sets its own. Serving leaves a
+        # core to the I/O loop and the clients: on the 2-core dev VM the 2-thread kernels' fork-join
+        # barriers, interrupted by the daemon's other threads and a local client, ran a stream at 170
+        # tok/s where one kernel thread ran it at 310 (docs/daemon.md, "Kernel threads").
+        import numba
+
+        cores = len(os.sched_getaffinity(0))
+        numba.set_num_threads(min(threads or max(1, cores - 1), numba.config.NUMBA_NUM_THREADS))
 
 
 BACKENDS: dict[str, Backend] = {"cpu": CpuBackend()}

@@ -63,11 +63,14 @@ class EngineStats:
 class EngineThread:
     def __init__(self, *, cores: Mapping[str, EngineCore], progress: Callable[[list[Progress]], None],
                  on_stopped: Callable[[], None], new_ring: Callable[[], ShmRing],
-                 heartbeat: Callable[[], None] = lambda: None, heartbeat_interval: float | None = None) -> None:
+                 heartbeat: Callable[[], None] = lambda: None, heartbeat_interval: float | None = None,
+                 setup: Callable[[], None] = lambda: None) -> None:
+        """setup: run first on the engine thread (its kernel threads, say)."""
         self._cores = dict(cores)  # model name -> its engine core
         self._order = deque(self._cores)  # round robin over models with work
         self._progress = progress
         self._on_stopped = on_stopped
+        self._setup = setup
         self._new_ring = new_ring
         self._heartbeat = heartbeat
         self._idle_wake = heartbeat_interval / 2 if heartbeat_interval else _IDLE_WAKE
@@ -120,6 +123,7 @@ class EngineThread:
     # --- the loop (engine thread) ------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self._setup()
             while True:
                 self._apply(block=False)
                 if self._deadline is not None:

@@ -115,6 +115,7 @@ def _engine_factory(config: Config, models: dict[str, Model], notifier: Notifier
     group = grp.getgrnam(config.server.socket_group).gr_gid if config.server.socket_group else None
     mode = 0o640 if group is not None else 0o600  # readable by those who may connect, no more
     e = config.engine
+    backend = backend_for(e.device)
     contexts = {name: e.context_for(m.config.context_length) for name, m in models.items()}
 
     def new_ring() -> ShmRing:
@@ -127,7 +128,7 @@ def _engine_factory(config: Config, models: dict[str, Model], notifier: Notifier
 
     def make(publish: Callable[[list[Output]], None], on_stopped: Callable[[], None]) -> TextWorker:
         return TextWorker(cores={name: core(name, m) for name, m in models.items()}, limits=config.limits,
-                          publish=publish, on_stopped=on_stopped, new_ring=new_ring, heartbeat=notifier.watchdog,
+                          publish=publish, on_stopped=on_stopped, setup=lambda: backend.use_threads(e.threads), new_ring=new_ring, heartbeat=notifier.watchdog,
                           heartbeat_interval=notifier.watchdog_interval)
 
     return make

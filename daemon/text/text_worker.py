@@ -39,8 +39,8 @@ class TextWorker:
     def __init__(self, *, cores: Mapping[str, EngineCore], limits: Limits, publish: Callable[[list[Output]], None],
                  on_stopped: Callable[[], None], **engine_options: Any) -> None:
         """cores: each model's engine core, stepped by an EngineThread made here (engine_options: its
-        new_ring, heartbeat, heartbeat_interval); frames go to `publish`; `on_stopped` runs once the
-        engine has stopped and its last frames are published."""
+        new_ring, heartbeat, heartbeat_interval, setup); frames go to `publish`; `on_stopped` runs
+        once the engine has stopped and its last frames are published."""
         self._limits = limits
         self._contexts = {name: core.scheduler.max_context for name, core in cores.items()}
         self._publish = publish
