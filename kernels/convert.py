@@ -1,15 +1,28 @@
-"""Row conversions between float32 and the storage dtypes of the precision policies: f32, f16, bf16
-and q8_0. `encode_rows` turns float32 rows into storage, `decode_rows` turns storage back into float32,
-and `storage_bytes` is the size of a row in storage — the one definition the memory planner uses.
+"""The one home of ember's conversions between float32 and its storage dtypes (f16, bf16, q8_0), and of
+the dtype lists built on them. The KV cache (kernels/cpu/paged_attention.py), the precision policies
+(daemon/planning/precision.py) and the numpy reference of the GGML types (kernels/reference/quant.py)
+all convert through the functions here; each conversion is bit-exact with ggml:
+
+  f16   f32_to_f16_bits / f16_bits_to_f32: IEEE half, round to nearest even, subnormals kept, beyond
+        +-65504 becomes inf — what ggml's GGML_FP32_TO_FP16 computes, and numpy's astype(float16).
+        NaN stays NaN with numpy's payload bits (ggml's software path writes 0x7E00, its F16C path
+        the quieted payload: no one bit pattern matches both, and every reader sees a NaN).
+  bf16  f32_to_bf16_bits / bf16_bits_to_f32: the top half of the float32 bits, rounded to nearest
+        even; a NaN becomes the quiet NaN (bits >> 16) | 0x40 — ggml's GGML_FP32_TO_BF16.
+  q8_0  quantize_q8_0 / dequantize_q8_0 (and quantize_q8_0_split for stores that keep scales apart):
+        ggml's quantize_row_q8_0_ref per block of 32: amax = max |x|, d = amax / 127,
+        id = 1 / d (0 when d is 0), q = roundf(x * id) (halves away from zero), d stored as f16.
+
+`encode_rows` / `decode_rows` pick the conversion by dtype name and `storage_bytes` is the size of a
+row in storage — the one definition the memory planner uses.
 
 Storage layouts (rows along the last axis, any leading shape):
   f32   float32 [..., n]
-  f16   uint16 [..., n], IEEE half bit patterns (round to nearest even; beyond +-65504 becomes inf)
-  bf16  uint16 [..., n], the top half of the float32 bits (round to nearest even; NaN stays NaN)
-  q8_0  uint8 [..., ceil(n / 32) * 34], ggml's block_q8_0: an f16 scale d = max|x| / 127, then 32
-        int8 values round(x / d), rounded half away from zero as ggml's reference does. A row whose
-        length is not a multiple of 32 is zero-padded to whole blocks (the padding decodes to 0 and
-        is dropped).
+  f16   uint16 [..., n], IEEE half bit patterns
+  bf16  uint16 [..., n], bfloat16 bit patterns
+  q8_0  uint8 [..., ceil(n / 32) * 34], ggml's block_q8_0: the f16 scale d, then 32 int8 values.
+        A row whose length is not a multiple of 32 is zero-padded to whole blocks (the padding
+        decodes to 0 and is dropped).
 Plain numpy: conversions run on rows crossing a boundary (a device split, a feature mirror, a KV
 write), never inside a matmul, so they are memory-bound and numpy is as fast as a kernel would be.
 """
@@ -17,9 +30,12 @@ from __future__ import annotations
 
 import numpy as np
 
-STORAGE_DTYPES = ("f32", "f16", "bf16", "q8_0")
+STORAGE_DTYPES = ("f32", "f16", "bf16", "q8_0")  # every dtype this module stores rows in
+KV_DTYPES = STORAGE_DTYPES  # the KV cache can be kept in any of them
 QK8_0 = 32  # values per q8_0 block
 Q8_0_BLOCK_BYTES = 2 + QK8_0  # f16 scale + 32 int8
+
+_BF16_QUIET = np.uint32(0x0040)  # the quiet bit of a bfloat16 NaN's mantissa
 
 
 def storage_bytes(dtype: str, n: int) -> int:
@@ -30,7 +46,7 @@ def storage_bytes(dtype: str, n: int) -> int:
         return 2 * n
     if dtype == "q8_0":
         return -(-n // QK8_0) * Q8_0_BLOCK_BYTES
-    raise ValueError(f"unknown storage dtype {dtype!r} (choose from {', '.join(STORAGE_DTYPES)})")
+    raise _unknown(dtype)
 
 
 def encode_rows(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -44,7 +60,7 @@ def encode_rows(x: np.ndarray, dtype: str) -> np.ndarray:
         return f32_to_bf16_bits(x)
     if dtype == "q8_0":
         return quantize_q8_0(x)
-    raise ValueError(f"unknown storage dtype {dtype!r} (choose from {', '.join(STORAGE_DTYPES)})")
+    raise _unknown(dtype)
 
 
 def decode_rows(data: np.ndarray, dtype: str, n: int) -> np.ndarray:
@@ -57,67 +73,98 @@ def decode_rows(data: np.ndarray, dtype: str, n: int) -> np.ndarray:
         return bf16_bits_to_f32(data)
     if dtype == "q8_0":
         return dequantize_q8_0(data, n)
-    raise ValueError(f"unknown storage dtype {dtype!r} (choose from {', '.join(STORAGE_DTYPES)})")
+    raise _unknown(dtype)
+
+
+def _unknown(dtype: str) -> ValueError:
+    return ValueError(f"unknown storage dtype {dtype!r} (choose from {', '.join(STORAGE_DTYPES)})")
 
 
 # --- 16-bit floats ------------------------------------------------------------------------------
 def f32_to_f16_bits(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):  # out of range becomes inf, as a cast on the device does
+    """float32 [...] -> uint16 [...] IEEE half bits, round to nearest even (ggml's GGML_FP32_TO_FP16)."""
+    with np.errstate(over="ignore"):  # out of range becomes inf, as in ggml and on the device
         return np.asarray(x, np.float32).astype(np.float16).view(np.uint16)
 
 
 def f16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """uint16 [...] IEEE half bits -> float32 [...] (exact: every half is a float32)."""
     return np.asarray(bits, np.uint16).view(np.float16).astype(np.float32)
 
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round to nearest even, as torch and ggml do; NaN is kept a (quiet) NaN, which the rounding
-    trick alone would turn into infinity for NaNs whose payload sits in the low half."""
+    """float32 [...] -> uint16 [...] bfloat16 bits, as ggml_compute_fp32_to_bf16: round to nearest
+    even; a NaN keeps its top bits with the quiet bit set (the rounding alone would carry a NaN whose
+    payload sits in the low half into infinity)."""
     u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    # No wraparound: the largest non-NaN pattern (-inf, 0xFF800000) plus 0x8000 still fits in 32 bits.
     rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
     nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    return np.where(nan, (u >> np.uint32(16)) | np.uint32(0x0040), rounded).astype(np.uint16)
+    return np.where(nan, (u >> np.uint32(16)) | _BF16_QUIET, rounded).astype(np.uint16)
 
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """uint16 [...] bfloat16 bits -> float32 [...] (exact: the bits are the top half of a float32)."""
     return (np.asarray(bits, np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 # --- q8_0 ---------------------------------------------------------------------------------------
+def quantize_q8_0_split(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [..., n], n a multiple of 32 -> (scales uint16 [..., n/32] f16 bits, quants int8
+    [..., n]): ggml's quantize_row_q8_0_ref, block by block along the last axis, with the scales
+    apart from the values (the KV cache keeps them in separate arrays; quantize_q8_0 interleaves).
+
+    Inputs ggml leaves undefined get gguf-py's answer, made explicit: a NaN in a block makes its
+    scale NaN (ggml's MAX macro keeps or drops a NaN depending on where it sits), and a value whose
+    x * id is not finite (inf or NaN in the block, or a block so small that 1 / d overflows) is
+    stored as 0, which is what C's and numpy's float -> int8 casts give on x86.
+    """
+    x = np.ascontiguousarray(x, np.float32)
+    lead, n = x.shape[:-1], x.shape[-1]
+    if n % QK8_0:
+        raise ValueError(f"q8_0 rows need a multiple of {QK8_0} values, got {n}")
+    blocks = x.reshape(-1, QK8_0)
+    d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
+    # The warnings would only report the hostile inputs the docstring defines an answer for.
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+        scaled = blocks * inv
+        q = np.where(np.isfinite(scaled), _round_half_away(scaled), np.float32(0)).astype(np.int8)
+    return f32_to_f16_bits(d).reshape(lead + (n // QK8_0,)), q.reshape(x.shape)
+
+
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     """float32 [..., n] -> uint8 [..., ceil(n/32) * 34] in ggml's block_q8_0 layout, bit-exact with
-    ggml's quantize_row_q8_0_ref (and gguf-py's Q8_0)."""
+    ggml's quantize_row_q8_0_ref and gguf-py's Q8_0; a partial last block is padded with zeros."""
     x = np.ascontiguousarray(x, np.float32)
     lead, n = x.shape[:-1], x.shape[-1]
     nb = -(-n // QK8_0)
     padded = np.zeros(lead + (nb * QK8_0,), np.float32)
     padded[..., :n] = x
-    blocks = padded.reshape(-1, QK8_0)
-    d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
-    q = _round_half_away(blocks * inv).astype(np.int8)
-    out = np.empty((blocks.shape[0], Q8_0_BLOCK_BYTES), np.uint8)
-    out[:, :2] = d.astype(np.float16).view(np.uint8)
-    out[:, 2:] = q.view(np.uint8)
+    scales, quants = quantize_q8_0_split(padded)
+    out = np.empty((scales.size, Q8_0_BLOCK_BYTES), np.uint8)
+    out[:, :2] = scales.reshape(-1, 1).view(np.uint8)
+    out[:, 2:] = quants.reshape(-1, QK8_0).view(np.uint8)
     return out.reshape(lead + (nb * Q8_0_BLOCK_BYTES,))
 
 
 def dequantize_q8_0(data: np.ndarray, n: int) -> np.ndarray:
-    """uint8 [..., ceil(n/32) * 34] block_q8_0 rows -> float32 [..., n]."""
+    """uint8 [..., ceil(n/32) * 34] block_q8_0 rows -> float32 [..., n]: x = q * d, in float32 as
+    ggml's dequantize_row_q8_0."""
     data = np.ascontiguousarray(data, np.uint8)
     nb = -(-n // QK8_0)
     if data.shape[-1] != nb * Q8_0_BLOCK_BYTES:
         raise ValueError(f"q8_0 rows of {n} values take {nb * Q8_0_BLOCK_BYTES} bytes, got {data.shape[-1]}")
     lead = data.shape[:-1]
     blocks = data.reshape(-1, Q8_0_BLOCK_BYTES)
-    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    d = f16_bits_to_f32(blocks[:, :2].copy().view(np.uint16))
     values = blocks[:, 2:].view(np.int8).astype(np.float32) * d
     return values.reshape(lead + (nb * QK8_0,))[..., :n].copy()
 
 
 def _round_half_away(v: np.ndarray) -> np.ndarray:
-    """C's roundf, as ggml's reference quantizer uses (np.rint would round half to even)."""
+    """C's roundf, as ggml's reference quantizer uses (np.rint would round half to even). Exact:
+    a - floor(a) and its double are exact in float32."""
     a = np.abs(v)
     floored = np.floor(a)
     return np.sign(v) * (floored + np.floor(2 * (a - floored)))
