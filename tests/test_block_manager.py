@@ -68,3 +68,19 @@ def test_prefix_caching_off() -> None:
     bm.register(t, [1, 2, 3, 4], 4)
     bm.release(t)
     assert bm.match_prefix([1, 2, 3, 4, 5]) == [] and bm.num_free == 4
+
+
+def test_incremental_registration_equals_registering_from_scratch() -> None:
+    tokens = list(range(100, 137))  # 9 full blocks of 4, and one token more
+    whole, stepwise = BlockManager(n_blocks=12, block_size=4), BlockManager(n_blocks=12, block_size=4)
+    a, b = whole.allocate(10), stepwise.allocate(10)
+    whole.register(a, tokens, n_computed=37)
+    done = None
+    for n in (3, 4, 9, 9, 22, 36, 37):  # a prompt in chunks, then decode steps
+        done = stepwise.register(b, tokens, n_computed=n, done=done)
+    assert done is not None and done[0] == 9
+    for bm, table in ((whole, a), (stepwise, b)):
+        probe = bm.match_prefix(tokens + [1])
+        assert probe == table[:9]
+        bm.release(probe)
+        bm.check_integrity([table])

@@ -33,7 +33,6 @@ Command = Callable[[], None]
 
 _IDLE_WAKE = 1.0  # seconds an idle engine sleeps between watchdog pings when systemd sets none
 _RATE_WINDOW = 10.0  # seconds of recent steps behind EngineStats.tokens_per_s
-_STATS_EVERY = 0.05  # seconds between refreshes of the stats snapshot while steps generate tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +79,6 @@ class EngineThread:
         self._holding = False  # some sequence is held now
         self._rings: dict[bytes, ShmRing] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
-        self._stats_at = 0.0  # when self.stats was last refreshed
         self._deadline: float | None = None  # set by shutdown(): cancel what is left at this time
         self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
         self.log = get_logger()
@@ -258,14 +256,10 @@ class EngineThread:
         return self._rings[client]
 
     def _account(self, generated: int) -> None:
-        """Count a step that generated `generated` tokens; refresh the stats snapshot now and then
-        while busy (it is read by people, not by the step loop), and whenever the engine goes idle."""
+        """Refresh the stats snapshot after a step that generated `generated` tokens."""
         now = time.monotonic()
         if generated:
             self._recent.append((now, generated))
-            if now - self._stats_at < _STATS_EVERY:
-                return
-        self._stats_at = now
         while self._recent and self._recent[0][0] < now - _RATE_WINDOW:
             self._recent.popleft()
         parts = [c.stats() for c in self._cores.values()]

@@ -179,3 +179,15 @@ def test_requests_share_steps_and_kv_exhaustion_loses_nothing(demo_model) -> Non
     stats = h.engine.stats
     assert stats.preemptions > 0 and stats.kv_blocks_used == 0 and stats.running == stats.waiting == 0
     h.stop()
+
+
+def test_a_cancel_right_behind_its_generate_is_not_lost(harness: Harness) -> None:
+    # the Generate is tokenized on the text thread and the Cancel follows it there, so the engine
+    # always sees the request before its cancel (a cancel that overtook it would be dropped, and the
+    # request would run its 4000 tokens)
+    for i in range(5):
+        harness.request(b"c", Generate(i, prompt="def f(x):" * (i + 1), max_tokens=4000, ignore_eos=True))
+        harness.engine.cancel(b"c", i)
+    frames = harness.until_finished(5)
+    for i in range(5):
+        assert frames[(b"c", i)][-1].reason == "cancelled" and len(tokens_of(frames[(b"c", i)])) <= 2
