@@ -4,7 +4,7 @@
     path = "/var/lib/ember/models/qwen3-8b-q4_k_m.gguf"
     name = "qwen3-8b"             # default: the file name without extension
     [server]   socket, socket_group, drain_timeout, log_format, log_level, probe_interval, logits_slots
-    [engine]   device, kv_dtype, ctx, max_active, max_queued, max_step_tokens, prefix_caching, warmup
+    [engine]   device, kv_dtype, ctx, max_active, max_queued, max_step_tokens, prefix_caching, warmup, threads
     [limits]   see protocol/limits.py
 
 Environment: EMBER_CONFIG (the file), EMBER_SOCKET, EMBER_MODELS (paths separated by ':'), EMBER_KV_DTYPE, and
