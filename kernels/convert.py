@@ -1,7 +1,9 @@
 """The one home of ember's conversions between float32 and its storage dtypes (f16, bf16, q8_0), and of
-the dtype lists built on them. The KV cache (kernels/cpu/paged_attention.py), the precision policies
-(daemon/planning/precision.py) and the numpy reference of the GGML types (kernels/reference/quant.py)
-all convert through the functions here; each conversion is bit-exact with ggml:
+the dtype lists built on them: STORAGE_DTYPES and KV_DTYPES (the KV cache's choices; everything else
+that lists them imports this one tuple). The KV cache
+(kernels/cpu/paged_attention.py), the precision policies (daemon/planning/precision.py) and the numpy
+reference of the GGML types (kernels/reference/quant.py) all convert through the functions here; each
+conversion is bit-exact with ggml:
 
   f16   f32_to_f16_bits / f16_bits_to_f32: IEEE half, round to nearest even, subnormals kept, beyond
         +-65504 becomes inf — what ggml's GGML_FP32_TO_FP16 computes, and numpy's astype(float16).
@@ -124,9 +126,9 @@ def quantize_q8_0_split(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if n % QK8_0:
         raise ValueError(f"q8_0 rows need a multiple of {QK8_0} values, got {n}")
     blocks = x.reshape(-1, QK8_0)
-    d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
     # The warnings would only report the hostile inputs the docstring defines an answer for.
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
         inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
         scaled = blocks * inv
         q = np.where(np.isfinite(scaled), _round_half_away(scaled), np.float32(0)).astype(np.int8)

@@ -1,6 +1,7 @@
-"""Paged KV storage in every dtype and the attention kernel reading it, against numpy references of
-the same math and independent decoders of the stored formats (numpy float16, torch bfloat16, gguf-py
-q8_0)."""
+"""Paged KV storage in every dtype and the attention kernel reading it. K/V rows go in through
+KVLayerStore.write, as the runtime writes them; what the store then holds is compared bit for bit with
+references that share no code with ember (gguf-py's Q8_0; f16 and bf16 rounded by value here, in
+float64), and the attention output with numpy's dense attention over those references."""
 from __future__ import annotations
 
 import gguf
@@ -12,20 +13,139 @@ from ember.kernels.cpu import paged_attention as pa
 from ember.kernels.cpu import twin
 
 rng = np.random.default_rng(5)
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+F32_MAX = float(np.finfo(np.float32).max)
+F32_TINY = float(np.finfo(np.float32).smallest_subnormal)
 
 
-def decoded(store: pa.KVLayerStore, rows: np.ndarray) -> np.ndarray:
-    """What `rows` become once stored, decoded by a library that is not ember."""
-    if store.mode == pa.MODE["f32"]:
-        return rows
-    if store.mode == pa.MODE["f16"]:
-        return rows.astype(np.float16).astype(np.float32)
-    if store.mode == pa.MODE["bf16"]:
-        torch = pytest.importorskip("torch")
-        return torch.from_numpy(rows).to(torch.bfloat16).float().numpy()
-    q, d = pa.quantize_q8_0_rows(rows)
-    blocks = np.concatenate([d.reshape(-1, 1).view(np.uint8), q.reshape(-1, 32).view(np.uint8)], axis=1)
-    return gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).reshape(rows.shape)
+# --- independent references of the stored formats --------------------------------------------------
+def round_by_value(x: np.ndarray, significant_bits: int, min_exponent: int, max_finite: float) -> np.ndarray:
+    """float64 of x rounded to nearest, ties to even, on the grid of a binary float format: normals
+    2^E * 1.f with E >= min_exponent, subnormals below with the spacing of the smallest binade, and
+    +-inf beyond max_finite. By value rather than by bit tricks, so it shares nothing with ember's."""
+    x64 = np.asarray(x, np.float64)
+    _, e = np.frexp(x64)  # |x| = m * 2^e with m in [0.5, 1): the binade's exponent E is e - 1
+    step = np.ldexp(1.0, np.maximum(e - 1, min_exponent) - (significant_bits - 1))
+    with np.errstate(invalid="ignore"):  # inf / step is inf, and stays inf
+        rounded = np.rint(x64 / step) * step  # the multiple's parity is the last mantissa bit's
+    return np.where(np.abs(rounded) > max_finite, np.copysign(np.inf, x64), rounded)
+
+
+def f16_reference(x: np.ndarray) -> np.ndarray:
+    """IEEE half bits of float32 x (NaNs excepted: callers compare those as NaN)."""
+    with np.errstate(invalid="ignore"):
+        return round_by_value(x, 11, -14, 65504.0).astype(np.float16).view(np.uint16)
+
+
+def bf16_reference(x: np.ndarray) -> np.ndarray:
+    """bfloat16 bits of float32 x; a NaN keeps its top bits with the quiet bit set, as ggml's
+    GGML_FP32_TO_BF16 writes it."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    with np.errstate(invalid="ignore"):
+        rounded = round_by_value(x, 8, -126, F32_MAX).astype(np.float32).view(np.uint32) >> 16
+    return np.where(np.isnan(x), (bits >> 16) | 0x40, rounded).astype(np.uint16)
+
+
+def reference_storage(dtype: str, rows: np.ndarray) -> np.ndarray:
+    """What rows [n, kv_heads, head_dim] must be stored as: float32 values, 16-bit patterns, or for
+    q8_0 gguf-py's block_q8_0 bytes [n, kv_heads, head_dim / 32 * 34]."""
+    if dtype == "f32":
+        return rows.copy()
+    if dtype == "f16":
+        return f16_reference(rows)
+    if dtype == "bf16":
+        return bf16_reference(rows)
+    with np.errstate(all="ignore"):  # gguf-py warns about the non-finite blocks of hostile rows
+        return gguf.quants.quantize(rows, Q8_0)
+
+
+def reference_values(dtype: str, stored: np.ndarray) -> np.ndarray:
+    """float32 of `reference_storage`'s output, decoded without ember."""
+    if dtype == "f32":
+        return stored
+    if dtype == "f16":
+        return stored.view(np.float16).astype(np.float32)
+    if dtype == "bf16":
+        return (stored.astype(np.uint32) << 16).view(np.float32)
+    return gguf.quants.dequantize(stored, Q8_0)
+
+
+def stored(store: pa.KVLayerStore, dtype: str, blocks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The store's contents at (blocks[i], offsets[i]) in reference_storage's layout."""
+    if dtype == "f32":
+        return store.f32[blocks, offsets]
+    if dtype in ("f16", "bf16"):
+        return store.u16[blocks, offsets]
+    scales = store.scales[blocks, offsets]  # [n, kv_heads, head_dim / 32] f16 bits
+    quants = store.i8[blocks, offsets].reshape(scales.shape + (32,))
+    block_bytes = np.concatenate([scales[..., None].view(np.uint8), quants.view(np.uint8)], axis=-1)
+    return block_bytes.reshape(scales.shape[:-1] + (-1,))
+
+
+def write_scattered(store: pa.KVLayerStore, n_blocks: int, block_size: int, rows: np.ndarray):
+    """Write rows through KVLayerStore.write into distinct random slots; -> (blocks, offsets)."""
+    slots = rng.choice(n_blocks * block_size, size=len(rows), replace=False)
+    blocks, offsets = slots // block_size, slots % block_size
+    store.write(blocks, offsets, rows)
+    return blocks, offsets
+
+
+def hostile_rows(hkv: int, hd: int) -> np.ndarray:
+    """Rows [n, hkv, hd] whose 32-value blocks are each a case the conversions must get exactly right."""
+    half = np.float32(2.0**-11)  # half an f16 ulp at 1; 2^-8 is half a bf16 ulp at 1
+    cases = [
+        np.zeros(32),  # all zero: q8_0 d = 0 and id = 0
+        [127.0, 2.5, -2.5, 0.5, -0.5, 1.5, -1.5, 126.5, -0.0] + [0.0] * 23,  # d = 1: ties of roundf
+        [1 + half, 1 + 3 * half, -(1 + half), 1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 3 * 2.0**-8), 65519.0, 65520.0,
+         -65520.0, 2.0**-25, 3 * 2.0**-25, 2.0**-24 + 2.0**-26] + [0.25] * 20,  # f16/bf16 ties and overflow
+        [F32_TINY, -F32_TINY, 1e-40, -3e-39, 1.2e-38] + [0.0] * 27,  # subnormals: q8_0's 1/d overflows
+        [F32_MAX, -F32_MAX, 1e38] + [1.0] * 29,  # huge: d overflows f16 to inf
+        [np.inf, -1.0, 0.5] + [0.0] * 29,  # inf: d = inf, id = 0, inf * 0 = NaN
+        [-np.inf, np.nan, 2.0, 0.0, 0.0] + [1.0] * 27,  # NaN: d is NaN
+        rng.standard_normal(32) * 1e-3,
+    ]
+    blocks = np.array([np.asarray(c, np.float32) for c in cases], np.float32)
+    # NaNs whose payload sits in the low half (the bf16 rounding alone would carry them into inf),
+    # set by bits because a NaN passing through a Python float may lose its payload
+    blocks.view(np.uint32)[6, 3:5] = [0x7F800001, 0xFFA00001]
+    per_row = hkv * hd // 32
+    reps = -(-len(blocks) // per_row) * per_row
+    return np.resize(blocks, (reps, 32)).reshape(-1, hkv, hd)
+
+
+def assert_same_storage(dtype: str, got: np.ndarray, expected: np.ndarray) -> None:
+    if dtype == "f16":  # NaN payloads are numpy's business (see kernels/convert.py); NaN must stay NaN
+        nan = np.isnan(expected.view(np.float16))
+        assert np.isnan(got.view(np.float16)[nan]).all()
+        got, expected = got[~nan], expected[~nan]
+    np.testing.assert_array_equal(got.view(np.uint32) if dtype == "f32" else got,
+                                  expected.view(np.uint32) if dtype == "f32" else expected)
+
+
+# --- tests -----------------------------------------------------------------------------------------
+def test_references_by_hand() -> None:
+    """The value-rounding references agree with known answers before they judge anything."""
+    x = np.array([1 + 2.0**-11, 1 + 3 * 2.0**-11, 65519.0, 65520.0, 2.0**-25, 3 * 2.0**-25], np.float32)
+    assert f16_reference(x).tolist() == [0x3C00, 0x3C02, 0x7BFF, 0x7C00, 0x0000, 0x0002]
+    y = np.array([1 + 2.0**-8, 1 + 3 * 2.0**-8, -np.inf, F32_MAX, F32_TINY, -0.0], np.float32)
+    assert bf16_reference(y).tolist() == [0x3F80, 0x3F82, 0xFF80, 0x7F80, 0x0000, 0x8000]
+    low_payload_nan = np.array([0x7F800001, 0xFFC00000], np.uint32).view(np.float32)
+    assert bf16_reference(low_payload_nan).tolist() == [0x7FC0, 0xFFC0]
+
+
+@pytest.mark.parametrize("dtype", pa.KV_DTYPES)
+def test_write_stores_the_reference_bits(dtype: str) -> None:
+    n_blocks, block_size, hkv, hd = 12, 4, 2, 64
+    store = pa.KVLayerStore.allocate(dtype, n_blocks, block_size, hkv, hd)
+    rows = np.concatenate([rng.standard_normal((7, hkv, hd)).astype(np.float32) * 3, hostile_rows(hkv, hd)])
+    blocks, offsets = write_scattered(store, n_blocks, block_size, rows)
+    assert_same_storage(dtype, stored(store, dtype, blocks, offsets), reference_storage(dtype, rows))
+    # every other slot is untouched
+    untouched = np.ones((n_blocks, block_size), bool)
+    untouched[blocks, offsets] = False
+    for array in (store.f32, store.u16, store.i8, store.scales):
+        if array.shape[:2] == (n_blocks, block_size):
+            assert not array[untouched].any()
 
 
 @pytest.mark.parametrize("dtype", pa.KV_DTYPES)
@@ -47,8 +167,8 @@ def test_paged_attention_matches_dense_reference(dtype: str, parallel: bool, mon
         pos = np.arange(n)
         k_store.write(tables[s, pos // block_size], pos % block_size, k)
         v_store.write(tables[s, pos // block_size], pos % block_size, v)
-        keys.append(decoded(k_store, k))
-        values.append(decoded(v_store, v))
+        keys.append(reference_values(dtype, reference_storage(dtype, k)))
+        values.append(reference_values(dtype, reference_storage(dtype, v)))
     # the step: the last 3 tokens of sequence 3 (a prefill chunk) and the last token of the others
     token_seq = np.array([0, 1, 2, 3, 3, 3], np.int32)
     positions = np.array([0, 6, 12, 27, 28, 29])
@@ -62,16 +182,26 @@ def test_paged_attention_matches_dense_reference(dtype: str, parallel: bool, mon
 
 @pytest.mark.parametrize("dtype,bound", [("f16", 1e-3), ("bf16", 8e-3), ("q8_0", 1 / 127)])
 def test_storage_round_trip_error(dtype: str, bound: float) -> None:
-    """Error of stored rows: half an ulp for f16/bf16; for q8_0 half a step (d = amax/127) plus the
-    f16 rounding of d itself, which each of up to 127 steps carries (127 * d * 2^-11)."""
+    """Error of rows written to a store and decoded without ember: half an ulp for f16/bf16; for q8_0
+    half a step (d = amax/127) plus the f16 rounding of d itself, which each of up to 127 steps
+    carries (127 * d * 2^-11)."""
     rows = rng.standard_normal((5, 2, 64)).astype(np.float32)
     store = pa.KVLayerStore.allocate(dtype, 4, 8, 2, 64)
-    err = np.abs(decoded(store, rows) - rows)
+    blocks, offsets = write_scattered(store, 4, 8, rows)
+    err = np.abs(reference_values(dtype, stored(store, dtype, blocks, offsets)) - rows)
     if dtype == "q8_0":
         amax = np.abs(rows.reshape(5, 2, 2, 32)).max(-1, keepdims=True)
         assert (err.reshape(5, 2, 2, 32) <= amax / 127 * (0.5 + 127 * 2.0**-11) + 1e-7).all()
     else:
         assert (err <= np.abs(rows) * bound / 2 + 1e-30).all()
+
+
+def test_lookup_tables_decode_every_pattern() -> None:
+    """The kernel's f16/bf16 tables, bit for bit (NaNs included) against numpy and the bf16 layout."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    f16_values = bits.view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(pa.F16_TABLE.view(np.uint32), f16_values.view(np.uint32))
+    np.testing.assert_array_equal(pa.BF16_TABLE.view(np.uint32), bits.astype(np.uint32) << 16)
 
 
 def test_unknown_dtype_and_bad_head_dim() -> None:

@@ -1,4 +1,5 @@
-"""kernels/reference/quant.py: dequantize against gguf-py (the oracle), and the quantizers' error.
+"""kernels/reference/quant.py: dequantize against gguf-py (the oracle), the quantizers' error, and the
+types with one right answer (F16, BF16, Q8_0) quantized to gguf-py's bytes exactly.
 
 Random bytes are valid blocks of every type once their f16 scale fields hold finite values, so
 dequantize is checked bit for bit on random blocks, and on the quantizers' own output.
@@ -87,6 +88,22 @@ def test_quantize_storage_convention(ttype: TensorType, rows: int, cols: int) ->
     expected = {TensorType.F32: (np.float32, cols), TensorType.F16: (np.uint16, cols),
                 TensorType.BF16: (np.uint16, cols)}.get(ttype, (np.uint8, row_bytes(ttype, cols)))
     assert data.dtype == expected[0] and data.shape == (rows, expected[1])
+
+
+@pytest.mark.parametrize("ttype", [TensorType.F16, TensorType.BF16, TensorType.Q8_0], ids=lambda t: t.name)
+def test_exact_quantizers_equal_gguf_bytes(ttype: TensorType) -> None:
+    """F16, BF16 and Q8_0 have one right answer (ggml's, which gguf-py mirrors), ties, subnormals,
+    infinities and NaNs included; the reference gives it through kernels/convert.py."""
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((16, 256)).astype(np.float32)
+    w[0, :8] = [2.5, -2.5, 0.5, -0.5, 127.0, 0.0, -0.0, 1e-40]  # q8_0 d = 1: roundf's ties
+    w[1, :4] = [np.inf, -np.inf, np.nan, 3.4028235e38]
+    w[2, :32] = 1e-39  # a block whose 1 / d overflows
+    w[3] = rng.integers(0, 1 << 32, 256, dtype=np.uint64).astype(np.uint32).view(np.float32)  # any bit pattern
+    with np.errstate(all="ignore"):  # gguf-py warns about the non-finite blocks
+        theirs = np.asarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType(int(ttype))))
+    ours = quantize(ttype, w)
+    np.testing.assert_array_equal(ours.view(np.uint8), theirs.view(np.uint8))
 
 
 def test_q8_0_error_is_half_a_step() -> None:

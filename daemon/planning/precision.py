@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ember.kernels.convert import decode_rows, encode_rows
+from ember.kernels.convert import KV_DTYPES, STORAGE_DTYPES, decode_rows, encode_rows
 
-ACT_DTYPES = ("f32", "f16", "bf16")
-FEATURE_DTYPES = ("f32", "f16", "bf16", "q8_0")
-KV_DTYPES = ("f32", "f16", "bf16", "q8_0")
+ACT_DTYPES = ("f32", "f16", "bf16")  # the dtypes devices compute in (DeviceCaps.native): never q8_0
+FEATURE_DTYPES = STORAGE_DTYPES  # the feature mirror takes any storage dtype
+# KV_DTYPES (kernels/convert.py) is imported above for CHOICES and re-exported to this module's callers.
 CHOICES = {"act": ACT_DTYPES, "feature": FEATURE_DTYPES, "kv": KV_DTYPES}
 ENV_VARS = {"act": "EMBER_ACT_DTYPE", "feature": "EMBER_FEATURE_DTYPE", "kv": "EMBER_KV_DTYPE"}
 DEFAULTS = {"feature": "f32", "kv": "f32"}  # act has no fixed default: it follows the devices

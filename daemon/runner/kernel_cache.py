@@ -69,7 +69,7 @@ def compile_all() -> None:
     parallel variant of each twin kernel."""
     from ember.daemon.runner.step_batch import StepBatch
     from ember.kernels.cpu import twin
-    from ember.kernels.cpu.paged_attention import KV_DTYPES
+    from ember.kernels.convert import KV_DTYPES
 
     net = _synthetic_model()
     for threshold in (1 << 62, 0):  # every twin serial, then every twin parallel

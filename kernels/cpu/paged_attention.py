@@ -2,8 +2,10 @@
 
 A layer's cache is `n_blocks` blocks of `block_size` token rows, each row [kv_heads, head_dim] stored
 as f32, f16 or bf16 bits (uint16), or q8_0 (int8 values plus one f16 scale per 32 values, ggml's
-block_q8_0 split into two arrays). Writes convert with numpy (a step writes a few rows); the attention
-kernel dequantizes key/value rows as it reads them, so no f32 copy of the cache ever exists.
+block_q8_0 split into two arrays). Writes convert with kernels/convert.py, the one implementation of
+each conversion (numpy: a step writes a few rows); the attention kernel dequantizes key/value rows as it
+reads them, through lookup tables built from those same conversions, so no f32 copy of the cache ever
+exists.
 """
 from __future__ import annotations
 
@@ -13,15 +15,19 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from ember.kernels.convert import (KV_DTYPES, QK8_0, bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits,
+                                   f32_to_f16_bits, quantize_q8_0_split)
 from ember.kernels.cpu.twin import Twin
 
-KV_DTYPES = ("f32", "f16", "bf16", "q8_0")
 MODE = {name: i for i, name in enumerate(KV_DTYPES)}
-QK8_0 = 32
+# The kernel branches on these (numba freezes module-level ints into constants), so it does not
+# depend on the order of KV_DTYPES.
+_F32, _Q8_0 = MODE["f32"], MODE["q8_0"]
 
 # f16 and bf16 bit patterns -> float32 (numba has no float16; a table lookup is exact and cheap)
-F16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-BF16_TABLE = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
+_ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+F16_TABLE = f16_bits_to_f32(_ALL_BITS)
+BF16_TABLE = bf16_bits_to_f32(_ALL_BITS)
 
 
 @dataclass
@@ -59,41 +65,26 @@ class KVLayerStore:
         if self.mode == MODE["f32"]:
             self.f32[blocks, offsets] = rows
         elif self.mode == MODE["f16"]:
-            self.u16[blocks, offsets] = rows.astype(np.float16).view(np.uint16)
+            self.u16[blocks, offsets] = f32_to_f16_bits(rows)
         elif self.mode == MODE["bf16"]:
             self.u16[blocks, offsets] = f32_to_bf16_bits(rows)
         else:
-            q, d = quantize_q8_0_rows(rows)
-            self.i8[blocks, offsets] = q
-            self.scales[blocks, offsets] = d
-
-
-def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round to nearest even, as torch and ggml do."""
-    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
-    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
-
-
-def quantize_q8_0_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """ggml's quantize_row_q8_0 along the last axis: d = amax / 127 (stored f16), q = round(x / d)."""
-    blocks = x.reshape(*x.shape[:-1], -1, QK8_0).astype(np.float32)
-    d = np.abs(blocks).max(axis=-1) / 127.0
-    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
-    q = np.rint(blocks * inv[..., None]).astype(np.int8).reshape(x.shape)
-    return q, d.astype(np.float16).view(np.uint16)
+            scales, quants = quantize_q8_0_split(rows)
+            self.i8[blocks, offsets] = quants
+            self.scales[blocks, offsets] = scales
 
 
 @njit(inline="always", fastmath=True, nogil=True, cache=True)
 def _load_row(s_f32, s_u16, s_i8, s_scales, mode, blk, off, h, lut, out):  # type: ignore[no-untyped-def]
     hd = out.size
-    if mode == 0:
+    if mode == _F32:
         for j in range(hd):
             out[j] = s_f32[blk, off, h, j]
-    elif mode == 3:
-        for g in range(hd // 32):
-            d = lut[s_scales[blk, off, h, g]]
-            for j in range(32):
-                out[g * 32 + j] = s_i8[blk, off, h, g * 32 + j] * d
+    elif mode == _Q8_0:
+        for g in range(hd // QK8_0):
+            d = lut[s_scales[blk, off, h, g]]  # the f16 table: scales are f16 whatever the mode
+            for j in range(QK8_0):
+                out[g * QK8_0 + j] = s_i8[blk, off, h, g * QK8_0 + j] * d
     else:
         for j in range(hd):
             out[j] = lut[s_u16[blk, off, h, j]]

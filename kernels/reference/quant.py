@@ -21,15 +21,18 @@ Block layouts (ggml-common.h; all little-endian, f16 = IEEE half):
       value 128h + 32k + l has low 4 bits from ql[l + 32*(k&1)] (nibble k>>1), high 2 bits from
       qh[l] >> 2k, scale scales[8h + l//16 + 2k]; x = d*scale*(q - 32).
 
-The quantizers port llama.cpp's reference ones (quantize_row_*_ref with make_qkx2_quants and
-make_qx_quants), vectorised over all blocks at once instead of looping per block. They are not
-bit-exact with llama.cpp (numpy sums pairwise, C sums in order), but they produce valid blocks with
-the same error statistics.
+F16, BF16 and Q8_0 convert through kernels/convert.py, ember's one implementation of those
+conversions (bit-exact with ggml); so do every f16 field of a block. The K-quant quantizers port
+llama.cpp's reference ones (quantize_row_*_ref with make_qkx2_quants and make_qx_quants), vectorised
+over all blocks at once instead of looping per block. They are not bit-exact with llama.cpp (numpy
+sums pairwise, C sums in order), but they produce valid blocks with the same error statistics.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ember.kernels.convert import (QK8_0, bf16_bits_to_f32, dequantize_q8_0, f16_bits_to_f32, f32_to_bf16_bits,
+                                   f32_to_f16_bits, quantize_q8_0)
 from ember.kernels.tensor_types import BLOCK_GEOMETRY, QK_K, TensorType
 
 GROUP_MAX_EPS = np.float32(1e-15)  # ggml: below this a group counts as all-zero
@@ -48,10 +51,9 @@ def dequantize(ttype: TensorType, data: np.ndarray, cols: int) -> np.ndarray:
     if ttype == TensorType.F32:
         return np.asarray(data, np.float32).reshape(-1, cols).copy()
     if ttype == TensorType.F16:
-        return np.asarray(data).view(np.uint16).reshape(-1, cols).view(np.float16).astype(np.float32)
+        return f16_bits_to_f32(np.asarray(data).view(np.uint16).reshape(-1, cols))
     if ttype == TensorType.BF16:
-        bits = np.asarray(data).view(np.uint16).reshape(-1, cols).astype(np.uint32) << 16
-        return bits.view(np.float32)
+        return bf16_bits_to_f32(np.asarray(data).view(np.uint16).reshape(-1, cols))
     blocks = np.asarray(data, np.uint8).reshape(-1, BLOCK_GEOMETRY[ttype][1])
     values = _DEQUANTIZE_BLOCKS[ttype](blocks)
     return values.reshape(-1, cols)
@@ -59,13 +61,11 @@ def dequantize(ttype: TensorType, data: np.ndarray, cols: int) -> np.ndarray:
 
 def _f16(raw: np.ndarray) -> np.ndarray:
     """float32 from little-endian f16 bytes: uint8 [..., 2] -> [..., 1]."""
-    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+    return f16_bits_to_f32(np.ascontiguousarray(raw).view(np.uint16))
 
 
 def _dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
-    d = _f16(blocks[:, 0:2])
-    q = blocks[:, 2:].view(np.int8).astype(np.float32)
-    return q * d
+    return dequantize_q8_0(blocks, QK8_0)
 
 
 def unpack_scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -148,9 +148,9 @@ def quantize(ttype: TensorType, w: np.ndarray) -> np.ndarray:
     if ttype == TensorType.F32:
         return w.copy()
     if ttype == TensorType.F16:
-        return w.astype(np.float16).view(np.uint16)
+        return f32_to_f16_bits(w)
     if ttype == TensorType.BF16:
-        return _to_bf16_bits(w)
+        return f32_to_bf16_bits(w)
     block_values, block_bytes = BLOCK_GEOMETRY[ttype]
     if cols % block_values:
         raise ValueError(f"{ttype.name}: {cols} columns is not a multiple of {block_values}")
@@ -162,41 +162,9 @@ def quantize(ttype: TensorType, w: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
-def _to_bf16_bits(w: np.ndarray) -> np.ndarray:
-    """Round-to-nearest-even float32 -> bf16 bits (as ggml and gguf-py do), NaN kept quiet."""
-    bits = w.view(np.uint32).astype(np.uint64)
-    nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    quiet_nan = (bits >> 16) | 64
-    return np.where(nan, quiet_nan, rounded).astype(np.uint16)
-
-
-def _to_f16_bytes(v: np.ndarray) -> np.ndarray:
-    """float32 [n] -> uint8 [n, 2] (round to nearest even, like GGML_FP32_TO_FP16)."""
-    return v.astype(np.float16).reshape(-1, 1).view(np.uint8)
-
-
 def _nearest_int(v: np.ndarray) -> np.ndarray:
     """ggml nearest_int: round half to even, in float32 (the `+ 12582912.f` trick does the same)."""
     return np.rint(v)
-
-
-def _roundf(v: np.ndarray) -> np.ndarray:
-    """C roundf: halves away from zero (used by the q8_0 reference quantizer)."""
-    a = np.abs(v)
-    r = np.floor(a)
-    r += (a - r) >= 0.5
-    return np.copysign(r, v)
-
-
-def _quantize_q8_0(x: np.ndarray) -> np.ndarray:
-    """quantize_row_q8_0_ref over blocks x [n, 32]."""
-    amax = np.abs(x).max(axis=1)
-    d = amax / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    q = _roundf(x * inv[:, None]).astype(np.int8)
-    return np.concatenate([_to_f16_bytes(d), q.view(np.uint8)], axis=1)
 
 
 def _make_qkx2_scales(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float, rdelta: float,
@@ -253,11 +221,11 @@ def _make_qkx2_scales(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float
 
 
 def _scale_code(values: np.ndarray, vmax: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
-    """Code per-group values as vmax/levels * code with code in 0..levels; -> (code, f16 step)."""
+    """Code per-group values as vmax/levels * code with code in 0..levels; -> (code, f16 bits of the step)."""
     f32 = np.float32
     inv = np.where(vmax > 0, f32(levels) / np.where(vmax > 0, vmax, f32(1)), f32(0))
     code = np.clip(_nearest_int(inv[:, None] * values), 0, levels).astype(np.uint8)
-    return code, (vmax / f32(levels)).astype(np.float16)
+    return code, f32_to_f16_bits(vmax / f32(levels))
 
 
 def _quantize_k_sub_blocks(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
@@ -271,8 +239,8 @@ def _quantize_k_sub_blocks(x: np.ndarray, nmax: int, rmin: float, rdelta: float,
     sc, d16 = _scale_code(scales, np.maximum(scales.max(axis=1), f32(0)), 63)
     m, dmin16 = _scale_code(mins, np.maximum(mins.max(axis=1), f32(0)), 63)
     # Requantize against the rounded (6-bit, f16) scales that the decoder will actually use.
-    d = d16.astype(f32)[:, None] * sc.astype(f32)
-    dm = dmin16.astype(f32)[:, None] * m.astype(f32)
+    d = f16_bits_to_f32(d16)[:, None] * sc.astype(f32)
+    dm = f16_bits_to_f32(dmin16)[:, None] * m.astype(f32)
     live = d > 0
     safe_d = np.where(live, d, f32(1))
     lv = np.clip(_nearest_int((xs + dm[..., None]) / safe_d[..., None]), 0, nmax)
@@ -346,11 +314,11 @@ def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
     max_scale = np.take_along_axis(scales, idx, axis=1)[:, 0]
     live_block = np.abs(max_scale) >= GROUP_MAX_EPS
     iscale = f32(-128) / np.where(live_block, max_scale, f32(1))
-    d16 = np.where(live_block, f32(1) / iscale, f32(0)).astype(np.float16)
+    d16 = f32_to_f16_bits(np.where(live_block, f32(1) / iscale, f32(0)))
     sc = np.minimum(127, _nearest_int(iscale[:, None] * scales))
     sc = np.where(live_block[:, None], sc, 0).astype(np.int8)
     # Requantize against the rounded scales the decoder will use.
-    d = d16.astype(f32)[:, None] * sc.astype(f32)
+    d = f16_bits_to_f32(d16)[:, None] * sc.astype(f32)
     live = d != 0
     lv = np.clip(_nearest_int(xs / np.where(live, d, f32(1))[..., None]), -32, 31) + 32
     lv = np.where(live[..., None], lv, 32).astype(np.uint8).reshape(n, 2, 4, 32)  # [half, k, l]
@@ -363,7 +331,7 @@ def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
 
 
 _QUANTIZE_BLOCKS = {
-    TensorType.Q8_0: _quantize_q8_0,
+    TensorType.Q8_0: quantize_q8_0,  # blocks [n, 32] -> [n, 34]
     TensorType.Q4_K: _quantize_q4_k,
     TensorType.Q5_K: _quantize_q5_k,
     TensorType.Q6_K: _quantize_q6_k,
