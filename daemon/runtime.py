@@ -21,7 +21,7 @@ from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import ModelRunner
 from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
 from ember.daemon.text.tokenizer import Tokenizer, TokenizerError
-from ember.kernels.cpu.paged_attention import KV_DTYPES
+from ember.kernels.convert import KV_DTYPES
 from ember.kernels.sampling import SamplingParams
 
 __all__ = ["Model", "ModelFileError", "load"]

@@ -24,7 +24,7 @@ def add_daemon_commands(sub: Any) -> None:
     serve.add_argument("--device", help="cpu or cuda:N")
     serve.add_argument("--ctx", type=int, help="tokens per sequence (default: the model's context, at most 4096)")
     serve.add_argument("--max-active", type=int, help="sequences generated together (default 4)")
-    serve.add_argument("--kv-dtype", choices=("f32", "f16", "bf16", "q8_0"), help="KV cache dtype (default: EMBER_KV_DTYPE, else f32)")
+    serve.add_argument("--kv-dtype", metavar="T", help="KV cache dtype: f32, f16, bf16 or q8_0 (default: EMBER_KV_DTYPE, else f32)")
     serve.add_argument("--threads", type=int, help="kernel threads of the engine (default: one per core but one)")
     serve.add_argument("--log-format", choices=("auto", "json", "console"))
     serve.set_defaults(func=_serve)
