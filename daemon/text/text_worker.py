@@ -118,8 +118,10 @@ class TextWorker:
         frames: list[Output] = []
         for p in news:
             r = p.request
-            if r.done:
-                continue  # ended here already (a stop string); the engine's late news changes nothing
+            if r.done:  # ended here already (a stop string): the engine's late news goes nowhere
+                if p.logits:
+                    self.engine.release(r.client, [slot.slot for slot in p.logits])  # nobody will read them
+                continue
             if p.error is not None:
                 frames.append(self._refusal(r, p.error, p.message))
                 continue

@@ -191,3 +191,18 @@ def test_a_cancel_right_behind_its_generate_is_not_lost(harness: Harness) -> Non
     frames = harness.until_finished(5)
     for i in range(5):
         assert frames[(b"c", i)][-1].reason == "cancelled" and len(tokens_of(frames[(b"c", i)])) <= 2
+
+
+def test_logits_of_steps_after_a_stop_string_are_not_left_in_the_ring(demo_model) -> None:  # type: ignore[no-untyped-def]
+    tokens = list(demo_model.generate("def fibonacci(n):", max_tokens=12))
+    stop = demo_model.detokenize(tokens[:4])[-2:]  # found at the 4th token; the engine may run a step or two ahead
+    h = Harness(demo_model, slots=8)
+    h.request(b"l", Generate(1, prompt="def fibonacci(n):", max_tokens=12, stop=(stop,), return_logits=True))
+    frames = h.until_finished(1)[(b"l", 1)]
+    assert frames[-1].reason == "stop"
+    h.engine.release(b"l", [s.slot for f in frames if isinstance(f, Tokens) and f.logits for s in f.logits])
+    deadline = time.monotonic() + WAIT
+    while h.rings[0].free_slots != 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert h.rings[0].free_slots == 8
+    h.stop()
