@@ -11,7 +11,7 @@
 - aggregate tokens/s of 8 concurrent streams over one stream (AsyncClient, one process).
 Medians of `--repeats` runs, the two single-stream paths alternating so drift hits both alike.
 
-    python benchmarks/engine_overhead.py [--model PATH] [--tokens 256] [--repeats 3] [--streams 8]
+    python benchmarks/engine_overhead.py [--model PATH] [--tokens 256] [--repeats 3] [--streams 8] [--threads N]
 
 Goals (issue: engine core): daemon / in-process >= 0.95; 8 streams >= 4x one.
 """
@@ -110,14 +110,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=0, help="the daemon's engine.threads (0: its default)")
     args = parser.parse_args()
     path = args.model or str(DEMO_MODEL)
-    config = f"[engine]\nmax_active = {max(8, args.streams)}\nctx = 2048\n[limits]\nmax_requests_per_client = 64\n"
+    threads = args.threads or max(1, len(os.sched_getaffinity(0)) - 1)  # the daemon's default engine.threads
+    config = (f"[engine]\nmax_active = {max(8, args.streams)}\nctx = 2048\nthreads = {threads}\n"
+              "[limits]\nmax_requests_per_client = 64\n")
     daemon = DaemonProcess(config, args=("--model", path)).wait_ready(timeout=900)
     try:
         model = ember.load(path)
         in_process(model, 16), via_daemon(daemon.socket, 16)  # warm both paths
-        threads = max(1, len(os.sched_getaffinity(0)) - 1)  # the daemon's default engine.threads
         inproc, same, served = [], [], []
         for _ in range(args.repeats):
             inproc.append(in_process(model, args.tokens))
