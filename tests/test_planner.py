@@ -17,7 +17,7 @@ import pytest
 
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.loader.model_config import ModelConfig
-from ember.daemon.planning.planner import (GiB, MiB, Device, ModelInfo, PlanDoesNotFit, PlanError, PlanRequest,
+from ember.daemon.planning.planner import (GiB, MiB, Device, ModelHeaders, PlanDoesNotFit, PlanError, PlanRequest,
                                   SpeculativeSettings, TensorInfo, build_plan, layer_of, parse_device, parse_size,
                                   plan_model, weight_class, with_request)
 from ember.daemon.planning.precision import PrecisionSettings
@@ -29,8 +29,8 @@ MIXTRAL = ModelConfig(arch="llama", n_layers=32, hidden=4096, n_heads=32, n_kv_h
 CPU = Device("cpu", 64 * GiB)
 
 
-def shape_only(cfg: ModelConfig) -> ModelInfo:
-    return ModelInfo("/models/shape-only.gguf", "gguf", cfg, (TensorInfo("token_embd.weight", (cfg.vocab, cfg.hidden), 0),))
+def shape_only(cfg: ModelConfig) -> ModelHeaders:
+    return ModelHeaders("/models/shape-only.gguf", "gguf", cfg, (TensorInfo("token_embd.weight", (cfg.vocab, cfg.hidden), 0),))
 
 
 def plan(cfg: ModelConfig, devices: tuple[Device, ...] = (CPU,), kv: str | None = None, feature: str | None = None,
@@ -159,7 +159,7 @@ def test_no_mirror_without_speculation() -> None:
 
 
 # --- weights by class -------------------------------------------------------------------------------------
-def tiny_inventory(tied: bool = False) -> ModelInfo:
+def tiny_inventory(tied: bool = False) -> ModelHeaders:
     cfg = ModelConfig(arch="llama", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn=128, vocab=100,
                       context_length=256, rope_theta=1e4, norm_eps=1e-5)
     q8 = lambda rows, cols: rows * cols // 32 * 34  # noqa: E731
@@ -171,7 +171,7 @@ def tiny_inventory(tied: bool = False) -> ModelInfo:
              "ffn_norm": (64,), "ffn_gate": (128, 64), "ffn_up": (128, 64), "ffn_down": (64, 128)}
     for i in range(2):
         t += [TensorInfo(f"blk.{i}.{k}.weight", s, 256 if len(s) == 1 else q8(*s)) for k, s in layer.items()]
-    return ModelInfo("/models/tiny.gguf", "gguf", cfg, tuple(t))
+    return ModelHeaders("/models/tiny.gguf", "gguf", cfg, tuple(t))
 
 
 def test_weights_by_class_on_the_cpu() -> None:
@@ -213,14 +213,14 @@ def test_weight_classes(name: str, cls: str, layer: int | None) -> None:
 
 
 # --- MoE ----------------------------------------------------------------------------------------------------
-def moe_inventory() -> ModelInfo:
+def moe_inventory() -> ModelHeaders:
     cfg = ModelConfig(arch="qwen3moe", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn=128, vocab=100,
                       context_length=256, rope_theta=1e4, norm_eps=1e-6, n_experts=4, n_experts_used=2, expert_ffn=32)
     t = [TensorInfo("token_embd.weight", (100, 64), 6800)]
     for i in range(2):  # 4 experts x [32, 64] at q8_0: 4 x 32 x 2 blocks x 34 = 8704 bytes per tensor
         t += [TensorInfo(f"blk.{i}.ffn_{k}_exps.weight", (4, 32, 64) if k != "down" else (4, 64, 32), 8704)
               for k in ("gate", "up", "down")]
-    return ModelInfo("/models/moe.gguf", "gguf", cfg, tuple(t))
+    return ModelHeaders("/models/moe.gguf", "gguf", cfg, tuple(t))
 
 
 def test_hot_experts_fill_what_remains_with_offload() -> None:

@@ -60,14 +60,16 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
-class ModelInfo:
+class ModelHeaders:
+    """What the planner reads of a model: its config and its tensors' names, shapes and types (no data)."""
+
     path: str
     format: str  # "gguf" or "hf"
     config: ModelConfig
     tensors: tuple[TensorInfo, ...]
 
 
-def read_model_info(path: str | Path) -> ModelInfo:
+def read_model_info(path: str | Path) -> ModelHeaders:
     """Config and tensor sizes from headers. GGUF: gguf-py parses the header and maps the data without
     touching it (RawTensor.nbytes is arithmetic on shape and type); HF: safetensors headers, read
     again here unrenamed so that MoE expert tensors, which the runtime's renaming drops, count."""
@@ -79,7 +81,7 @@ def read_model_info(path: str | Path) -> ModelInfo:
     else:
         raws = list(mf.tensors.values())
     tensors = tuple(TensorInfo(t.name, tuple(t.shape), t.nbytes) for t in raws)
-    return ModelInfo(str(mf.path), mf.format, mf.config, tensors)
+    return ModelHeaders(str(mf.path), mf.format, mf.config, tensors)
 
 
 def weight_class(name: str) -> str:
@@ -240,7 +242,7 @@ class DevicePlan:
 
 @dataclass(frozen=True)
 class Plan:
-    model: ModelInfo = field(repr=False)
+    model: ModelHeaders = field(repr=False)
     request: PlanRequest
     ctx: int
     devices: tuple[DevicePlan, ...]
@@ -260,7 +262,7 @@ def plan_model(path: str | Path, request: PlanRequest) -> Plan:
     return build_plan(read_model_info(path), request)
 
 
-def build_plan(info: ModelInfo, request: PlanRequest) -> Plan:
+def build_plan(info: ModelHeaders, request: PlanRequest) -> Plan:
     cfg, devices = info.config, request.devices
     ctx = request.ctx or cfg.context_length
     if ctx > cfg.context_length:
@@ -343,7 +345,7 @@ def split_layers(n_layers: int, devices: Sequence[Device], split: Sequence[int] 
     return [(e - c, e) for c, e in zip(counts, ends, strict=True)]
 
 
-def _weights_by_device(info: ModelInfo, bounds: Sequence[tuple[int, int]], devices: Sequence[Device]) -> list[WeightBytes]:
+def _weights_by_device(info: ModelHeaders, bounds: Sequence[tuple[int, int]], devices: Sequence[Device]) -> list[WeightBytes]:
     sums = [dict.fromkeys(WEIGHT_CLASSES, 0) for _ in devices]
     names = {t.name for t in info.tensors}
     for t in info.tensors:
@@ -379,7 +381,7 @@ def expert_ffn(cfg: ModelConfig) -> int:
     return cfg.expert_ffn or (cfg.ffn if cfg.n_experts else 0)
 
 
-def _expert_bytes(info: ModelInfo) -> int:
+def _expert_bytes(info: ModelHeaders) -> int:
     cfg = info.config
     total = sum(t.nbytes for t in info.tensors if weight_class(t.name) == "experts")
     layers = {layer_of(t.name) for t in info.tensors if weight_class(t.name) == "experts"}
