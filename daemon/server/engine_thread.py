@@ -26,6 +26,7 @@ from ember.daemon.engine.sequence import Status
 from ember.daemon.logging_setup import get_logger
 from ember.daemon.server.request import Request
 from ember.kernels.sampling import Choice
+from ember.protocol.limits import LimitExceeded
 from ember.protocol.messages import ErrorCode, FinishReason, ShmSlot
 from ember.protocol.shm_ring import ShmRing
 
@@ -218,6 +219,9 @@ class EngineThread:
         if r.return_logits:
             try:
                 self._ring(r.client)
+            except LimitExceeded as e:  # new_ring refuses rings beyond the daemon's shared-memory bounds
+                self._progress([Progress(r, error=ErrorCode.LIMIT, message=str(e))])
+                return
             except OSError as e:  # no shared memory left for the ring
                 self._progress([Progress(r, error=ErrorCode.INTERNAL, message=f"cannot create the logits ring: {e}")])
                 return
