@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 100.0  # beyond it every distribution is uniform to float32's precision anyway
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # x100 either way: far past any use, finite
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,16 @@ class SamplingParams:
     logprobs: int = 0  # top-n alternatives reported with each token (0 = only the chosen one's, if asked)
 
     def __post_init__(self) -> None:
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        # every bound below also refuses NaN (comparisons with NaN are false) and infinities; within
+        # them the arithmetic below cannot overflow (see final_distribution for tiny temperatures)
+        _check(0.0 <= self.temperature <= MAX_TEMPERATURE,
+               f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0: greedy), got {self.temperature}")
         _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1: off), "
+               f"got {self.repetition_penalty}")
         _check(self.repetition_window >= -1, f"repetition_window must be >= -1, got {self.repetition_window}")
         _check(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         _check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
@@ -106,8 +113,12 @@ def _window(prompt: Sequence[int], generated: Sequence[int], params: SamplingPar
 
 def final_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Steps 5-8 on penalised logits: the probabilities draws come from (float64, sums to 1)."""
-    scaled = logits.astype(np.float64) / params.temperature
-    probs = np.exp(scaled - scaled.max())
+    # subtract the max before dividing: every exponent is <= 0 and the best one is exactly 0, so no
+    # temperature > 0, however small, can overflow (a tiny one gives the one-hot greedy distribution)
+    shifted = logits.astype(np.float64)
+    shifted -= shifted.max()
+    with np.errstate(over="ignore"):  # -inf is the intended result there: exp gives 0
+        probs = np.exp(shifted / params.temperature)
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")
     keep = np.ones(probs.size, bool)

@@ -100,3 +100,37 @@ def test_same_seed_same_tokens() -> None:
 def test_invalid_parameters_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+@pytest.mark.parametrize("name", FLOAT_PARAMS)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 1e300, -6.5e91])
+def test_non_finite_and_absurd_values_are_refused(name: str, value: float) -> None:
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: value})
+
+
+@pytest.mark.parametrize("bad", [dict(repetition_penalty=1e-310), dict(repetition_penalty=5e-324),
+                                 dict(temperature=101.0), dict(logit_bias={3: float("nan")})])
+def test_values_that_poisoned_a_batch_are_refused(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=1e-310), dict(temperature=4e-312, min_p=7e-322), dict(temperature=5e-324, top_p=5e-324),
+    dict(temperature=100.0, repetition_penalty=100.0, frequency_penalty=-2.0, presence_penalty=-2.0),
+    dict(temperature=1e-6, repetition_penalty=0.01, logit_bias={0: 100.0, 1: -100.0}),
+])
+def test_extreme_accepted_values_sample_a_finite_distribution(params: dict) -> None:
+    sp = SamplingParams(**params)
+    logits = (np.random.default_rng(5).standard_normal(1000) * 30).astype(np.float32)  # a wide row
+    generated = [0, 0, 1, 2, 3, 3, 3]
+    probs = final_distribution(penalized_logits(logits, sp, [4, 5], generated), sp)
+    assert np.isfinite(probs).all() and abs(probs.sum() - 1.0) < 1e-9
+    rng = np.random.default_rng(1)
+    tokens = {sample(logits, sp, rng, [4, 5], generated).token for _ in range(20)}
+    if sp.temperature < 1e-300:  # the limit of a vanishing temperature is greedy
+        assert tokens == {int(np.argmax(penalized_logits(logits, sp, [4, 5], generated)))}
