@@ -98,3 +98,54 @@ def test_seeded_sampling_is_independent_of_batch_company(model) -> None:
     run(crowd, {0: others, 2: [s2]})
     assert s1.generated == s2.generated
     assert s1.generated == alone(model, prompt, 16, temperature=0.8, top_p=0.95, seed=1234)
+
+
+def test_a_sequence_whose_sampling_fails_ends_alone(model, monkeypatch) -> None:
+    from ember.daemon.runner import model_runner
+
+    real = model_runner.sample
+
+    def flaky(logits, params, rng, prompt, generated, logprob=True):  # type: ignore[no-untyped-def]
+        if params.min_p == 0.5 and len(generated) == 3:
+            raise ValueError("probabilities contain NaN")
+        return real(logits, params, rng, prompt, generated, logprob=logprob)
+
+    monkeypatch.setattr(model_runner, "sample", flaky)
+    prompts = [model.tokenize(s) for s in SNIPPETS[:3]]
+    good = [Sequence(p, 12, SamplingParams(temperature=0.8), seed=i) for i, p in enumerate(prompts[:2])]
+    bad = Sequence(prompts[2], 12, SamplingParams(temperature=0.8, min_p=0.5), seed=9)
+    engine = engine_of(model, kv_blocks=64)
+    run(engine, {0: [*good, bad]})
+    assert bad.status == Status.FINISHED and bad.finish_reason == "error" and len(bad.generated) == 3
+    for seed, (seq, prompt) in enumerate(zip(good, prompts[:2], strict=True)):
+        assert seq.finish_reason == "length" and seq.generated == alone(model, prompt, 12, temperature=0.8, seed=seed)
+    assert engine.stats().kv_blocks_free == 64
+
+
+def test_a_forward_pass_that_fails_for_one_sequence_fails_only_that_one(model, monkeypatch) -> None:
+    poison = 4242  # a token id no snippet contains: the forward pass "crashes" on any batch holding it
+    prompts = [model.tokenize(s) for s in SNIPPETS[:3]]
+    assert all(poison not in p for p in prompts)
+    engine = engine_of(model, kv_blocks=64)
+    real = engine.runner.net.forward
+
+    def crashing(batch, cache):  # type: ignore[no-untyped-def]
+        if poison in batch.ids.tolist():
+            raise RuntimeError("kernel fault")
+        return real(batch, cache)
+
+    monkeypatch.setattr(engine.runner.net, "forward", crashing)
+    good = [Sequence(p, 10) for p in prompts]
+    bad = Sequence(prompts[0] + [poison], 10)
+    failed = []
+    for s in good:
+        engine.add(s)
+    for step in range(200):
+        if step == 2:
+            engine.add(bad)  # arrives while the others decode: its prompt chunk shares their step
+        if not engine.has_work:
+            break
+        failed += [seq for seq, _ in engine.step().failed]
+    assert failed == [bad] and bad.finish_reason == "error"
+    for seq, prompt in zip(good, prompts, strict=True):
+        assert seq.generated == alone(model, prompt, 10)

@@ -33,6 +33,7 @@ class StepResult:
     tokens: int  # tokens run through the model (0: nothing was runnable)
     outputs: list[StepOutput] = field(default_factory=list)
     started: list[Sequence] = field(default_factory=list)  # sequences that ran for the first time
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # ended by an error of their own (why)
 
 
 @dataclass(frozen=True)
@@ -71,22 +72,19 @@ class EngineCore:
         return self.scheduler.has_work
 
     def step(self) -> StepResult:
-        """One forward pass; its outputs are the sequences that got a new token, logits or finished."""
+        """One forward pass; its outputs are the sequences that got a new token, logits or finished.
+
+        A sequence whose sampling fails ends with reason "error" (StepResult.failed) and the others go
+        on. If the forward pass itself fails, each chunk of the step is run alone: the ones that fail
+        alone end with "error", the others' work stands — one request cannot end its neighbours'."""
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return StepResult(0)
-        rows = _LogitRows(plan)
-        samples = [c.samples for c in plan.chunks]  # before update() appends the tokens
-        run = self._run(plan, rows)
-        finished = set(map(id, self.scheduler.update(plan, run.choices)))
-        outputs = []
-        for i, chunk in enumerate(plan.chunks):
-            seq, done = chunk.seq, id(chunk.seq) in finished
-            new = [seq.generated[-1]] if samples[i] else []
-            logits = rows.kept_logits(i, run)
-            if new or done or logits is not None:
-                outputs.append(StepOutput(seq, new, done, logits))
-        return StepResult(plan.n_tokens, outputs, plan.started)
+        try:
+            outputs, failed = self._step(plan)
+        except Exception as e:
+            outputs, failed = self._isolate(plan, e)
+        return StepResult(plan.n_tokens, outputs, plan.started, failed)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -95,6 +93,43 @@ class EngineCore:
             prefix_queries=self.blocks.stats.prefix_queries, prefix_hits=self.blocks.stats.prefix_hits,
             preemptions=self.scheduler.preemptions,
         )
+
+    def _step(self, plan: StepPlan) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
+        rows = _LogitRows(plan)
+        samples = [c.samples for c in plan.chunks]  # before update() appends the tokens
+        run = self._run(plan, rows)
+        sampling = [c.seq for c in plan.chunks if c.samples]
+        failed = [(sampling[k], message) for k, message in run.failed.items()]
+        for seq, _ in failed:
+            self.scheduler.abort(seq, "error")  # update() skips it, and its choice is not passed on
+        finished = set(map(id, self.scheduler.update(plan, [c for c in run.choices if c is not None])))
+        outputs = []
+        for i, chunk in enumerate(plan.chunks):
+            seq, done = chunk.seq, id(chunk.seq) in finished
+            if seq.finish_reason == "error":
+                continue
+            new = [seq.generated[-1]] if samples[i] else []
+            logits = rows.kept_logits(i, run)
+            if new or done or logits is not None:
+                outputs.append(StepOutput(seq, new, done, logits))
+        return outputs, failed
+
+    def _isolate(self, plan: StepPlan, error: Exception) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
+        """The step failed as a whole: run each chunk alone to find whose it was."""
+        outputs: list[StepOutput] = []
+        failed: list[tuple[Sequence, str]] = []
+        for chunk in plan.chunks if len(plan.chunks) > 1 else ():
+            try:
+                more, bad = self._step(StepPlan([chunk]))
+            except Exception as e:
+                self.scheduler.abort(chunk.seq, "error")
+                bad, more = [(chunk.seq, f"{type(e).__name__}: {e}")], []
+            outputs += more
+            failed += bad
+        if len(plan.chunks) == 1:
+            self.scheduler.abort(plan.chunks[0].seq, "error")
+            failed.append((plan.chunks[0].seq, f"{type(error).__name__}: {error}"))
+        return outputs, failed
 
     def _run(self, plan: StepPlan, rows: _LogitRows) -> StepRun:
         chunks = plan.chunks

@@ -10,7 +10,7 @@ scheduler and the model code are the same for every device.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,8 +24,9 @@ from ember.kernels.sampling import Choice, sample
 
 @dataclass(frozen=True)
 class StepRun:
-    choices: list[Choice]  # one per sampling row, in order
+    choices: list[Choice | None]  # one per sampling row, in order (None where sampling failed)
     kept: dict[int, np.ndarray]  # row index -> host logits, for the rows asked to be kept
+    failed: dict[int, str] = field(default_factory=dict)  # sampler index -> why its sampling failed
 
 
 class ModelRunner:
@@ -52,14 +53,23 @@ class ModelRunner:
         logits = self.net.forward(self.prepare(batch), self.cache)
         if batch.n_logits == 0:
             return StepRun([], {})
-        return StepRun(self._sample(logits, samplers), {r: self.net.ops.to_numpy(logits[r]) for r in keep})
+        choices, failed = self._sample(logits, samplers)
+        return StepRun(choices, {r: self.net.ops.to_numpy(logits[r]) for r in keep}, failed)
 
-    def _sample(self, logits: Array, samplers: Seq[tuple[int, Sequence]]) -> list[Choice]:
+    def _sample(self, logits: Array, samplers: Seq[tuple[int, Sequence]]) -> tuple[list[Choice | None], dict[int, str]]:
         if not samplers:
-            return []
+            return [], {}
         if all(not s.wants_logprob and s.params.plain_greedy for _, s in samplers):  # the greedy fast path: one argmax over the rows, no per-row copy
             rows = np.fromiter((r for r, _ in samplers), np.int64, len(samplers))
             best = self.net.ops.to_numpy(self.net.ops.argmax_rows(logits, rows))
-            return [Choice(int(t), float("nan")) for t in best]
+            return [Choice(int(t), float("nan")) for t in best], {}
         host = self.net.ops.to_numpy(logits)
-        return [sample(host[r], s.params, s.rng, s.prompt, s.generated, logprob=s.wants_logprob) for r, s in samplers]
+        choices: list[Choice | None] = []
+        failed: dict[int, str] = {}
+        for k, (r, s) in enumerate(samplers):  # one row's failure is its sequence's alone
+            try:
+                choices.append(sample(host[r], s.params, s.rng, s.prompt, s.generated, logprob=s.wants_logprob))
+            except (ValueError, FloatingPointError, ArithmeticError) as e:
+                choices.append(None)
+                failed[k] = f"sampling failed: {type(e).__name__}: {e}"
+        return choices, failed

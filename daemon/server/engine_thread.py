@@ -178,7 +178,12 @@ class EngineThread:
             for seq in result.started:
                 r = self._live[seq.seq_id]
                 r.log.info("request started", prompt_tokens=len(seq.prompt), max_tokens=r.max_tokens)
-            self._progress([self._news(out) for out in result.outputs])
+            news = [self._news(out) for out in result.outputs]
+            for seq, why in result.failed:  # its own error: the rest of the batch went on without it
+                r = self._live.pop(seq.seq_id)
+                r.log.warning("request failed", error=why)
+                news.append(Progress(r, finish=FinishReason.ERROR, message=why))
+            self._progress(news)
             self._account(sum(len(o.new_tokens) for o in result.outputs))
             return True
         self._account(0)
