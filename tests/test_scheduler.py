@@ -93,3 +93,52 @@ def test_prompt_longer_than_the_pool_is_refused() -> None:
     sched = Scheduler(BlockManager(2, 4))
     with pytest.raises(ValueError, match="does not fit"):
         sched.add(Sequence(list(range(1, 10)), max_tokens=1))
+
+
+def test_held_sequences_give_their_running_slots_to_runnable_ones() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_step_tokens=64, max_running=2)
+    stalled = [Sequence([1, 2, 3], max_tokens=50, client="slow") for _ in range(2)]
+    for s in stalled:
+        sched.add(s)
+    plan = sched.schedule()
+    sched.update(plan, [Choice(7, 0.0) for c in plan.chunks if c.samples])
+    for s in stalled:
+        s.held = True  # their client stopped reading
+    other = Sequence([4, 5], max_tokens=3, client="fast")
+    sched.add(other)
+    steps = run_to_completion_while(sched, lambda: other.status != Status.FINISHED)
+    assert other.generated == [7, 7, 7] and len(steps) <= 4  # it ran at once, not after the stalled ones
+    # only as many as runnable work needed gave way: the youngest, which keeps nothing; the other
+    # still holds its blocks and its slot
+    assert stalled[1].status == Status.WAITING and not stalled[1].table and stalled[1].generated == [7]
+    assert stalled[0].status == Status.RUNNING and stalled[0].table and stalled[0].generated == [7]
+    for s in stalled:
+        s.held = False  # the client reads again: they resume and lose nothing
+    run_to_completion(sched)
+    assert all(s.generated == [7] * 50 and s.finish_reason == "length" for s in stalled)
+    assert sched.blocks.num_free == 64
+
+
+def test_memory_pressure_preempts_held_sequences_first() -> None:
+    sched = Scheduler(BlockManager(6, 4), max_step_tokens=64, max_running=4)
+    old = Sequence(list(range(1, 9)), max_tokens=20)  # 2 blocks, more as it grows
+    held = Sequence(list(range(11, 19)), max_tokens=20)
+    sched.add(old)
+    sched.add(held)
+    plan = sched.schedule()
+    sched.update(plan, [Choice(7, 0.0) for c in plan.chunks if c.samples])
+    held.held = True
+    young = Sequence([21, 22, 23, 24, 25, 26, 27], max_tokens=2)  # needs the blocks held keeps
+    sched.add(young)
+    run_to_completion_while(sched, lambda: young.status != Status.FINISHED)
+    assert young.finish_reason == "length" and old.preemptions == 0 and held.preemptions >= 1
+
+
+def run_to_completion_while(sched: Scheduler, more, max_steps: int = 1000) -> list[list]:  # type: ignore[no-untyped-def]
+    steps = []
+    while more() and len(steps) < max_steps:
+        plan = sched.schedule()
+        steps.append(plan.chunks)
+        sched.update(plan, [Choice(7, 0.0) for c in plan.chunks if c.samples])
+        sched.blocks.check_integrity([s.table for s in sched.running + list(sched.waiting)])
+    return steps

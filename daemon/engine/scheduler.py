@@ -95,6 +95,7 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.n_computed, length))
             budget -= length
         chunks = [c for c in chunks if c.seq.status == Status.RUNNING]  # drop those preempted meanwhile
+        self._swap_out_held()
         while budget and len(self.running) < self.max_running and any(not s.held for s in self.waiting):
             seq = self._next_waiting()
             first = seq.started is None
@@ -175,12 +176,25 @@ class Scheduler:
             seq.started = time.perf_counter()
         return length
 
+    def _swap_out_held(self) -> None:
+        """Held sequences give their running slots to runnable waiting ones: a client that does not
+        read must not keep others from running. They wait again, keeping their place at the head of
+        the queue, and are recomputed when their client reads (their full blocks usually come back
+        from the prefix cache)."""
+        runnable = sum(not s.held for s in self.waiting)
+        free = self.max_running - len(self.running)
+        for seq in sorted((s for s in self.running if s.held), key=lambda s: -s.seq_id):
+            if runnable <= free:
+                return
+            self._preempt(seq)
+            free += 1
+
     def _grow(self, seq: Sequence, n_tokens: int) -> bool:
-        """Give seq blocks for n_tokens positions, preempting younger sequences if memory is short.
-        False if seq itself had to be preempted."""
+        """Give seq blocks for n_tokens positions, preempting held sequences first, then younger
+        ones, if memory is short. False if seq itself had to be preempted."""
         needed = self.blocks.blocks_for(n_tokens) - len(seq.table)
         while not self.blocks.can_allocate(needed):
-            victim = max(self.running, key=lambda s: s.seq_id)
+            victim = max(self.running, key=lambda s: (s.held, s.seq_id))
             self._preempt(victim)
             if victim is seq:
                 return False

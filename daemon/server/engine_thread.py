@@ -64,8 +64,9 @@ class EngineThread:
     def __init__(self, *, cores: Mapping[str, EngineCore], progress: Callable[[list[Progress]], None],
                  on_stopped: Callable[[], None], new_ring: Callable[[], ShmRing],
                  heartbeat: Callable[[], None] = lambda: None, heartbeat_interval: float | None = None,
-                 setup: Callable[[], None] = lambda: None) -> None:
-        """setup: run first on the engine thread (its kernel threads, say)."""
+                 setup: Callable[[], None] = lambda: None, stall_timeout: float = 300.0) -> None:
+        """setup: run first on the engine thread (its kernel threads, say). stall_timeout: seconds a
+        request may stay held because its client does not read before it ends with an error."""
         self._cores = dict(cores)  # model name -> its engine core
         self._order = deque(self._cores)  # round robin over models with work
         self._progress = progress
@@ -78,6 +79,8 @@ class EngineThread:
         self._live: dict[int, Request] = {}  # seq_id -> request, for every request with a sequence
         self._paused: set[bytes] = set()
         self._holding = False  # some sequence is held now
+        self._held_since: dict[int, float] = {}  # seq_id -> when it became held
+        self._stall_timeout = stall_timeout
         self._rings: dict[bytes, ShmRing] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
         self._deadline: float | None = None  # set by shutdown(): cancel what is left at this time
@@ -208,6 +211,7 @@ class EngineThread:
         if not (self._paused or self._rings or self._holding):
             return  # nobody can be held: skip the scan of every live request
         free = {client: ring.free_slots for client, ring in self._rings.items()}
+        now, stalled = time.monotonic(), []
         self._holding = False
         for r in self._live.values():
             assert r.seq is not None
@@ -217,6 +221,13 @@ class EngineThread:
                 free[r.client] -= not held
             r.seq.held = held
             self._holding |= held
+            if not held:
+                self._held_since.pop(r.seq.seq_id, None)
+            elif now - self._held_since.setdefault(r.seq.seq_id, now) > self._stall_timeout:
+                stalled.append(r)
+        for r in stalled:  # its frames wait in its backlog; the Finished joins them
+            self._end(lambda x, r=r: x is r, FinishReason.ERROR,
+                      f"the client read nothing of this stream for {self._stall_timeout:g} s")
 
     # --- request lifecycle (engine thread) --------------------------------------------------------
     def _add(self, r: Request) -> None:
@@ -236,6 +247,8 @@ class EngineThread:
     def _abort(self, r: Request, reason: str) -> None:
         """End a request's sequence (waiting or running) and free its KV blocks."""
         seq = r.seq
+        if seq is not None:
+            self._held_since.pop(seq.seq_id, None)
         if seq is not None and self._live.pop(seq.seq_id, None) is not None and seq.status != Status.FINISHED:
             self._cores[r.model_name].abort(seq, reason)
 

@@ -20,7 +20,8 @@ WAIT = 30.0  # seconds: a bound for a hung engine, never a pacing
 
 
 class Harness:
-    def __init__(self, model, max_active: int = 2, slots: int = 2, kv_blocks: int = 64) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, model, max_active: int = 2, slots: int = 2, kv_blocks: int = 64,  # type: ignore[no-untyped-def]
+                 stall_timeout: float = 300.0) -> None:
         self.model = model
         self.outputs: queue.Queue[Output] = queue.Queue()
         self.stopped = threading.Event()
@@ -32,7 +33,7 @@ class Harness:
 
         core = model.engine(kv_blocks * KV_BLOCK, max_running=max_active, prefix_caching=True)
         self.engine = TextWorker(cores={"demo": core}, limits=Limits(max_prompt_tokens=64), publish=self._publish,
-                                 on_stopped=self.stopped.set, new_ring=new_ring)
+                                 on_stopped=self.stopped.set, new_ring=new_ring, stall_timeout=stall_timeout)
         self.engine.start()
 
     def _publish(self, outputs: list[Output]) -> None:
@@ -205,4 +206,21 @@ def test_logits_of_steps_after_a_stop_string_are_not_left_in_the_ring(demo_model
     while h.rings[0].free_slots != 8 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert h.rings[0].free_slots == 8
+    h.stop()
+
+
+def test_non_reading_clients_neither_starve_others_nor_wait_forever(demo_model) -> None:  # type: ignore[no-untyped-def]
+    h = Harness(demo_model, max_active=2, stall_timeout=1.0)
+    h.engine.set_paused(b"slow", True)  # as the Outbox does when its backlog is full
+    for i in range(2):
+        h.request(b"slow", Generate(i, prompt="x", max_tokens=4000, ignore_eos=True))
+    time.sleep(0.2)
+    h.request(b"fast", Generate(9, prompt="def f(x):", max_tokens=16))
+    frames = h.until_finished(1)
+    assert list(frames) == [(b"fast", 9)]  # it ran although the stalled requests filled both slots
+    assert tokens_of(frames[(b"fast", 9)]) == list(demo_model.generate("def f(x):", max_tokens=16))
+    stalled = h.until_finished(2)  # then the stall limit ends them, with a reason
+    for i in range(2):
+        last = stalled[(b"slow", i)][-1]
+        assert last.reason == "error" and "read nothing" in last.message
     h.stop()
