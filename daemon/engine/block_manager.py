@@ -88,7 +88,9 @@ class BlockManager:
         full = n_computed // self.block_size
         if not self.prefix_caching or full <= n_done:
             return n_done, parent
+        progress: tuple[int, bytes] | None = None
         for b in range(n_done, full):
+            before = parent
             parent = chain_digest(parent, tokens[b * self.block_size : (b + 1) * self.block_size])
             block = table[b]
             if self._digest_of.get(block) == parent:
@@ -96,7 +98,9 @@ class BlockManager:
             if parent not in self._block_of:  # the first block with this prefix stays its keeper
                 self._digest_of[block] = parent
                 self._block_of[parent] = block
-        return full, parent
+            elif progress is None:  # another block keeps this prefix: retry from here next time, so
+                progress = (b, before)  # this copy takes over should the keeper be evicted
+        return progress or (full, parent)
 
     # --- allocation -------------------------------------------------------------------------------
     def allocate(self, n_blocks: int) -> list[int]:

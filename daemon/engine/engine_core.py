@@ -24,7 +24,7 @@ class StepOutput:
     new_tokens: list[int]  # at most one: a step samples one token per sequence
     finished: bool
     # seq.wants_logits: [1, vocab] f32, the logits the new token was sampled from;
-    # seq.prompt_logits: [chunk length, vocab], the logits of every position this step computed
+    # seq.prompt_logits: [k, vocab], the logits of every position this step computed for the first time
     logits: np.ndarray | None = None
 
 
@@ -110,6 +110,10 @@ class EngineCore:
                 continue
             new = [seq.generated[-1]] if samples[i] else []
             logits = rows.kept_logits(i, run)
+            if logits is not None and seq.prompt_logits:  # after a preemption, positions are computed again
+                logits = logits[max(0, seq.logits_returned - chunk.start):]
+                seq.logits_returned = max(seq.logits_returned, chunk.start + chunk.length)
+                logits = logits if len(logits) else None
             if new or done or logits is not None:
                 outputs.append(StepOutput(seq, new, done, logits))
         return outputs, failed

@@ -154,7 +154,7 @@ class Scheduler:
         return min(ready, key=lambda s: running[s.client])  # min() keeps the earliest of equals
 
     def _admit(self, seq: Sequence, budget: int) -> int:
-        if not seq.table:
+        if not seq.table and not seq.prompt_logits:  # its every position's logits must be computed
             seq.table = self.blocks.match_prefix(seq.tokens)
             seq.n_computed = len(seq.table) * self.blocks.block_size
         length = min(seq.pending, budget)

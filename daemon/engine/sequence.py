@@ -36,7 +36,8 @@ class Sequence:
     preemptions: int = 0
     wants_logits: bool = False  # keep the logits each token was sampled from (StepOutput.logits)
     wants_logprob: bool = False  # compute each chosen token's logprob (else Choice.logprob is NaN)
-    prompt_logits: bool = False  # keep the logits of every prompt position (StepOutput.logits)
+    prompt_logits: bool = False  # keep the logits of every position computed (StepOutput.logits)
+    logits_returned: int = 0  # with prompt_logits: positions whose logits went out (a recompute repeats none)
     held: bool = False  # set by the daemon while the client cannot take output: not scheduled, keeps its blocks
     started: float | None = None  # perf_counter() when first admitted to run
 

@@ -97,7 +97,7 @@ class Outbox:
                     break
                 peer.backlog.popleft()
                 peer.last_sent = time.monotonic()
-            if not peer.backlog and peer.paused:
+            if not peer.backlog and peer.paused and not peer.dead:  # a dead peer's requests are being dropped
                 peer.paused = False
                 self._set_paused(peer.identity, False)
             self._peers.forget_if_idle(peer)

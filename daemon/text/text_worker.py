@@ -109,6 +109,9 @@ class TextWorker:
             return self._reject(r, ErrorCode.BAD_REQUEST, str(e))
         r.text = r.model.tokenizer.stream_decoder(context=r.prompt_ids)
         r.stops = StopStrings(r.stop)
+        if r.max_tokens == 0:  # nothing to generate: the usage is known without running the prompt
+            r.done = True
+            return self._publish([(r.client, self._finished(r, FinishReason.LENGTH, ""))])
         stop_ids = frozenset(r.stop_ids) | (frozenset() if r.ignore_eos else frozenset(r.model.tokenizer.eos_ids))
         r.seq = Sequence(r.prompt_ids, r.max_tokens, r.params, r.seed, stop_ids, client=r.client,
                          wants_logits=r.return_logits, wants_logprob=r.logprobs or r.params.logprobs > 0)
