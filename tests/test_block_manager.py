@@ -84,3 +84,18 @@ def test_incremental_registration_equals_registering_from_scratch() -> None:
         assert probe == table[:9]
         bm.release(probe)
         bm.check_integrity([table])
+
+
+def test_a_second_copy_of_a_prefix_takes_over_when_the_keeper_is_evicted() -> None:
+    bm = BlockManager(n_blocks=8, block_size=4)
+    tokens = list(range(8))
+    a, b = bm.allocate(2), bm.allocate(2)
+    bm.register(a, tokens, 8)
+    progress = bm.register(b, tokens, 8)  # computed in the same step: a's blocks keep the prefix
+    assert progress[0] == 0  # so b's are tried again later
+    bm.release(a)
+    taken = bm.allocate(bm.num_free)  # memory runs short: a's cached blocks are evicted, prefix and all
+    assert set(a) <= set(taken)
+    bm.register(b, tokens, 8, progress)
+    bm.release(taken)
+    assert bm.match_prefix(tokens + [99]) == b  # b's copy serves the prefix now

@@ -149,3 +149,19 @@ def test_a_forward_pass_that_fails_for_one_sequence_fails_only_that_one(model, m
     assert failed == [bad] and bad.finish_reason == "error"
     for seq, prompt in zip(good, prompts, strict=True):
         assert seq.generated == alone(model, prompt, 10)
+
+
+def test_prompt_logits_survive_preemption_without_repeats(model) -> None:
+    engine = engine_of(model, kv_blocks=5, block_size=4, max_step_tokens=3)  # 20 token slots
+    grower = Sequence(model.tokenize(SNIPPETS[1])[:8], max_tokens=12)  # needs all 5 blocks by its end
+    prompt = model.tokenize(SNIPPETS[2])[:12]
+    reader = Sequence(prompt, max_tokens=0, prompt_logits=True)  # younger: preempted first
+    engine.add(grower)
+    engine.add(reader)
+    rows = []
+    while engine.has_work:
+        rows += [o.logits for o in engine.step().outputs if o.seq is reader and o.logits is not None]
+    assert reader.preemptions > 0 and reader.finish_reason == "length"
+    got = np.concatenate(rows)
+    assert got.shape == (12, model.config.vocab)
+    np.testing.assert_allclose(got, model.logits(prompt), rtol=0, atol=1e-4)
