@@ -18,6 +18,7 @@ import random
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import msgspec
@@ -100,6 +101,7 @@ class Bystander(threading.Thread):
         super().__init__(daemon=True)
         self.socket, self.expected = socket, expected
         self.served = self.wrong = self.failed = 0
+        self.errors: Counter[str] = Counter()
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -110,8 +112,9 @@ class Bystander(threading.Thread):
                         got = [t for c in client.generate(PROMPT, max_tokens=16) for t in c.token_ids]
                         self.served += 1
                         self.wrong += got != self.expected
-            except Exception:
+            except Exception as e:
                 self.failed += 1
+                self.errors[type(e).__name__] += 1
 
 
 def rss_mib(pid: int) -> float:
@@ -139,7 +142,7 @@ def main() -> None:
     parser.add_argument("--model", help="GGUF file or HF directory (default: the built-in demo model)")
     args = parser.parse_args()
     path = args.model or str(DEMO_MODEL)
-    daemon = DaemonProcess("[limits]\nmax_requests_per_client = 64\n", args=("--model", path)).wait_ready(900)
+    daemon = DaemonProcess("", args=("--model", path)).wait_ready(900)  # the default configuration
     ctx = zmq.Context()
     try:
         expected = list(ember.load(path).generate(PROMPT, max_tokens=16))
@@ -169,7 +172,7 @@ def main() -> None:
     print(f"{i} frames in {seconds:.1f} s ({i / seconds:.0f}/s), seed {args.seed}, {Path(path).name}")
     print(f"crashes: {crashes + (not alive)} (daemon {'alive' if alive else 'DEAD'} at the end)")
     print(f"bystander: {bystander.served} completions ({bystander.served / seconds:.1f}/s), "
-          f"{bystander.wrong} wrong, {bystander.failed} failed")
+          f"{bystander.wrong} wrong, {bystander.failed} failed {dict(bystander.errors)}")
     print(f"daemon RSS: {rss_before:.0f} MiB before, {rss_after:.0f} MiB after")
 
 
