@@ -9,41 +9,62 @@ with no free slot pauses the request that needs one: data is never dropped or ov
 Ordering needs no flags in the segment: the daemon writes the slot before the send that announces it,
 and reuses it only after the Release arrives; both are socket system calls, which order memory.
 
+A segment is named `ember-<pid>-<owner><random>`: the creating process, 8 hex digits derived from the
+daemon's socket path (owner_id) and 8 random ones. A daemon that is killed cannot unlink its segments;
+the next daemon on the same socket finds them by name and removes those whose creator is gone
+(remove_dead_segments). The format still matches what older clients accept (`ember-<pid>-<16 hex>`).
+
 Python's multiprocessing.shared_memory is not used: before 3.13 it registers even segments it merely
 attaches to with a resource tracker that unlinks them when the *client* exits.
 """
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import re
 import secrets
+from collections.abc import Callable
+from pathlib import Path
 
 import _posixshmem
 import numpy as np
 
 from ember.protocol.messages import ShmSlot
 
-_NAME = re.compile(r"ember-[0-9]+-[0-9a-f]{16}")
+_NAME = re.compile(r"ember-[0-9]+-[0-9a-f]{16}")  # what a reader maps: nothing but a segment named so
+_OWNED = re.compile(r"ember-(?P<pid>[1-9][0-9]{0,9})-(?P<owner>[0-9a-f]{8})[0-9a-f]{8}")
+SHM_DIR = Path("/dev/shm")  # where Linux shows POSIX shared memory (POSIX itself cannot list segments)
 _DTYPES = {"f32": np.dtype("<f4")}  # wire name -> numpy dtype; the only kinds a descriptor may name
 
 
 class ShmRing:
     """The daemon's side: owns the segment, hands out slots, writes arrays, unlinks at close."""
 
-    def __init__(self, name: str, buffer: mmap.mmap, n_slots: int, slot_bytes: int) -> None:
+    def __init__(self, name: str, buffer: mmap.mmap, n_slots: int, slot_bytes: int,
+                 on_close: Callable[[], None] | None = None) -> None:
         self.name, self.n_slots, self.slot_bytes = name, n_slots, slot_bytes
         self._buffer = buffer
+        self._on_close = on_close
         self._free = list(range(n_slots - 1, -1, -1))  # a stack: the most recently released slot is warm
         self._held: set[int] = set()
 
+    @staticmethod
+    def bytes_for(n_slots: int, slot_bytes: int) -> int:
+        """The segment's size for a ring of `n_slots` slots of `slot_bytes` (each rounded to a cache line)."""
+        return n_slots * _aligned(slot_bytes)
+
     @classmethod
-    def create(cls, n_slots: int, slot_bytes: int, mode: int = 0o600, group: int | None = None) -> ShmRing:
+    def create(cls, n_slots: int, slot_bytes: int, mode: int = 0o600, group: int | None = None,
+               owner: str | None = None, on_close: Callable[[], None] | None = None) -> ShmRing:
+        """A new segment. owner: owner_id() of the daemon's socket (None: a random one, so that no
+        daemon ever takes the segment for its own); on_close runs once, when the ring is closed."""
         if n_slots < 1 or slot_bytes < 1:
             raise ValueError(f"a ring needs slots and bytes, got {n_slots} x {slot_bytes}")
-        slot_bytes = -(-slot_bytes // 64) * 64  # each slot cache-line aligned
-        name = f"ember-{os.getpid()}-{secrets.token_hex(8)}"
-        fd = _posixshmem.shm_open("/" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        if owner is not None and not re.fullmatch(r"[0-9a-f]{8}", owner):
+            raise ValueError(f"a ring's owner is 8 hex digits (owner_id), got {owner!r}")
+        slot_bytes = _aligned(slot_bytes)
+        name, fd = _open_new(owner or secrets.token_hex(4), mode)
         try:
             os.fchmod(fd, mode)  # exactly `mode`, whatever the umask
             if group is not None:
@@ -55,7 +76,11 @@ class ShmRing:
             raise
         finally:
             os.close(fd)
-        return cls(name, buffer, n_slots, slot_bytes)
+        return cls(name, buffer, n_slots, slot_bytes, on_close)
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_slots * self.slot_bytes
 
     @property
     def free_slots(self) -> int:
@@ -98,6 +123,72 @@ class ShmRing:
             _posixshmem.shm_unlink("/" + self.name)
         except FileNotFoundError:
             pass
+        if self._on_close is not None:
+            self._on_close()  # the memory is given back (to the daemon's bound on rings, say)
+
+
+def owner_id(socket_path: str | os.PathLike[str]) -> str:
+    """8 hex digits naming the daemon of `socket_path` in its segments' names (symlinks resolved, so every
+    spelling of one socket gives one id)."""
+    return hashlib.sha256(os.fsencode(os.path.realpath(socket_path))).hexdigest()[:8]
+
+
+def remove_dead_segments(owner: str, shm_dir: Path = SHM_DIR) -> list[tuple[str, int]]:
+    """Unlink the segments of `owner` (owner_id of a socket) left by daemons that died; returns
+    (name, bytes) of each one removed.
+
+    Call it holding the socket's lock and before this process makes rings: then no live daemon serves
+    that socket, so a segment named with this process's own pid is a predecessor's whose pid came round
+    again (a container's daemon often gets the same pid each start). A segment whose creator is alive,
+    one of another owner or user, and anything not named by ShmRing.create are left alone."""
+    removed: list[tuple[str, int]] = []
+    try:
+        entries = list(os.scandir(shm_dir))
+    except FileNotFoundError:  # no /dev/shm (not Linux): nothing to find
+        return removed
+    for entry in entries:
+        match = _OWNED.fullmatch(entry.name)
+        if match is None or match["owner"] != owner or _alive(int(match["pid"])):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not entry.is_file(follow_symlinks=False) or st.st_uid != os.geteuid():
+                continue
+            _posixshmem.shm_unlink("/" + entry.name)
+        except (FileNotFoundError, PermissionError):  # gone meanwhile, or not ours to remove
+            continue
+        removed.append((entry.name, st.st_size))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # see remove_dead_segments: only a predecessor can have used our pid and socket
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    except OverflowError:  # not a pid this system can have: leave the segment alone
+        return True
+    return True
+
+
+def _aligned(slot_bytes: int) -> int:
+    return -(-slot_bytes // 64) * 64  # each slot cache-line aligned
+
+
+def _open_new(owner: str, mode: int) -> tuple[str, int]:
+    """A new segment's name and descriptor; a name taken already (8 random hex digits can repeat) is
+    drawn again."""
+    for _ in range(8):
+        name = f"ember-{os.getpid()}-{owner}{secrets.token_hex(4)}"
+        try:
+            return name, _posixshmem.shm_open("/" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free shared-memory name for ember-{os.getpid()}-{owner}...")
 
 
 class ShmRingReader:

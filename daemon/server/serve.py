@@ -2,13 +2,16 @@
 serve -> exit 0.
 
 The lock is taken before anything slow, so a second daemon on the same socket fails at once with a
-message naming the first. Each model's memory plan (daemon/planning/planner.py) is computed from its metadata
+message naming the first. Holding it, the daemon removes the logits segments a killed predecessor on
+the same socket left in /dev/shm (protocol/shm_ring.py names them after the socket and their creator's
+pid). The logits rings it makes for clients are bounded together by server.max_logits_bytes. Each model's memory plan (daemon/planning/planner.py) is computed from its metadata
 and logged before a weight is read; a model that does not fit stops the start with the planner's
 explanation. Models are loaded once and stay resident for the life of the process.
 """
 from __future__ import annotations
 
 import grp
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +32,8 @@ from ember.daemon.server.server import Server
 from ember.daemon.text.text_worker import Output, TextWorker
 from ember.daemon.server.socket_dir import SocketLock, prepare_socket_dir
 from ember.protocol.endpoint import daemon_socket_path, ipc_address
-from ember.protocol.shm_ring import ShmRing
+from ember.protocol.limits import LimitExceeded
+from ember.protocol.shm_ring import ShmRing, owner_id, remove_dead_segments
 
 DEMO_NAME = "ember-demo"
 # the planner speaks `ember plan`'s flags; what they are called in the daemon's configuration
@@ -47,6 +51,7 @@ def serve(config: Config) -> int:
     lock = SocketLock(path)
     lock.acquire()
     try:
+        _remove_dead_segments(path)
         specs = config.models or (ModelSpec(str(DEMO_MODEL), DEMO_NAME),)
         device = DeviceName.parse(config.engine.device)
         backend = backend_for(device)
@@ -60,13 +65,22 @@ def serve(config: Config) -> int:
             raise PlanDoesNotFit(e.plan, f"{e}\n{_DAEMON_KNOBS}") from None
         backend.prepare(on_compile=lambda: _compiling(notifier))
         models = _load_models(config, specs, policy.kv, notifier)
-        server = Server(config, models, path, notifier, _engine_factory(config, models, notifier))
+        server = Server(config, models, path, notifier, _engine_factory(config, models, notifier, path))
         uvloop.run(server.run())
     finally:
         lock.release()
         notifier.close()
     log.info("exit")
     return 0
+
+
+def _remove_dead_segments(socket_path: Path) -> None:
+    """A daemon killed on this socket left its logits segments behind (only a clean exit unlinks them):
+    each holds slots x vocab floats of memory until reboot. The lock is ours, so they are garbage."""
+    removed = remove_dead_segments(owner_id(socket_path))
+    if removed:
+        get_logger().info("removed the logits segments of a daemon that died", segments=len(removed),
+                          bytes=sum(size for _, size in removed), names=[name for name, _ in removed])
 
 
 def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: PrecisionPolicy, device: DeviceName,
@@ -109,7 +123,34 @@ def _load_models(config: Config, specs: tuple[ModelSpec, ...], kv_dtype: str, no
     return models
 
 
-def _engine_factory(config: Config, models: dict[str, Model], notifier: Notifier
+class RingBudget:
+    """The shared memory all clients' logits rings may hold together (server.max_logits_bytes): one ring
+    per client is bounded by logits_slots, but the number of clients is not. A ring gives its bytes back
+    when it is closed (its client went away, or the engine stopped)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.rings = 0
+        self._lock = threading.Lock()  # rings are made and closed on the engine thread; cheap insurance
+
+    def take(self, nbytes: int) -> None:
+        """Count a ring of `nbytes` in, or raise LimitExceeded (the client gets Error{limit})."""
+        with self._lock:
+            if self.used + nbytes > self.limit:
+                raise LimitExceeded(
+                    f"server.max_logits_bytes: {self.rings} clients' logits rings hold {self.used} bytes; one more of "
+                    f"{nbytes} bytes is over the limit of {self.limit} (retry when a client with logits disconnects)")
+            self.used += nbytes
+            self.rings += 1
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
+            self.rings -= 1
+
+
+def _engine_factory(config: Config, models: dict[str, Model], notifier: Notifier, socket_path: Path
                     ) -> Callable[[Callable[[list[Output]], None], Callable[[], None]], TextWorker]:
     vocab = max(m.config.vocab for m in models.values())
     group = grp.getgrnam(config.server.socket_group).gr_gid if config.server.socket_group else None
@@ -117,9 +158,23 @@ def _engine_factory(config: Config, models: dict[str, Model], notifier: Notifier
     e = config.engine
     backend = backend_for(e.device)
     contexts = {name: e.context_for(m.config.context_length) for name, m in models.items()}
+    owner = owner_id(socket_path)
+    slots = config.server.logits_slots
+    ring_bytes = ShmRing.bytes_for(slots, vocab * 4)
+    budget = RingBudget(config.server.max_logits_bytes)
+    if ring_bytes > budget.limit:
+        get_logger().warning("one logits ring is bigger than server.max_logits_bytes: every return_logits request "
+                             "will be refused with Error{limit}; raise the bound or lower server.logits_slots",
+                             ring_bytes=ring_bytes, max_logits_bytes=budget.limit)
 
     def new_ring() -> ShmRing:
-        return ShmRing.create(config.server.logits_slots, vocab * 4, mode=mode, group=group)
+        budget.take(ring_bytes)
+        try:
+            return ShmRing.create(slots, vocab * 4, mode=mode, group=group, owner=owner,
+                                  on_close=lambda: budget.give(ring_bytes))
+        except BaseException:
+            budget.give(ring_bytes)
+            raise
 
     def core(name: str, model: Model) -> EngineCore:
         # the KV pool the plan counted: max_active sequences of ctx tokens
