@@ -4,9 +4,10 @@ serve -> exit 0.
 The lock is taken before anything slow, so a second daemon on the same socket fails at once with a
 message naming the first. Holding it, the daemon removes the logits segments a killed predecessor on
 the same socket left in /dev/shm (protocol/shm_ring.py names them after the socket and their creator's
-pid). The logits rings it makes for clients are bounded together by server.max_logits_bytes. Each model's memory plan (daemon/planning/planner.py) is computed from its metadata
-and logged before a weight is read; a model that does not fit stops the start with the planner's
-explanation. Models are loaded once and stay resident for the life of the process.
+pid). Each model's memory plan (daemon/planning/planner.py) is computed from its metadata and logged
+before a weight is read; a model that does not fit stops the start with the planner's explanation.
+Models are loaded once and stay resident for the life of the process. The clients' logits rings are
+bounded together by server.max_logits_bytes (RingBudget).
 """
 from __future__ import annotations
 
