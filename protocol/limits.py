@@ -2,8 +2,10 @@
 
 Every size or count a client controls is bounded here, so no message can make the daemon allocate
 without bound. The daemon's configuration may change the values (`[limits]` in ember.toml); the
-checks run on every Generate before anything is queued. A message over `max_message_bytes` never
-reaches Python: libzmq drops the connection that sent it (ZMQ_MAXMSGSIZE).
+checks run on every Generate before anything is queued, and on a prompt's or Tokenize's text before it
+is tokenized (its size in bytes bounds its tokens from below). A frame over `max_message_bytes` never
+reaches Python: libzmq drops the connection that sent it (ZMQ_MAXMSGSIZE, which bounds each frame,
+not a message: the daemon discards the frames of a multi-frame message one by one as it reads them).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_chat_messages: int = 1024
     max_logit_bias: int = 1024  # entries
     max_top_logprobs: int = 20
-    max_requests_per_client: int = 16  # Generates in flight per connection
+    max_requests_per_client: int = 16  # Generates in flight per connection, and as many Tokenize/Detokenize
 
     def __post_init__(self) -> None:
         for name in self.__struct_fields__:
@@ -52,6 +54,20 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def check_prompt(self, n_tokens: int, context_length: int) -> None:
         _within("prompt tokens", n_tokens, min(self.max_prompt_tokens, context_length))
+
+    def check_prompt_bytes(self, n_bytes: int, max_token_bytes: int | None, context_length: int) -> None:
+        """Refuse, before it is tokenized, a text too long to be a prompt: no token stands for more than
+        `max_token_bytes` bytes of text (the tokenizer's bound, None if it has none), so `n_bytes` of
+        text are at least n_bytes / max_token_bytes tokens."""
+        limit = min(self.max_prompt_tokens, context_length)
+        if max_token_bytes is not None and n_bytes > limit * max_token_bytes:
+            at_least = -(-n_bytes // max_token_bytes)
+            raise LimitExceeded(f"prompt tokens: a text of {n_bytes} bytes is at least {at_least} tokens (at most "
+                                f"{max_token_bytes} bytes per token), over the limit of {limit}")
+
+    def check_detokenize(self, n_ids: int) -> None:
+        """A Detokenize: at most the ids of the longest sequence the daemon serves."""
+        _within("token ids", n_ids, self.max_prompt_tokens + self.max_tokens)
 
 
 def _within(what: str, value: int, limit: int) -> None:

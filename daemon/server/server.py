@@ -2,8 +2,14 @@
 
 It reads one message per frame, validates it, answers small requests itself, hands Generates to the
 engine and streams the engine's frames back through the Outbox. It never runs model code (tokenize
-and detokenize go to a helper thread) and it answers every bad message with an Error, whatever the
-bytes. Admission is decided here, at once: a full queue is Error{code: "busy"}, never a wait.
+and detokenize go to a helper thread, or for big texts to the text worker's TokenizePool processes,
+after a text too long for a prompt is refused by its size) and it answers every bad message with an
+Error, whatever the bytes. Admission is decided here, at once: a full queue is Error{code: "busy"},
+never a wait; tokenizer requests are bounded per client and in all the same way.
+
+A message is read frame by frame: libzmq bounds each frame (ZMQ_MAXMSGSIZE), not the frames of a
+message, and hands a multi-part message over only once all of it has arrived; the frames after the
+first are dropped as they are read, so the daemon's own code never holds more than one frame of it.
 
 Shutdown (SIGTERM/SIGINT): STOPPING=1, new Generates are refused with "shutting_down", the engine
 drains in-flight requests for `drain_timeout` and cancels the rest (every stream gets its Finished),
@@ -12,6 +18,7 @@ the backlogs are flushed, the socket is closed and unlinked, and run() returns.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import time
@@ -32,8 +39,10 @@ from ember.daemon.server.outbox import Outbox
 from ember.daemon.server.peers import Peer, Peers
 from ember.daemon.server.request import RequestError, request_from_generate, resolve_model
 from ember.daemon.text.text_worker import Output, TextWorker
+from ember.daemon.text.tokenize_pool import fingerprint
 from ember.daemon.runtime import Model
 from ember.protocol.codec import Codec, ProtocolError
+from ember.protocol.limits import LimitExceeded
 from ember.protocol.endpoint import ipc_address
 from ember.protocol.messages import (PROTOCOL_VERSION, Cancel, Detokenize, Error, ErrorCode, Finished,
                                      FinishReason, Generate, Health, HealthStatus, Hello, ListModels, ModelInfo,
@@ -56,8 +65,11 @@ class Server:
         self._started = time.monotonic()
         self._draining = False
         self._in_flight = 0
+        self._helpers_in_flight = 0  # Tokenize / Detokenize being worked on
         self._counters = dict(requests=0, tokens=0, cancelled=0, busy=0, errors=0)
         self._model_infos = tuple(_model_info(name, m) for name, m in models.items())
+        for m in models.values():  # computed once per model, now rather than on a client's time
+            m.tokenizer.max_token_bytes, fingerprint(m.tokenizer)
         self._handlers: dict[type, Callable[[bytes, Any], None]] = {
             Hello: self._hello, Generate: self._generate, Cancel: self._cancel, Release: self._release,
             Tokenize: self._tokenize, Detokenize: self._detokenize, ListModels: self._list_models,
@@ -137,19 +149,36 @@ class Server:
     # --- receiving -------------------------------------------------------------------------------
     async def _receive(self) -> None:
         while True:
-            frames = await self._sock.recv_multipart()
+            identity, body, frames = await self._next_message()
             try:
-                self._dispatch(frames)
+                self._dispatch(identity, body, frames)
             except Exception:  # a bug in a handler must not take the daemon down
                 self.log.exception("handler failed")
-                self._reply(frames[0], Error(None, ErrorCode.INTERNAL, "internal error"))
+                self._reply(identity, Error(None, ErrorCode.INTERNAL, "internal error"))
 
-    def _dispatch(self, frames: list[bytes]) -> None:
-        identity = frames[0]
-        if len(frames) != 2:
-            return self._reply(identity, Error(None, ErrorCode.BAD_MESSAGE, f"one message per frame, got {len(frames) - 1} frames"))
+    async def _next_message(self) -> tuple[bytes, zmq.Frame | None, int]:
+        """(the sender's identity, the message's first frame, how many frames it had). Frames after the
+        first are dropped as they are read (libzmq holds the whole message until then: see the module
+        docstring); memory freed in bulk that way goes back to the system."""
+        identity = await self._sock.recv()
+        first: zmq.Frame | None = None
+        frames = dropped = 0
+        while self._sock.get(zmq.RCVMORE):
+            frame = await self._sock.recv(copy=False)  # here already: the await returns at once
+            frames += 1
+            if frames == 1:
+                first = frame
+            else:
+                dropped += len(frame)
+        if dropped > self._limits.max_message_bytes:
+            _trim_heap()
+        return identity, first, frames
+
+    def _dispatch(self, identity: bytes, body: zmq.Frame | None, frames: int) -> None:
+        if body is None or frames != 1:
+            return self._reply(identity, Error(None, ErrorCode.BAD_MESSAGE, f"one message per frame, got {frames} frames"))
         try:
-            message = self._codec.decode_client(frames[1])
+            message = self._codec.decode_client(body.buffer)
         except ProtocolError as e:
             return self._reply(identity, Error(e.request_id, e.code, str(e)))
         self._handlers[type(message)](identity, message)
@@ -208,45 +237,92 @@ class Server:
             self._engine.release(identity, msg.slots)
 
     def _tokenize(self, identity: bytes, msg: Tokenize) -> None:
-        model = self._model_for(identity, msg.id, msg.model)
-        if model is not None:
-            self._helper(identity, msg.id, lambda: TokenIds(msg.id, tuple(model.tokenize(msg.text, add_special=msg.add_special))))
+        found = self._model_for(identity, msg.id, msg.model)
+        if found is None:
+            return
+        name, model = found
+        try:  # bounded like a prompt: a text too long for one is refused by its size, untokenized
+            size = self._engine.check_text_size(name, model.tokenizer, msg.text)
+        except LimitExceeded as e:
+            return self._reply(identity, Error(msg.id, ErrorCode.LIMIT, str(e)))
+        pool = self._engine.tokenize_pool
+        if size > pool.inline_bytes:  # in a worker process: a big encode holds the GIL throughout
+            start = lambda: asyncio.wrap_future(pool.encode(model.path, model.tokenizer, msg.text, msg.add_special))
+        else:
+            start = lambda: self._in_thread(lambda: model.tokenize(msg.text, add_special=msg.add_special))
+        self._helper(identity, msg.id, start, lambda ids: TokenIds(msg.id, tuple(ids)))
 
     def _detokenize(self, identity: bytes, msg: Detokenize) -> None:
-        model = self._model_for(identity, msg.id, msg.model)
-        if model is None:
+        found = self._model_for(identity, msg.id, msg.model)
+        if found is None:
             return
+        model = found[1]
+        try:
+            self._limits.check_detokenize(len(msg.token_ids))
+        except LimitExceeded as e:
+            return self._reply(identity, Error(msg.id, ErrorCode.LIMIT, str(e)))
         if any(not 0 <= t < model.config.vocab for t in msg.token_ids):
             return self._reply(identity, Error(msg.id, ErrorCode.BAD_REQUEST, f"token ids must be in [0, {model.config.vocab})"))
-        self._helper(identity, msg.id, lambda: Text(msg.id, model.detokenize(msg.token_ids)))
+        pool = self._engine.tokenize_pool
+        if len(msg.token_ids) > pool.inline_ids:
+            start = lambda: asyncio.wrap_future(pool.decode(model.path, model.tokenizer, msg.token_ids))
+        else:
+            start = lambda: self._in_thread(lambda: model.detokenize(msg.token_ids))
+        self._helper(identity, msg.id, start, lambda text: Text(msg.id, text))
 
-    def _model_for(self, identity: bytes, request_id: int, name: str) -> Model | None:
+    def _model_for(self, identity: bytes, request_id: int, name: str) -> tuple[str, Model] | None:
         """The named model, or None after answering the Error (at once: only the tokenizer's work is
         worth a helper thread)."""
         try:
-            return resolve_model(name, self._models)[1]
+            return resolve_model(name, self._models)
         except RequestError as e:
             self._reply(identity, Error(request_id, e.code, str(e)))
             return None
 
-    def _helper(self, identity: bytes, request_id: int, work: Callable[[], ServerMessage]) -> None:
-        """Run tokenizer work off the loop; bounded per client like Generates."""
+    def _helper(self, identity: bytes, request_id: int, start: Callable[[], asyncio.Future[Any]],
+                reply: Callable[[Any], ServerMessage]) -> None:
+        """Start tokenizer work off the loop (`start`) and answer with `reply(its result)`; bounded per
+        client like Generates, and in all like the engine's queue (then: busy)."""
         peer = self._peers.get_or_add(identity)
-        if peer.helpers >= self._limits.max_requests_per_client:
-            self._peers.forget_if_idle(peer)
-            return self._reply(identity, Error(request_id, ErrorCode.LIMIT, "too many tokenizer requests in flight"))
-        peer.helpers += 1
-
-        def done(future: asyncio.Future[ServerMessage]) -> None:
-            peer.helpers -= 1
+        refusal = self._helper_admission(request_id, peer)
+        if refusal is None:
             try:
-                reply = future.result()
+                future = start()
+            except (OSError, RuntimeError) as e:  # no worker process could be started, or shutting down
+                refusal = Error(request_id, ErrorCode.INTERNAL, f"cannot tokenize: {e}")
+        if refusal is not None:
+            self._peers.forget_if_idle(peer)
+            return self._reply(identity, refusal)
+        peer.helpers += 1
+        self._helpers_in_flight += 1
+
+        def done(future: asyncio.Future[Any]) -> None:
+            peer.helpers -= 1
+            self._helpers_in_flight -= 1
+            try:
+                message = reply(future.result())
+            except asyncio.CancelledError:  # the pools stop with the daemon
+                message = Error(request_id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
             except ValueError as e:  # TokenizerError
-                reply = Error(request_id, ErrorCode.BAD_REQUEST, str(e))
-            self._reply(identity, reply)
+                message = Error(request_id, ErrorCode.BAD_REQUEST, str(e))
+            except Exception as e:  # a worker process died, or the model file changed on disk
+                self.log.error("tokenizer request failed", client=peer.name, error=f"{type(e).__name__}: {e}")
+                message = Error(request_id, ErrorCode.INTERNAL, f"tokenizing failed: {type(e).__name__}")
+            self._reply(identity, message)
             self._peers.forget_if_idle(peer)
 
-        asyncio.get_running_loop().run_in_executor(self._helpers, work).add_done_callback(done)
+        future.add_done_callback(done)
+
+    def _helper_admission(self, request_id: int, peer: Peer) -> Error | None:
+        if peer.helpers >= self._limits.max_requests_per_client:
+            return Error(request_id, ErrorCode.LIMIT, "too many tokenizer requests in flight")
+        if self._helpers_in_flight >= self._config.engine.max_active + self._config.engine.max_queued:
+            self._counters["busy"] += 1
+            return Error(request_id, ErrorCode.BUSY, f"{self._helpers_in_flight} tokenizer requests in flight: retry later")
+        return None
+
+    def _in_thread(self, work: Callable[[], Any]) -> asyncio.Future[Any]:
+        return asyncio.get_running_loop().run_in_executor(self._helpers, work)
 
     def _list_models(self, identity: bytes, msg: ListModels) -> None:
         self._reply(identity, Models(msg.id, self._model_infos))
@@ -313,6 +389,15 @@ class Server:
 def _model_info(name: str, model: Model) -> ModelInfo:
     c = model.config
     return ModelInfo(name, c.arch, c.vocab, c.context_length, model.tokenizer.chat_template is not None)
+
+
+def _trim_heap() -> None:
+    """Give memory freed in bulk back to the system: glibc keeps freed chunks for reuse, so a burst of
+    discarded frames would otherwise stay in the daemon's RSS (ctypes releases the GIL meanwhile)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:

@@ -2,9 +2,12 @@
 it — and the daemon's front for the engine: the I/O loop gives it every engine command.
 
 In, through one queue (so that a Cancel never overtakes the Generate it cancels):
-- requests from the I/O loop: tokenize or render the prompt, check it against the limits, build the
-  sequence, hand it to the engine thread (or answer an Error);
-- cancels, dropped clients and the shutdown, forwarded to the engine in that order;
+- requests from the I/O loop: render the prompt, refuse it by its size in bytes if it cannot fit the
+  context, tokenize it (here when small; a big one in a worker process of the TokenizePool, whose ids
+  come back through the queue: the GIL is never held for a big encode), check it against the limits,
+  build the sequence, hand it to the engine thread (or answer an Error);
+- cancels, dropped clients and the shutdown, forwarded to the engine in that order (a request still
+  being tokenized is ended here: Finished{cancelled}; the shutdown waits for those being tokenized);
 - after each engine step, its progress: detokenize, find stop strings, build the Tokens / Finished
   frames of every request the step touched, and publish them together (one wake-up of the I/O loop
   per step, not per request).
@@ -18,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 from ember.daemon.engine.engine_core import EngineCore
@@ -27,6 +31,8 @@ from ember.daemon.server.engine_thread import EngineStats, EngineThread, Progres
 from ember.daemon.server.request import Request
 from ember.daemon.text.chat_template import ChatTemplateError
 from ember.daemon.text.stop_strings import StopStrings
+from ember.daemon.text.tokenize_pool import TokenizePool
+from ember.daemon.text.tokenizer import Tokenizer
 from ember.protocol.limits import LimitExceeded, Limits
 from ember.protocol.messages import (Error, ErrorCode, Finished, FinishReason, ServerMessage, Timings, Tokens,
                                      TopLogprob, Usage)
@@ -46,6 +52,9 @@ class TextWorker:
         self._publish = publish
         self._on_stopped = on_stopped
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self.tokenize_pool = TokenizePool()  # the server's Tokenize and Detokenize use it too
+        self._tokenizing: dict[tuple[bytes, int], Request] = {}  # prompts in the pool's workers
+        self._stopping: float | None = None  # the shutdown's deadline, until it is forwarded to the engine
         self._thread = threading.Thread(target=self._run, name="ember-text", daemon=True)
         self.engine = EngineThread(cores=cores, progress=self.progress, on_stopped=self.engine_stopped, **engine_options)
         self.log = get_logger()
@@ -59,13 +68,22 @@ class TextWorker:
         self._queue.put(lambda: self._admit(request))
 
     def cancel(self, client: bytes, request_id: int) -> None:
-        self._queue.put(lambda: self.engine.cancel(client, request_id))
+        self._queue.put(lambda: self._cancel(client, request_id))
 
     def drop_client(self, client: bytes) -> None:
-        self._queue.put(lambda: self.engine.drop_client(client))
+        self._queue.put(lambda: self._drop_client(client))
 
     def shutdown(self, drain_timeout: float) -> None:
-        self._queue.put(lambda: self.engine.shutdown(drain_timeout))
+        deadline = time.monotonic() + drain_timeout
+        self._queue.put(lambda: self._shutdown(deadline))
+
+    def check_text_size(self, model_name: str, tokenizer: Tokenizer, text: str) -> int:
+        """`text`'s size in bytes, or LimitExceeded if its size alone shows that it has more tokens than
+        a prompt for `model_name` may: it is then refused without being tokenized. Any thread (the I/O
+        loop checks a Tokenize's text with it)."""
+        size = _utf8_len(text)
+        self._limits.check_prompt_bytes(size, tokenizer.max_token_bytes, self._contexts[model_name] - 1)
+        return size
 
     def set_paused(self, client: bytes, paused: bool) -> None:
         self.engine.set_paused(client, paused)
@@ -93,19 +111,59 @@ class TextWorker:
         except Exception:  # a bug here: say so; the engine's drain still ends the daemon cleanly
             self.log.exception("text worker failed")
         finally:
+            self.tokenize_pool.close()
             self._on_stopped()
 
     def _admit(self, r: Request) -> None:
-        """Tokenize or render the prompt and hand the sequence to the engine, or answer an Error."""
+        """Render the prompt and refuse it by its size if it cannot fit; tokenize it here if it is small,
+        in a worker process if not (its ids come back through the queue), then _start it."""
         try:
             if r.prompt_ids is None:
-                r.prompt_ids = r.model.chat_ids(r.messages) if r.messages is not None else r.model.tokenize(r.prompt_text or "")
+                text = r.model.render_chat(r.messages) if r.messages is not None else r.prompt_text or ""
+                if self.check_text_size(r.model_name, r.model.tokenizer, text) > self.tokenize_pool.inline_bytes:
+                    return self._offload(r, text)
+                # a chat template writes its own special tokens (Model.chat_ids)
+                r.prompt_ids = r.model.tokenize(text, add_special=r.messages is None)
+        except LimitExceeded as e:
+            return self._reject(r, ErrorCode.LIMIT, str(e))
+        except (ValueError, ChatTemplateError) as e:  # TokenizerError is a ValueError
+            return self._reject(r, ErrorCode.BAD_REQUEST, str(e))
+        self._start(r)
+
+    def _offload(self, r: Request, text: str) -> None:
+        try:
+            future = self.tokenize_pool.encode(r.model.path, r.model.tokenizer, text, add_special=r.messages is None)
+        except (OSError, RuntimeError) as e:  # no process could be started, or the pool is closing
+            return self._reject(r, ErrorCode.INTERNAL, f"cannot tokenize the prompt: {e}")
+        self._tokenizing[r.key] = r
+        future.add_done_callback(lambda f: self._queue.put(lambda: self._tokenized(r, f)))
+
+    def _tokenized(self, r: Request, future: Future[list[int]]) -> None:
+        """A worker's ids for `r`'s prompt (r.done: it was cancelled meanwhile, and answered)."""
+        if self._tokenizing.get(r.key) is r:
+            del self._tokenizing[r.key]
+        if not r.done:
+            try:
+                r.prompt_ids = future.result()
+            except ValueError as e:  # TokenizerError
+                self._reject(r, ErrorCode.BAD_REQUEST, str(e))
+            except Exception as e:  # a worker died, or the model file changed on disk
+                r.log.error("tokenizing in a worker failed", error=f"{type(e).__name__}: {e}")
+                self._reject(r, ErrorCode.INTERNAL, f"cannot tokenize the prompt: {type(e).__name__}")
+            else:
+                self._start(r)
+        self._forward_shutdown()
+
+    def _start(self, r: Request) -> None:
+        """Check the tokenized prompt and hand the sequence to the engine, or answer an Error."""
+        assert r.prompt_ids is not None
+        try:
             if not r.prompt_ids:
                 raise ValueError("the prompt is empty")
             self._limits.check_prompt(len(r.prompt_ids), self._contexts[r.model_name] - 1)
         except LimitExceeded as e:
             return self._reject(r, ErrorCode.LIMIT, str(e))
-        except (ValueError, ChatTemplateError) as e:  # TokenizerError is a ValueError
+        except ValueError as e:
             return self._reject(r, ErrorCode.BAD_REQUEST, str(e))
         r.text = r.model.tokenizer.stream_decoder(context=r.prompt_ids)
         r.stops = StopStrings(r.stop)
@@ -116,6 +174,39 @@ class TextWorker:
         r.seq = Sequence(r.prompt_ids, r.max_tokens, r.params, r.seed, stop_ids, client=r.client,
                          wants_logits=r.return_logits, wants_logprob=r.logprobs or r.params.logprobs > 0)
         self.engine.add(r)
+
+    # --- commands that may meet a prompt still being tokenized ---------------------------------------
+    def _cancel(self, client: bytes, request_id: int) -> None:
+        r = self._tokenizing.pop((client, request_id), None)
+        if r is None:
+            return self.engine.cancel(client, request_id)
+        r.done = True  # its ids, when they come, go nowhere
+        self._publish([(r.client, self._finished(r, FinishReason.CANCELLED, ""))])
+
+    def _drop_client(self, client: bytes) -> None:
+        for key in [key for key in self._tokenizing if key[0] == client]:
+            self._cancel(*key)
+        self.engine.drop_client(client)
+
+    def _shutdown(self, deadline: float) -> None:
+        """Drain: the engine stops once it has nothing left, so the prompts being tokenized reach it
+        first; any still in a worker at the deadline are cancelled."""
+        self._stopping = deadline
+        if self._tokenizing:
+            timer = threading.Timer(max(0.0, deadline - time.monotonic()), lambda: self._queue.put(self._deadline))
+            timer.daemon = True
+            timer.start()
+        self._forward_shutdown()
+
+    def _deadline(self) -> None:
+        for key in list(self._tokenizing):
+            self._cancel(*key)
+        self._forward_shutdown()
+
+    def _forward_shutdown(self) -> None:
+        if self._stopping is not None and not self._tokenizing:
+            self.engine.shutdown(max(0.0, self._stopping - time.monotonic()))
+            self._stopping = None
 
     def _frames(self, news: list[Progress]) -> None:
         frames: list[Output] = []
@@ -182,3 +273,7 @@ class TextWorker:
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))

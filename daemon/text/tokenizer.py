@@ -17,6 +17,7 @@ included), so ids and text equal transformers'.
 """
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -249,6 +250,34 @@ class Tokenizer:
     def stream_decoder(self, skip_special: bool = False, context: Sequence[int] = ()) -> StreamDecoder:
         return StreamDecoder(self, skip_special, context)
 
+    # --- bounds -------------------------------------------------------------------------------------
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most bytes of text one token of an encode can stand for, or None when the tokenizer
+        can drop or fuse text (then no length of text bounds its tokens from below).
+
+        A text of n bytes has at least n / max_token_bytes tokens: the daemon refuses a prompt too long
+        for the context by its size, before encoding it. GGUF: the longest token's bytes, unless
+        SentencePiece's unknown token can stand for a run of characters (no byte tokens to fall back
+        on). Hugging Face: the longest vocabulary entry as written (never fewer bytes than the text it
+        stands for), times what normalization can shrink a text by (NFKC: 4x, mathematical letters
+        to ASCII; NFC and lowercasing: 3x, Hangul jamo into syllables, the Kelvin sign to "k"), and None
+        for normalizers, pre-tokenizers and added tokens that may delete text (whitespace removal or
+        stripping, cleanups) or models whose unknown token swallows a word."""
+        if self._gguf is not None:
+            return self._gguf.max_piece_bytes()
+        model = self.core.model
+        if type(model).__name__ != "BPE" or (model.unk_token is not None and model.fuse_unk
+                                             and not (model.byte_fallback and _has_byte_tokens(self.core))):
+            return None
+        if any(t.lstrip or t.rstrip for t in self.core.get_added_tokens_decoder().values()):
+            return None  # such a token swallows the whitespace beside it, however long
+        slack = _text_shrink(self.core)
+        if slack is None:
+            return None
+        longest = max(len(self.core.id_to_token(i).encode()) for i in range(self.vocab_size))
+        return max(longest, 4) * slack  # 4: an unknown character (one token) is at most 4 bytes
+
 
 class StreamDecoder:
     """Token ids in, text deltas out, never splitting a UTF-8 character (bytes of an unfinished one are
@@ -320,6 +349,18 @@ class _GgufVocab:
                         cut.append(fragment)
             parts = cut
         return parts
+
+    def max_piece_bytes(self) -> int | None:
+        """Tokenizer.max_token_bytes of this vocabulary: None when a character could be dropped or
+        fused into an unknown token, which only a vocabulary without every byte's token allows."""
+        known = set(self.tokens)
+        if self.byte_level:  # a byte whose character is no token would be dropped by the BPE
+            complete = all(c in known for c in _BYTE_OF_CHAR)
+        else:  # SentencePiece falls back on <0xXX> tokens, else on the (fused) unknown token
+            complete = all(f"<0x{b:02X}>" in known for b in range(256))
+        if not complete:
+            return None
+        return max(len(self.piece(i, False)) for i in range(len(self.tokens)))
 
     def resolve(self, ids: list[int]) -> list[int]:
         """The BPE's ids with the characters it left unmerged that are no token as their byte tokens."""
@@ -527,6 +568,53 @@ def _token_id(meta: Mapping[str, Any], name: str, n_tokens: int, default: int | 
 
 def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) else None
+
+
+def _has_byte_tokens(core: CoreTokenizer) -> bool:
+    vocab = core.get_vocab(with_added_tokens=False)
+    return all(f"<0x{b:02X}>" in vocab for b in range(256))
+
+
+# how many times fewer bytes a normalizer can leave of a text (NFKC: "𝐀" 4 bytes -> "A"; NFC: 3 jamo -> 1 syllable)
+_SHRINKS = {"NFC": 3, "NFD": 3, "NFKC": 4, "NFKD": 4, "Lowercase": 3, "Prepend": 1}
+_KEEPS_TEXT = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts"}  # pre-tokenizers that drop nothing
+
+
+def _text_shrink(core: CoreTokenizer) -> int | None:
+    """How many times shorter in bytes the text the model sees can be than the text given (None:
+    without bound, as for a normalizer or pre-tokenizer that deletes text)."""
+    factor = 1
+    for part in _parts(core.normalizer, "normalizers"):
+        kind = part.get("type")
+        if kind == "Replace" and "String" in part.get("pattern", {}):  # shrinks by at most pattern / content
+            pattern, content = part["pattern"]["String"].encode(), str(part.get("content", "")).encode()
+            if not content:
+                return None
+            factor *= max(1, -(-len(pattern) // len(content)))
+        elif kind in _SHRINKS:
+            factor *= _SHRINKS[kind]
+        else:
+            return None
+    for part in _parts(core.pre_tokenizer, "pretokenizers"):
+        kind = part.get("type")
+        if not (kind in _KEEPS_TEXT or (kind in ("Split", "Punctuation") and part.get("behavior") != "Removed")):
+            return None
+    return factor
+
+
+def _parts(component: Any, key: str) -> list[dict[str, Any]]:
+    """A normalizer's or pre-tokenizer's steps, as tokenizer.json writes them (a Sequence flattened)."""
+    if component is None:
+        return []
+    state = json.loads(component.__getstate__())
+    steps, out = [state], []
+    while steps:
+        step = steps.pop(0)
+        if step.get("type") == "Sequence":
+            steps[:0] = step.get(key, [])
+        else:
+            out.append(step)
+    return out
 
 
 # --- reading Hugging Face directories -------------------------------------------------------------------
