@@ -356,3 +356,28 @@ def test_a_huge_multi_part_message_is_dropped_frame_by_frame(daemon4, bystander,
     assert isinstance(got[1], m.HealthStatus)
     assert growth < 128  # well below the 512 MiB the message is
     assert served > 0
+
+
+def test_tokenizer_requests_are_bounded_per_client_and_in_all(daemon4) -> None:  # type: ignore[no-untyped-def]
+    # each text keeps the worker busy ~0.2 s: every request is in before the first is answered
+    payload = codec.encode(m.Tokenize(0, (TEXT * 5000)[:300_000]))
+    ctx = zmq.Context()
+    try:
+        first, *others = socks = [ctx.socket(zmq.DEALER) for _ in range(3)]
+        for sock in socks:
+            sock.setsockopt(zmq.RCVTIMEO, int(WAIT * 1000))
+            sock.connect(f"ipc://{daemon4.socket}")
+        for _ in range(18):
+            first.send(payload)
+        over = replies(first, 2)  # at once: 16 in flight per client
+        for sock in others:
+            for _ in range(16):
+                sock.send(payload)
+        got = [replies(first, 16), *(replies(sock, 16) for sock in others)]
+    finally:
+        ctx.destroy(linger=0)
+    assert [(r.code, r.message) for r in over] == [(m.ErrorCode.LIMIT, "too many tokenizer requests in flight")] * 2
+    assert all(isinstance(r, m.TokenIds) for r in got[0])
+    others_answered = [r for rs in got[1:] for r in rs if isinstance(r, m.TokenIds)]
+    busy = [r for rs in got[1:] for r in rs if isinstance(r, m.Error) and r.code == m.ErrorCode.BUSY]
+    assert (len(others_answered), len(busy)) == (4 + 32 - 16, 12)  # max_active + max_queued in all
