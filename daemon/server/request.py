@@ -87,6 +87,8 @@ def request_from_generate(client: bytes, msg: Generate, models: Mapping[str, Mod
     given = [x is not None for x in (msg.prompt, msg.token_ids, msg.messages)]
     if sum(given) != 1:
         raise RequestError(ErrorCode.BAD_REQUEST, "give exactly one of prompt, token_ids and messages")
+    if msg.messages is not None and not msg.messages:
+        raise RequestError(ErrorCode.BAD_REQUEST, "messages is empty: a chat needs at least one message")
     if msg.max_tokens < 0:
         raise RequestError(ErrorCode.BAD_REQUEST, f"max_tokens must be >= 0, got {msg.max_tokens}")
     vocab = model.config.vocab

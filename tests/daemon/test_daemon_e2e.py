@@ -80,8 +80,8 @@ def test_errors_are_typed(daemon) -> None:  # type: ignore[no-untyped-def]
             client.generate("x", temperature=-1.0).text()
         with pytest.raises(BadRequest, match="token ids"):
             client.generate([1, 2, 10**6]).text()
-        with pytest.raises(BadRequest, match="chat template"):
-            client.chat([{"role": "user", "content": "hi"}]).text()
+        with pytest.raises(BadRequest, match="messages is empty"):
+            client.chat([]).text()
         with pytest.raises(BadRequest):
             client.detokenize([-1])
         assert client.health().status == "ok"  # and the daemon goes on

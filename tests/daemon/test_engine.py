@@ -11,7 +11,7 @@ import pytest
 
 from ember.daemon.engine.defaults import KV_BLOCK
 from ember.daemon.text.text_worker import Output, TextWorker
-from ember.daemon.server.request import Request, request_from_generate
+from ember.daemon.server.request import Request, RequestError, request_from_generate
 from ember.protocol.limits import Limits
 from ember.protocol.messages import Error, Finished, Generate, Tokens
 from ember.protocol.shm_ring import ShmRing, ShmRingReader
@@ -134,9 +134,10 @@ def test_full_logits_ring_pauses_until_release(harness: Harness, demo_model) -> 
 def test_bad_prompts_are_errors_not_crashes(harness: Harness) -> None:
     harness.request(b"e", Generate(1, token_ids=tuple(range(65))))  # over max_prompt_tokens
     harness.request(b"e", Generate(2, prompt=""))
-    harness.request(b"e", Generate(3, messages=()))
-    frames = harness.until_finished(3)
-    assert [frames[(b"e", i)][0].code for i in (1, 2, 3)] == ["limit", "bad_request", "bad_request"]
+    with pytest.raises(RequestError, match="messages is empty"):  # refused before it reaches the engine
+        harness.request(b"e", Generate(3, messages=()))
+    frames = harness.until_finished(2)
+    assert [frames[(b"e", i)][0].code for i in (1, 2)] == ["limit", "bad_request"]
     harness.request(b"e", Generate(4, prompt="x", max_tokens=2))  # and the engine goes on
     assert isinstance(harness.until_finished(1)[(b"e", 4)][-1], Finished)
 
