@@ -87,6 +87,7 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
         self.log = get_logger()
         self.stats = EngineStats()
+        self.crashed = False  # the loop ended on an internal error
 
     # --- commands (any thread) -----------------------------------------------------------------------
     def start(self) -> None:
@@ -138,6 +139,7 @@ class EngineThread:
                 self._heartbeat()
         except Exception:  # a bug in the engine itself: say so loudly, then stop (systemd restarts us)
             self.log.exception("engine loop failed")
+            self.crashed = True
         finally:
             for ring in self._rings.values():
                 ring.close()

@@ -71,6 +71,9 @@ def serve(config: Config) -> int:
     finally:
         lock.release()
         notifier.close()
+    if server.failed:  # exit 1: systemd's Restart=on-failure starts a fresh daemon
+        log.error("exit after an internal failure of the text or engine thread")
+        return 1
     log.info("exit")
     return 0
 

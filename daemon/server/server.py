@@ -110,6 +110,11 @@ class Server:
             self._unlink_socket()
             self.log.info("stopped")
 
+    @property
+    def failed(self) -> bool:
+        """Whether serving ended because a worker thread failed, not because of a shutdown."""
+        return self._engine.crashed
+
     def shutdown(self) -> None:
         """SIGTERM: finish or cancel in-flight work, then stop (run() returns)."""
         if self._draining:

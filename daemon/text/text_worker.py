@@ -51,6 +51,7 @@ class TextWorker:
         self._contexts = {name: core.scheduler.max_context for name, core in cores.items()}
         self._publish = publish
         self._on_stopped = on_stopped
+        self._crashed = False
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self.tokenize_pool = TokenizePool()  # the server's Tokenize and Detokenize use it too
         self._tokenizing: dict[tuple[bytes, int], Request] = {}  # prompts in the pool's workers
@@ -92,6 +93,11 @@ class TextWorker:
         self.engine.release(client, slots)
 
     @property
+    def crashed(self) -> bool:
+        """The text thread or the engine thread ended on an internal error, not on a shutdown."""
+        return self._crashed or self.engine.crashed
+
+    @property
     def stats(self) -> EngineStats:
         return self.engine.stats
 
@@ -108,8 +114,9 @@ class TextWorker:
         try:
             while (item := self._queue.get()) is not None:
                 item()
-        except Exception:  # a bug here: say so; the engine's drain still ends the daemon cleanly
+        except Exception:  # a bug here: say so, and stop the daemon with a failure (systemd restarts it)
             self.log.exception("text worker failed")
+            self._crashed = True
         finally:
             self.tokenize_pool.close()
             self._on_stopped()

@@ -225,3 +225,15 @@ def test_non_reading_clients_neither_starve_others_nor_wait_forever(demo_model) 
         last = stalled[(b"slow", i)][-1]
         assert last.reason == "error" and "read nothing" in last.message
     h.stop()
+
+
+def test_a_failing_text_thread_stops_serving_as_a_crash(demo_model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    h = Harness(demo_model)
+
+    def broken(news: object) -> None:
+        raise RuntimeError("a bug in the text thread")
+
+    monkeypatch.setattr(h.engine, "_frames", broken)
+    h.request(b"x", Generate(1, prompt="x", max_tokens=3))
+    assert h.stopped.wait(WAIT)  # the server is told to stop ...
+    assert h.engine.crashed  # ... and that it was a failure: `ember serve` exits 1, systemd restarts it
