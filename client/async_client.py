@@ -7,7 +7,8 @@
         print(stream.finished.reason)
 
 One reader task receives every frame and sorts it into the queue of its request, so any number of
-tasks may share one AsyncClient.
+tasks may share one AsyncClient. It also reads the socket's monitor: as in Client, a broken connection
+ends the requests in flight with DaemonUnavailable or ConnectionLost, after the frames that came before.
 """
 from __future__ import annotations
 
@@ -20,12 +21,15 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 import ember
 from ember.client.errors import DaemonUnavailable, EmberError, EmberTimeout
-from ember.client.request_builder import Chunk, chunk_from, end_of_stream, expect, generate_message
+from ember.client.request_builder import (MONITOR_EVENTS, Chunk, Lost, chunk_from, configure, daemon_address, encode,
+                                          end_of_stream, expect, generate_message, lost_connection, message_limit,
+                                          unreachable)
 from ember.protocol.codec import Codec, ProtocolError
-from ember.protocol.endpoint import client_socket_path, ipc_address
+from ember.protocol.endpoint import client_socket_path
 from ember.protocol.messages import (PROTOCOL_VERSION, Cancel, ChatMessage, Detokenize, Error, Finished, Health,
                                      HealthStatus, Hello, ListModels, ModelInfo, Models, Ping, Release, ServerMessage,
                                      Stats, StatsReport, Text, TokenIds, Tokenize, Tokens, Welcome, Wire)
@@ -40,10 +44,14 @@ class AsyncClient:
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self._codec = Codec()
         self._ids = itertools.count(1)
-        self._queues: dict[int, asyncio.Queue[ServerMessage]] = {}
+        self._queues: dict[int, asyncio.Queue[ServerMessage | Lost]] = {}
+        self._pending: set[int] = set()  # requests sent whose last frame has not come
         self._heard = time.monotonic()
+        self._max_message = message_limit(None)
+        self._connected = False
         self._reader = ShmRingReader()
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.server = ""
         self.welcome_models: tuple[ModelInfo, ...] = ()
@@ -51,14 +59,12 @@ class AsyncClient:
     async def connect(self) -> AsyncClient:
         if self._sock is not None:
             return self
-        if not self.socket_path.exists():
-            raise DaemonUnavailable(f"no ember daemon at {self.socket_path} (start one with `ember serve`)")
+        address = daemon_address(self.socket_path)
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        # no ZMQ_IMMEDIATE: with it, libzmq discards frames not yet read when the daemon
-        # disconnects, and a daemon that shuts down sends its last Finished frames just before that
-        self._sock.connect(ipc_address(self.socket_path))
+        configure(self._sock, self.timeout)
+        self._monitor = self._sock.get_monitor_socket(MONITOR_EVENTS)
+        self._sock.connect(address)
         self._task = asyncio.create_task(self._read())
         try:
             welcome = await self._call(Hello(self._next_id(), PROTOCOL_VERSION, f"ember-sdk/{ember.__version__}"),
@@ -71,6 +77,7 @@ class AsyncClient:
             await self.close()
             raise
         self.server, self.welcome_models = welcome.server, welcome.models
+        self._max_message = message_limit(welcome)
         return self
 
     async def close(self) -> None:
@@ -79,9 +86,12 @@ class AsyncClient:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         if self._sock is not None:
+            self._sock.disable_monitor()
+            assert self._monitor is not None
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
             self._ctx.term()
-            self._sock = None
+            self._sock = self._monitor = None
         self._reader.close()
 
     async def __aenter__(self) -> AsyncClient:
@@ -118,23 +128,36 @@ class AsyncClient:
         return next(self._ids)
 
     def _start(self, message: Any) -> AsyncStream:
-        self._queues[message.id] = asyncio.Queue()
-        return AsyncStream(self, message.id, self._send(message))
+        return AsyncStream(self, message.id, self._send_request(message))
 
     async def _call(self, message: Any, kind: type[Any], timeout: float | None = None) -> Any:
-        self._queues[message.id] = asyncio.Queue()
         try:
-            await self._send(message)
+            await self._send_request(message)
             return expect(await self._next_for(message.id, timeout), kind)
         finally:
-            self._queues.pop(message.id, None)
+            self._forget(message.id)
+
+    def _send_request(self, message: Any) -> asyncio.Future[Any]:
+        """Send a message that gets answers, with a queue for them (none if it could not be sent)."""
+        payload = encode(self._codec, message, self._max_message)
+        sent = self._send_payload(payload)
+        self._queues[message.id] = asyncio.Queue()
+        self._pending.add(message.id)
+        return sent
 
     def _send(self, message: Wire) -> asyncio.Future[Any]:
+        return self._send_payload(encode(self._codec, message, self._max_message))
+
+    def _send_payload(self, payload: bytes) -> asyncio.Future[Any]:
         """Sends now when the socket takes it (pyzmq tries at once); the future says when it went."""
         if self._sock is None:
             raise EmberError("not connected: use `async with AsyncClient()` or `await client.connect()`")
-        future: asyncio.Future[Any] = self._sock.send(self._codec.encode(message))  # type: ignore[assignment]
+        future: asyncio.Future[Any] = self._sock.send(payload)  # type: ignore[assignment]
         return future
+
+    def _forget(self, request_id: int) -> None:
+        self._queues.pop(request_id, None)
+        self._pending.discard(request_id)
 
     async def _next_for(self, request_id: int, timeout: float | None = None) -> ServerMessage:
         timeout = self.timeout if timeout is None else timeout
@@ -145,14 +168,34 @@ class AsyncClient:
             if left <= 0:
                 raise EmberTimeout(f"nothing from the daemon at {self.socket_path} for {timeout:g} s")
             try:
-                return await asyncio.wait_for(queue.get(), left)
+                reply = await asyncio.wait_for(queue.get(), left)
             except TimeoutError:
                 continue  # silence for us, but maybe not from the daemon: re-check against _heard
+            if isinstance(reply, Lost):
+                queue.put_nowait(reply)  # left in place: every later read says the same
+                reply.raise_()
+            return reply
 
     async def _read(self) -> None:
+        """The reader task: frames into their queues, monitor events into the requests' fate."""
+        assert self._sock is not None and self._monitor is not None
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            ready = dict(await poller.poll())
+            if self._sock in ready:
+                self._read_available()
+            if self._monitor in ready:
+                await self._read_events()
+
+    def _read_available(self) -> None:
         assert self._sock is not None
         while True:
-            payload = await self._sock.recv()
+            try:
+                payload = self._sock.recv(zmq.NOBLOCK).result()  # pyzmq answers a NOBLOCK recv at once
+            except zmq.Again:
+                return
             self._heard = time.monotonic()
             try:
                 message = self._codec.decode_server(payload)
@@ -163,13 +206,44 @@ class AsyncClient:
             queue = self._queues.get(message.id)
             if queue is not None:
                 queue.put_nowait(message)
+                if not isinstance(message, Tokens):
+                    self._pending.discard(message.id)  # its last frame
+
+    async def _read_events(self) -> None:
+        """As Client._read_events; the socket probes run in a thread, the loop goes on."""
+        assert self._monitor is not None
+        while True:
+            try:
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK).result()
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)["event"]
+            # the requests in flight now: those sent while a probe runs are not judged by it
+            in_flight = set(self._pending)
+            if event == zmq.EVENT_CONNECTED:
+                self._connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._connected = False
+                self._read_available()
+                in_flight = set(self._pending)
+                if in_flight:
+                    self._lose(await asyncio.to_thread(lost_connection, self.socket_path), in_flight)
+            elif event == zmq.EVENT_CONNECT_RETRIED and in_flight and not self._connected:
+                lost = await asyncio.to_thread(unreachable, self.socket_path)
+                if lost is not None:
+                    self._lose(lost, in_flight)
+
+    def _lose(self, lost: Lost, request_ids: set[int]) -> None:
+        for request_id in request_ids & self._pending:  # not those whose last frame came meanwhile
+            self._queues[request_id].put_nowait(lost)
+            self._pending.discard(request_id)
 
     def _release(self, request_id: int, slots: list[int]) -> None:
         if slots and self._sock is not None:
             self._send(Release(request_id, tuple(slots))).add_done_callback(_quiet)
 
     def _finish_stream(self, request_id: int) -> None:
-        self._queues.pop(request_id, None)
+        self._forget(request_id)
 
 
 class AsyncStream:
@@ -194,7 +268,12 @@ class AsyncStream:
             await sent
         if self._done:
             raise StopAsyncIteration
-        reply = await self._client._next_for(self.id)
+        try:
+            reply = await self._client._next_for(self.id)
+        except DaemonUnavailable:  # the connection took the stream with it: nothing more will come
+            self._done = True
+            self._client._finish_stream(self.id)
+            raise
         if isinstance(reply, Tokens):
             self._held = [slot.slot for slot in reply.logits or ()]
             return chunk_from(reply, self._client._reader)

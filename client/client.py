@@ -7,6 +7,10 @@ thread: use one per thread, or AsyncClient.
         for chunk in stream:
             print(chunk.text, end="")
         print(stream.finished.reason)
+
+Every failure is an EmberError (ember.client.errors). A socket monitor watches the connection: when it
+breaks, the requests in flight end at once with DaemonUnavailable (the daemon is gone) or ConnectionLost
+(it still listens and dropped this connection), after the frames that came before.
 """
 from __future__ import annotations
 
@@ -18,12 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 import ember
 from ember.client.errors import DaemonUnavailable, EmberTimeout
-from ember.client.request_builder import Chunk, chunk_from, end_of_stream, expect, generate_message
+from ember.client.request_builder import (MONITOR_EVENTS, Chunk, Lost, chunk_from, configure, daemon_address, encode,
+                                          end_of_stream, expect, generate_message, lost_connection, message_limit,
+                                          unreachable)
 from ember.protocol.codec import Codec, ProtocolError
-from ember.protocol.endpoint import client_socket_path, ipc_address
+from ember.protocol.endpoint import client_socket_path
 from ember.protocol.messages import (PROTOCOL_VERSION, Cancel, ChatMessage, Detokenize, Error, Finished, Health,
                                      HealthStatus, Hello, ListModels, ModelInfo, Models, Ping, Release, ServerMessage,
                                      Stats, StatsReport, Text, TokenIds, Tokenize, Tokens, Welcome, Wire)
@@ -37,21 +44,25 @@ class Client:
         call raises EmberTimeout (a daemon with work for us pings us, so a slow request is not silence)."""
         self.socket_path = Path(socket_path) if socket_path is not None else client_socket_path()
         self.timeout = timeout
-        if not self.socket_path.exists():
-            raise DaemonUnavailable(f"no ember daemon at {self.socket_path} (start one with `ember serve`)")
+        address = daemon_address(self.socket_path)
         self._codec = Codec()
         self._ids = itertools.count(1)
-        self._inbox: dict[int, deque[ServerMessage]] = {}
+        self._inbox: dict[int, deque[ServerMessage | Lost]] = {}
+        self._pending: set[int] = set()  # requests sent whose last frame has not come
         self._abandoned: list[tuple[int, list[int]]] = []  # streams dropped unfinished: cancel them
         self._heard = time.monotonic()
+        self._max_message = message_limit(None)
+        self._connected = False
         self._reader = ShmRingReader()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        # no ZMQ_IMMEDIATE: with it, libzmq discards frames not yet read when the daemon
-        # disconnects, and a daemon that shuts down sends its last Finished frames just before that
+        configure(self._sock, timeout)
         self._sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
-        self._sock.connect(ipc_address(self.socket_path))
+        self._monitor = self._sock.get_monitor_socket(MONITOR_EVENTS)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._sock.connect(address)
         try:
             welcome = self._call(Hello(self._next_id(), PROTOCOL_VERSION, f"ember-sdk/{ember.__version__}"),
                                  Welcome, connect_timeout)
@@ -64,6 +75,7 @@ class Client:
             raise
         self.server: str = welcome.server
         self.welcome_models: tuple[ModelInfo, ...] = welcome.models
+        self._max_message = message_limit(welcome)
 
     # --- requests ----------------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], **options: Any) -> Stream:
@@ -94,6 +106,8 @@ class Client:
 
     def close(self) -> None:
         if not self._sock.closed:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
             self._ctx.term()
         self._reader.close()
@@ -109,24 +123,42 @@ class Client:
         return next(self._ids)
 
     def _start(self, message: Any, return_logits: bool) -> Stream:
-        self._inbox[message.id] = deque()
-        self._send(message)
+        self._send_request(message)
         return Stream(self, message.id)
 
     def _call(self, message: Any, kind: type[Any], timeout: float | None = None) -> Any:
-        self._inbox[message.id] = deque()
         try:
-            self._send(message)
+            self._send_request(message)
             return expect(self._next_for(message.id, timeout), kind)
         finally:
-            self._inbox.pop(message.id, None)
+            self._forget(message.id)
+
+    def _send_request(self, message: Any) -> None:
+        """Send a message that gets answers, with a queue for them (none if it could not be sent)."""
+        payload = encode(self._codec, message, self._max_message)
+        self._inbox[message.id] = deque()
+        self._pending.add(message.id)
+        try:
+            self._send_payload(payload)
+        except BaseException:
+            self._forget(message.id)
+            raise
 
     def _send(self, message: Wire) -> None:
+        self._send_payload(encode(self._codec, message, self._max_message))
+
+    def _send_payload(self, payload: bytes) -> None:
         self._cancel_abandoned()
         try:
-            self._sock.send(self._codec.encode(message))
+            self._sock.send(payload)
         except zmq.Again:
             raise EmberTimeout(f"the daemon at {self.socket_path} takes no messages") from None
+        except zmq.ZMQError as e:
+            raise DaemonUnavailable(f"cannot send to the daemon at {self.socket_path}: {e}") from e
+
+    def _forget(self, request_id: int) -> None:
+        self._inbox.pop(request_id, None)
+        self._pending.discard(request_id)
 
     def _next_for(self, request_id: int, timeout: float | None = None) -> ServerMessage:
         """The next frame for `request_id`, reading (and sorting) whatever arrives meanwhile."""
@@ -137,9 +169,14 @@ class Client:
             left = timeout - (time.monotonic() - max(since, self._heard))
             if left <= 0:
                 raise EmberTimeout(f"nothing from the daemon at {self.socket_path} for {timeout:g} s")
-            if self._sock.poll(left * 1000, zmq.POLLIN):
+            ready = dict(self._poller.poll(left * 1000))
+            if self._sock in ready:
                 self._read_available()
-        return queue.popleft()
+            if self._monitor in ready:
+                self._read_events()
+        if isinstance(queue[0], Lost):
+            queue[0].raise_()  # left in place: every later read says the same
+        return queue.popleft()  # type: ignore[return-value]
 
     def _read_available(self) -> None:
         while True:
@@ -157,9 +194,36 @@ class Client:
             queue = self._inbox.get(message.id) if message.id is not None else None
             if queue is not None:
                 queue.append(message)
+                if not isinstance(message, Tokens):
+                    self._pending.discard(message.id)  # its last frame
+
+    def _read_events(self) -> None:
+        """What the monitor saw. A lost connection ends every request in flight (after the frames that
+        came before it); a failed connect ends those waiting on a daemon that is not there."""
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_CONNECTED:
+                self._connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._connected = False
+                self._read_available()
+                if self._pending:
+                    self._lose(lost_connection(self.socket_path))
+            elif event == zmq.EVENT_CONNECT_RETRIED and self._pending and not self._connected:
+                lost = unreachable(self.socket_path)  # None: something listens, libzmq's retry may get it
+                if lost is not None:
+                    self._lose(lost)
+
+    def _lose(self, lost: Lost) -> None:
+        for request_id in self._pending:
+            self._inbox[request_id].append(lost)
+        self._pending.clear()
 
     def _finish_stream(self, request_id: int) -> None:
-        self._inbox.pop(request_id, None)
+        self._forget(request_id)
 
     def _release(self, request_id: int, slots: list[int]) -> None:
         if slots and not self._sock.closed:
@@ -172,7 +236,7 @@ class Client:
     def _cancel_abandoned(self) -> None:
         while self._abandoned:
             request_id, slots = self._abandoned.pop()
-            self._inbox.pop(request_id, None)
+            self._forget(request_id)
             self._sock.send(self._codec.encode(Cancel(request_id)))
             if slots:
                 self._sock.send(self._codec.encode(Release(request_id, tuple(slots))))
@@ -197,7 +261,12 @@ class Stream:
         self._release_held()
         if self._done:
             raise StopIteration
-        reply = self._client._next_for(self.id)
+        try:
+            reply = self._client._next_for(self.id)
+        except DaemonUnavailable:  # the connection took the stream with it: nothing more will come
+            self._done = True
+            self._client._finish_stream(self.id)
+            raise
         if isinstance(reply, Tokens):
             self._held = [slot.slot for slot in reply.logits or ()]
             return chunk_from(reply, self._client._reader)

@@ -16,9 +16,23 @@ class EmberError(Exception):
 
 
 class DaemonUnavailable(EmberError, ConnectionError):
-    """No daemon at the socket, or it stopped answering."""
+    """No daemon at the socket, or it went away (the message says which)."""
 
     code = "unavailable"
+
+
+class UntrustedSocket(DaemonUnavailable):
+    """The socket's directory could have been made by another user (protocol/endpoint.py says what is
+    trusted): the SDK sends nothing there."""
+
+    code = "untrusted_socket"
+
+
+class ConnectionLost(DaemonUnavailable):
+    """The connection broke while requests were in flight, and the daemon, still listening, dropped them
+    (it drops a connection that misses its heartbeats or sends a frame over its size limit)."""
+
+    code = "connection_lost"
 
 
 class EmberTimeout(EmberError, TimeoutError):

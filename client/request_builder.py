@@ -1,18 +1,140 @@
-"""What the sync and async clients share: building request messages from keyword arguments, reading
-replies, and turning Tokens frames into Chunks. No I/O here."""
+"""What the sync and async clients share: the checks before connecting (is the socket's directory
+trusted, is it a socket), the DEALER's options and the monitor events they watch, building and encoding
+request messages (every failure an EmberError, nothing over the daemon's frame limit), reading replies,
+turning Tokens frames into Chunks, and why a connection broke. No ZMQ I/O here: the clients own their
+sockets."""
 from __future__ import annotations
 
+import grp
+import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
 
+import msgspec
 import numpy as np
+import zmq
 
-from ember.client.errors import EmberError, GenerationFailed, error_from
-from ember.protocol.messages import ChatMessage, Error, Finished, FinishReason, Generate, ServerMessage, Tokens
+from ember.client.errors import (BadRequest, ConnectionLost, DaemonUnavailable, EmberError, GenerationFailed,
+                                 LimitExceeded, UntrustedSocket, error_from)
+from ember.protocol.codec import Codec
+from ember.protocol.endpoint import ipc_address, listener_problem, socket_dir_problem
+from ember.protocol.limits import Limits
+from ember.protocol.messages import (ChatMessage, Error, Finished, FinishReason, Generate, ServerMessage, Tokens,
+                                     Welcome, Wire)
 from ember.protocol.shm_ring import ShmRingReader
 
 T = TypeVar("T")
+
+# what the monitor reports: a connection made, a connection lost, a connect that failed and will be retried
+MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+HEARTBEAT_IVL_MS = 1000
+
+
+def daemon_address(socket_path: Path) -> str:
+    """The ipc address of the daemon's socket, once it is safe to send there: DaemonUnavailable when
+    there is no socket (or this user may not reach it), UntrustedSocket when another user could have
+    put it there."""
+    try:
+        address = ipc_address(socket_path)
+    except ValueError as e:
+        raise DaemonUnavailable(str(e)) from e
+    problem = socket_dir_problem(socket_path)
+    if problem is not None:
+        raise UntrustedSocket(f"refusing to connect to {socket_path}: {problem}")
+    try:
+        st = os.lstat(socket_path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise DaemonUnavailable(f"no ember daemon at {socket_path} (start one with `ember serve`)") from None
+    except PermissionError as e:
+        raise DaemonUnavailable(f"cannot reach the ember daemon at {socket_path}: permission denied "
+                                f"({_admits(socket_path.parent)})") from e
+    if not stat.S_ISSOCK(st.st_mode):
+        raise DaemonUnavailable(f"{socket_path} is not a socket: no ember daemon there")
+    return address
+
+
+def _admits(directory: Path) -> str:
+    """Who may enter the socket's directory, for the message that tells a user they may not."""
+    try:
+        st = os.stat(directory)
+        group = grp.getgrgid(st.st_gid).gr_name
+    except (OSError, KeyError):
+        return f"{directory} does not admit this user"
+    if st.st_mode & stat.S_IXGRP:
+        return f"{directory} admits members of group {group} only: ask for it (usermod -aG {group} USER)"
+    return f"{directory} admits the daemon's user only"
+
+
+def configure(sock: zmq.Socket[Any], timeout: float) -> None:
+    """The DEALER's options, before it connects."""
+    sock.setsockopt(zmq.LINGER, 0)
+    # no ZMQ_IMMEDIATE: with it, libzmq discards frames not yet read when the daemon
+    # disconnects, and a daemon that shuts down sends its last Finished frames just before that
+    # heartbeats find a daemon that is frozen (stopped, not killed: the kernel reports a killed one at
+    # once); `timeout` is what the client waits for any answer anyway
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(int(timeout * 1000), HEARTBEAT_IVL_MS))
+    # a daemon that is gone is retried ever more slowly (every second at most): a restarted one is found
+    # soon, and the monitor's queue fills slowly while nobody reads it
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+
+
+def message_limit(welcome: Welcome | None) -> int:
+    """The largest frame the daemon takes: what its Welcome announces, else the default limit (a bigger
+    frame makes libzmq drop the connection, and every request on it, without a word)."""
+    announced = getattr(welcome, "max_message_bytes", 0)  # a field a newer Welcome may carry
+    return announced if isinstance(announced, int) and announced > 0 else Limits().max_message_bytes
+
+
+def encode(codec: Codec, message: Wire, limit: int) -> bytes:
+    """`message` as a frame: BadRequest when it cannot be encoded (a lone surrogate in a string, an
+    integer beyond 64 bits), LimitExceeded when the frame is over `limit` bytes."""
+    try:
+        payload = codec.encode(message)
+    except (msgspec.EncodeError, UnicodeEncodeError, OverflowError, TypeError, ValueError) as e:
+        raise BadRequest(f"cannot encode the {type(message).__name__} request: {e}") from e
+    if len(payload) > limit:
+        raise LimitExceeded(f"the {type(message).__name__} request is {len(payload)} bytes, over the daemon's "
+                            f"limit of {limit} bytes per message (limits.max_message_bytes)")
+    return payload
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Stands in a request's queue, after the frames that came before, for a request that a broken
+    connection took with it. Raises on every read: the request will never get another frame."""
+
+    error: type[DaemonUnavailable]
+    message: str
+
+    def raise_(self) -> NoReturn:
+        raise self.error(self.message)
+
+
+def lost_connection(socket_path: Path) -> Lost:
+    """Why the connection broke while requests were in flight: the daemon is gone, or it still listens
+    and has dropped this connection (and cancelled its requests)."""
+    why = listener_problem(socket_path)
+    if why is not None:
+        return Lost(DaemonUnavailable, f"the ember daemon at {socket_path} went away ({why}): it stopped or was "
+                                       "killed while this request was in flight")
+    return Lost(ConnectionLost, f"the connection to the ember daemon at {socket_path} broke and the daemon, still "
+                                "running, cancelled this request: it drops a connection that misses its heartbeats "
+                                "for a few seconds (this process stopped, e.g. by Ctrl-Z) or sends a message over "
+                                "its limits.max_message_bytes")
+
+
+def unreachable(socket_path: Path) -> Lost | None:
+    """After a connect failed (libzmq retries it): the Lost for requests waiting on a daemon that is not
+    there, or None when something listens (a retry may succeed)."""
+    why = listener_problem(socket_path)
+    if why is None:
+        return None
+    return Lost(DaemonUnavailable, f"no ember daemon at {socket_path}: {why} (a daemon that was killed leaves it "
+                                   "behind; start one with `ember serve`)")
 
 
 @dataclass(frozen=True)
@@ -36,15 +158,18 @@ def generate_message(request_id: int, prompt: str | Sequence[int] | None = None,
                      stop_ids: Sequence[int] | None = None, ignore_eos: bool = False, return_logits: bool = False,
                      logprobs: bool = False, top_logprobs: int = 0,
                      logit_bias: Mapping[int, float] | None = None) -> Generate:
-    text = prompt if isinstance(prompt, str) else None
-    ids = tuple(int(t) for t in prompt) if prompt is not None and not isinstance(prompt, str) else None
-    chat = tuple(_chat_message(m) for m in messages) if messages is not None else None
-    return Generate(
-        request_id, model or "", text, ids, chat, max_tokens, float(temperature), top_k, float(top_p), float(min_p),
-        float(repetition_penalty), float(frequency_penalty), float(presence_penalty), seed,
-        (stop,) if isinstance(stop, str) else tuple(stop or ()), tuple(stop_ids or ()), ignore_eos, return_logits,
-        logprobs, top_logprobs, {int(k): float(v) for k, v in (logit_bias or {}).items()},
-    )
+    try:
+        text = prompt if isinstance(prompt, str) else None
+        ids = tuple(int(t) for t in prompt) if prompt is not None and not isinstance(prompt, str) else None
+        chat = tuple(_chat_message(m) for m in messages) if messages is not None else None
+        return Generate(
+            request_id, model or "", text, ids, chat, max_tokens, float(temperature), top_k, float(top_p),
+            float(min_p), float(repetition_penalty), float(frequency_penalty), float(presence_penalty), seed,
+            (stop,) if isinstance(stop, str) else tuple(stop or ()), tuple(stop_ids or ()), ignore_eos, return_logits,
+            logprobs, top_logprobs, {int(k): float(v) for k, v in (logit_bias or {}).items()},
+        )
+    except (TypeError, ValueError, KeyError) as e:  # an option of the wrong type: the caller's mistake
+        raise BadRequest(f"bad Generate options: {e!r}") from e
 
 
 def _chat_message(m: Mapping[str, str] | ChatMessage) -> ChatMessage:
@@ -63,7 +188,10 @@ def expect(reply: ServerMessage, kind: type[T]) -> T:
 def chunk_from(tokens: Tokens, reader: ShmRingReader) -> Chunk:
     logits = None
     if tokens.logits:
-        views = [reader.view(slot) for slot in tokens.logits]
+        try:
+            views = [reader.view(slot) for slot in tokens.logits]
+        except (OSError, ValueError) as e:  # a segment gone or not ours: still an SDK error
+            raise EmberError(f"cannot read the logits the daemon shared: {e}", "logits") from e
         logits = views[0] if len(views) == 1 else np.concatenate(views)
     top = None
     if tokens.top_logprobs is not None:

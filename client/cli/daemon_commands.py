@@ -6,6 +6,8 @@
   ember status                                                 health, models, batching and counters
 
 The client commands take --wait SECONDS: wait that long for a daemon that is still starting.
+Every failure is one line on stderr, `ember: error: ...`, and exit status 1; an error in the middle of
+streamed text starts on a line of its own.
 """
 from __future__ import annotations
 
@@ -64,12 +66,14 @@ def _add_wait(p: argparse.ArgumentParser) -> None:
 def _connect(args: argparse.Namespace, timeout: float = 30.0) -> Any:
     """A Client of the daemon, retrying for --wait seconds while no daemon answers yet."""
     from ember.client.client import Client
-    from ember.client.errors import DaemonUnavailable
+    from ember.client.errors import DaemonUnavailable, UntrustedSocket
 
     deadline = time.monotonic() + args.wait
     while True:
         try:
             return Client(args.socket, timeout=timeout)
+        except UntrustedSocket:
+            raise  # waiting will not make it anyone else's
         except DaemonUnavailable:
             if time.monotonic() >= deadline:
                 raise
@@ -78,6 +82,7 @@ def _connect(args: argparse.Namespace, timeout: float = 30.0) -> Any:
 
 def _serve(args: argparse.Namespace) -> int:
     from ember.daemon.config import load_config
+    from ember.daemon.loader.model_file_error import ModelFileError
     from ember.daemon.server.serve import serve
     from ember.daemon.server.socket_dir import SocketInUse
 
@@ -88,6 +93,9 @@ def _serve(args: argparse.Namespace) -> int:
         return serve(load_config(args.config, flags=flags))
     except SocketInUse as e:
         print(f"ember: error: {e}", file=sys.stderr)
+        return 1
+    except ModelFileError as e:  # not an OSError: main() would print its traceback
+        print(f"ember: error: cannot load model: {e}", file=sys.stderr)
         return 1
 
 
@@ -112,11 +120,18 @@ def _generate(args: argparse.Namespace) -> int:
             except KeyboardInterrupt:
                 stream.close()
                 raise
-            sys.stdout.write("\n")
+            finally:
+                _end_line()  # also before an error, so that it starts on its own line
     except EmberError as e:
         print(f"ember: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _end_line() -> None:
+    """End the line of streamed text (stdout and stderr share the terminal)."""
+    sys.stdout.write("\n")
+    sys.stdout.flush()
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -143,7 +158,8 @@ def _chat(args: argparse.Namespace) -> int:
                         sys.stdout.flush()
                 except KeyboardInterrupt:  # stop this answer, keep the chat
                     stream.close()
-                sys.stdout.write("\n")
+                finally:
+                    _end_line()
                 history.append({"role": "assistant", "content": "".join(reply)})
     except EmberError as e:
         print(f"ember: error: {e}", file=sys.stderr)
