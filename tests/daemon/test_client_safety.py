@@ -301,6 +301,31 @@ def test_a_daemon_gone_and_a_connection_dropped_are_told_apart(short_dir: Path) 
         fake.close()
 
 
+@pytest.mark.asyncio
+async def test_a_daemon_gone_and_a_connection_dropped_are_told_apart_async(short_dir: Path) -> None:
+    (short_dir / "run").mkdir(mode=0o700)
+    fake = FakeDaemon(short_dir / "run" / "ember.sock")
+    try:
+        async with AsyncClient(fake.path) as client:
+            stream = client.generate("x")
+            assert (await stream.__anext__()).text == "a"
+            await asyncio.to_thread(fake.restart)
+            with pytest.raises(ConnectionLost, match="still running, cancelled this request"):
+                await stream.__anext__()
+            with pytest.raises(StopAsyncIteration):
+                await stream.__anext__()
+            stream = client.generate("z")
+            await stream.__anext__()
+            await asyncio.to_thread(fake.close)
+            with pytest.raises(DaemonUnavailable, match="went away") as failed:
+                await stream.__anext__()
+            assert not isinstance(failed.value, ConnectionLost)
+            with pytest.raises(DaemonUnavailable, match="no ember daemon"):
+                await client.health()
+    finally:
+        fake.close()
+
+
 # --- 3. a client stopped for a few seconds ---------------------------------------------------------------
 STOPPED_CLIENT = """
 import sys
