@@ -85,8 +85,8 @@ def configure(sock: zmq.Socket[Any], timeout: float) -> None:
 def message_limit(welcome: Welcome | None) -> int:
     """The largest frame the daemon takes: what its Welcome announces, else the default limit (a bigger
     frame makes libzmq drop the connection, and every request on it, without a word)."""
-    announced = getattr(welcome, "max_message_bytes", 0)  # a field a newer Welcome may carry
-    return announced if isinstance(announced, int) and announced > 0 else Limits().max_message_bytes
+    announced = welcome.max_message_bytes if welcome is not None else 0  # 0: a daemon that does not say
+    return announced or Limits().max_message_bytes
 
 
 def encode(codec: Codec, message: Wire, limit: int) -> bytes:

@@ -169,6 +169,7 @@ class Welcome(Wire, tag="welcome"):
     protocol: int
     server: str  # "ember/<version>"
     models: tuple[ModelInfo, ...] = ()
+    max_message_bytes: int = 0  # the daemon's limit on one message (0: not announced, older daemons)
 
 
 class Tokens(Wire, tag="tokens"):

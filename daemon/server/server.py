@@ -132,7 +132,9 @@ class Server:
         sock.setsockopt(zmq.RCVHWM, 100)  # bounds what one connection can queue towards us
         sock.setsockopt(zmq.SNDHWM, 1000)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # a peer that hangs without closing is dropped by libzmq
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        # a killed client is seen at once (its socket closes); heartbeats only find frozen ones, and a
+        # shorter timeout would cancel the streams of a client stopped for a few seconds (Ctrl-Z)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30000)
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
         sock.bind(ipc_address(self._path))
         if self._config.server.socket_group:  # the directory lets the group in; the socket must too
@@ -199,7 +201,8 @@ class Server:
             return self._reply(identity, Error(msg.id, ErrorCode.VERSION,
                                                f"this daemon speaks protocol {PROTOCOL_VERSION}, the client {msg.protocol}"))
         self.log.debug("hello", client=identity.hex(), name=msg.client[:100])
-        self._reply(identity, Welcome(msg.id, PROTOCOL_VERSION, f"ember/{ember.__version__}", self._model_infos))
+        self._reply(identity, Welcome(msg.id, PROTOCOL_VERSION, f"ember/{ember.__version__}", self._model_infos,
+                                      self._limits.max_message_bytes))
 
     def _generate(self, identity: bytes, msg: Generate) -> None:
         peer = self._peers.get(identity)

@@ -2,7 +2,8 @@
 
 - The directory is created 0700 (0750 and group-owned when a group may connect): the directory, not the
   socket file's mode, is what keeps other users out, since libzmq creates the socket with the umask.
-  A directory that belongs to someone else is refused.
+  A directory that belongs to someone else is refused, and so is an existing sticky one (a shared
+  directory such as /tmp, which a root daemon owns): tightening it would lock everyone else out.
 - `<socket>.lock` is flock()ed for the daemon's whole life. libzmq silently unlinks and replaces an
   existing ipc socket when it binds, so without the lock a second daemon would steal the first one's
   clients; with it, the second one fails with a message naming the first one's pid. A socket file left
@@ -25,6 +26,7 @@ class SocketInUse(RuntimeError):
 def prepare_socket_dir(socket_path: Path, group: str = "") -> None:
     directory = socket_path.parent
     mode = 0o750 if group else 0o700
+    existed = directory.exists()
     directory.mkdir(mode=mode, parents=True, exist_ok=True)
     st = os.lstat(directory)
     if not stat.S_ISDIR(st.st_mode):
@@ -32,6 +34,9 @@ def prepare_socket_dir(socket_path: Path, group: str = "") -> None:
     if st.st_uid != os.geteuid():
         raise PermissionError(f"{directory} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
                               "refusing to put the ember socket there")
+    if existed and st.st_mode & stat.S_ISVTX:  # a shared directory such as /tmp: never tighten it
+        raise PermissionError(f"{directory} is shared (mode {stat.S_IMODE(st.st_mode):o}): give the ember socket a "
+                              "directory of its own, e.g. --socket /tmp/ember-$USER/ember.sock")
     os.chmod(directory, mode)
     if group:
         try:

@@ -64,3 +64,13 @@ def test_stale_socket_is_removed_and_other_files_are_not(tmp_path: Path) -> None
     with pytest.raises(FileExistsError, match="not a socket"):
         SocketLock(sock).acquire()
     assert sock.read_text() == "precious"
+
+
+def test_an_existing_sticky_directory_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for mode in (0o1777, 0o1770, 0o1700):
+        os.chmod(shared, mode)
+        with pytest.raises(PermissionError, match="shared"):
+            prepare_socket_dir(shared / "ember.sock")
+        assert stat.S_IMODE(os.stat(shared).st_mode) == mode  # never tightened under its other users
