@@ -4,7 +4,7 @@
     path = "/var/lib/ember/models/qwen3-8b-q4_k_m.gguf"
     name = "qwen3-8b"             # default: the file name without extension
     [server]   socket, socket_group, drain_timeout, log_format, log_level, probe_interval, logits_slots,
-               max_logits_bytes
+               max_logits_bytes, stall_timeout
     [engine]   device, kv_dtype, ctx, max_active, max_queued, max_step_tokens, prefix_caching, warmup, threads
     [limits]   see protocol/limits.py
 
@@ -65,6 +65,7 @@ class ServerConfig(_Section):
     # all clients' logits rings together (one ring is logits_slots x vocab x 4 bytes: 37 MiB at a 152K
     # vocabulary); a client whose ring would go over gets Error{limit}; 0: no logits rings at all
     max_logits_bytes: int = 256 << 20
+    stall_timeout: float = 300.0  # seconds a request may wait on a client that reads none of its stream
 
     def __post_init__(self) -> None:
         _check(self.drain_timeout >= 0, f"drain_timeout must be >= 0, got {self.drain_timeout}")
@@ -73,6 +74,7 @@ class ServerConfig(_Section):
         _check(0.05 <= self.probe_interval <= 60, f"probe_interval must be in [0.05, 60] s, got {self.probe_interval}")
         _check(1 <= self.logits_slots <= 4096, f"logits_slots must be in [1, 4096], got {self.logits_slots}")
         _check(self.max_logits_bytes >= 0, f"max_logits_bytes must be >= 0, got {self.max_logits_bytes}")
+        _check(self.stall_timeout > 0, f"stall_timeout must be > 0 s, got {self.stall_timeout}")
 
 
 DEFAULT_CTX = 4096  # tokens per sequence when `ctx` is not set (and the model allows that many)

@@ -187,8 +187,9 @@ def _engine_factory(config: Config, models: dict[str, Model], notifier: Notifier
 
     def make(publish: Callable[[list[Output]], None], on_stopped: Callable[[], None]) -> TextWorker:
         return TextWorker(cores={name: core(name, m) for name, m in models.items()}, limits=config.limits,
-                          publish=publish, on_stopped=on_stopped, setup=lambda: backend.use_threads(e.threads), new_ring=new_ring, heartbeat=notifier.watchdog,
-                          heartbeat_interval=notifier.watchdog_interval)
+                          publish=publish, on_stopped=on_stopped, setup=lambda: backend.use_threads(e.threads),
+                          new_ring=new_ring, heartbeat=notifier.watchdog, heartbeat_interval=notifier.watchdog_interval,
+                          stall_timeout=config.server.stall_timeout)
 
     return make
 
