@@ -211,17 +211,18 @@ def test_logits_of_steps_after_a_stop_string_are_not_left_in_the_ring(demo_model
 
 
 def test_non_reading_clients_neither_starve_others_nor_wait_forever(demo_model) -> None:  # type: ignore[no-untyped-def]
-    h = Harness(demo_model, max_active=2, stall_timeout=1.0)
-    h.engine.set_paused(b"slow", True)  # as the Outbox does when its backlog is full
-    for i in range(2):
+    h = Harness(demo_model, max_active=4, stall_timeout=1.0)
+    for i in range(4):  # four streams fill every running slot ...
         h.request(b"slow", Generate(i, prompt="x", max_tokens=4000, ignore_eos=True))
-    time.sleep(0.2)
+    h.next()
+    h.engine.set_paused(b"slow", True)  # ... and their client stops reading (the Outbox pauses it)
     h.request(b"fast", Generate(9, prompt="def f(x):", max_tokens=16))
     frames = h.until_finished(1)
-    assert list(frames) == [(b"fast", 9)]  # it ran although the stalled requests filled both slots
-    assert tokens_of(frames[(b"fast", 9)]) == list(demo_model.generate("def f(x):", max_tokens=16))
-    stalled = h.until_finished(2)  # then the stall limit ends them, with a reason
-    for i in range(2):
+    fast = frames[(b"fast", 9)]  # it ran although the stalled requests filled the slots
+    assert isinstance(fast[-1], Finished) and fast[-1].reason != "error"
+    assert tokens_of(fast) == list(demo_model.generate("def f(x):", max_tokens=16))
+    stalled = h.until_finished(4)  # then the stall limit ends them, with a reason
+    for i in range(4):
         last = stalled[(b"slow", i)][-1]
         assert last.reason == "error" and "read nothing" in last.message
     h.stop()

@@ -210,3 +210,27 @@ def _ring_granted(client: Client) -> bool:
     except LimitExceeded:
         return False
     return True
+
+
+def test_thirty_idle_connections_hold_no_more_than_the_bound() -> None:
+    # each connection that once asked for logits keeps a ring until it disconnects: 30 of them, idle,
+    # would hold 30 rings; the bound (two rings' worth here) holds the total, and a bystander streams on
+    d = DaemonProcess(BOUNDED).wait_ready()
+    try:
+        with ExitStack() as clients:
+            bystander = clients.enter_context(Client(d.socket))
+            stream = bystander.generate("x", max_tokens=4000, ignore_eos=True)
+            next(stream)
+            granted = refused = 0
+            for _ in range(30):
+                idle = clients.enter_context(Client(d.socket))
+                if _ring_granted(idle):
+                    granted += 1
+                else:
+                    refused += 1
+                next(stream)
+            assert (granted, refused) == (2, 28)
+            assert len(segments(d.proc.pid, d.socket)) == 2
+            stream.close()
+    finally:
+        assert d.stop() == 0
