@@ -135,9 +135,13 @@ class Model:
 
 
 def _drive(engine: EngineCore) -> Iterator[StepOutput]:
-    """Step `engine` until it has no work, yielding every output."""
+    """Step `engine` until it has no work, yielding every output. The engine ends a failing sequence
+    quietly (the daemon reports it as Finished{error}); in process, the caller gets the error."""
     while engine.has_work:
-        yield from engine.step().outputs
+        result = engine.step()
+        if result.failed:
+            raise RuntimeError(f"generation failed: {result.failed[0][1]}")
+        yield from result.outputs
 
 
 def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32") -> Model:

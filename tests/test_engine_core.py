@@ -165,3 +165,14 @@ def test_prompt_logits_survive_preemption_without_repeats(model) -> None:
     got = np.concatenate(rows)
     assert got.shape == (12, model.config.vocab)
     np.testing.assert_allclose(got, model.logits(prompt), rtol=0, atol=1e-4)
+
+
+def test_in_process_generation_raises_what_the_engine_reports_as_failed(model, monkeypatch) -> None:
+    from ember.daemon.runner import model_runner
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ValueError("probabilities contain NaN")
+
+    monkeypatch.setattr(model_runner, "sample", broken)
+    with pytest.raises(RuntimeError, match="probabilities contain NaN"):
+        list(model.generate("def f(x):", max_tokens=4, temperature=0.8))

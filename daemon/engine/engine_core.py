@@ -120,19 +120,20 @@ class EngineCore:
 
     def _isolate(self, plan: StepPlan, error: Exception) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
         """The step failed as a whole: run each chunk alone to find whose it was."""
+        if len(plan.chunks) == 1:  # nobody else to spare: it was this one's
+            seq = plan.chunks[0].seq
+            self.scheduler.abort(seq, "error")
+            return [], [(seq, f"{type(error).__name__}: {error}")]
         outputs: list[StepOutput] = []
         failed: list[tuple[Sequence, str]] = []
-        for chunk in plan.chunks if len(plan.chunks) > 1 else ():
+        for chunk in plan.chunks:
             try:
                 more, bad = self._step(StepPlan([chunk]))
             except Exception as e:
                 self.scheduler.abort(chunk.seq, "error")
-                bad, more = [(chunk.seq, f"{type(e).__name__}: {e}")], []
+                more, bad = [], [(chunk.seq, f"{type(e).__name__}: {e}")]
             outputs += more
             failed += bad
-        if len(plan.chunks) == 1:
-            self.scheduler.abort(plan.chunks[0].seq, "error")
-            failed.append((plan.chunks[0].seq, f"{type(error).__name__}: {error}"))
         return outputs, failed
 
     def _run(self, plan: StepPlan, rows: _LogitRows) -> StepRun:

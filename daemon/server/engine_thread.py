@@ -227,8 +227,8 @@ class EngineThread:
                 self._held_since.pop(r.seq.seq_id, None)
             elif now - self._held_since.setdefault(r.seq.seq_id, now) > self._stall_timeout:
                 stalled.append(r)
-        for r in stalled:  # its frames wait in its backlog; the Finished joins them
-            self._end(lambda x, r=r: x is r, FinishReason.ERROR,
+        if stalled:  # their frames wait in their clients' backlogs; the Finished joins them
+            self._end(lambda r: r in stalled, FinishReason.ERROR,
                       f"the client read nothing of this stream for {self._stall_timeout:g} s")
 
     # --- request lifecycle (engine thread) --------------------------------------------------------

@@ -172,11 +172,10 @@ class TextWorker:
             return self._reject(r, ErrorCode.LIMIT, str(e))
         except ValueError as e:
             return self._reject(r, ErrorCode.BAD_REQUEST, str(e))
+        if r.max_tokens == 0:  # nothing to generate: the usage is known without running the prompt
+            return self._end_here(r, FinishReason.LENGTH)
         r.text = r.model.tokenizer.stream_decoder(context=r.prompt_ids)
         r.stops = StopStrings(r.stop)
-        if r.max_tokens == 0:  # nothing to generate: the usage is known without running the prompt
-            r.done = True
-            return self._publish([(r.client, self._finished(r, FinishReason.LENGTH, ""))])
         stop_ids = frozenset(r.stop_ids) | (frozenset() if r.ignore_eos else frozenset(r.model.tokenizer.eos_ids))
         r.seq = Sequence(r.prompt_ids, r.max_tokens, r.params, r.seed, stop_ids, client=r.client,
                          wants_logits=r.return_logits, wants_logprob=r.logprobs or r.params.logprobs > 0)
@@ -187,8 +186,7 @@ class TextWorker:
         r = self._tokenizing.pop((client, request_id), None)
         if r is None:
             return self.engine.cancel(client, request_id)
-        r.done = True  # its ids, when they come, go nowhere
-        self._publish([(r.client, self._finished(r, FinishReason.CANCELLED, ""))])
+        self._end_here(r, FinishReason.CANCELLED)  # its ids, when they come, go nowhere
 
     def _drop_client(self, client: bytes) -> None:
         for key in [key for key in self._tokenizing if key[0] == client]:
@@ -267,6 +265,11 @@ class TextWorker:
         r.log.info("request finished", reason=reason, completion_tokens=r.completion_tokens,
                    total_ms=round(timings.total_ms, 1), **({"error": message} if message else {}))
         return Finished(r.id, reason, Usage(len(r.prompt_ids or ()), r.completion_tokens), timings, message)
+
+    def _end_here(self, r: Request, reason: str) -> None:
+        """End a request the engine never got: its Finished goes out now."""
+        r.done = True
+        self._publish([(r.client, self._finished(r, reason, ""))])
 
     def _reject(self, r: Request, code: str, message: str) -> None:
         self._publish([self._refusal(r, code, message)])
