@@ -1,6 +1,7 @@
 """The `ember` subcommands that involve the daemon:
 
   ember serve [--model PATH ...] [--config FILE] [--socket PATH] [--device cpu|cuda:N] [--threads N]
+              [--http HOST:PORT]                               and the HTTP gateway as its child process
   ember generate PROMPT [--model NAME] [sampling options]     stream a completion from the daemon
   ember chat [--model NAME] [--system TEXT]                    an interactive chat with the daemon
   ember status                                                 health, models, batching and counters
@@ -29,6 +30,9 @@ def add_daemon_commands(sub: Any) -> None:
     serve.add_argument("--kv-dtype", metavar="T", help="KV cache dtype: f32, f16, bf16 or q8_0 (default: EMBER_KV_DTYPE, else f32)")
     serve.add_argument("--threads", type=int, help="kernel threads of the engine (default: one per core but one)")
     serve.add_argument("--log-format", choices=("auto", "json", "console"))
+    serve.add_argument("--http", metavar="HOST:PORT",
+                       help="also serve the OpenAI-compatible HTTP API there (`ember gateway` as a child process; "
+                            "not loopback: set EMBER_API_KEY)")
     serve.set_defaults(func=_serve)
 
     for name, helptext in (("generate", "stream a completion from the daemon"), ("chat", "chat with a model through the daemon")):
@@ -89,14 +93,30 @@ def _serve(args: argparse.Namespace) -> int:
     flags = {"models": args.model, "server.socket": args.socket, "engine.device": args.device,
              "engine.ctx": args.ctx, "engine.max_active": args.max_active, "engine.kv_dtype": args.kv_dtype,
              "engine.threads": args.threads, "server.log_format": args.log_format}
+    config = load_config(args.config, flags=flags)
+    gateway = _start_gateway(args.http, config) if args.http else None
     try:
-        return serve(load_config(args.config, flags=flags))
+        return serve(config)
     except SocketInUse as e:
         print(f"ember: error: {e}", file=sys.stderr)
         return 1
     except ModelFileError as e:  # not an OSError: main() would print its traceback
         print(f"ember: error: cannot load model: {e}", file=sys.stderr)
         return 1
+    finally:
+        if gateway is not None:
+            gateway.stop()
+
+
+def _start_gateway(listen: str, config: Any) -> Any:
+    """The gateway as a child process, on an address bound here (GatewayConfigError: refused, nothing runs)."""
+    from pathlib import Path
+
+    from ember.client.gateway.serve_child import GatewayChild
+    from ember.protocol.endpoint import daemon_socket_path
+
+    socket_path = Path(config.server.socket) if config.server.socket else daemon_socket_path()
+    return GatewayChild(listen, socket_path, config.server.log_format)
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:

@@ -4,6 +4,7 @@ Subcommands:
   ember run [MODEL] PROMPT   load a model in this process and stream a completion to stdout
                              (MODEL: a GGUF file or Hugging Face directory; omitted: the built-in demo)
   ember serve, generate, chat, status    the daemon and its clients (client/cli/daemon_commands.py)
+  ember gateway              the OpenAI-compatible HTTP API in front of the daemon (client/cli/gateway_command.py)
 """
 from __future__ import annotations
 
@@ -32,9 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="cpu", help="cpu (default)")
     run.set_defaults(func=_run)
     from ember.client.cli.daemon_commands import add_daemon_commands
+    from ember.client.cli.gateway_command import add_gateway_parser
     from ember.client.cli.plan_command import add_plan_parser
 
     add_daemon_commands(sub)
+    add_gateway_parser(sub)
     add_plan_parser(sub)
     return parser
 

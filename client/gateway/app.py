@@ -1,0 +1,204 @@
+"""The gateway's HTTP application (aiohttp): its routes, the API key check, the body size bound, errors
+in OpenAI's format, and the request counter.
+
+    GET  /v1/models, /v1/models/{id}    the daemon's models
+    POST /v1/chat/completions           chat, whole or streamed (generation.py)
+    POST /v1/completions                text completion, whole or streamed
+    GET  /health                        200 when the daemon serves, 503 when it drains or is gone (no key)
+    GET  /metrics                       Prometheus text format (metrics.py)
+
+Every error, aiohttp's own included (404 path, 405 method, 413 body), leaves as OpenAI's error object.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from ember.client.errors import EmberError
+from ember.client.gateway.config import GatewayConfig
+from ember.client.gateway.connection_pool import ConnectionPool
+from ember.client.gateway.errors import AUTHENTICATION, SERVER_ERROR, ApiError, from_ember
+from ember.client.gateway.generation import CLIENT_GONE, Carrier, carry
+from ember.client.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from ember.client.gateway.openai_schema import ChatRequest, CompletionRequest, ModelCard, ModelList
+from ember.client.gateway.request_translation import decode_body, translate_chat, translate_completion
+from ember.client.gateway.response_format import ChatFormat, TextFormat
+from ember.client.gateway.token_texts import TokenTexts
+from ember.daemon.logging_setup import get_logger
+from ember.protocol.messages import StatsReport
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_encode = msgspec.json.Encoder().encode
+STATS_TIMEOUT = 2.0  # seconds /metrics and /health wait for the daemon before saying it is down
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key: liveness probes carry none
+
+
+class Gateway:
+    """The state behind the routes: the daemon connections, the token texts, the metrics."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.pool = ConnectionPool(config.socket, per_connection=config.per_connection,
+                                   max_requests=config.max_requests)
+        self.metrics = GatewayMetrics(lambda: self.pool.in_flight)
+        self.carrier = Carrier(self.pool, TokenTexts(self._detokenize), self.metrics, config.default_max_tokens,
+                               config.stall_timeout)
+        self.started = int(time.time())
+
+    async def _detokenize(self, ids: list[int], model: str) -> str:
+        return await (await self.pool.any()).detokenize(ids, model=model)
+
+    async def close(self) -> None:
+        """After the HTTP server stopped: let cancelled requests' last frames come, then disconnect."""
+        if self.carrier.drains:
+            await asyncio.wait(set(self.carrier.drains), timeout=5.0)
+        await self.pool.close()
+
+
+def build_app(gateway: Gateway) -> web.Application:
+    app = web.Application(client_max_size=gateway.config.max_body_bytes,
+                          middlewares=[_errors_middleware(gateway), _auth_middleware(gateway.config.api_key)])
+    app["gateway"] = gateway
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model}", _model)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+def _gateway(request: web.Request) -> Gateway:
+    gateway: Gateway = request.app["gateway"]
+    return gateway
+
+
+# --- routes ----------------------------------------------------------------------------------------
+async def _chat(request: web.Request) -> web.StreamResponse:
+    arrived = time.perf_counter()
+    t = translate_chat(decode_body(await _body(request), ChatRequest))  # type: ignore[arg-type]
+    return await carry(request, _gateway(request).carrier, t, ChatFormat(t.model, t.include_usage), arrived)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    arrived = time.perf_counter()
+    t = translate_completion(decode_body(await _body(request), CompletionRequest))  # type: ignore[arg-type]
+    return await carry(request, _gateway(request).carrier, t, TextFormat(t.model, t.include_usage), arrived)
+
+
+async def _models(request: web.Request) -> web.Response:
+    return _json(ModelList(data=await _model_cards(_gateway(request))))
+
+
+async def _model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    for card in await _model_cards(_gateway(request)):
+        if card.id == name:
+            return _json(card)
+    raise ApiError(404, f"no model named {name!r} is loaded", code="model_not_found")
+
+
+async def _health(request: web.Request) -> web.Response:
+    try:
+        health = await asyncio.wait_for((await _gateway(request).pool.any()).health(), STATS_TIMEOUT)
+    except (EmberError, TimeoutError) as e:
+        return web.json_response({"status": "unavailable", "reason": str(e) or "the daemon did not answer"},
+                                 status=503)
+    return web.json_response({"status": health.status, "uptime_s": health.uptime_s},
+                             status=200 if health.status == "ok" else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    gateway = _gateway(request)
+    report: StatsReport | None
+    try:
+        report = await asyncio.wait_for((await gateway.pool.any()).stats(), STATS_TIMEOUT)
+    except (EmberError, TimeoutError):
+        report = None
+    return web.Response(body=gateway.metrics.render(report), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _model_cards(gateway: Gateway) -> list[ModelCard]:
+    try:
+        models = await (await gateway.pool.any()).models()
+    except EmberError as e:
+        raise from_ember(e) from None
+    return [ModelCard(id=m.name, created=gateway.started, context_length=m.context_length) for m in models]
+
+
+async def _body(request: web.Request) -> bytes:
+    """The whole body, or 413 before reading more than max_body_bytes of it."""
+    limit = _gateway(request).config.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(request.content_length, limit)
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise _too_large(None, limit) from None
+
+
+def _too_large(size: int | None, limit: int) -> ApiError:
+    what = f"{size} bytes" if size is not None else "over the limit"
+    return ApiError(413, f"the request body is {what}: the gateway takes at most {limit} bytes (--max-body-bytes)",
+                    code="request_too_large")
+
+
+def _json(value: msgspec.Struct, status: int = 200) -> web.Response:
+    return web.Response(body=_encode(value), status=status, content_type="application/json")
+
+
+# --- middlewares -----------------------------------------------------------------------------------
+def _auth_middleware(api_key: str | None) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    expected = f"Bearer {api_key}".encode() if api_key is not None else None
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if expected is not None and request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):  # constant time: the key is not guessable bytewise
+                raise ApiError(401, "Incorrect API key provided: send it as 'Authorization: Bearer KEY'"
+                               if given else "No API key provided: send it as 'Authorization: Bearer KEY'",
+                               AUTHENTICATION, code="invalid_api_key")
+        return await handler(request)
+
+    return auth
+
+
+def _errors_middleware(gateway: Gateway) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    counter = gateway.metrics.requests
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+        status = CLIENT_GONE  # unless the handler returns or fails: cancelled because the client left
+        try:
+            response = await handler(request)
+            status = request.get("status", response.status)
+            return response
+        except ApiError as e:
+            status = e.status
+            return _json(e.body(), e.status)
+        except web.HTTPException as e:  # aiohttp's own: unknown path, wrong method, body too large
+            status = e.status
+            if e.status == 413:
+                error = _too_large(None, gateway.config.max_body_bytes)
+            else:
+                error = ApiError(e.status, f"{request.method} {request.path}: {e.reason}",
+                                 code="not_found" if e.status == 404 else None)
+            return _json(error.body(), e.status)
+        except (asyncio.CancelledError, ConnectionError):
+            raise  # the client left: nothing to answer
+        except Exception:  # a bug in the gateway: say so in OpenAI's format, keep serving
+            status = 500
+            get_logger().exception("gateway error", method=request.method, path=request.path)
+            error = ApiError(500, "internal error in the ember gateway (its log has the traceback)", SERVER_ERROR)
+            return _json(error.body(), 500)
+        finally:
+            counter.labels(endpoint, str(status)).inc()
+
+    return errors

@@ -1,0 +1,253 @@
+"""One chat or text completion carried through the daemon: a slot from the pool, the Generate, its frames
+turned into OpenAI's answer (whole, or as server-sent events), and its end — in every case.
+
+- Errors before the first token (busy, unknown model, a bad value, no daemon) are HTTP errors: the
+  gateway waits for the stream's first frame before it sends a status line.
+- After that, a failure becomes the stream's last event, `data: {"error": ...}` (no [DONE]).
+- A client that goes away (aiohttp cancels the handler: handler_cancellation) or reads nothing for
+  `stall_timeout` seconds has its request cancelled in the daemon at once; the pool slot comes back
+  when the daemon confirms (a background drain), so the daemon's per-connection count stays right.
+- Finish reasons: the daemon's `stop` and `length` are OpenAI's; `cancelled`, which this gateway did not
+  ask for, means the daemon is shutting down or dropped the connection: a 503.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from ember.client.async_client import AsyncClient, AsyncStream
+from ember.client.errors import EmberError, EmberTimeout
+from ember.client.gateway.connection_pool import ConnectionPool, Lease
+from ember.client.gateway.errors import UNAVAILABLE, ApiError, from_ember
+from ember.client.gateway.metrics import GatewayMetrics
+from ember.client.gateway.request_translation import Translated
+from ember.client.gateway.response_format import DONE, AnswerFormat, TokenScore, error_event
+from ember.client.gateway.token_texts import TokenTexts
+from ember.client.request_builder import Chunk
+from ember.protocol.messages import Finished, FinishReason
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# bytes queued in the kernel and the transport beyond which the next write may wait on the client
+WRITE_HIGH_WATER = 64 * 1024
+DRAIN_TIMEOUT = 30.0  # seconds a cancelled request's last frame may take to come (then the slot is freed)
+CLIENT_GONE = 499  # the metrics' status for a request whose client left first (nginx's convention)
+
+
+class ClientGone(Exception):
+    """The HTTP client closed its connection, or read nothing for stall_timeout seconds."""
+
+
+@dataclass
+class Carrier:
+    """What every generation shares: the pool, the token texts, the metrics, the settings."""
+
+    pool: ConnectionPool
+    texts: TokenTexts
+    metrics: GatewayMetrics
+    default_max_tokens: int
+    stall_timeout: float
+    drains: set[asyncio.Task[None]] = field(default_factory=set)  # cancelled streams awaiting their end
+
+
+class DaemonStream:
+    """An AsyncStream that remembers whether its last frame came (then nothing is left to cancel)."""
+
+    def __init__(self, stream: AsyncStream) -> None:
+        self.stream, self.ended = stream, False
+
+    async def next(self) -> Chunk | None:
+        try:
+            return await self.stream.__anext__()
+        except StopAsyncIteration:
+            self.ended = True
+            return None
+        except EmberTimeout:
+            raise  # the daemon said nothing for a while: the request may still be alive there
+        except EmberError:
+            self.ended = True  # an Error frame, a failed generation, or the connection gone
+            raise
+
+
+async def carry(request: web.Request, carrier: Carrier, t: Translated, fmt: AnswerFormat,
+                arrived: float) -> web.StreamResponse:
+    """Answer one generation request (raises ApiError for an HTTP error before anything was sent)."""
+    lease = await _acquire(carrier.pool)
+    stream: DaemonStream | None = None
+    try:
+        stream = DaemonStream(_start(lease.client, t, carrier.default_max_tokens))
+        first = await _first(stream)
+        if first is not None:
+            carrier.metrics.ttft.observe(time.perf_counter() - arrived)
+        if t.stream:
+            return await _stream(request, carrier, t, fmt, stream, first)
+        return await _whole(carrier, t, fmt, stream, first)
+    finally:
+        _settle(carrier, lease, stream)
+        carrier.metrics.duration.observe(time.perf_counter() - arrived)
+
+
+async def _acquire(pool: ConnectionPool) -> Lease:
+    try:
+        return await pool.acquire()
+    except EmberError as e:
+        raise from_ember(e) from None
+
+
+def _start(client: AsyncClient, t: Translated, default_max_tokens: int) -> AsyncStream:
+    max_tokens = t.max_tokens
+    if max_tokens is None:  # OpenAI's default: as many as fit; the daemon ends at the context ("length")
+        contexts = [m.context_length for m in client.welcome_models if m.name == t.model]
+        max_tokens = min([default_max_tokens, *contexts])
+    try:
+        if t.messages is not None:
+            return client.chat(t.messages, model=t.model, max_tokens=max_tokens, **t.options)
+        assert t.prompt is not None
+        return client.generate(t.prompt, model=t.model, max_tokens=max_tokens, **t.options)
+    except EmberError as e:  # refused before sending: cannot encode, over the message size
+        raise from_ember(e) from None
+
+
+async def _first(stream: DaemonStream) -> Chunk | None:
+    try:
+        return await stream.next()
+    except EmberError as e:
+        raise from_ember(e) from None
+
+
+async def _whole(carrier: Carrier, t: Translated, fmt: AnswerFormat, stream: DaemonStream,
+                 chunk: Chunk | None) -> web.Response:
+    texts: list[str] = []
+    scores: list[TokenScore] | None = [] if t.logprobs is not None else None
+    last = time.perf_counter()
+    try:
+        while chunk is not None:
+            carrier.metrics.generation_tokens.inc(len(chunk.token_ids))
+            texts.append(chunk.text)
+            if scores is not None:
+                scores.extend(await _scores(carrier.texts, t.model, chunk))
+            chunk = await stream.next()
+            last = _observe_gap(carrier.metrics, last, chunk)
+        finished = _finished(stream.stream.finished)
+    except EmberError as e:
+        raise from_ember(e) from None
+    carrier.metrics.prompt_tokens.inc(finished.usage.prompt_tokens)
+    return web.Response(body=fmt.whole("".join(texts), scores, finished.reason, finished.usage),
+                        content_type="application/json")
+
+
+async def _stream(request: web.Request, carrier: Carrier, t: Translated, fmt: AnswerFormat, stream: DaemonStream,
+                  chunk: Chunk | None) -> web.StreamResponse:
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    write = _Writer(request, response, carrier.stall_timeout)
+    try:
+        try:
+            await _events(carrier, t, fmt, stream, chunk, write)
+        except (EmberError, ApiError) as e:
+            error = e if isinstance(e, ApiError) else from_ember(e)
+            request["status"] = error.status  # for the metrics: it failed, though its status line said 200
+            await write(error_event(error.body()))
+        await response.write_eof()
+    except ClientGone:
+        request["status"] = CLIENT_GONE  # _settle cancels the request in the daemon
+    return response
+
+
+async def _events(carrier: Carrier, t: Translated, fmt: AnswerFormat, stream: DaemonStream, chunk: Chunk | None,
+                  write: _Writer) -> None:
+    opening = fmt.opening()
+    if opening:
+        await write(opening)
+    last = time.perf_counter()
+    while chunk is not None:
+        carrier.metrics.generation_tokens.inc(len(chunk.token_ids))
+        if chunk.text or t.logprobs is not None:  # a frame whose text is held back and no logprobs: nothing
+            scores = await _scores(carrier.texts, t.model, chunk) if t.logprobs is not None else None
+            await write(fmt.delta(chunk.text, scores))
+        chunk = await stream.next()
+        last = _observe_gap(carrier.metrics, last, chunk)
+    finished = _finished(stream.stream.finished)
+    carrier.metrics.prompt_tokens.inc(finished.usage.prompt_tokens)
+    await write(fmt.closing(finished.reason))
+    if t.include_usage:
+        await write(fmt.usage(finished.usage))
+    await write(DONE)
+
+
+def _observe_gap(metrics: GatewayMetrics, last: float, chunk: Chunk | None) -> float:
+    """The inter-token latency of `chunk` (one observation per token); returns now."""
+    now = time.perf_counter()
+    if chunk is not None and chunk.token_ids:
+        gap = (now - last) / len(chunk.token_ids)
+        for _ in chunk.token_ids:
+            metrics.itl.observe(gap)
+    return now
+
+
+def _finished(finished: Finished | None) -> Finished:
+    if finished is None or finished.reason not in (FinishReason.STOP, FinishReason.LENGTH):
+        why = finished.message if finished is not None and finished.message else "it is shutting down or dropped " \
+                                                                                  "the gateway's connection"
+        raise ApiError(503, f"the ember daemon cancelled the request: {why}", UNAVAILABLE, code="cancelled")
+    return finished
+
+
+async def _scores(texts: TokenTexts, model: str, chunk: Chunk) -> list[TokenScore]:
+    """The chunk's tokens with their log-probabilities and alternatives, named by text."""
+    logprobs = chunk.logprobs or [0.0] * len(chunk.token_ids)
+    tops = chunk.top_logprobs or [[] for _ in chunk.token_ids]
+    ids = set(chunk.token_ids)
+    for alternatives in tops:
+        ids.update(token for token, _ in alternatives)
+    try:
+        names = await texts.texts(model, ids)
+    except EmberError as e:
+        raise from_ember(e) from None
+    return [TokenScore(names[token], logprob, [(names[a], lp) for a, lp in top])
+            for token, logprob, top in zip(chunk.token_ids, logprobs, tops)]
+
+
+class _Writer:
+    """Writes to the HTTP client; ClientGone when it left or reads nothing for `stall` seconds."""
+
+    def __init__(self, request: web.Request, response: web.StreamResponse, stall: float) -> None:
+        self.request, self.response, self.stall = request, response, stall
+
+    async def __call__(self, data: bytes) -> None:
+        transport = self.request.transport
+        if transport is None or transport.is_closing():
+            raise ClientGone("the client closed the connection")
+        try:
+            if transport.get_write_buffer_size() < WRITE_HIGH_WATER:
+                await self.response.write(data)  # cannot wait on the client: no timer needed
+            else:
+                await asyncio.wait_for(self.response.write(data), self.stall)
+        except TimeoutError:
+            transport.abort()  # not close(): that would wait to flush what the client does not read
+            raise ClientGone(f"the client read nothing for {self.stall:g} s") from None
+        except ConnectionError as e:
+            raise ClientGone(f"the client closed the connection ({e})") from None
+
+
+def _settle(carrier: Carrier, lease: Lease, stream: DaemonStream | None) -> None:
+    """Give the pool slot back: now if the daemon is done with the request, else after cancelling it and
+    reading its last frame (in the background: the handler may be cancelled)."""
+    if stream is None or stream.ended:
+        carrier.pool.release(lease)
+        return
+    stream.stream.cancel()
+
+    async def drain() -> None:
+        try:
+            await asyncio.wait_for(stream.stream.close(), DRAIN_TIMEOUT)
+        except (EmberError, TimeoutError):
+            pass  # gone or silent: its slot is free either way
+        finally:
+            carrier.pool.release(lease)
+
+    task = asyncio.get_running_loop().create_task(drain())
+    carrier.drains.add(task)
+    task.add_done_callback(carrier.drains.discard)

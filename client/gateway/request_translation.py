@@ -1,0 +1,163 @@
+"""An OpenAI request body -> the ember Generate it asks for (`Translated`), or a 400 naming the field.
+
+One home for each rule: the shape of OpenAI's fields (a stop string or a list, logit_bias keys as token-id
+strings, content parts, one prompt, n=1, which fields ember cannot honour) is checked here; the ranges of
+the sampling values and every size limit are the daemon's (its Error{bad_request | limit} comes back as a
+400 with its message), so the gateway and the daemon can never disagree on them.
+
+OpenAI's defaults, not ember's: temperature 1 (ember's SDK defaults to greedy), max_tokens up to the
+context (bounded by the gateway's default_max_tokens).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ember.client.gateway.errors import bad_request
+from ember.client.gateway.openai_schema import ChatRequest, CompletionRequest, MessageIn, SamplingBody
+from ember.protocol.messages import ChatMessage
+
+SEED_RANGE = 2**64  # ember's seeds are unsigned 64-bit; OpenAI's are signed: taken modulo, still reproducible
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_decoders = {kind: msgspec.json.Decoder(kind) for kind in (ChatRequest, CompletionRequest)}
+
+
+@dataclass(frozen=True)
+class Translated:
+    """What a request asks of the daemon, and how the answer is to be shaped."""
+
+    model: str
+    prompt: str | list[int] | None  # a completion's prompt (text or token ids)
+    messages: list[ChatMessage] | None  # a chat's
+    options: dict[str, Any]  # keyword arguments of AsyncClient.generate / chat, max_tokens aside
+    max_tokens: int | None  # None: as many as the context allows (Admission decides)
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # None: not asked; else the chosen token's log-probability and this many alternatives
+
+
+def decode_body(body: bytes, kind: type[ChatRequest] | type[CompletionRequest]) -> ChatRequest | CompletionRequest:
+    """The body as `kind`; 400 naming the field when it is not JSON or a field has the wrong type."""
+    try:
+        return _decoders[kind].decode(body)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
+        raise bad_request(f"invalid request body: {text}", param) from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+def translate_chat(req: ChatRequest) -> Translated:
+    _refuse(req.tools, "tools", "tools (function calling) are not supported by ember")
+    _refuse(req.functions, "functions", "functions (function calling) are not supported by ember")
+    if req.tool_choice not in (None, "none"):
+        raise bad_request("tool_choice is not supported by ember (it has no tools)", "tool_choice")
+    if req.function_call not in (None, "none"):
+        raise bad_request("function_call is not supported by ember", "function_call")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request(f"response_format {req.response_format.type!r} is not supported by ember (only text)",
+                          "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    messages = [_message(i, m) for i, m in enumerate(req.messages)]
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return _translated(req, None, messages, max_tokens, logprobs)
+
+
+def translate_completion(req: CompletionRequest) -> Translated:
+    if req.echo:
+        raise bad_request("echo is not supported by ember", "echo")
+    if req.suffix:
+        raise bad_request("suffix (insertion) is not supported by ember", "suffix")
+    if req.best_of not in (None, 1):
+        raise bad_request("best_of must be 1: ember returns one completion per request", "best_of")
+    if req.logprobs is not None and req.logprobs < 0:
+        raise bad_request(f"logprobs must be >= 0, got {req.logprobs}", "logprobs")
+    return _translated(req, _prompt(req.prompt), None, req.max_tokens, req.logprobs)
+
+
+def _translated(req: SamplingBody, prompt: str | list[int] | None, messages: list[ChatMessage] | None,
+                max_tokens: int | None, logprobs: int | None) -> Translated:
+    if req.n not in (None, 1):
+        raise bad_request(f"n must be 1: ember returns one choice per request, got {req.n}", "n")
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    options: dict[str, Any] = {
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "presence_penalty": req.presence_penalty or 0.0,
+        "seed": req.seed % SEED_RANGE if req.seed is not None else None,
+        "stop": _stop(req.stop),
+        "logit_bias": _logit_bias(req.logit_bias),
+        "top_k": req.top_k or 0,
+        "min_p": req.min_p or 0.0,
+        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        "ignore_eos": bool(req.ignore_eos),
+        "logprobs": logprobs is not None,
+        "top_logprobs": logprobs or 0,
+    }
+    include_usage = bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
+    return Translated(req.model, prompt, messages, options, max_tokens, bool(req.stream), include_usage, logprobs)
+
+
+def _refuse(value: object, param: str, message: str) -> None:
+    if value:
+        raise bad_request(message, param)
+
+
+def _message(i: int, m: MessageIn) -> ChatMessage:
+    role = _ROLES.get(m.role)
+    if role is None:
+        raise bad_request(f"messages[{i}].role {m.role!r} is not supported (system, developer, user, assistant)",
+                          f"messages[{i}].role")
+    if m.tool_calls:
+        raise bad_request("tool calls are not supported by ember", f"messages[{i}].tool_calls")
+    if m.content is None:
+        if role != "assistant":
+            raise bad_request(f"messages[{i}].content is missing", f"messages[{i}].content")
+        return ChatMessage(role, "")
+    if isinstance(m.content, str):
+        return ChatMessage(role, m.content)
+    texts = []
+    for j, part in enumerate(m.content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}",
+                              f"messages[{i}].content[{j}]")
+        texts.append(part.text)
+    return ChatMessage(role, "\n".join(texts))
+
+
+def _prompt(prompt: str | list[str | int | list[int]]) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [int(p) for p in prompt]  # type: ignore[arg-type]
+    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        only = prompt[0]
+        return only if isinstance(only, str) else list(only)
+    raise bad_request("prompt must be a string, a list of token ids, or a list of exactly one of those: ember "
+                      "completes one prompt per request", "prompt")
+
+
+def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not s for s in stops):
+        raise bad_request("stop strings must not be empty", "stop")
+    return stops
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                              "logit_bias") from None
+    return out
+

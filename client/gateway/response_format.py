@@ -1,0 +1,133 @@
+"""The shape of an answer: OpenAI's chat or text completion, whole or as server-sent events.
+
+`ChatFormat` and `TextFormat` have the same methods, so the generation loop (generation.py) is written
+once: `opening()` (chat's first chunk names the role), `delta()` for each piece of text, `closing()` with
+the finish_reason, `usage()` for stream_options.include_usage, `whole()` for a non-streamed answer. Each
+returns bytes ready to send, JSON encoded once by msgspec: this runs for every streamed token.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from ember.client.gateway.openai_schema import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs,
+                                                ChatMessageOut, ChunkChoice, Completion, CompletionChoice,
+                                                CompletionLogprobs, Delta, ErrorBody, TokenLogprobOut, TopLogprobOut,
+                                                UsageOut)
+from ember.client.gateway.token_texts import token_bytes
+from ember.protocol.messages import Usage
+
+_encode = msgspec.json.Encoder().encode
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenScore:
+    """One generated token's log-probability and its alternatives', each named by its text."""
+
+    text: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+def sse(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+def error_event(body: ErrorBody) -> bytes:
+    """A stream's last event when it fails after it started (the openai SDK raises APIError on it)."""
+    return sse(_encode(body))
+
+
+def usage_out(usage: Usage) -> UsageOut:
+    return UsageOut(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                    total_tokens=usage.prompt_tokens + usage.completion_tokens)
+
+
+class ChatFormat:
+    endpoint = "/v1/chat/completions"
+
+    def __init__(self, model: str, include_usage: bool = False) -> None:
+        self.id, self.model, self.created = f"chatcmpl-{secrets.token_hex(12)}", model, int(time.time())
+        # with include_usage every chunk has "usage": null and one last chunk the counts; else no "usage"
+        self._usage: None | UnsetType = None if include_usage else UNSET
+
+    def opening(self) -> bytes:
+        return self._chunk(ChunkChoice(delta=Delta(role="assistant", content="")))
+
+    def delta(self, text: str, scores: list[TokenScore] | None) -> bytes:
+        return self._chunk(ChunkChoice(delta=Delta(content=text), logprobs=_chat_logprobs(scores)))
+
+    def closing(self, finish_reason: str) -> bytes:
+        return self._chunk(ChunkChoice(delta=Delta(), finish_reason=finish_reason))
+
+    def usage(self, usage: Usage) -> bytes:
+        return sse(_encode(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
+                                               usage=usage_out(usage))))
+
+    def whole(self, text: str, scores: list[TokenScore] | None, finish_reason: str, usage: Usage) -> bytes:
+        choice = ChatChoice(message=ChatMessageOut(content=text), logprobs=_chat_logprobs(scores),
+                            finish_reason=finish_reason)
+        return _encode(ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                      usage=usage_out(usage)))
+
+    def _chunk(self, choice: ChunkChoice) -> bytes:
+        return sse(_encode(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                               usage=self._usage)))
+
+
+class TextFormat:
+    endpoint = "/v1/completions"
+
+    def __init__(self, model: str, include_usage: bool = False) -> None:
+        self.id, self.model, self.created = f"cmpl-{secrets.token_hex(12)}", model, int(time.time())
+        self._usage: None | UnsetType = None if include_usage else UNSET
+        self._offset = 0  # characters of completion text before the next token (logprobs' text_offset)
+
+    def opening(self) -> bytes:
+        return b""  # a text completion's first chunk already carries text
+
+    def delta(self, text: str, scores: list[TokenScore] | None) -> bytes:
+        return self._chunk(CompletionChoice(text=text, logprobs=self._logprobs(scores), finish_reason=None))
+
+    def closing(self, finish_reason: str) -> bytes:
+        return self._chunk(CompletionChoice(text="", logprobs=None, finish_reason=finish_reason))
+
+    def usage(self, usage: Usage) -> bytes:
+        return sse(_encode(Completion(id=self.id, created=self.created, model=self.model, choices=[],
+                                      usage=usage_out(usage))))
+
+    def whole(self, text: str, scores: list[TokenScore] | None, finish_reason: str, usage: Usage) -> bytes:
+        choice = CompletionChoice(text=text, logprobs=self._logprobs(scores), finish_reason=finish_reason)
+        return _encode(Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                  usage=usage_out(usage)))
+
+    def _chunk(self, choice: CompletionChoice) -> bytes:
+        return sse(_encode(Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                      usage=self._usage)))
+
+    def _logprobs(self, scores: list[TokenScore] | None) -> CompletionLogprobs | None:
+        if scores is None:
+            return None
+        offsets = []
+        for s in scores:
+            offsets.append(self._offset)
+            self._offset += len(s.text)
+        return CompletionLogprobs(tokens=[s.text for s in scores], token_logprobs=[s.logprob for s in scores],
+                                  top_logprobs=[dict(s.top) for s in scores], text_offset=offsets)
+
+
+def _chat_logprobs(scores: list[TokenScore] | None) -> ChatLogprobs | None:
+    if scores is None:
+        return None
+    return ChatLogprobs(content=[
+        TokenLogprobOut(token=s.text, logprob=s.logprob, token_bytes=token_bytes(s.text),
+                        top_logprobs=[TopLogprobOut(token=t, logprob=lp, token_bytes=token_bytes(t)) for t, lp in s.top])
+        for s in scores])
+
+
+AnswerFormat = ChatFormat | TextFormat
