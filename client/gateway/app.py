@@ -60,10 +60,13 @@ class Gateway:
         await self.pool.close()
 
 
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
 def build_app(gateway: Gateway) -> web.Application:
     app = web.Application(client_max_size=gateway.config.max_body_bytes,
                           middlewares=[_errors_middleware(gateway), _auth_middleware(gateway.config.api_key)])
-    app["gateway"] = gateway
+    app[GATEWAY] = gateway
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model}", _model)
     app.router.add_post("/v1/chat/completions", _chat)
@@ -74,8 +77,7 @@ def build_app(gateway: Gateway) -> web.Application:
 
 
 def _gateway(request: web.Request) -> Gateway:
-    gateway: Gateway = request.app["gateway"]
-    return gateway
+    return request.app[GATEWAY]
 
 
 # --- routes ----------------------------------------------------------------------------------------
@@ -193,7 +195,7 @@ def _errors_middleware(gateway: Gateway) -> Callable[[web.Request, Handler], Awa
             return _json(error.body(), e.status)
         except (asyncio.CancelledError, ConnectionError):
             raise  # the client left: nothing to answer
-        except Exception:  # a bug in the gateway: say so in OpenAI's format, keep serving
+        except Exception:  # noqa: BLE001 -- a bug in the gateway: say so in OpenAI's format, keep serving
             status = 500
             get_logger().exception("gateway error", method=request.method, path=request.path)
             error = ApiError(500, "internal error in the ember gateway (its log has the traceback)", SERVER_ERROR)

@@ -8,8 +8,18 @@ always the message: a client must be able to tell why without the gateway's log.
 """
 from __future__ import annotations
 
-from ember.client.errors import (BadMessage, BadRequest, Busy, DaemonUnavailable, EmberError, EmberTimeout,
-                                 GenerationFailed, LimitExceeded, ShuttingDown, UnknownModel)
+from ember.client.errors import (
+    BadMessage,
+    BadRequest,
+    Busy,
+    DaemonUnavailable,
+    EmberError,
+    EmberTimeout,
+    GenerationFailed,
+    LimitExceeded,
+    ShuttingDown,
+    UnknownModel,
+)
 from ember.client.gateway.openai_schema import ErrorBody, ErrorObject
 
 INVALID_REQUEST = "invalid_request_error"

@@ -38,7 +38,7 @@ class Translated:
     logprobs: int | None  # None: not asked; else the chosen token's log-probability and this many alternatives
 
 
-def decode_body(body: bytes, kind: type[ChatRequest] | type[CompletionRequest]) -> ChatRequest | CompletionRequest:
+def decode_body(body: bytes, kind: type[ChatRequest | CompletionRequest]) -> ChatRequest | CompletionRequest:
     """The body as `kind`; 400 naming the field when it is not JSON or a field has the wrong type."""
     try:
         return _decoders[kind].decode(body)

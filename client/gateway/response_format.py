@@ -14,10 +14,22 @@ from dataclasses import dataclass
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from ember.client.gateway.openai_schema import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs,
-                                                ChatMessageOut, ChunkChoice, Completion, CompletionChoice,
-                                                CompletionLogprobs, Delta, ErrorBody, TokenLogprobOut, TopLogprobOut,
-                                                UsageOut)
+from ember.client.gateway.openai_schema import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    Delta,
+    ErrorBody,
+    TokenLogprobOut,
+    TopLogprobOut,
+    UsageOut,
+)
 from ember.client.gateway.token_texts import token_bytes
 from ember.protocol.messages import Usage
 

@@ -40,7 +40,8 @@ class GatewayChild:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ember.client.cli", "gateway", "--listen", listen, "--socket", str(socket_path),
                  "--listen-fd", str(sock.fileno()), "--log-format", log_format],
-                pass_fds=(sock.fileno(),), preexec_fn=_exit_with_parent, stdin=subprocess.DEVNULL)
+                pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL,
+                preexec_fn=_exit_with_parent)  # noqa: PLW1509 -- `ember serve` has started no thread yet
         finally:
             sock.close()  # the child has its own copy
         self._stopping = False

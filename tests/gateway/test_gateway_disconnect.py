@@ -1,0 +1,92 @@
+"""A client that goes away cancels its request in the daemon: mid-stream, while waiting for a whole
+answer, and while still queued. The daemon's own Stats are the witness (cancelled_total, nothing left
+running), and the gateway's slot comes back (its requests in flight: 0)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+from gateway_setup import MODEL
+
+LONG = {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+
+
+def wait_for(what: str, check: Any, timeout: float = 5.0) -> float:
+    """Seconds until check() is true (fails the test after `timeout`)."""
+    t0 = time.monotonic()
+    while not check():
+        assert time.monotonic() - t0 < timeout, f"not within {timeout} s: {what}"
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def settled(native: Any, gateway: Any, cancelled_before: int) -> float:
+    """The daemon counted one more cancellation and runs nothing; the gateway carries nothing. Returns the
+    seconds until the daemon counted it."""
+    took = wait_for("the daemon cancels the request", lambda: native.stats().cancelled_total == cancelled_before + 1)
+    wait_for("nothing runs or waits in the daemon", lambda: (s := native.stats()).active == 0 and s.queued == 0)
+    tokens = native.stats().tokens_total
+    time.sleep(0.2)
+    assert native.stats().tokens_total == tokens  # nothing generates for it any more
+    wait_for("the gateway frees the slot", lambda: gateway_in_flight(gateway) == 0)
+    return took
+
+
+def gateway_in_flight(gateway: Any) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{gateway.url}/metrics") as r:
+        line = next(x for x in r.read().decode().splitlines() if x.startswith("ember_gateway_requests_in_flight "))
+    return float(line.split()[1])
+
+
+@pytest.mark.asyncio
+async def test_disconnect_mid_stream_cancels_in_the_daemon(gateway: Any, native: Any) -> None:
+    before = native.stats()
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{gateway.url}/v1/completions", json={**LONG, "stream": True})
+        assert response.status == 200
+        events = 0
+        async for line in response.content:
+            events += line.startswith(b"data: ")
+            if events == 5:
+                break
+        response.close()  # the connection, mid-stream
+    took = await asyncio.to_thread(settled, native, gateway, before.cancelled_total)
+    generated = native.stats().tokens_total - before.tokens_total
+    assert generated < 100, f"{generated} tokens generated for a stream closed at its 5th event"
+    print(f"\ncancelled in the daemon {took * 1000:.0f} ms after the disconnect; {generated} tokens in all")
+
+
+@pytest.mark.asyncio
+async def test_disconnect_before_a_whole_answer_cancels(gateway: Any, native: Any) -> None:
+    before = native.stats()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as session:
+        with pytest.raises(asyncio.TimeoutError):
+            await session.post(f"{gateway.url}/v1/chat/completions",
+                               json={**LONG, "prompt": None, "messages": [{"role": "user", "content": "hi"}]})
+    await asyncio.to_thread(settled, native, gateway, before.cancelled_total)
+
+
+@pytest.mark.asyncio
+async def test_disconnect_while_queued_cancels_before_it_runs(gateway: Any, native: Any, daemon: Any) -> None:
+    running = [native.generate("import os", max_tokens=3000, ignore_eos=True) for _ in range(3)]  # max_active 3
+    try:
+        await asyncio.to_thread(wait_for, "three running", lambda: native.stats().active == 3)
+        before = native.stats()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as session:
+            with pytest.raises(asyncio.TimeoutError):
+                await session.post(f"{gateway.url}/v1/completions", json={**LONG, "stream": True})
+        after = native.stats()
+        assert after.cancelled_total == before.cancelled_total + 1 or after.queued == 1
+        await asyncio.to_thread(wait_for, "the queued request cancelled",
+                                lambda: native.stats().cancelled_total == before.cancelled_total + 1)
+        assert native.stats().queued == 0 and native.stats().active == 3
+        ended = [e for e in daemon.log_events() if e.get("event") == "request finished"]
+        assert ended[-1]["reason"] == "cancelled" and ended[-1]["completion_tokens"] == 0  # it never ran
+    finally:
+        for stream in running:
+            stream.close()

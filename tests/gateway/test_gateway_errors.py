@@ -1,0 +1,123 @@
+"""Errors through the openai SDK: each raised as the SDK's exception type for its status (400, 401, 404,
+413, 429, 503), with the daemon's reason in the message, and nothing lost: the gateway serves on."""
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import openai
+import pytest
+from gateway_setup import API_KEY, MODEL
+from gateway_thread import GatewayThread
+
+PROMPT = "def fibonacci(n):"
+
+
+def keyed(gateway: GatewayThread, key: str | None = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key or "", max_retries=0, timeout=60)
+
+
+def still_serves(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert r.usage is not None and r.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("body,says", [
+    ({"temperature": -1.0}, "temperature must be in"),  # the daemon's range and words
+    ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+    ({"n": 3}, "n must be 1"),
+    ({"logit_bias": {"x1": 3}}, "logit_bias keys must be token ids"),
+    ({"logit_bias": {"99999999": 3}}, "token ids must be in"),
+    ({"max_tokens": 100000}, "over the limit of 4096"),  # the daemon's limits.max_tokens
+    ({"stop": ["s"] * 40}, "stop strings: 40 is over the limit"),
+])
+def test_bad_values_are_bad_request_with_the_reason(client: openai.OpenAI, body: dict[str, Any], says: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=body.pop("max_tokens", 4), extra_body=body)
+    assert e.value.status_code == 400 and says in e.value.message and e.value.type == "invalid_request_error"
+    still_serves(client)
+
+
+def test_unknown_model_and_path_are_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.code == "model_not_found" and "gpt-9" in e.value.message and MODEL in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.post("/no/such/path", cast_to=object, body={})
+    with pytest.raises(openai.NotFoundError):  # streamed: refused before the stream starts
+        client.completions.create(model="gpt-9", prompt="x", stream=True)
+
+
+def test_api_key(keyed_gateway: GatewayThread) -> None:
+    with keyed(keyed_gateway, "sk-wrong") as client, pytest.raises(openai.AuthenticationError) as e:
+        client.models.list()
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key" and "Incorrect API key" in e.value.message
+    with keyed(keyed_gateway) as client:
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        still_serves(client)
+    with pytest.raises(urllib.error.HTTPError) as missing:  # the openai SDK always sends one
+        urllib.request.urlopen(f"{keyed_gateway.url}/v1/models")
+    assert missing.value.code == 401 and b"No API key provided" in missing.value.read()
+    with pytest.raises(urllib.error.HTTPError) as scrape:
+        urllib.request.urlopen(f"{keyed_gateway.url}/metrics")
+    assert scrape.value.code == 401
+    with urllib.request.urlopen(f"{keyed_gateway.url}/health") as r:  # liveness probes carry no key
+        assert r.status == 200
+
+
+def test_oversize_body_is_413_before_it_is_read(keyed_gateway: GatewayThread) -> None:
+    with keyed(keyed_gateway) as client:
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model=MODEL, prompt="x" * 100_000, max_tokens=1)
+        assert e.value.status_code == 413 and "at most 65536 bytes" in e.value.message
+        still_serves(client)
+
+
+def test_daemon_busy_is_429_with_its_reason(client: openai.OpenAI, native: Any) -> None:
+    streams = [native.generate(PROMPT, max_tokens=3000, ignore_eos=True) for _ in range(6)]  # 3 running, 3 queued
+    try:
+        deadline = time.monotonic() + 10
+        while (s := native.stats()).active + s.queued < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(openai.RateLimitError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert e.value.status_code == 429 and e.value.code == "busy" and "queue" in e.value.message
+    finally:
+        for stream in streams:
+            stream.close()
+    still_serves(client)
+
+
+def test_gateway_limit_on_requests_is_429(keyed_gateway: GatewayThread) -> None:
+    with keyed(keyed_gateway) as client:
+        held = [client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3000, stream=True,
+                                          extra_body={"ignore_eos": True}) for _ in range(2)]  # max_requests=2
+        try:
+            with pytest.raises(openai.RateLimitError) as e:
+                client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+            assert e.value.code == "gateway_busy" and "--max-requests" in e.value.message
+        finally:
+            for stream in held:
+                stream.close()
+        deadline = time.monotonic() + 10  # the slots come back once the daemon confirms the cancellations
+        while True:
+            try:
+                return still_serves(client)
+            except openai.RateLimitError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+
+
+def test_no_daemon_is_503(tmp_path: Any) -> None:
+    gateway = GatewayThread(socket=tmp_path / "nothing.sock")
+    try:
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0) as client:
+            with pytest.raises(openai.InternalServerError) as e:
+                client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+            assert e.value.status_code == 503 and "no ember daemon" in e.value.message
+            with pytest.raises(openai.InternalServerError):
+                client.models.list()
+    finally:
+        gateway.stop()
