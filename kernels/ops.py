@@ -35,8 +35,12 @@ class Ops(ABC):
 
     # --- kernels --------------------------------------------------------------------------------
     @abstractmethod
-    def matmul(self, x: Array, w: Weight) -> Array:
-        """x [n, cols] f32 times w^T -> [n, rows] f32 (a matvec when n == 1)."""
+    def matmul(self, x: Array, w: Weight, decode_rows: Array | None = None) -> Array:
+        """x [n, cols] f32 times w^T -> [n, rows] f32 (a matvec when n == 1).
+
+        decode_rows (bool [n], StepBatch.decode_rows) marks generated tokens: a backend may multiply
+        those with quantized activations, as llama.cpp does; every other row exactly, in float32. A
+        row's result must depend only on its own values and flag, never on the other rows."""
 
     @abstractmethod
     def embedding(self, w: Weight, ids: np.ndarray) -> Array:

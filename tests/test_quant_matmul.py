@@ -1,6 +1,9 @@
 """kernels/cpu/quant_matmul.py against the numpy reference: matmul, embedding, and pack's zero-copy.
 
-The reference product is quant_reference.dequantize(...) @ x in float64. The kernels accumulate in
+The reference product is quant_reference.dequantize(...) @ x in float64, where x is the activation the
+kernel is defined to multiply: for the decode rows of a quantized weight that is x_hat, x after the
+q8_0 round trip of kernels/convert.py (llama.cpp's numerics; the integer kernels are in
+kernels/cpu/int8_dots.py), for every other row x itself. The kernels accumulate in
 float32 (lane partial sums, trees, FMAs), so each output may differ by float32 rounding of its terms:
 a few eps32 times sum_i |w_i x_i| for the row. The tolerance below is 2e-5 times that sum (about 170
 eps32, a loose bound for sums of <= 1024 terms); a wrong scale, nibble or bit shows up as O(1).
@@ -14,6 +17,7 @@ import numpy as np
 import pytest
 
 from ember.kernels.cpu import quant_matmul as qm
+from ember.kernels.convert import dequantize_q8_0, quantize_q8_0
 from ember.kernels.cpu.quant_matmul import CpuWeight, embedding, matmul, pack
 from ember.kernels.reference.quant import dequantize, quantize
 from ember.kernels.raw_tensor import RawTensor
@@ -21,7 +25,7 @@ from ember.kernels.tensor_types import TensorType, row_bytes
 
 ALL_TYPES = [TensorType.F32, TensorType.F16, TensorType.BF16, TensorType.Q8_0,
              TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K]
-TOKENS = (1, 2, 3, 8, 17, 33)
+TOKENS = (1, 2, 3, 5, 8, 17, 33)
 REL_TOL = 2e-5
 
 
@@ -33,8 +37,18 @@ def make_weight(ttype: TensorType, rows: int, cols: int, seed: int = 0) -> tuple
     return packed, dequantize(ttype, data, cols).astype(np.float64)
 
 
-def assert_product_close(y: np.ndarray, x: np.ndarray, w64: np.ndarray) -> None:
+def multiplied(x: np.ndarray, ttype: TensorType, decode_rows: np.ndarray | None) -> np.ndarray:
+    """The activation matmul multiplies by a weight of type ttype, as float64."""
     x64 = x.astype(np.float64)
+    if ttype in qm.INT8_TYPES and decode_rows is not None:
+        x_hat = dequantize_q8_0(quantize_q8_0(x), x.shape[-1]).astype(np.float64)
+        x64[decode_rows] = x_hat[decode_rows]
+    return x64
+
+
+def assert_product_close(y: np.ndarray, x: np.ndarray, w64: np.ndarray, ttype: TensorType,
+                         decode_rows: np.ndarray | None = None) -> None:
+    x64 = multiplied(x, ttype, decode_rows)
     expected = x64 @ w64.T
     scale = np.abs(x64) @ np.abs(w64).T  # sum_i |w_i x_i| per output
     assert y.shape == expected.shape and y.dtype == np.float32
@@ -51,7 +65,10 @@ def test_matmul_matches_reference(ttype: TensorType, rows: int, superblocks: int
     rng = np.random.default_rng(superblocks)
     for n in TOKENS:
         x = rng.standard_normal((n, cols)).astype(np.float32)
-        assert_product_close(matmul(x, weight), x, w64)
+        assert_product_close(matmul(x, weight), x, w64, ttype)  # prompt rows
+        every, some = np.ones(n, bool), rng.random(n) < 0.5
+        assert_product_close(matmul(x, weight, every), x, w64, ttype, every)  # decode rows
+        assert_product_close(matmul(x, weight, some), x, w64, ttype, some)  # a step mixing both
 
 
 # Q8_0 blocks per row: 1, 3, 8+1, 4+1, 4+3, 8+4 (the demo model's hidden 384), 8+4+2
@@ -65,15 +82,17 @@ def test_matmul_rows_that_are_not_whole_super_blocks(ttype: TensorType, cols: in
     weight, w64 = make_weight(ttype, 5, cols)
     for n in (1, 6):
         x = np.random.default_rng(n).standard_normal((n, cols)).astype(np.float32)
-        assert_product_close(matmul(x, weight), x, w64)
+        assert_product_close(matmul(x, weight), x, w64, ttype)
+        assert_product_close(matmul(x, weight, np.ones(n, bool)), x, w64, ttype, np.ones(n, bool))
 
 
 def test_matmul_accepts_a_vector() -> None:
     weight, w64 = make_weight(TensorType.Q4_K, 9, 512)
     x = np.random.default_rng(1).standard_normal(512).astype(np.float32)
-    y = matmul(x, weight)
-    assert y.shape == (9,)
-    assert_product_close(y[None, :], x[None, :], w64)
+    for decode in (False, True):
+        y = matmul(x, weight, decode)
+        assert y.shape == (9,)
+        assert_product_close(y[None, :], x[None, :], w64, TensorType.Q4_K, np.array([decode]))
 
 
 def test_matmul_rejects_wrong_width() -> None:
@@ -124,7 +143,7 @@ def test_pack_reads_a_read_only_memmap(tmp_path: Path, ttype: TensorType) -> Non
     w64 = dequantize(ttype, data, cols).astype(np.float64)
     for n in (1, 5):
         x = np.random.default_rng(n).standard_normal((n, cols)).astype(np.float32)
-        assert_product_close(matmul(x, weight), x, w64)
+        assert_product_close(matmul(x, weight), x, w64, ttype)
     np.testing.assert_array_equal(embedding(weight, np.array([3, 32])), w64[[3, 32]].astype(np.float32))
 
 
@@ -134,7 +153,22 @@ def test_pack_flattens_leading_dimensions() -> None:
     assert (weight.rows, weight.cols) == (6, 64) and weight.u8.shape == (6, 68)
 
 
+@pytest.mark.parametrize("ttype", [TensorType.Q8_0, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K],
+                         ids=lambda t: t.name)
+def test_a_decode_rows_result_does_not_depend_on_the_other_rows(ttype: TensorType) -> None:
+    """Batching must not change a sequence's tokens: each decode row's product is bit-identical
+    whether it runs alone, in a batch of any size (every tile shape), or beside prompt rows."""
+    weight, _ = make_weight(ttype, 37, 512)  # 37 rows: whole and partial row tiles
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((11, 512)).astype(np.float32)
+    alone = np.stack([matmul(x[t], weight, True) for t in range(11)])
+    for n in (2, 3, 4, 5, 8, 11):
+        np.testing.assert_array_equal(matmul(x[:n], weight, np.ones(n, bool)), alone[:n])
+    mixed = np.arange(11) % 3 == 0
+    np.testing.assert_array_equal(matmul(x, weight, mixed)[mixed], alone[mixed])
+
+
 def test_kernels_release_the_gil() -> None:
     """The daemon's event loop runs beside these kernels: every jitted entry point must be nogil."""
-    for kernel in (qm._matvec, qm._matmul, qm._gather_rows):
+    for kernel in (qm._matvec_16bit, qm._matmul_int8, qm._matmul, qm._gather_rows):
         assert kernel.targetoptions.get("nogil") is True

@@ -141,7 +141,7 @@ class EngineCore:
         batch = StepBatch.build(
             [(c.seq.tokens[c.start : c.start + c.length], c.start, c.seq.table) for c in chunks],
             self.runner.block_size, all_logits=[c.seq.prompt_logits for c in chunks],
-            wants_logits=[c.samples for c in chunks],
+            wants_logits=[c.samples for c in chunks], prompt_lengths=[len(c.seq.prompt) for c in chunks],
         )
         samplers = [(rows.last[i], c.seq) for i, c in enumerate(chunks) if c.samples]
         return self.runner.execute(batch, samplers, rows.keep)

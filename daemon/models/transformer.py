@@ -33,21 +33,21 @@ class Attention:
 
     def __call__(self, ops: Ops, cfg: ModelConfig, rope: "Rope", x: Array, cache: PagedKVCache, layer: int,
                  batch: StepBatch) -> Array:
-        n = x.shape[0]
-        q = self._project(ops, x, self.wq, self.bq).reshape(n, cfg.n_heads, cfg.head_dim)
-        k = self._project(ops, x, self.wk, self.bk).reshape(n, cfg.n_kv_heads, cfg.head_dim)
-        v = self._project(ops, x, self.wv, self.bv).reshape(n, cfg.n_kv_heads, cfg.head_dim)
+        n, rows = x.shape[0], batch.decode_rows
+        q = self._project(ops, x, self.wq, self.bq, rows).reshape(n, cfg.n_heads, cfg.head_dim)
+        k = self._project(ops, x, self.wk, self.bk, rows).reshape(n, cfg.n_kv_heads, cfg.head_dim)
+        v = self._project(ops, x, self.wv, self.bv, rows).reshape(n, cfg.n_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = ops.rmsnorm(q, self.q_norm, cfg.norm_eps), ops.rmsnorm(k, self.k_norm, cfg.norm_eps)
         q, k = rope(ops, q, batch.positions), rope(ops, k, batch.positions)
         cache.write(layer, batch.kv_blocks, batch.kv_offsets, k, v)
         out = ops.paged_attention(q, cache.k[layer], cache.v[layer], batch.tables, batch.token_seq, batch.positions,
                                   cfg.head_dim**-0.5)
-        return ops.matmul(out.reshape(n, cfg.n_heads * cfg.head_dim), self.wo)
+        return ops.matmul(out.reshape(n, cfg.n_heads * cfg.head_dim), self.wo, rows)
 
     @staticmethod
-    def _project(ops: Ops, x: Array, w: Weight, b: Array | None) -> Array:
-        y = ops.matmul(x, w)
+    def _project(ops: Ops, x: Array, w: Weight, b: Array | None, rows: Array) -> Array:
+        y = ops.matmul(x, w, rows)
         return y if b is None else y + b
 
 
@@ -57,8 +57,8 @@ class DenseFFN:
     up: Weight
     down: Weight
 
-    def __call__(self, ops: Ops, x: Array) -> Array:
-        return ops.matmul(ops.swiglu(ops.matmul(x, self.gate), ops.matmul(x, self.up)), self.down)
+    def __call__(self, ops: Ops, x: Array, rows: Array) -> Array:
+        return ops.matmul(ops.swiglu(ops.matmul(x, self.gate, rows), ops.matmul(x, self.up, rows)), self.down, rows)
 
 
 @dataclass
@@ -80,7 +80,7 @@ class Block:
     def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: PagedKVCache, layer: int,
                  batch: StepBatch) -> Array:
         x = x + self.attn(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache, layer, batch)
-        return x + self.ffn(ops, ops.rmsnorm(x, self.ffn_norm, cfg.norm_eps))
+        return x + self.ffn(ops, ops.rmsnorm(x, self.ffn_norm, cfg.norm_eps), batch.decode_rows)
 
 
 class Transformer:
@@ -109,7 +109,8 @@ class Transformer:
         if batch.n_logits == 0:  # prompt chunks only: their K/V is all this step produces
             return self.ops.zeros((0, self.config.vocab))
         x = x[batch.logit_rows]
-        return self.ops.matmul(self.ops.rmsnorm(x, self.norm, self.config.norm_eps), self.output)
+        return self.ops.matmul(self.ops.rmsnorm(x, self.norm, self.config.norm_eps), self.output,
+                               batch.decode_rows[batch.logit_rows])
 
 
 def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int) -> Block:

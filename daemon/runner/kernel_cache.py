@@ -58,7 +58,7 @@ def _stamp_path() -> Path:
     cpu = f"{llvm.get_host_cpu_name()} {llvm.get_host_cpu_features().flatten()}"  # numba's cache is per CPU too
     for part in (numba.__version__, np.__version__, sys.version, cpu, *(p.read_bytes() for p in sources)):
         digest.update(part if isinstance(part, bytes) else part.encode())
-    cache_dir = Path(quant_matmul._matvec._cache._cache_path)  # where numba keeps this module's kernels
+    cache_dir = Path(quant_matmul._matmul._cache._cache_path)  # where numba keeps this module's kernels
     cache_dir.mkdir(parents=True, exist_ok=True)
     return cache_dir / f"ember-kernels-{digest.hexdigest()[:16]}.stamp"
 
@@ -77,8 +77,9 @@ def compile_all() -> None:
         for dtype in KV_DTYPES:
             cache = net.new_cache(2, 16, dtype)
             net.forward(StepBatch.build([([1, 2, 3, 4, 5], 0, [0, 1])], 16, all_logits=True), cache)
-            net.forward(StepBatch.build([([6], 5, [0, 1])], 16), cache)  # one token: the matvec
-            net.forward(StepBatch.build([([7], 6, [0, 1]), ([8, 9], 0, [1])], 16), cache)
+            net.forward(StepBatch.build([([6], 5, [0, 1])], 16, prompt_lengths=[5]), cache)  # one generated token
+            net.forward(StepBatch.build([([7], 6, [0, 1]), ([8, 9], 0, [1])], 16, prompt_lengths=[5, 2]), cache)
+            net.forward(StepBatch.build([([7], 6, [0, 1]), ([8], 1, [1])], 16, prompt_lengths=[5, 2]), cache)
 
 
 def _synthetic_model():  # type: ignore[no-untyped-def]

@@ -21,6 +21,10 @@ class StepBatch:
     kv_offsets: Any  # [n] and the row inside that block
     tables: Any  # [sequences, max_blocks] int32 block ids (unused entries 0)
     logit_rows: Any  # indices of the tokens whose logits are wanted
+    # [n] bool: the token was generated (a sampled token fed back), not read from the prompt. Backends
+    # may compute these rows with quantized activations (ops.matmul): a token's numerics then follow
+    # from what it is, never from how the step was batched or chunked.
+    decode_rows: Any
 
     @property
     def n_logits(self) -> int:
@@ -28,14 +32,17 @@ class StepBatch:
 
     @classmethod
     def build(cls, chunks: Sequence[ChunkSpec], block_size: int, all_logits: bool | Sequence[bool] = False,
-              wants_logits: Sequence[bool] | None = None) -> StepBatch:
+              wants_logits: Sequence[bool] | None = None, prompt_lengths: Sequence[int] | None = None) -> StepBatch:
         """Host arrays for `chunks`. Logits come for the last token of each chunk (of those
         `wants_logits` marks, if given); `all_logits` (for every chunk, or per chunk) asks for every
-        token of a chunk instead."""
+        token of a chunk instead. prompt_lengths (per chunk) tells generated tokens from prompt ones:
+        positions from a sequence's prompt length on are decode rows (without it, none is)."""
         every = [all_logits] * len(chunks) if isinstance(all_logits, bool) else list(all_logits)
+        prompts = np.fromiter((1 << 62,) * len(chunks) if prompt_lengths is None else prompt_lengths, np.int64,
+                              len(chunks))
         if all(len(tokens) == 1 for tokens, _, _ in chunks):  # every token is its chunk's last
             wants = None if wants_logits is None else [w or a for w, a in zip(wants_logits, every, strict=True)]
-            return cls._decodes(chunks, block_size, wants)
+            return cls._decodes(chunks, block_size, wants, prompts)
         ids, positions, token_seq, rows = [], [], [], []
         width = max(len(table) for _, _, table in chunks)
         tables = np.zeros((len(chunks), width), np.int32)
@@ -54,10 +61,12 @@ class StepBatch:
         seq = np.concatenate(token_seq)
         return cls(ids=np.concatenate(ids), positions=pos, token_seq=seq,
                    kv_blocks=tables[seq, pos // block_size].astype(np.int64), kv_offsets=pos % block_size,
-                   tables=tables, logit_rows=np.concatenate(rows) if rows else np.zeros(0, np.int64))
+                   tables=tables, logit_rows=np.concatenate(rows) if rows else np.zeros(0, np.int64),
+                   decode_rows=pos >= prompts[seq])
 
     @classmethod
-    def _decodes(cls, chunks: Sequence[ChunkSpec], block_size: int, wants_logits: Sequence[bool] | None) -> StepBatch:
+    def _decodes(cls, chunks: Sequence[ChunkSpec], block_size: int, wants_logits: Sequence[bool] | None,
+                 prompts: np.ndarray) -> StepBatch:
         """The common decode step, one token per sequence, without per-sequence array work."""
         n = len(chunks)
         pos = np.fromiter((start for _, start, _ in chunks), np.int64, n)
@@ -69,7 +78,7 @@ class StepBatch:
         rows = np.arange(n) if wants_logits is None else np.flatnonzero(np.asarray(wants_logits, bool))
         return cls(ids=np.fromiter((tokens[0] for tokens, _, _ in chunks), np.int64, n), positions=pos, token_seq=seq,
                    kv_blocks=tables[seq, pos // block_size].astype(np.int64), kv_offsets=pos % block_size,
-                   tables=tables, logit_rows=rows)
+                   tables=tables, logit_rows=rows, decode_rows=pos >= prompts)
 
     def on(self, to_device: Any) -> StepBatch:
         """The same batch with every array moved by `to_device` (the runner's ops.to_device): done once

@@ -22,8 +22,8 @@ class CpuOps(Ops):
     def weight_rows(self, w: quant_matmul.CpuWeight) -> int:
         return w.rows
 
-    def matmul(self, x: Array, w: quant_matmul.CpuWeight) -> np.ndarray:
-        return quant_matmul.matmul(np.ascontiguousarray(x, dtype=np.float32), w)
+    def matmul(self, x: Array, w: quant_matmul.CpuWeight, decode_rows: Array | None = None) -> np.ndarray:
+        return quant_matmul.matmul(np.ascontiguousarray(x, dtype=np.float32), w, decode_rows)
 
     def embedding(self, w: quant_matmul.CpuWeight, ids: np.ndarray) -> np.ndarray:
         return quant_matmul.embedding(w, np.asarray(ids, dtype=np.int64))

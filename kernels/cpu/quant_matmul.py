@@ -1,34 +1,31 @@
 """CPU kernels that multiply by weights still in their file format (F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K).
 
-This module owns the CPU backend's weight layout (CpuWeight, made by pack) and its three kernels:
-matmul with one token (the decode hot path: a matvec that streams the quantized bytes once), matmul
-with n tokens (dequantizes each row once into a small buffer, then a register-tiled product with all n
-tokens), and embedding (dequantizes the selected rows). The block layouts are documented, and
-checked, in kernels/reference/quant.py; the kernels are tested against it.
+This module owns the CPU backend's weight layout (CpuWeight, made by pack) and its kernels: matmul
+with few tokens (decode, batched or not: quantized weights meet int8-quantized activations in
+integer arithmetic, kernels/cpu/int8_dots.py, each weight row read once for all tokens; F16/BF16
+rows widen in registers), matmul with many tokens (prompts: dequantizes each row once into a small
+buffer, then a register-tiled float32 product with all n tokens), and embedding (dequantizes the
+selected rows). The block layouts are documented, and checked, in kernels/reference/quant.py; the
+kernels are tested against it.
 
 Why the kernels look the way they do (each point measured on the 2-core Zen 4 VM this was built on):
-- Each row's dot product is a sum of small reductions, one per group of blocks (8 Q8_0 blocks, one
-  K-quant super-block): `t += lane(l)` over the group's 32 lanes, where lane(l) folds that lane's 8
-  products as a tree. LLVM vectorizes such a reduction into register accumulators. Two shapes that
-  looked attractive are worse: summing each 32-value block to a scalar (a horizontal sum per block),
-  and 32 partial sums kept in a scratch array (its store->load chain throttles how far loads run
-  ahead: 8 GB/s instead of 27-35 GB/s once the weights come from DRAM rather than cache).
-- numba rewrites every a[k] as a[k + n if k < 0 else k]; where LLVM cannot prove k >= 0 that select
-  stays and turns consecutive loads into gathers (10x slower). Hot loads use _ld/_ld1, which skip it.
+- Decode with quantized weights quantizes x to ggml's q8_0 once per call and multiplies bytes
+  (int8_dots): 1.5-2.2x faster than widening every weight to float32 on K-quants, where the float
+  kernels were bound by bit unpacking, not memory; level on Q8_0, which streams at memory speed
+  either way. It is llama.cpp's numerics: the product is with x_hat, x after the q8_0 round trip.
+- The F16/BF16 row dot is one reduction that LLVM vectorizes into register accumulators; numba
+  rewrites every a[k] as a[k + n if k < 0 else k], and where LLVM cannot prove k >= 0 that select
+  turns consecutive loads into gathers (10x slower), so hot loads use _ld/_ld1, which skip it.
 - numba has no float16; the _f16 intrinsic bitcasts the raw bits to LLVM `half` and widens them,
   which becomes F16C vcvtph2ps: f16 scales cost one instruction and F16 weights vectorize, with no
   lookup table (a gather per block).
 - numba widens small-int arithmetic to int64, which LLVM vectorizes in 64-bit lanes; quant bit fields
   are therefore extracted by an intrinsic (_quant) in 32-bit IR, and Q4_K/Q5_K 6-bit scales are
   unpacked by another (_k4_header) with ggml's 32-bit mask trick, as one vector.
-- Q4_K / Q5_K mins are applied once per sub-block through per-32-value sums of x
-  (sum_i (d*sc*q_i - dmin*m) x_i = d*sc*sum_i q_i x_i - dmin*m*sum_i x_i), as llama.cpp does.
 - The n-token kernel dequantizes 16 rows at a time (each block once per call) into an L2-resident
   float32 buffer, then multiplies it with register tiles of 4 tokens by 4 rows (AVX-512) or 2 rows
-  (AVX2: 16 vector registers; 4-row tiles spilled there).
-- Everything runs in float32 (weights widened, activations never quantized), so results match the
-  float64 reference to float32 rounding. llama.cpp instead quantizes x to int8 and uses integer dot
-  products, which is why it is faster on cache-resident K-quant matrices.
+  (AVX2: 16 vector registers; 4-row tiles spilled there). It runs in float32 (activations never
+  quantized), so its results match the float64 reference to float32 rounding.
 - All kernels release the GIL (nogil) so the daemon's event loop keeps running beside them, and
   parallelize over output rows with prange.
 """
@@ -43,6 +40,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ember.kernels.cpu.int8_dots import (Q4_K_TILES, Q5_K_TILES, Q6_K_TILES, Q8_0_TILES, QK, TILE_SHAPES, TILE_TOKENS,
+                                        quantize_activation)
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType, row_bytes
 
@@ -56,14 +55,18 @@ _Q4_K = int(TensorType.Q4_K)
 _Q5_K = int(TensorType.Q5_K)
 _Q6_K = int(TensorType.Q6_K)
 
-_MATVEC_ROWS = 32  # rows per parallel work item of the matvec (scratch is allocated per item)
+_MATVEC_ROWS = 32  # rows per parallel work item of the matvec
 _MATMUL_ROWS = 16  # rows dequantized together by the n-token kernel: 16 x cols f32 stays in L2
-_PREFETCH_AHEAD = 16  # the matvec prefetches the rows this far ahead of the pair it is reading
+# weights whose decode rows take the integer dots of int8_dots
+INT8_TYPES = frozenset({TensorType.Q8_0, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K})
 # 32 vector registers (AVX-512) fit 4-row tiles in the n-token kernel, 16 (AVX2) only 2-row ones;
 # numba folds this into the compiled code, and its cache is kept per CPU model and features
 _WIDE_TILES = bool(llvm.get_host_cpu_features().get("avx512f", False))
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
+# No fast-math at all: numba would otherwise flag every float op of the function, the inlined integer
+# dots' included, and LLVM would reassociate each tile shape its own way (results then depend on n).
+_STRICT = dict(cache=True, nogil=True)
 # Dequantizing rows: no reassoc and no FMA contraction, so values equal quant_reference's bit for bit.
 _EXACT = dict(fastmath={"nnan", "ninf", "nsz", "arcp", "afn"}, cache=True, nogil=True)
 
@@ -123,21 +126,37 @@ def _read_only(a: np.ndarray) -> np.ndarray:
     return view
 
 
-def matmul(x: np.ndarray, w: CpuWeight) -> np.ndarray:
-    """y = x @ W^T: x float32 [n, cols] (or [cols]) -> float32 [n, rows] (or [rows])."""
+def matmul(x: np.ndarray, w: CpuWeight, decode_rows: np.ndarray | None = None) -> np.ndarray:
+    """y = x @ W^T: x float32 [n, cols] (or [cols]) -> float32 [n, rows] (or [rows]).
+
+    decode_rows (bool [n], or one bool for a vector) marks the rows that are generated tokens fed
+    back. With quantized weights those multiply x_hat, x after ggml's q8_0 round trip, in integer
+    arithmetic (kernels/cpu/int8_dots.py), as llama.cpp does: 1.5-2.5x faster at decode. Every other
+    row (prompt tokens) multiplies x itself in float32, exactly, through the dequantize-and-tile
+    product, which is 2x faster than the integer tiles on long prompts. A row's result depends only
+    on its own flag and values, never on the other rows of the call."""
     x = np.ascontiguousarray(x, np.float32)
     vector = x.ndim == 1
     x2 = x.reshape(1, -1) if vector else x
     if x2.shape[1] != w.cols:
         raise ValueError(f"x has {x2.shape[1]} columns, weight has {w.cols}")
+    n = x2.shape[0]
+    quantized = np.zeros(n, bool) if decode_rows is None else np.broadcast_to(np.asarray(decode_rows, bool), (n,))
+    y = np.empty((n, w.rows), np.float32)
     if w.f32 is not None:
         y = x2 @ w.f32.T  # BLAS: already optimal for float32, and it releases the GIL
-    elif x2.shape[0] == 1:
-        y = np.empty((1, w.rows), np.float32)
-        _matvec(int(w.ttype), w.u8, w.i8, w.u16, w.u32, x2[0], y[0])
-    else:
-        y = np.empty((x2.shape[0], w.rows), np.float32)
+    elif w.ttype not in INT8_TYPES:
+        if n == 1:
+            _matvec_16bit(w.ttype == TensorType.F16, w.u16, x2[0], y[0])
+        else:
+            _matmul(int(w.ttype), w.u8, w.i8, w.u16, w.u32, x2, y)
+    elif quantized.all():
+        _matmul_int8(int(w.ttype), w.u8, x2, y)
+    elif not quantized.any():
         _matmul(int(w.ttype), w.u8, w.i8, w.u16, w.u32, x2, y)
+    else:  # a step that mixes prompt chunks and decode tokens
+        y[quantized] = matmul(x2[quantized], w, True)
+        y[~quantized] = matmul(x2[~quantized], w, False)
     return y[0] if vector else y
 
 
@@ -290,21 +309,61 @@ def _load_codegen(context, builder, sig, args):
 # parallel drivers: one per operation, switching on the type code once per row
 # --------------------------------------------------------------------------------------------------
 @njit(parallel=True, **_JIT)
-def _matvec(tt, u8, i8, u16, u32, x, out):
+def _matvec_16bit(is_f16, u16, x, out):
     rows = out.shape[0]
-    xsum = _block_sums(x)
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
         for r in range(c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS)):
-            if tt == _Q8_0:
-                out[r] = _dot_q8_0(i8, u16, r, x)
-            elif tt == _Q4_K:
-                out[r] = _dot_q4_k(u8, u16, u32, r, x, xsum)
-            elif tt == _Q5_K:
-                out[r] = _dot_q5_k(u8, u16, u32, r, x, xsum)
-            elif tt == _Q6_K:
-                out[r] = _dot_q6_k(u8, i8, u16, r, x)
-            else:
-                out[r] = _dot_16bit(tt == _F16, u16, r, x)
+            out[r] = _dot_16bit(is_f16, u16, r, x)
+
+
+def _tile_call(shape):
+    """An inlined kernel storing one tile of TILE_SHAPES[shape] (rows x tokens) into out, for any
+    quantized weight type (the type's tile intrinsic chosen by tt)."""
+    q8_0, q4_k, q5_k, q6_k = (tiles[shape] for tiles in (Q8_0_TILES, Q4_K_TILES, Q5_K_TILES, Q6_K_TILES))
+    R, T = TILE_SHAPES[shape]
+
+    @njit(inline="always", **_STRICT)
+    def call(tt, u8, r, xq, xd, xs, t, out):
+        if tt == _Q8_0:
+            v = q8_0(u8, r, xq, xd, xs, t)
+        elif tt == _Q4_K:
+            v = q4_k(u8, r, xq, xd, xs, t)
+        elif tt == _Q5_K:
+            v = q5_k(u8, r, xq, xd, xs, t)
+        else:
+            v = q6_k(u8, r, xq, xd, xs, t)
+        for i in range(R):
+            for j in range(T):
+                out[t + j, r + i] = v[i * T + j]
+
+    return call
+
+
+_TILE, _TILE_1 = (_tile_call(k) for k in range(len(TILE_SHAPES)))
+
+
+@njit(parallel=True, **_STRICT)
+def _matmul_int8(tt, u8, x, out):
+    """out[t, r] = row r . x_hat[t] for quantized weights: each token row quantized once (int8_dots),
+    then each weight row against tiles of TILE_TOKENS tokens (one at a time for the rest), so each
+    row is read once per call. Every (row, token) result is computed by the same operations whatever
+    n is (int8_dots' tiles guarantee it), so batching changes no token's result."""
+    n, cols = x.shape
+    rows, nb = out.shape[1], cols // QK
+    xq = np.empty((n, cols), np.int8)
+    xd = np.empty((n, nb), np.float32)
+    xs = np.empty((n, nb), np.float32)
+    for t in prange(n):
+        quantize_activation(x[t], xq[t], xd[t], xs[t])
+    for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
+        for r in range(c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS)):
+            t = 0
+            while t + TILE_TOKENS <= n:
+                _TILE(tt, u8, r, xq, xd, xs, t, out)
+                t += TILE_TOKENS
+            while t < n:
+                _TILE_1(tt, u8, r, xq, xd, xs, t, out)
+                t += 1
 
 
 @njit(parallel=True, **_JIT)
@@ -323,19 +382,6 @@ def _matmul(tt, u8, i8, u16, u32, x, out):
 def _gather_rows(tt, u8, i8, u16, u32, ids, out):
     for k in prange(ids.shape[0]):
         _dequant_row(tt, u8, i8, u16, u32, ids[k], out[k])
-
-
-@njit(**_JIT)
-def _block_sums(x):
-    """Sums of x over each run of 32 values (Q4_K/Q5_K apply their mins through these)."""
-    nb = x.shape[0] // 32
-    s = np.zeros(nb, np.float32)
-    for b in range(nb):
-        t = np.float32(0)
-        for l in range(32):
-            t += x[32 * b + l]
-        s[b] = t
-    return s
 
 
 # --------------------------------------------------------------------------------------------------
@@ -359,195 +405,6 @@ def _dot_16bit(is_f16, u16, r, x):
     for j in range(x.shape[0]):
         s += _w16(is_f16, _ld(u16, r, j)) * _ld1(x, j)
     return s
-
-
-@njit(inline="always", **_JIT)
-def _q8_0_scales(u16, r, b):
-    """d of Q8_0 blocks b..b+7 of row r (block b's f16 d is u16 element 17b)."""
-    o = 17 * b
-    return (_f16(_ld(u16, r, o)), _f16(_ld(u16, r, o + 17)), _f16(_ld(u16, r, o + 34)),
-            _f16(_ld(u16, r, o + 51)), _f16(_ld(u16, r, o + 68)), _f16(_ld(u16, r, o + 85)),
-            _f16(_ld(u16, r, o + 102)), _f16(_ld(u16, r, o + 119)))
-
-
-@njit(inline="always", **_JIT)
-def _lane_q8_0(i8, r, q, x, o, l, d):
-    """Lane l of 8 consecutive Q8_0 blocks whose quants start at byte q (and q + 34k)."""
-    p0 = d[0] * np.float32(_ld(i8, r, q + l)) * _ld1(x, o + l)
-    p1 = d[1] * np.float32(_ld(i8, r, q + 34 + l)) * _ld1(x, o + 32 + l)
-    p2 = d[2] * np.float32(_ld(i8, r, q + 68 + l)) * _ld1(x, o + 64 + l)
-    p3 = d[3] * np.float32(_ld(i8, r, q + 102 + l)) * _ld1(x, o + 96 + l)
-    p4 = d[4] * np.float32(_ld(i8, r, q + 136 + l)) * _ld1(x, o + 128 + l)
-    p5 = d[5] * np.float32(_ld(i8, r, q + 170 + l)) * _ld1(x, o + 160 + l)
-    p6 = d[6] * np.float32(_ld(i8, r, q + 204 + l)) * _ld1(x, o + 192 + l)
-    p7 = d[7] * np.float32(_ld(i8, r, q + 238 + l)) * _ld1(x, o + 224 + l)
-    return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
-
-
-@njit(inline="always", **_JIT)
-def _lane4_q8_0(i8, r, q, x, o, l, d0, d1, d2, d3):
-    """Lane l of 4 consecutive Q8_0 blocks (a remainder of 4..7 blocks after the 8-block groups)."""
-    p0 = d0 * np.float32(_ld(i8, r, q + l)) * _ld1(x, o + l)
-    p1 = d1 * np.float32(_ld(i8, r, q + 34 + l)) * _ld1(x, o + 32 + l)
-    p2 = d2 * np.float32(_ld(i8, r, q + 68 + l)) * _ld1(x, o + 64 + l)
-    p3 = d3 * np.float32(_ld(i8, r, q + 102 + l)) * _ld1(x, o + 96 + l)
-    return (p0 + p1) + (p2 + p3)
-
-
-@njit(inline="always", **_JIT)
-def _dot_q8_0(i8, u16, r, x):
-    """Q8_0 row r . x: block b is bytes 34b..34b+33 (f16 d, then 32 int8 quants); 8 blocks a group.
-
-    Inlined into the matvec (unlike the K-quant dots, which measured slower so): 12-25% faster on
-    cache-resident matrices, whose rows are short enough for the per-row call to show."""
-    nb = x.shape[0] // 32
-    total = np.float32(0)
-    for g in range(nb // 8):
-        b = 8 * g
-        d = _q8_0_scales(u16, r, b)
-        t = np.float32(0)
-        for l in range(32):
-            t += _lane_q8_0(i8, r, 34 * b + 2, x, 32 * b, l, d)
-        total += t
-    b = nb - nb % 8
-    if nb - b >= 4:  # hidden sizes like 384 or 896 end in 4 blocks: one more vectorized group
-        d0, d1 = _f16(_ld(u16, r, 17 * b)), _f16(_ld(u16, r, 17 * b + 17))
-        d2, d3 = _f16(_ld(u16, r, 17 * b + 34)), _f16(_ld(u16, r, 17 * b + 51))
-        t = np.float32(0)
-        for l in range(32):
-            t += _lane4_q8_0(i8, r, 34 * b + 2, x, 32 * b, l, d0, d1, d2, d3)
-        total += t
-        b += 4
-    for b in range(b, nb):  # what is left: at most 3 blocks
-        t = np.float32(0)
-        for l in range(32):
-            t += np.float32(_ld(i8, r, 34 * b + 2 + l)) * _ld1(x, 32 * b + l)
-        total += _f16(_ld(u16, r, 17 * b)) * t
-    return total
-
-
-@njit(inline="always", **_JIT)
-def _k4_scales(u16, u32, r, o, xsum, xs):
-    """A Q4_K/Q5_K super-block's header at byte o: (d * sc_j for j < 8, dmin * sum_j m_j xsum[xs+j]).
-
-    The mins are applied through per-32-value sums of x, once per sub-block instead of per value.
-    """
-    w = o // 4
-    h = _k4_header(_ld(u32, r, w + 1), _ld(u32, r, w + 2), _ld(u32, r, w + 3),
-                   _f16(_ld(u16, r, o // 2)), _f16(_ld(u16, r, o // 2 + 1)))
-    mins = (((h[8] * xsum[xs] + h[9] * xsum[xs + 1]) + (h[10] * xsum[xs + 2] + h[11] * xsum[xs + 3]))
-            + ((h[12] * xsum[xs + 4] + h[13] * xsum[xs + 5]) + (h[14] * xsum[xs + 6] + h[15] * xsum[xs + 7])))
-    return h[:8], mins
-
-
-@njit(inline="always", **_JIT)
-def _lane_q4_k(u8, r, q, x, xo, l, d):
-    """Lane l of a Q4_K super-block: qs byte q + 32g + l holds values 64g + l and 64g + 32 + l."""
-    b0, b1 = _ld(u8, r, q + l), _ld(u8, r, q + 32 + l)
-    b2, b3 = _ld(u8, r, q + 64 + l), _ld(u8, r, q + 96 + l)
-    p0 = d[0] * _quant(b0, 0, b0, 0, 0, 0) * _ld1(x, xo + l)
-    p1 = d[1] * _quant(b0, 4, b0, 0, 0, 0) * _ld1(x, xo + 32 + l)
-    p2 = d[2] * _quant(b1, 0, b1, 0, 0, 0) * _ld1(x, xo + 64 + l)
-    p3 = d[3] * _quant(b1, 4, b1, 0, 0, 0) * _ld1(x, xo + 96 + l)
-    p4 = d[4] * _quant(b2, 0, b2, 0, 0, 0) * _ld1(x, xo + 128 + l)
-    p5 = d[5] * _quant(b2, 4, b2, 0, 0, 0) * _ld1(x, xo + 160 + l)
-    p6 = d[6] * _quant(b3, 0, b3, 0, 0, 0) * _ld1(x, xo + 192 + l)
-    p7 = d[7] * _quant(b3, 4, b3, 0, 0, 0) * _ld1(x, xo + 224 + l)
-    return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
-
-
-@njit(**_JIT)
-def _dot_q4_k(u8, u16, u32, r, x, xsum):
-    """Q4_K row r . x: super-block s is bytes o = 144s: d, dmin f16 | scales[12] | qs[128]."""
-    total = np.float32(0)
-    mins = np.float32(0)
-    for s in range(x.shape[0] // 256):
-        o = 144 * s
-        d, m = _k4_scales(u16, u32, r, o, xsum, 8 * s)
-        mins += m
-        t = np.float32(0)
-        for l in range(32):
-            t += _lane_q4_k(u8, r, o + 16, x, 256 * s, l, d)
-        total += t
-    return total - mins
-
-
-@njit(inline="always", **_JIT)
-def _lane_q5_k(u8, r, qh, q, x, xo, l, d):
-    """Lane l of a Q5_K super-block: as Q4_K, plus bit j of qh[l] as bit 4 of value 32j + l."""
-    h = _ld(u8, r, qh + l)
-    b0, b1 = _ld(u8, r, q + l), _ld(u8, r, q + 32 + l)
-    b2, b3 = _ld(u8, r, q + 64 + l), _ld(u8, r, q + 96 + l)
-    p0 = d[0] * _quant(b0, 0, h, 0, 1, 0) * _ld1(x, xo + l)
-    p1 = d[1] * _quant(b0, 4, h, 1, 1, 0) * _ld1(x, xo + 32 + l)
-    p2 = d[2] * _quant(b1, 0, h, 2, 1, 0) * _ld1(x, xo + 64 + l)
-    p3 = d[3] * _quant(b1, 4, h, 3, 1, 0) * _ld1(x, xo + 96 + l)
-    p4 = d[4] * _quant(b2, 0, h, 4, 1, 0) * _ld1(x, xo + 128 + l)
-    p5 = d[5] * _quant(b2, 4, h, 5, 1, 0) * _ld1(x, xo + 160 + l)
-    p6 = d[6] * _quant(b3, 0, h, 6, 1, 0) * _ld1(x, xo + 192 + l)
-    p7 = d[7] * _quant(b3, 4, h, 7, 1, 0) * _ld1(x, xo + 224 + l)
-    return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
-
-
-@njit(**_JIT)
-def _dot_q5_k(u8, u16, u32, r, x, xsum):
-    """Q5_K row r . x: super-block s is bytes o = 176s: d, dmin f16 | scales[12] | qh[32] | qs[128]."""
-    total = np.float32(0)
-    mins = np.float32(0)
-    for s in range(x.shape[0] // 256):
-        o = 176 * s
-        d, m = _k4_scales(u16, u32, r, o, xsum, 8 * s)
-        mins += m
-        t = np.float32(0)
-        for l in range(32):
-            t += _lane_q5_k(u8, r, o + 16, o + 48, x, 256 * s, l, d)
-        total += t
-    return total - mins
-
-
-@njit(inline="always", **_JIT)
-def _q6_k_scales(i8, r, sc, d):
-    """d * the 8 int8 scales at bytes sc, sc+2, ..., sc+14 (one 16-lane quarter of both halves)."""
-    return (d * np.float32(_ld(i8, r, sc)), d * np.float32(_ld(i8, r, sc + 2)),
-            d * np.float32(_ld(i8, r, sc + 4)), d * np.float32(_ld(i8, r, sc + 6)),
-            d * np.float32(_ld(i8, r, sc + 8)), d * np.float32(_ld(i8, r, sc + 10)),
-            d * np.float32(_ld(i8, r, sc + 12)), d * np.float32(_ld(i8, r, sc + 14)))
-
-
-@njit(inline="always", **_JIT)
-def _lane_q6_k(u8, r, o, x, xo, l, s):
-    """Lane l of a Q6_K super-block at byte o: value 128h + 32k + l for both halves h and k < 4."""
-    a0, b0, h0 = _ld(u8, r, o + l), _ld(u8, r, o + 32 + l), _ld(u8, r, o + 128 + l)
-    a1, b1, h1 = _ld(u8, r, o + 64 + l), _ld(u8, r, o + 96 + l), _ld(u8, r, o + 160 + l)
-    p0 = s[0] * _quant(a0, 0, h0, 0, 3, 32) * _ld1(x, xo + l)
-    p1 = s[1] * _quant(b0, 0, h0, 2, 3, 32) * _ld1(x, xo + 32 + l)
-    p2 = s[2] * _quant(a0, 4, h0, 4, 3, 32) * _ld1(x, xo + 64 + l)
-    p3 = s[3] * _quant(b0, 4, h0, 6, 3, 32) * _ld1(x, xo + 96 + l)
-    p4 = s[4] * _quant(a1, 0, h1, 0, 3, 32) * _ld1(x, xo + 128 + l)
-    p5 = s[5] * _quant(b1, 0, h1, 2, 3, 32) * _ld1(x, xo + 160 + l)
-    p6 = s[6] * _quant(a1, 4, h1, 4, 3, 32) * _ld1(x, xo + 192 + l)
-    p7 = s[7] * _quant(b1, 4, h1, 6, 3, 32) * _ld1(x, xo + 224 + l)
-    return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
-
-
-@njit(**_JIT)
-def _dot_q6_k(u8, i8, u16, r, x):
-    """Q6_K row r . x: super-block s is bytes o = 210s: ql[128] | qh[64] | int8 scales[16] | d f16.
-
-    Lane l takes its scale from scales[8h + l//16 + 2k], so each super-block is two 16-lane
-    reductions (quarters) with their 8 scales hoisted.
-    """
-    total = np.float32(0)
-    for s in range(x.shape[0] // 256):
-        o, xo = 210 * s, 256 * s
-        e = _f16(_ld(u16, r, 105 * s + 104))
-        for quarter in range(2):
-            sc = _q6_k_scales(i8, r, o + 192 + quarter, e)
-            t = np.float32(0)
-            for l in range(16 * quarter, 16 * quarter + 16):
-                t += _lane_q6_k(u8, r, o, x, xo, l, sc)
-            total += t
-    return total
 
 
 # --------------------------------------------------------------------------------------------------

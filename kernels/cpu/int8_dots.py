@@ -1,0 +1,398 @@
+"""Integer dot products of quantized weight rows with int8-quantized activations: the decode matvec.
+
+This module owns the activation quantizer and the per-row dots of the matvec (one token) for Q8_0,
+Q4_K, Q5_K and Q6_K weights. It is llama.cpp's approach: x is quantized once per matmul into ggml's
+q8_0 blocks (32 int8 values and one f16 scale, exactly as kernels/convert.py quantizes), and every
+32 weight quants meet 32 activation quants in integer arithmetic, so the dot's inner loop multiplies
+bytes instead of widening each weight to float32.
+
+Why the kernels are written as LLVM IR (intrinsics) and look the way they do:
+- numba widens small-int arithmetic to int64 and has no vector types; written as IR, a 32-value
+  chunk is one <32 x i8> load per operand, sign-extended products summed in adjacent pairs twice
+  (x86: vpmovsxbw + vpmaddwd, which LLVM matches from exactly this shape), giving 8 int32 lanes
+  that are converted to float once and accumulated with one FMA against that chunk's scale(s).
+  The horizontal sum happens once per row, not per block (a per-block horizontal sum was what made
+  the first float kernels slow).
+- The 8-lane accumulator lives in an alloca that LLVM promotes to a register; the row loop is a
+  plain counted loop over blocks (Q8_0) or super-blocks (K-quants, whose 8 or 16 sub-block scales
+  are unpacked as one vector per super-block and splatted per chunk).
+- Every integer stays exact: |q_w| <= 127 (Q8_0), 31 (Q5_K), 32 (Q6_K) and |q_x| <= 127, so four
+  products fit an int32 lane many times over. Q4_K/Q5_K mins are applied through the per-block sums
+  of the quantized activation (x_hat), as llama.cpp's bsums do: the result is exactly
+  dequantize(W) @ x_hat up to float32 rounding, x_hat being x after the q8_0 round trip.
+- Loads are unaligned (align 1): GGUF rows are only 2-byte aligned for Q8_0 (34-byte blocks).
+"""
+from __future__ import annotations
+
+import numpy as np
+import llvmlite.binding as llvm
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = ["quantize_activation", "TILE_ROWS", "TILE_TOKENS", "Q8_0_TILES", "Q4_K_TILES", "Q5_K_TILES", "Q6_K_TILES"]
+
+QK = 32  # values per activation block (ggml's QK8_0)
+
+_I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_V32I8 = ir.VectorType(_I8, 32)
+_V8F = ir.VectorType(_F32, 8)
+_FAST = ("fast",)
+
+_JIT = dict(fastmath=True, cache=True, nogil=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# the activation quantizer (ggml's quantize_row_q8_0_ref, bit for bit)
+# --------------------------------------------------------------------------------------------------
+@intrinsic
+def _round_f16(typingctx, v):
+    """float32 v rounded to the nearest IEEE half (ties to even), widened back: the value of the
+    f16 scale ggml stores."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), _F32)
+
+    return types.float32(v), codegen
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _round_half_away(v):
+    """C's roundf on a float32: halves away from zero."""
+    t = np.float32(np.trunc(v))
+    if abs(v - t) >= np.float32(0.5):
+        t += np.float32(1) if v > 0 else np.float32(-1)
+    return t
+
+
+@njit(cache=True, nogil=True)  # no fast-math: bit-exact with kernels/convert.py
+def quantize_activation(x, xq, xd, xs):
+    """x float32 [n] (n a multiple of 32) -> xq int8 [n], xd float32 [n/32] (the f16 scales' values)
+    and xs float32 [n/32] (xd * the sum of each block's quants: the block sums of x_hat).
+
+    Block b: d = max|x| / 127, q = roundf(x / d) with 1/d computed before d is rounded to f16, as
+    ggml does; a value whose x * (1/d) is not finite is stored as 0 (kernels/convert.py's rule).
+    """
+    for b in range(x.shape[0] // QK):
+        amax = np.float32(0)
+        for j in range(QK):
+            amax = max(amax, abs(x[QK * b + j]))
+        d = amax / np.float32(127)
+        inv = np.float32(0) if d == 0 else np.float32(1) / d
+        total = 0
+        for j in range(QK):
+            v = x[QK * b + j] * inv
+            q = int(_round_half_away(v)) if np.isfinite(v) else 0
+            xq[QK * b + j] = q
+            total += q
+        xd[b] = _round_f16(d)
+        xs[b] = xd[b] * np.float32(total)
+
+
+# --------------------------------------------------------------------------------------------------
+# IR building blocks
+# --------------------------------------------------------------------------------------------------
+def _i64(builder, v):
+    return builder.sext(v, _I64) if v.type.width < 64 else v
+
+
+def _at(builder, ptr, offset):
+    """ptr + offset bytes (offset an int or an i64 value)."""
+    off = ir.Constant(_I64, offset) if isinstance(offset, int) else offset
+    return builder.gep(ptr, [off], inbounds=True)
+
+
+def _load_i8x32(builder, ptr):
+    return builder.load(builder.bitcast(ptr, _V32I8.as_pointer()), align=1)
+
+
+def _load_f16(builder, ptr):
+    bits = builder.load(builder.bitcast(ptr, _I16.as_pointer()), align=1)
+    return builder.fpext(builder.bitcast(bits, ir.HalfType()), _F32)
+
+
+def _load_f32x8(builder, ptr):
+    return builder.load(builder.bitcast(ptr, _V8F.as_pointer()), align=4)
+
+
+def _splat_i8(value, n=32):
+    return ir.Constant(ir.VectorType(_I8, n), [value] * n)
+
+
+def _splat(builder, f, n):
+    v = builder.insert_element(ir.Constant(ir.VectorType(_F32, n), None), f, ir.Constant(_I32, 0))
+    return _pick(builder, v, [0] * n)
+
+
+def _pick(builder, v, lanes):
+    """A vector of v's elements at `lanes` (a shuffle)."""
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, len(lanes)), list(lanes)))
+
+
+def _pair_sums(builder, v, n):
+    """<n x i32> -> <n/2 x i32>: the sums of adjacent pairs."""
+    return builder.add(_pick(builder, v, range(0, n, 2)), _pick(builder, v, range(1, n, 2)))
+
+
+# How a chunk's 32 weight quants are stored: SIGNED int8 (Q8_0), UNSIGNED small levels (Q4_K 0..15,
+# Q5_K 0..31), or OFFSET32: unsigned 0..63 standing for q - 32 (Q6_K).
+SIGNED, UNSIGNED, OFFSET32 = range(3)
+
+_FEATURES = llvm.get_host_cpu_features()
+# x86: u8 x s8 byte products summed in fours by vpdpbusd (AVX-512 VNNI) or vpmaddubsw + vpmaddwd
+# (AVX2), llama.cpp's instructions; elsewhere portable IR (sign-extend, multiply, pair sums).
+_VNNI = bool(_FEATURES.get("avx512vnni", False) and _FEATURES.get("avx512vl", False))
+_AVX2 = bool(_FEATURES.get("avx2", False))
+
+
+def _call(builder, name, ret, *args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _u8_s8_quads(builder, u, s):
+    """<32 x i8> unsigned u times <32 x i8> signed s -> <8 x i32>: lane j = sum of products 4j..4j+3.
+    Exact: |u| <= 128 and |s| <= 127 keep vpmaddubsw's int16 pair sums below saturation."""
+    v8i32, v16i16 = ir.VectorType(_I32, 8), ir.VectorType(_I16, 16)
+    if _VNNI:
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", v8i32, ir.Constant(v8i32, [0] * 8),
+                     builder.bitcast(u, v8i32), builder.bitcast(s, v8i32))
+    if _AVX2:
+        pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, u, s)
+        return _call(builder, "llvm.x86.avx2.pmadd.wd", v8i32, pairs, ir.Constant(v16i16, [1] * 16))
+    wide = ir.VectorType(_I32, 32)
+    prod = builder.mul(builder.zext(u, wide), builder.sext(s, wide))
+    return _pair_sums(builder, _pair_sums(builder, prod, 32), 16)
+
+
+def _chunk_dot(builder, wq, kind, xq):
+    """32 weight quants (stored as `kind`) . 32 activation quants -> <8 x i32>, lane j the exact sum
+    of products 4j..4j+3 (every instruction path gives the same integers)."""
+    if kind == SIGNED:  # |w| . (x with w's sign), as llama.cpp does for signed pairs
+        if _AVX2:
+            v = ir.VectorType(_I8, 32)
+            return _u8_s8_quads(builder, _call(builder, "llvm.x86.avx2.psign.b", v, wq, wq),
+                                _call(builder, "llvm.x86.avx2.psign.b", v, xq, wq))
+        wide = ir.VectorType(_I32, 32)
+        prod = builder.mul(builder.sext(wq, wide), builder.sext(xq, wide))
+        return _pair_sums(builder, _pair_sums(builder, prod, 32), 16)
+    quads = _u8_s8_quads(builder, wq, xq)
+    if kind == OFFSET32:  # (q - 32) . x = q . x - 32 * sum(x)
+        quads = builder.sub(quads, _u8_s8_quads(builder, _splat_i8(32), xq))
+    return quads
+
+
+def _tree_sum(builder, terms):
+    """The sum of terms as a balanced tree, in a fixed order."""
+    while len(terms) > 1:
+        pairs = [builder.fadd(terms[k], terms[k + 1]) for k in range(0, len(terms) - 1, 2)]
+        terms = pairs + (terms[-1:] if len(terms) % 2 else [])
+    return terms[0]
+
+
+def _hsum(builder, v):
+    n = v.type.count
+    while n > 1:
+        v = builder.fadd(_pick(builder, v, range(n // 2)), _pick(builder, v, range(n // 2, n)))
+        n //= 2
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _k4_levels(builder, header):
+    """The 16 6-bit levels (sc_0..7, m_0..7) of a Q4_K/Q5_K super-block whose 12 `scales` bytes
+    start at `header`, as <16 x float> (ggml's get_scale_min_k4, all at once with its mask trick)."""
+    a, b, c = (builder.load(builder.bitcast(_at(builder, header, 4 * k), _I32.as_pointer()), align=1)
+               for k in range(3))
+    low6, low4, low2 = (ir.Constant(_I32, m) for m in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
+
+    def top2(v):  # bits 6-7 of each byte, moved to bits 4-5
+        return builder.shl(builder.and_(builder.lshr(v, ir.Constant(_I32, 6)), low2), ir.Constant(_I32, 4))
+
+    words = (builder.and_(a, low6),                                            # sc 0..3
+             builder.or_(builder.and_(c, low4), top2(a)),                      # sc 4..7
+             builder.and_(b, low6),                                            # m 0..3
+             builder.or_(builder.and_(builder.lshr(c, ir.Constant(_I32, 4)), low4), top2(b)))  # m 4..7
+    vec = ir.Constant(ir.VectorType(_I32, 4), None)
+    for k, word in enumerate(words):
+        vec = builder.insert_element(vec, word, ir.Constant(_I32, k))
+    return builder.uitofp(builder.bitcast(vec, ir.VectorType(_I8, 16)), ir.VectorType(_F32, 16))
+
+
+# --------------------------------------------------------------------------------------------------
+# the weight side of one unit of each type: its chunks (block offset, 32 quants, 16-lane scale) and,
+# for Q4_K/Q5_K, the 8 mins (dmin * m_j) that meet the activation's block sums
+# --------------------------------------------------------------------------------------------------
+class _Unit:
+    def __init__(self, chunks, mins=None):
+        self.chunks = chunks  # [(activation block offset in the unit, <32 x i8> quants, kind, <8 x float> scale)]
+        self.mins = mins  # <8 x float> or None
+
+
+def _q8_0_blocks(count):
+    """`count` Q8_0 blocks (f16 d | int8 q[32], 34 bytes each) from block `first` of the row."""
+
+    def weight_side(builder, row, first):
+        chunks = []
+        for k in range(count):
+            blk = _at(builder, row, builder.mul(builder.add(first, ir.Constant(_I64, k)), ir.Constant(_I64, 34)))
+            chunks.append((k, _load_i8x32(builder, _at(builder, blk, 2)), SIGNED, _splat(builder, _load_f16(builder, blk), 8)))
+        return _Unit(chunks)
+
+    return weight_side
+
+
+def _k4(size, nibbles_at, fifth_bit):
+    """A Q4_K (fifth_bit False) or Q5_K super-block: d, dmin f16 | scales[12] | (qh[32]) | qs[128];
+    qs byte 32g + l holds value 64g + l (low nibble) and 64g + 32 + l (high nibble); in Q5_K bit j
+    of qh[l] is bit 4 of value 32j + l."""
+
+    def weight_side(builder, row, first):
+        sb = _at(builder, row, builder.mul(builder.udiv(first, ir.Constant(_I64, 8)), ir.Constant(_I64, size)))
+        levels = _k4_levels(builder, _at(builder, sb, 4))
+        d, dmin = _load_f16(builder, sb), _load_f16(builder, _at(builder, sb, 2))
+        scales = builder.fmul(_pick(builder, levels, range(8)), _splat(builder, d, 8))
+        mins = builder.fmul(_pick(builder, levels, range(8, 16)), _splat(builder, dmin, 8))
+        qh = _load_i8x32(builder, _at(builder, sb, 16)) if fifth_bit else None
+        chunks = []
+        for g in range(4):
+            packed = _load_i8x32(builder, _at(builder, sb, nibbles_at + 32 * g))
+            for half in range(2):  # low nibbles: sub-block 2g, high nibbles: 2g + 1
+                j = 2 * g + half
+                q = builder.and_(packed, _splat_i8(15)) if half == 0 else builder.lshr(packed, _splat_i8(4))
+                if fifth_bit:
+                    bit = builder.and_(builder.lshr(qh, _splat_i8(j)), _splat_i8(1))
+                    q = builder.or_(q, builder.shl(bit, _splat_i8(4)))
+                chunks.append((j, q, UNSIGNED, _pick(builder, scales, [j] * 8)))
+        return _Unit(chunks, mins)
+
+    return weight_side
+
+
+def _q6_k(builder, row, first):
+    """A Q6_K super-block: ql[128] | qh[64] | int8 scales[16] | f16 d (210 bytes); in half h, value
+    128h + 32k + l has low bits from ql[64h + l + 32(k&1)] (nibble k>>1), high bits qh[32h + l] >> 2k,
+    scale scales[8h + l//16 + 2k] and is q - 32."""
+    sb = _at(builder, row, builder.mul(builder.udiv(first, ir.Constant(_I64, 8)), ir.Constant(_I64, 210)))
+    raw = builder.load(builder.bitcast(_at(builder, sb, 192), ir.VectorType(_I8, 16).as_pointer()), align=1)
+    sc = builder.fmul(builder.sitofp(raw, ir.VectorType(_F32, 16)), _splat(builder, _load_f16(builder, _at(builder, sb, 208)), 16))
+    chunks = []
+    for h in range(2):
+        lows = (_load_i8x32(builder, _at(builder, sb, 64 * h)), _load_i8x32(builder, _at(builder, sb, 64 * h + 32)))
+        high = _load_i8x32(builder, _at(builder, sb, 128 + 32 * h))
+        for k in range(4):
+            low = lows[k & 1]
+            low = builder.and_(low, _splat_i8(15)) if k < 2 else builder.lshr(low, _splat_i8(4))
+            top = builder.and_(builder.lshr(high, _splat_i8(2 * k)), _splat_i8(3))
+            q = builder.or_(low, builder.shl(top, _splat_i8(4)))
+            # 8 lanes = 32 values in fours: lanes 0-3 are values 0-15 (scale 2k), 4-7 values 16-31
+            chunks.append((4 * h + k, q, OFFSET32, _pick(builder, sc, [8 * h + 2 * k] * 4 + [8 * h + 2 * k + 1] * 4)))
+    return _Unit(chunks)
+
+
+# --------------------------------------------------------------------------------------------------
+# tiles: R weight rows x T tokens
+# --------------------------------------------------------------------------------------------------
+class _Tokens:
+    """Row pointers of tokens t0..t0+T-1 in the quantized activations xq [n, cols], xd, xs [n, blocks]."""
+
+    def __init__(self, context, builder, sig, args, count):
+        arrays = [context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args[2:5], args[2:5])]
+        t0 = _i64(builder, args[5])
+        self.q, self.d, self.s = [[self._row(builder, a, builder.add(t0, ir.Constant(_I64, j)), ty)
+                                   for j in range(count)] for a, ty in zip(arrays, (_I8, _F32, _F32))]
+        self.blocks = builder.extract_value(arrays[1].shape, 1)
+
+    @staticmethod
+    def _row(builder, array, t, elem):
+        base = builder.bitcast(array.data, _I8.as_pointer())
+        return builder.bitcast(_at(builder, base, builder.mul(t, builder.extract_value(array.strides, 0))),
+                               elem.as_pointer())
+
+
+def _emit_units(builder, weight_side, rows, tokens, accs, mins, first, blocks_per_unit):
+    """acc[r][t] += the unit starting at activation block `first`, for every row and token.
+
+    Every (row, token) pair sees the same operations in the same order whatever the tile's shape
+    (strict IEEE adds and multiplies: no reassociation, no contraction), so a token's result does
+    not depend on how many other tokens share its step."""
+    xchunks = {}
+    for r, row in enumerate(rows):
+        unit = weight_side(builder, row, first)
+        for t in range(len(tokens.q)):
+            terms = []
+            for k, wq, kind, wscale in unit.chunks:
+                b = builder.add(first, ir.Constant(_I64, k))
+                if (t, k) not in xchunks:  # an activation chunk is loaded once per unit for all rows
+                    xq = _load_i8x32(builder, builder.gep(tokens.q[t], [builder.mul(b, ir.Constant(_I64, QK))], inbounds=True))
+                    xd = builder.load(builder.gep(tokens.d[t], [b], inbounds=True))
+                    xchunks[t, k] = xq, _splat(builder, xd, 8)
+                xq, xd = xchunks[t, k]
+                terms.append(builder.fmul(builder.sitofp(_chunk_dot(builder, wq, kind, xq), _V8F), builder.fmul(wscale, xd)))
+            builder.store(builder.fadd(builder.load(accs[r][t]), _tree_sum(builder, terms)), accs[r][t])
+            if unit.mins is not None:
+                xs = _load_f32x8(builder, builder.gep(tokens.s[t], [first], inbounds=True))
+                builder.store(builder.fadd(builder.load(mins[r][t]), builder.fmul(unit.mins, xs)), mins[r][t])
+    del blocks_per_unit
+
+
+def _tile(name, weight_side, blocks_per_unit, R, T, tail=None):
+    """An intrinsic (w, r0, xq, xd, xs, t0) -> UniTuple(float32, R*T): rows r0..r0+R-1 of w (uint8
+    [rows, row_bytes]) dotted with tokens t0..t0+T-1 of the quantized activations, ordered [r][t].
+
+    The row is walked in units of blocks_per_unit activation blocks (4 Q8_0 blocks, or one K-quant
+    super-block); `tail` (Q8_0) takes the 0-3 blocks after the last whole unit one at a time."""
+    ret = types.UniTuple(types.float32, R * T)
+
+    def codegen(context, builder, sig, args):
+        w = context.make_array(sig.args[0])(context, builder, args[0])
+        base, stride = builder.bitcast(w.data, _I8.as_pointer()), builder.extract_value(w.strides, 0)
+        r0 = _i64(builder, args[1])
+        rows = [_at(builder, base, builder.mul(builder.add(r0, ir.Constant(_I64, i)), stride)) for i in range(R)]
+        tokens = _Tokens(context, builder, sig, args, T)
+        zero8 = ir.Constant(_V8F, [0.0] * 8)
+        accs = [[cgutils.alloca_once_value(builder, zero8) for _ in range(T)] for _ in range(R)]
+        mins = [[cgutils.alloca_once_value(builder, zero8) for _ in range(T)] for _ in range(R)]
+        unit = ir.Constant(_I64, blocks_per_unit)
+        whole = builder.udiv(tokens.blocks, unit)
+        with cgutils.for_range(builder, whole) as loop:
+            _emit_units(builder, weight_side, rows, tokens, accs, mins, builder.mul(loop.index, unit), blocks_per_unit)
+        if tail is not None:
+            done = builder.mul(whole, unit)
+            with cgutils.for_range(builder, builder.sub(tokens.blocks, done)) as loop:
+                _emit_units(builder, tail, rows, tokens, accs, mins, builder.add(done, loop.index), 1)
+        out = context.get_constant_undef(ret)
+        for r in range(R):
+            for t in range(T):
+                value = builder.fsub(_hsum(builder, builder.load(accs[r][t])), _hsum(builder, builder.load(mins[r][t])))
+                out = builder.insert_value(out, value, r * T + t)
+        return out
+
+    def typer(typingctx, w, r0, xq, xd, xs, t0):
+        if not (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8 and w.layout == "C"
+                and xq == types.Array(types.int8, 2, "C") and xd == xs == types.Array(types.float32, 2, "C")
+                and isinstance(r0, types.Integer) and isinstance(t0, types.Integer)):
+            return None
+        return ret(w, r0, xq, xd, xs, t0), codegen
+
+    typer.__name__ = f"{name}_{R}x{T}"
+    return intrinsic(typer)
+
+
+def _tiles(name, weight_side, blocks_per_unit, tail=None):
+    """The tile shapes the matmul driver uses: TILE_SHAPES."""
+    return tuple(_tile(name, weight_side, blocks_per_unit, R, T, tail) for R, T in TILE_SHAPES)
+
+
+# One weight row per tile: interleaving two rows' blocks halved the speed of a DRAM-bound matvec
+# (19 -> 9 GB/s on one core), the hardware prefetcher following one stream per row best. A tile of
+# 4 tokens reuses each weight chunk, once unpacked, four times (4 x 8-lane accumulators fit AVX2).
+TILE_ROWS, TILE_TOKENS = 1, 4
+TILE_SHAPES = ((TILE_ROWS, TILE_TOKENS), (TILE_ROWS, 1))
+
+Q8_0_TILES = _tiles("q8_0", _q8_0_blocks(4), 4, tail=_q8_0_blocks(1))
+Q4_K_TILES = _tiles("q4_k", _k4(144, 16, False), 8)
+Q5_K_TILES = _tiles("q5_k", _k4(176, 48, True), 8)
+Q6_K_TILES = _tiles("q6_k", _q6_k, 8)

@@ -1,0 +1,103 @@
+"""kernels/cpu/int8_dots.py against numpy: the activation quantizer bit for bit against
+kernels/convert.py's q8_0 (ggml's quantize_row_q8_0_ref), and each weight type's integer row dot
+against dequantize(W) @ x_hat in float64 (x_hat: x after the q8_0 round trip)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import njit
+
+from ember.kernels.convert import f16_bits_to_f32, quantize_q8_0_split
+from ember.kernels.cpu import int8_dots
+from ember.kernels.reference.quant import dequantize, quantize
+from ember.kernels.tensor_types import TensorType
+
+
+def quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    xq = np.empty(x.size, np.int8)
+    xd = np.empty(x.size // 32, np.float32)
+    xs = np.empty(x.size // 32, np.float32)
+    int8_dots.quantize_activation(np.ascontiguousarray(x, np.float32), xq, xd, xs)
+    return xq, xd, xs
+
+
+def hostile_blocks() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    blocks = [
+        np.zeros(32),                                   # all zero: d = 0, every quant 0
+        np.linspace(-1, 1, 32) * 127,                   # integers: exact levels
+        (np.arange(32) - 15.5),                         # x / d lands on halves: ties away from zero
+        np.full(32, 1e-30),                             # tiny: 1/d overflows nothing, d rounds to 0 in f16
+        np.full(32, 3e38),                              # huge: d beyond f16's range
+        np.where(np.arange(32) == 3, np.inf, 1.0),      # inf: its block's other values become 0
+        rng.standard_normal(32) * 1e-4,
+        rng.standard_normal(32) * 1e4,
+    ]
+    return np.concatenate(blocks).astype(np.float32)
+
+
+@pytest.mark.parametrize("x", [np.random.default_rng(1).standard_normal(1024).astype(np.float32), hostile_blocks()],
+                         ids=["random", "hostile"])
+def test_quantizer_is_ggmls_q8_0(x: np.ndarray) -> None:
+    xq, xd, xs = quantized(x)
+    scales, quants = quantize_q8_0_split(x)
+    np.testing.assert_array_equal(xq, quants)
+    np.testing.assert_array_equal(xd, f16_bits_to_f32(scales))
+    finite = np.isfinite(xd)
+    with np.errstate(invalid="ignore"):  # inf * 0 in the inf block, excluded below
+        expected = xd * quants.reshape(-1, 32).astype(np.int64).sum(axis=1)
+    np.testing.assert_array_equal(xs[finite], expected[finite].astype(np.float32))
+
+
+ONE_BY_ONE = int8_dots.TILE_SHAPES.index((1, 1))  # one row, one token
+_Q8_0, _Q4_K, _Q5_K, _Q6_K = (tiles[ONE_BY_ONE] for tiles in (int8_dots.Q8_0_TILES, int8_dots.Q4_K_TILES,
+                                                               int8_dots.Q5_K_TILES, int8_dots.Q6_K_TILES))
+
+
+@njit
+def _dots(code, w, xq, xd, xs, out):
+    """Row r . token 0 for every row, through each type's 1 x 1 tile."""
+    for r in range(out.shape[0]):
+        if code == 0:
+            out[r] = _Q8_0(w, r, xq, xd, xs, 0)[0]
+        elif code == 1:
+            out[r] = _Q4_K(w, r, xq, xd, xs, 0)[0]
+        elif code == 2:
+            out[r] = _Q5_K(w, r, xq, xd, xs, 0)[0]
+        else:
+            out[r] = _Q6_K(w, r, xq, xd, xs, 0)[0]
+
+
+TYPES = [TensorType.Q8_0, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K]
+
+
+def row_dots(ttype: TensorType, data: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(kernel's row dots with x, x_hat as float64)."""
+    xq, xd, xs = quantized(x)
+    out = np.empty(data.shape[0], np.float32)
+    _dots(TYPES.index(ttype), data, xq[None], xd[None], xs[None], out)
+    return out, (xq.reshape(-1, 32) * xd[:, None].astype(np.float64)).reshape(-1)
+
+
+@pytest.mark.parametrize("ttype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("cols", [256, 512, 768, 1280])
+def test_row_dots_equal_the_reference(ttype: TensorType, cols: int) -> None:
+    rng = np.random.default_rng(cols)
+    w = rng.standard_normal((9, cols)).astype(np.float32)
+    data = np.ascontiguousarray(quantize(ttype, w)).view(np.uint8).reshape(9, -1)
+    x = (rng.standard_normal(cols) * rng.uniform(0.01, 10, cols)).astype(np.float32)  # blocks of mixed scale
+    out, x_hat = row_dots(ttype, data, x)
+    w64 = dequantize(ttype, data, cols).astype(np.float64)
+    bound = 2e-6 * (np.abs(w64) @ np.abs(x_hat))  # float32 rounding of <= 1280 terms, summed in trees
+    assert np.all(np.abs(out - w64 @ x_hat) <= bound), np.abs(out - w64 @ x_hat) / bound
+
+
+@pytest.mark.parametrize("blocks", [1, 3, 4, 5, 7, 12])
+def test_q8_0_rows_of_any_block_count(blocks: int) -> None:
+    """Q8_0 rows run in units of 4 blocks, then a tail of 0-3 single blocks."""
+    rng = np.random.default_rng(blocks)
+    cols = 32 * blocks
+    data = np.ascontiguousarray(quantize(TensorType.Q8_0, rng.standard_normal((3, cols)).astype(np.float32)))
+    data = data.view(np.uint8).reshape(3, -1)
+    out, x_hat = row_dots(TensorType.Q8_0, data, rng.standard_normal(cols).astype(np.float32))
+    np.testing.assert_allclose(out, dequantize(TensorType.Q8_0, data, cols) @ x_hat, rtol=1e-5, atol=1e-5)
