@@ -1,19 +1,25 @@
-"""CPU decode speed: ember vs llama.cpp (llama-cpp-python) on the same GGUF file, same threads, one run.
+"""CPU speed, ember vs llama.cpp (llama-cpp-python) on the same GGUF files, same threads, one run.
 
-Writes random-weight GGUF files of a ~100M-parameter qwen3 shape (hidden 768, 12 layers, 12 heads on
-4 KV heads, FFN 2048, vocab 32000, tied embeddings) at Q8_0 and Q4_K_M (cached under
-benchmarks/.cache), then for each engine: load time, resident memory growth vs file size, and decode
-tok/s of a greedy loop of 64 tokens after a 16-token prompt, median of 3 runs, with the weight bytes
-read per token / step time as achieved GB/s. Prints ember/llama.cpp ratios.
+Files: the trained demo model (daemon/assets, Q8_0) and a random-weight ~100M-parameter qwen3 shape
+(hidden 768, 12 layers, 12 heads on 4 KV heads, FFN 2048, vocab 32000, tied embeddings), written as
+F16 and then quantized to Q8_0 and Q4_K_M by llama.cpp itself (`llama_model_quantize`; cached under
+benchmarks/.cache). For each file and engine, in a fresh process each (so load time and memory are
+that engine's alone): load seconds (ember's kernel cache warm), resident memory growth over the
+load and the runs vs the file's size, decode tok/s of a greedy loop of --tokens tokens after a
+16-token prompt (median of --repeats), and prefill tok/s of a --prompt-token prompt (median of
+--repeats). Decode is also given as GB/s of weights read per token, and as a fraction of this
+machine's memory bandwidth, measured here with the same threads. Prints ember/llama.cpp ratios.
 
-    python benchmarks/cpu_decode.py [--tokens 64] [--repeats 3] [--threads N]
+    python benchmarks/cpu_decode.py [--tokens 128] [--repeats 3] [--threads N] [--prompt-tokens 512]
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,25 +27,31 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))  # the GGUF writer the oracle tests use
-
-from gguf_writer import Q4_K_M, write_gguf  # noqa: E402
-
-from ember.kernels.tensor_types import TensorType  # noqa: E402
+REPO = HERE.parent
+sys.path.insert(0, str(REPO / "tests"))  # the GGUF writer the oracle tests use
 
 SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
              num_key_value_heads=4, head_dim=64, vocab_size=32000, max_position_embeddings=2048,
              rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
-FORMATS = {"Q8_0": {"*": TensorType.Q8_0}, "Q4_K_M": Q4_K_M}
+LLAMA_FTYPES = {"Q8_0": 7, "Q4_K_M": 15}  # llama.h LLAMA_FTYPE_MOSTLY_Q8_0, LLAMA_FTYPE_MOSTLY_Q4_K_M
 
 
-def make_file(name: str) -> Path:
-    path = HERE / ".cache" / f"qwen3-100m-{name.lower()}.gguf"
+def demo_file() -> Path:
+    from ember.daemon.loader.demo_model import DEMO_MODEL
+
+    return Path(DEMO_MODEL)
+
+
+def f16_source() -> Path:
+    """The 100M shape with random weights, stored F16 (llama.cpp quantizes from it)."""
+    path = HERE / ".cache" / "qwen3-100m-f16.gguf"
     if path.exists():
         return path
     from transformers import Qwen3Config
 
-    config = Qwen3Config(**SHAPE)
+    from ember.kernels.tensor_types import TensorType
+    from gguf_writer import write_gguf
+
     rng = np.random.default_rng(0)
     h, f, hd = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["head_dim"]
     q, kv = SHAPE["num_attention_heads"] * hd, SHAPE["num_key_value_heads"] * hd
@@ -56,84 +68,162 @@ def make_file(name: str) -> Path:
              for k, s in shapes.items()}
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    write_gguf(tmp, config, state, FORMATS[name])
+    write_gguf(tmp, Qwen3Config(**SHAPE), state, {"*": TensorType.F16})
     tmp.rename(path)
     return path
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def quantized_by_llama_cpp(name: str, threads: int) -> Path:
+    path = HERE / ".cache" / f"qwen3-100m-{name.lower()}-llamacpp.gguf"
+    if path.exists():
+        return path
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = LLAMA_FTYPES[name], threads
+    tmp = path.with_suffix(".tmp")
+    if llama_cpp.llama_model_quantize(str(f16_source()).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama_model_quantize failed for {name}")
+    tmp.rename(path)
+    return path
 
 
 def bytes_per_token(path: Path) -> int:
-    """Weight bytes a decode step reads: every matrix once, the embedding table only as the (tied)
-    output projection."""
+    """Weight bytes a decode step reads: every matrix once (the tied embedding only as the output)."""
     import gguf
 
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
 
 
-def bench_ember(path: Path, prompt: list[int], tokens: int, repeats: int) -> dict[str, float]:
+def memory_bandwidth(threads: int) -> float:
+    """Read bandwidth (GB/s) of a 1 GiB array summed by `threads` numba threads."""
+    import numba
+
+    @numba.njit(parallel=True, fastmath=True)
+    def total(a):
+        s = np.float32(0)
+        for i in numba.prange(a.size):
+            s += a[i]
+        return s
+
+    numba.set_num_threads(threads)
+    a = np.ones(1 << 28, np.float32)
+    total(a)
+    best = min(_timed(lambda: total(a)) for _ in range(5))
+    return a.nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+# --------------------------------------------------------------------------------------------------
+# one engine on one file, in its own process
+# --------------------------------------------------------------------------------------------------
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
+    import numba
+
     import ember
 
-    rss0, t0 = rss_bytes(), time.perf_counter()
+    numba.set_num_threads(args.threads)
+    first = ember.load(path)  # compiles or loads the kernels: the timed load below finds them ready
+    list(first.generate([100], max_tokens=2, ignore_eos=True))
+    del first
+    gc.collect()
+    rss0 = rss_bytes()
+    t = time.perf_counter()
     model = ember.load(path)
-    load_s = time.perf_counter() - t0
-    list(model.generate(prompt, max_tokens=4, ignore_eos=True))  # compile / warm up
-    times = []
-    for _ in range(repeats):
-        gen = model.generate(prompt, max_tokens=tokens + 1, ignore_eos=True)
+    load_s = time.perf_counter() - t
+    prompt, long_prompt = list(range(100, 116)), list(range(100, 100 + args.prompt_tokens))
+    list(model.generate(prompt, max_tokens=4, ignore_eos=True))  # warm up
+    steps = []
+    for _ in range(args.repeats):
+        gen = model.generate(prompt, max_tokens=args.tokens + 1, ignore_eos=True)
         next(gen)  # the prompt is read and the first token sampled: decode starts here
         t = time.perf_counter()
         n = sum(1 for _ in gen)
-        times.append((time.perf_counter() - t) / n)
-    return {"load_s": load_s, "rss": rss_bytes() - rss0, "step_s": statistics.median(times)}
+        steps.append((time.perf_counter() - t) / n)
+    prefill = [_timed(lambda: list(model.generate(long_prompt, max_tokens=1, ignore_eos=True)))
+               for _ in range(args.repeats)]
+    return {"load_s": load_s, "rss": rss_bytes() - rss0, "step_s": statistics.median(steps),
+            "prefill_s": statistics.median(prefill)}
 
 
-def bench_llama_cpp(path: Path, prompt: list[int], tokens: int, repeats: int, threads: int) -> dict[str, float]:
+def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, float]:
     from llama_cpp import Llama
 
-    rss0, t0 = rss_bytes(), time.perf_counter()
-    llm = Llama(model_path=str(path), n_ctx=256, n_threads=threads, n_threads_batch=threads, verbose=False)
-    load_s = time.perf_counter() - t0
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        llm.reset()
+    rss0 = rss_bytes()
+    t = time.perf_counter()
+    llm = Llama(model_path=str(path), n_ctx=args.prompt_tokens + 64, n_batch=args.prompt_tokens,
+                n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    load_s = time.perf_counter() - t
+    prompt, long_prompt = list(range(100, 116)), list(range(100, 100 + args.prompt_tokens))
+    steps = []
+    for _ in range(args.repeats + 1):  # the first run warms up
         gen = llm.generate(prompt, top_k=1, temp=0.0, reset=True)
         next(gen)
         t = time.perf_counter()
-        for _ in range(tokens):
+        for _ in range(args.tokens):
             next(gen)
-        times.append((time.perf_counter() - t) / tokens)
-    rss = rss_bytes() - rss0
+        steps.append((time.perf_counter() - t) / args.tokens)
+    prefill = []
+    for _ in range(args.repeats):
+        llm.reset()
+        prefill.append(_timed(lambda: llm.eval(long_prompt)))
+    out = {"load_s": load_s, "rss": rss_bytes() - rss0, "step_s": statistics.median(steps[1:]),
+           "prefill_s": statistics.median(prefill)}
     llm.close()
-    return {"load_s": load_s, "rss": rss, "step_s": statistics.median(times[1:])}
+    return out
+
+
+def measure(engine: str, path: Path, args: argparse.Namespace) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--worker", engine, str(path), "--tokens", str(args.tokens), "--repeats",
+           str(args.repeats), "--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{engine} on {path.name} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--files", nargs="+", default=["demo", "Q8_0", "Q4_K_M"], choices=["demo", "Q8_0", "Q4_K_M"])
+    ap.add_argument("--worker", nargs=2, metavar=("ENGINE", "FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    import numba
-
-    numba.set_num_threads(args.threads)
-    prompt = list(range(100, 116))
-    print(f"machine: {os.cpu_count()} cpus, threads={args.threads}; shape: qwen3 hidden 768, 12 layers, FFN 2048, vocab 32000")
-    print(f"{'file':8} {'engine':9} {'size MB':>8} {'load s':>7} {'RSS MB':>7} {'tok/s':>7} {'GB/s':>6}")
-    for name in args.formats:
-        path = make_file(name)
+    if args.worker:
+        engine, path = args.worker
+        print(json.dumps((run_ember if engine == "ember" else run_llama_cpp)(Path(path), args)))
+        return
+    bandwidth = memory_bandwidth(args.threads)
+    print(f"machine: {os.cpu_count()} cpus, threads={args.threads}, measured read bandwidth {bandwidth:.1f} GB/s; "
+          f"decode {args.tokens} tokens after 16, prefill {args.prompt_tokens}, median of {args.repeats}")
+    print(f"{'file':16} {'engine':9} {'MB':>6} {'load s':>7} {'RSS/file':>8} {'decode tok/s':>12} {'GB/s':>5} "
+          f"{'of bw':>5} {'prefill tok/s':>13}")
+    for name in args.files:
+        path = demo_file() if name == "demo" else quantized_by_llama_cpp(name, args.threads)
         size, per_token = path.stat().st_size, bytes_per_token(path)
-        results = {"ember": bench_ember(path, prompt, args.tokens, args.repeats)}
-        gc.collect()
-        results["llama.cpp"] = bench_llama_cpp(path, prompt, args.tokens, args.repeats, args.threads)
+        results = {engine: measure(engine, path, args) for engine in ("ember", "llama.cpp")}
+        label = "demo Q8_0" if name == "demo" else f"100M {name}"
         for engine, r in results.items():
-            print(f"{name:8} {engine:9} {size / 1e6:8.1f} {r['load_s']:7.2f} {r['rss'] / 1e6:7.1f} "
-                  f"{1 / r['step_s']:7.1f} {per_token / r['step_s'] / 1e9:6.1f}")
-        print(f"{name:8} ratio ember/llama.cpp decode: {results['llama.cpp']['step_s'] / results['ember']['step_s']:.2f}x")
+            gbs = per_token / r["step_s"] / 1e9
+            print(f"{label:16} {engine:9} {size / 1e6:6.1f} {r['load_s']:7.2f} {r['rss'] / size:8.2f} "
+                  f"{1 / r['step_s']:12.1f} {gbs:5.1f} {gbs / bandwidth:5.0%} {args.prompt_tokens / r['prefill_s']:13.1f}")
+        e, ll = results["ember"], results["llama.cpp"]
+        print(f"{label:16} ratio ember/llama.cpp: decode {ll['step_s'] / e['step_s']:.2f}x, "
+              f"prefill {ll['prefill_s'] / e['prefill_s']:.2f}x")
 
 
 if __name__ == "__main__":

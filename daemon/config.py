@@ -5,7 +5,8 @@
     name = "qwen3-8b"             # default: the file name without extension
     [server]   socket, socket_group, drain_timeout, log_format, log_level, probe_interval, logits_slots,
                max_logits_bytes, stall_timeout
-    [engine]   device, kv_dtype, ctx, max_active, max_queued, max_step_tokens, prefix_caching, warmup, threads
+    [engine]   device, kv_dtype, ctx, max_active, max_queued, max_step_tokens, prefix_caching, warmup, threads,
+               decode_act
     [limits]   see protocol/limits.py
 
 Environment: EMBER_CONFIG (the file), EMBER_SOCKET, EMBER_MODELS (paths separated by ':'), EMBER_KV_DTYPE, and
@@ -23,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from ember.kernels.convert import KV_DTYPES
+from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES
 from ember.daemon.runner.devices import DeviceName
 from ember.protocol.limits import Limits
 
@@ -90,11 +91,14 @@ class EngineConfig(_Section):
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
     warmup: bool = True  # run a short generation before READY (loads the compiled kernels)
     threads: int = 0  # kernel threads of the engine; 0: one per core but one, left to the I/O loop and clients
+    decode_act: str = "q8_0"  # activations of generated tokens against quantized weights: q8_0 (fast, llama.cpp's) or f32
 
     def __post_init__(self) -> None:
         _check(_is_device(self.device), f"device must be cpu or cuda:N, got {self.device!r}")
         _check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         _check(self.kv_dtype in ("", *KV_DTYPES), f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        _check(self.decode_act in DECODE_ACTIVATIONS,
+               f"decode_act must be one of {', '.join(DECODE_ACTIVATIONS)}, got {self.decode_act!r}")
         _check(self.ctx >= 0, f"ctx must be >= 0, got {self.ctx}")
         _check(self.max_active >= 1, f"max_active must be >= 1, got {self.max_active}")
         _check(self.max_queued >= 0, f"max_queued must be >= 0, got {self.max_queued}")

@@ -21,7 +21,7 @@ from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import ModelRunner
 from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
 from ember.daemon.text.tokenizer import Tokenizer, TokenizerError
-from ember.kernels.convert import KV_DTYPES
+from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES
 from ember.kernels.sampling import SamplingParams
 
 __all__ = ["Model", "ModelFileError", "load"]
@@ -29,13 +29,15 @@ __all__ = ["Model", "ModelFileError", "load"]
 
 
 class Model:
-    def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str = "cpu", kv_dtype: str = "f32") -> None:
+    def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str = "cpu", kv_dtype: str = "f32",
+                 decode_act: str = "q8_0") -> None:
         self.path = mf.path
         self.config = mf.config
         self.tokenizer = tokenizer
         name = DeviceName.parse(device)
         self.device = str(name)
         self.kv_dtype = kv_dtype
+        self.decode_act = decode_act
         self._chat: ChatTemplate | None = None
         self.file_bytes = mf.file_bytes
         self._net = Transformer(mf, backend_for(name).ops(name))
@@ -84,7 +86,7 @@ class Model:
     def engine(self, capacity: int, max_running: int = 1, **options: Any) -> EngineCore:
         """An engine core of its own over this model's weights, with KV cache for `capacity` tokens
         (more sequences: EngineCore's options, e.g. max_running, max_context, prefix_caching)."""
-        runner = ModelRunner(self._net, -(-capacity // KV_BLOCK), KV_BLOCK, self.kv_dtype)
+        runner = ModelRunner(self._net, -(-capacity // KV_BLOCK), KV_BLOCK, self.kv_dtype, self.decode_act)
         options.setdefault("prefix_caching", False)
         options.setdefault("max_step_tokens", PREFILL_CHUNK)
         return EngineCore(runner, max_running=max_running, **options)
@@ -144,11 +146,14 @@ def _drive(engine: EngineCore) -> Iterator[StepOutput]:
         yield from result.outputs
 
 
-def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32") -> Model:
+def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_act: str = "q8_0") -> Model:
     """Open a GGUF file or Hugging Face directory and place the model on `device` ("cpu"); its KV
-    cache holds `kv_dtype` (f32, f16, bf16 or q8_0)."""
+    cache holds `kv_dtype` (f32, f16, bf16 or q8_0); generated tokens meet quantized weights with
+    `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
+    if decode_act not in DECODE_ACTIVATIONS:
+        raise ValueError(f"unknown decode activation precision {decode_act!r} (choose from {', '.join(DECODE_ACTIVATIONS)})")
     backend = backend_for(device)  # an unknown device fails before the file is read
     mf = open_model_file(path)
     backend.prepare()
@@ -156,4 +161,4 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32") -> Model:
         tokenizer = Tokenizer.from_gguf(mf.metadata) if mf.format == "gguf" else Tokenizer.from_hf_dir(mf.path)
     except TokenizerError as e:
         raise ModelFileError(str(mf.path), str(e)) from None
-    return Model(mf, tokenizer, device, kv_dtype)
+    return Model(mf, tokenizer, device, kv_dtype, decode_act)

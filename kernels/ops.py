@@ -42,6 +42,15 @@ class Ops(ABC):
         those with quantized activations, as llama.cpp does; every other row exactly, in float32. A
         row's result must depend only on its own values and flag, never on the other rows."""
 
+    def matmul_many(self, x: Array, ws: tuple[Weight, ...], decode_rows: Array | None = None) -> list[Array]:
+        """[matmul(x, w, decode_rows) for w in ws]: one input by several weights (q, k and v), which a
+        backend may run as one kernel."""
+        return [self.matmul(x, w, decode_rows) for w in ws]
+
+    def swiglu_matmul(self, x: Array, gate: Weight, up: Weight, decode_rows: Array | None = None) -> Array:
+        """swiglu(matmul(x, gate), matmul(x, up)): a gated FFN's first half, which a backend may fuse."""
+        return self.swiglu(self.matmul(x, gate, decode_rows), self.matmul(x, up, decode_rows))
+
     @abstractmethod
     def embedding(self, w: Weight, ids: np.ndarray) -> Array:
         """Rows `ids` of w, dequantized -> [len(ids), cols] f32."""

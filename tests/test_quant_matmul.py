@@ -168,7 +168,47 @@ def test_a_decode_rows_result_does_not_depend_on_the_other_rows(ttype: TensorTyp
     np.testing.assert_array_equal(matmul(x, weight, mixed)[mixed], alone[mixed])
 
 
+@pytest.mark.parametrize("ttype", [TensorType.Q8_0, TensorType.Q4_K, TensorType.Q6_K], ids=lambda t: t.name)
+def test_a_prompt_rows_result_does_not_depend_on_the_other_rows(ttype: TensorType) -> None:
+    """Prompt rows too: their last bits feed the decode rows' int8 quantization, which would turn a
+    batch-dependent rounding into a visible difference."""
+    weight, _ = make_weight(ttype, 37, 512)
+    x = np.random.default_rng(6).standard_normal((11, 512)).astype(np.float32)
+    alone = np.stack([matmul(x[t], weight) for t in range(11)])
+    for n in (2, 3, 4, 5, 8, 11):
+        np.testing.assert_array_equal(matmul(x[:n], weight), alone[:n])
+        np.testing.assert_array_equal(matmul(x[11 - n:], weight), alone[11 - n:])
+    mixed = np.arange(11) % 3 == 0
+    np.testing.assert_array_equal(matmul(x, weight, mixed)[~mixed], alone[~mixed])
+    gate, up = make_weight(ttype, 40, 512, seed=1)[0], make_weight(ttype, 40, 512, seed=2)[0]
+    fused = np.stack([qm.swiglu_matmul(x[t], gate, up, True) for t in range(11)])
+    np.testing.assert_array_equal(qm.swiglu_matmul(x, gate, up, mixed)[mixed], fused[mixed])
+
+
 def test_kernels_release_the_gil() -> None:
     """The daemon's event loop runs beside these kernels: every jitted entry point must be nogil."""
     for kernel in (qm._matvec_16bit, qm._matmul_int8, qm._matmul, qm._gather_rows):
         assert kernel.targetoptions.get("nogil") is True
+
+
+@pytest.mark.parametrize("types", [(TensorType.Q8_0,) * 3, (TensorType.Q4_K, TensorType.Q4_K, TensorType.Q6_K),
+                                   (TensorType.Q8_0, TensorType.F16, TensorType.Q8_0)], ids=lambda t: "-".join(x.name for x in t))
+def test_matmul_many_equals_separate_matmuls(types: tuple[TensorType, ...]) -> None:
+    """q, k and v in one kernel: bit for bit what three matmuls give, for decode, prompt and mixed rows."""
+    weights = [make_weight(t, rows, 512, seed=rows)[0] for t, rows in zip(types, (96, 32, 32))]
+    x = np.random.default_rng(4).standard_normal((6, 512)).astype(np.float32)
+    for rows in (None, np.ones(6, bool), np.arange(6) % 2 == 0):
+        for got, w in zip(qm.matmul_many(x, tuple(weights), rows), weights, strict=True):
+            np.testing.assert_array_equal(got, matmul(x, w, rows))
+    for got, w in zip(qm.matmul_many(x[0], tuple(weights), True), weights, strict=True):  # a vector
+        np.testing.assert_array_equal(got, matmul(x[0], w, True))
+
+
+@pytest.mark.parametrize("types", [(TensorType.Q8_0, TensorType.Q8_0), (TensorType.Q4_K, TensorType.Q6_K),
+                                   (TensorType.BF16, TensorType.BF16)], ids=lambda t: "-".join(x.name for x in t))
+def test_swiglu_matmul_equals_its_parts(types: tuple[TensorType, TensorType]) -> None:
+    gate, up = (make_weight(t, 40, 256, seed=k)[0] for k, t in enumerate(types))
+    x = np.random.default_rng(5).standard_normal((5, 256)).astype(np.float32)
+    for rows in (None, np.ones(5, bool), np.arange(5) < 2):
+        g, u = matmul(x, gate, rows), matmul(x, up, rows)
+        np.testing.assert_allclose(qm.swiglu_matmul(x, gate, up, rows), g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)

@@ -28,6 +28,9 @@ def add_daemon_commands(sub: Any) -> None:
     serve.add_argument("--ctx", type=int, help="tokens per sequence (default: the model's context, at most 4096)")
     serve.add_argument("--max-active", type=int, help="sequences generated together (default 4)")
     serve.add_argument("--kv-dtype", metavar="T", help="KV cache dtype: f32, f16, bf16 or q8_0 (default: EMBER_KV_DTYPE, else f32)")
+    serve.add_argument("--decode-act", metavar="P", choices=("q8_0", "f32"),
+                       help="activations of generated tokens against quantized weights: q8_0 (default; integer dot "
+                            "products, as llama.cpp) or f32 (exact, slower)")
     serve.add_argument("--threads", type=int, help="kernel threads of the engine (default: one per core but one)")
     serve.add_argument("--log-format", choices=("auto", "json", "console"))
     serve.add_argument("--http", metavar="HOST:PORT",
@@ -92,6 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     flags = {"models": args.model, "server.socket": args.socket, "engine.device": args.device,
              "engine.ctx": args.ctx, "engine.max_active": args.max_active, "engine.kv_dtype": args.kv_dtype,
+             "engine.decode_act": args.decode_act,
              "engine.threads": args.threads, "server.log_format": args.log_format}
     config = load_config(args.config, flags=flags)
     gateway = _start_gateway(args.http, config) if args.http else None

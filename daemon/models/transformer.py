@@ -34,9 +34,11 @@ class Attention:
     def __call__(self, ops: Ops, cfg: ModelConfig, rope: "Rope", x: Array, cache: PagedKVCache, layer: int,
                  batch: StepBatch) -> Array:
         n, rows = x.shape[0], batch.decode_rows
-        q = self._project(ops, x, self.wq, self.bq, rows).reshape(n, cfg.n_heads, cfg.head_dim)
-        k = self._project(ops, x, self.wk, self.bk, rows).reshape(n, cfg.n_kv_heads, cfg.head_dim)
-        v = self._project(ops, x, self.wv, self.bv, rows).reshape(n, cfg.n_kv_heads, cfg.head_dim)
+        q, k, v = (y if b is None else y + b
+                   for y, b in zip(ops.matmul_many(x, (self.wq, self.wk, self.wv), rows), (self.bq, self.bk, self.bv)))
+        q = q.reshape(n, cfg.n_heads, cfg.head_dim)
+        k = k.reshape(n, cfg.n_kv_heads, cfg.head_dim)
+        v = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = ops.rmsnorm(q, self.q_norm, cfg.norm_eps), ops.rmsnorm(k, self.k_norm, cfg.norm_eps)
         q, k = rope(ops, q, batch.positions), rope(ops, k, batch.positions)
@@ -44,11 +46,6 @@ class Attention:
         out = ops.paged_attention(q, cache.k[layer], cache.v[layer], batch.tables, batch.token_seq, batch.positions,
                                   cfg.head_dim**-0.5)
         return ops.matmul(out.reshape(n, cfg.n_heads * cfg.head_dim), self.wo, rows)
-
-    @staticmethod
-    def _project(ops: Ops, x: Array, w: Weight, b: Array | None, rows: Array) -> Array:
-        y = ops.matmul(x, w, rows)
-        return y if b is None else y + b
 
 
 @dataclass
@@ -58,7 +55,7 @@ class DenseFFN:
     down: Weight
 
     def __call__(self, ops: Ops, x: Array, rows: Array) -> Array:
-        return ops.matmul(ops.swiglu(ops.matmul(x, self.gate, rows), ops.matmul(x, self.up, rows)), self.down, rows)
+        return ops.matmul(ops.swiglu_matmul(x, self.gate, self.up, rows), self.down, rows)
 
 
 @dataclass

@@ -10,7 +10,7 @@ scheduler and the model code are the same for every device.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -18,6 +18,7 @@ from ember.daemon.engine.sequence import Sequence
 from ember.daemon.models.transformer import Transformer
 from ember.daemon.runner.kv_cache import PagedKVCache
 from ember.daemon.runner.step_batch import StepBatch
+from ember.kernels.convert import DECODE_ACTIVATIONS
 from ember.kernels.ops import Array
 from ember.kernels.sampling import Choice, sample
 
@@ -30,9 +31,13 @@ class StepRun:
 
 
 class ModelRunner:
-    def __init__(self, net: Transformer, kv_blocks: int, block_size: int = 16, kv_dtype: str = "f32") -> None:
+    def __init__(self, net: Transformer, kv_blocks: int, block_size: int = 16, kv_dtype: str = "f32",
+                 decode_act: str = "q8_0") -> None:
+        if decode_act not in DECODE_ACTIVATIONS:
+            raise ValueError(f"unknown decode activation precision {decode_act!r} (choose from {', '.join(DECODE_ACTIVATIONS)})")
         self.net = net
         self.config = net.config
+        self.decode_act = decode_act
         self.cache: PagedKVCache = net.new_cache(kv_blocks, block_size, kv_dtype)
 
     @property
@@ -45,6 +50,8 @@ class ModelRunner:
 
     def prepare(self, batch: StepBatch) -> StepBatch:
         """The step's metadata on the device, moved once for every layer to read."""
+        if self.decode_act == "f32":
+            batch = replace(batch, decode_rows=np.zeros_like(batch.decode_rows))
         return batch.on(self.net.ops.to_device)
 
     def execute(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], keep: Seq[int] = ()) -> StepRun:

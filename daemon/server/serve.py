@@ -116,7 +116,7 @@ def _load_models(config: Config, specs: tuple[ModelSpec, ...], kv_dtype: str, no
         name = spec.display_name
         notifier.status(f"loading {name} ({i}/{len(specs)})")
         t0 = time.perf_counter()
-        model = load(spec.path, device=config.engine.device, kv_dtype=kv_dtype)
+        model = load(spec.path, device=config.engine.device, kv_dtype=kv_dtype, decode_act=config.engine.decode_act)
         if config.engine.warmup:
             notifier.status(f"warming up {name}")
             # a short prompt and a few sampled tokens: every kernel a request uses is loaded, so the

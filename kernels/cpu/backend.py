@@ -25,6 +25,13 @@ class CpuOps(Ops):
     def matmul(self, x: Array, w: quant_matmul.CpuWeight, decode_rows: Array | None = None) -> np.ndarray:
         return quant_matmul.matmul(np.ascontiguousarray(x, dtype=np.float32), w, decode_rows)
 
+    def matmul_many(self, x: Array, ws: tuple[quant_matmul.CpuWeight, ...], decode_rows: Array | None = None) -> list[np.ndarray]:
+        return quant_matmul.matmul_many(x, ws, decode_rows)
+
+    def swiglu_matmul(self, x: Array, gate: quant_matmul.CpuWeight, up: quant_matmul.CpuWeight,
+                      decode_rows: Array | None = None) -> np.ndarray:
+        return quant_matmul.swiglu_matmul(x, gate, up, decode_rows)
+
     def embedding(self, w: quant_matmul.CpuWeight, ids: np.ndarray) -> np.ndarray:
         return quant_matmul.embedding(w, np.asarray(ids, dtype=np.int64))
 

@@ -90,37 +90,56 @@ def _load_row(s_f32, s_u16, s_i8, s_scales, mode, blk, off, h, lut, out):  # typ
             out[j] = lut[s_u16[blk, off, h, j]]
 
 
+@njit(inline="always", fastmath=True, nogil=True, cache=True)
+def _row(s_f32, s_u16, s_i8, s_scales, mode, blk, off, h, lut, scratch):  # type: ignore[no-untyped-def]
+    """One stored K/V row as float32: a view of the cache for f32, else decoded into scratch."""
+    if mode == _F32:
+        return s_f32[blk, off, h]
+    _load_row(s_f32, s_u16, s_i8, s_scales, mode, blk, off, h, lut, scratch)
+    return scratch
+
+
 def _paged_attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut,  # type: ignore[no-untyped-def]
                      tables, token_seq, positions, scale, out):
+    # One task per (token, KV head): each key and value row is read (and decoded) once for all the
+    # query heads that share it (GQA), and f32 rows are read in place.
     n, hq, hd = q.shape
     block_size = max(k_f32.shape[1], k_u16.shape[1], k_i8.shape[1])
-    group = hq // max(k_f32.shape[2], k_u16.shape[2], k_i8.shape[2])
-    for task in prange(n * hq):
-        i, h = task // hq, task % hq
-        kv, seq, visible = h // group, token_seq[i], positions[i] + 1
-        scores = np.empty(visible, np.float32)
-        row = np.empty(hd, np.float32)
-        best = -np.inf
+    kv_heads = max(k_f32.shape[2], k_u16.shape[2], k_i8.shape[2])
+    group = hq // kv_heads
+    for task in prange(n * kv_heads):
+        i, kv = task // kv_heads, task % kv_heads
+        seq, visible = token_seq[i], positions[i] + 1
+        scores = np.empty((group, visible), np.float32)
+        scratch = np.empty(hd, np.float32)
         for t in range(visible):
-            _load_row(k_f32, k_u16, k_i8, k_sc, mode, tables[seq, t // block_size], t % block_size, kv, lut, row)
-            s = 0.0
+            krow = _row(k_f32, k_u16, k_i8, k_sc, mode, tables[seq, t // block_size], t % block_size, kv, lut, scratch)
+            for g in range(group):
+                qh = q[i, kv * group + g]  # 1-D views: the dot vectorizes (no per-element index checks)
+                s = np.float32(0)
+                for j in range(hd):
+                    s += qh[j] * krow[j]
+                scores[g, t] = s * scale
+        total = np.zeros(group, np.float32)
+        for g in range(group):
+            best = scores[g, 0]
+            for t in range(1, visible):
+                best = max(best, scores[g, t])
+            for t in range(visible):
+                e = np.float32(math.exp(scores[g, t] - best))
+                scores[g, t] = e
+                total[g] += e
+        acc = np.zeros((group, hd), np.float32)
+        for t in range(visible):
+            vrow = _row(v_f32, v_u16, v_i8, v_sc, mode, tables[seq, t // block_size], t % block_size, kv, lut, scratch)
+            for g in range(group):
+                p, a = scores[g, t], acc[g]
+                for j in range(hd):
+                    a[j] += p * vrow[j]
+        for g in range(group):
+            o, a, inv = out[i, kv * group + g], acc[g], np.float32(1) / total[g]
             for j in range(hd):
-                s += q[i, h, j] * row[j]
-            s *= scale
-            scores[t] = s
-            best = max(best, s)
-        total = 0.0
-        for t in range(visible):
-            scores[t] = math.exp(scores[t] - best)
-            total += scores[t]
-        acc = np.zeros(hd, np.float32)
-        for t in range(visible):
-            _load_row(v_f32, v_u16, v_i8, v_sc, mode, tables[seq, t // block_size], t % block_size, kv, lut, row)
-            p = scores[t]
-            for j in range(hd):
-                acc[j] += p * row[j]
-        for j in range(hd):
-            out[i, h, j] = acc[j] / total
+                o[j] = a[j] * inv
 
 
 _KERNELS = Twin(_paged_attention)

@@ -40,12 +40,13 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ember.kernels.cpu import dense
 from ember.kernels.cpu.int8_dots import (Q4_K_TILES, Q5_K_TILES, Q6_K_TILES, Q8_0_TILES, QK, TILE_SHAPES, TILE_TOKENS,
                                         quantize_activation)
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType, row_bytes
 
-__all__ = ["CpuWeight", "pack", "matmul", "embedding"]
+__all__ = ["CpuWeight", "pack", "matmul", "matmul_many", "swiglu_matmul", "embedding"]
 
 # Type codes as plain ints: numba folds these module globals into constants.
 _F16 = int(TensorType.F16)
@@ -57,6 +58,7 @@ _Q6_K = int(TensorType.Q6_K)
 
 _MATVEC_ROWS = 32  # rows per parallel work item of the matvec
 _MATMUL_ROWS = 16  # rows dequantized together by the n-token kernel: 16 x cols f32 stays in L2
+_TILE_TOKENS = 4  # tokens per register tile of the n-token kernel (_tile_product)
 # weights whose decode rows take the integer dots of int8_dots
 INT8_TYPES = frozenset({TensorType.Q8_0, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K})
 # 32 vector registers (AVX-512) fit 4-row tiles in the n-token kernel, 16 (AVX2) only 2-row ones;
@@ -135,13 +137,8 @@ def matmul(x: np.ndarray, w: CpuWeight, decode_rows: np.ndarray | None = None) -
     row (prompt tokens) multiplies x itself in float32, exactly, through the dequantize-and-tile
     product, which is 2x faster than the integer tiles on long prompts. A row's result depends only
     on its own flag and values, never on the other rows of the call."""
-    x = np.ascontiguousarray(x, np.float32)
-    vector = x.ndim == 1
-    x2 = x.reshape(1, -1) if vector else x
-    if x2.shape[1] != w.cols:
-        raise ValueError(f"x has {x2.shape[1]} columns, weight has {w.cols}")
-    n = x2.shape[0]
-    quantized = np.zeros(n, bool) if decode_rows is None else np.broadcast_to(np.asarray(decode_rows, bool), (n,))
+    x2, quantized = _rows(x, w.cols, decode_rows)
+    n, vector = x2.shape[0], x.ndim == 1
     y = np.empty((n, w.rows), np.float32)
     if w.f32 is not None:
         y = x2 @ w.f32.T  # BLAS: already optimal for float32, and it releases the GIL
@@ -153,11 +150,58 @@ def matmul(x: np.ndarray, w: CpuWeight, decode_rows: np.ndarray | None = None) -
     elif quantized.all():
         _matmul_int8(int(w.ttype), w.u8, x2, y)
     elif not quantized.any():
-        _matmul(int(w.ttype), w.u8, w.i8, w.u16, w.u32, x2, y)
+        y = _tiled(w, x2)
     else:  # a step that mixes prompt chunks and decode tokens
         y[quantized] = matmul(x2[quantized], w, True)
         y[~quantized] = matmul(x2[~quantized], w, False)
     return y[0] if vector else y
+
+
+def _tiled(w: CpuWeight, x: np.ndarray) -> np.ndarray:
+    """Prompt rows of a quantized weight: the dequantize-and-tile product with the tokens padded to
+    whole 4-token tiles, so that every token goes through the same tile code wherever it sits in
+    the batch (a leftover token took another code path and rounded differently: decode rows, whose
+    int8 quantization turns a last-bit difference into a visible one, then depended on batching)."""
+    n = x.shape[0]
+    pad = -n % _TILE_TOKENS
+    if pad:
+        x = np.concatenate([x, np.zeros((pad, x.shape[1]), np.float32)])
+    y = np.empty((n + pad, w.rows), np.float32)
+    _matmul(int(w.ttype), w.u8, w.i8, w.u16, w.u32, x, y)
+    return y[:n] if pad else y
+
+
+def matmul_many(x: np.ndarray, ws: tuple[CpuWeight, ...], decode_rows: np.ndarray | None = None) -> list[np.ndarray]:
+    """[matmul(x, w, decode_rows) for w in ws], decode rows of quantized weights in one kernel."""
+    x2, quantized = _rows(x, ws[0].cols, decode_rows)
+    if not quantized.all() or any(w.ttype not in INT8_TYPES or w.cols != ws[0].cols for w in ws):
+        return [matmul(x, w, decode_rows) for w in ws]
+    outs = tuple(np.empty((x2.shape[0], w.rows), np.float32) for w in ws)
+    _matmul_int8_many(np.array([int(w.ttype) for w in ws]), tuple(w.u8 for w in ws), x2, outs)
+    return [y[0] for y in outs] if x.ndim == 1 else list(outs)
+
+
+def swiglu_matmul(x: np.ndarray, gate: CpuWeight, up: CpuWeight, decode_rows: np.ndarray | None = None) -> np.ndarray:
+    """silu(x @ gate^T) * (x @ up^T), the decode rows of quantized weights in one kernel."""
+    x2, quantized = _rows(x, gate.cols, decode_rows)
+    if not quantized.any() or gate.ttype not in INT8_TYPES or up.ttype not in INT8_TYPES or (up.rows, up.cols) != (gate.rows, gate.cols):
+        return dense.swiglu(matmul(x, gate, decode_rows), matmul(x, up, decode_rows))
+    out = np.empty((x2.shape[0], gate.rows), np.float32)
+    if quantized.all():
+        _swiglu_int8(int(gate.ttype), gate.u8, int(up.ttype), up.u8, x2, out)
+    else:  # decode rows through the fused kernel wherever they are: their result must not depend on the step
+        out[quantized] = swiglu_matmul(x2[quantized], gate, up, True)
+        out[~quantized] = swiglu_matmul(x2[~quantized], gate, up, False)
+    return out[0] if x.ndim == 1 else out
+
+
+def _rows(x: np.ndarray, cols: int, decode_rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """x as float32 [n, cols] and its decode-row flags as bool [n]."""
+    x2 = np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1])
+    if x2.shape[1] != cols:
+        raise ValueError(f"x has {x2.shape[1]} columns, weight has {cols}")
+    n = x2.shape[0]
+    return x2, np.zeros(n, bool) if decode_rows is None else np.broadcast_to(np.asarray(decode_rows, bool), (n,))
 
 
 def embedding(w: CpuWeight, ids: np.ndarray) -> np.ndarray:
@@ -317,10 +361,10 @@ def _matvec_16bit(is_f16, u16, x, out):
 
 
 def _tile_call(shape):
-    """An inlined kernel storing one tile of TILE_SHAPES[shape] (rows x tokens) into out, for any
+    """An inlined kernel storing one tile of TILE_SHAPES[shape] (one row x T tokens) into out, for any
     quantized weight type (the type's tile intrinsic chosen by tt)."""
     q8_0, q4_k, q5_k, q6_k = (tiles[shape] for tiles in (Q8_0_TILES, Q4_K_TILES, Q5_K_TILES, Q6_K_TILES))
-    R, T = TILE_SHAPES[shape]
+    T = TILE_SHAPES[shape][1]
 
     @njit(inline="always", **_STRICT)
     def call(tt, u8, r, xq, xd, xs, t, out):
@@ -332,9 +376,8 @@ def _tile_call(shape):
             v = q5_k(u8, r, xq, xd, xs, t)
         else:
             v = q6_k(u8, r, xq, xd, xs, t)
-        for i in range(R):
-            for j in range(T):
-                out[t + j, r + i] = v[i * T + j]
+        for j in range(T):
+            out[t + j, r] = v[j]
 
     return call
 
@@ -342,28 +385,81 @@ def _tile_call(shape):
 _TILE, _TILE_1 = (_tile_call(k) for k in range(len(TILE_SHAPES)))
 
 
+@njit(inline="always", **_STRICT)
+def _row_times_tokens(tt, u8, r, xq, xd, xs, out):
+    """out[t, r] = row r . x_hat[t] for every token: tiles of TILE_TOKENS tokens, then single ones.
+    Every (row, token) result is computed by the same operations whatever the number of tokens
+    (int8_dots' tiles guarantee it), so batching changes no token's result."""
+    n = xq.shape[0]
+    t = 0
+    while t + TILE_TOKENS <= n:
+        _TILE(tt, u8, r, xq, xd, xs, t, out)
+        t += TILE_TOKENS
+    while t < n:
+        _TILE_1(tt, u8, r, xq, xd, xs, t, out)
+        t += 1
+
+
+@njit(inline="always", **_STRICT)
+def _quantized_tokens(n, cols):
+    return np.empty((n, cols), np.int8), np.empty((n, cols // QK), np.float32), np.empty((n, cols // QK), np.float32)
+
+
 @njit(parallel=True, **_STRICT)
 def _matmul_int8(tt, u8, x, out):
     """out[t, r] = row r . x_hat[t] for quantized weights: each token row quantized once (int8_dots),
-    then each weight row against tiles of TILE_TOKENS tokens (one at a time for the rest), so each
-    row is read once per call. Every (row, token) result is computed by the same operations whatever
-    n is (int8_dots' tiles guarantee it), so batching changes no token's result."""
+    each weight row read once per call for all tokens."""
     n, cols = x.shape
-    rows, nb = out.shape[1], cols // QK
-    xq = np.empty((n, cols), np.int8)
-    xd = np.empty((n, nb), np.float32)
-    xs = np.empty((n, nb), np.float32)
+    rows = out.shape[1]
+    xq, xd, xs = _quantized_tokens(n, cols)
     for t in prange(n):
         quantize_activation(x[t], xq[t], xd[t], xs[t])
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
         for r in range(c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS)):
-            t = 0
-            while t + TILE_TOKENS <= n:
-                _TILE(tt, u8, r, xq, xd, xs, t, out)
-                t += TILE_TOKENS
-            while t < n:
-                _TILE_1(tt, u8, r, xq, xd, xs, t, out)
-                t += 1
+            _row_times_tokens(tt, u8, r, xq, xd, xs, out)
+
+
+@njit(parallel=True, **_STRICT)
+def _matmul_int8_many(tts, ws, x, outs):
+    """_matmul_int8 of one x by several weights (a layer's q, k and v) in one parallel region: x is
+    quantized once and the threads share out all the weights' row groups together."""
+    n, cols = x.shape
+    xq, xd, xs = _quantized_tokens(n, cols)
+    for t in prange(n):
+        quantize_activation(x[t], xq[t], xd[t], xs[t])
+    groups = np.empty(len(ws) + 1, np.int64)
+    groups[0] = 0
+    for k in range(len(ws)):
+        groups[k + 1] = groups[k] + (ws[k].shape[0] + _MATVEC_ROWS - 1) // _MATVEC_ROWS
+    for c in prange(groups[-1]):
+        k = 0
+        while c >= groups[k + 1]:
+            k += 1
+        u8, out = ws[k], outs[k]
+        first = (c - groups[k]) * _MATVEC_ROWS
+        for r in range(first, min(u8.shape[0], first + _MATVEC_ROWS)):
+            _row_times_tokens(tts[k], u8, r, xq, xd, xs, out)
+
+
+@njit(parallel=True, **_STRICT)
+def _swiglu_int8(tt_gate, gate, tt_up, up, x, out):
+    """out = silu(x_hat @ gate^T) * (x_hat @ up^T): both products and the activation in one pass over
+    each row group (one parallel region instead of three kernels)."""
+    n, cols = x.shape
+    rows = out.shape[1]
+    xq, xd, xs = _quantized_tokens(n, cols)
+    for t in prange(n):
+        quantize_activation(x[t], xq[t], xd[t], xs[t])
+    g = np.empty((n, rows), np.float32)
+    u = np.empty((n, rows), np.float32)
+    for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
+        end = min(rows, (c + 1) * _MATVEC_ROWS)
+        for r in range(c * _MATVEC_ROWS, end):
+            _row_times_tokens(tt_gate, gate, r, xq, xd, xs, g)
+            _row_times_tokens(tt_up, up, r, xq, xd, xs, u)
+        for t in range(n):
+            for r in range(c * _MATVEC_ROWS, end):
+                out[t, r] = g[t, r] / (np.float32(1) + np.exp(-g[t, r])) * u[t, r]
 
 
 @njit(parallel=True, **_JIT)

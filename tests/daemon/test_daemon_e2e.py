@@ -135,8 +135,12 @@ async def test_logits_via_shared_memory_equal_model_logits(daemon, demo_model) -
     assert len(rows) == len(in_process) == 20
     for got, want in zip(rows, in_process):
         assert got.tobytes() == want.tobytes()  # the transport is exact, and so is the computation
+    # and Model.logits agrees: it reads the text as a prompt (float32 activations) where generated
+    # tokens met the weights with q8_0 activations (engine.decode_act; tests/test_engine_core.py
+    # checks f32 decode against Model.logits to 1e-4)
     reference = demo_model.logits(ids + tokens[:-1])[len(ids) - 1 :]
-    np.testing.assert_allclose(np.stack(rows), reference, rtol=0, atol=1e-4)  # and equal to Model.logits
+    span = reference.max(axis=1) - reference.min(axis=1)
+    assert (np.abs(np.stack(rows) - reference).max(axis=1) <= 0.02 * span).all()
 
 
 def test_logprobs_arrive_with_tokens(daemon) -> None:  # type: ignore[no-untyped-def]
