@@ -68,7 +68,7 @@ def build_app(gateway: Gateway) -> web.Application:
                           middlewares=[_errors_middleware(gateway), _auth_middleware(gateway.config.api_key)])
     app[GATEWAY] = gateway
     app.router.add_get("/v1/models", _models)
-    app.router.add_get("/v1/models/{model}", _model)
+    app.router.add_get("/v1/models/{model:.+}", _model)  # names may hold slashes (org/model)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/health", _health)

@@ -9,6 +9,7 @@ shutdown_timeout seconds (the daemon, stopping beside it, drains them too), canc
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 
@@ -47,7 +48,8 @@ async def serve(config: GatewayConfig, sock: socket.socket | None = None,
         try:
             await site.start()
         except OSError as e:
-            raise ListenError(e.errno, f"cannot listen on {config.host}:{config.port}: {e.strerror}") from None
+            why = os.strerror(e.errno).lower() if e.errno else str(e)
+            raise ListenError(f"cannot listen on {config.host}:{config.port}: {why}") from None
         if stop is None:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()

@@ -74,6 +74,18 @@ def test_exposure_without_a_key_is_refused_in_one_line(tmp_path: Path) -> None:
     assert ember("gateway", "--listen", "nowhere").stderr.startswith("ember: error: --listen wants HOST:PORT")
 
 
+def test_a_port_in_use_is_one_line(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for args, says in ((("gateway", "--listen", f"127.0.0.1:{port}"), "cannot listen on"),
+                           (("serve", "--http", f"127.0.0.1:{port}", "--socket", str(tmp_path / "s")), "cannot listen there")):
+            done = ember(*args)
+            assert done.returncode == 1 and done.stderr.strip().count("\n") == 0, done.stderr
+            assert says in done.stderr and "address already in use" in done.stderr.lower()
+
+
 def test_gateway_command_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ember.client.cli", "gateway", "--listen", f"0.0.0.0:{port}",
