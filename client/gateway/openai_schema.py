@@ -126,14 +126,19 @@ class ChatChoice(Out, kw_only=True):
     finish_reason: str
 
 
-class ChatCompletion(Out, kw_only=True):
+class Envelope(Out, kw_only=True):
+    """What every completion, whole or a chunk, opens with."""
+
     id: str
-    object: str = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
+
+
+class ChatCompletion(Envelope, kw_only=True):
+    object: str = "chat.completion"
     choices: list[ChatChoice]
     usage: UsageOut
-    system_fingerprint: str | None = None
 
 
 class Delta(Out, kw_only=True, omit_defaults=True):
@@ -148,14 +153,10 @@ class ChunkChoice(Out, kw_only=True):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(Out, kw_only=True):
-    id: str
+class ChatCompletionChunk(Envelope, kw_only=True):
     object: str = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChunkChoice]
     usage: UsageOut | None | UnsetType = UNSET
-    system_fingerprint: str | None = None
 
 
 class CompletionLogprobs(Out, kw_only=True):
@@ -172,14 +173,10 @@ class CompletionChoice(Out, kw_only=True):
     finish_reason: str | None
 
 
-class Completion(Out, kw_only=True):
-    id: str
+class Completion(Envelope, kw_only=True):
     object: str = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: UsageOut | None | UnsetType = UNSET
-    system_fingerprint: str | None = None
 
 
 class ModelCard(Out, kw_only=True):
