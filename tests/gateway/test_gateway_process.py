@@ -125,6 +125,24 @@ def test_serve_http_runs_the_gateway_as_the_daemons_child() -> None:
     assert any(e.get("event") == "gateway exit" for e in daemon.log_events())
 
 
+def test_serve_http_child_goes_with_a_killed_daemon() -> None:
+    port = free_port()
+    daemon = DaemonProcess("", args=("--http", f"127.0.0.1:{port}")).wait_ready(300)
+    try:
+        wait_listening(port)
+        daemon.proc.kill()  # SIGKILL: no finally runs in the daemon; PR_SET_PDEATHSIG stops the child
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            except OSError:
+                break
+            assert time.monotonic() < deadline, "the gateway outlived its daemon"
+            time.sleep(0.05)
+    finally:
+        daemon.stop()
+
+
 def test_systemd_unit() -> None:
     unit = (SYSTEMD / "ember-gateway.service").read_text()
     assert "ExecStart=/usr/local/bin/ember gateway --listen 127.0.0.1:8000 --socket /run/ember/ember.sock" in unit
