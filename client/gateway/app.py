@@ -23,7 +23,7 @@ from ember.client.errors import EmberError
 from ember.client.gateway.config import GatewayConfig
 from ember.client.gateway.connection_pool import ConnectionPool
 from ember.client.gateway.errors import AUTHENTICATION, SERVER_ERROR, ApiError, from_ember
-from ember.client.gateway.generation import CLIENT_GONE, Carrier, carry
+from ember.client.gateway.generation import CLIENT_GONE, STREAM_STATUS, Carrier, carry
 from ember.client.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from ember.client.gateway.openai_schema import ChatRequest, CompletionRequest, ModelCard, ModelList
 from ember.client.gateway.request_translation import decode_body, translate_chat, translate_completion
@@ -178,9 +178,10 @@ def _errors_middleware(gateway: Gateway) -> Callable[[web.Request, Handler], Awa
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
         status = CLIENT_GONE  # unless the handler returns or fails: cancelled because the client left
+        reset = STREAM_STATUS.set(None)  # requests on one keep-alive connection share a task and its context
         try:
             response = await handler(request)
-            status = request.get("status", response.status)
+            status = STREAM_STATUS.get() or response.status
             return response
         except ApiError as e:
             status = e.status
@@ -201,6 +202,7 @@ def _errors_middleware(gateway: Gateway) -> Callable[[web.Request, Handler], Awa
             error = ApiError(500, "internal error in the ember gateway (its log has the traceback)", SERVER_ERROR)
             return _json(error.body(), 500)
         finally:
+            STREAM_STATUS.reset(reset)
             counter.labels(endpoint, str(status)).inc()
 
     return errors

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -34,6 +35,9 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 WRITE_HIGH_WATER = 64 * 1024
 DRAIN_TIMEOUT = 30.0  # seconds a cancelled request's last frame may take to come (then the slot is freed)
 CLIENT_GONE = 499  # the metrics' status for a request whose client left first (nginx's convention)
+# how a streamed request really ended, when its status line (200) no longer can say: read by the request
+# counter (app.py), which runs in the same task (each request's handler has a context of its own)
+STREAM_STATUS: ContextVar[int | None] = ContextVar("ember_gateway_stream_status", default=None)
 
 
 class ClientGone(Exception):
@@ -148,11 +152,11 @@ async def _stream(request: web.Request, carrier: Carrier, t: Translated, fmt: An
             await _events(carrier, t, fmt, stream, chunk, write)
         except (EmberError, ApiError) as e:
             error = e if isinstance(e, ApiError) else from_ember(e)
-            request["status"] = error.status  # for the metrics: it failed, though its status line said 200
+            STREAM_STATUS.set(error.status)  # for the metrics: it failed, though its status line said 200
             await write(error_event(error.body()))
         await response.write_eof()
     except ClientGone:
-        request["status"] = CLIENT_GONE  # _settle cancels the request in the daemon
+        STREAM_STATUS.set(CLIENT_GONE)  # _settle cancels the request in the daemon
     return response
 
 

@@ -14,8 +14,11 @@ from ember.client.gateway.server import serve
 
 
 class GatewayThread:
-    def __init__(self, **config: Any) -> None:
+    def __init__(self, send_buffer: int | None = None, **config: Any) -> None:
+        """send_buffer: SO_SNDBUF of the connections (accepted sockets inherit the listener's), to fill it soon."""
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if send_buffer is not None:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(128)
         self.config = GatewayConfig(port=self._sock.getsockname()[1], **config)

@@ -1,15 +1,18 @@
 """A client that goes away cancels its request in the daemon: mid-stream, while waiting for a whole
-answer, and while still queued. The daemon's own Stats are the witness (cancelled_total, nothing left
+answer, while still queued, and one that stays connected but reads nothing for stall_timeout. The daemon's own Stats are the witness (cancelled_total, nothing left
 running), and the gateway's slot comes back (its requests in flight: 0)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import time
 from typing import Any
 
 import aiohttp
 import pytest
 from gateway_setup import MODEL
+from gateway_thread import GatewayThread
 
 LONG = {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
@@ -90,3 +93,23 @@ async def test_disconnect_while_queued_cancels_before_it_runs(gateway: Any, nati
     finally:
         for stream in running:
             stream.close()
+
+
+def test_a_client_that_reads_nothing_is_cancelled_after_the_stall_timeout(daemon: Any, native: Any) -> None:
+    gateway = GatewayThread(send_buffer=4096, socket=daemon.socket, stall_timeout=0.5)
+    before = native.stats()
+    try:
+        with socket.socket() as reader:
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            reader.connect(("127.0.0.1", gateway.config.port))
+            body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000,
+                               "ignore_eos": True, "stream": True, "logprobs": True, "top_logprobs": 20}).encode()
+            reader.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                           % (len(body), body))  # and never reads a byte
+            wait_for("the stalled request cancelled", lambda: native.stats().cancelled_total == before.cancelled_total + 1,
+                     timeout=20)
+        generated = native.stats().tokens_total - before.tokens_total
+        assert generated < 3000  # ended by the stall, not by max_tokens
+        wait_for("the gateway frees the slot", lambda: gateway_in_flight(gateway) == 0)
+    finally:
+        gateway.stop()
