@@ -13,7 +13,7 @@ rng = np.random.default_rng(0)
 @pytest.fixture(autouse=True, params=["serial", "parallel"])
 def kernel_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run every test against both compiled variants of each kernel."""
-    monkeypatch.setattr(twin, "PARALLEL_MIN_WORK", 1 << 62 if request.param == "serial" else 0)
+    monkeypatch.setattr(twin, "FORCE", request.param)
 
 
 def randn(*shape: int) -> np.ndarray:

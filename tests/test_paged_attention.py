@@ -151,7 +151,7 @@ def test_write_stores_the_reference_bits(dtype: str) -> None:
 @pytest.mark.parametrize("dtype", pa.KV_DTYPES)
 @pytest.mark.parametrize("parallel", [False, True])
 def test_paged_attention_matches_dense_reference(dtype: str, parallel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(twin, "PARALLEL_MIN_WORK", 0 if parallel else 1 << 62)
+    monkeypatch.setattr(twin, "FORCE", "parallel" if parallel else "serial")
     block_size, hkv, hq, hd, n_blocks = 4, 2, 6, 64, 40
     k_store = pa.KVLayerStore.allocate(dtype, n_blocks, block_size, hkv, hd)
     v_store = pa.KVLayerStore.allocate(dtype, n_blocks, block_size, hkv, hd)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from ember.kernels.cpu import quant_matmul as qm
+from ember.kernels.cpu import twin
 from ember.kernels.convert import dequantize_q8_0, quantize_q8_0
 from ember.kernels.cpu.quant_matmul import CpuWeight, embedding, matmul, pack
 from ember.kernels.reference.quant import dequantize, quantize
@@ -155,13 +156,16 @@ def test_pack_flattens_leading_dimensions() -> None:
 
 @pytest.mark.parametrize("ttype", [TensorType.Q8_0, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K],
                          ids=lambda t: t.name)
-def test_a_decode_rows_result_does_not_depend_on_the_other_rows(ttype: TensorType) -> None:
+def test_a_decode_rows_result_does_not_depend_on_the_other_rows(ttype: TensorType, monkeypatch) -> None:
     """Batching must not change a sequence's tokens: each decode row's product is bit-identical
-    whether it runs alone, in a batch of any size (every tile shape), or beside prompt rows."""
-    weight, _ = make_weight(ttype, 37, 512)  # 37 rows: whole and partial row tiles
+    whether it runs alone (serial kernel), in a batch of any size (every tile shape; parallel
+    kernel), or beside prompt rows."""
+    weight, _ = make_weight(ttype, 37, 512)  # 37 rows: whole and partial row groups
     rng = np.random.default_rng(3)
     x = rng.standard_normal((11, 512)).astype(np.float32)
+    monkeypatch.setattr(twin, "FORCE", "serial")
     alone = np.stack([matmul(x[t], weight, True) for t in range(11)])
+    monkeypatch.setattr(twin, "FORCE", "parallel")
     for n in (2, 3, 4, 5, 8, 11):
         np.testing.assert_array_equal(matmul(x[:n], weight, np.ones(n, bool)), alone[:n])
     mixed = np.arange(11) % 3 == 0
@@ -169,7 +173,7 @@ def test_a_decode_rows_result_does_not_depend_on_the_other_rows(ttype: TensorTyp
 
 
 @pytest.mark.parametrize("ttype", [TensorType.Q8_0, TensorType.Q4_K, TensorType.Q6_K], ids=lambda t: t.name)
-def test_a_prompt_rows_result_does_not_depend_on_the_other_rows(ttype: TensorType) -> None:
+def test_a_prompt_rows_result_does_not_depend_on_the_other_rows(ttype: TensorType, monkeypatch) -> None:
     """Prompt rows too: their last bits feed the decode rows' int8 quantization, which would turn a
     batch-dependent rounding into a visible difference."""
     weight, _ = make_weight(ttype, 37, 512)
@@ -181,13 +185,16 @@ def test_a_prompt_rows_result_does_not_depend_on_the_other_rows(ttype: TensorTyp
     mixed = np.arange(11) % 3 == 0
     np.testing.assert_array_equal(matmul(x, weight, mixed)[~mixed], alone[~mixed])
     gate, up = make_weight(ttype, 40, 512, seed=1)[0], make_weight(ttype, 40, 512, seed=2)[0]
+    monkeypatch.setattr(twin, "FORCE", "serial")
     fused = np.stack([qm.swiglu_matmul(x[t], gate, up, True) for t in range(11)])
+    monkeypatch.setattr(twin, "FORCE", "parallel")
     np.testing.assert_array_equal(qm.swiglu_matmul(x, gate, up, mixed)[mixed], fused[mixed])
 
 
 def test_kernels_release_the_gil() -> None:
     """The daemon's event loop runs beside these kernels: every jitted entry point must be nogil."""
-    for kernel in (qm._matvec_16bit, qm._matmul_int8, qm._matmul, qm._gather_rows):
+    twins = (qm._MATMUL_INT8, qm._MATMUL_INT8_MANY, qm._SWIGLU_INT8)
+    for kernel in (qm._matvec_16bit, qm._matmul, qm._gather_rows, *(v for t in twins for v in (t.serial, t.parallel))):
         assert kernel.targetoptions.get("nogil") is True
 
 

@@ -72,8 +72,8 @@ def compile_all() -> None:
     from ember.kernels.convert import KV_DTYPES
 
     net = _synthetic_model()
-    for threshold in (1 << 62, 0):  # every twin serial, then every twin parallel
-        twin.PARALLEL_MIN_WORK = threshold
+    for variant in ("serial", "parallel"):  # every twin serial, then every twin parallel
+        twin.FORCE = variant
         for dtype in KV_DTYPES:
             cache = net.new_cache(2, 16, dtype)
             net.forward(StepBatch.build([([1, 2, 3, 4, 5], 0, [0, 1])], 16, all_logits=True), cache)

@@ -13,6 +13,9 @@ from ember.kernels.raw_tensor import RawTensor
 class CpuOps(Ops):
     name = "cpu"
 
+    def __init__(self) -> None:
+        self._last_rows: tuple[Array | None, bool | np.ndarray] = (None, False)
+
     def weight(self, t: RawTensor) -> quant_matmul.CpuWeight:
         return quant_matmul.pack(t)
 
@@ -23,14 +26,23 @@ class CpuOps(Ops):
         return w.rows
 
     def matmul(self, x: Array, w: quant_matmul.CpuWeight, decode_rows: Array | None = None) -> np.ndarray:
-        return quant_matmul.matmul(np.ascontiguousarray(x, dtype=np.float32), w, decode_rows)
+        return quant_matmul.matmul(x, w, self._flags(decode_rows))
 
     def matmul_many(self, x: Array, ws: tuple[quant_matmul.CpuWeight, ...], decode_rows: Array | None = None) -> list[np.ndarray]:
-        return quant_matmul.matmul_many(x, ws, decode_rows)
+        return quant_matmul.matmul_many(x, ws, self._flags(decode_rows))
 
     def swiglu_matmul(self, x: Array, gate: quant_matmul.CpuWeight, up: quant_matmul.CpuWeight,
                       decode_rows: Array | None = None) -> np.ndarray:
-        return quant_matmul.swiglu_matmul(x, gate, up, decode_rows)
+        return quant_matmul.swiglu_matmul(x, gate, up, self._flags(decode_rows))
+
+    def _flags(self, decode_rows: Array | None) -> bool | np.ndarray:
+        """decode_flags of a step's mask, computed once per step: every layer passes the same array.
+        One tuple, read and replaced whole, so threads stepping other runners of the model are safe."""
+        seen, flags = self._last_rows
+        if seen is not decode_rows:
+            flags = quant_matmul.decode_flags(decode_rows)
+            self._last_rows = (decode_rows, flags)
+        return flags
 
     def embedding(self, w: quant_matmul.CpuWeight, ids: np.ndarray) -> np.ndarray:
         return quant_matmul.embedding(w, np.asarray(ids, dtype=np.int64))

@@ -31,7 +31,7 @@ Why the kernels look the way they do (each point measured on the 2-core Zen 4 VM
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import llvmlite.binding as llvm
@@ -41,12 +41,13 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ember.kernels.cpu import dense
+from ember.kernels.cpu.twin import Twin
 from ember.kernels.cpu.int8_dots import (Q4_K_TILES, Q5_K_TILES, Q6_K_TILES, Q8_0_TILES, QK, TILE_SHAPES, TILE_TOKENS,
                                         quantize_activation)
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType, row_bytes
 
-__all__ = ["CpuWeight", "pack", "matmul", "matmul_many", "swiglu_matmul", "embedding"]
+__all__ = ["CpuWeight", "pack", "decode_flags", "matmul", "matmul_many", "swiglu_matmul", "embedding"]
 
 # Type codes as plain ints: numba folds these module globals into constants.
 _F16 = int(TensorType.F16)
@@ -91,11 +92,16 @@ class CpuWeight:
     u16: np.ndarray
     u32: np.ndarray
     f32: np.ndarray | None = None
+    # derived once (the decode path reads them on every call): the type code the kernels switch on,
+    # whether decode rows take the integer kernels, and the bytes one matvec reads
+    code: int = field(init=False)
+    int8: bool = field(init=False)
+    nbytes: int = field(init=False)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of weights one matvec reads."""
-        return self.rows * row_bytes(self.ttype, self.cols)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "code", int(self.ttype))
+        object.__setattr__(self, "int8", self.ttype in INT8_TYPES)
+        object.__setattr__(self, "nbytes", self.rows * row_bytes(self.ttype, self.cols))
 
 
 def pack(t: RawTensor) -> CpuWeight:
@@ -128,33 +134,49 @@ def _read_only(a: np.ndarray) -> np.ndarray:
     return view
 
 
-def matmul(x: np.ndarray, w: CpuWeight, decode_rows: np.ndarray | None = None) -> np.ndarray:
+Rows = "bool | np.ndarray | None"  # decode rows: None/False (none), True (all), or a bool mask [n]
+
+
+def decode_flags(decode_rows: np.ndarray | bool | None) -> bool | np.ndarray:
+    """True when every row is a decode row, False when none is, else the bool mask: computed once
+    per step by the backend (CpuOps memoizes it), not once per matmul."""
+    if decode_rows is None or isinstance(decode_rows, (bool, np.bool_)):
+        return bool(decode_rows)
+    mask = np.asarray(decode_rows, bool).reshape(-1)
+    count = int(np.count_nonzero(mask))
+    return True if count == mask.size else False if count == 0 else mask
+
+
+def matmul(x: np.ndarray, w: CpuWeight, decode_rows: Rows = None) -> np.ndarray:
     """y = x @ W^T: x float32 [n, cols] (or [cols]) -> float32 [n, rows] (or [rows]).
 
-    decode_rows (bool [n], or one bool for a vector) marks the rows that are generated tokens fed
-    back. With quantized weights those multiply x_hat, x after ggml's q8_0 round trip, in integer
-    arithmetic (kernels/cpu/int8_dots.py), as llama.cpp does: 1.5-2.5x faster at decode. Every other
-    row (prompt tokens) multiplies x itself in float32, exactly, through the dequantize-and-tile
-    product, which is 2x faster than the integer tiles on long prompts. A row's result depends only
-    on its own flag and values, never on the other rows of the call."""
-    x2, quantized = _rows(x, w.cols, decode_rows)
-    n, vector = x2.shape[0], x.ndim == 1
-    y = np.empty((n, w.rows), np.float32)
+    decode_rows (a bool mask [n], or True / False for every row) marks the rows that are generated
+    tokens fed back. With quantized weights those multiply x_hat, x after ggml's q8_0 round trip, in
+    integer arithmetic (kernels/cpu/int8_dots.py), as llama.cpp does: 1.5-3x faster at decode. Every
+    other row (prompt tokens) multiplies x itself in float32, exactly, through the dequantize-and-tile
+    product, which is faster on long prompts. A row's result depends only on its own flag and values,
+    never on the other rows of the call."""
+    x2 = _as_rows(x, w.cols)
+    rows = decode_flags(decode_rows)
+    n = x2.shape[0]
     if w.f32 is not None:
         y = x2 @ w.f32.T  # BLAS: already optimal for float32, and it releases the GIL
-    elif w.ttype not in INT8_TYPES:
+    elif not w.int8:
+        y = np.empty((n, w.rows), np.float32)
         if n == 1:
-            _matvec_16bit(w.ttype == TensorType.F16, w.u16, x2[0], y[0])
+            _matvec_16bit(w.code == _F16, w.u16, x2[0], y[0])
         else:
-            _matmul(int(w.ttype), w.u8, w.i8, w.u16, w.u32, x2, y)
-    elif quantized.all():
-        _matmul_int8(int(w.ttype), w.u8, x2, y)
-    elif not quantized.any():
+            _matmul(w.code, w.u8, w.i8, w.u16, w.u32, x2, y)
+    elif rows is True:
+        y = np.empty((n, w.rows), np.float32)
+        _MATMUL_INT8.pick(w.nbytes * n)(w.code, w.u8, x2, y)
+    elif rows is False:
         y = _tiled(w, x2)
     else:  # a step that mixes prompt chunks and decode tokens
-        y[quantized] = matmul(x2[quantized], w, True)
-        y[~quantized] = matmul(x2[~quantized], w, False)
-    return y[0] if vector else y
+        y = np.empty((n, w.rows), np.float32)
+        y[rows] = matmul(x2[rows], w, True)
+        y[~rows] = matmul(x2[~rows], w, False)
+    return y[0] if x.ndim == 1 else y
 
 
 def _tiled(w: CpuWeight, x: np.ndarray) -> np.ndarray:
@@ -167,41 +189,46 @@ def _tiled(w: CpuWeight, x: np.ndarray) -> np.ndarray:
     if pad:
         x = np.concatenate([x, np.zeros((pad, x.shape[1]), np.float32)])
     y = np.empty((n + pad, w.rows), np.float32)
-    _matmul(int(w.ttype), w.u8, w.i8, w.u16, w.u32, x, y)
+    _matmul(w.code, w.u8, w.i8, w.u16, w.u32, x, y)
     return y[:n] if pad else y
 
 
-def matmul_many(x: np.ndarray, ws: tuple[CpuWeight, ...], decode_rows: np.ndarray | None = None) -> list[np.ndarray]:
+def matmul_many(x: np.ndarray, ws: tuple[CpuWeight, ...], decode_rows: Rows = None) -> list[np.ndarray]:
     """[matmul(x, w, decode_rows) for w in ws], decode rows of quantized weights in one kernel."""
-    x2, quantized = _rows(x, ws[0].cols, decode_rows)
-    if not quantized.all() or any(w.ttype not in INT8_TYPES or w.cols != ws[0].cols for w in ws):
-        return [matmul(x, w, decode_rows) for w in ws]
-    outs = tuple(np.empty((x2.shape[0], w.rows), np.float32) for w in ws)
-    _matmul_int8_many(np.array([int(w.ttype) for w in ws]), tuple(w.u8 for w in ws), x2, outs)
+    rows = decode_flags(decode_rows)
+    if rows is not True or not all(w.int8 and w.cols == ws[0].cols for w in ws):
+        return [matmul(x, w, rows) for w in ws]
+    x2 = _as_rows(x, ws[0].cols)
+    n = x2.shape[0]
+    outs = tuple(np.empty((n, w.rows), np.float32) for w in ws)
+    codes = np.array([w.code for w in ws])
+    _MATMUL_INT8_MANY.pick(sum(w.nbytes for w in ws) * n)(codes, tuple(w.u8 for w in ws), x2, outs)
     return [y[0] for y in outs] if x.ndim == 1 else list(outs)
 
 
-def swiglu_matmul(x: np.ndarray, gate: CpuWeight, up: CpuWeight, decode_rows: np.ndarray | None = None) -> np.ndarray:
+def swiglu_matmul(x: np.ndarray, gate: CpuWeight, up: CpuWeight, decode_rows: Rows = None) -> np.ndarray:
     """silu(x @ gate^T) * (x @ up^T), the decode rows of quantized weights in one kernel."""
-    x2, quantized = _rows(x, gate.cols, decode_rows)
-    if not quantized.any() or gate.ttype not in INT8_TYPES or up.ttype not in INT8_TYPES or (up.rows, up.cols) != (gate.rows, gate.cols):
-        return dense.swiglu(matmul(x, gate, decode_rows), matmul(x, up, decode_rows))
+    rows = decode_flags(decode_rows)
+    if rows is False or not (gate.int8 and up.int8 and (up.rows, up.cols) == (gate.rows, gate.cols)):
+        return dense.swiglu(matmul(x, gate, rows), matmul(x, up, rows))
+    x2 = _as_rows(x, gate.cols)
     out = np.empty((x2.shape[0], gate.rows), np.float32)
-    if quantized.all():
-        _swiglu_int8(int(gate.ttype), gate.u8, int(up.ttype), up.u8, x2, out)
+    if rows is True:
+        _SWIGLU_INT8.pick(2 * gate.nbytes * x2.shape[0])(gate.code, gate.u8, up.code, up.u8, x2, out)
     else:  # decode rows through the fused kernel wherever they are: their result must not depend on the step
-        out[quantized] = swiglu_matmul(x2[quantized], gate, up, True)
-        out[~quantized] = swiglu_matmul(x2[~quantized], gate, up, False)
+        out[rows] = swiglu_matmul(x2[rows], gate, up, True)
+        out[~rows] = swiglu_matmul(x2[~rows], gate, up, False)
     return out[0] if x.ndim == 1 else out
 
 
-def _rows(x: np.ndarray, cols: int, decode_rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """x as float32 [n, cols] and its decode-row flags as bool [n]."""
-    x2 = np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1])
+def _as_rows(x: np.ndarray, cols: int) -> np.ndarray:
+    """x as C-contiguous float32 [n, cols] (a view when it already is one)."""
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, np.float32)
+    x2 = x.reshape(1, -1) if x.ndim == 1 else x.reshape(-1, x.shape[-1])
     if x2.shape[1] != cols:
         raise ValueError(f"x has {x2.shape[1]} columns, weight has {cols}")
-    n = x2.shape[0]
-    return x2, np.zeros(n, bool) if decode_rows is None else np.broadcast_to(np.asarray(decode_rows, bool), (n,))
+    return x2
 
 
 def embedding(w: CpuWeight, ids: np.ndarray) -> np.ndarray:
@@ -212,7 +239,7 @@ def embedding(w: CpuWeight, ids: np.ndarray) -> np.ndarray:
     if w.f32 is not None:
         return w.f32[ids]
     out = np.empty((ids.size, w.cols), np.float32)
-    _gather_rows(int(w.ttype), w.u8, w.i8, w.u16, w.u32, ids, out)
+    _gather_rows(w.code, w.u8, w.i8, w.u16, w.u32, ids, out)
     return out
 
 
@@ -405,7 +432,6 @@ def _quantized_tokens(n, cols):
     return np.empty((n, cols), np.int8), np.empty((n, cols // QK), np.float32), np.empty((n, cols // QK), np.float32)
 
 
-@njit(parallel=True, **_STRICT)
 def _matmul_int8(tt, u8, x, out):
     """out[t, r] = row r . x_hat[t] for quantized weights: each token row quantized once (int8_dots),
     each weight row read once per call for all tokens."""
@@ -419,7 +445,6 @@ def _matmul_int8(tt, u8, x, out):
             _row_times_tokens(tt, u8, r, xq, xd, xs, out)
 
 
-@njit(parallel=True, **_STRICT)
 def _matmul_int8_many(tts, ws, x, outs):
     """_matmul_int8 of one x by several weights (a layer's q, k and v) in one parallel region: x is
     quantized once and the threads share out all the weights' row groups together."""
@@ -441,7 +466,6 @@ def _matmul_int8_many(tts, ws, x, outs):
             _row_times_tokens(tts[k], u8, r, xq, xd, xs, out)
 
 
-@njit(parallel=True, **_STRICT)
 def _swiglu_int8(tt_gate, gate, tt_up, up, x, out):
     """out = silu(x_hat @ gate^T) * (x_hat @ up^T): both products and the activation in one pass over
     each row group (one parallel region instead of three kernels)."""
@@ -460,6 +484,16 @@ def _swiglu_int8(tt_gate, gate, tt_up, up, x, out):
         for t in range(n):
             for r in range(c * _MATVEC_ROWS, end):
                 out[t, r] = g[t, r] / (np.float32(1) + np.exp(-g[t, r])) * u[t, r]
+
+
+# Each integer kernel compiled serial and parallel (twin.py); below INT8_PARALLEL_MIN_WORK weight
+# bytes x tokens a call runs on the calling thread, where waking the pool costs more than it gains
+# (measured: 384 x 384 Q8_0, 13.7 us on 2 threads, 11.7 us on 1). Both variants compute every
+# (row, token) with the same operations, so the choice, which depends on n, changes no result.
+INT8_PARALLEL_MIN_WORK = 1 << 18
+_MATMUL_INT8 = Twin(_matmul_int8, INT8_PARALLEL_MIN_WORK, fastmath=False)
+_MATMUL_INT8_MANY = Twin(_matmul_int8_many, INT8_PARALLEL_MIN_WORK, fastmath=False)
+_SWIGLU_INT8 = Twin(_swiglu_int8, INT8_PARALLEL_MIN_WORK, fastmath=False)
 
 
 @njit(parallel=True, **_JIT)

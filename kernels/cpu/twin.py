@@ -19,16 +19,25 @@ JIT = dict(fastmath=True, cache=True, nogil=True)
 # Below this many multiply-adds a kernel runs on the calling thread: waking the thread pool costs
 # more than a decode step's rmsnorm or rope (and much more when other processes hold the cores).
 PARALLEL_MIN_WORK = 1 << 16
+# None: each twin picks by its work; "serial" / "parallel": every twin takes that variant (the kernel
+# cache compiles both this way; tests run both)
+FORCE: str | None = None
 
 
 class Twin:
-    def __init__(self, core: Callable[..., Any]) -> None:
-        self.serial = njit(**JIT)(core)
-        self.parallel = njit(parallel=True, **JIT)(_renamed(core, "_parallel"))
+    def __init__(self, core: Callable[..., Any], min_work: int | None = None, **options: Any) -> None:
+        """options override JIT's (fastmath=False for kernels whose float order must not change);
+        min_work overrides PARALLEL_MIN_WORK for this kernel."""
+        jit = {**JIT, **options}
+        self.serial = njit(**jit)(core)
+        self.parallel = njit(parallel=True, **jit)(_renamed(core, "_parallel"))
+        self.min_work = min_work
 
     def pick(self, work: int) -> Any:
         """The variant for `work` multiply-adds (or a comparable count)."""
-        return self.parallel if work >= PARALLEL_MIN_WORK else self.serial
+        if FORCE is not None:
+            return self.parallel if FORCE == "parallel" else self.serial
+        return self.parallel if work >= (PARALLEL_MIN_WORK if self.min_work is None else self.min_work) else self.serial
 
 
 def _renamed(fn: Callable[..., Any], suffix: str) -> Callable[..., Any]:
