@@ -1,12 +1,12 @@
-"""Reading GGUF files: metadata and tensors as zero-copy views of the mmap'd file (via gguf-py)."""
+"""Reading GGUF files: metadata and tensors as zero-copy views of the mmap'd file (gguf_reader.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
 
+from ember.daemon.loader.gguf_reader import GGUFError, TensorInfo, read_gguf
 from ember.daemon.loader.model_config import config_from_gguf
 from ember.daemon.loader.model_file import ModelFile
 from ember.daemon.loader.model_file_error import ModelFileError
@@ -17,30 +17,48 @@ from ember.kernels.tensor_types import UnsupportedTensorType, row_bytes, tensor_
 def open_gguf(path: Path) -> ModelFile:
     source = str(path)
     try:
-        reader = GGUFReader(path, "r")
-    except (ValueError, IndexError, OSError, KeyError) as e:
-        # gguf-py reports a truncated or garbled header as whatever numpy raised while parsing it
-        raise ModelFileError(source, f"not a readable GGUF file ({type(e).__name__}: {e})") from None
-    metadata: dict[str, Any] = {f.name: f.contents() for f in reader.fields.values()}
-    tensors = {t.name: _raw_tensor(t, source) for t in reader.tensors}
+        contents = read_gguf(path, _tensor_bytes)
+    except GGUFError as e:
+        raise ModelFileError(source, f"not a readable GGUF file ({e})") from None
+    tensors = {t.name: _raw_tensor(t, source) for t in contents.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelFileError(source, "missing tensor token_embd.weight")
-    config = config_from_gguf(metadata, tensors["token_embd.weight"].rows, source)
-    return ModelFile(path=path, format="gguf", config=config, tensors=tensors, metadata=metadata)
+    config = config_from_gguf(contents.metadata, tensors["token_embd.weight"].rows, source)
+    return ModelFile(path=path, format="gguf", config=config, tensors=tensors, metadata=contents.metadata)
 
 
-def _raw_tensor(t: Any, source: str) -> RawTensor:
+def _tensor_bytes(ggml_type: int, dims: tuple[int, ...]) -> int | None:
+    """Bytes of a tensor; None for a type ember does not read, or rows that are not whole blocks."""
     try:
-        ttype = tensor_type(int(t.tensor_type))
+        return int(np.prod(dims[1:], dtype=np.int64)) * row_bytes(tensor_type(ggml_type), dims[0])
     except UnsupportedTensorType:
-        raise ModelFileError(source, f"tensor {t.name} has unsupported type {t.tensor_type.name} "
+        return None
+
+
+def _raw_tensor(t: TensorInfo, source: str) -> RawTensor:
+    try:
+        ttype = tensor_type(t.ggml_type)
+    except UnsupportedTensorType:
+        raise ModelFileError(source, f"tensor {t.name} has unsupported type {_type_name(t.ggml_type)} "
                              "(supported: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K)") from None
-    shape = tuple(int(d) for d in reversed(t.shape))  # ggml order -> numpy order
-    data = np.asarray(t.data)
-    expected = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes(ttype, shape[-1])
-    if data.nbytes != expected:
-        raise ModelFileError(source, f"truncated file: tensor {t.name} has {data.nbytes} of {expected} bytes")
-    if ttype in (ttype.F16, ttype.BF16):
+    shape = tuple(reversed(t.dims))  # ggml order -> numpy order
+    expected = _tensor_bytes(t.ggml_type, t.dims)
+    if expected is None:
+        raise ModelFileError(source, f"tensor {t.name}: rows of {shape[-1]} values are not whole {ttype.name} blocks")
+    if t.data.nbytes != expected:
+        raise ModelFileError(source, f"truncated file: tensor {t.name} has {t.data.nbytes} of {expected} bytes")
+    data = t.data
+    if ttype == ttype.F32:
+        data = data.view(np.float32)
+    elif ttype in (ttype.F16, ttype.BF16):
         data = data.view(np.uint16)
-    data = data.reshape(shape[:-1] + (-1,))
-    return RawTensor(name=t.name, ttype=ttype, shape=shape, data=data)
+    return RawTensor(name=t.name, ttype=ttype, shape=shape, data=data.reshape(shape[:-1] + (-1,)))
+
+
+def _type_name(ggml_type: int) -> str:
+    try:
+        import gguf
+
+        return gguf.GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"#{ggml_type}"
