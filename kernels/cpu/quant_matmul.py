@@ -478,8 +478,10 @@ def _swiglu_int8(tt_gate, gate, tt_up, up, x, out):
     u = np.empty((n, rows), np.float32)
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
         end = min(rows, (c + 1) * _MATVEC_ROWS)
+        # the group's gate rows, then its up rows: one contiguous stream at a time for the prefetcher
         for r in range(c * _MATVEC_ROWS, end):
             _row_times_tokens(tt_gate, gate, r, xq, xd, xs, g)
+        for r in range(c * _MATVEC_ROWS, end):
             _row_times_tokens(tt_up, up, r, xq, xd, xs, u)
         for t in range(n):
             for r in range(c * _MATVEC_ROWS, end):
