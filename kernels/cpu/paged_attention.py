@@ -9,7 +9,6 @@ exists.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +21,7 @@ from ember.kernels.cpu.twin import Twin
 MODE = {name: i for i, name in enumerate(KV_DTYPES)}
 # The kernel branches on these (numba freezes module-level ints into constants), so it does not
 # depend on the order of KV_DTYPES.
-_F32, _Q8_0 = MODE["f32"], MODE["q8_0"]
+_F32, _BF16, _Q8_0 = MODE["f32"], MODE["bf16"], MODE["q8_0"]
 
 # f16 and bf16 bit patterns -> float32 (numba has no float16; a table lookup is exact and cheap)
 _ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
@@ -126,7 +125,7 @@ def _paged_attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode
             for t in range(1, visible):
                 best = max(best, scores[g, t])
             for t in range(visible):
-                e = np.float32(math.exp(scores[g, t] - best))
+                e = np.exp(scores[g, t] - best)  # float32 expf (math.exp would go through float64)
                 scores[g, t] = e
                 total[g] += e
         acc = np.zeros((group, hd), np.float32)
@@ -151,8 +150,8 @@ def paged_attention(q: np.ndarray, k: KVLayerStore, v: KVLayerStore, tables: np.
     positions[i] and sees that sequence's keys 0..positions[i], found through tables[seq] (block ids).
     """
     out = np.empty_like(q)
-    lut = BF16_TABLE if k.mode == MODE["bf16"] else F16_TABLE
-    work = q.size * 2 * int(positions.mean() + 1)
+    lut = BF16_TABLE if k.mode == _BF16 else F16_TABLE
+    work = q.size * 2 * (int(positions[-1]) + 1)  # the last token's context stands for the step's (cheap)
     _KERNELS.pick(work)(q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, lut,
-           tables, token_seq, positions, np.float32(scale), out)
+                        tables, token_seq, positions, np.float32(scale), out)
     return out
