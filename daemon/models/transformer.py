@@ -34,8 +34,9 @@ class Attention:
     def __call__(self, ops: Ops, cfg: ModelConfig, rope: "Rope", x: Array, cache: PagedKVCache, layer: int,
                  batch: StepBatch) -> Array:
         n, rows = x.shape[0], batch.decode_rows
-        q, k, v = (y if b is None else y + b
-                   for y, b in zip(ops.matmul_many(x, (self.wq, self.wk, self.wv), rows), (self.bq, self.bk, self.bv)))
+        q, k, v = ops.matmul_many(x, (self.wq, self.wk, self.wv), rows)
+        if self.bq is not None:
+            q, k, v = q + self.bq, k + self.bk, v + self.bv
         q = q.reshape(n, cfg.n_heads, cfg.head_dim)
         k = k.reshape(n, cfg.n_kv_heads, cfg.head_dim)
         v = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)

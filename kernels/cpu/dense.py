@@ -25,8 +25,15 @@ def _rmsnorm_rows(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> 
 _RMSNORM = Twin(_rmsnorm_rows)
 
 
+def f32_rows(x: np.ndarray) -> np.ndarray:
+    """x as C-contiguous float32 rows [-1, last axis]: a view when it already is (the decode path)."""
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, np.float32)
+    return x.reshape(-1, x.shape[-1])
+
+
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    x2 = f32_rows(x)
     out = np.empty_like(x2)
     _RMSNORM.pick(x2.size)(x2, w, eps, out)
     return out.reshape(x.shape)
@@ -89,7 +96,7 @@ _SOFTMAX = Twin(_softmax_rows)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
-    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    x2 = f32_rows(x)
     out = np.empty_like(x2)
     _SOFTMAX.pick(x2.size * 8)(x2, out)
     return out.reshape(x.shape)

@@ -223,9 +223,7 @@ def swiglu_matmul(x: np.ndarray, gate: CpuWeight, up: CpuWeight, decode_rows: Ro
 
 def _as_rows(x: np.ndarray, cols: int) -> np.ndarray:
     """x as C-contiguous float32 [n, cols] (a view when it already is one)."""
-    if x.dtype != np.float32 or not x.flags.c_contiguous:
-        x = np.ascontiguousarray(x, np.float32)
-    x2 = x.reshape(1, -1) if x.ndim == 1 else x.reshape(-1, x.shape[-1])
+    x2 = dense.f32_rows(x)
     if x2.shape[1] != cols:
         raise ValueError(f"x has {x2.shape[1]} columns, weight has {cols}")
     return x2
