@@ -12,7 +12,7 @@ within a minute). Native streams are AsyncClients; gateway streams are aiohttp c
 figure is the gateway's cost plus an HTTP client's, not a heavyweight SDK's. The gateway's CPU per
 token is its process's CPU time (/proc) over the gateway rounds divided by the tokens it streamed.
 
-    python benchmarks/gateway.py [--model PATH] [--tokens 256] [--repeats 7]
+    python benchmarks/gateway.py [--model PATH] [--tokens 512] [--repeats 9]
     python benchmarks/gateway.py --stacks     # server CPU per SSE event: aiohttp vs starlette+uvicorn
 
 `--stacks` needs starlette and uvicorn (not dependencies of ember): it is the measurement behind the
@@ -270,8 +270,8 @@ def main() -> None:
         return _serve_stack(sys.argv[2], int(sys.argv[3]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a model file or directory (default: the built-in demo model)")
-    parser.add_argument("--tokens", type=int, default=256, help="tokens per stream (default 256)")
-    parser.add_argument("--repeats", type=int, default=7, help="rounds of each path per stream count (default 7)")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per stream (default 512)")
+    parser.add_argument("--repeats", type=int, default=9, help="rounds of each path per stream count (default 9)")
     parser.add_argument("--stacks", action="store_true", help="compare the HTTP stacks instead (needs starlette, uvicorn)")
     args = parser.parse_args()
     if args.stacks:
