@@ -108,8 +108,8 @@ def _start(client: AsyncClient, t: Translated, default_max_tokens: int) -> Async
     try:
         if t.messages is not None:
             return client.chat(t.messages, model=t.model, max_tokens=max_tokens, **t.options)
-        assert t.prompt is not None
-        return client.generate(t.prompt, model=t.model, max_tokens=max_tokens, **t.options)
+        return client.generate(t.prompt if t.prompt is not None else "", model=t.model, max_tokens=max_tokens,
+                               **t.options)
     except EmberError as e:  # refused before sending: cannot encode, over the message size
         raise from_ember(e) from None
 
