@@ -7,10 +7,10 @@ benchmarks/.cache). For each file and engine, in a fresh process each (so load t
 that engine's alone): load seconds (ember's kernel cache warm), resident memory growth over the
 load and the runs vs the file's size, decode tok/s of a greedy loop of --tokens tokens after a
 16-token prompt (median of --repeats), and prefill tok/s of a --prompt-token prompt (median of
---repeats). Decode is also given as GB/s of weights read per token, and as a fraction of this
+--repeats); for ember also the aggregate decode tok/s of --batch sequences stepped together. Decode is also given as GB/s of weights read per token, and as a fraction of this
 machine's memory bandwidth, measured here with the same threads. Prints ember/llama.cpp ratios.
 
-    python benchmarks/cpu_decode.py [--tokens 128] [--repeats 3] [--threads N] [--prompt-tokens 512]
+    python benchmarks/cpu_decode.py [--tokens 128] [--repeats 3] [--threads N] [--prompt-tokens 512] [--batch 8]
 """
 from __future__ import annotations
 
@@ -154,8 +154,25 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
         steps.append((time.perf_counter() - t) / n)
     prefill = [_timed(lambda: list(model.generate(long_prompt, max_tokens=1, ignore_eos=True)))
                for _ in range(args.repeats)]
+    batched = statistics.median(batched_decode(model, args.batch, args.tokens) for _ in range(args.repeats))
     return {"load_s": load_s, "rss": rss_bytes() - rss0, "step_s": statistics.median(steps),
-            "prefill_s": statistics.median(prefill)}
+            "prefill_s": statistics.median(prefill), "batch_tok_s": batched}
+
+
+def batched_decode(model, streams: int, tokens: int) -> float:  # type: ignore[no-untyped-def]
+    """Aggregate decode tok/s of `streams` sequences stepped together (every prompt read first)."""
+    from ember.daemon.engine.sequence import Sequence
+
+    engine = model.engine(streams * (16 + tokens + 1), max_running=streams)
+    seqs = [Sequence(list(range(100 + 7 * i, 116 + 7 * i)), tokens + 1) for i in range(streams)]
+    for seq in seqs:
+        engine.add(seq)
+    while any(not seq.generated for seq in seqs):
+        engine.step()
+    done, t = sum(len(s.generated) for s in seqs), time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    return (sum(len(s.generated) for s in seqs) - done) / (time.perf_counter() - t)
 
 
 def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -187,7 +204,8 @@ def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, float]:
 
 def measure(engine: str, path: Path, args: argparse.Namespace) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--worker", engine, str(path), "--tokens", str(args.tokens), "--repeats",
-           str(args.repeats), "--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens)]
+           str(args.repeats), "--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens),
+           "--batch", str(args.batch)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{engine} on {path.name} failed:\n{done.stderr[-2000:]}")
@@ -200,6 +218,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=8, help="sequences of ember's batched decode figure")
     ap.add_argument("--files", nargs="+", default=["demo", "Q8_0", "Q4_K_M"], choices=["demo", "Q8_0", "Q4_K_M"])
     ap.add_argument("--worker", nargs=2, metavar=("ENGINE", "FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -223,7 +242,8 @@ def main() -> None:
                   f"{1 / r['step_s']:12.1f} {gbs:5.1f} {gbs / bandwidth:5.0%} {args.prompt_tokens / r['prefill_s']:13.1f}")
         e, ll = results["ember"], results["llama.cpp"]
         print(f"{label:16} ratio ember/llama.cpp: decode {ll['step_s'] / e['step_s']:.2f}x, "
-              f"prefill {ll['prefill_s'] / e['prefill_s']:.2f}x")
+              f"prefill {ll['prefill_s'] / e['prefill_s']:.2f}x; ember {args.batch} streams batched: "
+              f"{e['batch_tok_s']:.0f} tok/s = {e['batch_tok_s'] * e['step_s']:.2f}x one stream")
 
 
 if __name__ == "__main__":
