@@ -226,20 +226,24 @@ def _k4_levels(builder, header):
 # for Q4_K/Q5_K, the 8 mins (dmin * m_j) that meet the activation's block sums
 # --------------------------------------------------------------------------------------------------
 class _Unit:
-    def __init__(self, chunks, mins=None):
-        self.chunks = chunks  # [(activation block offset in the unit, <32 x i8> quants, kind, <8 x float> scale)]
-        self.mins = mins  # <8 x float> or None
+    """The weight side of one unit: its chunks as (activation block offset, <32 x i8> quants, kind,
+    the 8 lanes of `scales` its 8 int32 lanes take), its float scales (one per scale lane), which
+    activation block each scale lane meets (`blocks`), and for Q4_K/Q5_K the 8 mins (dmin * m_j)."""
+
+    def __init__(self, chunks, scales, blocks, mins=None):
+        self.chunks, self.scales, self.blocks, self.mins = chunks, scales, blocks, mins
 
 
 def _q8_0_blocks(count):
     """`count` Q8_0 blocks (f16 d | int8 q[32], 34 bytes each) from block `first` of the row."""
 
     def weight_side(builder, row, first):
-        chunks = []
+        chunks, scales = [], ir.Constant(ir.VectorType(_F32, count), None)
         for k in range(count):
             blk = _at(builder, row, builder.mul(builder.add(first, ir.Constant(_I64, k)), ir.Constant(_I64, 34)))
-            chunks.append((k, _load_i8x32(builder, _at(builder, blk, 2)), SIGNED, _splat(builder, _load_f16(builder, blk), 8)))
-        return _Unit(chunks)
+            chunks.append((k, _load_i8x32(builder, _at(builder, blk, 2)), SIGNED, [k] * 8))
+            scales = builder.insert_element(scales, _load_f16(builder, blk), ir.Constant(_I32, k))
+        return _Unit(chunks, scales, list(range(count)))
 
     return weight_side
 
@@ -265,8 +269,8 @@ def _k4(size, nibbles_at, fifth_bit):
                 if fifth_bit:
                     bit = builder.and_(builder.lshr(qh, _splat_i8(j)), _splat_i8(1))
                     q = builder.or_(q, builder.shl(bit, _splat_i8(4)))
-                chunks.append((j, q, UNSIGNED, _pick(builder, scales, [j] * 8)))
-        return _Unit(chunks, mins)
+                chunks.append((j, q, UNSIGNED, [j] * 8))
+        return _Unit(chunks, scales, list(range(8)), mins)
 
     return weight_side
 
@@ -288,8 +292,8 @@ def _q6_k(builder, row, first):
             top = builder.and_(builder.lshr(high, _splat_i8(2 * k)), _splat_i8(3))
             q = builder.or_(low, builder.shl(top, _splat_i8(4)))
             # 8 lanes = 32 values in fours: lanes 0-3 are values 0-15 (scale 2k), 4-7 values 16-31
-            chunks.append((4 * h + k, q, OFFSET32, _pick(builder, sc, [8 * h + 2 * k] * 4 + [8 * h + 2 * k + 1] * 4)))
-    return _Unit(chunks)
+            chunks.append((4 * h + k, q, OFFSET32, [8 * h + 2 * k] * 4 + [8 * h + 2 * k + 1] * 4))
+    return _Unit(chunks, sc, [s // 2 for s in range(16)])  # scale s = 8h + 2k + e belongs to block 4h + k
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,24 +321,33 @@ def _emit_units(builder, weight_side, rows, tokens, accs, mins, first):
 
     Every (row, token) pair sees the same operations in the same order whatever the tile's shape
     (strict IEEE adds and multiplies: no reassociation, no contraction), so a token's result does
-    not depend on how many other tokens share its step."""
+    not depend on how many other tokens share its step. Per (row, token) the unit's weight scales
+    meet the activation's block scales in one vector multiply; each chunk then takes its lanes."""
     xchunks = {}
     for r, row in enumerate(rows):
         unit = weight_side(builder, row, first)
         for t in range(len(tokens.q)):
+            scales = builder.fmul(unit.scales, _activation_scales(builder, tokens.d[t], first, unit.blocks))
             terms = []
-            for k, wq, kind, wscale in unit.chunks:
-                b = builder.add(first, ir.Constant(_I64, k))
+            for k, wq, kind, lanes in unit.chunks:
                 if (t, k) not in xchunks:  # an activation chunk is loaded once per unit for all rows
-                    xq = _load_i8x32(builder, builder.gep(tokens.q[t], [builder.mul(b, ir.Constant(_I64, QK))], inbounds=True))
-                    xd = builder.load(builder.gep(tokens.d[t], [b], inbounds=True))
-                    xchunks[t, k] = xq, _splat(builder, xd, 8)
-                xq, xd = xchunks[t, k]
-                terms.append(builder.fmul(builder.sitofp(_chunk_dot(builder, wq, kind, xq), _V8F), builder.fmul(wscale, xd)))
+                    b = builder.add(first, ir.Constant(_I64, k))
+                    xchunks[t, k] = _load_i8x32(builder, builder.gep(tokens.q[t], [builder.mul(b, ir.Constant(_I64, QK))],
+                                                                     inbounds=True))
+                lanes_dot = builder.sitofp(_chunk_dot(builder, wq, kind, xchunks[t, k]), _V8F)
+                terms.append(builder.fmul(lanes_dot, _pick(builder, scales, lanes)))
             builder.store(builder.fadd(builder.load(accs[r][t]), _tree_sum(builder, terms)), accs[r][t])
             if unit.mins is not None:
                 xs = _load_f32x8(builder, builder.gep(tokens.s[t], [first], inbounds=True))
                 builder.store(builder.fadd(builder.load(mins[r][t]), builder.fmul(unit.mins, xs)), mins[r][t])
+
+
+def _activation_scales(builder, xd, first, blocks):
+    """<len(blocks) x float>: lane i is xd[first + blocks[i]] (the unit's blocks are consecutive)."""
+    span = max(blocks) + 1
+    vector = ir.VectorType(_F32, span)
+    loaded = builder.load(builder.bitcast(builder.gep(xd, [first], inbounds=True), vector.as_pointer()), align=4)
+    return loaded if blocks == list(range(span)) else _pick(builder, loaded, blocks)
 
 
 def _tile(name, weight_side, blocks_per_unit, R, T, tail=None):
