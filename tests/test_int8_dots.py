@@ -3,6 +3,11 @@ kernels/convert.py's q8_0 (ggml's quantize_row_q8_0_ref), and each weight type's
 against dequantize(W) @ x_hat in float64 (x_hat: x after the q8_0 round trip)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from numba import njit
@@ -101,3 +106,44 @@ def test_q8_0_rows_of_any_block_count(blocks: int) -> None:
     data = data.view(np.uint8).reshape(3, -1)
     out, x_hat = row_dots(TensorType.Q8_0, data, rng.standard_normal(cols).astype(np.float32))
     np.testing.assert_allclose(out, dequantize(TensorType.Q8_0, data, cols) @ x_hat, rtol=1e-5, atol=1e-5)
+
+
+_PRODUCTS = """
+import sys
+import numpy as np
+from ember.kernels.cpu import int8_dots
+from ember.kernels.cpu.quant_matmul import matmul, pack
+from ember.kernels.raw_tensor import RawTensor
+from ember.kernels.reference.quant import quantize
+from ember.kernels.tensor_types import TensorType
+assert (int8_dots._VNNI, int8_dots._AVX2) == {flags}, (int8_dots._VNNI, int8_dots._AVX2)
+rng = np.random.default_rng(0)
+x = rng.standard_normal((5, 512)).astype(np.float32)
+out = []
+for t in (TensorType.Q8_0, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K):
+    w = rng.standard_normal((37, 512)).astype(np.float32)
+    w[0, :32] = -127 * np.abs(w).max() / 127  # a block whose quants reach -127 (the sign trick's edge)
+    out.append(matmul(x, pack(RawTensor("w", t, (37, 512), quantize(t, w))), True))
+sys.stdout.buffer.write(np.stack(out).tobytes())
+"""
+
+
+@pytest.mark.parametrize("path", ["avx2", "portable"])
+def test_every_instruction_path_gives_the_same_bits(path: str, tmp_path: Path) -> None:
+    """The CPU picks vpdpbusd, vpmaddubsw + vpmaddwd or portable IR; each must give bit-identical
+    products (the integers are exact and the float operations the same), which is how the paths
+    this machine does not take by default are tested on it."""
+    from ember.kernels.cpu.int8_dots import _AVX2, _VNNI
+
+    if path == "avx2" and not _AVX2:
+        pytest.skip("no AVX2 on this CPU")
+
+    def products(env_path: str, flags: tuple[bool, bool]) -> bytes:
+        env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / (env_path or "default")), "EMBER_INT8_PATH": env_path}
+        done = subprocess.run([sys.executable, "-c", _PRODUCTS.format(flags=flags)], env=env, capture_output=True,
+                              timeout=600, check=False)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        return done.stdout
+
+    default = products("", (_VNNI, _AVX2))
+    assert products(path, (False, path == "avx2")) == default

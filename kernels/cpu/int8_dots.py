@@ -27,6 +27,8 @@ VM; 16384 x 4096 Q8_0 matvec on one core):
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import llvmlite.binding as llvm
 from llvmlite import ir
@@ -143,9 +145,12 @@ SIGNED, UNSIGNED, OFFSET32 = range(3)
 
 _FEATURES = llvm.get_host_cpu_features()
 # x86: u8 x s8 byte products summed in fours by vpdpbusd (AVX-512 VNNI) or vpmaddubsw + vpmaddwd
-# (AVX2), llama.cpp's instructions; elsewhere portable IR (sign-extend, multiply, pair sums).
-_VNNI = bool(_FEATURES.get("avx512vnni", False) and _FEATURES.get("avx512vl", False))
-_AVX2 = bool(_FEATURES.get("avx2", False))
+# (AVX2), llama.cpp's instructions; elsewhere portable IR (sign-extend, multiply, pair sums). Every
+# path gives the same integers. EMBER_INT8_PATH=avx2|portable picks a lesser path on a better CPU,
+# for tests (tests/test_int8_dots.py runs them, with a fresh numba cache: the cache does not know it).
+_PATH = os.environ.get("EMBER_INT8_PATH", "")
+_VNNI = bool(_FEATURES.get("avx512vnni", False) and _FEATURES.get("avx512vl", False)) and not _PATH
+_AVX2 = bool(_FEATURES.get("avx2", False)) and _PATH != "portable"
 
 
 def _call(builder, name, ret, *args):
