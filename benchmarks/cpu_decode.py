@@ -7,10 +7,11 @@ benchmarks/.cache). For each file and engine, in a fresh process each (so load t
 that engine's alone): load seconds (ember's kernel cache warm), resident memory growth over the
 load and the runs vs the file's size, decode tok/s of a greedy loop of --tokens tokens after a
 16-token prompt (median of --repeats), and prefill tok/s of a --prompt-token prompt (median of
---repeats); for ember also the aggregate decode tok/s of --batch sequences stepped together. Decode is also given as GB/s of weights read per token, and as a fraction of this
+--repeats); for ember also the aggregate decode tok/s of --batch sequences stepped together. The two
+engines alternate --rounds times per file and each figure is the median over the rounds. Decode is also given as GB/s of weights read per token, and as a fraction of this
 machine's memory bandwidth, measured here with the same threads. Prints ember/llama.cpp ratios.
 
-    python benchmarks/cpu_decode.py [--tokens 128] [--repeats 3] [--threads N] [--prompt-tokens 512] [--batch 8]
+    python benchmarks/cpu_decode.py [--tokens 128] [--repeats 3] [--rounds 3] [--threads N] [--prompt-tokens 512] [--batch 8]
 """
 from __future__ import annotations
 
@@ -219,6 +220,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8, help="sequences of ember's batched decode figure")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="engines alternated this many times per file, medians reported (this VM drifts 10-20%%)")
     ap.add_argument("--files", nargs="+", default=["demo", "Q8_0", "Q4_K_M"], choices=["demo", "Q8_0", "Q4_K_M"])
     ap.add_argument("--worker", nargs=2, metavar=("ENGINE", "FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -228,13 +231,16 @@ def main() -> None:
         return
     bandwidth = memory_bandwidth(args.threads)
     print(f"machine: {os.cpu_count()} cpus, threads={args.threads}, measured read bandwidth {bandwidth:.1f} GB/s; "
-          f"decode {args.tokens} tokens after 16, prefill {args.prompt_tokens}, median of {args.repeats}")
+          f"decode {args.tokens} tokens after 16, prefill {args.prompt_tokens}; medians of {args.rounds} alternating "
+          f"rounds of {args.repeats} runs")
     print(f"{'file':16} {'engine':9} {'MB':>6} {'load s':>7} {'RSS/file':>8} {'decode tok/s':>12} {'GB/s':>5} "
           f"{'of bw':>5} {'prefill tok/s':>13}")
     for name in args.files:
         path = demo_file() if name == "demo" else quantized_by_llama_cpp(name, args.threads)
         size, per_token = path.stat().st_size, bytes_per_token(path)
-        results = {engine: measure(engine, path, args) for engine in ("ember", "llama.cpp")}
+        rounds = [{engine: measure(engine, path, args) for engine in ("ember", "llama.cpp")} for _ in range(args.rounds)]
+        results = {engine: {key: statistics.median(r[engine][key] for r in rounds) for key in rounds[0][engine]}
+                   for engine in ("ember", "llama.cpp")}
         label = "demo Q8_0" if name == "demo" else f"100M {name}"
         for engine, r in results.items():
             gbs = per_token / r["step_s"] / 1e9
