@@ -39,6 +39,7 @@ KV_DTYPES = STORAGE_DTYPES  # the KV cache can be kept in any of them
 # "f32" computes them exactly like prompt rows.
 DECODE_ACTIVATIONS = ("q8_0", "f32")
 QK8_0 = 32  # values per q8_0 block
+QK_K_ACT = 256  # values per block of the integer kernels' activations against K-quant weights (q8_K)
 Q8_0_BLOCK_BYTES = 2 + QK8_0  # f16 scale + 32 int8
 
 _BF16_QUIET = np.uint32(0x0040)  # the quiet bit of a bfloat16 NaN's mantissa
@@ -125,18 +126,34 @@ def quantize_q8_0_split(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     x * id is not finite (inf or NaN in the block, or a block so small that 1 / d overflows) is
     stored as 0, which is what C's and numpy's float -> int8 casts give on x86.
     """
+    d, q = _symmetric_blocks(x, QK8_0, "q8_0")
+    return f32_to_f16_bits(d), q
+
+
+def quantize_q8_k_split(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [..., n], n a multiple of 256 -> (scales float32 [..., n/256], quants int8 [..., n]):
+    the activation format ember's integer kernels use against K-quant weights, after ggml's q8_K
+    (one float32 scale per 256 values, so a super-block's sub-block products add up in integers).
+    The rule is q8_0's (d = max|x| / 127, q = roundf(x / d)), kept as a float32 scale; ggml's own
+    q8_K takes its scale from the signed extreme (-127 / max), which ember does not copy."""
+    return _symmetric_blocks(x, QK_K_ACT, "q8_K")
+
+
+def _symmetric_blocks(x: np.ndarray, block: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(d float32 [..., n/block], q int8 [..., n]) with d = max|x| / 127 and q = roundf(x * (1/d)) per
+    block (the rules of the docstring above for undefined inputs)."""
     x = np.ascontiguousarray(x, np.float32)
     lead, n = x.shape[:-1], x.shape[-1]
-    if n % QK8_0:
-        raise ValueError(f"q8_0 rows need a multiple of {QK8_0} values, got {n}")
-    blocks = x.reshape(-1, QK8_0)
+    if n % block:
+        raise ValueError(f"{name} rows need a multiple of {block} values, got {n}")
+    blocks = x.reshape(-1, block)
     # The warnings would only report the hostile inputs the docstring defines an answer for.
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
         inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
         scaled = blocks * inv
         q = np.where(np.isfinite(scaled), _round_half_away(scaled), np.float32(0)).astype(np.int8)
-    return f32_to_f16_bits(d).reshape(lead + (n // QK8_0,)), q.reshape(x.shape)
+    return d.reshape(lead + (n // block,)), q.reshape(x.shape)
 
 
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from ember.kernels.convert import f16_bits_to_f32, quantize_q8_0_split
+from ember.kernels.convert import f16_bits_to_f32, quantize_q8_0_split, quantize_q8_k_split
 from ember.kernels.cpu import int8_dots
 from ember.kernels.reference.quant import dequantize, quantize
 from ember.kernels.tensor_types import TensorType
@@ -77,11 +77,31 @@ TYPES = [TensorType.Q8_0, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K]
 
 
 def row_dots(ttype: TensorType, data: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(kernel's row dots with x, x_hat as float64)."""
-    xq, xd, xs = quantized(x)
+    """(kernel's row dots with x, x_hat as float64): q8_0 activations for Q8_0, q8_K for K-quants."""
+    if ttype == TensorType.Q8_0:
+        xq, xd, xs = quantized(x)
+        x_hat = (xq.reshape(-1, 32) * xd[:, None].astype(np.float64)).reshape(-1)
+    else:
+        xq, xd, xs = np.empty(x.size, np.int8), np.empty(x.size // 256, np.float32), np.empty(x.size // 32, np.float32)
+        int8_dots.quantize_activation_k(np.ascontiguousarray(x, np.float32), xq, xd, xs)
+        x_hat = (xq.reshape(-1, 256) * xd[:, None].astype(np.float64)).reshape(-1)
     out = np.empty(data.shape[0], np.float32)
     _dots(TYPES.index(ttype), data, xq[None], xd[None], xs[None], out)
-    return out, (xq.reshape(-1, 32) * xd[:, None].astype(np.float64)).reshape(-1)
+    return out, x_hat
+
+
+def test_k_quant_activations_match_the_reference() -> None:
+    """quantize_activation_k equals convert.quantize_q8_k_split, and its 32-value sums are x_hat's."""
+    x = np.concatenate([np.random.default_rng(2).standard_normal(768), hostile_blocks()[:256]]).astype(np.float32)
+    xq, xd, xs = np.empty(x.size, np.int8), np.empty(x.size // 256, np.float32), np.empty(x.size // 32, np.float32)
+    int8_dots.quantize_activation_k(x, xq, xd, xs)
+    scales, quants = quantize_q8_k_split(x)
+    np.testing.assert_array_equal(xq, quants)
+    np.testing.assert_array_equal(xd, scales)
+    with np.errstate(invalid="ignore"):  # inf * 0 in the block holding an inf, excluded below
+        expected = (np.repeat(scales, 8) * quants.reshape(-1, 32).astype(np.int64).sum(axis=1)).astype(np.float32)
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(xs[finite], expected[finite])
 
 
 @pytest.mark.parametrize("ttype", TYPES, ids=lambda t: t.name)

@@ -2,8 +2,8 @@
 
 The reference product is quant_reference.dequantize(...) @ x in float64, where x is the activation the
 kernel is defined to multiply: for the decode rows of a quantized weight that is x_hat, x after the
-q8_0 round trip of kernels/convert.py (llama.cpp's numerics; the integer kernels are in
-kernels/cpu/int8_dots.py), for every other row x itself. The kernels accumulate in
+round trip of kernels/convert.py's q8_0 (Q8_0 weights) or q8_K (K-quants) (llama.cpp's numerics; the
+integer kernels are in kernels/cpu/int8_dots.py), for every other row x itself. The kernels accumulate in
 float32 (lane partial sums, trees, FMAs), so each output may differ by float32 rounding of its terms:
 a few eps32 times sum_i |w_i x_i| for the row. The tolerance below is 2e-5 times that sum (about 170
 eps32, a loose bound for sums of <= 1024 terms); a wrong scale, nibble or bit shows up as O(1).
@@ -18,7 +18,7 @@ import pytest
 
 from ember.kernels.cpu import quant_matmul as qm
 from ember.kernels.cpu import twin
-from ember.kernels.convert import dequantize_q8_0, quantize_q8_0
+from ember.kernels.convert import dequantize_q8_0, quantize_q8_0, quantize_q8_k_split
 from ember.kernels.cpu.quant_matmul import CpuWeight, embedding, matmul, pack
 from ember.kernels.reference.quant import dequantize, quantize
 from ember.kernels.raw_tensor import RawTensor
@@ -42,9 +42,17 @@ def multiplied(x: np.ndarray, ttype: TensorType, decode_rows: np.ndarray | None)
     """The activation matmul multiplies by a weight of type ttype, as float64."""
     x64 = x.astype(np.float64)
     if ttype in qm.INT8_TYPES and decode_rows is not None:
-        x_hat = dequantize_q8_0(quantize_q8_0(x), x.shape[-1]).astype(np.float64)
-        x64[decode_rows] = x_hat[decode_rows]
+        x64[decode_rows] = x_hat(x, ttype)[decode_rows]
     return x64
+
+
+def x_hat(x: np.ndarray, ttype: TensorType) -> np.ndarray:
+    """x after the round trip the integer kernels put it through: q8_0 against Q8_0 weights, one
+    scale per 256 values (q8_K) against K-quants."""
+    if ttype == TensorType.Q8_0:
+        return dequantize_q8_0(quantize_q8_0(x), x.shape[-1]).astype(np.float64)
+    scales, quants = quantize_q8_k_split(x)
+    return (quants.reshape(*x.shape[:-1], -1, 256) * scales[..., None].astype(np.float64)).reshape(x.shape)
 
 
 def assert_product_close(y: np.ndarray, x: np.ndarray, w64: np.ndarray, ttype: TensorType,

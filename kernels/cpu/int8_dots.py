@@ -38,7 +38,8 @@ from numba.extending import intrinsic
 
 __all__ = ["quantize_activation", "TILE_ROWS", "TILE_TOKENS", "Q8_0_TILES", "Q4_K_TILES", "Q5_K_TILES", "Q6_K_TILES"]
 
-QK = 32  # values per activation block (ggml's QK8_0)
+QK = 32  # values per q8_0 activation block (ggml's QK8_0), and per sub-block sum
+QK_K = 256  # values per activation block against K-quant weights (one super-block)
 
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V32I8 = ir.VectorType(_I8, 32)
@@ -72,26 +73,37 @@ def _round_half_away(v):
 
 @njit(cache=True, nogil=True)  # no fast-math: bit-exact with kernels/convert.py
 def quantize_activation(x, xq, xd, xs):
-    """x float32 [n] (n a multiple of 32) -> xq int8 [n], xd float32 [n/32] (the f16 scales' values)
-    and xs float32 [n/32] (xd * the sum of each block's quants: the block sums of x_hat).
+    """x float32 [n] (n a multiple of 32) -> ggml's q8_0: xq int8 [n], xd float32 [n/32] (the f16
+    scales' values) and xs float32 [n/32] (xd * the sum of each block's quants: the block sums of
+    x_hat). Block b: d = max|x| / 127, q = roundf(x / d) with 1/d computed before d is rounded to
+    f16, as ggml does; a value whose x * (1/d) is not finite is stored as 0 (kernels/convert.py)."""
+    _quantize_blocks(x, xq, xd, xs, QK, True)
 
-    Block b: d = max|x| / 127, q = roundf(x / d) with 1/d computed before d is rounded to f16, as
-    ggml does; a value whose x * (1/d) is not finite is stored as 0 (kernels/convert.py's rule).
-    """
-    for b in range(x.shape[0] // QK):
+
+@njit(cache=True, nogil=True)
+def quantize_activation_k(x, xq, xd, xs):
+    """The activations of K-quant weights (convert.quantize_q8_k_split): one float32 scale per 256
+    values in xd [n/256]; xs [n/32] as above (per 32 values, the sub-blocks' mins need them)."""
+    _quantize_blocks(x, xq, xd, xs, QK_K, False)
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _quantize_blocks(x, xq, xd, xs, block, f16_scale):
+    for b in range(x.shape[0] // block):
         amax = np.float32(0)
-        for j in range(QK):
-            amax = max(amax, abs(x[QK * b + j]))
+        for j in range(block):
+            amax = max(amax, abs(x[block * b + j]))
         d = amax / np.float32(127)
         inv = np.float32(0) if d == 0 else np.float32(1) / d
-        total = 0
-        for j in range(QK):
-            v = x[QK * b + j] * inv
-            q = int(_round_half_away(v)) if np.isfinite(v) else 0
-            xq[QK * b + j] = q
-            total += q
-        xd[b] = _round_f16(d)
-        xs[b] = xd[b] * np.float32(total)
+        xd[b] = _round_f16(d) if f16_scale else d
+        for s in range(block // QK):
+            total = 0
+            for j in range(block * b + QK * s, block * b + QK * s + QK):
+                v = x[j] * inv
+                q = int(_round_half_away(v)) if np.isfinite(v) else 0
+                xq[j] = q
+                total += q
+            xs[b * (block // QK) + s] = xd[b] * np.float32(total)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,7 +220,7 @@ def _hsum(builder, v):
 
 def _k4_levels(builder, header):
     """The 16 6-bit levels (sc_0..7, m_0..7) of a Q4_K/Q5_K super-block whose 12 `scales` bytes
-    start at `header`, as <16 x float> (ggml's get_scale_min_k4, all at once with its mask trick)."""
+    start at `header`, as <16 x i8> (ggml's get_scale_min_k4, all at once with its mask trick)."""
     a, b, c = (builder.load(builder.bitcast(_at(builder, header, 4 * k), _I32.as_pointer()), align=1)
                for k in range(3))
     low6, low4, low2 = (ir.Constant(_I32, m) for m in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
@@ -223,7 +235,7 @@ def _k4_levels(builder, header):
     vec = ir.Constant(ir.VectorType(_I32, 4), None)
     for k, word in enumerate(words):
         vec = builder.insert_element(vec, word, ir.Constant(_I32, k))
-    return builder.uitofp(builder.bitcast(vec, ir.VectorType(_I8, 16)), ir.VectorType(_F32, 16))
+    return builder.bitcast(vec, ir.VectorType(_I8, 16))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,12 +243,22 @@ def _k4_levels(builder, header):
 # for Q4_K/Q5_K, the 8 mins (dmin * m_j) that meet the activation's block sums
 # --------------------------------------------------------------------------------------------------
 class _Unit:
-    """The weight side of one unit: its chunks as (activation block offset, <32 x i8> quants, kind,
-    the 8 lanes of `scales` its 8 int32 lanes take), its float scales (one per scale lane), which
-    activation block each scale lane meets (`blocks`), and for Q4_K/Q5_K the 8 mins (dmin * m_j)."""
+    """The weight side of a Q8_0 unit: its chunks as (activation block offset, <32 x i8> quants, kind,
+    the 8 lanes of `scales` its 8 int32 lanes take), and its float scales, one per block."""
 
-    def __init__(self, chunks, scales, blocks, mins=None):
-        self.chunks, self.scales, self.blocks, self.mins = chunks, scales, blocks, mins
+    def __init__(self, chunks, scales):
+        self.chunks, self.scales = chunks, scales
+
+
+class _KUnit:
+    """The weight side of a K-quant super-block: its chunks as (activation block offset, <32 x i8>
+    quants, kind, <8 x i32> integer sub-block scales of its lanes), the super-block's float scale d,
+    and for Q4_K/Q5_K the 8 mins (dmin * m_j) that meet the activation's 32-value sums. The chunks'
+    products times their integer scales add up exactly in int32 (the activation has one scale per
+    256 values, convert.quantize_q8_k_split), and become float once per super-block."""
+
+    def __init__(self, chunks, d, mins=None):
+        self.chunks, self.d, self.mins = chunks, d, mins
 
 
 def _q8_0_blocks(count):
@@ -248,7 +270,7 @@ def _q8_0_blocks(count):
             blk = _at(builder, row, builder.mul(builder.add(first, ir.Constant(_I64, k)), ir.Constant(_I64, 34)))
             chunks.append((k, _load_i8x32(builder, _at(builder, blk, 2)), SIGNED, [k] * 8))
             scales = builder.insert_element(scales, _load_f16(builder, blk), ir.Constant(_I32, k))
-        return _Unit(chunks, scales, list(range(count)))
+        return _Unit(chunks, scales)
 
     return weight_side
 
@@ -261,9 +283,9 @@ def _k4(size, nibbles_at, fifth_bit):
     def weight_side(builder, row, first):
         sb = _at(builder, row, builder.mul(builder.udiv(first, ir.Constant(_I64, 8)), ir.Constant(_I64, size)))
         levels = _k4_levels(builder, _at(builder, sb, 4))
-        d, dmin = _load_f16(builder, sb), _load_f16(builder, _at(builder, sb, 2))
-        scales = builder.fmul(_pick(builder, levels, range(8)), _splat(builder, d, 8))
-        mins = builder.fmul(_pick(builder, levels, range(8, 16)), _splat(builder, dmin, 8))
+        sc = builder.zext(levels, ir.VectorType(_I32, 16))
+        dmin = _splat(builder, _load_f16(builder, _at(builder, sb, 2)), 8)
+        mins = builder.fmul(_pick(builder, builder.uitofp(levels, ir.VectorType(_F32, 16)), range(8, 16)), dmin)
         qh = _load_i8x32(builder, _at(builder, sb, 16)) if fifth_bit else None
         chunks = []
         for g in range(4):
@@ -274,8 +296,8 @@ def _k4(size, nibbles_at, fifth_bit):
                 if fifth_bit:
                     bit = builder.and_(builder.lshr(qh, _splat_i8(j)), _splat_i8(1))
                     q = builder.or_(q, builder.shl(bit, _splat_i8(4)))
-                chunks.append((j, q, UNSIGNED, [j] * 8))
-        return _Unit(chunks, scales, list(range(8)), mins)
+                chunks.append((j, q, UNSIGNED, _pick(builder, sc, [j] * 8)))
+        return _KUnit(chunks, _load_f16(builder, sb), mins)
 
     return weight_side
 
@@ -286,7 +308,7 @@ def _q6_k(builder, row, first):
     scale scales[8h + l//16 + 2k] and is q - 32."""
     sb = _at(builder, row, builder.mul(builder.udiv(first, ir.Constant(_I64, 8)), ir.Constant(_I64, 210)))
     raw = builder.load(builder.bitcast(_at(builder, sb, 192), ir.VectorType(_I8, 16).as_pointer()), align=1)
-    sc = builder.fmul(builder.sitofp(raw, ir.VectorType(_F32, 16)), _splat(builder, _load_f16(builder, _at(builder, sb, 208)), 16))
+    sc = builder.sext(raw, ir.VectorType(_I32, 16))
     chunks = []
     for h in range(2):
         lows = (_load_i8x32(builder, _at(builder, sb, 64 * h)), _load_i8x32(builder, _at(builder, sb, 64 * h + 32)))
@@ -297,8 +319,8 @@ def _q6_k(builder, row, first):
             top = builder.and_(builder.lshr(high, _splat_i8(2 * k)), _splat_i8(3))
             q = builder.or_(low, builder.shl(top, _splat_i8(4)))
             # 8 lanes = 32 values in fours: lanes 0-3 are values 0-15 (scale 2k), 4-7 values 16-31
-            chunks.append((4 * h + k, q, OFFSET32, [8 * h + 2 * k] * 4 + [8 * h + 2 * k + 1] * 4))
-    return _Unit(chunks, sc, [s // 2 for s in range(16)])  # scale s = 8h + 2k + e belongs to block 4h + k
+            chunks.append((4 * h + k, q, OFFSET32, _pick(builder, sc, [8 * h + 2 * k] * 4 + [8 * h + 2 * k + 1] * 4)))
+    return _KUnit(chunks, _load_f16(builder, _at(builder, sb, 208)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -312,7 +334,7 @@ class _Tokens:
         t0 = _i64(builder, args[5])
         self.q, self.d, self.s = [[self._row(builder, a, builder.add(t0, ir.Constant(_I64, j)), ty)
                                    for j in range(count)] for a, ty in zip(arrays, (_I8, _F32, _F32))]
-        self.blocks = builder.extract_value(arrays[1].shape, 1)
+        self.blocks = builder.udiv(builder.extract_value(arrays[0].shape, 1), ir.Constant(_I64, QK))  # 32-value blocks
 
     @staticmethod
     def _row(builder, array, t, elem):
@@ -326,33 +348,47 @@ def _emit_units(builder, weight_side, rows, tokens, accs, mins, first):
 
     Every (row, token) pair sees the same operations in the same order whatever the tile's shape
     (strict IEEE adds and multiplies: no reassociation, no contraction), so a token's result does
-    not depend on how many other tokens share its step. Per (row, token) the unit's weight scales
-    meet the activation's block scales in one vector multiply; each chunk then takes its lanes."""
+    not depend on how many other tokens share its step."""
     xchunks = {}
     for r, row in enumerate(rows):
         unit = weight_side(builder, row, first)
         for t in range(len(tokens.q)):
-            scales = builder.fmul(unit.scales, _activation_scales(builder, tokens.d[t], first, unit.blocks))
-            terms = []
-            for k, wq, kind, lanes in unit.chunks:
+            xqs = []
+            for k, *_ in unit.chunks:
                 if (t, k) not in xchunks:  # an activation chunk is loaded once per unit for all rows
                     b = builder.add(first, ir.Constant(_I64, k))
                     xchunks[t, k] = _load_i8x32(builder, builder.gep(tokens.q[t], [builder.mul(b, ir.Constant(_I64, QK))],
                                                                      inbounds=True))
-                lanes_dot = builder.sitofp(_chunk_dot(builder, wq, kind, xchunks[t, k]), _V8F)
-                terms.append(builder.fmul(lanes_dot, _pick(builder, scales, lanes)))
-            builder.store(builder.fadd(builder.load(accs[r][t]), _tree_sum(builder, terms)), accs[r][t])
-            if unit.mins is not None:
+                xqs.append(xchunks[t, k])
+            if isinstance(unit, _KUnit):
+                value = _k_unit_value(builder, unit, xqs, tokens.d[t], first)
+            else:  # Q8_0: one float scale per 32-value block of both weight and activation
+                scales = builder.fmul(unit.scales, _activation_scales(builder, tokens.d[t], first, len(unit.chunks)))
+                value = _tree_sum(builder, [builder.fmul(builder.sitofp(_chunk_dot(builder, wq, kind, xq), _V8F),
+                                                         _pick(builder, scales, lanes))
+                                            for (k, wq, kind, lanes), xq in zip(unit.chunks, xqs)])
+            builder.store(builder.fadd(builder.load(accs[r][t]), value), accs[r][t])
+            if getattr(unit, "mins", None) is not None:
                 xs = _load_f32x8(builder, builder.gep(tokens.s[t], [first], inbounds=True))
                 builder.store(builder.fadd(builder.load(mins[r][t]), builder.fmul(unit.mins, xs)), mins[r][t])
 
 
-def _activation_scales(builder, xd, first, blocks):
-    """<len(blocks) x float>: lane i is xd[first + blocks[i]] (the unit's blocks are consecutive)."""
-    span = max(blocks) + 1
-    vector = ir.VectorType(_F32, span)
-    loaded = builder.load(builder.bitcast(builder.gep(xd, [first], inbounds=True), vector.as_pointer()), align=4)
-    return loaded if blocks == list(range(span)) else _pick(builder, loaded, blocks)
+def _k_unit_value(builder, unit, xqs, xd, first):
+    """<8 x float> of a K-quant super-block against its 256-value activation block: the chunks'
+    integer products times their integer scales summed in int32, then times d * the activation's
+    scale (xd holds one per super-block)."""
+    total = None
+    for (k, wq, kind, iscale), xq in zip(unit.chunks, xqs):
+        part = builder.mul(_chunk_dot(builder, wq, kind, xq), iscale)
+        total = part if total is None else builder.add(total, part)
+    x_scale = builder.load(builder.gep(xd, [builder.udiv(first, ir.Constant(_I64, 8))], inbounds=True))
+    return builder.fmul(builder.sitofp(total, _V8F), _splat(builder, builder.fmul(unit.d, x_scale), 8))
+
+
+def _activation_scales(builder, xd, first, count):
+    """<count x float>: xd[first .. first + count - 1], the scales of a Q8_0 unit's blocks."""
+    vector = ir.VectorType(_F32, count)
+    return builder.load(builder.bitcast(builder.gep(xd, [first], inbounds=True), vector.as_pointer()), align=4)
 
 
 def _tile(name, weight_side, blocks_per_unit, R, T, tail=None):

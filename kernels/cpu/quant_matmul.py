@@ -42,8 +42,8 @@ from numba.extending import intrinsic
 
 from ember.kernels.cpu import dense
 from ember.kernels.cpu.twin import Twin
-from ember.kernels.cpu.int8_dots import (Q4_K_TILES, Q5_K_TILES, Q6_K_TILES, Q8_0_TILES, QK, TILE_SHAPES, TILE_TOKENS,
-                                        quantize_activation)
+from ember.kernels.cpu.int8_dots import (Q4_K_TILES, Q5_K_TILES, Q6_K_TILES, Q8_0_TILES, QK, QK_K, TILE_SHAPES,
+                                        TILE_TOKENS, quantize_activation, quantize_activation_k)
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType, row_bytes
 
@@ -426,18 +426,24 @@ def _row_times_tokens(tt, u8, r, xq, xd, xs, out):
 
 
 @njit(inline="always", **_STRICT)
-def _quantized_tokens(n, cols):
-    return np.empty((n, cols), np.int8), np.empty((n, cols // QK), np.float32), np.empty((n, cols // QK), np.float32)
+def _quantized_tokens(n, cols, k_quants):
+    """Room for n tokens' activations: q8_0 (scales per 32 values) or, for K-quant weights, q8_K
+    (scales per 256); the 32-value sums of x_hat either way."""
+    per = QK_K if k_quants else QK
+    return np.empty((n, cols), np.int8), np.empty((n, cols // per), np.float32), np.empty((n, cols // QK), np.float32)
 
 
 def _matmul_int8(tt, u8, x, out):
     """out[t, r] = row r . x_hat[t] for quantized weights: each token row quantized once (int8_dots),
     each weight row read once per call for all tokens."""
     n, cols = x.shape
-    rows = out.shape[1]
-    xq, xd, xs = _quantized_tokens(n, cols)
+    rows, k_quants = out.shape[1], tt != _Q8_0
+    xq, xd, xs = _quantized_tokens(n, cols, k_quants)
     for t in prange(n):
-        quantize_activation(x[t], xq[t], xd[t], xs[t])
+        if k_quants:
+            quantize_activation_k(x[t], xq[t], xd[t], xs[t])
+        else:
+            quantize_activation(x[t], xq[t], xd[t], xs[t])
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
         for r in range(c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS)):
             _row_times_tokens(tt, u8, r, xq, xd, xs, out)
@@ -445,11 +451,17 @@ def _matmul_int8(tt, u8, x, out):
 
 def _matmul_int8_many(tts, ws, x, outs):
     """_matmul_int8 of one x by several weights (a layer's q, k and v) in one parallel region: x is
-    quantized once and the threads share out all the weights' row groups together."""
+    quantized once per activation format its weights need, and the threads share out all the
+    weights' row groups together."""
     n, cols = x.shape
-    xq, xd, xs = _quantized_tokens(n, cols)
+    xq, xd, xs = _quantized_tokens(n, cols, False)
+    kq, kd, ks = _quantized_tokens(n, cols, True)
+    q8_0, k_quants = (tts == _Q8_0).any(), (tts != _Q8_0).any()
     for t in prange(n):
-        quantize_activation(x[t], xq[t], xd[t], xs[t])
+        if q8_0:
+            quantize_activation(x[t], xq[t], xd[t], xs[t])
+        if k_quants:
+            quantize_activation_k(x[t], kq[t], kd[t], ks[t])
     groups = np.empty(len(ws) + 1, np.int64)
     groups[0] = 0
     for k in range(len(ws)):
@@ -458,10 +470,13 @@ def _matmul_int8_many(tts, ws, x, outs):
         k = 0
         while c >= groups[k + 1]:
             k += 1
-        u8, out = ws[k], outs[k]
+        u8, out, tt = ws[k], outs[k], tts[k]
         first = (c - groups[k]) * _MATVEC_ROWS
         for r in range(first, min(u8.shape[0], first + _MATVEC_ROWS)):
-            _row_times_tokens(tts[k], u8, r, xq, xd, xs, out)
+            if tt == _Q8_0:
+                _row_times_tokens(tt, u8, r, xq, xd, xs, out)
+            else:
+                _row_times_tokens(tt, u8, r, kq, kd, ks, out)
 
 
 def _swiglu_int8(tt_gate, gate, tt_up, up, x, out):
@@ -469,18 +484,29 @@ def _swiglu_int8(tt_gate, gate, tt_up, up, x, out):
     each row group (one parallel region instead of three kernels)."""
     n, cols = x.shape
     rows = out.shape[1]
-    xq, xd, xs = _quantized_tokens(n, cols)
+    xq, xd, xs = _quantized_tokens(n, cols, False)
+    kq, kd, ks = _quantized_tokens(n, cols, True)
+    q8_0, k_quants = tt_gate == _Q8_0 or tt_up == _Q8_0, tt_gate != _Q8_0 or tt_up != _Q8_0
     for t in prange(n):
-        quantize_activation(x[t], xq[t], xd[t], xs[t])
+        if q8_0:
+            quantize_activation(x[t], xq[t], xd[t], xs[t])
+        if k_quants:
+            quantize_activation_k(x[t], kq[t], kd[t], ks[t])
     g = np.empty((n, rows), np.float32)
     u = np.empty((n, rows), np.float32)
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
         end = min(rows, (c + 1) * _MATVEC_ROWS)
         # the group's gate rows, then its up rows: one contiguous stream at a time for the prefetcher
         for r in range(c * _MATVEC_ROWS, end):
-            _row_times_tokens(tt_gate, gate, r, xq, xd, xs, g)
+            if tt_gate == _Q8_0:
+                _row_times_tokens(tt_gate, gate, r, xq, xd, xs, g)
+            else:
+                _row_times_tokens(tt_gate, gate, r, kq, kd, ks, g)
         for r in range(c * _MATVEC_ROWS, end):
-            _row_times_tokens(tt_up, up, r, xq, xd, xs, u)
+            if tt_up == _Q8_0:
+                _row_times_tokens(tt_up, up, r, xq, xd, xs, u)
+            else:
+                _row_times_tokens(tt_up, up, r, kq, kd, ks, u)
         for t in range(n):
             for r in range(c * _MATVEC_ROWS, end):
                 out[t, r] = g[t, r] / (np.float32(1) + np.exp(-g[t, r])) * u[t, r]

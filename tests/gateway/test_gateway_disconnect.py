@@ -17,7 +17,7 @@ from gateway_thread import GatewayThread
 LONG = {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
 
-def wait_for(what: str, check: Any, timeout: float = 5.0) -> float:
+def wait_for(what: str, check: Any, timeout: float = 15.0) -> float:
     """Seconds until check() is true (fails the test after `timeout`)."""
     t0 = time.monotonic()
     while not check():
