@@ -1,28 +1,31 @@
 """Integer dot products of quantized weight rows with int8-quantized activations: the decode kernels.
 
-This module owns the activation quantizer and the tiles (one weight row x 1 or TILE_TOKENS tokens)
+This module owns the activation quantizers and the tiles (one weight row x 1 or TILE_TOKENS tokens)
 that quant_matmul.py's decode-row kernels are made of, for Q8_0, Q4_K, Q5_K and Q6_K weights. It is
-llama.cpp's approach: x is quantized once per matmul into ggml's q8_0 blocks (32 int8 values and one
-f16 scale, bit for bit as kernels/convert.py quantizes), and every 32 weight quants meet 32
-activation quants in integer arithmetic, instead of each weight being widened to float32.
+llama.cpp's approach: x is quantized once per matmul, into ggml's q8_0 against Q8_0 weights (32 int8
+values and one f16 scale, bit for bit as kernels/convert.py quantizes) and into 256-value blocks with
+one float32 scale against K-quants (convert.quantize_q8_k_split, after ggml's q8_K), and every 32
+weight quants meet 32 activation quants in integer arithmetic instead of being widened to float32.
 
 Why the kernels are LLVM IR (numba intrinsics) and look the way they do (measured on the 2-core Zen 4
-VM; 16384 x 4096 Q8_0 matvec on one core):
+VM):
 - numba widens small-int arithmetic to int64 and has no vector types; in IR a 32-value chunk is one
   <32 x i8> load per operand and its 32 products are summed by fours into 8 exact int32 lanes:
   vpdpbusd with AVX-512 VNNI, vpmaddubsw + vpmaddwd with AVX2 (llama.cpp's instructions; signed
   Q8_0 weights go through vpsignb, Q6_K's offset of 32 is taken off as 32 * the activation sums),
-  portable IR elsewhere. The lanes are converted to float once per chunk and scaled; the row's
-  horizontal sum happens once, at the end.
-- A tile is one weight row: two rows interleaved in one loop halved a DRAM-bound matvec (19 -> 9 GB/s),
-  the hardware prefetcher following one stream per row best. Four tokens per tile reuse each
-  unpacked weight chunk four times (batched decode).
+  portable IR elsewhere. Every path gives the same integers (a test runs each).
+- Q8_0: each chunk's lanes become float once and meet (weight scale x activation scale). K-quants: the
+  activation has one scale per super-block, so the eight chunks' lanes times their integer sub-block
+  scales add up in int32 and become float once per super-block (1.33x faster than a float per
+  chunk on Q4_K). Q4_K/Q5_K mins meet the 32-value sums of x_hat (llama.cpp's bsums). The result is
+  dequantize(W) @ x_hat to float32 rounding, x_hat being x after its round trip.
+- A tile is one weight row: two rows interleaved in one loop halved a DRAM-bound matvec (19 -> 9 GB/s
+  on one core), the hardware prefetcher following one stream per row best. Four tokens per tile
+  reuse each unpacked weight chunk four times (batched decode).
 - Float operations are emitted in a fixed order without fast-math flags, and the drivers are compiled
   without fast-math: with it LLVM reassociated each tile shape its own way, and a token's result
   depended on how many tokens shared its step. Now every (row, token) result is bit-identical
   whatever the batch, the tile shape or the serial/parallel variant.
-- Q4_K/Q5_K mins meet the per-block sums of x_hat (llama.cpp's bsums): the result is dequantize(W) @
-  x_hat to float32 rounding, x_hat being x after the q8_0 round trip. All integers stay exact.
 - Loads are unaligned (align 1): GGUF rows are only 2-byte aligned for Q8_0 (34-byte blocks).
 """
 from __future__ import annotations
