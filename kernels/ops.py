@@ -68,6 +68,14 @@ class Ops(ABC):
         Hugging Face layout (and qwen2/qwen3 GGUF, which the converter leaves alone).
         """
 
+    def qk_norm_rope(self, q: Array, k: Array, q_norm: Array | None, k_norm: Array | None, eps: float,
+                     positions: np.ndarray, inv_freq: Array, interleaved: bool) -> tuple[Array, Array]:
+        """rmsnorm of each head of q and k [n, heads, hd] by q_norm / k_norm (skipped when None), then
+        rope on both: what attention does to its queries and keys, which a backend may fuse."""
+        if q_norm is not None:
+            q, k = self.rmsnorm(q, q_norm, eps), self.rmsnorm(k, k_norm, eps)
+        return self.rope(q, positions, inv_freq, interleaved), self.rope(k, positions, inv_freq, interleaved)
+
     @abstractmethod
     def kv_store(self, dtype: str, n_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> Any:
         """One layer's K (or V) storage: n_blocks blocks of block_size rows [kv_heads, head_dim],

@@ -47,3 +47,20 @@ def test_swiglu_and_softmax() -> None:
     np.testing.assert_allclose(dense.swiglu(g, u), reference.swiglu(g, u), rtol=1e-5, atol=1e-6)
     x = randn(4, 1000) * 20
     np.testing.assert_allclose(dense.softmax(x), reference.softmax(x), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("normed", [True, False])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_qk_norm_rope_equals_norms_then_rope(normed: bool, interleaved: bool) -> None:
+    """The fused kernel against the numpy reference of its parts: per-head rmsnorm (qwen3's q/k norms,
+    when the model has them), then rope, on q [n, 6, 64] and k [n, 2, 64]."""
+    n, hd = 5, 64
+    q, k = randn(n, 6, hd), randn(n, 2, hd)
+    qn, kn = (randn(hd), randn(hd)) if normed else (None, None)
+    positions = np.array([0, 3, 7, 100, 40000])
+    inv_freq = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+    want_q, want_k = (reference.rmsnorm(q, qn, 1e-6), reference.rmsnorm(k, kn, 1e-6)) if normed else (q, k)
+    want_q, want_k = (reference.rope(x, positions, inv_freq, interleaved) for x in (want_q, want_k))
+    got_q, got_k = dense.qk_norm_rope(q.copy(), k.copy(), qn, kn, 1e-6, positions, inv_freq, interleaved)
+    np.testing.assert_allclose(got_q, want_q, rtol=1e-5, atol=3e-5)
+    np.testing.assert_allclose(got_k, want_k, rtol=1e-5, atol=3e-5)

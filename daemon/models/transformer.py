@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 
 from ember.daemon.runner.kv_cache import PagedKVCache
 from ember.daemon.loader.model_config import ModelConfig
@@ -40,9 +39,8 @@ class Attention:
         q = q.reshape(n, cfg.n_heads, cfg.head_dim)
         k = k.reshape(n, cfg.n_kv_heads, cfg.head_dim)
         v = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            q, k = ops.rmsnorm(q, self.q_norm, cfg.norm_eps), ops.rmsnorm(k, self.k_norm, cfg.norm_eps)
-        q, k = rope(ops, q, batch.positions), rope(ops, k, batch.positions)
+        q, k = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, cfg.norm_eps, batch.positions, rope.inv_freq,
+                                rope.interleaved)
         cache.write(layer, batch.kv_blocks, batch.kv_offsets, k, v)
         out = ops.paged_attention(q, cache.k[layer], cache.v[layer], batch.tables, batch.token_seq, batch.positions,
                                   cfg.head_dim**-0.5)
@@ -62,10 +60,7 @@ class DenseFFN:
 @dataclass
 class Rope:
     inv_freq: Array
-    interleaved: bool
-
-    def __call__(self, ops: Ops, x: Array, positions: np.ndarray) -> Array:
-        return ops.rope(x, positions, self.inv_freq, self.interleaved)
+    interleaved: bool  # adjacent rotary pairs (llama GGUF) rather than halves (see Ops.rope)
 
 
 @dataclass

@@ -53,6 +53,10 @@ class CpuOps(Ops):
     def rope(self, x: Array, positions: np.ndarray, inv_freq: Array, interleaved: bool) -> np.ndarray:
         return dense.rope(x, positions, inv_freq, interleaved)
 
+    def qk_norm_rope(self, q: Array, k: Array, q_norm: Array | None, k_norm: Array | None, eps: float,
+                     positions: np.ndarray, inv_freq: Array, interleaved: bool) -> tuple[np.ndarray, np.ndarray]:
+        return dense.qk_norm_rope(q, k, q_norm, k_norm, eps, positions, inv_freq, interleaved)
+
     def kv_store(self, dtype: str, n_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> KVLayerStore:
         return KVLayerStore.allocate(dtype, n_blocks, block_size, kv_heads, head_dim)
 

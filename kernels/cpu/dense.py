@@ -1,25 +1,31 @@
-"""Numba CPU kernels for the ops API's dense (unquantized) primitives: rmsnorm, rope, SwiGLU and
-softmax. All are nogil so the daemon's I/O loop keeps running while they compute.
+"""Numba CPU kernels for the ops API's dense (unquantized) primitives: rmsnorm, rope, q/k norm with
+rope fused, SwiGLU and softmax. All are nogil so the daemon's I/O loop keeps running while they compute.
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
-from ember.kernels.cpu.twin import Twin
+from ember.kernels.cpu.twin import JIT, Twin
+
+
+@njit(inline="always", **JIT)
+def _norm_row(x, w, eps, out):  # type: ignore[no-untyped-def]
+    """out = x / rms(x) * w for one row (out may be x itself: every value is read before it is written)."""
+    d = x.shape[0]
+    ss = 0.0
+    for j in range(d):
+        ss += x[j] * x[j]
+    inv = 1.0 / math.sqrt(ss / d + eps)
+    for j in range(d):
+        out[j] = x[j] * inv * w[j]
 
 
 def _rmsnorm_rows(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
-    rows, d = x.shape
-    for r in prange(rows):
-        ss = 0.0
-        for j in range(d):
-            ss += x[r, j] * x[r, j]
-        inv = 1.0 / math.sqrt(ss / d + eps)
-        for j in range(d):
-            out[r, j] = x[r, j] * inv * w[j]
+    for r in prange(x.shape[0]):
+        _norm_row(x[r], w, eps, out[r])
 
 
 _RMSNORM = Twin(_rmsnorm_rows)
@@ -39,19 +45,28 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return out.reshape(x.shape)
 
 
+@njit(inline="always", **JIT)
+def _rope_pair(a, b, position, inv_freq, interleaved):  # type: ignore[no-untyped-def]
+    """Rotate every head of one token's a [heads, hd] and b [heads', hd] (q and k) in place."""
+    half = a.shape[1] // 2
+    for p in range(half):
+        # float64 angle: positions reach 1e5+, where float32 would lose the phase
+        angle = float(position) * float(inv_freq[p])
+        c, s = math.cos(angle), math.sin(angle)
+        ia, ib = (2 * p, 2 * p + 1) if interleaved else (p, p + half)
+        for h in range(a.shape[0]):
+            u, v = a[h, ia], a[h, ib]
+            a[h, ia] = u * c - v * s
+            a[h, ib] = u * s + v * c
+        for h in range(b.shape[0]):
+            u, v = b[h, ia], b[h, ib]
+            b[h, ia] = u * c - v * s
+            b[h, ib] = u * s + v * c
+
+
 def _rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, interleaved: bool) -> None:
-    n, heads, hd = x.shape
-    half = hd // 2
-    for i in prange(n):
-        for p in range(half):
-            # float64 angle: positions reach 1e5+, where float32 would lose the phase
-            angle = float(positions[i]) * float(inv_freq[p])
-            c, s = math.cos(angle), math.sin(angle)
-            ia, ib = (2 * p, 2 * p + 1) if interleaved else (p, p + half)
-            for h in range(heads):
-                a, b = x[i, h, ia], x[i, h, ib]
-                x[i, h, ia] = a * c - b * s
-                x[i, h, ib] = a * s + b * c
+    for i in prange(x.shape[0]):
+        _rope_pair(x[i], x[i, :0], positions[i], inv_freq, interleaved)
 
 
 _ROPE = Twin(_rope)
@@ -60,6 +75,33 @@ _ROPE = Twin(_rope)
 def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, interleaved: bool) -> np.ndarray:
     _ROPE.pick(x.size * 8)(x, positions.astype(np.int64), inv_freq, interleaved)
     return x
+
+
+def _qk_norm_rope(q: np.ndarray, k: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray, normed: bool, eps: float,
+                  positions: np.ndarray, inv_freq: np.ndarray, interleaved: bool) -> None:
+    for i in prange(q.shape[0]):
+        if normed:
+            for h in range(q.shape[1]):
+                _norm_row(q[i, h], q_norm, eps, q[i, h])
+            for h in range(k.shape[1]):
+                _norm_row(k[i, h], k_norm, eps, k[i, h])
+        _rope_pair(q[i], k[i], positions[i], inv_freq, interleaved)
+
+
+_QK_NORM_ROPE = Twin(_qk_norm_rope)
+
+
+def qk_norm_rope(q: np.ndarray, k: np.ndarray, q_norm: np.ndarray | None, k_norm: np.ndarray | None, eps: float,
+                 positions: np.ndarray, inv_freq: np.ndarray, interleaved: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per-head rmsnorm of q and k [n, heads, hd] (when the model has q/k norms), then rope on both: one
+    kernel where the unfused path takes four. In place on float32 C-contiguous inputs."""
+    q = q if q.dtype == np.float32 and q.flags.c_contiguous else np.ascontiguousarray(q, np.float32)
+    k = k if k.dtype == np.float32 and k.flags.c_contiguous else np.ascontiguousarray(k, np.float32)
+    normed = q_norm is not None
+    unused = inv_freq[:0]
+    _QK_NORM_ROPE.pick((q.size + k.size) * 8)(q, k, q_norm if normed else unused, k_norm if normed else unused,
+                                             normed, eps, positions.astype(np.int64), inv_freq, interleaved)
+    return q, k
 
 
 def _swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
