@@ -232,12 +232,13 @@ def _as_rows(x: np.ndarray, cols: int) -> np.ndarray:
 def embedding(w: CpuWeight, ids: np.ndarray) -> np.ndarray:
     """Rows `ids` of w, dequantized: float32 [len(ids), cols]."""
     ids = np.ascontiguousarray(ids, np.int64).reshape(-1)
-    if ids.size and (ids.min() < 0 or ids.max() >= w.rows):
+    low, high = (int(ids[0]),) * 2 if ids.size == 1 else (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+    if low < 0 or high >= w.rows:
         raise IndexError(f"token id out of range 0..{w.rows - 1}")
     if w.f32 is not None:
         return w.f32[ids]
     out = np.empty((ids.size, w.cols), np.float32)
-    _gather_rows(w.code, w.u8, w.i8, w.u16, w.u32, ids, out)
+    _GATHER_ROWS.pick(ids.size * w.cols)(w.code, w.u8, w.i8, w.u16, w.u32, ids, out)  # decode: one row, no pool
     return out
 
 
@@ -534,10 +535,12 @@ def _matmul(tt, u8, i8, u16, u32, x, out):
         _tile_product(wbuf, nr, x, out, r0)
 
 
-@njit(parallel=True, **_JIT)
 def _gather_rows(tt, u8, i8, u16, u32, ids, out):
     for k in prange(ids.shape[0]):
         _dequant_row(tt, u8, i8, u16, u32, ids[k], out[k])
+
+
+_GATHER_ROWS = Twin(_gather_rows, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"})  # _EXACT's flags: rows as dequantized
 
 
 # --------------------------------------------------------------------------------------------------
