@@ -134,7 +134,7 @@ def _read_only(a: np.ndarray) -> np.ndarray:
     return view
 
 
-Rows = "bool | np.ndarray | None"  # decode rows: None/False (none), True (all), or a bool mask [n]
+Rows = bool | np.ndarray | None  # decode rows: None/False (none), True (all), or a bool mask [n]
 
 
 def decode_flags(decode_rows: np.ndarray | bool | None) -> bool | np.ndarray:
@@ -151,8 +151,9 @@ def matmul(x: np.ndarray, w: CpuWeight, decode_rows: Rows = None) -> np.ndarray:
     """y = x @ W^T: x float32 [n, cols] (or [cols]) -> float32 [n, rows] (or [rows]).
 
     decode_rows (a bool mask [n], or True / False for every row) marks the rows that are generated
-    tokens fed back. With quantized weights those multiply x_hat, x after ggml's q8_0 round trip, in
-    integer arithmetic (kernels/cpu/int8_dots.py), as llama.cpp does: 1.5-3x faster at decode. Every
+    tokens fed back. With quantized weights those multiply x_hat, x after an int8 round trip (ggml's q8_0
+    against Q8_0, one scale per 256 values against K-quants), in integer arithmetic
+    (kernels/cpu/int8_dots.py), as llama.cpp does: 1.5-3x faster at decode. Every
     other row (prompt tokens) multiplies x itself in float32, exactly, through the dequantize-and-tile
     product, which is faster on long prompts. A row's result depends only on its own flag and values,
     never on the other rows of the call."""
