@@ -54,7 +54,7 @@ def test_quantizer_is_ggmls_q8_0(x: np.ndarray) -> None:
     np.testing.assert_array_equal(xs[finite], expected[finite].astype(np.float32))
 
 
-ONE_BY_ONE = int8_dots.TILE_SHAPES.index((1, 1))  # one row, one token
+ONE_BY_ONE = int8_dots.TILE_SIZES.index(1)  # one row, one token
 _Q8_0, _Q4_K, _Q5_K, _Q6_K = (tiles[ONE_BY_ONE] for tiles in (int8_dots.Q8_0_TILES, int8_dots.Q4_K_TILES,
                                                                int8_dots.Q5_K_TILES, int8_dots.Q6_K_TILES))
 

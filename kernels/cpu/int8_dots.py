@@ -39,7 +39,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["quantize_activation", "TILE_ROWS", "TILE_TOKENS", "Q8_0_TILES", "Q4_K_TILES", "Q5_K_TILES", "Q6_K_TILES"]
+__all__ = ["quantize_activation", "quantize_activation_k", "unpack_k4_levels", "TILE_TOKENS", "TILE_SIZES",
+           "Q8_0_TILES", "Q4_K_TILES", "Q5_K_TILES", "Q6_K_TILES"]
 
 QK = 32  # values per q8_0 activation block (ggml's QK8_0), and per sub-block sum
 QK_K = 256  # values per activation block against K-quant weights (one super-block)
@@ -222,10 +223,15 @@ def _hsum(builder, v):
 
 
 def _k4_levels(builder, header):
-    """The 16 6-bit levels (sc_0..7, m_0..7) of a Q4_K/Q5_K super-block whose 12 `scales` bytes
-    start at `header`, as <16 x i8> (ggml's get_scale_min_k4, all at once with its mask trick)."""
-    a, b, c = (builder.load(builder.bitcast(_at(builder, header, 4 * k), _I32.as_pointer()), align=1)
-               for k in range(3))
+    """The 16 6-bit levels of a Q4_K/Q5_K super-block whose 12 `scales` bytes start at `header`."""
+    return unpack_k4_levels(builder, *(builder.load(builder.bitcast(_at(builder, header, 4 * k), _I32.as_pointer()),
+                                                    align=1) for k in range(3)))
+
+
+def unpack_k4_levels(builder, a, b, c):
+    """The 16 6-bit levels (sc_0..7, m_0..7) of a Q4_K/Q5_K super-block as <16 x i8>, from its 12
+    `scales` bytes read as three little-endian i32 words: ggml's get_scale_min_k4, all at once with
+    its mask trick (quant_matmul's float kernels unpack with it too)."""
     low6, low4, low2 = (ir.Constant(_I32, m) for m in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
 
     def top2(v):  # bits 6-7 of each byte, moved to bits 4-5
@@ -327,7 +333,7 @@ def _q6_k(builder, row, first):
 
 
 # --------------------------------------------------------------------------------------------------
-# tiles: R weight rows x T tokens
+# tiles: one weight row x T tokens
 # --------------------------------------------------------------------------------------------------
 class _Tokens:
     """Row pointers of tokens t0..t0+T-1 in the quantized activations xq [n, cols], xd, xs [n, blocks]."""
@@ -346,34 +352,28 @@ class _Tokens:
                                elem.as_pointer())
 
 
-def _emit_units(builder, weight_side, rows, tokens, accs, mins, first):
-    """acc[r][t] += the unit starting at activation block `first`, for every row and token.
+def _emit_unit(builder, weight_side, row, tokens, accs, mins, first):
+    """acc[t] += the unit starting at activation block `first`, for every token of the tile.
 
-    Every (row, token) pair sees the same operations in the same order whatever the tile's shape
-    (strict IEEE adds and multiplies: no reassociation, no contraction), so a token's result does
-    not depend on how many other tokens share its step."""
-    xchunks = {}
-    for r, row in enumerate(rows):
-        unit = weight_side(builder, row, first)
-        for t in range(len(tokens.q)):
-            xqs = []
-            for k, *_ in unit.chunks:
-                if (t, k) not in xchunks:  # an activation chunk is loaded once per unit for all rows
-                    b = builder.add(first, ir.Constant(_I64, k))
-                    xchunks[t, k] = _load_i8x32(builder, builder.gep(tokens.q[t], [builder.mul(b, ir.Constant(_I64, QK))],
-                                                                     inbounds=True))
-                xqs.append(xchunks[t, k])
-            if isinstance(unit, _KUnit):
-                value = _k_unit_value(builder, unit, xqs, tokens.d[t], first)
-            else:  # Q8_0: one float scale per 32-value block of both weight and activation
-                scales = builder.fmul(unit.scales, _activation_scales(builder, tokens.d[t], first, len(unit.chunks)))
-                value = _tree_sum(builder, [builder.fmul(builder.sitofp(_chunk_dot(builder, wq, kind, xq), _V8F),
-                                                         _pick(builder, scales, lanes))
-                                            for (k, wq, kind, lanes), xq in zip(unit.chunks, xqs)])
-            builder.store(builder.fadd(builder.load(accs[r][t]), value), accs[r][t])
-            if getattr(unit, "mins", None) is not None:
-                xs = _load_f32x8(builder, builder.gep(tokens.s[t], [first], inbounds=True))
-                builder.store(builder.fadd(builder.load(mins[r][t]), builder.fmul(unit.mins, xs)), mins[r][t])
+    Every token sees the same operations in the same order whatever the tile's size (strict IEEE
+    adds and multiplies: no reassociation, no contraction), so a token's result does not depend on
+    how many other tokens share its step."""
+    unit = weight_side(builder, row, first)
+    for t, (xq_row, xd, xs) in enumerate(zip(tokens.q, tokens.d, tokens.s)):
+        xqs = [_load_i8x32(builder, builder.gep(xq_row, [builder.mul(builder.add(first, ir.Constant(_I64, k)),
+                                                                     ir.Constant(_I64, QK))], inbounds=True))
+               for k, *_ in unit.chunks]
+        if isinstance(unit, _KUnit):
+            value = _k_unit_value(builder, unit, xqs, xd, first)
+        else:  # Q8_0: one float scale per 32-value block of both weight and activation
+            scales = builder.fmul(unit.scales, _activation_scales(builder, xd, first, len(unit.chunks)))
+            value = _tree_sum(builder, [builder.fmul(builder.sitofp(_chunk_dot(builder, wq, kind, xq), _V8F),
+                                                     _pick(builder, scales, lanes))
+                                        for (k, wq, kind, lanes), xq in zip(unit.chunks, xqs)])
+        builder.store(builder.fadd(builder.load(accs[t]), value), accs[t])
+        if getattr(unit, "mins", None) is not None:
+            sums = _load_f32x8(builder, builder.gep(xs, [first], inbounds=True))
+            builder.store(builder.fadd(builder.load(mins[t]), builder.fmul(unit.mins, sums)), mins[t])
 
 
 def _k_unit_value(builder, unit, xqs, xd, first):
@@ -394,59 +394,57 @@ def _activation_scales(builder, xd, first, count):
     return builder.load(builder.bitcast(builder.gep(xd, [first], inbounds=True), vector.as_pointer()), align=4)
 
 
-def _tile(name, weight_side, blocks_per_unit, R, T, tail=None):
-    """An intrinsic (w, r0, xq, xd, xs, t0) -> UniTuple(float32, R*T): rows r0..r0+R-1 of w (uint8
-    [rows, row_bytes]) dotted with tokens t0..t0+T-1 of the quantized activations, ordered [r][t].
+def _tile(name, weight_side, blocks_per_unit, T, tail=None):
+    """An intrinsic (w, r, xq, xd, xs, t0) -> UniTuple(float32, T): row r of w (uint8 [rows, row_bytes])
+    dotted with tokens t0..t0+T-1 of the quantized activations.
 
     The row is walked in units of blocks_per_unit activation blocks (4 Q8_0 blocks, or one K-quant
     super-block); `tail` (Q8_0) takes the 0-3 blocks after the last whole unit one at a time."""
-    ret = types.UniTuple(types.float32, R * T)
+    ret = types.UniTuple(types.float32, T)
 
     def codegen(context, builder, sig, args):
         w = context.make_array(sig.args[0])(context, builder, args[0])
         base, stride = builder.bitcast(w.data, _I8.as_pointer()), builder.extract_value(w.strides, 0)
-        r0 = _i64(builder, args[1])
-        rows = [_at(builder, base, builder.mul(builder.add(r0, ir.Constant(_I64, i)), stride)) for i in range(R)]
+        row = _at(builder, base, builder.mul(_i64(builder, args[1]), stride))
         tokens = _Tokens(context, builder, sig, args, T)
         zero8 = ir.Constant(_V8F, [0.0] * 8)
-        accs = [[cgutils.alloca_once_value(builder, zero8) for _ in range(T)] for _ in range(R)]
-        mins = [[cgutils.alloca_once_value(builder, zero8) for _ in range(T)] for _ in range(R)]
+        accs = [cgutils.alloca_once_value(builder, zero8) for _ in range(T)]
+        mins = [cgutils.alloca_once_value(builder, zero8) for _ in range(T)]
         unit = ir.Constant(_I64, blocks_per_unit)
         whole = builder.udiv(tokens.blocks, unit)
         with cgutils.for_range(builder, whole) as loop:
-            _emit_units(builder, weight_side, rows, tokens, accs, mins, builder.mul(loop.index, unit))
+            _emit_unit(builder, weight_side, row, tokens, accs, mins, builder.mul(loop.index, unit))
         if tail is not None:
             done = builder.mul(whole, unit)
             with cgutils.for_range(builder, builder.sub(tokens.blocks, done)) as loop:
-                _emit_units(builder, tail, rows, tokens, accs, mins, builder.add(done, loop.index))
+                _emit_unit(builder, tail, row, tokens, accs, mins, builder.add(done, loop.index))
         out = context.get_constant_undef(ret)
-        for r in range(R):
-            for t in range(T):
-                value = builder.fsub(_hsum(builder, builder.load(accs[r][t])), _hsum(builder, builder.load(mins[r][t])))
-                out = builder.insert_value(out, value, r * T + t)
+        for t in range(T):
+            value = builder.fsub(_hsum(builder, builder.load(accs[t])), _hsum(builder, builder.load(mins[t])))
+            out = builder.insert_value(out, value, t)
         return out
 
-    def typer(typingctx, w, r0, xq, xd, xs, t0):
+    def typer(typingctx, w, r, xq, xd, xs, t0):
         if not (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8 and w.layout == "C"
                 and xq == types.Array(types.int8, 2, "C") and xd == xs == types.Array(types.float32, 2, "C")
-                and isinstance(r0, types.Integer) and isinstance(t0, types.Integer)):
+                and isinstance(r, types.Integer) and isinstance(t0, types.Integer)):
             return None
-        return ret(w, r0, xq, xd, xs, t0), codegen
+        return ret(w, r, xq, xd, xs, t0), codegen
 
-    typer.__name__ = f"{name}_{R}x{T}"
+    typer.__name__ = f"{name}_1x{T}"
     return intrinsic(typer)
 
 
 def _tiles(name, weight_side, blocks_per_unit, tail=None):
-    """The tile shapes the matmul driver uses: TILE_SHAPES."""
-    return tuple(_tile(name, weight_side, blocks_per_unit, R, T, tail) for R, T in TILE_SHAPES)
+    """One tile per size in TILE_SIZES."""
+    return tuple(_tile(name, weight_side, blocks_per_unit, T, tail) for T in TILE_SIZES)
 
 
 # One weight row per tile: interleaving two rows' blocks halved the speed of a DRAM-bound matvec
 # (19 -> 9 GB/s on one core), the hardware prefetcher following one stream per row best. A tile of
 # 4 tokens reuses each weight chunk, once unpacked, four times (4 x 8-lane accumulators fit AVX2).
-TILE_ROWS, TILE_TOKENS = 1, 4
-TILE_SHAPES = ((TILE_ROWS, TILE_TOKENS), (TILE_ROWS, 1))
+TILE_TOKENS = 4
+TILE_SIZES = (TILE_TOKENS, 1)  # tokens per tile: whole tiles, then the rest one at a time
 
 Q8_0_TILES = _tiles("q8_0", _q8_0_blocks(4), 4, tail=_q8_0_blocks(1))
 Q4_K_TILES = _tiles("q4_k", _k4(144, 16, False), 8)

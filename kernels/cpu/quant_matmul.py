@@ -42,8 +42,8 @@ from numba.extending import intrinsic
 
 from ember.kernels.cpu import dense
 from ember.kernels.cpu.twin import Twin
-from ember.kernels.cpu.int8_dots import (Q4_K_TILES, Q5_K_TILES, Q6_K_TILES, Q8_0_TILES, QK, QK_K, TILE_SHAPES,
-                                        TILE_TOKENS, quantize_activation, quantize_activation_k)
+from ember.kernels.cpu.int8_dots import (Q4_K_TILES, Q5_K_TILES, Q6_K_TILES, Q8_0_TILES, QK, QK_K, TILE_SIZES,
+                                        TILE_TOKENS, quantize_activation, quantize_activation_k, unpack_k4_levels)
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType, row_bytes
 
@@ -310,8 +310,8 @@ def _k4_header(typingctx, w0, w1, w2, d, dmin):
     """The 16 multipliers of a Q4_K/Q5_K super-block: (d*sc_0..7, dmin*m_0..7) as a 16-tuple.
 
     w0..w2 are its 12 `scales` bytes read as little-endian uint32 words. ggml packs eight 6-bit
-    (sc, m) pairs there (get_scale_min_k4); the masks below (as in ggml's AVX code) unpack all of
-    them at once into 16 bytes, which LLVM then widens and scales as one vector.
+    (sc, m) pairs there (get_scale_min_k4); int8_dots.unpack_k4_levels (ggml's AVX mask trick)
+    unpacks all of them at once into 16 bytes, which LLVM then widens and scales as one vector.
     """
     if not all(isinstance(a, types.Integer) for a in (w0, w1, w2)) or not d == dmin == types.float32:
         return None
@@ -321,20 +321,8 @@ def _k4_header(typingctx, w0, w1, w2, d, dmin):
         i32, f32 = ir.IntType(32), ir.FloatType()
         a, b, c = (builder.trunc(v, i32) if v.type.width > 32 else builder.zext(v, i32)
                    if v.type.width < 32 else v for v in args[:3])
-        low6, low4, low2 = (ir.Constant(i32, m) for m in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
-
-        def top2(v):  # bits 6-7 of each byte, moved to bits 4-5
-            return builder.shl(builder.and_(builder.lshr(v, ir.Constant(i32, 6)), low2), ir.Constant(i32, 4))
-
-        words = (builder.and_(a, low6),                                            # sc 0..3
-                 builder.or_(builder.and_(c, low4), top2(a)),                      # sc 4..7
-                 builder.and_(b, low6),                                            # m 0..3
-                 builder.or_(builder.and_(builder.lshr(c, ir.Constant(i32, 4)), low4), top2(b)))  # m 4..7
-        vec = ir.Constant(ir.VectorType(i32, 4), None)
-        for k, word in enumerate(words):
-            vec = builder.insert_element(vec, word, ir.Constant(i32, k))
         v16 = ir.VectorType(f32, 16)
-        levels = builder.uitofp(builder.bitcast(vec, ir.VectorType(ir.IntType(8), 16)), v16)
+        levels = builder.uitofp(unpack_k4_levels(builder, a, b, c), v16)
         factors = ir.Constant(v16, None)
         for k in range(16):
             factors = builder.insert_element(factors, args[3] if k < 8 else args[4], ir.Constant(i32, k))
@@ -388,10 +376,10 @@ def _matvec_16bit(is_f16, u16, x, out):
 
 
 def _tile_call(shape):
-    """An inlined kernel storing one tile of TILE_SHAPES[shape] (one row x T tokens) into out, for any
+    """An inlined kernel storing one tile of TILE_SIZES[shape] tokens (of one row) into out, for any
     quantized weight type (the type's tile intrinsic chosen by tt)."""
     q8_0, q4_k, q5_k, q6_k = (tiles[shape] for tiles in (Q8_0_TILES, Q4_K_TILES, Q5_K_TILES, Q6_K_TILES))
-    T = TILE_SHAPES[shape][1]
+    T = TILE_SIZES[shape]
 
     @njit(inline="always", **_STRICT)
     def call(tt, u8, r, xq, xd, xs, t, out):
@@ -409,7 +397,7 @@ def _tile_call(shape):
     return call
 
 
-_TILE, _TILE_1 = (_tile_call(k) for k in range(len(TILE_SHAPES)))
+_TILE, _TILE_1 = (_tile_call(k) for k in range(len(TILE_SIZES)))
 
 
 @njit(inline="always", **_STRICT)
@@ -435,35 +423,43 @@ def _quantized_tokens(n, cols, k_quants):
     return np.empty((n, cols), np.int8), np.empty((n, cols // per), np.float32), np.empty((n, cols // QK), np.float32)
 
 
+@njit(inline="always", **_STRICT)
+def _activations(x, q8_0, k_quants):
+    """x's tokens quantized once per format its weights need: (q8_0 arrays, q8_K arrays), each
+    (quants, scales, 32-value sums); a format not needed is left with no tokens."""
+    n, cols = x.shape
+    xq, xd, xs = _quantized_tokens(n if q8_0 else 0, cols, False)
+    kq, kd, ks = _quantized_tokens(n if k_quants else 0, cols, True)
+    for t in prange(n):
+        if q8_0:
+            quantize_activation(x[t], xq[t], xd[t], xs[t])
+        if k_quants:
+            quantize_activation_k(x[t], kq[t], kd[t], ks[t])
+    return (xq, xd, xs), (kq, kd, ks)
+
+
+@njit(inline="always", **_STRICT)
+def _row_times_activations(tt, u8, r, q8_0, k_quants, out):
+    """_row_times_tokens with the activations of tt's format."""
+    xq, xd, xs = q8_0 if tt == _Q8_0 else k_quants
+    _row_times_tokens(tt, u8, r, xq, xd, xs, out)
+
+
 def _matmul_int8(tt, u8, x, out):
     """out[t, r] = row r . x_hat[t] for quantized weights: each token row quantized once (int8_dots),
     each weight row read once per call for all tokens."""
-    n, cols = x.shape
-    rows, k_quants = out.shape[1], tt != _Q8_0
-    xq, xd, xs = _quantized_tokens(n, cols, k_quants)
-    for t in prange(n):
-        if k_quants:
-            quantize_activation_k(x[t], xq[t], xd[t], xs[t])
-        else:
-            quantize_activation(x[t], xq[t], xd[t], xs[t])
+    rows = out.shape[1]
+    q8_0, k_quants = _activations(x, tt == _Q8_0, tt != _Q8_0)
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
         for r in range(c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS)):
-            _row_times_tokens(tt, u8, r, xq, xd, xs, out)
+            _row_times_activations(tt, u8, r, q8_0, k_quants, out)
 
 
 def _matmul_int8_many(tts, ws, x, outs):
     """_matmul_int8 of one x by several weights (a layer's q, k and v) in one parallel region: x is
     quantized once per activation format its weights need, and the threads share out all the
     weights' row groups together."""
-    n, cols = x.shape
-    xq, xd, xs = _quantized_tokens(n, cols, False)
-    kq, kd, ks = _quantized_tokens(n, cols, True)
-    q8_0, k_quants = (tts == _Q8_0).any(), (tts != _Q8_0).any()
-    for t in prange(n):
-        if q8_0:
-            quantize_activation(x[t], xq[t], xd[t], xs[t])
-        if k_quants:
-            quantize_activation_k(x[t], kq[t], kd[t], ks[t])
+    q8_0, k_quants = _activations(x, (tts == _Q8_0).any(), (tts != _Q8_0).any())
     groups = np.empty(len(ws) + 1, np.int64)
     groups[0] = 0
     for k in range(len(ws)):
@@ -472,43 +468,26 @@ def _matmul_int8_many(tts, ws, x, outs):
         k = 0
         while c >= groups[k + 1]:
             k += 1
-        u8, out, tt = ws[k], outs[k], tts[k]
+        u8, out = ws[k], outs[k]
         first = (c - groups[k]) * _MATVEC_ROWS
         for r in range(first, min(u8.shape[0], first + _MATVEC_ROWS)):
-            if tt == _Q8_0:
-                _row_times_tokens(tt, u8, r, xq, xd, xs, out)
-            else:
-                _row_times_tokens(tt, u8, r, kq, kd, ks, out)
+            _row_times_activations(tts[k], u8, r, q8_0, k_quants, out)
 
 
 def _swiglu_int8(tt_gate, gate, tt_up, up, x, out):
     """out = silu(x_hat @ gate^T) * (x_hat @ up^T): both products and the activation in one pass over
     each row group (one parallel region instead of three kernels)."""
-    n, cols = x.shape
-    rows = out.shape[1]
-    xq, xd, xs = _quantized_tokens(n, cols, False)
-    kq, kd, ks = _quantized_tokens(n, cols, True)
-    q8_0, k_quants = tt_gate == _Q8_0 or tt_up == _Q8_0, tt_gate != _Q8_0 or tt_up != _Q8_0
-    for t in prange(n):
-        if q8_0:
-            quantize_activation(x[t], xq[t], xd[t], xs[t])
-        if k_quants:
-            quantize_activation_k(x[t], kq[t], kd[t], ks[t])
+    n, rows = x.shape[0], out.shape[1]
+    q8_0, k_quants = _activations(x, tt_gate == _Q8_0 or tt_up == _Q8_0, tt_gate != _Q8_0 or tt_up != _Q8_0)
     g = np.empty((n, rows), np.float32)
     u = np.empty((n, rows), np.float32)
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
         end = min(rows, (c + 1) * _MATVEC_ROWS)
         # the group's gate rows, then its up rows: one contiguous stream at a time for the prefetcher
         for r in range(c * _MATVEC_ROWS, end):
-            if tt_gate == _Q8_0:
-                _row_times_tokens(tt_gate, gate, r, xq, xd, xs, g)
-            else:
-                _row_times_tokens(tt_gate, gate, r, kq, kd, ks, g)
+            _row_times_activations(tt_gate, gate, r, q8_0, k_quants, g)
         for r in range(c * _MATVEC_ROWS, end):
-            if tt_up == _Q8_0:
-                _row_times_tokens(tt_up, up, r, xq, xd, xs, u)
-            else:
-                _row_times_tokens(tt_up, up, r, kq, kd, ks, u)
+            _row_times_activations(tt_up, up, r, q8_0, k_quants, u)
         for t in range(n):
             for r in range(c * _MATVEC_ROWS, end):
                 out[t, r] = g[t, r] / (np.float32(1) + np.exp(-g[t, r])) * u[t, r]
