@@ -59,7 +59,7 @@ _Q6_K = int(TensorType.Q6_K)
 
 _MATVEC_ROWS = 32  # rows per parallel work item of the matvec
 _MATMUL_ROWS = 16  # rows dequantized together by the n-token kernel: 16 x cols f32 stays in L2
-_TILE_TOKENS = 4  # tokens per register tile of the n-token kernel (_tile_product)
+_FLOAT_TILE_TOKENS = 4  # tokens per register tile of the n-token kernel (_tile_product)
 # weights whose decode rows take the integer dots of int8_dots
 INT8_TYPES = frozenset({TensorType.Q8_0, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K})
 # 32 vector registers (AVX-512) fit 4-row tiles in the n-token kernel, 16 (AVX2) only 2-row ones;
@@ -186,7 +186,7 @@ def _tiled(w: CpuWeight, x: np.ndarray) -> np.ndarray:
     the batch (a leftover token took another code path and rounded differently: decode rows, whose
     int8 quantization turns a last-bit difference into a visible one, then depended on batching)."""
     n = x.shape[0]
-    pad = -n % _TILE_TOKENS
+    pad = -n % _FLOAT_TILE_TOKENS
     if pad:
         x = np.concatenate([x, np.zeros((pad, x.shape[1]), np.float32)])
     y = np.empty((n + pad, w.rows), np.float32)
