@@ -86,7 +86,7 @@ class Model:
     def engine(self, capacity: int, max_running: int = 1, **options: Any) -> EngineCore:
         """An engine core of its own over this model's weights, with KV cache for `capacity` tokens
         (more sequences: EngineCore's options, e.g. max_running, max_context, prefix_caching)."""
-        runner = ModelRunner(self._net, -(-capacity // KV_BLOCK), KV_BLOCK, self.kv_dtype, self.decode_act)
+        runner = ModelRunner(self._net, -(-capacity // KV_BLOCK), KV_BLOCK, self.kv_dtype, self.decode_act, max_running)
         options.setdefault("prefix_caching", False)
         options.setdefault("max_step_tokens", PREFILL_CHUNK)
         return EngineCore(runner, max_running=max_running, **options)

@@ -45,6 +45,8 @@ _CONVERTED_AS = {"mixtral": "llama"}
 # buffers, not weights: the converter skips these before mapping (TensorNameMap would otherwise name
 # llama's rotary_emb.inv_freq blk.N.attn_rot_embd)
 _SKIPPED_SUFFIXES = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
+# qwen35: a multimodal checkpoint's language model, and the DeltaNet's dt_bias (Qwen3NextModel.modify_tensors)
+_RENAMED = (("model.language_model.", "model."), (".linear_attn.dt_bias", ".linear_attn.dt_proj.bias"))
 # as the converter's map_tensor_name: the table's keys are module paths, parameters add these
 _PARAM_SUFFIXES = (".weight", ".bias")
 
@@ -137,6 +139,9 @@ def gguf_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     name, e.g. "qwen3") of `n_layers` blocks; None for the buffers it skips and for names it has none for."""
     if hf_name.endswith(_SKIPPED_SUFFIXES):
         return None
+    for old, new in _RENAMED:  # as the converter does before mapping
+        if old in hf_name:
+            hf_name = hf_name.replace(old, new)
     return tensor_name_map(arch, n_layers).get_name(hf_name, try_suffixes=_PARAM_SUFFIXES)
 
 

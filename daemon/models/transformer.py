@@ -1,7 +1,8 @@
 """The decoder-only transformer shared by every supported architecture, written against the ops API.
 
 Per-architecture differences come in as an ArchSpec (architectures.py); the feed-forward part is its
-own object so mixture-of-experts layers can take its place.
+own object so mixture-of-experts layers can take its place, and so is the token mixer: attention, or
+in hybrid models (qwen35) Gated DeltaNet linear attention on most layers (linear_attention.py).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from ember.daemon.runner.kv_cache import PagedKVCache
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile
 from ember.daemon.models.architectures import ArchSpec, architecture
+from ember.daemon.models.linear_attention import GatedDeltaNet, load_gated_delta_net
+from ember.daemon.runner.recurrent_state import RecurrentState
 from ember.daemon.runner.step_batch import StepBatch
 from ember.kernels.ops import Array, Ops, Weight
 from ember.kernels.raw_tensor import RawTensor
@@ -29,22 +32,30 @@ class Attention:
     bv: Array | None
     q_norm: Array | None
     k_norm: Array | None
+    kv_layer: int  # which of the KV cache's layers is this one's
+    gated: bool = False  # qwen35: wq also gives an output gate per head, [q | gate] per head
 
-    def __call__(self, ops: Ops, cfg: ModelConfig, rope: "Rope", x: Array, cache: PagedKVCache, layer: int,
+    def __call__(self, ops: Ops, cfg: ModelConfig, rope: "Rope", x: Array, cache: PagedKVCache,
                  batch: StepBatch) -> Array:
         n, rows = x.shape[0], batch.decode_rows
         q, k, v = ops.matmul_many(x, (self.wq, self.wk, self.wv), rows)
         if self.bq is not None:
             q, k, v = q + self.bq, k + self.bk, v + self.bv
+        gate = None
+        if self.gated:
+            both = q.reshape(n, cfg.n_heads, 2, cfg.head_dim)
+            q, gate = both[:, :, 0], both[:, :, 1].reshape(n, cfg.n_heads * cfg.head_dim)
         q = q.reshape(n, cfg.n_heads, cfg.head_dim)
         k = k.reshape(n, cfg.n_kv_heads, cfg.head_dim)
         v = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
         q, k = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, cfg.norm_eps, batch.positions, rope.inv_freq,
                                 rope.interleaved)
-        cache.write(layer, batch.kv_blocks, batch.kv_offsets, k, v)
-        out = ops.paged_attention(q, cache.k[layer], cache.v[layer], batch.tables, batch.token_seq, batch.positions,
-                                  cfg.head_dim**-0.5)
-        return ops.matmul(out.reshape(n, cfg.n_heads * cfg.head_dim), self.wo, rows)
+        cache.write(self.kv_layer, batch.kv_blocks, batch.kv_offsets, k, v)
+        out = ops.paged_attention(q, cache.k[self.kv_layer], cache.v[self.kv_layer], batch.tables, batch.token_seq,
+                                  batch.positions, cfg.head_dim**-0.5).reshape(n, cfg.n_heads * cfg.head_dim)
+        if gate is not None:
+            out = ops.sigmoid_mul(out, gate)
+        return ops.matmul(out, self.wo, rows)
 
 
 @dataclass
@@ -66,14 +77,20 @@ class Rope:
 @dataclass
 class Block:
     attn_norm: Array
-    attn: Attention
+    attn: Attention | GatedDeltaNet
     ffn_norm: Array
     ffn: DenseFFN
 
-    def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: PagedKVCache, layer: int,
+    def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: PagedKVCache,
                  batch: StepBatch) -> Array:
-        x = x + self.attn(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache, layer, batch)
+        x = x + self._mix(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache, batch)
         return x + self.ffn(ops, ops.rmsnorm(x, self.ffn_norm, cfg.norm_eps), batch.decode_rows)
+
+    def _mix(self, ops: Ops, cfg: ModelConfig, rope: Rope, h: Array, cache: PagedKVCache, batch: StepBatch) -> Array:
+        # a call of its own, so the normed input is freed before the FFN runs
+        if isinstance(self.attn, Attention):
+            return self.attn(ops, cfg, rope, h, cache, batch)
+        return self.attn(ops, cfg, h, cache, batch)
 
 
 class Transformer:
@@ -82,23 +99,31 @@ class Transformer:
         spec = architecture(mf.config.arch, str(mf.path))
         self.embed = ops.weight(mf.tensor("token_embd.weight"))
         self.blocks = [_load_block(mf, ops, spec, i) for i in range(mf.config.n_layers)]
-        self.norm = ops.vector(mf.tensor("output_norm.weight"))
+        self.norm = _norm(mf, ops, "output_norm.weight")
         # tied embeddings: the output projection is the embedding matrix, shared, not loaded twice
         self.output = ops.weight(mf.tensors["output.weight"]) if "output.weight" in mf.tensors else self.embed
         factors = mf.tensors.get("rope_freqs.weight")
         inv_freq = mf.config.inv_freq(None if factors is None else ops.to_numpy(ops.vector(factors)))
         self.rope = Rope(ops.vector(RawTensor("rope.inv_freq", TensorType.F32, inv_freq.shape, inv_freq)), mf.rope_interleaved)
 
-    def new_cache(self, n_blocks: int, block_size: int = 16, dtype: str = "f32") -> PagedKVCache:
+    @property
+    def stateful(self) -> bool:
+        """Whether sequences carry recurrent state beside their KV blocks (hybrid models)."""
+        return self.config.linear is not None
+
+    def new_cache(self, n_blocks: int, block_size: int = 16, dtype: str = "f32", max_sequences: int = 64) -> PagedKVCache:
+        """KV blocks for the attention layers; for a hybrid model also the recurrent state of
+        `max_sequences` sequences (slots 0 .. max_sequences - 1)."""
         c = self.config
-        return PagedKVCache(self.ops, c.n_layers, c.n_kv_heads, c.head_dim, n_blocks, block_size, dtype)
+        state = RecurrentState(self.ops, c.linear, max_sequences) if c.linear else None
+        return PagedKVCache(self.ops, c.attention_layers, c.n_kv_heads, c.head_dim, n_blocks, block_size, dtype, state)
 
     def forward(self, batch: StepBatch, cache: PagedKVCache) -> Array:
         """Run one step's tokens (from any number of sequences) through the model, writing their K/V
         into `cache`. Returns logits [len(batch.logit_rows), vocab]."""
         x = self.ops.embedding(self.embed, batch.ids)
-        for i, block in enumerate(self.blocks):
-            x = block(self.ops, self.config, self.rope, x, cache, i, batch)
+        for block in self.blocks:
+            x = block(self.ops, self.config, self.rope, x, cache, batch)
         if batch.n_logits == 0:  # prompt chunks only: their K/V is all this step produces
             return self.ops.zeros((0, self.config.vocab))
         x = x[batch.logit_rows]
@@ -113,6 +138,16 @@ def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int) -> Block:
     def vec(name: str) -> Array:
         return ops.vector(mf.tensor(f"blk.{i}.{name}"))
 
+    ffn = DenseFFN(gate=w("ffn_gate"), up=w("ffn_up"), down=w("ffn_down"))
+    lin = mf.config.linear
+    if lin is not None:  # a hybrid: its mixer is linear or gated attention, post_attention_norm before the FFN
+        before = sum(lin.recurrent[:i])
+        mixer = (load_gated_delta_net(mf, ops, i, before) if lin.recurrent[i] else
+                 Attention(wq=w("attn_q"), wk=w("attn_k"), wv=w("attn_v"), wo=w("attn_output"), bq=None, bk=None,
+                           bv=None, q_norm=_norm(mf, ops, f"blk.{i}.attn_q_norm.weight"),
+                           k_norm=_norm(mf, ops, f"blk.{i}.attn_k_norm.weight"), kv_layer=i - before, gated=True))
+        return Block(_norm(mf, ops, f"blk.{i}.attn_norm.weight"), mixer,
+                     _norm(mf, ops, f"blk.{i}.post_attention_norm.weight"), ffn)
     attn = Attention(
         wq=w("attn_q"), wk=w("attn_k"), wv=w("attn_v"), wo=w("attn_output"),
         bq=vec("attn_q.bias") if spec.qkv_bias else None,
@@ -120,6 +155,13 @@ def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int) -> Block:
         bv=vec("attn_v.bias") if spec.qkv_bias else None,
         q_norm=vec("attn_q_norm.weight") if spec.qk_norm else None,
         k_norm=vec("attn_k_norm.weight") if spec.qk_norm else None,
+        kv_layer=i,
     )
-    ffn = DenseFFN(gate=w("ffn_gate"), up=w("ffn_up"), down=w("ffn_down"))
     return Block(vec("attn_norm.weight"), attn, vec("ffn_norm.weight"), ffn)
+
+
+def _norm(mf: ModelFile, ops: Ops, name: str) -> Array:
+    """An RMSNorm weight. qwen35 checkpoints store w - 1 (their norm multiplies by 1 + weight); llama.cpp's
+    converter adds the 1, so GGUF files hold w itself."""
+    w = ops.vector(mf.tensor(name))
+    return w + 1.0 if mf.format == "hf" and mf.config.linear is not None else w
