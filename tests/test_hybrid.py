@@ -174,3 +174,14 @@ def test_cache_holds_kv_for_attention_layers_only(model) -> None:
     assert len(cache.k) == model.config.attention_layers == 1
     assert len(cache.state.delta) == lin.n_layers == 3
     assert cache.state.nbytes == 3 * model.config.state_bytes()
+
+
+def test_plan_counts_state_per_sequence_and_kv_for_attention_layers_only(hybrid, model) -> None:
+    from ember.daemon.planning.planner import Device, PlanRequest, plan_model
+
+    cpu = Device("cpu", 1 << 34)
+    plans = {seqs: plan_model(hybrid[0], PlanRequest.create([cpu], env={}, ctx=256, seqs=seqs)).devices[0]
+             for seqs in (1, 3)}
+    cache = model.net.new_cache(256 // 16, 16, "f32", max_sequences=3)
+    assert plans[3].recurrent_state == cache.state.nbytes == 3 * plans[1].recurrent_state
+    assert plans[1].kv_cache == sum(k.f32.nbytes + v.f32.nbytes for k, v in zip(cache.k, cache.v, strict=True))
