@@ -97,7 +97,7 @@ class Model:
         """An engine core of its own over this model's weights, with KV cache for `capacity` tokens
         (more sequences: EngineCore's options, e.g. max_running, max_context, prefix_caching)."""
         options.setdefault("prefix_caching", False)
-        options.setdefault("max_step_tokens", PREFILL_CHUNK)
+        options.setdefault("max_step_tokens", self.pipeline.max_tokens if self.pipeline else PREFILL_CHUNK)
         blocks = -(-capacity // KV_BLOCK)
         if self.pipeline is None:
             runner = ModelRunner(self.net, blocks, KV_BLOCK, self.kv_dtype, self.decode_act)
