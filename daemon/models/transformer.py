@@ -2,7 +2,10 @@
 
 Per-architecture differences come in as an ArchSpec (architectures.py); the feed-forward part is its
 own object so mixture-of-experts layers can take its place, and so is the token mixer: attention, or
-in hybrid models (qwen35) Gated DeltaNet linear attention on most layers (linear_attention.py).
+in hybrid models (qwen35) Gated DeltaNet linear attention on most layers (linear_attention.py). A Transformer may hold a range of the
+model's layers only (a stage of a layer split, runner/split_runner.py): it then loads only their
+weights, the embedding if it runs the first layer and the output head if it runs the last, and its
+forward pass is cut in three — `embed`, `run_layers`, `head` — that the whole model runs in a row.
 """
 from __future__ import annotations
 
@@ -94,17 +97,32 @@ class Block:
 
 
 class Transformer:
-    def __init__(self, mf: ModelFile, ops: Ops) -> None:
+    def __init__(self, mf: ModelFile, ops: Ops, layers: range | None = None) -> None:
+        """The model's layers `layers` (default: all of them) on `ops`' device."""
         self.ops, self.config = ops, mf.config
+        self.layers = range(mf.config.n_layers) if layers is None else layers
+        if not 0 <= self.layers.start < self.layers.stop <= mf.config.n_layers or self.layers.step != 1:
+            raise ValueError(f"layers {self.layers.start}-{self.layers.stop - 1} are not a range of the model's "
+                             f"{mf.config.n_layers} layers")
         spec = architecture(mf.config.arch, str(mf.path))
-        self.embed = ops.weight(mf.tensor("token_embd.weight"))
-        self.blocks = [_load_block(mf, ops, spec, i) for i in range(mf.config.n_layers)]
-        self.norm = _norm(mf, ops, "output_norm.weight")
+        tied = "output.weight" not in mf.tensors
+        embed = self.runs_first or (self.runs_last and tied)
+        self.embed = ops.weight(mf.tensor("token_embd.weight")) if embed else None
+        self.blocks = [_load_block(mf, ops, spec, i, self.layers.start) for i in self.layers]
+        self.norm = _norm(mf, ops, "output_norm.weight") if self.runs_last else None
         # tied embeddings: the output projection is the embedding matrix, shared, not loaded twice
-        self.output = ops.weight(mf.tensors["output.weight"]) if "output.weight" in mf.tensors else self.embed
+        self.output = None if not self.runs_last else self.embed if tied else ops.weight(mf.tensors["output.weight"])
         factors = mf.tensors.get("rope_freqs.weight")
         inv_freq = mf.config.inv_freq(None if factors is None else ops.to_numpy(ops.vector(factors)))
         self.rope = Rope(ops.vector(RawTensor("rope.inv_freq", TensorType.F32, inv_freq.shape, inv_freq)), mf.rope_interleaved)
+
+    @property
+    def runs_first(self) -> bool:
+        return self.layers.start == 0
+
+    @property
+    def runs_last(self) -> bool:
+        return self.layers.stop == self.config.n_layers
 
     @property
     def stateful(self) -> bool:
@@ -112,18 +130,35 @@ class Transformer:
         return self.config.linear is not None
 
     def new_cache(self, n_blocks: int, block_size: int = 16, dtype: str = "f32", max_sequences: int = 64) -> PagedKVCache:
-        """KV blocks for the attention layers; for a hybrid model also the recurrent state of
-        `max_sequences` sequences (slots 0 .. max_sequences - 1)."""
+        """A KV cache for the attention layers this object holds (cache layer 0 is the first of them);
+        for a hybrid model also the recurrent state of `max_sequences` sequences (slots 0 ..
+        max_sequences - 1). The whole model only: a layer split of a hybrid is refused (Pipeline)."""
         c = self.config
         state = RecurrentState(self.ops, c.linear, max_sequences) if c.linear else None
-        return PagedKVCache(self.ops, c.attention_layers, c.n_kv_heads, c.head_dim, n_blocks, block_size, dtype, state)
+        attention = sum(isinstance(b.attn, Attention) for b in self.blocks)
+        return PagedKVCache(self.ops, attention, c.n_kv_heads, c.head_dim, n_blocks, block_size, dtype, state)
 
     def forward(self, batch: StepBatch, cache: PagedKVCache) -> Array:
         """Run one step's tokens (from any number of sequences) through the model, writing their K/V
         into `cache`. Returns logits [len(batch.logit_rows), vocab]."""
-        x = self.ops.embedding(self.embed, batch.ids)
+        return self.head(self.run_layers(self.embed_tokens(batch), batch, cache), batch)
+
+    def embed_tokens(self, batch: StepBatch) -> Array:
+        """The hidden states [n, hidden] the first layer reads."""
+        if not self.runs_first:
+            raise ValueError(f"layers {self.layers.start}-{self.layers.stop - 1} do not start the model: no embedding here")
+        return self.ops.embedding(self.embed, batch.ids)
+
+    def run_layers(self, x: Array, batch: StepBatch, cache: PagedKVCache) -> Array:
+        """Hidden states through this object's layers (f32 in, f32 out), writing their K/V into `cache`."""
         for block in self.blocks:
             x = block(self.ops, self.config, self.rope, x, cache, batch)
+        return x
+
+    def head(self, x: Array, batch: StepBatch) -> Array:
+        """The final norm and output projection of the rows whose logits are wanted -> [n_logits, vocab]."""
+        if not self.runs_last:
+            raise ValueError(f"layers {self.layers.start}-{self.layers.stop - 1} do not end the model: no output head here")
         if batch.n_logits == 0:  # prompt chunks only: their K/V is all this step produces
             return self.ops.zeros((0, self.config.vocab))
         x = x[batch.logit_rows]
@@ -131,7 +166,8 @@ class Transformer:
                                batch.decode_rows[batch.logit_rows])
 
 
-def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int) -> Block:
+def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int) -> Block:
+    """Layer i of a Transformer whose first layer is `first` (its cache's layers count from there)."""
     def w(name: str) -> Weight:
         return ops.weight(mf.tensor(f"blk.{i}.{name}.weight"))
 
@@ -141,11 +177,12 @@ def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int) -> Block:
     ffn = DenseFFN(gate=w("ffn_gate"), up=w("ffn_up"), down=w("ffn_down"))
     lin = mf.config.linear
     if lin is not None:  # a hybrid: its mixer is linear or gated attention, post_attention_norm before the FFN
-        before = sum(lin.recurrent[:i])
-        mixer = (load_gated_delta_net(mf, ops, i, before) if lin.recurrent[i] else
+        linear_before = sum(lin.recurrent[first:i])
+        mixer = (load_gated_delta_net(mf, ops, i, linear_before) if lin.recurrent[i] else
                  Attention(wq=w("attn_q"), wk=w("attn_k"), wv=w("attn_v"), wo=w("attn_output"), bq=None, bk=None,
                            bv=None, q_norm=_norm(mf, ops, f"blk.{i}.attn_q_norm.weight"),
-                           k_norm=_norm(mf, ops, f"blk.{i}.attn_k_norm.weight"), kv_layer=i - before, gated=True))
+                           k_norm=_norm(mf, ops, f"blk.{i}.attn_k_norm.weight"), kv_layer=i - first - linear_before,
+                           gated=True))
         return Block(_norm(mf, ops, f"blk.{i}.attn_norm.weight"), mixer,
                      _norm(mf, ops, f"blk.{i}.post_attention_norm.weight"), ffn)
     attn = Attention(
@@ -155,7 +192,7 @@ def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int) -> Block:
         bv=vec("attn_v.bias") if spec.qkv_bias else None,
         q_norm=vec("attn_q_norm.weight") if spec.qk_norm else None,
         k_norm=vec("attn_k_norm.weight") if spec.qk_norm else None,
-        kv_layer=i,
+        kv_layer=i - first,
     )
     return Block(vec("attn_norm.weight"), attn, vec("ffn_norm.weight"), ffn)
 
