@@ -14,6 +14,7 @@ import numpy as np
 from ember.daemon.engine.defaults import KV_BLOCK, PREFILL_CHUNK
 from ember.daemon.engine.engine_core import EngineCore, StepOutput
 from ember.daemon.engine.sequence import Sequence as EngineSequence
+from ember.daemon.experts.expert_manager import ExpertOptions, ExpertStats
 from ember.daemon.loader.model_file import ModelFile, open_model_file
 from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.transformer import Transformer
@@ -30,7 +31,7 @@ __all__ = ["Model", "ModelFileError", "load"]
 
 class Model:
     def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str = "cpu", kv_dtype: str = "f32",
-                 decode_act: str = "q8_0") -> None:
+                 decode_act: str = "q8_0", experts: ExpertOptions | None = None) -> None:
         self.path = mf.path
         self.config = mf.config
         self.tokenizer = tokenizer
@@ -40,11 +41,32 @@ class Model:
         self.decode_act = decode_act
         self._chat: ChatTemplate | None = None
         self.file_bytes = mf.file_bytes
-        self._net = Transformer(mf, backend_for(name).ops(name))
+        self._net = Transformer(mf, backend_for(name).ops(name), experts)
 
     def __repr__(self) -> str:
         c = self.config
         return f"Model({str(self.path)!r}, arch={c.arch}, layers={c.n_layers}, hidden={c.hidden}, device={self.device})"
+
+    # --- mixture of experts ----------------------------------------------------------------------
+    def routing_stats(self) -> np.ndarray:
+        """How often each expert was routed to: int64 [n_layers, n_experts] decayed counts (carried
+        over from earlier runs of this file); zero rows for dense layers, empty for dense models."""
+        m = self._net.experts
+        return np.zeros((self.config.n_layers, 0), np.int64) if m is None else m.stats.as_int64()
+
+    def placement(self) -> list[list[int]]:
+        """Per layer, the sorted ids of the hot experts ([] for dense layers and dense models)."""
+        m = self._net.experts
+        return [[] for _ in range(self.config.n_layers)] if m is None else m.placement()
+
+    def expert_stats(self) -> ExpertStats | None:
+        """Hot experts, routed and cold (token, expert) slots, swaps; None for a dense model."""
+        return None if self._net.experts is None else self._net.experts.snapshot()
+
+    def close(self) -> None:
+        """Stop the cold-expert workers and save the routing statistics (a MoE model; else nothing)."""
+        if self._net.experts is not None:
+            self._net.experts.close()
 
     # --- text <-> tokens ------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -146,10 +168,17 @@ def _drive(engine: EngineCore) -> Iterator[StepOutput]:
         yield from result.outputs
 
 
-def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_act: str = "q8_0") -> Model:
+def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_act: str = "q8_0",
+         expert_budget: int | str | None = None, cold_workers: int | None = None, cold_policy: str = "exact") -> Model:
     """Open a GGUF file or Hugging Face directory and place the model on `device` ("cpu"); its KV
     cache holds `kv_dtype` (f32, f16, bf16 or q8_0); generated tokens meet quantized weights with
-    `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do)."""
+    `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do).
+
+    MoE models: `expert_budget` bounds the bytes of hot experts (None: all; bytes; a size such as
+    "2GiB"; or "N%" of all experts' bytes); the cold ones are computed by `cold_workers` CPU worker
+    processes (default 2 when some are cold) under cold_policy "exact", or dropped under "mask"
+    (lossy, opt-in). docs/experts.md."""
+    experts = ExpertOptions(expert_budget, cold_workers, cold_policy)
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
     if decode_act not in DECODE_ACTIVATIONS:
@@ -161,4 +190,4 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
         tokenizer = Tokenizer.from_gguf(mf.metadata) if mf.format == "gguf" else Tokenizer.from_hf_dir(mf.path)
     except TokenizerError as e:
         raise ModelFileError(str(mf.path), str(e)) from None
-    return Model(mf, tokenizer, device, kv_dtype, decode_act)
+    return Model(mf, tokenizer, device, kv_dtype, decode_act, experts)

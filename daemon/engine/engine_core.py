@@ -80,6 +80,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return StepResult(0)
+        if plan.started:  # a request boundary: where a MoE model may swap experts, never inside a step
+            self.runner.between_requests()
         try:
             outputs, failed = self._step(plan)
         except Exception as e:

@@ -1,16 +1,20 @@
 """The decoder-only transformer shared by every supported architecture, written against the ops API.
 
 Per-architecture differences come in as an ArchSpec (architectures.py); the feed-forward part is its
-own object so mixture-of-experts layers can take its place.
+own object, and a block whose file has a router (blk.N.ffn_gate_inp) gets a MoEFFN
+(daemon/experts/) in its place.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 
+from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions
+from ember.daemon.experts.moe_ffn import MoEFFN, expert_files, load_moe_ffn
 from ember.daemon.runner.kv_cache import PagedKVCache
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile
+from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.architectures import ArchSpec, architecture
 from ember.daemon.runner.step_batch import StepBatch
 from ember.kernels.ops import Array, Ops, Weight
@@ -68,7 +72,7 @@ class Block:
     attn_norm: Array
     attn: Attention
     ffn_norm: Array
-    ffn: DenseFFN
+    ffn: DenseFFN | MoEFFN
 
     def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: PagedKVCache, layer: int,
                  batch: StepBatch) -> Array:
@@ -77,11 +81,15 @@ class Block:
 
 
 class Transformer:
-    def __init__(self, mf: ModelFile, ops: Ops) -> None:
+    def __init__(self, mf: ModelFile, ops: Ops, experts: ExpertOptions | None = None,
+                 expert_budget_cap: int | None = None) -> None:
+        """`experts`: where a MoE model's experts run (ExpertOptions; default every expert hot);
+        expert_budget_cap: the most bytes of hot experts the device has room for (the planner's)."""
         self.ops, self.config = ops, mf.config
         spec = architecture(mf.config.arch, str(mf.path))
+        self.experts = _expert_manager(mf, experts or ExpertOptions(), expert_budget_cap)
         self.embed = ops.weight(mf.tensor("token_embd.weight"))
-        self.blocks = [_load_block(mf, ops, spec, i) for i in range(mf.config.n_layers)]
+        self.blocks = [_load_block(mf, ops, spec, i, self.experts) for i in range(mf.config.n_layers)]
         self.norm = ops.vector(mf.tensor("output_norm.weight"))
         # tied embeddings: the output projection is the embedding matrix, shared, not loaded twice
         self.output = ops.weight(mf.tensors["output.weight"]) if "output.weight" in mf.tensors else self.embed
@@ -106,7 +114,18 @@ class Transformer:
                                batch.decode_rows[batch.logit_rows])
 
 
-def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int) -> Block:
+def _expert_manager(mf: ModelFile, options: ExpertOptions, cap: int | None) -> ExpertManager | None:
+    moe = [mf.is_moe_layer(i) for i in range(mf.config.n_layers)]
+    if not any(moe):
+        return None
+    if mf.config.n_experts_used < 1 or mf.config.n_experts < mf.config.n_experts_used:
+        raise ModelFileError(str(mf.path), f"MoE model routes to {mf.config.n_experts_used} of "
+                                           f"{mf.config.n_experts} experts per token")
+    sizes = [expert_files(mf, i)[0].nbytes if is_moe else 0 for i, is_moe in enumerate(moe)]
+    return ExpertManager(mf.path, mf.config.hidden, mf.config.n_experts_used, sizes, mf.config.n_experts, options, cap)
+
+
+def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, experts: ExpertManager | None) -> Block:
     def w(name: str) -> Weight:
         return ops.weight(mf.tensor(f"blk.{i}.{name}.weight"))
 
@@ -121,5 +140,8 @@ def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int) -> Block:
         q_norm=vec("attn_q_norm.weight") if spec.qk_norm else None,
         k_norm=vec("attn_k_norm.weight") if spec.qk_norm else None,
     )
-    ffn = DenseFFN(gate=w("ffn_gate"), up=w("ffn_up"), down=w("ffn_down"))
+    if experts is not None and mf.is_moe_layer(i):
+        ffn: DenseFFN | MoEFFN = load_moe_ffn(mf, ops, i, experts)
+    else:
+        ffn = DenseFFN(gate=w("ffn_gate"), up=w("ffn_up"), down=w("ffn_down"))
     return Block(vec("attn_norm.weight"), attn, vec("ffn_norm.weight"), ffn)
