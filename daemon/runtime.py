@@ -73,11 +73,6 @@ class Model:
         """Hot experts, routed and cold (token, expert) slots, swaps; None for a dense model."""
         return None if self._experts is None else self._experts.snapshot()
 
-    def close(self) -> None:
-        """Stop the cold-expert workers and save the routing statistics (a MoE model; else nothing)."""
-        if self._experts is not None:
-            self._experts.close()
-
     @property
     def _experts(self) -> ExpertManager | None:
         return None if self._net is None else self._net.experts
@@ -137,10 +132,13 @@ class Model:
         return EngineCore(runner, max_running=max_running, **options)
 
     def close(self) -> None:
-        """Stop a split model's stage processes and free its shared memory (a no-op otherwise; also
-        done when the Model is garbage-collected or the process exits)."""
+        """Stop a split model's stage processes and free its shared memory; stop a MoE model's
+        cold-expert workers and save its routing statistics (a no-op otherwise; the processes also
+        end when the Model is garbage-collected or the process exits)."""
         if self.pipeline is not None:
             self.pipeline.close()
+        if self._experts is not None:
+            self._experts.close()
 
     def generate(
         self,
