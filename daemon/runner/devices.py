@@ -79,8 +79,9 @@ class CpuBackend:
         numba.set_num_threads(min(threads or max(1, cores - 1), numba.config.NUMBA_NUM_THREADS))
 
 
-class CudaUnavailable(RuntimeError):
-    """A cuda device was asked for and this machine cannot run CUDA kernels; the message is one line."""
+class CudaUnavailable(OSError):
+    """A cuda device was asked for and this machine cannot run CUDA kernels; the message is one line
+    (an OSError: what the machine lacks, which the command line prints as its one-line error)."""
 
 
 class CudaBackend:
