@@ -1,10 +1,13 @@
 """The in-process API: `load(path, device)` -> Model, with tokenize, detokenize, logits and generate.
 
 Library users call it directly; the daemon loads its models through it too. Generating runs on the
-same engine core as the daemon (engine/engine_core.py), holding one sequence.
+same engine core as the daemon (engine/engine_core.py), holding one sequence. `load(path,
+devices=["cpu:0", "cpu:1"], split=[3, 2])` splits the model's layers across stage worker processes
+(runner/split_runner.py); everything else is the same.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,9 @@ from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.transformer import Transformer
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import ModelRunner
+from ember.daemon.runner.split_runner import Pipeline, SplitRunner
+from ember.daemon.runner.split_spec import parse_devices, parse_split, plan_stages
+from ember.daemon.planning.precision import DeviceCaps, PrecisionSettings, resolve_policy
 from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
 from ember.daemon.text.tokenizer import Tokenizer, TokenizerError
 from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES
@@ -30,17 +36,19 @@ __all__ = ["Model", "ModelFileError", "load"]
 
 class Model:
     def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str = "cpu", kv_dtype: str = "f32",
-                 decode_act: str = "q8_0") -> None:
+                 decode_act: str = "q8_0", pipeline: Pipeline | None = None) -> None:
+        """On `device`, or split across `pipeline`'s stages (its workers already loaded)."""
         self.path = mf.path
         self.config = mf.config
         self.tokenizer = tokenizer
         name = DeviceName.parse(device)
-        self.device = str(name)
         self.kv_dtype = kv_dtype
         self.decode_act = decode_act
         self._chat: ChatTemplate | None = None
         self.file_bytes = mf.file_bytes
-        self._net = Transformer(mf, backend_for(name).ops(name))
+        self.pipeline = pipeline
+        self.device = ",".join(str(s.device) for s in pipeline.specs) if pipeline else str(name)
+        self._net = None if pipeline else Transformer(mf, backend_for(name).ops(name))
 
     def __repr__(self) -> str:
         c = self.config
@@ -81,15 +89,30 @@ class Model:
     @property
     def net(self) -> Transformer:
         """The model's weights on its device, which runners (each with its own KV cache) share."""
+        if self._net is None:
+            raise ValueError("a split model's weights live in its stage processes (Model.pipeline)")
         return self._net
 
     def engine(self, capacity: int, max_running: int = 1, **options: Any) -> EngineCore:
         """An engine core of its own over this model's weights, with KV cache for `capacity` tokens
         (more sequences: EngineCore's options, e.g. max_running, max_context, prefix_caching)."""
-        runner = ModelRunner(self._net, -(-capacity // KV_BLOCK), KV_BLOCK, self.kv_dtype, self.decode_act)
         options.setdefault("prefix_caching", False)
-        options.setdefault("max_step_tokens", PREFILL_CHUNK)
+        options.setdefault("max_step_tokens", self.pipeline.max_tokens if self.pipeline else PREFILL_CHUNK)
+        blocks = -(-capacity // KV_BLOCK)
+        if self.pipeline is None:
+            runner = ModelRunner(self.net, blocks, KV_BLOCK, self.kv_dtype, self.decode_act)
+        elif options["max_step_tokens"] > self.pipeline.max_tokens:
+            raise ValueError(f"max_step_tokens {options['max_step_tokens']} is over the {self.pipeline.max_tokens} "
+                             f"tokens the split's staging holds (load(..., max_step_tokens=))")
+        else:
+            runner = SplitRunner(self.pipeline, blocks, KV_BLOCK, self.kv_dtype, self.decode_act)
         return EngineCore(runner, max_running=max_running, **options)
+
+    def close(self) -> None:
+        """Stop a split model's stage processes and free its shared memory (a no-op otherwise; also
+        done when the Model is garbage-collected or the process exits)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     def generate(
         self,
@@ -146,19 +169,38 @@ def _drive(engine: EngineCore) -> Iterator[StepOutput]:
         yield from result.outputs
 
 
-def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_act: str = "q8_0") -> Model:
+def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_act: str = "q8_0",
+         devices: str | Sequence[str] | None = None, split: str | Sequence[int] | None = None,
+         act_dtype: str = "auto", max_step_tokens: int = PREFILL_CHUNK, stage_threads: int = 0) -> Model:
     """Open a GGUF file or Hugging Face directory and place the model on `device` ("cpu"); its KV
     cache holds `kv_dtype` (f32, f16, bf16 or q8_0); generated tokens meet quantized weights with
-    `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do)."""
+    `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do).
+
+    devices (["cpu:0", "cpu:1"] or "cpu:0,cpu:1") splits the layers across stage processes: `split`
+    layers each ([3, 2] or "3,2"; default: in proportion to each device's memory), hidden states
+    staged between them in `act_dtype` (f32, f16, bf16; auto: the precision policy's, EMBER_ACT_DTYPE
+    overrides it), steps of up to `max_step_tokens` tokens, `stage_threads` kernel threads per stage
+    (0: the CPUs shared out among the stages)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
     if decode_act not in DECODE_ACTIVATIONS:
         raise ValueError(f"unknown decode activation precision {decode_act!r} (choose from {', '.join(DECODE_ACTIVATIONS)})")
-    backend = backend_for(device)  # an unknown device fails before the file is read
+    names = parse_devices(devices) if devices is not None else [DeviceName.parse(device)]
+    # one plain device is the in-process engine; cpu:N, even alone, is a stage process
+    staged = len(names) > 1 or not names[0].in_process or split is not None
+    counts = parse_split(split)
+    backend = backend_for(names[0])  # an unknown device fails before the file is read
+    policy = resolve_policy([DeviceCaps.of(str(n)) for n in names],
+                            flags=PrecisionSettings(act=None if act_dtype == "auto" else act_dtype))
     mf = open_model_file(path)
     backend.prepare()
     try:
         tokenizer = Tokenizer.from_gguf(mf.metadata) if mf.format == "gguf" else Tokenizer.from_hf_dir(mf.path)
     except TokenizerError as e:
         raise ModelFileError(str(mf.path), str(e)) from None
-    return Model(mf, tokenizer, device, kv_dtype, decode_act)
+    if not staged:
+        return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act)
+    stages = plan_stages(names, counts, mf.config.n_layers, [backend_for(n).available_memory(n) for n in names])
+    threads = stage_threads or max(1, len(os.sched_getaffinity(0)) // len(stages))
+    pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads)
+    return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, pipeline)

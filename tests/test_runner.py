@@ -16,12 +16,13 @@ from ember.kernels.sampling import SamplingParams, sample
 
 
 @pytest.mark.parametrize(("text", "name"), [("cpu", DeviceName("cpu")), ("cuda", DeviceName("cuda", 0)),
-                                            ("cuda:3", DeviceName("cuda", 3)), (" cpu ", DeviceName("cpu"))])
+                                            ("cuda:3", DeviceName("cuda", 3)), (" cpu ", DeviceName("cpu")),
+                                            ("cpu:1", DeviceName("cpu", 1))])
 def test_device_names(text: str, name: DeviceName) -> None:
     assert DeviceName.parse(text) == name and DeviceName.parse(str(name)) == name
 
 
-@pytest.mark.parametrize("text", ["gpu", "cpu:1", "cuda:", "cuda:x", "", "CPU"])
+@pytest.mark.parametrize("text", ["gpu", "cpu:", "cpu:x", "cuda:", "cuda:x", "", "CPU"])
 def test_bad_device_names_are_refused(text: str) -> None:
     with pytest.raises(ValueError, match="not a device"):
         DeviceName.parse(text)

@@ -20,16 +20,23 @@ from ember.kernels.ops import Ops
 @dataclass(frozen=True)
 class DeviceName:
     kind: str  # "cpu" or "cuda"
-    index: int | None = None  # cuda:N; None for the CPU (the engine's own process)
+    # cuda:N; cpu:N is a layer-split stage in a worker process of its own (bound to NUMA node N where
+    # there is one); None for the plain CPU: the engine's own process
+    index: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> DeviceName:
         m = re.fullmatch(r"(cpu|cuda)(?::(\d+))?", text.strip())
-        if m is None or (m.group(1) == "cpu" and m.group(2) is not None):
-            raise ValueError(f"not a device: {text!r} (cpu, cuda or cuda:N)")
+        if m is None:
+            raise ValueError(f"not a device: {text!r} (cpu, cpu:N, cuda or cuda:N)")
         if m.group(1) == "cuda":
             return cls("cuda", int(m.group(2) or 0))
-        return cls("cpu")
+        return cls("cpu", None if m.group(2) is None else int(m.group(2)))
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the engine's own process runs this device (plain `cpu`; `cpu:N` is a worker)."""
+        return self.kind != "cpu" or self.index is None
 
     def __str__(self) -> str:
         return self.kind if self.index is None else f"{self.kind}:{self.index}"
