@@ -90,6 +90,8 @@ class ModelConfig:
     def state_bytes(self) -> int:
         """Bytes of one sequence's recurrent state (hybrid models; 0 for others): float32, every linear layer."""
         return 4 * self.linear.state_floats * self.linear.n_layers if self.linear else 0
+    # renormalise the top-k routing weights to sum to 1 (HF norm_topk_prob; Mixtral always does)
+    expert_norm: bool = True
 
     def inv_freq(self, freq_factors: np.ndarray | None = None) -> np.ndarray:
         """Rotary inverse frequencies [head_dim / 2] (float32), with any scaling applied.
@@ -152,6 +154,8 @@ def config_from_gguf(meta: Mapping[str, Any], n_vocab_rows: int, source: str) ->
         expert_ffn=int(get("expert_feed_forward_length", 0)),
         rope_dim=int(get("rope.dimension_count", 0)),
         linear=_gguf_linear(meta, arch, int(get("block_count")), source),
+        # llama.cpp renormalises llama (Mixtral) and qwen3moe experts whatever the file says
+        expert_norm=bool(meta.get(f"{arch}.expert_weights_norm", True)),
     )
 
 
@@ -201,6 +205,7 @@ def config_from_hf(cfg: Mapping[str, Any], source: str) -> ModelConfig:
         expert_ffn=int(cfg.get("moe_intermediate_size") or (cfg.get("intermediate_size", 0) if model_type == "mixtral" else 0)),
         rope_dim=_hf_rope_dim(cfg, rope, hidden // n_heads),
         linear=_hf_linear(cfg, HF_ARCHITECTURES[model_type]),
+        expert_norm=bool(cfg.get("norm_topk_prob", False)) if model_type == "qwen3_moe" else True,
     )
 
 
