@@ -81,5 +81,12 @@ def plan_stages(devices: Sequence[DeviceName], split: Sequence[int] | None, n_la
     return [StageSpec(d, first, end) for d, (first, end) in zip(devices, bounds, strict=True)]
 
 
+def stage_budgets(devices: Sequence[DeviceName]) -> list[int]:
+    """Each device's memory budget for a split: what its backend offers, CPU stages sharing the host's
+    memory equally (the planner's split_layers then gives them equal layer counts)."""
+    cpus = sum(d.kind == "cpu" for d in devices)
+    return [backend_for(d).available_memory(d) // (cpus if d.kind == "cpu" else 1) for d in devices]
+
+
 def _even(n_layers: int, parts: int) -> list[int]:
     return [n_layers // parts + (i < n_layers % parts) for i in range(parts)]
