@@ -41,6 +41,10 @@ def parse_devices(devices: str | Sequence[str]) -> list[DeviceName]:
     dupes = sorted({n for n in seen if seen.count(n) > 1})
     if dupes:
         raise SplitSpecError(f"{', '.join(dupes)} named twice in --devices: each stage needs a device of its own")
+    if len(parsed) > 1 and any(n.kind == "cuda" for n in parsed):
+        raise SplitSpecError(f"{', '.join(str(n) for n in parsed if n.kind == 'cuda')} in a split: stages are cpu:N "
+                             "worker processes in this build (a CUDA stage plugs in as a split_runner.Stage); "
+                             "run the model on one CUDA device with --device instead")
     if len(parsed) > 1 and any(n.kind == "cpu" and n.index is None for n in parsed):
         raise SplitSpecError("'cpu' in a split: name CPU stages cpu:N (each a worker process, on NUMA node N where "
                              "there is one); plain 'cpu' is the engine's own process, for a model that is not split")
