@@ -6,6 +6,7 @@ same engine core as the daemon (engine/engine_core.py), holding one sequence.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.transformer import Transformer
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import ModelRunner
+from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
 from ember.daemon.text.tokenizer import Tokenizer, TokenizerError
 from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES
@@ -30,7 +32,7 @@ __all__ = ["Model", "ModelFileError", "load"]
 
 class Model:
     def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str = "cpu", kv_dtype: str = "f32",
-                 decode_act: str = "q8_0") -> None:
+                 decode_act: str = "q8_0", draft: ModelFile | None = None, draft_tokens: int = 4) -> None:
         self.path = mf.path
         self.config = mf.config
         self.tokenizer = tokenizer
@@ -41,6 +43,10 @@ class Model:
         self._chat: ChatTemplate | None = None
         self.file_bytes = mf.file_bytes
         self._net = Transformer(mf, backend_for(name).ops(name))
+        self.draft_path = None if draft is None else draft.path
+        self.draft_tokens = draft_tokens
+        self._draft = None if draft is None else Transformer(draft, self._net.ops)
+        self._spec_stats = SpecStats()
 
     def __repr__(self) -> str:
         c = self.config
@@ -86,10 +92,20 @@ class Model:
     def engine(self, capacity: int, max_running: int = 1, **options: Any) -> EngineCore:
         """An engine core of its own over this model's weights, with KV cache for `capacity` tokens
         (more sequences: EngineCore's options, e.g. max_running, max_context, prefix_caching)."""
-        runner = ModelRunner(self._net, -(-capacity // KV_BLOCK), KV_BLOCK, self.kv_dtype, self.decode_act)
+        blocks = -(-capacity // KV_BLOCK)
+        runner = ModelRunner(self._net, blocks, KV_BLOCK, self.kv_dtype, self.decode_act)
         options.setdefault("prefix_caching", False)
         options.setdefault("max_step_tokens", PREFILL_CHUNK)
+        if self._draft is not None:  # the draft's cache mirrors the target's blocks (daemon/speculative/)
+            options.setdefault("draft", ModelRunner(self._draft, blocks, KV_BLOCK, self.kv_dtype, self.decode_act))
+            options.setdefault("draft_tokens", self.draft_tokens)
+            options.setdefault("spec_stats", self._spec_stats)
         return EngineCore(runner, max_running=max_running, **options)
+
+    def spec_stats(self) -> SpecStats:
+        """Speculative decoding so far over this model's engines: tokens proposed, accepted, and
+        verification steps (all zero without a draft)."""
+        return replace(self._spec_stats)
 
     def generate(
         self,
@@ -146,19 +162,29 @@ def _drive(engine: EngineCore) -> Iterator[StepOutput]:
         yield from result.outputs
 
 
-def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_act: str = "q8_0") -> Model:
+def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_act: str = "q8_0",
+         draft: str | Path | None = None, draft_tokens: int = 4) -> Model:
     """Open a GGUF file or Hugging Face directory and place the model on `device` ("cpu"); its KV
     cache holds `kv_dtype` (f32, f16, bf16 or q8_0); generated tokens meet quantized weights with
-    `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do)."""
+    `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do).
+    `draft`: a smaller model with the same vocabulary that proposes `draft_tokens` tokens a step for
+    the target to verify (speculative decoding: the same tokens when greedy, the same distribution
+    when sampled; docs/speculative.md)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
     if decode_act not in DECODE_ACTIVATIONS:
         raise ValueError(f"unknown decode activation precision {decode_act!r} (choose from {', '.join(DECODE_ACTIVATIONS)})")
+    if draft is not None and draft_tokens < 1:
+        raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
     backend = backend_for(device)  # an unknown device fails before the file is read
     mf = open_model_file(path)
+    draft_file = None if draft is None else open_model_file(draft)
+    if draft_file is not None and draft_file.config.vocab != mf.config.vocab:
+        raise ModelFileError(str(draft_file.path), f"the draft's vocabulary ({draft_file.config.vocab} tokens) "
+                             f"differs from the model's ({mf.config.vocab}): a draft must share the tokenizer")
     backend.prepare()
     try:
         tokenizer = Tokenizer.from_gguf(mf.metadata) if mf.format == "gguf" else Tokenizer.from_hf_dir(mf.path)
     except TokenizerError as e:
         raise ModelFileError(str(mf.path), str(e)) from None
-    return Model(mf, tokenizer, device, kv_dtype, decode_act)
+    return Model(mf, tokenizer, device, kv_dtype, decode_act, draft_file, draft_tokens)
