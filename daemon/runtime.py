@@ -1,10 +1,13 @@
 """The in-process API: `load(path, device)` -> Model, with tokenize, detokenize, logits and generate.
 
 Library users call it directly; the daemon loads its models through it too. Generating runs on the
-same engine core as the daemon (engine/engine_core.py), holding one sequence.
+same engine core as the daemon (engine/engine_core.py), holding one sequence. `load(path,
+devices=["cpu:0", "cpu:1"], split=[3, 2])` splits the model's layers across stage worker processes
+(runner/split_runner.py); everything else is the same.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -15,11 +18,15 @@ import numpy as np
 from ember.daemon.engine.defaults import KV_BLOCK, PREFILL_CHUNK
 from ember.daemon.engine.engine_core import EngineCore, StepOutput
 from ember.daemon.engine.sequence import Sequence as EngineSequence
+from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions, ExpertStats
 from ember.daemon.loader.model_file import ModelFile, open_model_file
 from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.transformer import Transformer
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import ModelRunner
+from ember.daemon.runner.split_runner import Pipeline, SplitRunner
+from ember.daemon.runner.split_spec import parse_devices, parse_split, plan_stages
+from ember.daemon.planning.precision import DeviceCaps, PrecisionSettings, resolve_policy
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
 from ember.daemon.text.tokenizer import Tokenizer, TokenizerError
@@ -32,25 +39,49 @@ __all__ = ["Model", "ModelFileError", "load"]
 
 class Model:
     def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str = "cpu", kv_dtype: str = "f32",
-                 decode_act: str = "q8_0", draft: ModelFile | None = None, draft_tokens: int = 4) -> None:
+                 decode_act: str = "q8_0", pipeline: Pipeline | None = None,
+                 experts: ExpertOptions | None = None, draft: ModelFile | None = None, draft_tokens: int = 4) -> None:
+        """On `device`, or split across `pipeline`'s stages (its workers already loaded); a MoE
+        model's experts placed by `experts`; `draft` proposes `draft_tokens` tokens a step."""
         self.path = mf.path
         self.config = mf.config
         self.tokenizer = tokenizer
         name = DeviceName.parse(device)
-        self.device = str(name)
         self.kv_dtype = kv_dtype
         self.decode_act = decode_act
         self._chat: ChatTemplate | None = None
         self.file_bytes = mf.file_bytes
-        self._net = Transformer(mf, backend_for(name).ops(name))
+        self.pipeline = pipeline
+        self.device = ",".join(str(s.device) for s in pipeline.specs) if pipeline else str(name)
+        self._net = None if pipeline else Transformer(mf, backend_for(name).ops(name), experts=experts)
         self.draft_path = None if draft is None else draft.path
         self.draft_tokens = draft_tokens
-        self._draft = None if draft is None else Transformer(draft, self._net.ops)
+        self._draft = None if draft is None else Transformer(draft, backend_for(name).ops(name))
         self._spec_stats = SpecStats()
 
     def __repr__(self) -> str:
         c = self.config
         return f"Model({str(self.path)!r}, arch={c.arch}, layers={c.n_layers}, hidden={c.hidden}, device={self.device})"
+
+    # --- mixture of experts ----------------------------------------------------------------------
+    def routing_stats(self) -> np.ndarray:
+        """How often each expert was routed to: int64 [n_layers, n_experts] decayed counts (carried
+        over from earlier runs of this file); zero rows for dense layers, empty for dense models."""
+        m = self._experts
+        return np.zeros((self.config.n_layers, 0), np.int64) if m is None else m.stats.as_int64()
+
+    def placement(self) -> list[list[int]]:
+        """Per layer, the sorted ids of the hot experts ([] for dense layers and dense models)."""
+        m = self._experts
+        return [[] for _ in range(self.config.n_layers)] if m is None else m.placement()
+
+    def expert_stats(self) -> ExpertStats | None:
+        """Hot experts, routed and cold (token, expert) slots, swaps; None for a dense model."""
+        return None if self._experts is None else self._experts.snapshot()
+
+    @property
+    def _experts(self) -> ExpertManager | None:
+        return None if self._net is None else self._net.experts
 
     # --- text <-> tokens ------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -87,15 +118,23 @@ class Model:
     @property
     def net(self) -> Transformer:
         """The model's weights on its device, which runners (each with its own KV cache) share."""
+        if self._net is None:
+            raise ValueError("a split model's weights live in its stage processes (Model.pipeline)")
         return self._net
 
     def engine(self, capacity: int, max_running: int = 1, **options: Any) -> EngineCore:
         """An engine core of its own over this model's weights, with KV cache for `capacity` tokens
         (more sequences: EngineCore's options, e.g. max_running, max_context, prefix_caching)."""
-        blocks = -(-capacity // KV_BLOCK)
-        runner = ModelRunner(self._net, blocks, KV_BLOCK, self.kv_dtype, self.decode_act)
         options.setdefault("prefix_caching", False)
-        options.setdefault("max_step_tokens", PREFILL_CHUNK)
+        options.setdefault("max_step_tokens", self.pipeline.max_tokens if self.pipeline else PREFILL_CHUNK)
+        blocks = -(-capacity // KV_BLOCK)
+        if self.pipeline is None:
+            runner = ModelRunner(self.net, blocks, KV_BLOCK, self.kv_dtype, self.decode_act)
+        elif options["max_step_tokens"] > self.pipeline.max_tokens:
+            raise ValueError(f"max_step_tokens {options['max_step_tokens']} is over the {self.pipeline.max_tokens} "
+                             f"tokens the split's staging holds (load(..., max_step_tokens=))")
+        else:
+            runner = SplitRunner(self.pipeline, blocks, KV_BLOCK, self.kv_dtype, self.decode_act)
         if self._draft is not None:  # the draft's cache mirrors the target's blocks (daemon/speculative/)
             options.setdefault("draft", ModelRunner(self._draft, blocks, KV_BLOCK, self.kv_dtype, self.decode_act))
             options.setdefault("draft_tokens", self.draft_tokens)
@@ -106,6 +145,15 @@ class Model:
         """Speculative decoding so far over this model's engines: tokens proposed, accepted, and
         verification steps (all zero without a draft)."""
         return replace(self._spec_stats)
+
+    def close(self) -> None:
+        """Stop a split model's stage processes and free its shared memory; stop a MoE model's
+        cold-expert workers and save its routing statistics (a no-op otherwise; the processes also
+        end when the Model is garbage-collected or the process exits)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+        if self._experts is not None:
+            self._experts.close()
 
     def generate(
         self,
@@ -163,20 +211,42 @@ def _drive(engine: EngineCore) -> Iterator[StepOutput]:
 
 
 def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_act: str = "q8_0",
+         devices: str | Sequence[str] | None = None, split: str | Sequence[int] | None = None,
+         act_dtype: str = "auto", max_step_tokens: int = PREFILL_CHUNK, stage_threads: int = 0,
+         expert_budget: int | str | None = None, cold_workers: int | None = None, cold_policy: str = "exact",
          draft: str | Path | None = None, draft_tokens: int = 4) -> Model:
     """Open a GGUF file or Hugging Face directory and place the model on `device` ("cpu"); its KV
     cache holds `kv_dtype` (f32, f16, bf16 or q8_0); generated tokens meet quantized weights with
     `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do).
+
+    devices (["cpu:0", "cpu:1"] or "cpu:0,cpu:1") splits the layers across stage processes: `split`
+    layers each ([3, 2] or "3,2"; default: in proportion to each device's memory), hidden states
+    staged between them in `act_dtype` (f32, f16, bf16; auto: the precision policy's, EMBER_ACT_DTYPE
+    overrides it), steps of up to `max_step_tokens` tokens, `stage_threads` kernel threads per stage
+    (0: the CPUs shared out among the stages).
+
+    MoE models: `expert_budget` bounds the bytes of hot experts (None: all; bytes; a size such as
+    "2GiB"; or "N%" of all experts' bytes); the cold ones are computed by `cold_workers` CPU worker
+    processes (default 2 when some are cold) under cold_policy "exact", or dropped under "mask"
+    (lossy, opt-in). docs/experts.md. (Not with a layer split: its stages keep every expert hot.)
+
     `draft`: a smaller model with the same vocabulary that proposes `draft_tokens` tokens a step for
     the target to verify (speculative decoding: the same tokens when greedy, the same distribution
-    when sampled; docs/speculative.md)."""
+    when sampled; docs/speculative.md). The draft runs on `device`, beside the target."""
+    experts = ExpertOptions(expert_budget, cold_workers, cold_policy)
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
     if decode_act not in DECODE_ACTIVATIONS:
         raise ValueError(f"unknown decode activation precision {decode_act!r} (choose from {', '.join(DECODE_ACTIVATIONS)})")
+    names = parse_devices(devices) if devices is not None else [DeviceName.parse(device)]
+    # one plain device is the in-process engine; cpu:N, even alone, is a stage process
+    staged = len(names) > 1 or not names[0].in_process or split is not None
+    counts = parse_split(split)
     if draft is not None and draft_tokens < 1:
         raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
-    backend = backend_for(device)  # an unknown device fails before the file is read
+    backend = backend_for(names[0])  # an unknown device fails before the file is read
+    policy = resolve_policy([DeviceCaps.of(str(n)) for n in names],
+                            flags=PrecisionSettings(act=None if act_dtype == "auto" else act_dtype))
     mf = open_model_file(path)
     draft_file = None if draft is None else open_model_file(draft)
     if draft_file is not None and draft_file.config.vocab != mf.config.vocab:
@@ -187,4 +257,12 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
         tokenizer = Tokenizer.from_gguf(mf.metadata) if mf.format == "gguf" else Tokenizer.from_hf_dir(mf.path)
     except TokenizerError as e:
         raise ModelFileError(str(mf.path), str(e)) from None
-    return Model(mf, tokenizer, device, kv_dtype, decode_act, draft_file, draft_tokens)
+    if not staged:
+        return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, experts=experts, draft=draft_file,
+                     draft_tokens=draft_tokens)
+    if draft_file is not None:
+        raise ValueError("a draft model with a layer split is not supported yet: load the target on one device")
+    stages = plan_stages(names, counts, mf.config.n_layers, [backend_for(n).available_memory(n) for n in names])
+    threads = stage_threads or max(1, len(os.sched_getaffinity(0)) // len(stages))
+    pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads)
+    return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, pipeline)

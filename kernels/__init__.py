@@ -1,7 +1,7 @@
 """Numerical primitives behind one ops API (ops.py) with a numpy reference and per-device backends.
 
-`get_ops("cpu")` returns the numba backend; CUDA backends live in kernels/cuda and are imported only
-when asked for, so CPU-only machines never touch cupy.
+`get_ops("cpu")` returns the numba backend, `get_ops("cuda")` the numba.cuda one (kernels/cuda), imported
+only when asked for, so CPU-only machines never touch numba.cuda or cupy.
 """
 from __future__ import annotations
 
@@ -13,4 +13,8 @@ def get_ops(device: str = "cpu") -> Ops:
         from ember.kernels.cpu.backend import CpuOps
 
         return CpuOps()
-    raise ValueError(f"unknown device {device!r}: this build supports 'cpu'")
+    if device == "cuda":
+        from ember.kernels.cuda.backend import CudaOps
+
+        return CudaOps()
+    raise ValueError(f"unknown device {device!r}: this build supports 'cpu' and 'cuda'")

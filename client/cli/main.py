@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI additive penalty once seen (-2..2)")
     run.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     run.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    run.add_argument("--device", default="cpu", help="cpu (default)")
+    run.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
     run.set_defaults(func=_run)
     from ember.client.cli.daemon_commands import add_daemon_commands
     from ember.client.cli.gateway_command import add_gateway_parser

@@ -102,6 +102,14 @@ class BlockManager:
                 progress = (b, before)  # this copy takes over should the keeper be evicted
         return progress or (full, parent)
 
+    def forget_prefixes(self) -> None:
+        """The KV contents are gone (the runner lost its cache): no block keeps a known prefix any more;
+        the cached ones are free. Call when no sequence owns blocks with old contents."""
+        self._free.extend(self._cached)
+        self._cached.clear()
+        self._digest_of.clear()
+        self._block_of.clear()
+
     # --- allocation -------------------------------------------------------------------------------
     def allocate(self, n_blocks: int) -> list[int]:
         if not self.can_allocate(n_blocks):

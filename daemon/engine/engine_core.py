@@ -17,7 +17,7 @@ import numpy as np
 from ember.daemon.engine.block_manager import BlockManager
 from ember.daemon.engine.scheduler import Scheduler, StepPlan
 from ember.daemon.engine.sequence import Sequence
-from ember.daemon.runner.model_runner import ModelRunner, StepRun
+from ember.daemon.runner.model_runner import KVStateLost, ModelRunner, StepRun
 from ember.daemon.runner.step_batch import StepBatch
 from ember.daemon.speculative.draft_proposer import DraftProposer
 from ember.daemon.speculative.spec_stats import SpecStats
@@ -96,15 +96,31 @@ class EngineCore:
 
         A sequence whose sampling fails ends with reason "error" (StepResult.failed) and the others go
         on. If the forward pass itself fails, each chunk of the step is run alone: the ones that fail
-        alone end with "error", the others' work stands — one request cannot end its neighbours'."""
+        alone end with "error", the others' work stands — one request cannot end its neighbours'.
+        A runner that lost its KV cache (KVStateLost: a layer-split stage died) ends every running
+        sequence with "error" and forgets the cached prefixes; waiting ones run later as usual."""
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return StepResult(0)
+        if plan.started:  # a request boundary: where a MoE model may swap experts, never inside a step
+            self.runner.between_requests()
         try:
-            outputs, failed = self._step(plan)
-        except Exception as e:
-            outputs, failed = self._isolate(plan, e)
+            try:
+                outputs, failed = self._step(plan)
+            except KVStateLost:
+                raise
+            except Exception as e:
+                outputs, failed = self._isolate(plan, e)
+        except KVStateLost as e:
+            outputs, failed = [], self._lose_state(str(e))
         return StepResult(plan.n_tokens, outputs, plan.started, failed)
+
+    def _lose_state(self, why: str) -> list[tuple[Sequence, str]]:
+        lost = list(self.scheduler.running)
+        for seq in lost:
+            self.scheduler.abort(seq, "error")
+        self.blocks.forget_prefixes()  # their blocks' contents are gone
+        return [(seq, why) for seq in lost]
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -149,6 +165,8 @@ class EngineCore:
         for chunk in plan.chunks:
             try:
                 more, bad = self._step(StepPlan([chunk]))
+            except KVStateLost:
+                raise
             except Exception as e:
                 self.scheduler.abort(chunk.seq, "error")
                 more, bad = [], [(chunk.seq, f"{type(e).__name__}: {e}")]

@@ -20,6 +20,7 @@ from ember.daemon.loader.model_file import open_model_file
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.kernels.convert import storage_bytes
 from ember.daemon.engine.defaults import KV_BLOCK, PREFILL_CHUNK
+from ember.daemon.runner.staging import STAGING_BUFFERS, boundary_bytes  # what the split runner allocates
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SCHEMA = "ember.plan/1"
@@ -35,7 +36,6 @@ ACT_WIDEST_BUFFERS, ACT_HIDDEN_BUFFERS, ACT_MARGIN = 3, 3, 1.02
 SAMPLER_ROWS = 12
 ACT_CAP = {"cpu": 2 * GiB, "cuda": 1 * GiB}  # also the reservation when the dimensions are unknown
 GRAPH_HEADROOM = {"cpu": 0, "cuda": 256 * MiB}  # captured decode graphs' private pool (estimate)
-STAGING_BUFFERS = 2  # per layer-split boundary: one being filled while the other is read
 WEIGHT_CLASSES = ("embeddings", "attention", "dense_ffn", "experts", "output", "other")
 
 
@@ -114,7 +114,7 @@ class Device:
 
     @property
     def kind(self) -> str:
-        return "cpu" if self.name == "cpu" else "cuda"
+        return self.name.split(":")[0]  # cpu, cpu:N (a split's stage process) or cuda:N
 
     @property
     def caps(self) -> DeviceCaps:
@@ -274,7 +274,6 @@ def build_plan(info: ModelHeaders, request: PlanRequest) -> Plan:
     weights = _weights_by_device(info, bounds, devices)
     kv_tokens = -(-ctx // request.kv_block) * request.kv_block * request.seqs
     kv_per_layer = 2 * cfg.n_kv_heads * storage_bytes(kv_dtype, cfg.head_dim) * kv_tokens
-    act_bytes = storage_bytes(request.policy.act, 1)
     plans = []
     for i, (dev, (first, end)) in enumerate(zip(devices, bounds, strict=True)):
         last = i == len(devices) - 1
@@ -283,8 +282,10 @@ def build_plan(info: ModelHeaders, request: PlanRequest) -> Plan:
             kv_cache=(end - first) * kv_per_layer,
             activations=activation_reservation(cfg, request, dev, ctx, logits_rows=request.seqs if last else 0),
             graph_headroom=_per_kind(request.graph_headroom, GRAPH_HEADROOM, dev),
-            # a boundary's buffers live on the device that receives the hidden states
-            staging=cfg.hidden * ctx * act_bytes * request.staging_buffers if i > 0 else 0,
+            # a boundary's buffers live on the device that receives the hidden states; a step moves at
+            # most prefill_chunk tokens (engine.max_step_tokens): a long prompt crosses in chunks
+            staging=boundary_bytes(cfg.hidden, request.prefill_chunk, request.policy.act, request.staging_buffers)
+            if i > 0 else 0,
             feature_mirror=_feature_mirror(cfg, request, ctx) if last else 0,
             offloads_experts=request.expert_offload and dev.kind == "cuda",
             expert_bytes=_expert_bytes(info),
@@ -422,15 +423,15 @@ def parse_size(text: str) -> int:
 def parse_device(spec: str) -> Device:
     """'cpu', 'cpu=16GiB', 'cuda:0=24GiB', 'cuda:1=11GiB@8.6' (compute capability, for the precision
     policy; without it a CUDA device is assumed to lack native bf16)."""
-    m = re.fullmatch(r"(cpu|cuda(?::\d+)?)(?:=([^@]+))?(?:@(\d+)\.(\d+))?", spec.strip())
+    m = re.fullmatch(r"(cpu(?::\d+)?|cuda(?::\d+)?)(?:=([^@]+))?(?:@(\d+)\.(\d+))?", spec.strip())
     if not m:
         raise PlanError(f"not a device: {spec!r} (examples: cpu, cpu=16GiB, cuda:0=24GiB, cuda:0=24GiB@8.9)")
     name = "cuda:0" if m.group(1) == "cuda" else m.group(1)
     cc = (int(m.group(3)), int(m.group(4))) if m.group(3) else None
     if m.group(2):
         return Device(name, parse_size(m.group(2)), cc)
-    if name == "cpu":
-        return Device("cpu", available_ram(), cc)
+    if name.startswith("cpu"):
+        return Device(name, available_ram(), cc)
     raise PlanError(f"give the memory budget of {name}, e.g. {name}=24GiB (ember plan does not probe GPUs)")
 
 

@@ -46,10 +46,10 @@ class DeviceCaps:
     def of(cls, device: str, compute_capability: tuple[int, int] | None = None) -> DeviceCaps:
         """cpu: f32 only (numba has no half types). cuda: bf16 from compute capability 8.0 (Ampere);
         f16 otherwise, and when the capability is unknown (every CUDA GPU ember supports has f16)."""
-        if device == "cpu":
+        if device == "cpu" or device.startswith("cpu:"):
             return cls(device, ("f32",))
         if not device.startswith("cuda"):
-            raise PrecisionError(f"unknown device {device!r} (cpu or cuda:N)")
+            raise PrecisionError(f"unknown device {device!r} (cpu, cpu:N or cuda:N)")
         if compute_capability is not None and compute_capability >= (8, 0):
             return cls(device, ("bf16", "f16", "f32"))
         return cls(device, ("f16", "f32"))

@@ -5,7 +5,8 @@ batch's metadata to the device once (`prepare`), runs the model, and samples whe
 Only token ids leave the device, and logits rows when a sequence asks for them: on a GPU the full
 [tokens, vocab] logits never cross to the host. Everything device-specific lives behind the ops
 API of the backend the runner was built with (runner/devices.py chooses it), so the engine, the
-scheduler and the model code are the same for every device.
+scheduler and the model code are the same for every device. A layer split (split_runner.py) is a
+ModelRunner whose forward pass runs in stages elsewhere: sampling is this class's, on every path.
 """
 from __future__ import annotations
 
@@ -30,12 +31,22 @@ class StepRun:
     failed: dict[int, str] = field(default_factory=dict)  # sampler index -> why its sampling failed
 
 
+class KVStateLost(RuntimeError):
+    """The runner lost KV cache contents (a layer-split stage process died and was restarted empty):
+    every sequence with keys and values in this runner must end, and no cached prefix may be reused."""
+
+
+def check_decode_act(decode_act: str) -> None:
+    if decode_act not in DECODE_ACTIVATIONS:
+        raise ValueError(f"unknown decode activation precision {decode_act!r} (choose from {', '.join(DECODE_ACTIVATIONS)})")
+
+
 class ModelRunner:
     def __init__(self, net: Transformer, kv_blocks: int, block_size: int = 16, kv_dtype: str = "f32",
                  decode_act: str = "q8_0") -> None:
-        if decode_act not in DECODE_ACTIVATIONS:
-            raise ValueError(f"unknown decode activation precision {decode_act!r} (choose from {', '.join(DECODE_ACTIVATIONS)})")
+        check_decode_act(decode_act)
         self.net = net
+        self.ops = net.ops
         self.config = net.config
         self.decode_act = decode_act
         self.cache: PagedKVCache = net.new_cache(kv_blocks, block_size, kv_dtype)
@@ -48,6 +59,11 @@ class ModelRunner:
     def kv_blocks(self) -> int:
         return self.cache.n_blocks
 
+    def between_requests(self) -> None:
+        """A new request starts with the next step: a MoE model's experts may follow its routing."""
+        if self.net.experts is not None:
+            self.net.experts.between_requests(self.net.ops)
+
     def prepare(self, batch: StepBatch) -> StepBatch:
         """The step's metadata on the device, moved once for every layer to read."""
         if self.decode_act == "f32":
@@ -57,20 +73,24 @@ class ModelRunner:
     def execute(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], keep: Seq[int] = ()) -> StepRun:
         """Run `batch`; sample row r for each (r, sequence) of `samplers` with that sequence's
         parameters and generator; bring the rows in `keep` to the host."""
-        logits = self.net.forward(self.prepare(batch), self.cache)
+        logits = self.forward(batch)
         if batch.n_logits == 0:
             return StepRun([], {})
         choices, failed = self._sample(logits, samplers)
-        return StepRun(choices, {r: self.net.ops.to_numpy(logits[r]) for r in keep}, failed)
+        return StepRun(choices, {r: self.ops.to_numpy(logits[r]) for r in keep}, failed)
+
+    def forward(self, batch: StepBatch) -> Array:
+        """The logits [batch.n_logits, vocab] of the host batch's logit rows, where the runner keeps them."""
+        return self.net.forward(self.prepare(batch), self.cache)
 
     def _sample(self, logits: Array, samplers: Seq[tuple[int, Sequence]]) -> tuple[list[Choice | None], dict[int, str]]:
         if not samplers:
             return [], {}
         if all(not s.wants_logprob and s.params.plain_greedy for _, s in samplers):  # the greedy fast path: one argmax over the rows, no per-row copy
             rows = np.fromiter((r for r, _ in samplers), np.int64, len(samplers))
-            best = self.net.ops.to_numpy(self.net.ops.argmax_rows(logits, rows))
+            best = self.ops.to_numpy(self.ops.argmax_rows(logits, rows))
             return [Choice(int(t), float("nan")) for t in best], {}
-        host = self.net.ops.to_numpy(logits)
+        host = self.ops.to_numpy(logits)
         choices: list[Choice | None] = []
         failed: dict[int, str] = {}
         for k, (r, s) in enumerate(samplers):  # one row's failure is its sequence's alone

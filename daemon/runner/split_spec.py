@@ -1,0 +1,85 @@
+"""Which layers run where: a layer split's devices and layer counts, checked before anything starts.
+
+`--devices cpu:0,cpu:1 [--split 3,2]` (or `ember.load(path, devices=[...], split=[...])`) becomes one
+StageSpec per device. Without a split, the planner's rule divides the layers in proportion to each
+device's memory budget (planner.split_layers). Every refusal says what to change.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ember.daemon.planning.planner import Device, split_layers
+from ember.daemon.runner.devices import DeviceName, backend_for
+
+
+class SplitSpecError(ValueError):
+    """The devices or the split cannot run this model; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    device: DeviceName
+    first: int  # [first, end) layers of the model
+    end: int
+
+
+def parse_devices(devices: str | Sequence[str]) -> list[DeviceName]:
+    """'cpu:0,cpu:1' or ['cpu:0', 'cpu:1'] -> device names, each one known to this build."""
+    names = [d for d in (devices.split(",") if isinstance(devices, str) else devices)]
+    if not names or any(not n.strip() for n in names):
+        raise SplitSpecError(f"devices {devices!r}: name each device, separated by commas (e.g. cpu:0,cpu:1)")
+    parsed = []
+    for text in names:
+        try:
+            name = DeviceName.parse(text)
+            backend_for(name)
+        except ValueError as e:
+            raise SplitSpecError(f"unknown device in --devices: {e}") from None
+        parsed.append(name)
+    seen = [str(n) for n in parsed]
+    dupes = sorted({n for n in seen if seen.count(n) > 1})
+    if dupes:
+        raise SplitSpecError(f"{', '.join(dupes)} named twice in --devices: each stage needs a device of its own")
+    if len(parsed) > 1 and any(n.kind == "cpu" and n.index is None for n in parsed):
+        raise SplitSpecError("'cpu' in a split: name CPU stages cpu:N (each a worker process, on NUMA node N where "
+                             "there is one); plain 'cpu' is the engine's own process, for a model that is not split")
+    return parsed
+
+
+def parse_split(split: str | Sequence[int] | None) -> tuple[int, ...] | None:
+    if split is None or split == "":
+        return None
+    try:
+        counts = tuple(int(c) for c in (split.split(",") if isinstance(split, str) else split))
+    except ValueError:
+        raise SplitSpecError(f"split {split!r}: give layer counts separated by commas (e.g. 3,2)") from None
+    return counts
+
+
+def plan_stages(devices: Sequence[DeviceName], split: Sequence[int] | None, n_layers: int,
+                budgets: Sequence[int] | None = None) -> list[StageSpec]:
+    """One StageSpec per device: `split` layer counts as given, else proportional to `budgets` (equal
+    when None)."""
+    names = ",".join(map(str, devices))
+    if len(devices) > n_layers:
+        raise SplitSpecError(f"{len(devices)} devices ({names}) for a model of {n_layers} layers: every stage needs "
+                             f"a layer; name at most {n_layers} devices")
+    if split is not None:
+        if len(split) != len(devices):
+            raise SplitSpecError(f"split {','.join(map(str, split))} gives {len(split)} layer counts for "
+                                 f"{len(devices)} devices ({names}): give one count per device")
+        if any(c < 1 for c in split):
+            raise SplitSpecError(f"split {','.join(map(str, split))}: every stage needs at least one layer")
+        if sum(split) != n_layers:
+            raise SplitSpecError(f"split {','.join(map(str, split))} adds up to {sum(split)} layers; the model has "
+                                 f"{n_layers}: e.g. --split {','.join(map(str, _even(n_layers, len(devices))))}")
+    budgets = budgets or [1] * len(devices)
+    bounds = split_layers(n_layers, [Device(str(d), b) for d, b in zip(devices, budgets, strict=True)], split)
+    if any(end <= first for first, end in bounds):
+        raise SplitSpecError(f"the memory budgets leave a stage of {names} without layers: give --split")
+    return [StageSpec(d, first, end) for d, (first, end) in zip(devices, bounds, strict=True)]
+
+
+def _even(n_layers: int, parts: int) -> list[int]:
+    return [n_layers // parts + (i < n_layers % parts) for i in range(parts)]

@@ -1,0 +1,149 @@
+"""The control channel between the engine's process and a layer-split stage worker: msgspec Structs,
+one length-prefixed msgpack frame each, over a Unix socketpair whose other end the worker inherits.
+
+Only small things travel here — a step's metadata (token ids, positions, block tables: a few KiB)
+and the names of shared-memory segments; hidden states and logits go through shared memory
+(runner/staging.py). Nothing is pickled: a worker decodes exactly these types and nothing else.
+Blocking reads are the signal (no polling): a worker sleeps in recv until its next command, and
+the engine's process waits on every stage's socket at once (split_runner.py).
+"""
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgspec
+import numpy as np
+
+from ember.daemon.runner.step_batch import StepBatch
+
+_LENGTH = struct.Struct("<I")
+MAX_FRAME = 64 << 20  # a step's metadata is KiBs; anything near this is a bug, not a message
+
+
+class _Msg(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    pass
+
+
+class Setup(_Msg):
+    """The worker's first message: what to load and where its hidden states come from and go."""
+    model: str  # path of the GGUF file or HF directory; the worker maps it itself
+    first: int  # [first, end) layers of the model this stage runs
+    end: int
+    numa_node: int  # cpu:N's N: the worker binds itself to that node's CPUs where the node exists
+    threads: int  # kernel threads of this stage
+    act_dtype: str  # staging dtype of the hidden states: f32, f16 or bf16
+    max_tokens: int  # tokens of one micro-batch at most (a staging slot's rows)
+    inbox: str  # shared-memory segment of the boundary before this stage ("" for the first)
+    outbox: str  # of the boundary after it, or the logits segment for the last stage
+
+
+class Ready(_Msg):
+    pid: int
+    numa: str  # how the binding went, in words (logged by the engine's process)
+
+
+class NewCache(_Msg):
+    cache: int  # the runner's id for it: one KV cache per engine over the same weights
+    blocks: int
+    block_size: int
+    dtype: str
+
+
+class DropCache(_Msg):
+    cache: int
+
+
+class Batch(_Msg):
+    """A StepBatch's arrays as raw little-endian bytes in fixed dtypes (BATCH_DTYPES)."""
+    ids: bytes
+    positions: bytes
+    token_seq: bytes
+    kv_blocks: bytes
+    kv_offsets: bytes
+    tables: bytes
+    table_width: int
+    logit_rows: bytes
+    decode_rows: bytes
+
+
+class Run(_Msg):
+    micro_batch: int  # the engine's number for it, echoed in Done / Failed
+    cache: int
+    batch: Batch
+    in_slot: int  # staging slot of the inbox to read the hidden states from (-1: embed the ids)
+    out_slot: int  # of the outbox to write them to; for the last stage, the first logits row to write
+
+
+class Done(_Msg):
+    micro_batch: int
+
+
+class Failed(_Msg):
+    micro_batch: int  # -1: not about a micro-batch (setup failed)
+    error: str
+
+
+class Stop(_Msg):
+    pass
+
+
+Message = Setup | Ready | NewCache | DropCache | Run | Done | Failed | Stop
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+BATCH_DTYPES = {"ids": np.int64, "positions": np.int64, "token_seq": np.int32, "kv_blocks": np.int64,
+                "kv_offsets": np.int64, "tables": np.int32, "logit_rows": np.int64, "decode_rows": np.bool_}
+
+
+def pack_batch(batch: StepBatch) -> Batch:
+    raw = {name: np.ascontiguousarray(getattr(batch, name), dtype).tobytes() for name, dtype in BATCH_DTYPES.items()}
+    return Batch(table_width=int(np.shape(batch.tables)[1]), **raw)
+
+
+def unpack_batch(b: Batch) -> StepBatch:
+    arrays = {name: np.frombuffer(getattr(b, name), dtype) for name, dtype in BATCH_DTYPES.items()}
+    arrays["tables"] = arrays["tables"].reshape(-1, b.table_width)
+    return StepBatch(**arrays)
+
+
+class ChannelClosed(ConnectionError):
+    """The other end went away (a worker died, or the engine's process did)."""
+
+
+class Channel:
+    """One end of a socketpair carrying Messages."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, msg: Message) -> None:
+        data = _encoder.encode(msg)
+        try:
+            self.sock.sendall(_LENGTH.pack(len(data)) + data)  # one call: a frame is never interleaved
+        except OSError as e:
+            raise ChannelClosed(f"send failed: {e}") from None
+
+    def recv(self) -> Message:
+        (n,) = _LENGTH.unpack(self._exactly(_LENGTH.size))
+        if n > MAX_FRAME:
+            raise ChannelClosed(f"a frame of {n} bytes is over the channel's limit")
+        return _decoder.decode(self._exactly(n))
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _exactly(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            try:
+                part = self.sock.recv(n - len(buf))
+            except OSError as e:
+                raise ChannelClosed(f"receive failed: {e}") from None
+            if not part:
+                raise ChannelClosed("the other end closed the channel")
+            buf += part
+        return bytes(buf)

@@ -1,0 +1,157 @@
+"""ProcessStage: the engine's handle on one `cpu:N` stage worker (stage_worker.py) — starting it,
+restarting it after it died, and the commands and replies of its control channel.
+
+The worker is a fresh interpreter (`python -m`, not multiprocessing: nothing is pickled, not even its
+arguments) that inherits one end of a socketpair. It loads in parallel with the other stages: `spawn`
+returns at once and `wait_ready` collects the Ready. A worker that dies shows as a closed channel;
+`restart` starts a new one with the same setup and the KV caches the runners asked for, empty.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from ember.daemon.runner.devices import DeviceName
+from ember.daemon.runner.stage_channel import (Channel, ChannelClosed, Done, DropCache, Failed, Message, NewCache,
+                                               Ready, Run, Setup, Stop)
+
+READY_TIMEOUT = 600.0  # seconds a worker may take to map the model and load its layers
+STOP_TIMEOUT = 5.0
+
+
+class StageDied(RuntimeError):
+    """A stage worker exited (killed, out of memory, crashed); the message says which and how."""
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    blocks: int
+    block_size: int
+    dtype: str
+
+
+class ProcessStage:
+    def __init__(self, device: DeviceName, setup: Setup) -> None:
+        self.device, self.setup = device, setup
+        self.caches: dict[int, CacheSpec] = {}  # what a restarted worker must hold again
+        self.process: subprocess.Popen[bytes] | None = None
+        self.channel: Channel | None = None
+        self.info = ""  # the worker's Ready: its pid and NUMA binding, in words
+        self.restarts = 0
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.device} (layers {self.setup.first}-{self.setup.end - 1})"
+
+    def spawn(self) -> None:
+        """Start the worker and send its Setup; it loads while the caller starts the other stages."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ, NUMBA_NUM_THREADS=str(self.setup.threads))
+        try:
+            self.process = subprocess.Popen([sys.executable, "-m", "ember.daemon.runner.stage_worker", str(theirs.fileno())],
+                                            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self.channel = Channel(ours)
+        self.channel.send(self.setup)
+
+    def wait_ready(self) -> None:
+        assert self.channel is not None
+        self.channel.sock.settimeout(READY_TIMEOUT)
+        try:
+            reply = self.channel.recv()
+        except (ChannelClosed, TimeoutError) as e:
+            raise StageDied(f"{self.name} did not start: {self._exit_status()} ({e})") from None
+        finally:
+            self.channel.sock.settimeout(None)
+        if isinstance(reply, Failed):
+            self.kill()
+            raise StageDied(f"{self.name} could not load: {reply.error}")
+        if not isinstance(reply, Ready):
+            raise StageDied(f"{self.name} answered {type(reply).__name__} to its setup")
+        self.info = f"pid {reply.pid}, {reply.numa}"
+        for cache, spec in self.caches.items():
+            self.send(NewCache(cache, spec.blocks, spec.block_size, spec.dtype))
+
+    def restart(self) -> None:
+        """A new worker in place of a dead one, with every KV cache it held, empty."""
+        self.kill()
+        self.restarts += 1
+        self.spawn()
+        self.wait_ready()
+
+    def new_cache(self, cache: int, spec: CacheSpec) -> None:
+        self.caches[cache] = spec
+        self.send(NewCache(cache, spec.blocks, spec.block_size, spec.dtype))
+
+    def drop_cache(self, cache: int) -> None:
+        if self.caches.pop(cache, None) is not None:
+            self.send(DropCache(cache))
+
+    def alive(self) -> bool:
+        return self.channel is not None and self.process is not None and self.process.poll() is None
+
+    def fileno(self) -> int:
+        assert self.channel is not None
+        return self.channel.fileno()
+
+    def start(self, run: Run) -> None:
+        self.send(run)
+
+    def result(self) -> Done | Failed:
+        """The reply to the oldest Run (blocks until it comes)."""
+        reply = self._recv()
+        if not isinstance(reply, Done | Failed):
+            raise StageDied(f"{self.name} answered {type(reply).__name__} to a micro-batch")
+        return reply
+
+    def send(self, msg: Message) -> None:
+        if self.channel is None:
+            raise StageDied(f"{self.name} is not running")
+        try:
+            self.channel.send(msg)
+        except ChannelClosed:
+            self.channel.close()
+            self.channel = None
+            raise StageDied(f"{self.name} died: {self._exit_status()}") from None
+
+    def close(self) -> None:
+        """Stop the worker (it finishes nothing: call between steps)."""
+        if self.process is None:
+            return
+        try:
+            self.send(Stop())
+            self.process.wait(STOP_TIMEOUT)
+        except (StageDied, subprocess.TimeoutExpired):
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+        if self.process is not None:
+            self.process.wait()
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+    def _recv(self) -> Message:
+        assert self.channel is not None
+        try:
+            return self.channel.recv()
+        except ChannelClosed:
+            self.channel.close()
+            self.channel = None
+            raise StageDied(f"{self.name} died: {self._exit_status()}") from None
+
+    def _exit_status(self) -> str:
+        if self.process is None:
+            return "not started"
+        try:
+            code = self.process.wait(1.0)
+        except subprocess.TimeoutExpired:
+            return "its channel closed while it still runs"
+        return f"killed by signal {-code}" if code < 0 else f"exit status {code}"

@@ -1,0 +1,130 @@
+"""A layer-split stage worker: the process behind a `cpu:N` device.
+
+Started by runner/stage_process.py as `python -m ember.daemon.runner.stage_worker FD`, where FD is its
+end of the control channel (stage_channel.py). It binds itself to NUMA node N's CPUs where the machine
+has that node, maps the model file itself (pages shared with every other process mapping it), loads
+only its layers' weights (the embedding if it runs the first layer, the output head if the last),
+and keeps one KV cache per engine over those weights. Then it runs micro-batches until told to stop,
+or until the channel closes (the engine's process went away): hidden states in from the inbox slot
+(or token ids embedded), its layers, hidden states out to the outbox slot (or logits rows out).
+
+A failure inside a micro-batch is reported as Failed and the worker goes on; a failure to set up
+is reported and the worker exits 1.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+from ember.daemon.runner.kv_cache import PagedKVCache
+from ember.daemon.runner.stage_channel import (Channel, ChannelClosed, Done, DropCache, Failed, NewCache, Ready, Run,
+                                               Setup, Stop, unpack_batch)
+from ember.daemon.runner.staging import Boundary, LogitsRows, Segment
+
+NODE_DIR = Path("/sys/devices/system/node")
+
+
+def bind_to_numa_node(node: int) -> str:
+    """Run on node `node`'s CPUs (memory this process touches first is then allocated there by the
+    kernel's first-touch policy). A machine without that node leaves the process unbound."""
+    try:
+        cpulist = (NODE_DIR / f"node{node}" / "cpulist").read_text().strip()
+    except OSError:
+        return f"unbound: this machine has no NUMA node {node}"
+    cpus = parse_cpulist(cpulist)
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:
+        return f"unbound: binding to node {node}'s CPUs {cpulist} failed ({e.strerror})"
+    return f"bound to NUMA node {node} (CPUs {cpulist})"
+
+
+def parse_cpulist(text: str) -> set[int]:
+    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11} (the kernel's cpulist format)."""
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+class StageWorker:
+    def __init__(self, setup: Setup) -> None:
+        import numba
+
+        from ember.daemon.loader.model_file import open_model_file
+        from ember.daemon.models.transformer import Transformer
+        from ember.kernels import get_ops
+
+        numba.set_num_threads(min(setup.threads, numba.config.NUMBA_NUM_THREADS))
+        self.net = Transformer(open_model_file(setup.model), get_ops("cpu"), range(setup.first, setup.end))
+        cfg = self.net.config
+        self.inbox = None if not setup.inbox else Boundary(Segment.attach(setup.inbox), cfg.hidden, setup.max_tokens,
+                                                             setup.act_dtype)
+        out = Segment.attach(setup.outbox)
+        if self.net.runs_last:
+            self.logits: LogitsRows | None = LogitsRows(out, cfg.vocab, setup.max_tokens)
+            self.outbox: Boundary | None = None
+        else:
+            self.logits, self.outbox = None, Boundary(out, cfg.hidden, setup.max_tokens, setup.act_dtype)
+        self.caches: dict[int, PagedKVCache] = {}
+
+    def run(self, msg: Run) -> None:
+        ops = self.net.ops
+        batch = unpack_batch(msg.batch).on(ops.to_device)
+        n = len(batch.ids)
+        if self.inbox is None:
+            x = self.net.embed_tokens(batch)
+        else:  # widened to f32 here, before the first norm of this stage's first layer
+            x = self.inbox.read(msg.in_slot, n)
+        x = self.net.run_layers(x, batch, self.caches[msg.cache])
+        if self.logits is not None:
+            logits = self.net.head(x, batch)
+            self.logits.rows(msg.out_slot, batch.n_logits)[:] = ops.to_numpy(logits)
+        else:
+            assert self.outbox is not None
+            self.outbox.write(msg.out_slot, ops.to_numpy(x))
+
+    def serve(self, channel: Channel) -> None:
+        while True:
+            msg = channel.recv()
+            if isinstance(msg, Run):
+                try:
+                    self.run(msg)
+                except Exception as e:  # the micro-batch's failure, not the worker's
+                    channel.send(Failed(msg.micro_batch, f"{type(e).__name__}: {e}"))
+                    continue
+                channel.send(Done(msg.micro_batch))
+            elif isinstance(msg, NewCache):
+                self.caches[msg.cache] = self.net.new_cache(msg.blocks, msg.block_size, msg.dtype)
+            elif isinstance(msg, DropCache):
+                self.caches.pop(msg.cache, None)
+            elif isinstance(msg, Stop):
+                return
+
+
+def main(argv: list[str]) -> int:
+    channel = Channel(socket.socket(fileno=int(argv[1])))
+    try:
+        setup = channel.recv()
+        if not isinstance(setup, Setup):
+            raise ValueError(f"expected Setup first, got {type(setup).__name__}")
+        numa = bind_to_numa_node(setup.numa_node)
+        worker = StageWorker(setup)
+    except ChannelClosed:
+        return 1
+    except Exception as e:
+        channel.send(Failed(-1, f"{type(e).__name__}: {e}"))
+        return 1
+    channel.send(Ready(os.getpid(), numa))
+    try:
+        worker.serve(channel)
+    except ChannelClosed:  # the engine's process is gone: nothing left to serve
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,126 @@
+"""Staging segments: the shared memory a layer split's hidden states cross a boundary in, and the one
+the last stage writes its logits rows to.
+
+A boundary's segment holds STAGING_BUFFERS slots (two: the stage before writes micro-batch m+1
+into one while the stage after still reads micro-batch m from the other), each of `max_tokens` rows
+of `hidden` values in the precision policy's `act_dtype` (f32, or f16 / bf16 bit patterns as
+uint16, kernels/convert.py). Its size is exactly the planner's staging figure for the receiving
+device (`boundary_bytes`, the one formula both use). Rows are widened back to f32 as they are read,
+so the next layer's norm and everything after it compute in f32.
+
+The engine's process creates every segment (mode 0600, named like protocol/shm_ring.py's) and is
+the only one that unlinks them; workers map them by name. Who may write a slot when is the split
+runner's business: it starts a micro-batch on a stage only when its slots are free.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+
+import _posixshmem
+import numpy as np
+
+from ember.kernels.convert import decode_rows, encode_rows, storage_bytes
+from ember.protocol.shm_ring import _open_new
+
+STAGING_BUFFERS = 2  # slots per boundary (the planner's default staging_buffers counts the same)
+
+
+def boundary_bytes(hidden: int, max_tokens: int, act_dtype: str, buffers: int = STAGING_BUFFERS) -> int:
+    """Bytes of one boundary's segment: buffers x max_tokens x hidden in act_dtype."""
+    return buffers * max_tokens * storage_bytes(act_dtype, hidden)
+
+
+class Segment:
+    """A POSIX shared-memory segment: created (and later unlinked) by its owner, or attached by name."""
+
+    def __init__(self, name: str, buffer: mmap.mmap, owner: bool) -> None:
+        self.name, self._buffer, self._owner = name, buffer, owner
+
+    @classmethod
+    def create(cls, nbytes: int) -> Segment:
+        name, fd = _open_new(secrets.token_hex(4), 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # exactly 0600, whatever the umask
+            os.ftruncate(fd, max(nbytes, 1))
+            buffer = mmap.mmap(fd, max(nbytes, 1))
+        except BaseException:
+            _posixshmem.shm_unlink("/" + name)
+            raise
+        finally:
+            os.close(fd)
+        return cls(name, buffer, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> Segment:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0)
+        try:
+            buffer = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        return cls(name, buffer, owner=False)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._buffer)
+
+    def array(self, dtype: np.dtype | type, count: int, offset: int = 0) -> np.ndarray:
+        return np.frombuffer(self._buffer, dtype=dtype, count=count, offset=offset)
+
+    def close(self) -> None:
+        if self._buffer.closed:
+            return
+        try:
+            self._buffer.close()
+        except BufferError:  # a numpy view still uses the mapping: it goes with the last view
+            pass
+        if self._owner:
+            try:
+                _posixshmem.shm_unlink("/" + self.name)
+            except FileNotFoundError:
+                pass
+
+
+class Boundary:
+    """The hidden states crossing one boundary: STAGING_BUFFERS slots of max_tokens x hidden rows."""
+
+    def __init__(self, segment: Segment, hidden: int, max_tokens: int, act_dtype: str) -> None:
+        self.segment, self.hidden, self.max_tokens, self.act_dtype = segment, hidden, max_tokens, act_dtype
+        self.row_bytes = storage_bytes(act_dtype, hidden)
+        self.slot_bytes = max_tokens * self.row_bytes
+        self._storage = np.float32 if act_dtype == "f32" else np.uint16
+
+    @classmethod
+    def create(cls, hidden: int, max_tokens: int, act_dtype: str) -> Boundary:
+        return cls(Segment.create(boundary_bytes(hidden, max_tokens, act_dtype)), hidden, max_tokens, act_dtype)
+
+    def write(self, slot: int, x: np.ndarray) -> None:
+        """Rows x [n, hidden] (f32) into `slot`, in the staging dtype."""
+        self._slot(slot, x.shape[0])[:] = encode_rows(x, self.act_dtype)
+
+    def read(self, slot: int, n: int) -> np.ndarray:
+        """The n rows of `slot` as float32 [n, hidden] (a copy: the slot may be reused at once)."""
+        return decode_rows(self._slot(slot, n), self.act_dtype, self.hidden)
+
+    def _slot(self, slot: int, n: int) -> np.ndarray:
+        if not 0 <= slot < STAGING_BUFFERS or n > self.max_tokens:
+            raise ValueError(f"staging slot {slot} with {n} rows (slots 0-{STAGING_BUFFERS - 1}, {self.max_tokens} rows each)")
+        width = self.row_bytes // np.dtype(self._storage).itemsize
+        return self.segment.array(self._storage, n * width, slot * self.slot_bytes).reshape(n, width)
+
+
+class LogitsRows:
+    """Where the last stage leaves the logits rows of a step: max_rows x vocab float32."""
+
+    def __init__(self, segment: Segment, vocab: int, max_rows: int) -> None:
+        self.segment, self.vocab, self.max_rows = segment, vocab, max_rows
+
+    @classmethod
+    def create(cls, vocab: int, max_rows: int) -> LogitsRows:
+        return cls(Segment.create(max_rows * vocab * 4), vocab, max_rows)
+
+    def rows(self, first: int, n: int) -> np.ndarray:
+        if first < 0 or first + n > self.max_rows:
+            raise ValueError(f"logits rows {first}-{first + n - 1} of {self.max_rows}")
+        return self.segment.array(np.float32, n * self.vocab, first * self.vocab * 4).reshape(n, self.vocab)

@@ -1,0 +1,130 @@
+"""What the CUDA kernels share: the simulator switch, the block width, launch shapes, and the one
+reduction helper every kernel reduces through.
+
+On a real GPU a block is one warp (32 threads) and a reduction is a butterfly of warp shuffles, with
+no shared memory and no barrier. numba's CUDA simulator has no shuffles (`shfl_*_sync` raise
+AttributeError there), and every simulated thread is a Python thread whose `syncthreads` costs
+milliseconds: there the same helpers go through shared memory with two barriers, and blocks are 8
+threads wide. Kernels are written for any block width up to 32 (grid- and block-stride loops), so a
+tiny simulator launch runs exactly the code a GPU runs.
+"""
+from __future__ import annotations
+
+import math
+
+from numba import config, cuda, float32
+
+SIMULATOR: bool = bool(config.ENABLE_CUDASIM)
+WARP = 32
+# Threads per block. The simulator runs each as a Python thread: 8 keep a test's launches quick.
+THREADS = 8 if SIMULATOR else WARP
+# Blocks per launch at most; kernels loop over the rest (grid-stride), so any size is correct.
+MAX_BLOCKS = 64 if SIMULATOR else 65535
+_FULL_MASK = 0xFFFFFFFF
+
+
+def grid(tasks: int, threads: int = THREADS) -> tuple[int, int]:
+    """(blocks, threads) for `tasks` independent units of `threads` lanes each: one block per task,
+    capped (the kernels stride over the rest)."""
+    return max(1, min(tasks, MAX_BLOCKS)), threads
+
+
+def flat_grid(items: int) -> tuple[int, int]:
+    """(blocks, threads) for `items` one-thread work items (elementwise kernels)."""
+    return grid(-(-items // THREADS))
+
+
+def unavailable_reason() -> str | None:
+    """Why no CUDA device can run kernels here (None when one can): the line the runtime shows."""
+    try:
+        if cuda.is_available():
+            return None
+        len(cuda.gpus)  # numba keeps the driver's error; asking for the devices raises it
+    except Exception as e:  # noqa: BLE001 - any driver/library failure is the answer itself
+        return " ".join(str(e).split()).rstrip(" :") or type(e).__name__  # numba's message spans lines
+    return "no CUDA GPU found"
+
+
+# --- the reduction helper ------------------------------------------------------------------------
+# Each returns the block-wide result to every thread; `scratch` is a shared float32 [THREADS] array
+# (and `iscratch` int64 for argmax) that the kernel allocates, since only kernels own shared memory.
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def block_sum(v, scratch):  # type: ignore[no-untyped-def]
+        t = cuda.threadIdx.x
+        scratch[t] = v
+        cuda.syncthreads()
+        total = float32(0)
+        for i in range(cuda.blockDim.x):  # one order for every thread: they all agree on the sum
+            total += scratch[i]
+        cuda.syncthreads()  # everyone has read scratch before anyone reuses it
+        return total
+
+    @cuda.jit(device=True)
+    def block_max(v, scratch):  # type: ignore[no-untyped-def]
+        t = cuda.threadIdx.x
+        scratch[t] = v
+        cuda.syncthreads()
+        best = scratch[0]
+        for i in range(1, cuda.blockDim.x):
+            best = max(best, scratch[i])
+        cuda.syncthreads()
+        return best
+
+    @cuda.jit(device=True)
+    def block_argmax(v, idx, scratch, iscratch):  # type: ignore[no-untyped-def]
+        t = cuda.threadIdx.x
+        scratch[t] = v
+        iscratch[t] = idx
+        cuda.syncthreads()
+        best, at = scratch[0], iscratch[0]
+        for i in range(1, cuda.blockDim.x):
+            if scratch[i] > best or (scratch[i] == best and iscratch[i] < at):
+                best, at = scratch[i], iscratch[i]
+        cuda.syncthreads()
+        return best, at
+
+    @cuda.jit(device=True)
+    def block_broadcast(v, lane, scratch):  # type: ignore[no-untyped-def]
+        t = cuda.threadIdx.x
+        scratch[t] = v
+        cuda.syncthreads()
+        out = scratch[lane]
+        cuda.syncthreads()
+        return out
+else:
+    @cuda.jit(device=True)
+    def block_sum(v, scratch):  # type: ignore[no-untyped-def]
+        offset = WARP // 2
+        while offset > 0:
+            v += cuda.shfl_xor_sync(_FULL_MASK, v, offset)
+            offset //= 2
+        return v
+
+    @cuda.jit(device=True)
+    def block_max(v, scratch):  # type: ignore[no-untyped-def]
+        offset = WARP // 2
+        while offset > 0:
+            v = max(v, cuda.shfl_xor_sync(_FULL_MASK, v, offset))
+            offset //= 2
+        return v
+
+    @cuda.jit(device=True)
+    def block_argmax(v, idx, scratch, iscratch):  # type: ignore[no-untyped-def]
+        offset = WARP // 2
+        while offset > 0:
+            ov = cuda.shfl_xor_sync(_FULL_MASK, v, offset)
+            oi = cuda.shfl_xor_sync(_FULL_MASK, idx, offset)
+            if ov > v or (ov == v and oi < idx):
+                v, idx = ov, oi
+            offset //= 2
+        return v, idx
+
+    @cuda.jit(device=True)
+    def block_broadcast(v, lane, scratch):  # type: ignore[no-untyped-def]
+        return cuda.shfl_sync(_FULL_MASK, v, lane)
+
+
+NEG_INF = -math.inf
+__all__ = ["SIMULATOR", "THREADS", "WARP", "block_argmax", "block_broadcast", "block_max", "block_sum", "flat_grid",
+           "grid", "unavailable_reason"]

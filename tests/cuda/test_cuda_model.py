@@ -1,0 +1,48 @@
+"""The micro model on cuda:0 against the same file on the CPU: logits within float32 noise, the same
+greedy tokens, every weight type read."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ember
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from micro_model import WEIGHT_TYPES, write_micro_model  # noqa: E402
+
+PROMPT = [1, 17, 300, 45, 9]
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
+    return write_micro_model(tmp_path_factory.mktemp("micro"))
+
+
+@pytest.fixture(scope="module")
+def pair(micro: Path) -> tuple[ember.Model, ember.Model]:
+    # f32 decode activations on the CPU: the CUDA backend computes every row in float32
+    return ember.load(micro, decode_act="f32"), ember.load(micro, device="cuda:0")
+
+
+def test_the_micro_model_holds_every_weight_type(micro: Path) -> None:
+    from ember.daemon.loader.model_file import open_model_file
+
+    assert {t.ttype for t in open_model_file(micro).tensors.values()} == WEIGHT_TYPES
+
+
+def test_cuda_logits_equal_cpu_logits(pair: tuple[ember.Model, ember.Model]) -> None:
+    cpu, gpu = pair
+    assert gpu.device == "cuda:0"
+    want, got = cpu.logits(PROMPT), gpu.logits(PROMPT)
+    assert got.shape == want.shape == (len(PROMPT), 512)
+    assert np.abs(got - want).max() <= 1e-5 * (want.max() - want.min())
+
+
+def test_cuda_greedy_tokens_equal_cpu_tokens(pair: tuple[ember.Model, ember.Model]) -> None:
+    cpu, gpu = pair
+    want = list(cpu.generate(PROMPT[:3], max_tokens=3, ignore_eos=True))
+    assert list(gpu.generate(PROMPT[:3], max_tokens=3, ignore_eos=True)) == want

@@ -1,0 +1,192 @@
+"""Layer split: a model's layers in stage worker processes (`cpu:N`), hidden states staged in shared
+memory. With f32 staging the split model computes what the unsplit one does — logits equal, greedy and
+seeded sampled tokens identical — on the trained demo model and on a tiny random Llama, alone and
+batched (micro-batches pipelined through the stages); narrow staging stays close; the staging
+allocated is the planner's figure; bad specs are refused with what to change; a stage that dies
+fails the sequences it held and is restarted."""
+from __future__ import annotations
+
+import os
+import signal
+import stat
+
+import numpy as np
+import pytest
+
+import ember
+from ember.daemon.engine.sequence import Sequence
+from ember.daemon.loader.demo_model import DEMO_MODEL
+from ember.daemon.planning.planner import Device, PlanRequest, plan_model
+from ember.daemon.planning.precision import PrecisionSettings
+from ember.daemon.runner.split_runner import split_micro_batches
+from ember.daemon.runner.split_spec import SplitSpecError
+from ember.daemon.runner.step_batch import StepBatch
+from ember.kernels.sampling import SamplingParams
+
+SNIPPETS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
+            "for i in range(10):\n    print(", "# read the config file\nwith open(", "x = ["]
+STEP = 64  # max_step_tokens of the split models here (their staging holds this many rows)
+
+
+@pytest.fixture(scope="module")
+def unsplit() -> ember.Model:
+    return ember.load(DEMO_MODEL)
+
+
+@pytest.fixture(scope="module")
+def split() -> ember.Model:
+    model = ember.load(DEMO_MODEL, devices=["cpu:0", "cpu:1"], split=[3, 2], act_dtype="f32", max_step_tokens=STEP)
+    yield model
+    model.close()
+
+
+def rel_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def run_batched(model: ember.Model, seqs: list[Sequence]) -> None:
+    """Staggered arrivals, so prompt chunks meet decodes and steps hold several sequences."""
+    engine = model.engine(1024, max_running=len(seqs), max_step_tokens=24)
+    for step in range(10_000):
+        if step < 3 * len(seqs) and step % 3 == 0:
+            engine.add(seqs[step // 3])
+        elif not engine.has_work:
+            return
+        result = engine.step()
+        assert not result.failed, result.failed
+    raise AssertionError("did not finish")
+
+
+def test_f32_staging_logits_equal_unsplit(unsplit, split) -> None:
+    for text in SNIPPETS[:3]:
+        ids = unsplit.tokenize(text)
+        assert rel_error(split.logits(ids), unsplit.logits(ids)) <= 1e-6
+
+
+def test_generated_tokens_logits_equal_unsplit(unsplit, split) -> None:
+    """Decode rows (int8 activations, the fast path) cross the boundary too: their logits agree."""
+    def logits_of(model: ember.Model) -> np.ndarray:
+        engine = model.engine(128)
+        engine.add(Sequence(unsplit.tokenize(SNIPPETS[2]), 10, wants_logits=True))
+        rows = []
+        while engine.has_work:
+            rows += [out.logits[0] for out in engine.step().outputs]
+        return np.stack(rows)
+
+    assert rel_error(logits_of(split), logits_of(unsplit)) <= 1e-6
+
+
+def test_greedy_and_seeded_sampling_identical(unsplit, split) -> None:
+    ids = unsplit.tokenize(SNIPPETS[0])
+    assert list(split.generate(ids, 32, ignore_eos=True)) == list(unsplit.generate(ids, 32, ignore_eos=True))
+    sampling = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, repetition_penalty=1.2,
+                    frequency_penalty=0.3, presence_penalty=0.2, logit_bias={10: 2.0}, seed=7)
+    got = list(split.generate(ids, 32, ignore_eos=True, **sampling))
+    assert got == list(unsplit.generate(ids, 32, ignore_eos=True, **sampling))
+
+
+def test_batched_sequences_pipelined_equal_unsplit(unsplit, split) -> None:
+    def seqs() -> list[Sequence]:
+        params = SamplingParams(temperature=0.8, top_k=20)
+        return [Sequence(unsplit.tokenize(t), 16, params if i % 2 else SamplingParams(), seed=i)
+                for i, t in enumerate(SNIPPETS)]
+
+    want, got = seqs(), seqs()
+    run_batched(unsplit, want)
+    run_batched(split, got)
+    assert [s.generated for s in got] == [s.generated for s in want]
+
+
+def test_micro_batches_cut_whole_sequences_and_keep_logit_rows() -> None:
+    chunks = [([5], 7, [0]), ([6], 3, [1]), ([1, 2, 3], 0, [2, 3]), ([4, 4], 16, [4, 5])]
+    batch = StepBatch.build(chunks, 16, all_logits=[False, False, True, False])
+    parts = split_micro_batches(batch, 2)
+    assert len(parts) == 2
+    assert np.array_equal(np.concatenate([p.ids for p, _ in parts]), batch.ids)
+    rows, offset = [], 0
+    for part, first in parts:  # every token sees its own sequence's table, whatever the part
+        assert np.array_equal(part.tables[part.token_seq], batch.tables[batch.token_seq[offset: offset + len(part.ids)]])
+        assert first == len(rows)
+        rows += list(part.logit_rows + offset)
+        offset += len(part.ids)
+    assert rows == list(batch.logit_rows)
+    assert len(split_micro_batches(StepBatch.build([([1, 2], 0, [0])], 16), 2)) == 1  # one sequence: one part
+
+
+def test_tiny_random_llama_split_equals_unsplit(hf_model) -> None:
+    path, _ = hf_model("llama", num_hidden_layers=3)
+    whole = ember.load(path)
+    parts = ember.load(path, devices="cpu:0,cpu:1", split="1,2", max_step_tokens=STEP)
+    try:
+        ids = list(range(3, 40))
+        assert rel_error(parts.logits(ids), whole.logits(ids)) <= 1e-6
+        assert list(parts.generate(ids, 16, ignore_eos=True)) == list(whole.generate(ids, 16, ignore_eos=True))
+        seeded = dict(temperature=1.0, top_p=0.9, seed=3, ignore_eos=True)
+        assert list(parts.generate(ids, 16, **seeded)) == list(whole.generate(ids, 16, **seeded))
+    finally:
+        parts.close()
+
+
+def test_staging_allocated_is_the_planners_figure_and_private(split) -> None:
+    devices = [Device("cpu:0", 1 << 30), Device("cpu:1", 1 << 30)]
+    request = PlanRequest.create(devices, flags=PrecisionSettings(act="f32"), split=(3, 2), prefill_chunk=STEP)
+    plan = plan_model(DEMO_MODEL, request)
+    assert [d.staging for d in plan.devices] == split.pipeline.staging_bytes == [0, 2 * STEP * 384 * 4]
+    for segment in split.pipeline._segments:
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{segment.name}").st_mode) == 0o600
+
+
+@pytest.mark.parametrize("act_dtype", ["f16", "bf16"])
+def test_narrow_staging_tracks_f32(unsplit, act_dtype: str) -> None:
+    """Hidden states rounded to 16 bits at the boundary, widened back before the next norm: the
+    logits move by the rounding (bounded here), the greedy tokens of this prompt do not."""
+    model = ember.load(DEMO_MODEL, devices=["cpu:0", "cpu:1"], act_dtype=act_dtype, max_step_tokens=STEP)
+    try:
+        assert model.pipeline.staging_bytes == [0, 2 * STEP * 384 * 2]
+        ids = unsplit.tokenize(SNIPPETS[0])
+        got, want = model.logits(ids), unsplit.logits(ids)
+        assert 0 < rel_error(got, want) < 0.01
+        assert np.array_equal(got.argmax(1), want.argmax(1))
+        assert list(model.generate(ids, 32, ignore_eos=True)) == list(unsplit.generate(ids, 32, ignore_eos=True))
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize(("devices", "split", "message"), [
+    (["cpu:0", "cpu:1", "cpu:2", "cpu:3", "cpu:4", "cpu:5"], None, "6 devices .* 5 layers.*name at most 5 devices"),
+    (["cpu:0", "gpu:1"], None, "unknown device in --devices: not a device: 'gpu:1'"),
+    (["cpu:0", "cuda:1"], None, "unknown device in --devices: cuda:1: this build of ember has no cuda backend"),
+    (["cpu:0", "cpu:1"], [3, 3], "split 3,3 adds up to 6 layers; the model has 5: e.g. --split 3,2"),
+    (["cpu:0", "cpu:1"], [5], "gives 1 layer counts for 2 devices"),
+    (["cpu:0", "cpu:1"], [5, 0], "every stage needs at least one layer"),
+    (["cpu", "cpu:1"], None, "name CPU stages cpu:N"),
+    (["cpu:1", "cpu:1"], None, "cpu:1 named twice"),
+])
+def test_bad_split_specs_are_refused_with_what_to_change(devices, split, message) -> None:
+    with pytest.raises(SplitSpecError, match=message):
+        ember.load(DEMO_MODEL, devices=devices, split=split)
+
+
+def test_a_stage_that_dies_fails_its_sequences_and_is_restarted(unsplit) -> None:
+    model = ember.load(DEMO_MODEL, devices=["cpu:0", "cpu:1"], max_step_tokens=STEP)
+    try:
+        engine, other = model.engine(256, max_running=2), model.engine(256)
+        seqs = [Sequence(unsplit.tokenize(t), 50) for t in SNIPPETS[:2]]
+        for seq in seqs:
+            engine.add(seq)
+        other.add(Sequence(unsplit.tokenize(SNIPPETS[3]), 50))
+        for _ in range(3):
+            engine.step(), other.step()
+        stage = model.pipeline.stages[1]
+        os.kill(stage.process.pid, signal.SIGKILL)
+        result = engine.step()
+        assert sorted(s.seq_id for s, _ in result.failed) == sorted(s.seq_id for s in seqs)
+        assert all("stage cpu:1 (layers 3-4) died: killed by signal 9" in why for _, why in result.failed)
+        assert all(s.finish_reason == "error" for s in seqs) and not engine.has_work
+        assert stage.restarts == 1 and stage.alive()
+        lost = other.step()  # another engine over the same stages learns it at its next step
+        assert len(lost.failed) == 1 and "KV cache is lost" in lost.failed[0][1]
+        ids = unsplit.tokenize(SNIPPETS[4])  # and the model serves on
+        assert list(model.generate(ids, 12, ignore_eos=True)) == list(unsplit.generate(ids, 12, ignore_eos=True))
+    finally:
+        model.close()
