@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ember.daemon.engine.block_manager import BlockManager
-from ember.daemon.engine.scheduler import Scheduler, StepPlan
+from ember.daemon.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.runner.model_runner import KVStateLost, ModelRunner, StepRun
 from ember.daemon.runner.step_batch import StepBatch
@@ -65,9 +65,17 @@ class EngineCore:
         """max_context: tokens per sequence at most (default and upper bound: the model's context).
         draft: a runner of the draft model whose KV cache has as many blocks, of the same size, as
         the target's; each sequence then gets up to draft_tokens proposals a step, counted in
-        spec_stats (a new SpecStats if not given)."""
+        spec_stats (a new SpecStats if not given).
+
+        A hybrid model (runner.stateful) runs without prefix reuse: cached KV blocks would skip the
+        tokens whose recurrent state the sequence still needs (docs/hybrid.md); nor with a draft
+        (rejected proposals would have to be taken out of the recurrent state)."""
+        if runner.stateful and max_running > runner.max_sequences:
+            raise ValueError(f"max_running {max_running} exceeds the runner's {runner.max_sequences} recurrent state slots")
+        if draft is not None and (runner.stateful or draft.stateful):
+            raise ValueError("speculative decoding needs attention-only models (no recurrent state)")
         self.runner = runner
-        self.blocks = BlockManager(runner.kv_blocks, runner.block_size, prefix_caching)
+        self.blocks = BlockManager(runner.kv_blocks, runner.block_size, prefix_caching and not runner.stateful)
         context = min(max_context or runner.config.context_length, runner.config.context_length)
         self.proposer: DraftProposer | None = None
         self.spec_stats = spec_stats or SpecStats()
@@ -164,7 +172,8 @@ class EngineCore:
         failed: list[tuple[Sequence, str]] = []
         for chunk in plan.chunks:
             try:
-                more, bad = self._step(StepPlan([chunk]))
+                for alone in self._replayed(chunk):
+                    more, bad = self._step(StepPlan([alone]))
             except KVStateLost:
                 raise
             except Exception as e:
@@ -174,6 +183,15 @@ class EngineCore:
             failed += bad
         return outputs, failed
 
+    def _replayed(self, chunk: ScheduledChunk) -> list[ScheduledChunk]:
+        """`chunk` to run again alone. A stateful runner's failed step may have advanced the sequence's
+        recurrent state part-way, so its tokens are run again from position 0 (which resets the state),
+        in steps of the usual size; the KV blocks they rewrite get the same values."""
+        if not self.runner.stateful:
+            return [chunk]
+        end, size = chunk.start + chunk.length, self.scheduler.max_step_tokens
+        return [ScheduledChunk(chunk.seq, s, min(size, end - s)) for s in range(0, end, size)]
+
     def _run(self, plan: StepPlan, rows: _LogitRows) -> StepRun:
         chunks = plan.chunks
         proposals = self.proposer.propose(chunks) if self.proposer else {}
@@ -182,7 +200,7 @@ class EngineCore:
               c.start, c.seq.table) for i, c in enumerate(chunks)],
             self.runner.block_size, all_logits=[c.seq.prompt_logits for c in chunks],
             wants_logits=[c.samples for c in chunks], prompt_lengths=[len(c.seq.prompt) for c in chunks],
-            logit_tails=rows.count if proposals else None,
+            state_slots=[c.seq.state_slot for c in chunks], logit_tails=rows.count if proposals else None,
         )
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         samplers = [(rows.last[i], chunks[i].seq) for i in sampling if i not in proposals]
