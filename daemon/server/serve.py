@@ -67,7 +67,11 @@ def serve(config: Config) -> int:
         backend.prepare(on_compile=lambda: _compiling(notifier))
         models = _load_models(config, specs, policy.kv, notifier)
         server = Server(config, models, path, notifier, _engine_factory(config, models, notifier, path))
-        uvloop.run(server.run())
+        try:
+            uvloop.run(server.run())
+        finally:
+            for model in models.values():  # stage and cold-expert workers; MoE routing statistics saved
+                model.close()
     finally:
         lock.release()
         notifier.close()
@@ -97,7 +101,7 @@ def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
         info = read_model_info(spec.path)
         request = PlanRequest(devices=(Device(str(device), budget),), policy=policy,
                               ctx=config.engine.context_for(info.config.context_length), seqs=config.engine.max_active,
-                              prefill_chunk=config.engine.max_step_tokens)
+                              prefill_chunk=config.engine.max_step_tokens, expert_budget=spec.experts["expert_budget"])
         plan = build_plan(info, request)
         log_plan(plan, get_logger())
         plan.check()
@@ -116,7 +120,8 @@ def _load_models(config: Config, specs: tuple[ModelSpec, ...], kv_dtype: str, no
         name = spec.display_name
         notifier.status(f"loading {name} ({i}/{len(specs)})")
         t0 = time.perf_counter()
-        model = load(spec.path, device=config.engine.device, kv_dtype=kv_dtype, decode_act=config.engine.decode_act)
+        model = load(spec.path, device=config.engine.device, kv_dtype=kv_dtype, decode_act=config.engine.decode_act,
+                     **spec.experts)
         if config.engine.warmup:
             notifier.status(f"warming up {name}")
             # a short prompt and a few sampled tokens: every kernel a request uses is loaded, so the
