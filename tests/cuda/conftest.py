@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=_REASON))
 
 
-@pytest.fixture(autouse=True, scope="package")
+@pytest.fixture(autouse=True, scope="module")
 def _simulator_switch_interval() -> Iterator[None]:
     """What CudaBackend.prepare does for a process running the simulator (see there), for the tests
     that call kernels directly; the rest of the suite gets its interval back."""
