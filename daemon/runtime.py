@@ -17,6 +17,7 @@ import numpy as np
 from ember.daemon.engine.defaults import KV_BLOCK, PREFILL_CHUNK
 from ember.daemon.engine.engine_core import EngineCore, StepOutput
 from ember.daemon.engine.sequence import Sequence as EngineSequence
+from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions, ExpertStats
 from ember.daemon.loader.model_file import ModelFile, open_model_file
 from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.transformer import Transformer
@@ -36,8 +37,10 @@ __all__ = ["Model", "ModelFileError", "load"]
 
 class Model:
     def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str = "cpu", kv_dtype: str = "f32",
-                 decode_act: str = "q8_0", pipeline: Pipeline | None = None) -> None:
-        """On `device`, or split across `pipeline`'s stages (its workers already loaded)."""
+                 decode_act: str = "q8_0", pipeline: Pipeline | None = None,
+                 experts: ExpertOptions | None = None) -> None:
+        """On `device`, or split across `pipeline`'s stages (its workers already loaded); a MoE
+        model's experts placed by `experts`."""
         self.path = mf.path
         self.config = mf.config
         self.tokenizer = tokenizer
@@ -48,11 +51,31 @@ class Model:
         self.file_bytes = mf.file_bytes
         self.pipeline = pipeline
         self.device = ",".join(str(s.device) for s in pipeline.specs) if pipeline else str(name)
-        self._net = None if pipeline else Transformer(mf, backend_for(name).ops(name))
+        self._net = None if pipeline else Transformer(mf, backend_for(name).ops(name), experts=experts)
 
     def __repr__(self) -> str:
         c = self.config
         return f"Model({str(self.path)!r}, arch={c.arch}, layers={c.n_layers}, hidden={c.hidden}, device={self.device})"
+
+    # --- mixture of experts ----------------------------------------------------------------------
+    def routing_stats(self) -> np.ndarray:
+        """How often each expert was routed to: int64 [n_layers, n_experts] decayed counts (carried
+        over from earlier runs of this file); zero rows for dense layers, empty for dense models."""
+        m = self._experts
+        return np.zeros((self.config.n_layers, 0), np.int64) if m is None else m.stats.as_int64()
+
+    def placement(self) -> list[list[int]]:
+        """Per layer, the sorted ids of the hot experts ([] for dense layers and dense models)."""
+        m = self._experts
+        return [[] for _ in range(self.config.n_layers)] if m is None else m.placement()
+
+    def expert_stats(self) -> ExpertStats | None:
+        """Hot experts, routed and cold (token, expert) slots, swaps; None for a dense model."""
+        return None if self._experts is None else self._experts.snapshot()
+
+    @property
+    def _experts(self) -> ExpertManager | None:
+        return None if self._net is None else self._net.experts
 
     # --- text <-> tokens ------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -109,10 +132,13 @@ class Model:
         return EngineCore(runner, max_running=max_running, **options)
 
     def close(self) -> None:
-        """Stop a split model's stage processes and free its shared memory (a no-op otherwise; also
-        done when the Model is garbage-collected or the process exits)."""
+        """Stop a split model's stage processes and free its shared memory; stop a MoE model's
+        cold-expert workers and save its routing statistics (a no-op otherwise; the processes also
+        end when the Model is garbage-collected or the process exits)."""
         if self.pipeline is not None:
             self.pipeline.close()
+        if self._experts is not None:
+            self._experts.close()
 
     def generate(
         self,
@@ -171,7 +197,8 @@ def _drive(engine: EngineCore) -> Iterator[StepOutput]:
 
 def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_act: str = "q8_0",
          devices: str | Sequence[str] | None = None, split: str | Sequence[int] | None = None,
-         act_dtype: str = "auto", max_step_tokens: int = PREFILL_CHUNK, stage_threads: int = 0) -> Model:
+         act_dtype: str = "auto", max_step_tokens: int = PREFILL_CHUNK, stage_threads: int = 0,
+         expert_budget: int | str | None = None, cold_workers: int | None = None, cold_policy: str = "exact") -> Model:
     """Open a GGUF file or Hugging Face directory and place the model on `device` ("cpu"); its KV
     cache holds `kv_dtype` (f32, f16, bf16 or q8_0); generated tokens meet quantized weights with
     `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do).
@@ -180,7 +207,13 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     layers each ([3, 2] or "3,2"; default: in proportion to each device's memory), hidden states
     staged between them in `act_dtype` (f32, f16, bf16; auto: the precision policy's, EMBER_ACT_DTYPE
     overrides it), steps of up to `max_step_tokens` tokens, `stage_threads` kernel threads per stage
-    (0: the CPUs shared out among the stages)."""
+    (0: the CPUs shared out among the stages).
+
+    MoE models: `expert_budget` bounds the bytes of hot experts (None: all; bytes; a size such as
+    "2GiB"; or "N%" of all experts' bytes); the cold ones are computed by `cold_workers` CPU worker
+    processes (default 2 when some are cold) under cold_policy "exact", or dropped under "mask"
+    (lossy, opt-in). docs/experts.md. (Not with a layer split: its stages keep every expert hot.)"""
+    experts = ExpertOptions(expert_budget, cold_workers, cold_policy)
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
     if decode_act not in DECODE_ACTIVATIONS:
@@ -199,7 +232,7 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     except TokenizerError as e:
         raise ModelFileError(str(mf.path), str(e)) from None
     if not staged:
-        return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act)
+        return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, experts=experts)
     stages = plan_stages(names, counts, mf.config.n_layers, [backend_for(n).available_memory(n) for n in names])
     threads = stage_threads or max(1, len(os.sched_getaffinity(0)) // len(stages))
     pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads)

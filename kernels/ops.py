@@ -8,8 +8,8 @@ float32 at every interface; storage formats live inside the backend.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -18,6 +18,14 @@ from ember.kernels.sampling import Choice, SampleRow, sample_host_rows
 
 Array = Any  # numpy.ndarray on cpu, cupy.ndarray on cuda
 Weight = Any  # a backend's packed matrix (keeps the file's quantization)
+
+
+class ExpertWeights(NamedTuple):
+    """One MoE expert's gated FFN, as the backend holds it: down(silu(gate x) * up x)."""
+
+    gate: Weight
+    up: Weight
+    down: Weight
 
 
 class Ops(ABC):
@@ -52,6 +60,39 @@ class Ops(ABC):
     def swiglu_matmul(self, x: Array, gate: Weight, up: Weight, decode_rows: Array | None = None) -> Array:
         """swiglu(matmul(x, gate), matmul(x, up)): a gated FFN's first half, which a backend may fuse."""
         return self.swiglu(self.matmul(x, gate, decode_rows), self.matmul(x, up, decode_rows))
+
+    def route(self, logits: Array, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k routing of router logits [n, experts]: a softmax over the experts, then each token's
+        k most probable experts -> (expert ids int64 [n, k], their probabilities float32 [n, k]), the
+        probabilities renormalised to sum to 1 when `normalize`. On the host: the step's grouping by
+        expert (and the split between hot and cold experts) is host work."""
+        probs = self.to_numpy(self.softmax(logits))
+        ids = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+        top = np.take_along_axis(probs, ids, axis=1)
+        if normalize:
+            top = top / top.sum(axis=1, keepdims=True, dtype=np.float32)
+        return ids, top.astype(np.float32, copy=False)
+
+    def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
+                   weight: np.ndarray, decode_rows: Array | None = None) -> Array:
+        """The routed experts of one MoE layer: out[t] = sum over pairs p with token[p] == t of
+        weight[p] * experts[expert[p]](x[t]) -> [n, d] (rows no pair names are 0).
+
+        The pairs (host arrays [pairs]) are grouped by expert, and each expert multiplies all its
+        tokens in one call, so its weights are read once per step; groups run in expert order, so the
+        sum is the same whichever subset of pairs a call is given. A token's result depends only on
+        its own row and decode flag (as in matmul)."""
+        out = self.zeros(tuple(x.shape))  # an expert maps the hidden width to itself
+        order = np.argsort(expert, kind="stable")
+        bounds = np.flatnonzero(np.diff(expert[order])) + 1
+        for group in np.split(order, bounds) if order.size else ():
+            w = experts[int(expert[group[0]])]
+            t = token[group]  # distinct: a token's top-k experts are distinct
+            rows = None if decode_rows is None else decode_rows[self.to_device(t)]
+            xt = x[self.to_device(t)]
+            y = self.matmul(self.swiglu_matmul(xt, w.gate, w.up, rows), w.down, rows)
+            out[self.to_device(t)] += y * self.to_device(weight[group])[:, None]
+        return out
 
     @abstractmethod
     def embedding(self, w: Weight, ids: np.ndarray) -> Array:

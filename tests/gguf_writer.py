@@ -15,6 +15,7 @@ import numpy as np
 
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.loader.hf_dir import gguf_name
+from ember.daemon.loader.model_config import HF_ARCHITECTURES
 from ember.kernels.reference.quant import quantize
 from ember.kernels.tensor_types import TensorType
 
@@ -32,19 +33,22 @@ def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_gguf(path: Path, hf_config: Any, state: dict[str, np.ndarray], types: dict[str, TensorType]) -> Path:
-    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[hf_config.model_type]
+    # the converter writes Mixtral as llama with experts
+    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}[hf_config.model_type]
     writer = gguf.GGUFWriter(str(path), arch)
     _add_hparams(writer, arch, hf_config)
     _copy_tokenizer(writer, hf_config.vocab_size)
-    for hf_name, value in state.items():
-        name = gguf_name(hf_name, arch, hf_config.num_hidden_layers)
+    for hf_name, value in _split_fused_experts(state):
+        name = gguf_name(hf_name, HF_ARCHITECTURES[hf_config.model_type], hf_config.num_hidden_layers)
         if name is None:
             continue
         w = np.ascontiguousarray(value, dtype=np.float32)
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = hf_config.num_attention_heads if "attn_q" in name else hf_config.num_key_value_heads
             w = permute_qk(w, heads)
-        _add_tensor(writer, name, w, TensorType.F32 if w.ndim == 1 else _type_for(name, types))
+        # 1-D tensors and MoE routers stay F32, as the converter keeps them
+        keep = w.ndim == 1 or name.endswith("ffn_gate_inp.weight")
+        _add_tensor(writer, name, w, TensorType.F32 if keep else _type_for(name, types))
     rope = getattr(hf_config, "rope_parameters", None) or {}
     if rope.get("rope_type") == "llama3":
         _add_tensor(writer, "rope_freqs.weight", _llama3_factors(hf_config, rope), TensorType.F32)
@@ -53,6 +57,21 @@ def write_gguf(path: Path, hf_config: Any, state: dict[str, np.ndarray], types: 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _split_fused_experts(state: dict[str, np.ndarray]) -> Any:
+    """transformers keeps a layer's experts fused in memory (mlp.experts.gate_up_proj [experts, 2 x ffn,
+    hidden], mlp.experts.down_proj): yield them under the stacked names the converter maps."""
+    for name, value in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            f = value.shape[1] // 2
+            base = name[: -len("gate_up_proj")]
+            yield base + "gate_proj.weight", value[:, :f]
+            yield base + "up_proj.weight", value[:, f:]
+        elif name.endswith("mlp.experts.down_proj"):
+            yield name + ".weight", value
+        else:
+            yield name, value
 
 
 def _type_for(name: str, types: dict[str, TensorType]) -> TensorType:
@@ -66,7 +85,7 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, w: np.ndarray, ttype: Tensor
         writer.add_tensor(name, w.astype(np.float16))
     else:
         raw = quantize(ttype, w.reshape(-1, w.shape[-1]))
-        writer.add_tensor(name, raw.view(np.uint8).reshape(w.shape[0], -1), raw_dtype=gguf.GGMLQuantizationType(int(ttype)))
+        writer.add_tensor(name, raw.view(np.uint8).reshape(*w.shape[:-1], -1), raw_dtype=gguf.GGMLQuantizationType(int(ttype)))
 
 
 def _add_hparams(writer: gguf.GGUFWriter, arch: str, c: Any) -> None:
@@ -84,6 +103,12 @@ def _add_hparams(writer: gguf.GGUFWriter, arch: str, c: Any) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_vocab_size(c.vocab_size)
+    n_experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    if n_experts:
+        writer.add_expert_count(n_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
 
 

@@ -104,21 +104,24 @@ def test_every_tensor_gets_the_converters_name_and_keeps_its_hf_layout(hf_model,
         assert np.array_equal(mf.tensors[g].data, state[hf]), g
 
 
-def test_buffers_and_per_expert_tensors_have_no_name() -> None:
-    """What TensorNameMap does with the tensors the dense loader drops, as llama.cpp's converter sees them."""
+def test_buffers_have_no_name_and_per_expert_tensors_their_stacks_name() -> None:
+    """What TensorNameMap does with buffers and expert tensors, as llama.cpp's converter sees them."""
     def exps(kind: MODEL_TENSOR, layer: int) -> str:
         return TENSOR_NAMES[kind].format(bid=layer) + ".weight"
 
     # a buffer the converter skips, which the llama table would otherwise name blk.0.attn_rot_embd
     assert gguf_name("model.layers.0.self_attn.rotary_emb.inv_freq", "llama", 2) is None
-    # per-expert weights map to nothing: the converter stacks a layer's experts under a merged name first
-    assert gguf_name("model.layers.1.mlp.experts.3.gate_proj.weight", "qwen3moe", 2) is None
+    # the converter stacks a layer's experts under a merged name; each expert keeps its index in it
+    assert gguf_name("model.layers.1.mlp.experts.3.gate_proj.weight", "qwen3moe", 2) == \
+        exps(MODEL_TENSOR.FFN_GATE_EXP, 1).replace(".weight", ".3.weight")
     assert gguf_name("model.layers.1.mlp.experts.gate_proj.weight", "qwen3moe", 2) == exps(MODEL_TENSOR.FFN_GATE_EXP, 1)
     assert gguf_name("model.layers.1.mlp.experts.down_proj.weight", "qwen3moe", 2) == exps(MODEL_TENSOR.FFN_DOWN_EXP, 1)
     assert gguf_name("model.layers.1.mlp.gate.weight", "qwen3moe", 2) == exps(MODEL_TENSOR.FFN_GATE_INP, 1)
     # Mixtral is converted as llama; its stacked experts are named like Mistral's consolidated files
-    assert gguf_name("model.layers.0.block_sparse_moe.experts.3.w1.weight", "mixtral", 1) is None
+    assert gguf_name("model.layers.0.block_sparse_moe.experts.3.w1.weight", "mixtral", 1) == \
+        exps(MODEL_TENSOR.FFN_GATE_EXP, 0).replace(".weight", ".3.weight")
     assert gguf_name("layers.0.feed_forward.experts.w1.weight", "mixtral", 1) == exps(MODEL_TENSOR.FFN_GATE_EXP, 0)
     assert gguf_name("model.layers.0.block_sparse_moe.gate.weight", "mixtral", 1) == exps(MODEL_TENSOR.FFN_GATE_INP, 0)
     # a dense architecture's table has no expert tensors at all
     assert gguf_name("model.layers.0.mlp.experts.gate_proj.weight", "qwen3", 1) is None
+    assert gguf_name("model.layers.0.mlp.experts.2.gate_proj.weight", "qwen3", 1) is None

@@ -16,7 +16,11 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_att
             num_key_value_heads=2, head_dim=32, vocab_size=8192, max_position_embeddings=512,
             rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
 
-HF_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+HF_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
+              "mixtral": "MixtralConfig"}
+# MoE: 8 experts of width 64, top-2; the router is randomised too (HF inits it to zeros)
+TINY_MOE = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
+            "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)}
 
 
 def build_hf_model(arch: str, out: Path, seed: int = 0, **overrides: Any) -> tuple[Path, Any]:
@@ -24,13 +28,15 @@ def build_hf_model(arch: str, out: Path, seed: int = 0, **overrides: Any) -> tup
     give it the demo tokenizer. Returns (directory, the torch model in eval mode)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    config = getattr(transformers, HF_CLASSES[arch])(**(TINY | overrides))
+    config = getattr(transformers, HF_CLASSES[arch])(**(TINY | TINY_MOE.get(arch, {}) | overrides))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF inits norms to 1 and biases to 0: randomise them so they are tested
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):  # MoE routers
+                p.copy_(torch.randn_like(p))
     model.eval()
     model.save_pretrained(out)
     for f in ("tokenizer.json", "tokenizer_config.json"):

@@ -82,6 +82,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return StepResult(0)
+        if plan.started:  # a request boundary: where a MoE model may swap experts, never inside a step
+            self.runner.between_requests()
         try:
             try:
                 outputs, failed = self._step(plan)

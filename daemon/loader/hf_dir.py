@@ -13,17 +13,18 @@ writes no lm_head.weight, and the model falls back to token_embd.weight when out
 
 MoE experts: TensorNameMap names only a layer's experts stacked into one 3-D tensor
 (model.layers.N.mlp.experts.gate_proj.weight -> blk.N.ffn_gate_exps.weight; Mixtral, converted as
-llama: layers.N.feed_forward.experts.w1.weight), because the converter stacks the per-expert tensors
-(model.layers.N.mlp.experts.E.gate_proj.weight, block_sparse_moe.experts.E.w1.weight) in expert order
-under that merged name before mapping it. Those per-expert names map to nothing, so they are dropped
-here: ember runs dense models, and the planner sizes experts from the raw headers. An MoE loader would
-group them by (layer, projection), stack them by E (a copy: safetensors stores each expert apart) and
-map the merged name with the same map. Routers (mlp.gate.weight -> blk.N.ffn_gate_inp.weight) do map.
+llama: layers.N.block_sparse_moe.experts.w1.weight), because the converter stacks the per-expert
+tensors (model.layers.N.mlp.experts.E.gate_proj.weight, block_sparse_moe.experts.E.w1.weight) in
+expert order under that merged name. Stacking here would copy (safetensors stores each expert apart),
+so each expert keeps its own tensor, named by the merged name with the expert's index before
+".weight" (blk.N.ffn_gate_exps.E.weight); ModelFile.experts reads either layout. Routers
+(mlp.gate.weight -> blk.N.ffn_gate_inp.weight) map as they are.
 """
 from __future__ import annotations
 
 import functools
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -47,6 +48,8 @@ _CONVERTED_AS = {"mixtral": "llama"}
 _SKIPPED_SUFFIXES = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
 # as the converter's map_tensor_name: the table's keys are module paths, parameters add these
 _PARAM_SUFFIXES = (".weight", ".bias")
+# a per-expert tensor: (the module path up to "experts") (expert index) (the projection and parameter)
+_PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(.*)")
 
 
 def open_hf_dir(path: Path) -> ModelFile:
@@ -134,9 +137,16 @@ def _read_safetensors(path: Path) -> dict[str, RawTensor]:
 
 def gguf_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     """The GGUF name llama.cpp's converter gives `hf_name` in an `arch` model (ember's architecture
-    name, e.g. "qwen3") of `n_layers` blocks; None for the buffers it skips and for names it has none for."""
+    name, e.g. "qwen3") of `n_layers` blocks; None for the buffers it skips and for names it has none for.
+    One expert's tensor gets its stacked tensor's name with the expert index: blk.N.ffn_up_exps.E.weight."""
     if hf_name.endswith(_SKIPPED_SUFFIXES):
         return None
+    expert = _PER_EXPERT.fullmatch(hf_name)
+    if expert is not None:
+        merged = gguf_name(f"{expert.group(1)}.{expert.group(3)}", arch, n_layers)
+        if merged is None or not merged.endswith(".weight"):
+            return None
+        return f"{merged[: -len('.weight')]}.{int(expert.group(2))}.weight"
     return tensor_name_map(arch, n_layers).get_name(hf_name, try_suffixes=_PARAM_SUFFIXES)
 
 

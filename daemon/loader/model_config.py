@@ -43,6 +43,8 @@ class ModelConfig:
     n_experts: int = 0
     n_experts_used: int = 0
     expert_ffn: int = 0
+    # renormalise the top-k routing weights to sum to 1 (HF norm_topk_prob; Mixtral always does)
+    expert_norm: bool = True
 
     def inv_freq(self, freq_factors: np.ndarray | None = None) -> np.ndarray:
         """Rotary inverse frequencies [head_dim / 2] (float32), with any scaling applied.
@@ -102,6 +104,8 @@ def config_from_gguf(meta: Mapping[str, Any], n_vocab_rows: int, source: str) ->
         n_experts=int(get("expert_count", 0)),
         n_experts_used=int(get("expert_used_count", 0)),
         expert_ffn=int(get("expert_feed_forward_length", 0)),
+        # llama.cpp renormalises llama (Mixtral) and qwen3moe experts whatever the file says
+        expert_norm=bool(meta.get(f"{arch}.expert_weights_norm", True)),
     )
 
 
@@ -129,6 +133,7 @@ def config_from_hf(cfg: Mapping[str, Any], source: str) -> ModelConfig:
         n_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
         n_experts_used=int(cfg.get("num_experts_per_tok") or 0),
         expert_ffn=int(cfg.get("moe_intermediate_size") or (cfg.get("intermediate_size", 0) if model_type == "mixtral" else 0)),
+        expert_norm=bool(cfg.get("norm_topk_prob", False)) if model_type == "qwen3_moe" else True,
     )
 
 

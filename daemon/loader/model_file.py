@@ -33,6 +33,22 @@ class ModelFile:
     def file_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` routes to experts (MoE files may keep some layers dense)."""
+        return f"blk.{layer}.ffn_gate_inp.weight" in self.tensors
+
+    def experts(self, layer: int, proj: str) -> list[RawTensor]:
+        """One 2-D tensor [rows, cols] per expert of `proj` ("gate", "up" or "down") in block `layer`,
+        each a view of the file: slices of GGUF's stacked blk.N.ffn_{proj}_exps.weight [experts, rows,
+        cols], or the HF directory's own per-expert tensors (blk.N.ffn_{proj}_exps.E.weight)."""
+        n = self.config.n_experts
+        stacked = self.tensors.get(f"blk.{layer}.ffn_{proj}_exps.weight")
+        if stacked is not None:
+            if len(stacked.shape) != 3 or stacked.shape[0] != n:
+                raise ModelFileError(str(self.path), f"{stacked.name} has shape {stacked.shape}, not [{n}, rows, cols]")
+            return [RawTensor(f"{stacked.name}[{e}]", stacked.ttype, stacked.shape[1:], stacked.data[e]) for e in range(n)]
+        return [self.tensor(f"blk.{layer}.ffn_{proj}_exps.{e}.weight") for e in range(n)]
+
     def tensor(self, name: str) -> RawTensor:
         try:
             return self.tensors[name]

@@ -1,7 +1,8 @@
 """The decoder-only transformer shared by every supported architecture, written against the ops API.
 
 Per-architecture differences come in as an ArchSpec (architectures.py); the feed-forward part is its
-own object so mixture-of-experts layers can take its place. A Transformer may hold a range of the
+own object, and a block whose file has a router (blk.N.ffn_gate_inp) gets a MoEFFN
+(daemon/experts/) in its place. A Transformer may hold a range of the
 model's layers only (a stage of a layer split, runner/split_runner.py): it then loads only their
 weights, the embedding if it runs the first layer and the output head if it runs the last, and its
 forward pass is cut in three — `embed`, `run_layers`, `head` — that the whole model runs in a row.
@@ -11,9 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions
+from ember.daemon.experts.moe_ffn import MoEFFN, expert_files, load_moe_ffn
 from ember.daemon.runner.kv_cache import PagedKVCache
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile
+from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.architectures import ArchSpec, architecture
 from ember.daemon.runner.step_batch import StepBatch
 from ember.kernels.ops import Array, Ops, Weight
@@ -71,7 +75,7 @@ class Block:
     attn_norm: Array
     attn: Attention
     ffn_norm: Array
-    ffn: DenseFFN
+    ffn: DenseFFN | MoEFFN
 
     def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: PagedKVCache, layer: int,
                  batch: StepBatch) -> Array:
@@ -80,18 +84,22 @@ class Block:
 
 
 class Transformer:
-    def __init__(self, mf: ModelFile, ops: Ops, layers: range | None = None) -> None:
-        """The model's layers `layers` (default: all of them) on `ops`' device."""
+    def __init__(self, mf: ModelFile, ops: Ops, layers: range | None = None, experts: ExpertOptions | None = None,
+                 expert_budget_cap: int | None = None) -> None:
+        """The model's layers `layers` (default: all of them) on `ops`' device. `experts`: where a MoE
+        model's experts run (default every expert hot); expert_budget_cap: the most bytes of hot
+        experts the device has room for (the planner's)."""
         self.ops, self.config = ops, mf.config
         self.layers = range(mf.config.n_layers) if layers is None else layers
         if not 0 <= self.layers.start < self.layers.stop <= mf.config.n_layers or self.layers.step != 1:
             raise ValueError(f"layers {self.layers.start}-{self.layers.stop - 1} are not a range of the model's "
                              f"{mf.config.n_layers} layers")
         spec = architecture(mf.config.arch, str(mf.path))
+        self.experts = _expert_manager(mf, experts or ExpertOptions(), expert_budget_cap)
         tied = "output.weight" not in mf.tensors
         embed = self.runs_first or (self.runs_last and tied)
         self.embed = ops.weight(mf.tensor("token_embd.weight")) if embed else None
-        self.blocks = [_load_block(mf, ops, spec, i) for i in self.layers]
+        self.blocks = [_load_block(mf, ops, spec, i, self.experts) for i in self.layers]
         self.norm = ops.vector(mf.tensor("output_norm.weight")) if self.runs_last else None
         # tied embeddings: the output projection is the embedding matrix, shared, not loaded twice
         self.output = None if not self.runs_last else self.embed if tied else ops.weight(mf.tensors["output.weight"])
@@ -140,7 +148,18 @@ class Transformer:
                                batch.decode_rows[batch.logit_rows])
 
 
-def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int) -> Block:
+def _expert_manager(mf: ModelFile, options: ExpertOptions, cap: int | None) -> ExpertManager | None:
+    moe = [mf.is_moe_layer(i) for i in range(mf.config.n_layers)]
+    if not any(moe):
+        return None
+    if mf.config.n_experts_used < 1 or mf.config.n_experts < mf.config.n_experts_used:
+        raise ModelFileError(str(mf.path), f"MoE model routes to {mf.config.n_experts_used} of "
+                                           f"{mf.config.n_experts} experts per token")
+    sizes = [expert_files(mf, i)[0].nbytes if is_moe else 0 for i, is_moe in enumerate(moe)]
+    return ExpertManager(mf.path, mf.config.hidden, mf.config.n_experts_used, sizes, mf.config.n_experts, options, cap)
+
+
+def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, experts: ExpertManager | None) -> Block:
     def w(name: str) -> Weight:
         return ops.weight(mf.tensor(f"blk.{i}.{name}.weight"))
 
@@ -155,5 +174,8 @@ def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int) -> Block:
         q_norm=vec("attn_q_norm.weight") if spec.qk_norm else None,
         k_norm=vec("attn_k_norm.weight") if spec.qk_norm else None,
     )
-    ffn = DenseFFN(gate=w("ffn_gate"), up=w("ffn_up"), down=w("ffn_down"))
+    if experts is not None and mf.is_moe_layer(i):
+        ffn: DenseFFN | MoEFFN = load_moe_ffn(mf, ops, i, experts)
+    else:
+        ffn = DenseFFN(gate=w("ffn_gate"), up=w("ffn_up"), down=w("ffn_down"))
     return Block(vec("attn_norm.weight"), attn, vec("ffn_norm.weight"), ffn)

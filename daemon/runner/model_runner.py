@@ -59,6 +59,11 @@ class ModelRunner:
     def kv_blocks(self) -> int:
         return self.cache.n_blocks
 
+    def between_requests(self) -> None:
+        """A new request starts with the next step: a MoE model's experts may follow its routing."""
+        if self.net.experts is not None:
+            self.net.experts.between_requests(self.net.ops)
+
     def prepare(self, batch: StepBatch) -> StepBatch:
         """The step's metadata on the device, moved once for every layer to read."""
         if self.decode_act == "f32":

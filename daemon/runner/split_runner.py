@@ -213,6 +213,9 @@ class SplitRunner(ModelRunner):
     def kv_blocks(self) -> int:
         return self.spec.blocks
 
+    def between_requests(self) -> None:
+        """Nothing to do: a split model's stages keep every MoE expert hot."""
+
     def forward(self, batch: StepBatch) -> Array:
         if self.decode_act == "f32":
             batch = replace(batch, decode_rows=np.zeros_like(batch.decode_rows))

@@ -1,0 +1,187 @@
+"""ExpertManager: a MoE model's experts at run time — which are hot, who computes the cold ones, the
+routing statistics that decide it, and the swaps that follow them.
+
+Hot experts are held by each layer's MoEFFN on the engine's device; cold ones are computed exactly by
+the ColdPool's worker processes (cold_policy "exact", the default) or dropped (weight 0: "mask",
+opt-in and lossy). Placement (placement.py) runs at load from the saved statistics and again at
+request boundaries (`between_requests`), never inside a step; one swap moves at most `swap_bytes`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ember.daemon.experts.cold_pool import ColdPool, Pending
+from ember.daemon.experts.placement import parse_budget, place
+from ember.daemon.experts.routing_stats import RoutingStats, stats_path
+from ember.kernels.ops import Array, Ops
+
+if TYPE_CHECKING:
+    from ember.daemon.experts.moe_ffn import MoEFFN
+
+log = logging.getLogger("ember.experts")
+
+COLD_POLICIES = ("exact", "mask")
+SAVE_EVERY_S = 30.0  # routing statistics reach the disk at a request boundary at most this often
+SWAP_MARGIN = 1.25  # a cold expert replaces a hot one only if routed this much more often per byte
+
+
+@dataclass(frozen=True)
+class ExpertOptions:
+    budget: int | str | None = None  # hot experts' bytes: None (all), bytes, a size, or "N%" of all experts
+    cold_workers: int | None = None  # None: 2 when some experts are cold under the exact policy
+    cold_policy: str = "exact"
+    swap_bytes: int | None = None  # bytes one swap may move; None: an eighth of the budget (one expert at least)
+    stats_file: Path | None = None  # None: in ember's cache directory (routing_stats.stats_path)
+
+    def __post_init__(self) -> None:
+        if self.cold_policy not in COLD_POLICIES:
+            raise ValueError(f"cold_policy must be one of {', '.join(COLD_POLICIES)}, got {self.cold_policy!r}")
+        if self.cold_workers is not None and (isinstance(self.cold_workers, bool) or self.cold_workers < 0):
+            raise ValueError(f"cold_workers must be >= 0, got {self.cold_workers!r}")
+
+
+@dataclass(frozen=True)
+class ExpertStats:
+    hot_experts: int
+    total_experts: int
+    routed_slots: int  # (token, expert) pairs routed
+    cold_slots: int  # of those, computed cold (or dropped, under "mask")
+    swaps: int  # experts promoted by swaps
+    swapped_bytes: int
+    worker_restarts: int
+
+    @property
+    def cold_share(self) -> float:
+        return self.cold_slots / self.routed_slots if self.routed_slots else 0.0
+
+
+class ExpertManager:
+    def __init__(self, model: Path, hidden: int, n_used: int, expert_bytes: list[int], n_experts: int,
+                 options: ExpertOptions, planner_budget: int | None = None) -> None:
+        self.model, self.options = Path(model), options
+        self.expert_bytes = expert_bytes
+        self.floor = n_used
+        total = sum(expert_bytes) * n_experts
+        budget = parse_budget(options.budget, total)
+        if planner_budget is not None and (budget is None or planner_budget < budget) and planner_budget < total:
+            budget = planner_budget
+        self.budget = None if budget is None or budget >= total else budget
+        self.stats = RoutingStats(len(expert_bytes), n_experts)
+        self.stats_file = options.stats_file or stats_path(self.model)
+        if self.stats.load(self.stats_file):
+            log.info("routing statistics from %s", self.stats_file)
+        self.hot = place(self.stats.counts, expert_bytes, self.budget, self.floor)
+        self.ffns: dict[int, MoEFFN] = {}
+        self.routed = self.cold = self.swaps = self.swapped_bytes = 0
+        self._saved_at = time.monotonic()
+        self.pool: ColdPool | None = None
+        some_cold = not self.hot[[i for i, b in enumerate(expert_bytes) if b]].all()
+        workers = options.cold_workers if options.cold_workers is not None else (2 if some_cold else 0)
+        if some_cold and options.cold_policy == "exact":
+            if workers == 0:
+                raise ValueError("expert_budget leaves experts cold: cold_policy 'exact' needs cold_workers >= 1 "
+                                 "(or cold_policy 'mask', which drops them)")
+            self.pool = ColdPool(self.model, workers, hidden)
+        elif workers and options.cold_policy == "exact":
+            self.pool = ColdPool(self.model, workers, hidden)  # every expert hot for now; swaps may change that
+
+    # --- during a step --------------------------------------------------------------------------
+    def hot_experts(self, layer: int) -> list[int]:
+        return np.flatnonzero(self.hot[layer]).tolist()
+
+    def record(self, layer: int, expert: np.ndarray, n_tokens: int) -> None:
+        self.stats.record(layer, expert, n_tokens)
+        self.routed += expert.size
+
+    def compute_cold(self, ops: Ops, layer: int, x: Array, rows: Array | None, token: np.ndarray,
+                     expert: np.ndarray, weight: np.ndarray) -> _ColdResult | None:
+        """Start the cold pairs of a layer's step; None under "mask" (they are dropped)."""
+        self.cold += expert.size
+        if self.options.cold_policy == "mask":
+            return None
+        if self.pool is None:
+            raise RuntimeError("cold experts but no cold workers")  # prevented at construction
+        host = ops.to_numpy(x)
+        decode = np.zeros(len(token), bool) if rows is None else np.asarray(ops.to_numpy(rows), bool)[token]
+        pending = self.pool.submit(layer, host[token], token, expert, weight, decode, host.shape[0])
+        return _ColdResult(pending, ops)
+
+    # --- between requests -----------------------------------------------------------------------
+    def register(self, ffn: MoEFFN) -> None:
+        self.ffns[ffn.layer] = ffn
+
+    def between_requests(self, ops: Ops) -> None:
+        """Follow the routing: swap experts toward the placement the statistics now give (at most
+        swap_bytes), and save the statistics now and then. Never called inside a step."""
+        if self.budget is not None:
+            self._swap(ops)
+        if time.monotonic() - self._saved_at > SAVE_EVERY_S:
+            self.save_stats()
+
+    def _swap(self, ops: Ops) -> None:
+        target = place(self.stats.counts, self.expert_bytes, self.budget, self.floor)
+        limit = self.options.swap_bytes or max(self.budget // 8, max(self.expert_bytes))
+        value = self.stats.counts / np.maximum(np.asarray(self.expert_bytes, np.float64), 1)[:, None]
+        ins = sorted(zip(*np.nonzero(target & ~self.hot)), key=lambda le: -value[le])
+        outs = sorted(zip(*np.nonzero(self.hot & ~target)), key=lambda le: value[le])
+        room = self.budget - self.hot_bytes()
+        moved = 0
+        promoted: list[tuple[int, int]] = []
+        for layer, e in ins:
+            size = self.expert_bytes[layer]
+            if moved + size > limit:
+                break
+            while room < size and outs and value[layer, e] > SWAP_MARGIN * value[outs[0]]:
+                out_layer, out_e = outs.pop(0)
+                self.hot[out_layer, out_e] = False
+                self.ffns[out_layer].demote([int(out_e)])
+                room += self.expert_bytes[out_layer]
+            if room < size:
+                break
+            self.hot[layer, e] = True
+            self.ffns[layer].promote(ops, [int(e)])
+            room -= size
+            moved += size
+            promoted.append((int(layer), int(e)))
+        if promoted:
+            self.swaps += len(promoted)
+            self.swapped_bytes += moved
+            log.info("expert swap: promoted %s (%d bytes)", promoted, moved)
+
+    def hot_bytes(self) -> int:
+        return int(sum(self.hot[layer].sum() * b for layer, b in enumerate(self.expert_bytes)))
+
+    # --- reporting ------------------------------------------------------------------------------
+    def placement(self) -> list[list[int]]:
+        return [self.hot_experts(layer) if b else [] for layer, b in enumerate(self.expert_bytes)]
+
+    def snapshot(self) -> ExpertStats:
+        moe = [i for i, b in enumerate(self.expert_bytes) if b]
+        return ExpertStats(int(self.hot[moe].sum()), len(moe) * self.hot.shape[1], self.routed, self.cold,
+                           self.swaps, self.swapped_bytes, self.pool.restarts if self.pool else 0)
+
+    def save_stats(self) -> None:
+        try:
+            self.stats.save(self.stats_file)
+        except OSError as e:
+            log.warning("could not save routing statistics to %s: %s", self.stats_file, e)
+        self._saved_at = time.monotonic()
+
+    def close(self) -> None:
+        self.save_stats()
+        if self.pool is not None:
+            self.pool.close()
+
+
+class _ColdResult:
+    def __init__(self, pending: Pending, ops: Ops) -> None:
+        self.pending, self.ops = pending, ops
+
+    def wait(self) -> Array:
+        return self.ops.to_device(self.pending.wait())

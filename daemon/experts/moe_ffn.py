@@ -1,0 +1,87 @@
+"""MoEFFN: a mixture-of-experts feed-forward, the object that takes a dense FFN's place in a block.
+
+A router scores the experts per token, each token goes to its top-k, and the outputs are summed with
+the routing weights. Which experts are hot (computed where the engine runs) and which cold (computed
+by CPU workers, or dropped under the lossy "mask" policy) is the ExpertManager's business; this object
+only asks it, per step, for the split and the cold results. Written against the ops API, so other MoE
+architectures (a shared expert beside the routed ones, say) can wrap it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ember.kernels.ops import Array, ExpertWeights, Ops, Weight
+from ember.kernels.raw_tensor import RawTensor
+
+if TYPE_CHECKING:
+    from ember.daemon.experts.expert_manager import ExpertManager
+    from ember.daemon.loader.model_file import ModelFile
+
+
+@dataclass(frozen=True)
+class ExpertTensors:
+    """One expert's tensors as the file stores them (views of the mmap'd file)."""
+
+    gate: RawTensor
+    up: RawTensor
+    down: RawTensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
+@dataclass
+class MoEFFN:
+    layer: int
+    router: Weight  # [experts, hidden]
+    files: list[ExpertTensors]  # every expert, in the file
+    n_used: int  # experts per token (top-k)
+    normalize: bool  # renormalise the top-k weights to sum to 1
+    manager: ExpertManager
+    # the hot experts, on the engine's device (promoted and demoted by the manager between steps)
+    hot: dict[int, ExpertWeights] = field(default_factory=dict)
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.files)
+
+    def promote(self, ops: Ops, experts: list[int]) -> None:
+        for e in experts:
+            t = self.files[e]
+            self.hot[e] = ExpertWeights(ops.weight(t.gate), ops.weight(t.up), ops.weight(t.down))
+
+    def demote(self, experts: list[int]) -> None:
+        for e in experts:
+            del self.hot[e]
+
+    def __call__(self, ops: Ops, x: Array, rows: Array) -> Array:
+        n = x.shape[0]
+        ids, weights = ops.route(ops.matmul(x, self.router, rows), self.n_used, self.normalize)
+        token = np.repeat(np.arange(n), self.n_used)
+        expert, weight = ids.reshape(-1), weights.reshape(-1)
+        self.manager.record(self.layer, expert, n)
+        hot = np.fromiter((e in self.hot for e in range(self.n_experts)), bool, self.n_experts)[expert]
+        if hot.all():
+            return ops.expert_ffn(x, self.hot, token, expert, weight, rows)
+        cold = ~hot
+        pending = self.manager.compute_cold(ops, self.layer, x, rows, token[cold], expert[cold], weight[cold])
+        out = ops.expert_ffn(x, self.hot, token[hot], expert[hot], weight[hot], rows)  # meanwhile, the hot ones
+        return out if pending is None else out + pending.wait()
+
+
+def expert_files(mf: ModelFile, layer: int) -> list[ExpertTensors]:
+    gates, ups, downs = (mf.experts(layer, p) for p in ("gate", "up", "down"))
+    return [ExpertTensors(g, u, d) for g, u, d in zip(gates, ups, downs, strict=True)]
+
+
+def load_moe_ffn(mf: ModelFile, ops: Ops, layer: int, manager: ExpertManager) -> MoEFFN:
+    files = expert_files(mf, layer)
+    ffn = MoEFFN(layer, ops.weight(mf.tensor(f"blk.{layer}.ffn_gate_inp.weight")), files, mf.config.n_experts_used,
+                 mf.config.expert_norm, manager)
+    ffn.promote(ops, manager.hot_experts(layer))
+    manager.register(ffn)
+    return ffn
