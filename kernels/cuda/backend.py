@@ -11,7 +11,7 @@ decode) is accepted and not used, so a GPU step's numerics never depend on the b
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from numba import cuda
@@ -20,7 +20,8 @@ from ember.kernels.cuda import dense, quant_matmul, sampling
 from ember.kernels.cuda.device_array import DeviceArray
 from ember.kernels.cuda.paged_attention import CudaKVStore, kv_write, paged_attention
 from ember.kernels.cuda.quant_matmul import CudaWeight, Tables
-from ember.kernels.ops import Array, Ops
+from ember.kernels.cuda.experts import expert_ffn as experts_ffn
+from ember.kernels.ops import Array, ExpertWeights, Ops
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.reference.quant import dequantize
 from ember.kernels.sampling import Choice, SampleRow
@@ -47,6 +48,10 @@ class CudaOps(Ops):
     # --- kernels --------------------------------------------------------------------------------
     def matmul(self, x: Array, w: CudaWeight, decode_rows: Array | None = None) -> DeviceArray:
         return quant_matmul.matmul(x, w, self.tables)
+
+    def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
+                   weight: np.ndarray, decode_rows: Array | None = None) -> DeviceArray:
+        return experts_ffn(self, x, experts, np.asarray(token), np.asarray(expert), np.asarray(weight), decode_rows)
 
     def embedding(self, w: CudaWeight, ids: Array) -> DeviceArray:
         return quant_matmul.embedding(w, self._on_device(ids, np.int64), self.tables)
