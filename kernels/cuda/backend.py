@@ -17,7 +17,7 @@ import numpy as np
 from numba import cuda
 
 from ember.kernels.cuda import dense, quant_matmul, sampling
-from ember.kernels.cuda.device_array import DeviceArray
+from ember.kernels.cuda.device_array import DeviceArray, zeros
 from ember.kernels.cuda.paged_attention import CudaKVStore, kv_write, paged_attention
 from ember.kernels.cuda.quant_matmul import CudaWeight, Tables
 from ember.kernels.cuda.experts import expert_ffn as experts_ffn
@@ -90,7 +90,7 @@ class CudaOps(Ops):
         return DeviceArray(cuda.to_device(np.ascontiguousarray(x)))
 
     def zeros(self, shape: tuple[int, ...]) -> DeviceArray:
-        return DeviceArray(cuda.to_device(np.zeros(shape, np.float32)))
+        return zeros(shape)
 
     def to_numpy(self, x: Array) -> np.ndarray:
         return x.to_host() if isinstance(x, DeviceArray) else np.asarray(x)

@@ -10,14 +10,8 @@ import numpy as np
 from numba import cuda
 
 from ember.kernels.cuda.device import flat_grid
-from ember.kernels.cuda.device_array import DeviceArray
+from ember.kernels.cuda.device_array import DeviceArray, zeros
 from ember.kernels.ops import Array, ExpertWeights, Ops
-
-
-@cuda.jit
-def _zero(out):  # type: ignore[no-untyped-def]
-    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-        out[i] = 0
 
 
 @cuda.jit
@@ -30,9 +24,7 @@ def _scatter_add(out, y, tokens, weights):  # type: ignore[no-untyped-def]
 
 def expert_ffn(ops: Ops, x: DeviceArray, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
                weight: np.ndarray, decode_rows: Array | None) -> DeviceArray:
-    out = DeviceArray(cuda.device_array(x.shape, np.float32))
-    if out.size:
-        _zero[flat_grid(out.size)](out.raw.reshape(out.size))
+    out = zeros(x.shape)
     order = np.argsort(expert, kind="stable")
     bounds = np.flatnonzero(np.diff(expert[order])) + 1
     for group in np.split(order, bounds) if order.size else ():
