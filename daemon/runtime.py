@@ -123,7 +123,7 @@ class Model:
         options.setdefault("max_step_tokens", self.pipeline.max_tokens if self.pipeline else PREFILL_CHUNK)
         blocks = -(-capacity // KV_BLOCK)
         if self.pipeline is None:
-            runner = ModelRunner(self.net, blocks, KV_BLOCK, self.kv_dtype, self.decode_act)
+            runner = ModelRunner(self.net, blocks, KV_BLOCK, self.kv_dtype, self.decode_act, max_running)
         elif options["max_step_tokens"] > self.pipeline.max_tokens:
             raise ValueError(f"max_step_tokens {options['max_step_tokens']} is over the {self.pipeline.max_tokens} "
                              f"tokens the split's staging holds (load(..., max_step_tokens=))")

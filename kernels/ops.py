@@ -138,6 +138,62 @@ class Ops(ABC):
         Returns [n, hq, hd].
         """
 
+    def sigmoid_mul(self, x: Array, gate: Array) -> Array:
+        """x * sigmoid(gate), elementwise (gated attention's output gate). Default: the numpy reference."""
+        from ember.kernels.reference.dense import sigmoid_mul
+
+        return self.to_device(sigmoid_mul(self.to_numpy(x), self.to_numpy(gate)))
+
+    # --- linear attention (hybrid models) ---------------------------------------------------------
+    # A step's tokens come from several sequences, each a contiguous run from seq_starts[s] to
+    # seq_starts[s + 1]; sequence s keeps its recurrent state at index state_slots[s] of a layer's
+    # state array (ops.zeros), which these ops update in place. A run whose first position is 0 starts
+    # from a zero state. The defaults run the numpy references on the host: correct everywhere, slow.
+    def causal_conv1d(self, x: Array, w: Array, states: Array, seq_starts: Array, state_slots: Array,
+                      positions: Array) -> Array:
+        """silu of the depthwise causal conv1d of x [n, C] by w [C, K], each run continuing from its
+        window states[slot] [K-1, C] (the inputs before it, oldest first), which it then advances."""
+        from ember.kernels.reference.linear_attention import causal_conv1d
+
+        host, xs, out = self.to_numpy(states), self.to_numpy(x), np.empty(x.shape, np.float32)
+        for s, (first, last) in enumerate(_runs(self.to_numpy(seq_starts))):
+            slot = int(self.to_numpy(state_slots)[s])
+            window = 0 * host[slot] if int(self.to_numpy(positions)[first]) == 0 else host[slot]
+            out[first:last], host[slot] = causal_conv1d(xs[first:last], self.to_numpy(w), window)
+        self._store_back(states, host)
+        return self.to_device(out)
+
+    def gated_delta_net(self, qkv: Array, a: Array, b: Array, A: Array, dt_bias: Array, states: Array,
+                        seq_starts: Array, state_slots: Array, positions: Array, k_heads: int, k_dim: int,
+                        tiled: bool) -> Array:
+        """The gated delta rule over each run. qkv [n, C] holds q and k [k_heads, k_dim] and v
+        [v_heads, v_dim] (after the conv); a, b [n, v_heads] give the decay A * softplus(a + dt_bias)
+        and the write strength sigmoid(b); states [slots, v_heads, k_dim, v_dim]. Value head j reads key
+        head j % k_heads if `tiled` (llama.cpp's GGUF order), else j // (v_heads / k_heads) (Hugging
+        Face's). q and k are L2-normalised and q scaled by k_dim^-1/2 here. Returns [n, v_heads, v_dim]."""
+        from ember.kernels.reference import linear_attention as ref
+
+        host, xs = self.to_numpy(states), self.to_numpy(qkv)
+        v_heads, v_dim = host.shape[1], host.shape[3]
+        out = np.empty((xs.shape[0], v_heads, v_dim), np.float32)
+        key = k_heads * k_dim
+        for s, (first, last) in enumerate(_runs(self.to_numpy(seq_starts))):
+            slot = int(self.to_numpy(state_slots)[s])
+            run = xs[first:last]
+            q, k = ref.normalize_qk(ref.expand_heads(run[:, :key].reshape(-1, k_heads, k_dim), v_heads, tiled),
+                                    ref.expand_heads(run[:, key: 2 * key].reshape(-1, k_heads, k_dim), v_heads, tiled))
+            g, beta = ref.gates(self.to_numpy(a)[first:last], self.to_numpy(b)[first:last], self.to_numpy(A),
+                                self.to_numpy(dt_bias))
+            state = 0 * host[slot] if int(self.to_numpy(positions)[first]) == 0 else host[slot]
+            out[first:last], host[slot] = ref.delta_rule_chunked(q, k, run[:, 2 * key:].reshape(-1, v_heads, v_dim),
+                                                                 g, beta, state)
+        self._store_back(states, host)
+        return self.to_device(out)
+
+    def _store_back(self, device_array: Array, host: np.ndarray) -> None:
+        if host is not device_array:
+            device_array[...] = self.to_device(host)
+
     @abstractmethod
     def swiglu(self, gate: Array, up: Array) -> Array:
         """silu(gate) * up, elementwise."""
@@ -168,3 +224,7 @@ class Ops(ABC):
 
     @abstractmethod
     def to_numpy(self, x: Array) -> np.ndarray: ...
+
+
+def _runs(seq_starts: np.ndarray) -> list[tuple[int, int]]:
+    return [(int(seq_starts[s]), int(seq_starts[s + 1])) for s in range(len(seq_starts) - 1)]

@@ -16,8 +16,12 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_att
             num_key_value_heads=2, head_dim=32, vocab_size=8192, max_position_embeddings=512,
             rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
 
+# a hybrid (Qwen3.5): layers 0-2 Gated DeltaNet, layer 3 gated attention with partial rotary (16 of 64
+# dimensions); two value heads per key head, so the head order (grouped or tiled) matters
+QWEN35 = dict(num_hidden_layers=4, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4)
 HF_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
-              "mixtral": "MixtralConfig"}
+              "mixtral": "MixtralConfig", "qwen35": "Qwen3_5TextConfig", "qwen35moe": "Qwen3_5MoeTextConfig"}
 # MoE: 8 experts of width 64, top-2; the router is randomised too (HF inits it to zeros)
 TINY_MOE = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
             "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)}

@@ -83,6 +83,8 @@ def render_table(plan: Any) -> str:
 
     cfg, req, pol = plan.model.config, plan.request, plan.request.policy
     moe = f", {cfg.n_experts} experts ({cfg.n_experts_used} used)" if cfg.n_experts else ""
+    if cfg.linear:
+        moe += f", {cfg.linear.n_layers} linear-attention layers ({fmt_bytes(cfg.state_bytes())} state per sequence)"
     src = pol.sources
     head = [
         f"model    {Path(plan.model.path).name} ({plan.model.format}, {cfg.arch}, {cfg.n_layers} layers, "
@@ -115,6 +117,10 @@ def render_table(plan: Any) -> str:
                  ("  cold (CPU workers)", [size(d.weights.experts - d.experts_hot) for d in ds])]
     rows += [
         ("KV cache", [size(d.kv_cache) for d in ds]),
+    ]
+    if cfg.linear:
+        rows += [("recurrent state", [size(d.recurrent_state) for d in ds])]
+    rows += [
         ("activations", [size(d.activations.bytes) for d in ds]),
         ("CUDA-graph headroom", [size(d.graph_headroom) for d in ds]),
         ("layer-split staging", [size(d.staging) for d in ds]),
@@ -165,7 +171,7 @@ def _device_dict(d: Any) -> dict[str, Any]:
     return {
         "device": d.device.name, "budget": d.device.budget, "layers": list(d.layers),
         "weights": {**{c: getattr(w, c) for c in WEIGHT_CLASSES}, "total": w.total},
-        "kv_cache": d.kv_cache,
+        "kv_cache": d.kv_cache, "recurrent_state": d.recurrent_state,
         "activations": {"bytes": a.bytes, "rule": a.rule, "estimate": a.estimate, "cap": a.cap, "widest": a.widest,
                         "tokens": a.tokens, "elem_bytes": a.elem_bytes, "safety": a.safety, "buffers": a.buffers,
                         "logits": a.logits, "sampler": a.sampler, "scratch": a.scratch},

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ember.daemon.engine.block_manager import BlockManager
-from ember.daemon.engine.scheduler import Scheduler, StepPlan
+from ember.daemon.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.runner.model_runner import KVStateLost, ModelRunner, StepRun
 from ember.daemon.runner.step_batch import StepBatch
@@ -54,9 +54,14 @@ class EngineStats:
 class EngineCore:
     def __init__(self, runner: ModelRunner, max_step_tokens: int = 256, max_running: int = 64,
                  prefix_caching: bool = True, max_context: int | None = None) -> None:
-        """max_context: tokens per sequence at most (default and upper bound: the model's context)."""
+        """max_context: tokens per sequence at most (default and upper bound: the model's context).
+
+        A hybrid model (runner.stateful) runs without prefix reuse: cached KV blocks would skip the
+        tokens whose recurrent state the sequence still needs (docs/hybrid.md)."""
+        if runner.stateful and max_running > runner.max_sequences:
+            raise ValueError(f"max_running {max_running} exceeds the runner's {runner.max_sequences} recurrent state slots")
         self.runner = runner
-        self.blocks = BlockManager(runner.kv_blocks, runner.block_size, prefix_caching)
+        self.blocks = BlockManager(runner.kv_blocks, runner.block_size, prefix_caching and not runner.stateful)
         context = min(max_context or runner.config.context_length, runner.config.context_length)
         self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context)
 
@@ -144,7 +149,8 @@ class EngineCore:
         failed: list[tuple[Sequence, str]] = []
         for chunk in plan.chunks:
             try:
-                more, bad = self._step(StepPlan([chunk]))
+                for alone in self._replayed(chunk):
+                    more, bad = self._step(StepPlan([alone]))
             except KVStateLost:
                 raise
             except Exception as e:
@@ -154,12 +160,22 @@ class EngineCore:
             failed += bad
         return outputs, failed
 
+    def _replayed(self, chunk: ScheduledChunk) -> list[ScheduledChunk]:
+        """`chunk` to run again alone. A stateful runner's failed step may have advanced the sequence's
+        recurrent state part-way, so its tokens are run again from position 0 (which resets the state),
+        in steps of the usual size; the KV blocks they rewrite get the same values."""
+        if not self.runner.stateful:
+            return [chunk]
+        end, size = chunk.start + chunk.length, self.scheduler.max_step_tokens
+        return [ScheduledChunk(chunk.seq, s, min(size, end - s)) for s in range(0, end, size)]
+
     def _run(self, plan: StepPlan, rows: _LogitRows) -> StepRun:
         chunks = plan.chunks
         batch = StepBatch.build(
             [(c.seq.tokens[c.start : c.start + c.length], c.start, c.seq.table) for c in chunks],
             self.runner.block_size, all_logits=[c.seq.prompt_logits for c in chunks],
             wants_logits=[c.samples for c in chunks], prompt_lengths=[len(c.seq.prompt) for c in chunks],
+            state_slots=[c.seq.state_slot for c in chunks],
         )
         samplers = [(rows.last[i], c.seq) for i, c in enumerate(chunks) if c.samples]
         return self.runner.execute(batch, samplers, rows.keep)

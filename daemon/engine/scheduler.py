@@ -56,6 +56,7 @@ class Scheduler:
         self.max_running = max_running
         pool_tokens = blocks.n_blocks * blocks.block_size
         self.max_context = min(max_context or pool_tokens, pool_tokens)
+        self._free_slots = list(range(max_running - 1, -1, -1))  # a running sequence holds one: Sequence.state_slot
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -142,6 +143,7 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self._release_slot(seq)
         self.blocks.release(seq.table)
         seq.table, seq.registered = [], None
         seq.status = Status.FINISHED
@@ -171,6 +173,7 @@ class Scheduler:
         seq.table += self.blocks.allocate(needed)
         self.waiting.remove(seq)
         self.running.append(seq)
+        seq.state_slot = self._free_slots.pop()
         seq.status = Status.RUNNING
         if seq.started is None:
             seq.started = time.perf_counter()
@@ -201,7 +204,13 @@ class Scheduler:
         seq.table += self.blocks.allocate(needed)
         return True
 
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.state_slot >= 0:
+            self._free_slots.append(seq.state_slot)
+            seq.state_slot = -1
+
     def _preempt(self, seq: Sequence) -> None:
+        self._release_slot(seq)
         self.running.remove(seq)
         self.blocks.release(seq.table)
         seq.table, seq.n_computed, seq.registered = [], 0, None

@@ -46,6 +46,8 @@ _CONVERTED_AS = {"mixtral": "llama"}
 # buffers, not weights: the converter skips these before mapping (TensorNameMap would otherwise name
 # llama's rotary_emb.inv_freq blk.N.attn_rot_embd)
 _SKIPPED_SUFFIXES = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
+# qwen35: a multimodal checkpoint's language model, and the DeltaNet's dt_bias (Qwen3NextModel.modify_tensors)
+_RENAMED = (("model.language_model.", "model."), (".linear_attn.dt_bias", ".linear_attn.dt_proj.bias"))
 # as the converter's map_tensor_name: the table's keys are module paths, parameters add these
 _PARAM_SUFFIXES = (".weight", ".bias")
 # a per-expert tensor: (the module path up to "experts") (expert index) (the projection and parameter)
@@ -141,6 +143,9 @@ def gguf_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     One expert's tensor gets its stacked tensor's name with the expert index: blk.N.ffn_up_exps.E.weight."""
     if hf_name.endswith(_SKIPPED_SUFFIXES):
         return None
+    for old, new in _RENAMED:  # as the converter does before mapping
+        if old in hf_name:
+            hf_name = hf_name.replace(old, new)
     expert = _PER_EXPERT.fullmatch(hf_name)
     if expert is not None:
         merged = gguf_name(f"{expert.group(1)}.{expert.group(3)}", arch, n_layers)

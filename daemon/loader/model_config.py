@@ -14,7 +14,12 @@ import numpy as np
 from ember.daemon.loader.model_file_error import ModelFileError
 
 # HF model_type -> the GGUF architecture name ember uses internally
-HF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "mixtral"}
+HF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "mixtral",
+                    "qwen3_5": "qwen35", "qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe",
+                    "qwen3_5_moe_text": "qwen35moe"}
+
+# architectures with linear-attention (Gated DeltaNet) layers beside full attention
+HYBRID_ARCHES = ("qwen35", "qwen35moe")
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,33 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_context: int = 8192
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """The Gated DeltaNet layers of a hybrid model (qwen35): which layers they are and their shapes.
+
+    Each has a causal conv1d of `conv_kernel` taps over its q/k/v channels and a per-head recurrent
+    state [k_dim, v_dim]; v_heads may be a multiple of k_heads (a key head serves several value heads)."""
+    conv_kernel: int
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    recurrent: tuple[bool, ...]  # per layer: linear attention (True) or full attention
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+    @property
+    def state_floats(self) -> int:
+        """float32 values of one sequence's state in one linear layer: the conv window and the DeltaNet state."""
+        return (self.conv_kernel - 1) * self.conv_channels + self.v_heads * self.k_dim * self.v_dim
+
+    @property
+    def n_layers(self) -> int:
+        return sum(self.recurrent)
 
 
 @dataclass(frozen=True)
@@ -43,6 +75,21 @@ class ModelConfig:
     n_experts: int = 0
     n_experts_used: int = 0
     expert_ffn: int = 0
+    rope_dim: int = 0  # dimensions of a head that rotate (partial rotary); 0: all of head_dim
+    linear: LinearAttention | None = None  # hybrid models: their linear-attention layers
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_dim or self.head_dim
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with a KV cache: all but a hybrid model's linear-attention layers."""
+        return self.n_layers - (self.linear.n_layers if self.linear else 0)
+
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's recurrent state (hybrid models; 0 for others): float32, every linear layer."""
+        return 4 * self.linear.state_floats * self.linear.n_layers if self.linear else 0
     # renormalise the top-k routing weights to sum to 1 (HF norm_topk_prob; Mixtral always does)
     expert_norm: bool = True
 
@@ -52,7 +99,8 @@ class ModelConfig:
         GGUF llama3 files carry the scaling as a `rope_freqs` tensor of per-frequency divisors, which
         takes precedence over computing it.
         """
-        inv = 1.0 / self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
+        dim = self.rotary_dim
+        inv = 1.0 / self.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
         if freq_factors is not None:
             inv = inv / freq_factors.astype(np.float64)
         elif self.rope_scaling is not None:
@@ -104,12 +152,34 @@ def config_from_gguf(meta: Mapping[str, Any], n_vocab_rows: int, source: str) ->
         n_experts=int(get("expert_count", 0)),
         n_experts_used=int(get("expert_used_count", 0)),
         expert_ffn=int(get("expert_feed_forward_length", 0)),
+        rope_dim=int(get("rope.dimension_count", 0)),
+        linear=_gguf_linear(meta, arch, int(get("block_count")), source),
         # llama.cpp renormalises llama (Mixtral) and qwen3moe experts whatever the file says
         expert_norm=bool(meta.get(f"{arch}.expert_weights_norm", True)),
     )
 
 
+def _gguf_linear(meta: Mapping[str, Any], arch: str, n_layers: int, source: str) -> LinearAttention | None:
+    if arch not in HYBRID_ARCHES:
+        return None
+    def get(key: str) -> Any:
+        if f"{arch}.{key}" not in meta:
+            raise ModelFileError(source, f"missing metadata key {arch}.{key}")
+        return meta[f"{arch}.{key}"]
+    v_heads = int(get("ssm.time_step_rank"))
+    recurrent = meta.get(f"{arch}.attention.recurrent_layers")
+    if recurrent is None:  # as llama.cpp: every full_attention_interval-th layer attends
+        interval = int(meta.get(f"{arch}.full_attention_interval", 4))
+        recurrent = [(i + 1) % interval != 0 for i in range(n_layers)]
+    return LinearAttention(conv_kernel=int(get("ssm.conv_kernel")), k_heads=int(get("ssm.group_count")),
+                           v_heads=v_heads, k_dim=int(get("ssm.state_size")),
+                           v_dim=int(get("ssm.inner_size")) // v_heads,
+                           recurrent=tuple(bool(r) for r in list(recurrent)[:n_layers]))
+
+
 def config_from_hf(cfg: Mapping[str, Any], source: str) -> ModelConfig:
+    if "text_config" in cfg:  # a multimodal checkpoint (Qwen3_5ForConditionalGeneration): its language model
+        cfg = {**cfg["text_config"], "model_type": cfg.get("model_type")}
     model_type = _require(cfg, "model_type", source)
     if model_type not in HF_ARCHITECTURES:
         raise ModelFileError(source, f"unknown architecture {model_type!r} (supported: {', '.join(HF_ARCHITECTURES)})")
@@ -133,8 +203,28 @@ def config_from_hf(cfg: Mapping[str, Any], source: str) -> ModelConfig:
         n_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
         n_experts_used=int(cfg.get("num_experts_per_tok") or 0),
         expert_ffn=int(cfg.get("moe_intermediate_size") or (cfg.get("intermediate_size", 0) if model_type == "mixtral" else 0)),
+        rope_dim=_hf_rope_dim(cfg, rope, hidden // n_heads),
+        linear=_hf_linear(cfg, HF_ARCHITECTURES[model_type]),
         expert_norm=bool(cfg.get("norm_topk_prob", False)) if model_type == "qwen3_moe" else True,
     )
+
+
+def _hf_rope_dim(cfg: Mapping[str, Any], rope: Mapping[str, Any], default_head_dim: int) -> int:
+    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    return 0 if factor is None else int(int(cfg.get("head_dim") or default_head_dim) * float(factor))
+
+
+def _hf_linear(cfg: Mapping[str, Any], arch: str) -> LinearAttention | None:
+    if arch not in HYBRID_ARCHES:
+        return None
+    n_layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) == 0 else "linear_attention"
+        for i in range(n_layers)]
+    return LinearAttention(conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+                           k_heads=int(cfg["linear_num_key_heads"]), v_heads=int(cfg["linear_num_value_heads"]),
+                           k_dim=int(cfg["linear_key_head_dim"]), v_dim=int(cfg["linear_value_head_dim"]),
+                           recurrent=tuple(t == "linear_attention" for t in types[:n_layers]))
 
 
 def _hf_rope_scaling(rope: Mapping[str, Any], source: str) -> RopeScaling | None:

@@ -16,6 +16,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec(),
     "qwen2": ArchSpec(qkv_bias=True),
     "qwen3": ArchSpec(qk_norm=True),
+    # hybrid: linear attention on most layers (ModelConfig.linear), gated attention with q/k norms on the rest
+    "qwen35": ArchSpec(qk_norm=True),
     # mixture-of-experts blocks are found by their router tensor (Transformer), whatever the arch:
     # Mixtral GGUF files are "llama" with experts
     "qwen3moe": ArchSpec(qk_norm=True),

@@ -2,7 +2,8 @@
 
 Per-architecture differences come in as an ArchSpec (architectures.py); the feed-forward part is its
 own object, and a block whose file has a router (blk.N.ffn_gate_inp) gets a MoEFFN
-(daemon/experts/) in its place. A Transformer may hold a range of the
+(daemon/experts/) in its place. The token mixer is attention, or in hybrid models (qwen35) Gated
+DeltaNet linear attention on most layers (linear_attention.py). A Transformer may hold a range of the
 model's layers only (a stage of a layer split, runner/split_runner.py): it then loads only their
 weights, the embedding if it runs the first layer and the output head if it runs the last, and its
 forward pass is cut in three — `embed`, `run_layers`, `head` — that the whole model runs in a row.
@@ -19,6 +20,8 @@ from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile
 from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.architectures import ArchSpec, architecture
+from ember.daemon.models.linear_attention import GatedDeltaNet, load_gated_delta_net
+from ember.daemon.runner.recurrent_state import RecurrentState
 from ember.daemon.runner.step_batch import StepBatch
 from ember.kernels.ops import Array, Ops, Weight
 from ember.kernels.raw_tensor import RawTensor
@@ -36,22 +39,30 @@ class Attention:
     bv: Array | None
     q_norm: Array | None
     k_norm: Array | None
+    kv_layer: int  # which of the KV cache's layers is this one's
+    gated: bool = False  # qwen35: wq also gives an output gate per head, [q | gate] per head
 
-    def __call__(self, ops: Ops, cfg: ModelConfig, rope: "Rope", x: Array, cache: PagedKVCache, layer: int,
+    def __call__(self, ops: Ops, cfg: ModelConfig, rope: "Rope", x: Array, cache: PagedKVCache,
                  batch: StepBatch) -> Array:
         n, rows = x.shape[0], batch.decode_rows
         q, k, v = ops.matmul_many(x, (self.wq, self.wk, self.wv), rows)
         if self.bq is not None:
             q, k, v = q + self.bq, k + self.bk, v + self.bv
+        gate = None
+        if self.gated:
+            both = q.reshape(n, cfg.n_heads, 2, cfg.head_dim)
+            q, gate = both[:, :, 0], both[:, :, 1].reshape(n, cfg.n_heads * cfg.head_dim)
         q = q.reshape(n, cfg.n_heads, cfg.head_dim)
         k = k.reshape(n, cfg.n_kv_heads, cfg.head_dim)
         v = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
         q, k = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, cfg.norm_eps, batch.positions, rope.inv_freq,
                                 rope.interleaved)
-        cache.write(layer, batch.kv_blocks, batch.kv_offsets, k, v)
-        out = ops.paged_attention(q, cache.k[layer], cache.v[layer], batch.tables, batch.token_seq, batch.positions,
-                                  cfg.head_dim**-0.5)
-        return ops.matmul(out.reshape(n, cfg.n_heads * cfg.head_dim), self.wo, rows)
+        cache.write(self.kv_layer, batch.kv_blocks, batch.kv_offsets, k, v)
+        out = ops.paged_attention(q, cache.k[self.kv_layer], cache.v[self.kv_layer], batch.tables, batch.token_seq,
+                                  batch.positions, cfg.head_dim**-0.5).reshape(n, cfg.n_heads * cfg.head_dim)
+        if gate is not None:
+            out = ops.sigmoid_mul(out, gate)
+        return ops.matmul(out, self.wo, rows)
 
 
 @dataclass
@@ -73,14 +84,20 @@ class Rope:
 @dataclass
 class Block:
     attn_norm: Array
-    attn: Attention
+    attn: Attention | GatedDeltaNet
     ffn_norm: Array
     ffn: DenseFFN | MoEFFN
 
-    def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: PagedKVCache, layer: int,
+    def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: PagedKVCache,
                  batch: StepBatch) -> Array:
-        x = x + self.attn(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache, layer, batch)
+        x = x + self._mix(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache, batch)
         return x + self.ffn(ops, ops.rmsnorm(x, self.ffn_norm, cfg.norm_eps), batch.decode_rows)
+
+    def _mix(self, ops: Ops, cfg: ModelConfig, rope: Rope, h: Array, cache: PagedKVCache, batch: StepBatch) -> Array:
+        # a call of its own, so the normed input is freed before the FFN runs
+        if isinstance(self.attn, Attention):
+            return self.attn(ops, cfg, rope, h, cache, batch)
+        return self.attn(ops, cfg, h, cache, batch)
 
 
 class Transformer:
@@ -99,8 +116,8 @@ class Transformer:
         tied = "output.weight" not in mf.tensors
         embed = self.runs_first or (self.runs_last and tied)
         self.embed = ops.weight(mf.tensor("token_embd.weight")) if embed else None
-        self.blocks = [_load_block(mf, ops, spec, i, self.experts) for i in self.layers]
-        self.norm = ops.vector(mf.tensor("output_norm.weight")) if self.runs_last else None
+        self.blocks = [_load_block(mf, ops, spec, i, self.layers.start, self.experts) for i in self.layers]
+        self.norm = _norm(mf, ops, "output_norm.weight") if self.runs_last else None
         # tied embeddings: the output projection is the embedding matrix, shared, not loaded twice
         self.output = None if not self.runs_last else self.embed if tied else ops.weight(mf.tensors["output.weight"])
         factors = mf.tensors.get("rope_freqs.weight")
@@ -115,10 +132,19 @@ class Transformer:
     def runs_last(self) -> bool:
         return self.layers.stop == self.config.n_layers
 
-    def new_cache(self, n_blocks: int, block_size: int = 16, dtype: str = "f32") -> PagedKVCache:
-        """A KV cache for the layers this object holds (cache layer 0 is `self.layers.start`)."""
+    @property
+    def stateful(self) -> bool:
+        """Whether sequences carry recurrent state beside their KV blocks (hybrid models)."""
+        return self.config.linear is not None
+
+    def new_cache(self, n_blocks: int, block_size: int = 16, dtype: str = "f32", max_sequences: int = 64) -> PagedKVCache:
+        """A KV cache for the attention layers this object holds (cache layer 0 is the first of them);
+        for a hybrid model also the recurrent state of `max_sequences` sequences (slots 0 ..
+        max_sequences - 1). The whole model only: a layer split of a hybrid is refused (Pipeline)."""
         c = self.config
-        return PagedKVCache(self.ops, len(self.layers), c.n_kv_heads, c.head_dim, n_blocks, block_size, dtype)
+        state = RecurrentState(self.ops, c.linear, max_sequences) if c.linear else None
+        attention = sum(isinstance(b.attn, Attention) for b in self.blocks)
+        return PagedKVCache(self.ops, attention, c.n_kv_heads, c.head_dim, n_blocks, block_size, dtype, state)
 
     def forward(self, batch: StepBatch, cache: PagedKVCache) -> Array:
         """Run one step's tokens (from any number of sequences) through the model, writing their K/V
@@ -133,8 +159,8 @@ class Transformer:
 
     def run_layers(self, x: Array, batch: StepBatch, cache: PagedKVCache) -> Array:
         """Hidden states through this object's layers (f32 in, f32 out), writing their K/V into `cache`."""
-        for i, block in enumerate(self.blocks):
-            x = block(self.ops, self.config, self.rope, x, cache, i, batch)
+        for block in self.blocks:
+            x = block(self.ops, self.config, self.rope, x, cache, batch)
         return x
 
     def head(self, x: Array, batch: StepBatch) -> Array:
@@ -159,13 +185,28 @@ def _expert_manager(mf: ModelFile, options: ExpertOptions, cap: int | None) -> E
     return ExpertManager(mf.path, mf.config.hidden, mf.config.n_experts_used, sizes, mf.config.n_experts, options, cap)
 
 
-def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, experts: ExpertManager | None) -> Block:
+def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, experts: ExpertManager | None) -> Block:
+    """Layer i of a Transformer whose first layer is `first` (its cache's layers count from there)."""
     def w(name: str) -> Weight:
         return ops.weight(mf.tensor(f"blk.{i}.{name}.weight"))
 
     def vec(name: str) -> Array:
         return ops.vector(mf.tensor(f"blk.{i}.{name}"))
 
+    if experts is not None and mf.is_moe_layer(i):
+        ffn: DenseFFN | MoEFFN = load_moe_ffn(mf, ops, i, experts)
+    else:
+        ffn = DenseFFN(gate=w("ffn_gate"), up=w("ffn_up"), down=w("ffn_down"))
+    lin = mf.config.linear
+    if lin is not None:  # a hybrid: its mixer is linear or gated attention, post_attention_norm before the FFN
+        linear_before = sum(lin.recurrent[first:i])
+        mixer = (load_gated_delta_net(mf, ops, i, linear_before) if lin.recurrent[i] else
+                 Attention(wq=w("attn_q"), wk=w("attn_k"), wv=w("attn_v"), wo=w("attn_output"), bq=None, bk=None,
+                           bv=None, q_norm=_norm(mf, ops, f"blk.{i}.attn_q_norm.weight"),
+                           k_norm=_norm(mf, ops, f"blk.{i}.attn_k_norm.weight"), kv_layer=i - first - linear_before,
+                           gated=True))
+        return Block(_norm(mf, ops, f"blk.{i}.attn_norm.weight"), mixer,
+                     _norm(mf, ops, f"blk.{i}.post_attention_norm.weight"), ffn)
     attn = Attention(
         wq=w("attn_q"), wk=w("attn_k"), wv=w("attn_v"), wo=w("attn_output"),
         bq=vec("attn_q.bias") if spec.qkv_bias else None,
@@ -173,9 +214,13 @@ def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, experts: Expert
         bv=vec("attn_v.bias") if spec.qkv_bias else None,
         q_norm=vec("attn_q_norm.weight") if spec.qk_norm else None,
         k_norm=vec("attn_k_norm.weight") if spec.qk_norm else None,
+        kv_layer=i - first,
     )
-    if experts is not None and mf.is_moe_layer(i):
-        ffn: DenseFFN | MoEFFN = load_moe_ffn(mf, ops, i, experts)
-    else:
-        ffn = DenseFFN(gate=w("ffn_gate"), up=w("ffn_up"), down=w("ffn_down"))
     return Block(vec("attn_norm.weight"), attn, vec("ffn_norm.weight"), ffn)
+
+
+def _norm(mf: ModelFile, ops: Ops, name: str) -> Array:
+    """An RMSNorm weight. qwen35 checkpoints store w - 1 (their norm multiplies by 1 + weight); llama.cpp's
+    converter adds the 1, so GGUF files hold w itself."""
+    w = ops.vector(mf.tensor(name))
+    return w + 1.0 if mf.format == "hf" and mf.config.linear is not None else w

@@ -93,7 +93,8 @@ def weight_class(name: str) -> str:
         return "experts"
     if layer_of(name) is None:
         return "other"
-    if ".attn_" in name or ".self_attn." in name or name.endswith(".input_layernorm.weight"):
+    if (".attn_" in name or ".self_attn." in name or name.endswith(".input_layernorm.weight")
+            or ".ssm_" in name or ".linear_attn." in name):  # hybrids' linear attention: the layer's token mixer
         return "attention"
     if any(k in name for k in (".ffn_", ".mlp.", ".block_sparse_moe.", ".post_attention_layernorm.")):
         return "dense_ffn"  # dense FFNs, MoE routers and shared experts: resident, run for every token
@@ -206,11 +207,14 @@ class DevicePlan:
     feature_mirror: int
     offloads_experts: bool  # only the experts that fit stay here (CUDA with expert offload)
     expert_bytes: int = 0  # one expert's bytes (all its tensors in one layer); 0 for dense models
+    # hybrid models: the linear-attention layers' recurrent state (conv window + DeltaNet state,
+    # float32) of every resident sequence; fixed per sequence, whatever the context
+    recurrent_state: int = 0
 
     @property
     def fixed(self) -> int:
         """Everything but the experts."""
-        return (self.weights.total - self.weights.experts + self.kv_cache + self.activations.bytes
+        return (self.weights.total - self.weights.experts + self.kv_cache + self.recurrent_state + self.activations.bytes
                 + self.graph_headroom + self.staging + self.feature_mirror)
 
     @property
@@ -236,7 +240,7 @@ class DevicePlan:
     def components(self) -> dict[str, int]:
         w = self.weights
         return {"weights": w.total - w.experts, "experts": w.experts if not self.offloads_experts else self.experts_hot,
-                "kv_cache": self.kv_cache, "activations": self.activations.bytes,
+                "kv_cache": self.kv_cache, "recurrent_state": self.recurrent_state, "activations": self.activations.bytes,
                 "graph_headroom": self.graph_headroom, "staging": self.staging, "feature_mirror": self.feature_mirror}
 
 
@@ -279,7 +283,8 @@ def build_plan(info: ModelHeaders, request: PlanRequest) -> Plan:
         last = i == len(devices) - 1
         plans.append(DevicePlan(
             device=dev, layers=(first, end), weights=weights[i],
-            kv_cache=(end - first) * kv_per_layer,
+            kv_cache=_attention_layers(cfg, first, end) * kv_per_layer,
+            recurrent_state=(end - first - _attention_layers(cfg, first, end)) * _state_per_layer(cfg) * request.seqs,
             activations=activation_reservation(cfg, request, dev, ctx, logits_rows=request.seqs if last else 0),
             graph_headroom=_per_kind(request.graph_headroom, GRAPH_HEADROOM, dev),
             # a boundary's buffers live on the device that receives the hidden states; a step moves at
@@ -291,6 +296,15 @@ def build_plan(info: ModelHeaders, request: PlanRequest) -> Plan:
             expert_bytes=_expert_bytes(info),
         ))
     return Plan(info, request, ctx, tuple(plans))
+
+
+def _attention_layers(cfg: ModelConfig, first: int, end: int) -> int:
+    """Layers in [first, end) with a KV cache (all, but for a hybrid model's linear-attention layers)."""
+    return (end - first) - (sum(cfg.linear.recurrent[first:end]) if cfg.linear else 0)
+
+
+def _state_per_layer(cfg: ModelConfig) -> int:
+    return 4 * cfg.linear.state_floats if cfg.linear else 0
 
 
 def activation_reservation(cfg: ModelConfig, request: PlanRequest, device: Device, ctx: int,
@@ -453,7 +467,8 @@ def with_request(plan: Plan, **changes: Any) -> Plan:
 
 
 # --- saying it ----------------------------------------------------------------------------------
-LABELS = {"weights": "weights", "experts": "MoE experts", "kv_cache": "KV cache", "activations": "activations",
+LABELS = {"weights": "weights", "experts": "MoE experts", "kv_cache": "KV cache", "recurrent_state": "recurrent state",
+          "activations": "activations",
           "graph_headroom": "CUDA-graph headroom", "staging": "layer-split staging", "feature_mirror": "feature mirror"}
 
 
@@ -524,6 +539,8 @@ def _why(plan: Plan, component: str) -> str:
         return f" for {req.seqs} x {plan.ctx} tokens in {req.policy.kv}"
     if component == "activations":
         return f" for {max(req.seqs, req.prefill_chunk)} tokens per step"
+    if component == "recurrent_state":
+        return f" for {req.seqs} sequences, {fmt_bytes(plan.model.config.state_bytes())} each"
     return ""
 
 

@@ -80,6 +80,30 @@ def compile_all() -> None:
             net.forward(StepBatch.build([([6], 5, [0, 1])], 16, prompt_lengths=[5]), cache)  # one generated token
             net.forward(StepBatch.build([([7], 6, [0, 1]), ([8, 9], 0, [1])], 16, prompt_lengths=[5, 2]), cache)
             net.forward(StepBatch.build([([7], 6, [0, 1]), ([8], 1, [1])], 16, prompt_lengths=[5, 2]), cache)
+        _linear_attention_kernels()
+
+
+def _linear_attention_kernels() -> None:
+    """The hybrid models' kernels (conv1d, delta rule, output gate) on a prompt step and a decode step,
+    with the argument types the model passes them."""
+    from ember.kernels.cpu.backend import CpuOps
+
+    ops, rng = CpuOps(), np.random.default_rng(0)
+    hk, hv, dk, dv, taps = 1, 2, 8, 8, 4
+    channels = 2 * hk * dk + hv * dv
+    conv_states, delta_states = ops.zeros((2, taps - 1, channels)), ops.zeros((2, hv, dk, dv))
+    w, A, dt_bias = ops.zeros((channels, taps)), -np.ones(hv, np.float32), ops.zeros((hv,))
+    for lengths, first in (([5], [0]), ([1, 1], [5, 0])):
+        n = sum(lengths)
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        slots = np.arange(len(lengths), dtype=np.int64)
+        positions = np.concatenate([np.arange(p, p + m) for p, m in zip(first, lengths)]).astype(np.int64)
+        x = rng.standard_normal((n, channels)).astype(np.float32)
+        mixed = ops.causal_conv1d(x, w, conv_states, starts, slots, positions)
+        ab = ops.zeros((n, hv))
+        for tiled in (False, True):
+            ops.gated_delta_net(mixed, ab, ab, A, dt_bias, delta_states, starts, slots, positions, hk, dk, tiled)
+        ops.sigmoid_mul(x, x)
 
 
 def _synthetic_model():  # type: ignore[no-untyped-def]

@@ -1,15 +1,19 @@
-"""PagedKVCache: the device memory of the KV cache — per layer, a K and a V store of fixed-size blocks
-in the policy's dtype. Which block belongs to whom is the BlockManager's business (block_manager.py).
+"""PagedKVCache: the device memory of the KV cache — per attention layer, a K and a V store of
+fixed-size blocks in the policy's dtype — and, for hybrid models, the recurrent state of their
+linear-attention layers beside it. Which block belongs to whom is the BlockManager's business
+(block_manager.py).
 """
 from __future__ import annotations
 
+from ember.daemon.runner.recurrent_state import RecurrentState
 from ember.kernels.ops import Array, Ops
 
 
 class PagedKVCache:
     def __init__(self, ops: Ops, n_layers: int, kv_heads: int, head_dim: int, n_blocks: int,
-                 block_size: int = 16, dtype: str = "f32") -> None:
+                 block_size: int = 16, dtype: str = "f32", state: RecurrentState | None = None) -> None:
         self.ops, self.n_blocks, self.block_size, self.dtype = ops, n_blocks, block_size, dtype
+        self.state = state
         self.k = [ops.kv_store(dtype, n_blocks, block_size, kv_heads, head_dim) for _ in range(n_layers)]
         self.v = [ops.kv_store(dtype, n_blocks, block_size, kv_heads, head_dim) for _ in range(n_layers)]
 

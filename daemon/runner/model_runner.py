@@ -43,13 +43,21 @@ def check_decode_act(decode_act: str) -> None:
 
 class ModelRunner:
     def __init__(self, net: Transformer, kv_blocks: int, block_size: int = 16, kv_dtype: str = "f32",
-                 decode_act: str = "q8_0") -> None:
+                 decode_act: str = "q8_0", max_sequences: int = 64) -> None:
+        """max_sequences: sequences running at once at most (a hybrid model's recurrent state slots)."""
         check_decode_act(decode_act)
         self.net = net
         self.ops = net.ops
         self.config = net.config
         self.decode_act = decode_act
-        self.cache: PagedKVCache = net.new_cache(kv_blocks, block_size, kv_dtype)
+        self.cache: PagedKVCache = net.new_cache(kv_blocks, block_size, kv_dtype, max_sequences)
+        self.max_sequences = max_sequences
+
+    @property
+    def stateful(self) -> bool:
+        """Sequences carry recurrent state (hybrid models): a step cannot be run twice, and a cached
+        prefix's blocks do not bring back the state after it."""
+        return self.net.stateful
 
     @property
     def block_size(self) -> int:

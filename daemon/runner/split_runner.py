@@ -67,6 +67,8 @@ class Pipeline:
         """Start a worker per stage (they load in parallel); `max_tokens`: tokens per step at most (the
         engines' max_step_tokens); `micro_batches`: a step is cut into this many at most (default: one
         per stage)."""
+        if config.linear is not None:  # stages would each need the sequences' recurrent state slots
+            raise ValueError(f"{model_path}: a layer split of a hybrid model ({config.arch}) is not supported")
         self.config, self.act_dtype, self.max_tokens = config, act_dtype, max_tokens
         self.micro_batches = micro_batches or len(stages)
         self.specs = tuple(stages)
@@ -194,6 +196,8 @@ class Pipeline:
 
 class SplitRunner(ModelRunner):
     """A ModelRunner whose forward pass runs in a Pipeline's stages, with a KV cache of its own there."""
+
+    stateful = False  # Pipeline refuses hybrid models
 
     def __init__(self, pipeline: Pipeline, kv_blocks: int, block_size: int = 16, kv_dtype: str = "f32",
                  decode_act: str = "q8_0") -> None:

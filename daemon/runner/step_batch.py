@@ -25,6 +25,10 @@ class StepBatch:
     # may compute these rows with quantized activations (ops.matmul): a token's numerics then follow
     # from what it is, never from how the step was batched or chunked.
     decode_rows: Any
+    # hybrid models' recurrent state: sequence s's tokens are seq_starts[s] .. seq_starts[s + 1] - 1 and
+    # its state sits at index state_slots[s] of each linear-attention layer's state array
+    seq_starts: Any = None
+    state_slots: Any = None
 
     @property
     def n_logits(self) -> int:
@@ -32,17 +36,19 @@ class StepBatch:
 
     @classmethod
     def build(cls, chunks: Sequence[ChunkSpec], block_size: int, all_logits: bool | Sequence[bool] = False,
-              wants_logits: Sequence[bool] | None = None, prompt_lengths: Sequence[int] | None = None) -> StepBatch:
+              wants_logits: Sequence[bool] | None = None, prompt_lengths: Sequence[int] | None = None,
+              state_slots: Sequence[int] | None = None) -> StepBatch:
         """Host arrays for `chunks`. Logits come for the last token of each chunk (of those
         `wants_logits` marks, if given); `all_logits` (for every chunk, or per chunk) asks for every
         token of a chunk instead. prompt_lengths (per chunk) tells generated tokens from prompt ones:
-        positions from a sequence's prompt length on are decode rows (without it, none is)."""
+        positions from a sequence's prompt length on are decode rows (without it, none is). state_slots
+        (per chunk) places each sequence's recurrent state (default: the chunk's index)."""
         every = [all_logits] * len(chunks) if isinstance(all_logits, bool) else list(all_logits)
         prompts = np.fromiter((1 << 62,) * len(chunks) if prompt_lengths is None else prompt_lengths, np.int64,
                               len(chunks))
         if all(len(tokens) == 1 for tokens, _, _ in chunks):  # every token is its chunk's last
             wants = None if wants_logits is None else [w or a for w, a in zip(wants_logits, every, strict=True)]
-            return cls._decodes(chunks, block_size, wants, prompts)
+            return cls._decodes(chunks, block_size, wants, prompts, _slots(state_slots, len(chunks)))
         ids, positions, token_seq, rows = [], [], [], []
         width = max(len(table) for _, _, table in chunks)
         tables = np.zeros((len(chunks), width), np.int32)
@@ -62,11 +68,13 @@ class StepBatch:
         return cls(ids=np.concatenate(ids), positions=pos, token_seq=seq,
                    kv_blocks=tables[seq, pos // block_size].astype(np.int64), kv_offsets=pos % block_size,
                    tables=tables, logit_rows=np.concatenate(rows) if rows else np.zeros(0, np.int64),
-                   decode_rows=pos >= prompts[seq])
+                   decode_rows=pos >= prompts[seq],
+                   seq_starts=np.concatenate([[0], np.cumsum([len(tokens) for tokens, _, _ in chunks])]).astype(np.int64),
+                   state_slots=_slots(state_slots, len(chunks)))
 
     @classmethod
     def _decodes(cls, chunks: Sequence[ChunkSpec], block_size: int, wants_logits: Sequence[bool] | None,
-                 prompts: np.ndarray) -> StepBatch:
+                 prompts: np.ndarray, slots: np.ndarray) -> StepBatch:
         """The common decode step, one token per sequence, without per-sequence array work."""
         n = len(chunks)
         pos = np.fromiter((start for _, start, _ in chunks), np.int64, n)
@@ -78,9 +86,14 @@ class StepBatch:
         rows = np.arange(n) if wants_logits is None else np.flatnonzero(np.asarray(wants_logits, bool))
         return cls(ids=np.fromiter((tokens[0] for tokens, _, _ in chunks), np.int64, n), positions=pos, token_seq=seq,
                    kv_blocks=tables[seq, pos // block_size].astype(np.int64), kv_offsets=pos % block_size,
-                   tables=tables, logit_rows=rows, decode_rows=pos >= prompts)
+                   tables=tables, logit_rows=rows, decode_rows=pos >= prompts,
+                   seq_starts=np.arange(n + 1, dtype=np.int64), state_slots=slots)
 
     def on(self, to_device: Any) -> StepBatch:
         """The same batch with every array moved by `to_device` (the runner's ops.to_device): done once
         per step, so no layer moves metadata again."""
         return StepBatch(*(to_device(getattr(self, f)) for f in self.__dataclass_fields__))
+
+
+def _slots(state_slots: Sequence[int] | None, n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.int64) if state_slots is None else np.asarray(state_slots, np.int64)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.kernels.cpu import dense, quant_matmul
+from ember.kernels.cpu import dense, linear_attention, quant_matmul
 from ember.kernels.cpu.paged_attention import KVLayerStore, paged_attention
 from ember.kernels.ops import Array, Ops
 from ember.kernels.reference.quant import dequantize
@@ -66,6 +66,19 @@ class CpuOps(Ops):
     def paged_attention(self, q: Array, k: KVLayerStore, v: KVLayerStore, tables: np.ndarray, token_seq: np.ndarray,
                         positions: np.ndarray, scale: float) -> np.ndarray:
         return paged_attention(np.ascontiguousarray(q), k, v, tables, token_seq, positions, scale)
+
+    def sigmoid_mul(self, x: Array, gate: Array) -> np.ndarray:
+        return dense.sigmoid_mul(x, gate)
+
+    def causal_conv1d(self, x: Array, w: Array, states: Array, seq_starts: Array, state_slots: Array,
+                      positions: Array) -> np.ndarray:
+        return linear_attention.causal_conv1d(x, w, states, seq_starts, state_slots, positions)
+
+    def gated_delta_net(self, qkv: Array, a: Array, b: Array, A: Array, dt_bias: Array, states: Array,
+                        seq_starts: Array, state_slots: Array, positions: Array, k_heads: int, k_dim: int,
+                        tiled: bool) -> np.ndarray:
+        return linear_attention.gated_delta_net(qkv, a, b, A, dt_bias, states, seq_starts, state_slots, positions,
+                                                k_heads, k_dim, tiled)
 
     def swiglu(self, gate: Array, up: Array) -> np.ndarray:
         return dense.swiglu(gate, up)

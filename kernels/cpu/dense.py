@@ -47,8 +47,9 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 @njit(inline="always", **JIT)
 def _rope_pair(a, b, position, inv_freq, interleaved):  # type: ignore[no-untyped-def]
-    """Rotate every head of one token's a [heads, hd] and b [heads', hd] (q and k) in place."""
-    half = a.shape[1] // 2
+    """Rotate every head of one token's a [heads, hd] and b [heads', hd] (q and k) in place: the first
+    2 * len(inv_freq) dimensions of each head, the rest left alone (partial rotary)."""
+    half = inv_freq.shape[0]
     for p in range(half):
         # float64 angle: positions reach 1e5+, where float32 would lose the phase
         angle = float(position) * float(inv_freq[p])
@@ -116,6 +117,22 @@ _SWIGLU = Twin(_swiglu)
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     out = np.empty_like(gate)
     _SWIGLU.pick(gate.size * 8)(np.ascontiguousarray(gate), np.ascontiguousarray(up), out)
+    return out
+
+
+def _sigmoid_mul(x: np.ndarray, gate: np.ndarray, out: np.ndarray) -> None:
+    a, g, o = x.reshape(-1), gate.reshape(-1), out.reshape(-1)
+    for i in prange(a.size):
+        o[i] = a[i] / (1.0 + math.exp(-g[i]))
+
+
+_SIGMOID_MUL = Twin(_sigmoid_mul)
+
+
+def sigmoid_mul(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty_like(x)
+    _SIGMOID_MUL.pick(x.size * 8)(x, np.ascontiguousarray(gate, np.float32), out)
     return out
 
 

@@ -15,6 +15,10 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, interleaved: bool) -> np.ndarray:
+    """Rotary embedding of the first 2 * len(inv_freq) dimensions of each head; the rest pass through."""
+    rot = 2 * len(inv_freq)
+    if rot < x.shape[-1]:
+        return np.concatenate([rope(x[..., :rot], positions, inv_freq, interleaved), x[..., rot:]], axis=-1)
     half = x.shape[-1] // 2
     angles = positions.astype(np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]  # [n, half]
     cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
@@ -49,6 +53,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: fl
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     g = gate.astype(np.float64)
     return (g / (1.0 + np.exp(-g)) * up).astype(np.float32)
+
+
+def sigmoid_mul(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    return (x.astype(np.float64) / (1.0 + np.exp(-gate.astype(np.float64)))).astype(np.float32)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
