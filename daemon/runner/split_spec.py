@@ -36,6 +36,9 @@ def parse_devices(devices: str | Sequence[str]) -> list[DeviceName]:
             backend_for(name)
         except ValueError as e:
             raise SplitSpecError(f"unknown device in --devices: {e}") from None
+        if name.kind != "cpu":  # the Stage protocol has one implementation so far (split_runner.py)
+            raise SplitSpecError(f"{name} cannot be a layer-split stage yet: stages are cpu:N worker processes in "
+                                 f"this build (run the whole model on {name} with --device {name})")
         parsed.append(name)
     seen = [str(n) for n in parsed]
     dupes = sorted({n for n in seen if seen.count(n) > 1})
