@@ -6,10 +6,11 @@
     [server]   socket, socket_group, drain_timeout, log_format, log_level, probe_interval, logits_slots,
                max_logits_bytes, stall_timeout
     [engine]   device, kv_dtype, ctx, max_active, max_queued, max_step_tokens, prefix_caching, warmup, threads,
-               decode_act
+               decode_act, devices, split, act_dtype, stage_threads (a layer split: docs/layer_split.md)
     [limits]   see protocol/limits.py
 
-Environment: EMBER_CONFIG (the file), EMBER_SOCKET, EMBER_MODELS (paths separated by ':'), EMBER_KV_DTYPE, and
+Environment: EMBER_CONFIG (the file), EMBER_SOCKET, EMBER_MODELS (paths separated by ':'), EMBER_KV_DTYPE,
+EMBER_ACT_DTYPE, and
 EMBER_<SECTION>_<FIELD> for every other scalar (EMBER_ENGINE_MAX_ACTIVE=2). A bad value is refused at
 start with the key, the reason and where the value came from.
 """
@@ -25,7 +26,9 @@ from typing import Any
 import msgspec
 
 from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES
+from ember.daemon.planning.precision import ACT_DTYPES
 from ember.daemon.runner.devices import DeviceName
+from ember.daemon.runner.split_spec import parse_devices, parse_split
 from ember.protocol.limits import Limits
 
 SYSTEM_CONFIG = Path("/etc/ember/ember.toml")
@@ -92,9 +95,20 @@ class EngineConfig(_Section):
     warmup: bool = True  # run a short generation before READY (loads the compiled kernels)
     threads: int = 0  # kernel threads of the engine; 0: one per core but one, left to the I/O loop and clients
     decode_act: str = "q8_0"  # activations of generated tokens against quantized weights: q8_0 (fast, llama.cpp's) or f32
+    devices: str = ""  # a layer split across stage processes, e.g. "cpu:0,cpu:1"; "": the model runs on `device`
+    split: str = ""  # layers per device of `devices`, e.g. "3,2"; "": in proportion to the devices' memory
+    act_dtype: str = ""  # the split's staged hidden states: f32, f16, bf16 or auto; "": EMBER_ACT_DTYPE, else auto
+    stage_threads: int = 0  # kernel threads per stage process; 0: the CPUs shared out among the stages
 
     def __post_init__(self) -> None:
         _check(_is_device(self.device), f"device must be cpu or cuda:N, got {self.device!r}")
+        if self.devices:
+            parse_devices(self.devices)  # SplitSpecError (a ValueError) says what is wrong
+        _check(not self.split or bool(self.devices), f"split {self.split!r} needs devices to split across (engine.devices)")
+        parse_split(self.split)
+        _check(self.act_dtype in ("", "auto", *ACT_DTYPES),
+               f"act_dtype must be one of auto, {', '.join(ACT_DTYPES)}, got {self.act_dtype!r}")
+        _check(self.stage_threads >= 0, f"stage_threads must be >= 0, got {self.stage_threads}")
         _check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         _check(self.kv_dtype in ("", *KV_DTYPES), f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         _check(self.decode_act in DECODE_ACTIVATIONS,
@@ -168,6 +182,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         out.setdefault("server", {})["socket"] = env["EMBER_SOCKET"]
     if env.get("EMBER_KV_DTYPE"):  # the precision policy's variable (daemon/planning/precision.py), same meaning
         out.setdefault("engine", {})["kv_dtype"] = env["EMBER_KV_DTYPE"]
+    if env.get("EMBER_ACT_DTYPE"):  # likewise
+        out.setdefault("engine", {})["act_dtype"] = env["EMBER_ACT_DTYPE"]
     for section, cls in _SECTIONS.items():
         for field in cls.__struct_fields__:
             name = f"EMBER_{section}_{field}".upper()

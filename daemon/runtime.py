@@ -24,7 +24,7 @@ from ember.daemon.models.transformer import Transformer
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import ModelRunner
 from ember.daemon.runner.split_runner import Pipeline, SplitRunner
-from ember.daemon.runner.split_spec import parse_devices, parse_split, plan_stages
+from ember.daemon.runner.split_spec import parse_devices, parse_split, plan_stages, stage_budgets
 from ember.daemon.planning.precision import DeviceCaps, PrecisionSettings, resolve_policy
 from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
 from ember.daemon.text.tokenizer import Tokenizer, TokenizerError
@@ -233,7 +233,7 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
         raise ModelFileError(str(mf.path), str(e)) from None
     if not staged:
         return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, experts=experts)
-    stages = plan_stages(names, counts, mf.config.n_layers, [backend_for(n).available_memory(n) for n in names])
+    stages = plan_stages(names, counts, mf.config.n_layers, stage_budgets(names))
     threads = stage_threads or max(1, len(os.sched_getaffinity(0)) // len(stages))
     pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads)
     return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, pipeline)

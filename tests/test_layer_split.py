@@ -155,7 +155,7 @@ def test_narrow_staging_tracks_f32(unsplit, act_dtype: str) -> None:
 @pytest.mark.parametrize(("devices", "split", "message"), [
     (["cpu:0", "cpu:1", "cpu:2", "cpu:3", "cpu:4", "cpu:5"], None, "6 devices .* 5 layers.*name at most 5 devices"),
     (["cpu:0", "gpu:1"], None, "unknown device in --devices: not a device: 'gpu:1'"),
-    (["cpu:0", "cuda:1"], None, "cuda:1 cannot be a layer-split stage yet: stages are cpu:N worker processes"),
+    (["cpu:0", "cuda:1"], None, "cuda:1 in a split: stages are cpu:N worker processes in this build"),
     (["cpu:0", "cpu:1"], [3, 3], "split 3,3 adds up to 6 layers; the model has 5: e.g. --split 3,2"),
     (["cpu:0", "cpu:1"], [5], "gives 1 layer counts for 2 devices"),
     (["cpu:0", "cpu:1"], [5, 0], "every stage needs at least one layer"),

@@ -1,6 +1,7 @@
 """The `ember` subcommands that involve the daemon:
 
   ember serve [--model PATH ...] [--config FILE] [--socket PATH] [--device cpu|cuda:N] [--threads N]
+              [--devices cpu:0,cpu:1 [--split 3,2] [--act-dtype T]]  layers split across stage processes
               [--http HOST:PORT]                               and the HTTP gateway as its child process
   ember generate PROMPT [--model NAME] [sampling options]     stream a completion from the daemon
   ember chat [--model NAME] [--system TEXT]                    an interactive chat with the daemon
@@ -32,6 +33,13 @@ def add_daemon_commands(sub: Any) -> None:
                        help="activations of generated tokens against quantized weights: q8_0 (default; integer dot "
                             "products, as llama.cpp) or f32 (exact, slower)")
     serve.add_argument("--threads", type=int, help="kernel threads of the engine (default: one per core but one)")
+    serve.add_argument("--devices", metavar="D,D,..",
+                       help="split the layers across stage processes, e.g. cpu:0,cpu:1 (cpu:N: a worker bound to "
+                            "NUMA node N where there is one); see docs/layer_split.md")
+    serve.add_argument("--split", metavar="N,N,..", help="layers per device of --devices (default: by their memory)")
+    serve.add_argument("--act-dtype", metavar="T",
+                       help="the split's staged hidden states: f32, f16, bf16 or auto (default: EMBER_ACT_DTYPE, else auto)")
+    serve.add_argument("--stage-threads", type=int, help="kernel threads per stage process (default: the CPUs shared out)")
     serve.add_argument("--log-format", choices=("auto", "json", "console"))
     serve.add_argument("--http", metavar="HOST:PORT",
                        help="also serve the OpenAI-compatible HTTP API there (`ember gateway` as a child process; "
@@ -95,7 +103,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     flags = {"models": args.model, "server.socket": args.socket, "engine.device": args.device,
              "engine.ctx": args.ctx, "engine.max_active": args.max_active, "engine.kv_dtype": args.kv_dtype,
-             "engine.decode_act": args.decode_act,
+             "engine.decode_act": args.decode_act, "engine.devices": args.devices, "engine.split": args.split,
+             "engine.act_dtype": args.act_dtype, "engine.stage_threads": args.stage_threads,
              "engine.threads": args.threads, "server.log_format": args.log_format}
     config = load_config(args.config, flags=flags)
     gateway = _start_gateway(args.http, config) if args.http else None

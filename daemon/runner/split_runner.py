@@ -43,7 +43,8 @@ from ember.kernels.ops import Array
 class Stage(Protocol):
     device: DeviceName
     setup: Setup
-    info: str
+    pid: int  # of the process that runs it (the engine's own for an in-process stage)
+    binding: str  # where it runs, in words (NUMA node, GPU)
     restarts: int
 
     @property
@@ -102,7 +103,7 @@ class Pipeline:
         return [0] + [b.segment.nbytes for b in self.boundaries]
 
     def describe(self) -> list[str]:
-        return [f"{s.name}: {s.info}" for s in self.stages]
+        return [f"{s.name}: pid {s.pid}, {s.binding}" for s in self.stages]
 
     def new_cache(self, spec: CacheSpec) -> int:
         with self._lock:

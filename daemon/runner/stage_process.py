@@ -39,7 +39,8 @@ class ProcessStage:
         self.caches: dict[int, CacheSpec] = {}  # what a restarted worker must hold again
         self.process: subprocess.Popen[bytes] | None = None
         self.channel: Channel | None = None
-        self.info = ""  # the worker's Ready: its pid and NUMA binding, in words
+        self.pid = 0  # the worker's, from its Ready
+        self.binding = ""  # how its NUMA binding went, in words
         self.restarts = 0
 
     @property
@@ -72,7 +73,7 @@ class ProcessStage:
             raise StageDied(f"{self.name} could not load: {reply.error}")
         if not isinstance(reply, Ready):
             raise StageDied(f"{self.name} answered {type(reply).__name__} to its setup")
-        self.info = f"pid {reply.pid}, {reply.numa}"
+        self.pid, self.binding = reply.pid, reply.numa
         for cache, spec in self.caches.items():
             self.send(NewCache(cache, spec.blocks, spec.block_size, spec.dtype))
 

@@ -29,6 +29,7 @@ from ember.daemon.planning.planner import Device, PlanDoesNotFit, PlanRequest, b
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.daemon.engine.defaults import KV_BLOCK
 from ember.daemon.runtime import Model, load
+from ember.daemon.runner.split_spec import parse_devices, parse_split, plan_stages, stage_budgets
 from ember.daemon.server.server import Server
 from ember.daemon.text.text_worker import Output, TextWorker
 from ember.daemon.server.socket_dir import SocketLock, prepare_socket_dir
@@ -54,18 +55,21 @@ def serve(config: Config) -> int:
     try:
         _remove_dead_segments(path)
         specs = config.models or (ModelSpec(str(DEMO_MODEL), DEMO_NAME),)
-        device = DeviceName.parse(config.engine.device)
+        e = config.engine
+        device = DeviceName.parse(e.device)
         backend = backend_for(device)
-        # engine.kv_dtype already merges file < EMBER_KV_DTYPE < --kv-dtype (daemon/config.py)
-        policy = resolve_policy([DeviceCaps.of(config.engine.device)], env={},
-                                flags=PrecisionSettings(kv=config.engine.kv_dtype or None))
+        devices = parse_devices(e.devices) if e.devices else [device]
+        # engine.kv_dtype and act_dtype already merge file < EMBER_*_DTYPE < flag (daemon/config.py)
+        act = None if e.act_dtype in ("", "auto") else e.act_dtype
+        policy = resolve_policy([DeviceCaps.of(str(d)) for d in devices], env={},
+                                flags=PrecisionSettings(kv=e.kv_dtype or None, act=act))
         try:
-            _plan_models(config, specs, policy, device, notifier)
+            _plan_models(config, specs, policy, devices, notifier)
         except PlanDoesNotFit as e:
             log.error("model does not fit", problem=str(e))
             raise PlanDoesNotFit(e.plan, f"{e}\n{_DAEMON_KNOBS}") from None
         backend.prepare(on_compile=lambda: _compiling(notifier))
-        models = _load_models(config, specs, policy.kv, notifier)
+        models = _load_models(config, specs, policy, notifier)
         server = Server(config, models, path, notifier, _engine_factory(config, models, notifier, path))
         uvloop.run(server.run())
     finally:
@@ -87,21 +91,26 @@ def _remove_dead_segments(socket_path: Path) -> None:
                           bytes=sum(size for _, size in removed), names=[name for name, _ in removed])
 
 
-def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: PrecisionPolicy, device: DeviceName,
+def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: PrecisionPolicy, devices: list[DeviceName],
                  notifier: Notifier) -> None:
-    """Log every model's plan, each within what the ones before it left of the device; PlanDoesNotFit
-    (with what to change) for the first that does not fit. Reads metadata only."""
+    """Log every model's plan, each within what the ones before it left of the devices; PlanDoesNotFit
+    (with what to change) for the first that does not fit, SplitSpecError for a split that cannot
+    run it. Reads metadata only."""
     notifier.status("planning memory")
-    budget = backend_for(device).available_memory(device)
+    budgets = stage_budgets(devices) if config.engine.devices else [backend_for(devices[0]).available_memory(devices[0])]
     for spec in specs:
         info = read_model_info(spec.path)
-        request = PlanRequest(devices=(Device(str(device), budget),), policy=policy,
-                              ctx=config.engine.context_for(info.config.context_length), seqs=config.engine.max_active,
-                              prefill_chunk=config.engine.max_step_tokens)
+        split = None
+        if config.engine.devices:  # the stages' layers, checked against this model
+            stages = plan_stages(devices, parse_split(config.engine.split), info.config.n_layers, budgets)
+            split = tuple(s.end - s.first for s in stages)
+        request = PlanRequest(devices=tuple(Device(str(d), b) for d, b in zip(devices, budgets, strict=True)),
+                              policy=policy, ctx=config.engine.context_for(info.config.context_length),
+                              seqs=config.engine.max_active, prefill_chunk=config.engine.max_step_tokens, split=split)
         plan = build_plan(info, request)
         log_plan(plan, get_logger())
         plan.check()
-        budget -= plan.devices[0].required
+        budgets = [b - d.required for b, d in zip(budgets, plan.devices, strict=True)]
 
 
 def _compiling(notifier: Notifier) -> None:
@@ -109,14 +118,22 @@ def _compiling(notifier: Notifier) -> None:
     get_logger().info("compiling the CPU kernels in a child process (first start after an install or upgrade)")
 
 
-def _load_models(config: Config, specs: tuple[ModelSpec, ...], kv_dtype: str, notifier: Notifier) -> dict[str, Model]:
+def _load_models(config: Config, specs: tuple[ModelSpec, ...], policy: PrecisionPolicy, notifier: Notifier
+                 ) -> dict[str, Model]:
     log = get_logger()
     models: dict[str, Model] = {}
     for i, spec in enumerate(specs, 1):
         name = spec.display_name
         notifier.status(f"loading {name} ({i}/{len(specs)})")
         t0 = time.perf_counter()
-        model = load(spec.path, device=config.engine.device, kv_dtype=kv_dtype, decode_act=config.engine.decode_act)
+        e = config.engine
+        model = load(spec.path, device=e.device, kv_dtype=policy.kv, decode_act=e.decode_act, devices=e.devices or None,
+                     split=e.split or None, act_dtype=policy.act, max_step_tokens=e.max_step_tokens,
+                     stage_threads=e.stage_threads)
+        if model.pipeline is not None:
+            for stage in model.pipeline.stages:
+                log.info("layer-split stage ready", model=name, stage=stage.name, pid=stage.pid, binding=stage.binding,
+                         act_dtype=model.pipeline.act_dtype)
         if config.engine.warmup:
             notifier.status(f"warming up {name}")
             # a short prompt and a few sampled tokens: every kernel a request uses is loaded, so the
