@@ -123,16 +123,16 @@ def test_seeded_sampling_is_independent_of_batch_company(model) -> None:
 
 
 def test_a_sequence_whose_sampling_fails_ends_alone(model, monkeypatch) -> None:
-    from ember.daemon.runner import model_runner
+    from ember.kernels import sampling  # the host sampler every backend's default sample_rows calls
 
-    real = model_runner.sample
+    real = sampling.sample
 
     def flaky(logits, params, rng, prompt, generated, logprob=True):  # type: ignore[no-untyped-def]
         if params.min_p == 0.5 and len(generated) == 3:
             raise ValueError("probabilities contain NaN")
         return real(logits, params, rng, prompt, generated, logprob=logprob)
 
-    monkeypatch.setattr(model_runner, "sample", flaky)
+    monkeypatch.setattr(sampling, "sample", flaky)
     prompts = [model.tokenize(s) for s in SNIPPETS[:3]]
     good = [Sequence(p, 12, SamplingParams(temperature=0.8), seed=i) for i, p in enumerate(prompts[:2])]
     bad = Sequence(prompts[2], 12, SamplingParams(temperature=0.8, min_p=0.5), seed=9)
