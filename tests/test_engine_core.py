@@ -190,11 +190,11 @@ def test_prompt_logits_survive_preemption_without_repeats(model) -> None:
 
 
 def test_in_process_generation_raises_what_the_engine_reports_as_failed(model, monkeypatch) -> None:
-    from ember.daemon.runner import model_runner
+    from ember.kernels import sampling
 
     def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise ValueError("probabilities contain NaN")
 
-    monkeypatch.setattr(model_runner, "sample", broken)
+    monkeypatch.setattr(sampling, "sample", broken)
     with pytest.raises(RuntimeError, match="probabilities contain NaN"):
         list(model.generate("def f(x):", max_tokens=4, temperature=0.8))
