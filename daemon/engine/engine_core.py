@@ -7,14 +7,15 @@ them and samples on its device, the scheduler appends the tokens and decides whi
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ember.daemon.engine.block_manager import BlockManager
 from ember.daemon.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
-from ember.daemon.engine.sequence import Sequence
-from ember.daemon.runner.model_runner import KVStateLost, ModelRunner, StepRun
+from ember.daemon.engine.sequence import Sequence, Status
+from ember.daemon.runner.model_runner import KVStateLost, ModelRunner, PendingStep, StepRun
 from ember.daemon.runner.step_batch import StepBatch
 
 
@@ -64,6 +65,7 @@ class EngineCore:
         self.blocks = BlockManager(runner.kv_blocks, runner.block_size, prefix_caching and not runner.stateful)
         context = min(max_context or runner.config.context_length, runner.config.context_length)
         self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context)
+        self._in_flight: deque[_Flight] = deque()  # steps submitted to a pipelined runner, oldest first
 
     def add(self, seq: Sequence) -> None:
         seq.params.check_vocab(self.runner.config.vocab)
@@ -74,7 +76,7 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._in_flight)
 
     def step(self) -> StepResult:
         """One forward pass; its outputs are the sequences that got a new token, logits or finished.
@@ -84,6 +86,8 @@ class EngineCore:
         alone end with "error", the others' work stands — one request cannot end its neighbours'.
         A runner that lost its KV cache (KVStateLost: a layer-split stage died) ends every running
         sequence with "error" and forgets the cached prefixes; waiting ones run later as usual."""
+        if self.runner.lanes > 1:
+            return self._step_pipelined()
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return StepResult(0)
@@ -99,6 +103,54 @@ class EngineCore:
         except KVStateLost as e:
             outputs, failed = [], self._lose_state(str(e))
         return StepResult(plan.n_tokens, outputs, plan.started, failed)
+
+    def _step_pipelined(self) -> StepResult:
+        """A runner that takes several steps at once (a layer split: one per stage) gets that many,
+        each on sequences of its own, so that while one runs on its last stage the next runs on its
+        first; the oldest is accounted. Every sequence still takes one step at a time."""
+        try:
+            while len(self._in_flight) < self.runner.lanes:
+                share = -(-(len(self.scheduler.running) + len(self.scheduler.waiting)) // self.runner.lanes)
+                plan = self.scheduler.schedule(max_seqs=max(1, share))
+                if not plan.chunks:
+                    break
+                if plan.started:
+                    self.runner.between_requests()
+                try:
+                    self._in_flight.append(self._submit(plan))
+                except KVStateLost:
+                    raise
+                except Exception as e:  # refused before it ran: find whose it was, in step
+                    outputs, failed = self._isolate(plan, e)
+                    return StepResult(plan.n_tokens, outputs, plan.started, failed)
+            if not self._in_flight:
+                return StepResult(0)
+            flight = self._in_flight.popleft()
+            plan = flight.plan
+            for chunk in plan.chunks:
+                chunk.seq.in_flight = False
+            try:
+                outputs, failed = self._account(plan, flight.rows, flight.samples, self.runner.collect(flight.pending))
+            except KVStateLost:
+                raise
+            except Exception as e:
+                outputs, failed = self._isolate(plan, e)
+            return StepResult(plan.n_tokens, outputs, plan.started, failed)
+        except KVStateLost as e:
+            for flight in self._in_flight:
+                for chunk in flight.plan.chunks:
+                    chunk.seq.in_flight = False
+            self._in_flight.clear()
+            return StepResult(0, [], [], self._lose_state(str(e)))
+
+    def _submit(self, plan: StepPlan) -> _Flight:
+        rows = _LogitRows(plan)
+        samples = [c.samples for c in plan.chunks]  # before update() appends the tokens
+        batch, samplers = self._batch(plan, rows)
+        pending = self.runner.submit(batch, samplers, rows.keep)
+        for chunk in plan.chunks:
+            chunk.seq.in_flight = True
+        return _Flight(plan, rows, samples, pending)
 
     def _lose_state(self, why: str) -> list[tuple[Sequence, str]]:
         lost = list(self.scheduler.running)
@@ -118,16 +170,22 @@ class EngineCore:
     def _step(self, plan: StepPlan) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
         rows = _LogitRows(plan)
         samples = [c.samples for c in plan.chunks]  # before update() appends the tokens
-        run = self._run(plan, rows)
+        batch, samplers = self._batch(plan, rows)
+        return self._account(plan, rows, samples, self.runner.execute(batch, samplers, rows.keep))
+
+    def _account(self, plan: StepPlan, rows: _LogitRows, samples: list[bool], run: StepRun
+                 ) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
         sampling = [c.seq for c in plan.chunks if c.samples]
         failed = [(sampling[k], message) for k, message in run.failed.items()]
         for seq, _ in failed:
             self.scheduler.abort(seq, "error")  # update() skips it, and its choice is not passed on
-        finished = set(map(id, self.scheduler.update(plan, [c for c in run.choices if c is not None])))
+        # a sequence ended meanwhile (sampling failed; cancelled while a pipelined step ran) takes no token
+        choices = [c for seq, c in zip(sampling, run.choices, strict=True) if c is not None and seq.status == Status.RUNNING]
+        finished = set(map(id, self.scheduler.update(plan, choices)))
         outputs = []
         for i, chunk in enumerate(plan.chunks):
             seq, done = chunk.seq, id(chunk.seq) in finished
-            if seq.finish_reason == "error":
+            if seq.status == Status.FINISHED and not done:
                 continue
             new = [seq.generated[-1]] if samples[i] else []
             logits = rows.kept_logits(i, run)
@@ -169,7 +227,7 @@ class EngineCore:
         end, size = chunk.start + chunk.length, self.scheduler.max_step_tokens
         return [ScheduledChunk(chunk.seq, s, min(size, end - s)) for s in range(0, end, size)]
 
-    def _run(self, plan: StepPlan, rows: _LogitRows) -> StepRun:
+    def _batch(self, plan: StepPlan, rows: _LogitRows) -> tuple[StepBatch, list[tuple[int, Sequence]]]:
         chunks = plan.chunks
         batch = StepBatch.build(
             [(c.seq.tokens[c.start : c.start + c.length], c.start, c.seq.table) for c in chunks],
@@ -177,8 +235,16 @@ class EngineCore:
             wants_logits=[c.samples for c in chunks], prompt_lengths=[len(c.seq.prompt) for c in chunks],
             state_slots=[c.seq.state_slot for c in chunks],
         )
-        samplers = [(rows.last[i], c.seq) for i, c in enumerate(chunks) if c.samples]
-        return self.runner.execute(batch, samplers, rows.keep)
+        return batch, [(rows.last[i], c.seq) for i, c in enumerate(chunks) if c.samples]
+
+
+@dataclass(frozen=True)
+class _Flight:
+    """A step submitted to a pipelined runner, not yet accounted."""
+    plan: StepPlan
+    rows: _LogitRows
+    samples: list[bool]
+    pending: PendingStep
 
 
 class _LogitRows:
