@@ -108,6 +108,7 @@ class EngineCore:
         """A runner that takes several steps at once (a layer split: one per stage) gets that many,
         each on sequences of its own, so that while one runs on its last stage the next runs on its
         first; the oldest is accounted. Every sequence still takes one step at a time."""
+        plan = StepPlan([])
         try:
             while len(self._in_flight) < self.runner.lanes:
                 share = -(-(len(self.scheduler.running) + len(self.scheduler.waiting)) // self.runner.lanes)
@@ -141,7 +142,8 @@ class EngineCore:
                 for chunk in flight.plan.chunks:
                     chunk.seq.in_flight = False
             self._in_flight.clear()
-            return StepResult(0, [], [], self._lose_state(str(e)))
+            # tokens: the step that found the loss (0 would read as "nothing ran" to the daemon)
+            return StepResult(max(1, plan.n_tokens), [], plan.started, self._lose_state(str(e)))
 
     def _submit(self, plan: StepPlan) -> _Flight:
         rows = _LogitRows(plan)
