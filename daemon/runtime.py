@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,10 @@ from ember.daemon.runner.model_runner import ModelRunner
 from ember.daemon.runner.pipeline import Pipeline
 from ember.daemon.runner.split_runner import SplitRunner
 from ember.daemon.runner.split_spec import parse_devices, parse_split, plan_stages, stage_budgets
-from ember.daemon.planning.precision import DeviceCaps, PrecisionSettings, resolve_policy
+from ember.daemon.config import DEFAULT_CTX
+from ember.daemon.planning.planner import Device, PlanRequest, plan_model, read_model_info
+from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
+from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
 from ember.daemon.text.tokenizer import Tokenizer, TokenizerError
 from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES
@@ -39,9 +43,9 @@ __all__ = ["Model", "ModelFileError", "load"]
 class Model:
     def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str = "cpu", kv_dtype: str = "f32",
                  decode_act: str = "q8_0", pipeline: Pipeline | None = None,
-                 experts: ExpertOptions | None = None) -> None:
+                 experts: ExpertOptions | None = None, draft: ModelFile | None = None, draft_tokens: int = 4) -> None:
         """On `device`, or split across `pipeline`'s stages (its workers already loaded); a MoE
-        model's experts placed by `experts`."""
+        model's experts placed by `experts`; `draft` proposes `draft_tokens` tokens a step."""
         self.path = mf.path
         self.config = mf.config
         self.tokenizer = tokenizer
@@ -53,6 +57,10 @@ class Model:
         self.pipeline = pipeline
         self.device = ",".join(str(s.device) for s in pipeline.specs) if pipeline else str(name)
         self._net = None if pipeline else Transformer(mf, backend_for(name).ops(name), experts=experts)
+        self.draft_path = None if draft is None else draft.path
+        self.draft_tokens = draft_tokens
+        self._draft = None if draft is None else Transformer(draft, backend_for(name).ops(name))
+        self._spec_stats = SpecStats()
 
     def __repr__(self) -> str:
         c = self.config
@@ -130,7 +138,16 @@ class Model:
                              f"tokens the split's staging holds (load(..., max_step_tokens=))")
         else:
             runner = SplitRunner(self.pipeline, blocks, KV_BLOCK, self.kv_dtype, self.decode_act)
+        if self._draft is not None:  # the draft's cache mirrors the target's blocks (daemon/speculative/)
+            options.setdefault("draft", ModelRunner(self._draft, blocks, KV_BLOCK, self.kv_dtype, self.decode_act))
+            options.setdefault("draft_tokens", self.draft_tokens)
+            options.setdefault("spec_stats", self._spec_stats)
         return EngineCore(runner, max_running=max_running, **options)
+
+    def spec_stats(self) -> SpecStats:
+        """Speculative decoding so far over this model's engines: tokens proposed, accepted, and
+        verification steps (all zero without a draft)."""
+        return replace(self._spec_stats)
 
     def close(self) -> None:
         """Stop a split model's stage processes and free its shared memory; stop a MoE model's
@@ -196,10 +213,20 @@ def _drive(engine: EngineCore) -> Iterator[StepOutput]:
         yield from result.outputs
 
 
+def _expert_room(path: Path, name: DeviceName, policy: PrecisionPolicy, experts: ExpertOptions) -> int:
+    """The hot-expert bytes the memory plan leaves on the device: its budget minus the core weights,
+    a context's KV cache, activations and reserves, bounded by the expert budget."""
+    device = Device(str(name), backend_for(name).available_memory(name))
+    request = PlanRequest(devices=(device,), policy=policy, ctx=min(DEFAULT_CTX, read_model_info(path).config.context_length),
+                          expert_budget=experts.budget)
+    return plan_model(path, request).devices[0].experts_hot
+
+
 def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_act: str = "q8_0",
          devices: str | Sequence[str] | None = None, split: str | Sequence[int] | None = None,
          act_dtype: str = "auto", max_step_tokens: int = PREFILL_CHUNK, stage_threads: int = 0,
-         expert_budget: int | str | None = None, cold_workers: int | None = None, cold_policy: str = "exact") -> Model:
+         expert_budget: int | str | None = None, cold_workers: int | None = None, cold_policy: str = "exact",
+         draft: str | Path | None = None, draft_tokens: int = 4) -> Model:
     """Open a GGUF file or Hugging Face directory and place the model on `device` ("cpu"); its KV
     cache holds `kv_dtype` (f32, f16, bf16 or q8_0); generated tokens meet quantized weights with
     `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do).
@@ -213,7 +240,11 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     MoE models: `expert_budget` bounds the bytes of hot experts (None: all; bytes; a size such as
     "2GiB"; or "N%" of all experts' bytes); the cold ones are computed by `cold_workers` CPU worker
     processes (default 2 when some are cold) under cold_policy "exact", or dropped under "mask"
-    (lossy, opt-in). docs/experts.md. (Not with a layer split: its stages keep every expert hot.)"""
+    (lossy, opt-in). docs/experts.md. (Not with a layer split: its stages keep every expert hot.)
+
+    `draft`: a smaller model with the same vocabulary that proposes `draft_tokens` tokens a step for
+    the target to verify (speculative decoding: the same tokens when greedy, the same distribution
+    when sampled; docs/speculative.md). The draft runs on `device`, beside the target."""
     experts = ExpertOptions(expert_budget, cold_workers, cold_policy)
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
@@ -223,17 +254,28 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     # one plain device is the in-process engine; cpu:N, even alone, is a stage process
     staged = len(names) > 1 or not names[0].in_process or split is not None
     counts = parse_split(split)
+    if draft is not None and draft_tokens < 1:
+        raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
     backend = backend_for(names[0])  # an unknown device fails before the file is read
     policy = resolve_policy([DeviceCaps.of(str(n)) for n in names],
                             flags=PrecisionSettings(act=None if act_dtype == "auto" else act_dtype))
     mf = open_model_file(path)
+    draft_file = None if draft is None else open_model_file(draft)
+    if draft_file is not None and draft_file.config.vocab != mf.config.vocab:
+        raise ModelFileError(str(draft_file.path), f"the draft's vocabulary ({draft_file.config.vocab} tokens) "
+                             f"differs from the model's ({mf.config.vocab}): a draft must share the tokenizer")
     backend.prepare()
     try:
         tokenizer = Tokenizer.from_gguf(mf.metadata) if mf.format == "gguf" else Tokenizer.from_hf_dir(mf.path)
     except TokenizerError as e:
         raise ModelFileError(str(mf.path), str(e)) from None
     if not staged:
-        return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, experts=experts)
+        if experts.budget is not None and mf.config.n_experts:
+            experts = replace(experts, device_room=_expert_room(mf.path, names[0], replace(policy, kv=kv_dtype), experts))
+        return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, experts=experts, draft=draft_file,
+                     draft_tokens=draft_tokens)
+    if draft_file is not None:
+        raise ValueError("a draft model with a layer split is not supported yet: load the target on one device")
     stages = plan_stages(names, counts, mf.config.n_layers, stage_budgets(names))
     threads = stage_threads or max(1, len(os.sched_getaffinity(0)) // len(stages))
     pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads)

@@ -120,16 +120,19 @@ def final_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray
     with np.errstate(over="ignore"):  # -inf is the intended result there: exp gives 0
         probs = np.exp(shifted / params.temperature)
     probs /= probs.sum()
-    order = np.argsort(-probs, kind="stable")
     keep = np.ones(probs.size, bool)
-    if 0 < params.top_k < probs.size:
-        keep[order[params.top_k:]] = False
-    if params.top_p < 1.0:
-        sorted_probs = probs[order]
-        cut = int(np.searchsorted(np.cumsum(sorted_probs), params.top_p)) + 1  # smallest set reaching p
-        keep[order[cut:]] = False
+    # the sort costs more than the rest together (0.3 ms over 8192 entries): only top-k/p need it,
+    # and speculative decoding calls this twice per proposed token
+    if 0 < params.top_k < probs.size or params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        if 0 < params.top_k < probs.size:
+            keep[order[params.top_k:]] = False
+        if params.top_p < 1.0:
+            sorted_probs = probs[order]
+            cut = int(np.searchsorted(np.cumsum(sorted_probs), params.top_p)) + 1  # smallest set reaching p
+            keep[order[cut:]] = False
     if params.min_p > 0.0:
-        keep &= probs >= params.min_p * probs[order[0]]
+        keep &= probs >= params.min_p * probs.max()
     probs = np.where(keep, probs, 0.0)
     return probs / probs.sum()
 
@@ -147,10 +150,11 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     else:
         probs = final_distribution(penalized, params)
         token = int(rng.choice(probs.size, p=probs))
-    return _choice(penalized, token, params.logprobs)
+    return choice_of(penalized, token, params.logprobs)
 
 
-def _choice(penalized: np.ndarray, token: int, top_n: int) -> Choice:
+def choice_of(penalized: np.ndarray, token: int, top_n: int) -> Choice:
+    """The Choice of `token` from penalised logits: its logprob and the top_n alternatives."""
     # log-softmax without materializing it: exp in float32 (arguments <= 0, relative error ~1e-7),
     # summed in float64; every token's value only when top alternatives are asked for
     best = penalized.max()

@@ -4,6 +4,9 @@ model, and `Model.generate` / `Model.logits` step a private one holding a single
 
 A step: the scheduler picks each running sequence's next tokens (runner-independent), the runner runs
 them and samples on its device, the scheduler appends the tokens and decides which sequences end.
+With a draft model (speculative decoding, daemon/speculative/) the draft first reads the same chunks
+and proposes tokens after each sampling chunk the scheduler gave lookahead; the target runs them in
+the same pass and keeps what verification accepts (so a step may add several tokens to a sequence).
 """
 from __future__ import annotations
 
@@ -17,12 +20,16 @@ from ember.daemon.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
 from ember.daemon.engine.sequence import Sequence, Status
 from ember.daemon.runner.model_runner import KVStateLost, ModelRunner, PendingStep, StepRun
 from ember.daemon.runner.step_batch import StepBatch
+from ember.daemon.speculative.draft_proposer import DraftProposer
+from ember.daemon.speculative.spec_stats import SpecStats
+from ember.daemon.speculative.verification import verify
+from ember.kernels.sampling import Choice
 
 
 @dataclass(frozen=True)
 class StepOutput:
     seq: Sequence
-    new_tokens: list[int]  # at most one: a step samples one token per sequence
+    new_tokens: list[int]  # one per step, or a verified block with speculative decoding
     finished: bool
     # seq.wants_logits: [1, vocab] f32, the logits the new token was sampled from;
     # seq.prompt_logits: [k, vocab], the logits of every position this step computed for the first time
@@ -54,17 +61,33 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, max_step_tokens: int = 256, max_running: int = 64,
-                 prefix_caching: bool = True, max_context: int | None = None) -> None:
+                 prefix_caching: bool = True, max_context: int | None = None, draft: ModelRunner | None = None,
+                 draft_tokens: int = 4, spec_stats: SpecStats | None = None) -> None:
         """max_context: tokens per sequence at most (default and upper bound: the model's context).
+        draft: a runner of the draft model whose KV cache has as many blocks, of the same size, as
+        the target's; each sequence then gets up to draft_tokens proposals a step, counted in
+        spec_stats (a new SpecStats if not given).
 
         A hybrid model (runner.stateful) runs without prefix reuse: cached KV blocks would skip the
-        tokens whose recurrent state the sequence still needs (docs/hybrid.md)."""
+        tokens whose recurrent state the sequence still needs (docs/hybrid.md); nor with a draft
+        (rejected proposals would have to be taken out of the recurrent state)."""
         if runner.stateful and max_running > runner.max_sequences:
             raise ValueError(f"max_running {max_running} exceeds the runner's {runner.max_sequences} recurrent state slots")
+        if draft is not None and (runner.stateful or draft.stateful):
+            raise ValueError("speculative decoding needs attention-only models (no recurrent state)")
         self.runner = runner
         self.blocks = BlockManager(runner.kv_blocks, runner.block_size, prefix_caching and not runner.stateful)
         context = min(max_context or runner.config.context_length, runner.config.context_length)
-        self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context)
+        self.proposer: DraftProposer | None = None
+        self.spec_stats = spec_stats or SpecStats()
+        if draft is not None:
+            if (draft.kv_blocks, draft.block_size) != (runner.kv_blocks, runner.block_size):
+                raise ValueError("the draft's KV cache must have the target's blocks and block size")
+            if draft_tokens < 1:
+                raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
+            self.proposer = DraftProposer(draft, runner.config.vocab)
+        lookahead = draft_tokens if draft is not None else 0
+        self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context, lookahead)
         self._in_flight: deque[_Flight] = deque()  # steps submitted to a pipelined runner, oldest first
 
     def add(self, seq: Sequence) -> None:
@@ -86,7 +109,7 @@ class EngineCore:
         alone end with "error", the others' work stands — one request cannot end its neighbours'.
         A runner that lost its KV cache (KVStateLost: a layer-split stage died) ends every running
         sequence with "error" and forgets the cached prefixes; waiting ones run later as usual."""
-        if self.runner.lanes > 1:
+        if self.runner.lanes > 1 and self.proposer is None:
             return self._step_pipelined()
         plan = self.scheduler.schedule()
         if not plan.chunks:
@@ -131,7 +154,7 @@ class EngineCore:
             for chunk in plan.chunks:
                 chunk.seq.in_flight = False
             try:
-                outputs, failed = self._account(plan, flight.rows, flight.samples, self.runner.collect(flight.pending))
+                outputs, failed = self._account(plan, flight.rows, flight.before, self.runner.collect(flight.pending))
             except KVStateLost:
                 raise
             except Exception as e:
@@ -147,12 +170,12 @@ class EngineCore:
 
     def _submit(self, plan: StepPlan) -> _Flight:
         rows = _LogitRows(plan)
-        samples = [c.samples for c in plan.chunks]  # before update() appends the tokens
-        batch, samplers = self._batch(plan, rows)
-        pending = self.runner.submit(batch, samplers, rows.keep)
+        before = [len(c.seq.generated) if c.samples else -1 for c in plan.chunks]  # before update() appends
+        samplers = [(rows.last[i], c.seq) for i, c in enumerate(plan.chunks) if c.samples]
+        pending = self.runner.submit(self._build(plan.chunks, rows, {}), samplers, rows.keep)
         for chunk in plan.chunks:
             chunk.seq.in_flight = True
-        return _Flight(plan, rows, samples, pending)
+        return _Flight(plan, rows, before, pending)
 
     def _lose_state(self, why: str) -> list[tuple[Sequence, str]]:
         lost = list(self.scheduler.running)
@@ -171,11 +194,10 @@ class EngineCore:
 
     def _step(self, plan: StepPlan) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
         rows = _LogitRows(plan)
-        samples = [c.samples for c in plan.chunks]  # before update() appends the tokens
-        batch, samplers = self._batch(plan, rows)
-        return self._account(plan, rows, samples, self.runner.execute(batch, samplers, rows.keep))
+        before = [len(c.seq.generated) if c.samples else -1 for c in plan.chunks]  # before update() appends
+        return self._account(plan, rows, before, self._run(plan, rows))
 
-    def _account(self, plan: StepPlan, rows: _LogitRows, samples: list[bool], run: StepRun
+    def _account(self, plan: StepPlan, rows: _LogitRows, before: list[int], run: StepRun
                  ) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
         sampling = [c.seq for c in plan.chunks if c.samples]
         failed = [(sampling[k], message) for k, message in run.failed.items()]
@@ -189,7 +211,7 @@ class EngineCore:
             seq, done = chunk.seq, id(chunk.seq) in finished
             if seq.status == Status.FINISHED and not done:
                 continue
-            new = [seq.generated[-1]] if samples[i] else []
+            new = seq.generated[before[i]:] if before[i] >= 0 else []
             logits = rows.kept_logits(i, run)
             if logits is not None and seq.prompt_logits:  # after a preemption, positions are computed again
                 logits = logits[max(0, seq.logits_returned - chunk.start):]
@@ -229,15 +251,43 @@ class EngineCore:
         end, size = chunk.start + chunk.length, self.scheduler.max_step_tokens
         return [ScheduledChunk(chunk.seq, s, min(size, end - s)) for s in range(0, end, size)]
 
-    def _batch(self, plan: StepPlan, rows: _LogitRows) -> tuple[StepBatch, list[tuple[int, Sequence]]]:
-        chunks = plan.chunks
-        batch = StepBatch.build(
-            [(c.seq.tokens[c.start : c.start + c.length], c.start, c.seq.table) for c in chunks],
+    def _build(self, chunks: list[ScheduledChunk], rows: _LogitRows, proposals: dict) -> StepBatch:  # type: ignore[type-arg]
+        return StepBatch.build(
+            [(c.seq.tokens[c.start : c.start + c.length] + (proposals[i].tokens if i in proposals else []),
+              c.start, c.seq.table) for i, c in enumerate(chunks)],
             self.runner.block_size, all_logits=[c.seq.prompt_logits for c in chunks],
             wants_logits=[c.samples for c in chunks], prompt_lengths=[len(c.seq.prompt) for c in chunks],
-            state_slots=[c.seq.state_slot for c in chunks],
+            state_slots=[c.seq.state_slot for c in chunks], logit_tails=rows.count if proposals else None,
         )
-        return batch, [(rows.last[i], c.seq) for i, c in enumerate(chunks) if c.samples]
+
+    def _run(self, plan: StepPlan, rows: _LogitRows) -> StepRun:
+        chunks = plan.chunks
+        proposals = self.proposer.propose(chunks) if self.proposer else {}
+        batch = self._build(chunks, rows, proposals)
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        samplers = [(rows.last[i], chunks[i].seq) for i in sampling if i not in proposals]
+        run = self.runner.execute(batch, samplers, rows.keep + rows.verified)
+        if not proposals:
+            return run
+        # one entry per sampling chunk again: the runner's samples, and the verified blocks in between
+        sampled, choices, failed = iter(run.choices), [], {}
+        plain = iter(range(len(samplers)))
+        for k, i in enumerate(sampling):
+            if i not in proposals:
+                choices.append(next(sampled))
+                if (j := next(plain)) in run.failed:
+                    failed[k] = run.failed[j]
+                continue
+            first = rows.last[i] - len(proposals[i].tokens)
+            try:
+                block: tuple[Choice, ...] | None = verify(
+                    np.stack([run.kept[r] for r in range(first, rows.last[i] + 1)]), proposals[i], chunks[i].seq)
+            except (ValueError, FloatingPointError, ArithmeticError) as e:
+                block, failed[k] = None, f"sampling failed: {type(e).__name__}: {e}"
+            else:
+                self.spec_stats.add(len(proposals[i].tokens), len(block) - 1)
+            choices.append(block)
+        return StepRun(choices, run.kept, failed)
 
 
 @dataclass(frozen=True)
@@ -245,30 +295,38 @@ class _Flight:
     """A step submitted to a pipelined runner, not yet accounted."""
     plan: StepPlan
     rows: _LogitRows
-    samples: list[bool]
+    before: list[int]  # per chunk: its tokens generated before the step (-1: it samples none)
     pending: PendingStep
 
 
 class _LogitRows:
     """Which logits row belongs to which chunk: a prompt-logits chunk has a row per token, a sampling
-    chunk one (its last token), others none; and which rows go back to the host."""
+    chunk one (its last token) and one per proposed token after it, others none; and which rows go
+    back to the host: those asked for, and those to verify proposals against."""
 
     def __init__(self, plan: StepPlan) -> None:
         self.first: list[int] = []
         self.last: list[int] = []
+        self.count: list[int] = []
         self.keep: list[int] = []
+        self.verified: list[int] = []
+        self.returned: list[bool] = []  # per chunk: its rows go out in StepOutput.logits
         n = 0
         for c in plan.chunks:
-            count = c.length if c.seq.prompt_logits else int(c.samples)
+            count = c.length if c.seq.prompt_logits else int(c.samples) * (1 + c.lookahead)
             self.first.append(n)
             self.last.append(n + count - 1)
+            self.count.append(count)
             if c.seq.prompt_logits or (c.samples and c.seq.wants_logits):
                 self.keep.extend(range(n, n + count))
+            elif c.lookahead:
+                self.verified.extend(range(n, n + count))
+            self.returned.append(c.seq.prompt_logits or (c.samples and c.seq.wants_logits))
             n += count
 
     def kept_logits(self, i: int, run: StepRun) -> np.ndarray | None:
         rows = range(self.first[i], self.last[i] + 1)
-        if not rows or rows[0] not in run.kept:
+        if not self.returned[i] or not rows or rows[0] not in run.kept:
             return None
         return np.stack([run.kept[r] for r in rows])
 

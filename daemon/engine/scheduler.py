@@ -7,7 +7,10 @@ youngest running sequence (its blocks are freed and it is recomputed later; noth
 `update()` takes the sampled tokens and finishes sequences: this is where every sequence's end is
 decided (a stop id, max_tokens, the context; cancelling and stop strings end it through `abort`). A sequence marked `held` (its client
 cannot take more output now) is skipped: it keeps its blocks and its place, and runs again once
-released. Pure Python: testable without a model.
+released. With speculative decoding (`lookahead` > 0) a sampling chunk also gets KV slots for up to
+`lookahead` proposed tokens, which the engine verifies in the same pass; `update()` then takes a
+block of tokens for it and rolls the cache back past the first rejected one. Pure Python: testable
+without a model.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first position run in this step
     length: int
+    lookahead: int = 0  # KV slots reserved after the chunk for proposed tokens (speculative decoding)
 
     @property
     def reaches_end(self) -> bool:
@@ -50,8 +54,9 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_step_tokens: int = 256, max_running: int = 64,
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None, lookahead: int = 0) -> None:
         self.blocks = blocks
+        self.lookahead = lookahead
         self.max_step_tokens = max_step_tokens
         self.max_running = max_running
         pool_tokens = blocks.n_blocks * blocks.block_size
@@ -94,10 +99,11 @@ class Scheduler:
             if budget == 0 or len(chunks) == room or seq not in self.running or seq.held or seq.in_flight:
                 continue  # out of budget or room, preempted by an older sequence in this loop, held or in flight
             length = min(seq.pending, budget)
-            if not self._grow(seq, seq.n_computed + length):
+            extra = self._lookahead(seq, length, budget - length)
+            if not self._grow(seq, seq.n_computed + length + extra):
                 continue
-            chunks.append(ScheduledChunk(seq, seq.n_computed, length))
-            budget -= length
+            chunks.append(ScheduledChunk(seq, seq.n_computed, length, extra))
+            budget -= length + extra
         chunks = [c for c in chunks if c.seq.status == Status.RUNNING]  # drop those preempted meanwhile
         self._swap_out_held()
         while budget and len(chunks) < room and len(self.running) < self.max_running \
@@ -113,9 +119,10 @@ class Scheduler:
                 started.append(seq)
         return StepPlan(chunks, started)
 
-    def update(self, plan: StepPlan, choices: Iterable[Choice]) -> list[Sequence]:
-        """Account the step's work; `choices` has one entry per sampling chunk, in plan order.
-        Returns the sequences that finished."""
+    def update(self, plan: StepPlan, choices: Iterable[Choice | tuple[Choice, ...]]) -> list[Sequence]:
+        """Account the step's work; `choices` has one entry per sampling chunk, in plan order: a
+        Choice, or for a chunk with lookahead the verified block (accepted proposals, then the
+        target's own token). Returns the sequences that finished."""
         sampled = iter(choices)
         finished = []
         for chunk in plan.chunks:
@@ -123,20 +130,57 @@ class Scheduler:
             if seq.status != Status.RUNNING:
                 continue  # aborted while the step ran
             seq.n_computed = chunk.start + chunk.length
-            seq.registered = self.blocks.register(seq.table, seq.tokens, seq.n_computed, seq.registered)
-            if not chunk.reaches_end:
-                continue
+            reason = None
             if chunk.samples:
-                choice = next(sampled)
-                seq.append(choice)
-                reason = self._finish_reason(seq, choice.token)
-            else:
+                picked = next(sampled)
+                block = picked if isinstance(picked, tuple) else (picked,)
+                for choice in block:  # tokens after a stop are dropped, as if never proposed
+                    seq.append(choice)
+                    reason = self._finish_reason(seq, choice.token)
+                    if reason:
+                        break
+                if chunk.lookahead:
+                    seq.n_computed += self._verified(chunk, len(block) - 1)
+            elif chunk.reaches_end:
                 reason = "length"  # max_tokens 0: the prompt was all that was asked for
+            seq.registered = self.blocks.register(seq.table, seq.tokens, seq.n_computed, seq.registered)
             if reason:
                 self.running.remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
+            elif chunk.lookahead:
+                self._roll_back(seq)
         return finished
+
+    # --- speculative decoding ---------------------------------------------------------------------
+    def _lookahead(self, seq: Sequence, length: int, budget: int) -> int:
+        """Slots for proposed tokens after this chunk: none unless it samples; never more than the
+        tokens the sequence may still add after the one it samples (max_tokens, context) nor than
+        free memory allows without preempting anyone."""
+        if not self.lookahead or not seq.can_speculate or seq.n_computed + length != seq.n_tokens:
+            return 0
+        n = min(self.lookahead, budget, seq.max_tokens - len(seq.generated) - 1,
+                self.max_context - seq.n_tokens - 1)
+        if n > 0 and not self.blocks.can_allocate(self.blocks.blocks_for(seq.n_tokens + n) - len(seq.table)):
+            return 0
+        return max(n, 0)
+
+    @staticmethod
+    def _verified(chunk: ScheduledChunk, accepted: int) -> int:
+        """Proposed tokens whose K/V count as computed after `accepted` of them were accepted. When
+        all were, the last one's K/V is the target's only (the draft never ran it), so it is left
+        pending and runs again next step: target and draft caches then always hold the same
+        positions, and a full block registered for prefix reuse holds both models' K/V."""
+        return min(accepted, chunk.lookahead - 1)
+
+    def _roll_back(self, seq: Sequence) -> None:
+        """Free the blocks only rejected proposals used. Their positions were never counted as
+        computed, so no prefix digest covers them; the rows left in kept blocks are overwritten
+        before anything reads them (attention reads positions below each token's own)."""
+        keep = self.blocks.blocks_for(seq.n_tokens)
+        if len(seq.table) > keep:
+            self.blocks.release(seq.table[keep:])
+            del seq.table[keep:]
 
     # --- internals --------------------------------------------------------------------------------
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

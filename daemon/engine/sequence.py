@@ -53,6 +53,12 @@ class Sequence:
         return len(self.tokens)
 
     @property
+    def can_speculate(self) -> bool:
+        """Whether proposed tokens may be verified for it: not when it asks for the logits of
+        every token it gets, which come one step at a time."""
+        return not (self.wants_logits or self.prompt_logits)
+
+    @property
     def pending(self) -> int:
         """Tokens to run through the model before the next one can be sampled."""
         return self.n_tokens - self.n_computed

@@ -4,3 +4,4 @@ from __future__ import annotations
 from pathlib import Path
 
 DEMO_MODEL = Path(__file__).parents[1] / "assets" / "ember-demo-dense-q8_0.gguf"
+DEMO_DRAFT = Path(__file__).parents[1] / "assets" / "ember-demo-draft-q8_0.gguf"  # its speculative draft

@@ -37,16 +37,18 @@ class StepBatch:
     @classmethod
     def build(cls, chunks: Sequence[ChunkSpec], block_size: int, all_logits: bool | Sequence[bool] = False,
               wants_logits: Sequence[bool] | None = None, prompt_lengths: Sequence[int] | None = None,
-              state_slots: Sequence[int] | None = None) -> StepBatch:
+              state_slots: Sequence[int] | None = None, logit_tails: Sequence[int] | None = None) -> StepBatch:
         """Host arrays for `chunks`. Logits come for the last token of each chunk (of those
         `wants_logits` marks, if given); `all_logits` (for every chunk, or per chunk) asks for every
-        token of a chunk instead. prompt_lengths (per chunk) tells generated tokens from prompt ones:
-        positions from a sequence's prompt length on are decode rows (without it, none is). state_slots
-        (per chunk) places each sequence's recurrent state (default: the chunk's index)."""
+        token of a chunk instead; `logit_tails` (per chunk, overriding both) for its last n tokens
+        (speculative verification: the last known token and every proposed one). prompt_lengths (per
+        chunk) tells generated tokens from prompt ones: positions from a sequence's prompt length on
+        are decode rows (without it, none is). state_slots (per chunk) places each sequence's
+        recurrent state (default: the chunk's index)."""
         every = [all_logits] * len(chunks) if isinstance(all_logits, bool) else list(all_logits)
         prompts = np.fromiter((1 << 62,) * len(chunks) if prompt_lengths is None else prompt_lengths, np.int64,
                               len(chunks))
-        if all(len(tokens) == 1 for tokens, _, _ in chunks):  # every token is its chunk's last
+        if logit_tails is None and all(len(tokens) == 1 for tokens, _, _ in chunks):  # every token is its chunk's last
             wants = None if wants_logits is None else [w or a for w, a in zip(wants_logits, every, strict=True)]
             return cls._decodes(chunks, block_size, wants, prompts, _slots(state_slots, len(chunks)))
         ids, positions, token_seq, rows = [], [], [], []
@@ -58,7 +60,9 @@ class StepBatch:
             ids.append(np.asarray(tokens, np.int64))
             positions.append(np.arange(start, start + len(tokens)))
             token_seq.append(np.full(len(tokens), s, np.int32))
-            if every[s]:
+            if logit_tails is not None:
+                rows.append(np.arange(n + len(tokens) - logit_tails[s], n + len(tokens)))
+            elif every[s]:
                 rows.append(np.arange(n, n + len(tokens)))
             elif wants_logits is None or wants_logits[s]:
                 rows.append(np.array([n + len(tokens) - 1]))

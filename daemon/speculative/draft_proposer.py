@@ -1,0 +1,52 @@
+"""DraftProposer: the draft model beside the target — it reads every chunk the target reads, into a KV
+cache of its own addressed by the same block tables, and proposes the next tokens of each sequence
+the scheduler gave lookahead.
+
+Sharing the block tables means the block manager's allocations, prefix reuse and preemption hold for
+both caches at once; the scheduler only ever counts as computed positions both models have run
+(Scheduler._verified), so a reused block holds both models' K/V.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ember.daemon.engine.scheduler import ScheduledChunk
+from ember.daemon.runner.model_runner import ModelRunner
+from ember.daemon.runner.step_batch import ChunkSpec, StepBatch
+from ember.daemon.speculative.verification import Proposal, draft_choice
+
+
+class DraftProposer:
+    def __init__(self, runner: ModelRunner, target_vocab: int) -> None:
+        if runner.config.vocab != target_vocab:
+            raise ValueError(f"the draft's vocabulary ({runner.config.vocab}) differs from the target's ({target_vocab})")
+        self.runner = runner
+
+    def propose(self, chunks: list[ScheduledChunk]) -> dict[int, Proposal]:
+        """Run `chunks` (a step's plan) through the draft; for each chunk with lookahead n, n proposed
+        tokens, keyed by the chunk's index. The first pass runs every chunk and drafts one token for
+        each speculating one; each further pass runs one token for each still drafting."""
+        spec = [i for i, c in enumerate(chunks) if c.lookahead]
+        proposals = {i: Proposal([], []) for i in spec}
+        specs = [(c.seq.tokens[c.start : c.start + c.length], c.start, c.seq.table) for c in chunks]
+        active, wants = list(range(len(chunks))), [bool(c.lookahead) for c in chunks]
+        for r in range(max((c.lookahead for c in chunks), default=0) or 1):  # once at least: the K/V
+            logits = self._forward(specs, [chunks[i] for i in active], wants)
+            drafting = [i for i, w in zip(active, wants) if w]
+            for row, i in enumerate(drafting):
+                seq, p = chunks[i].seq, proposals[i]
+                token, probs = draft_choice(logits[row], seq, p.tokens)
+                p.tokens.append(token)
+                if probs is not None:
+                    p.probs.append(probs)
+            active = [i for i in drafting if chunks[i].lookahead > r + 1]
+            specs = [([proposals[i].tokens[-1]], chunks[i].start + chunks[i].length + r, chunks[i].seq.table)
+                     for i in active]
+            wants = [True] * len(active)
+        return proposals
+
+    def _forward(self, specs: list[ChunkSpec], chunks: list[ScheduledChunk], wants: list[bool]) -> np.ndarray:
+        batch = StepBatch.build(specs, self.runner.block_size, wants_logits=wants,
+                                prompt_lengths=[len(c.seq.prompt) for c in chunks])
+        logits = self.runner.net.forward(self.runner.prepare(batch), self.runner.cache)
+        return self.runner.net.ops.to_numpy(logits)
