@@ -4,7 +4,8 @@ bytes per token of each act_dtype, and how close f16/bf16 staging stays to f32.
     python benchmarks/layer_split.py [--model PATH] [--tokens 64] [--precision]
 
 Two stages (`cpu:0,cpu:1`, one kernel thread each) against the unsplit model in process with the same
-total: two kernel threads (and, for reference, one). Streams run through the engine core as the daemon
+total: two kernel threads (and, for reference, one); and the split without pipelining (the engine
+keeps one step in flight instead of one per stage). Streams run through the engine core as the daemon
 runs them (continuous batching, greedy, ignore_eos); a split step is cut into micro-batches that the
 stages pipeline. Each configuration is timed `--repeats` times, alternating, and the medians compared.
 --precision: for f16 and bf16 staging, greedy 128 tokens on several prompts against the unsplit model
@@ -30,9 +31,12 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n   
            "    @property\n    def name(self) -> str:\n        "]
 
 
-def decode_rate(model: ember.Model, streams: int, tokens: int) -> float:
-    """Generated tokens per second of `streams` sequences decoded together (prompts first, untimed)."""
+def decode_rate(model: ember.Model, streams: int, tokens: int, lanes: int | None = None) -> float:
+    """Generated tokens per second of `streams` sequences decoded together (prompts first, untimed);
+    lanes=1 keeps a split model's engine to one step at a time (no pipelining)."""
     engine = model.engine(streams * 256, max_running=streams)
+    if lanes is not None:
+        engine.runner.lanes = lanes
     seqs = [Sequence(model.tokenize(PROMPTS[i % len(PROMPTS)]), tokens) for i in range(streams)]
     for seq in seqs:
         engine.add(seq)
@@ -51,14 +55,15 @@ def throughput(args: argparse.Namespace) -> None:
     split = ember.load(args.model, devices=["cpu:0", "cpu:1"], act_dtype="f32", stage_threads=1)
     print(f"model {args.model}: {whole.config.n_layers} layers, hidden {whole.config.hidden}")
     print("stages: " + "; ".join(split.pipeline.describe()))
-    configs = {"unsplit, 2 threads": (whole, 2), "unsplit, 1 thread": (whole, 1), "2 stages x 1 thread": (split, 1)}
+    configs = {"unsplit, 2 threads": (whole, 2, None), "unsplit, 1 thread": (whole, 1, None),
+               "2 stages x 1 thread": (split, 1, None), "  not pipelined": (split, 1, 1)}
     for streams in (1, 8):
         rates: dict[str, list[float]] = {name: [] for name in configs}
         decode_rate(whole, streams, 8), decode_rate(split, streams, 8)  # warm
         for _ in range(args.repeats):
-            for name, (model, threads) in configs.items():
+            for name, (model, threads, lanes) in configs.items():
                 cpu.use_threads(threads)  # the engine thread's kernels (the split's only sample on it)
-                rates[name].append(decode_rate(model, streams, args.tokens))
+                rates[name].append(decode_rate(model, streams, args.tokens, lanes))
         base = statistics.median(rates["unsplit, 2 threads"])
         print(f"\n{streams} stream(s), {args.tokens} tokens each, median of {args.repeats}:")
         for name, r in rates.items():
@@ -76,6 +81,7 @@ def staging_table(model_path: str) -> None:
 
 def precision(model_path: str) -> None:
     whole = ember.load(model_path)
+    backend_for("cpu").use_threads(1)  # numerics do not depend on it; a shared machine's time does
     for dtype in ("f16", "bf16"):
         split = ember.load(model_path, devices=["cpu:0", "cpu:1"], act_dtype=dtype)
         same, agree, rows, worst = 0, 0, 0, 0.0
