@@ -22,7 +22,7 @@ from ember.daemon.runner.kv_cache import PagedKVCache
 from ember.daemon.runner.step_batch import StepBatch
 from ember.kernels.convert import DECODE_ACTIVATIONS
 from ember.kernels.ops import Array
-from ember.kernels.sampling import Choice, sample
+from ember.kernels.sampling import Choice, SampleRow
 
 
 @dataclass(frozen=True)
@@ -120,13 +120,7 @@ class ModelRunner:
             rows = np.fromiter((r for r, _ in samplers), np.int64, len(samplers))
             best = self.ops.to_numpy(self.ops.argmax_rows(logits, rows))
             return [Choice(int(t), float("nan")) for t in best], {}
-        host = self.ops.to_numpy(logits)
-        choices: list[Choice | None] = []
-        failed: dict[int, str] = {}
-        for k, (r, s) in enumerate(samplers):  # one row's failure is its sequence's alone
-            try:
-                choices.append(sample(host[r], s.params, s.rng, s.prompt, s.generated, logprob=s.wants_logprob))
-            except (ValueError, FloatingPointError, ArithmeticError) as e:
-                choices.append(None)
-                failed[k] = f"sampling failed: {type(e).__name__}: {e}"
-        return choices, failed
+        results = self.ops.sample_rows(logits, [SampleRow(r, s.params, s.rng, s.prompt, s.generated, s.wants_logprob)
+                                                for r, s in samplers])
+        failed = {k: why for k, why in enumerate(results) if isinstance(why, str)}
+        return [None if isinstance(c, str) else c for c in results], failed

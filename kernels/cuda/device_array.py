@@ -73,6 +73,20 @@ def empty(shape: tuple[int, ...], dtype: Any = np.float32) -> DeviceArray:
 
 
 @cuda.jit
+def _fill_zero(a):  # type: ignore[no-untyped-def]
+    for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
+        a[i] = 0
+
+
+def zeros(shape: tuple[int, ...], dtype: Any = np.float32) -> DeviceArray:
+    """Zeros allocated and cleared on the device (no host array of the size)."""
+    out = empty(shape, dtype)
+    if out.size:
+        _fill_zero[flat_grid(out.size)](out.raw.reshape(out.size))
+    return out
+
+
+@cuda.jit
 def _add(a, b, out):  # type: ignore[no-untyped-def]
     # b broadcasts over a's leading axes: b's shape is a's trailing shape (a bias) or a's own
     for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
