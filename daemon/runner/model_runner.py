@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +30,14 @@ class StepRun:
     choices: list[Choice | None]  # one per sampling row, in order (None where sampling failed)
     kept: dict[int, np.ndarray]  # row index -> host logits, for the rows asked to be kept
     failed: dict[int, str] = field(default_factory=dict)  # sampler index -> why its sampling failed
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    work: Any  # the logits (this class), or what a pipelined runner collects them by
+    n_logits: int
+    samplers: list[tuple[int, Sequence]]
+    keep: list[int]
 
 
 class KVStateLost(RuntimeError):
@@ -78,14 +87,27 @@ class ModelRunner:
             batch = replace(batch, decode_rows=np.zeros_like(batch.decode_rows))
         return batch.on(self.net.ops.to_device)
 
+    lanes = 1  # steps the engine may keep in flight on this runner (a split's stages: one each)
+
     def execute(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], keep: Seq[int] = ()) -> StepRun:
         """Run `batch`; sample row r for each (r, sequence) of `samplers` with that sequence's
         parameters and generator; bring the rows in `keep` to the host."""
-        logits = self.forward(batch)
-        if batch.n_logits == 0:
+        return self.collect(self.submit(batch, samplers, keep))
+
+    def submit(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], keep: Seq[int] = ()) -> PendingStep:
+        """Start `batch` (here: run it); collect() samples it. A runner with lanes > 1 returns at once."""
+        return PendingStep(self.forward(batch), batch.n_logits, list(samplers), list(keep))
+
+    def collect(self, step: PendingStep) -> StepRun:
+        """The sampled tokens (and kept logits rows) of a submitted step."""
+        logits = self._logits_of(step)
+        if step.n_logits == 0:
             return StepRun([], {})
-        choices, failed = self._sample(logits, samplers)
-        return StepRun(choices, {r: self.ops.to_numpy(logits[r]) for r in keep}, failed)
+        choices, failed = self._sample(logits, step.samplers)
+        return StepRun(choices, {r: self.ops.to_numpy(logits[r]) for r in step.keep}, failed)
+
+    def _logits_of(self, step: PendingStep) -> Array:
+        return step.work
 
     def forward(self, batch: StepBatch) -> Array:
         """The logits [batch.n_logits, vocab] of the host batch's logit rows, where the runner keeps them."""
