@@ -8,7 +8,8 @@ about 330 MB in Q8_0, written by tests/gguf_writer.py, cached under benchmarks/.
 routes about uniformly.
 
 For each file, one round runs each configuration in turn on the same prompt, --rounds rounds, and
-reports the median decode tok/s of a greedy loop of --tokens tokens after the prompt:
+reports the median decode tok/s of --tokens tokens after a 32-token prompt (greedy on the trained
+model; sampled at temperature 1 on the random one, whose greedy loop would repeat one token):
   all hot     every expert computed by the engine (ember's default)
   50% exact   half of the experts' bytes hot (placed by the routing statistics the all-hot runs left
               in the cache), the rest computed exactly by --workers cold-expert worker processes
@@ -47,7 +48,7 @@ CONFIGS = ("all hot", "50% exact", "50% mask", "llama.cpp")
 
 
 def random_moe_file() -> Path:
-    path = HERE / ".cache" / "qwen3moe-30b-a3b-shape-q8_0.gguf"
+    path = HERE / ".cache" / "qwen3moe-30b-a3b-shape-v3-q8_0.gguf"
     if path.exists():
         return path
     from transformers import Qwen3MoeConfig
@@ -68,7 +69,12 @@ def random_moe_file() -> Path:
                    p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
                    p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * f, h),
                    p + "mlp.experts.down_proj": (e, h, f)}
-    state = {k: (np.ones(v, np.float32) if len(v) == 1 else rng.standard_normal(v, np.float32) * 0.02)
+    # token embeddings 50x larger than the rest: with all weights alike, random attention layers (which
+    # average values over positions) pull every token's residual toward one shared direction, and the
+    # deeper routers then send nearly all tokens to the same few experts; with the embedding dominant the
+    # residual stays the token's own and routing stays about uniform, as this file is meant to route
+    state = {k: (np.ones(v, np.float32) if len(v) == 1 else
+                 rng.standard_normal(v, np.float32) * (1.0 if k == "model.embed_tokens.weight" else 0.02))
              for k, v in shapes.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -93,13 +99,19 @@ def decode_rate(tokens) -> float:
     return n / (time.perf_counter() - start)
 
 
-def run_ember(path: Path, ids: list[int], args: argparse.Namespace, **options) -> tuple[float, dict]:
+def sampling(trained: bool) -> dict:
+    """Greedy for the trained model (the text it writes); temperature 1 for the random one, whose greedy
+    output repeats one token (and so one routing) forever: sampled tokens spread its routing out."""
+    return {} if trained else dict(temperature=1.0)
+
+
+def run_ember(path: Path, ids: list[int], trained: bool, args: argparse.Namespace, **options) -> tuple[float, dict]:
     import ember
 
     model = ember.load(path, **options)
     try:
         list(model.generate(ids[:4], max_tokens=2, ignore_eos=True))  # warm: kernels loaded, workers started
-        rate = decode_rate(model.generate(ids, max_tokens=args.tokens, ignore_eos=True))
+        rate = decode_rate(model.generate(ids, max_tokens=args.tokens, ignore_eos=True, seed=1, **sampling(trained)))
         s = model.expert_stats()
         counts = model.routing_stats()
         info = dict(cold_share=s.cold_share, overlap=s.overlap, cold_busy_s=s.cold_busy_s, cold_wait_s=s.cold_wait_s,
@@ -116,19 +128,21 @@ def top_quarter_share(counts: np.ndarray) -> float:
     return float(np.mean(top / rows.sum(1)))
 
 
-def run_llama_cpp(path: Path, ids: list[int], args: argparse.Namespace) -> float:
+def run_llama_cpp(path: Path, ids: list[int], trained: bool, args: argparse.Namespace) -> float:
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=args.threads, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=args.threads, seed=1, verbose=False)
+    temp = sampling(trained).get("temperature", 0.0)
     try:
-        list(_llama_greedy(llm, ids[:4], 2))  # warm
-        return decode_rate(_llama_greedy(llm, ids, args.tokens))
+        list(_llama_tokens(llm, ids[:4], 2, temp))  # warm
+        return decode_rate(_llama_tokens(llm, ids, args.tokens, temp))
     finally:
         llm.close()
 
 
-def _llama_greedy(llm, ids: list[int], n: int):
-    for i, token in enumerate(llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True)):
+def _llama_tokens(llm, ids: list[int], n: int, temp: float):
+    top_k = 1 if temp == 0 else 0  # 0: the whole vocabulary
+    for i, token in enumerate(llm.generate(ids, top_k=top_k, top_p=1.0, min_p=0.0, temp=temp, reset=True)):
         yield token
         if i + 1 == n:
             return
@@ -143,11 +157,11 @@ def bench_file(name: str, path: Path, trained: bool, args: argparse.Namespace) -
     for _ in range(args.rounds):
         for config in CONFIGS:
             if config == "llama.cpp":
-                rates[config].append(run_llama_cpp(path, ids, args))
+                rates[config].append(run_llama_cpp(path, ids, trained, args))
                 continue
             options = {} if config == "all hot" else dict(expert_budget="50%", cold_workers=args.workers,
                                                           cold_policy="exact" if "exact" in config else "mask")
-            rate, info[config] = run_ember(path, ids, args, **options)
+            rate, info[config] = run_ember(path, ids, trained, args, **options)
             rates[config].append(rate)
     medians = {c: statistics.median(r) for c, r in rates.items()}
     return dict(file=name, path=str(path), size_mb=round(path.stat().st_size / 1e6, 1),

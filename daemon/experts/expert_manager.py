@@ -147,16 +147,20 @@ class ExpertManager:
             size = self.expert_bytes[layer]
             if moved + size > limit:
                 break
-            while room < size and outs and value[layer, e] > SWAP_MARGIN * value[outs[0]]:
-                out_layer, out_e = outs.pop(0)
+            # the least valuable hot experts that make room, if each is clearly less valuable
+            freed, victims = room, 0
+            while freed < size and victims < len(outs) and value[layer, e] > SWAP_MARGIN * value[outs[victims]]:
+                freed += self.expert_bytes[outs[victims][0]]
+                victims += 1
+            if freed < size:
+                break
+            for out_layer, out_e in outs[:victims]:
                 self.hot[out_layer, out_e] = False
                 self.ffns[out_layer].demote([int(out_e)])
-                room += self.expert_bytes[out_layer]
-            if room < size:
-                break
+            outs = outs[victims:]
             self.hot[layer, e] = True
             self.ffns[layer].promote(ops, [int(e)])
-            room -= size
+            room = freed - size
             moved += size
             promoted.append((int(layer), int(e)))
         if promoted:
