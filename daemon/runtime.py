@@ -24,7 +24,8 @@ from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.transformer import Transformer
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import ModelRunner
-from ember.daemon.runner.split_runner import Pipeline, SplitRunner
+from ember.daemon.runner.pipeline import Pipeline
+from ember.daemon.runner.split_runner import SplitRunner
 from ember.daemon.runner.split_spec import parse_devices, parse_split, plan_stages, stage_budgets
 from ember.daemon.config import DEFAULT_CTX
 from ember.daemon.planning.planner import Device, PlanRequest, plan_model, read_model_info
