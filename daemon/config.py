@@ -3,6 +3,8 @@
     [[models]]                    # none: the built-in demo model
     path = "/var/lib/ember/models/qwen3-8b-q4_k_m.gguf"
     name = "qwen3-8b"             # default: the file name without extension
+    draft = "/var/lib/ember/models/qwen3-0.6b-q8_0.gguf"  # optional: speculative decoding (docs/speculative.md)
+    draft_tokens = 4              # tokens the draft proposes per step
     [server]   socket, socket_group, drain_timeout, log_format, log_level, probe_interval, logits_slots,
                max_logits_bytes, stall_timeout
     [engine]   device, kv_dtype, ctx, max_active, max_queued, max_step_tokens, prefix_caching, warmup, threads,
@@ -52,6 +54,11 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class ModelSpec(_Section):
     path: str
     name: str = ""
+    draft: str = ""  # a draft model for speculative decoding (same vocabulary); "": none
+    draft_tokens: int = 4  # tokens the draft proposes per step
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.draft_tokens <= 32, f"draft_tokens must be in [1, 32], got {self.draft_tokens}")
 
     @property
     def display_name(self) -> str:
@@ -198,7 +205,7 @@ def _unflatten(flags: Mapping[str, Any]) -> dict[str, Any]:
         if value is None:
             continue
         if key == "models":
-            out["models"] = [{"path": str(p)} for p in value]
+            out["models"] = [dict(p) if isinstance(p, Mapping) else {"path": str(p)} for p in value]
             continue
         section, field = key.split(".")
         out.setdefault(section, {})[field] = value

@@ -240,6 +240,8 @@ class StatsReport(Wire, tag="stats_report"):
     prefix_hit_rate: float = 0.0  # share of full prompt blocks found in the prefix cache
     preemptions: int = 0  # sequences evicted for KV memory and recomputed later
     tokens_per_s: float = 0.0  # generated tokens per second over the last 10 s
+    spec_acceptance_rate: float = 0.0  # speculative decoding: share of draft tokens the models kept
+    spec_mean_accepted_length: float = 0.0  # tokens per verification pass, the target's own one included (0: none)
 
 
 class Ping(Wire, tag="ping"):
