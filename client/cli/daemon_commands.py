@@ -2,6 +2,7 @@
 
   ember serve [--model PATH ...] [--config FILE] [--socket PATH] [--device cpu|cuda:N] [--threads N]
               [--devices cpu:0,cpu:1 [--split 3,2] [--act-dtype T]]  layers split across stage processes
+              [--draft PATH [--draft-tokens K]]                speculative decoding with a draft model
               [--http HOST:PORT]                               and the HTTP gateway as its child process
   ember generate PROMPT [--model NAME] [sampling options]     stream a completion from the daemon
   ember chat [--model NAME] [--system TEXT]                    an interactive chat with the daemon
