@@ -5,12 +5,16 @@
     name = "qwen3-8b"             # default: the file name without extension
     draft = "/var/lib/ember/models/qwen3-0.6b-q8_0.gguf"  # optional: speculative decoding (docs/speculative.md)
     draft_tokens = 4              # tokens the draft proposes per step
+    expert_budget = "50%"         # MoE: hot experts' bytes at most (bytes, "2GiB", "N%"); "": all hot
+    cold_workers = 2              # MoE: CPU workers for the cold experts; -1: 2 when some are cold
+    cold_policy = "exact"         # MoE: "exact" (default) or "mask" (cold experts dropped: lossy)
     [server]   socket, socket_group, drain_timeout, log_format, log_level, probe_interval, logits_slots,
                max_logits_bytes, stall_timeout
     [engine]   device, kv_dtype, ctx, max_active, max_queued, max_step_tokens, prefix_caching, warmup, threads,
                decode_act, devices, split, act_dtype, stage_threads (a layer split: docs/layer_split.md)
     [limits]   see protocol/limits.py
 
+The `ember serve` flags --expert-budget, --cold-workers and --cold-policy set those keys for every model.
 Environment: EMBER_CONFIG (the file), EMBER_SOCKET, EMBER_MODELS (paths separated by ':'), EMBER_KV_DTYPE,
 EMBER_ACT_DTYPE, and
 EMBER_<SECTION>_<FIELD> for every other scalar (EMBER_ENGINE_MAX_ACTIVE=2). A bad value is refused at
@@ -56,9 +60,26 @@ class ModelSpec(_Section):
     name: str = ""
     draft: str = ""  # a draft model for speculative decoding (same vocabulary); "": none
     draft_tokens: int = 4  # tokens the draft proposes per step
+    expert_budget: str = ""  # MoE: hot experts' bytes at most (bytes, a size, "N%"); "": every expert hot
+    cold_workers: int = -1  # MoE: CPU worker processes for cold experts; -1: 2 when some are cold
+    cold_policy: str = "exact"  # MoE: "exact" or "mask" (lossy, opt-in)
 
     def __post_init__(self) -> None:
+        from ember.daemon.experts.expert_manager import COLD_POLICIES
+        from ember.daemon.planning.planner import parse_expert_budget
+
+        _check(self.cold_policy in COLD_POLICIES, f"cold_policy must be one of {', '.join(COLD_POLICIES)}, "
+                                                  f"got {self.cold_policy!r}")
+        _check(self.cold_workers >= -1, f"cold_workers must be >= 0 (or -1: automatic), got {self.cold_workers}")
+        if self.expert_budget:
+            parse_expert_budget(self.expert_budget, 1)  # raises PlanError (a ValueError) with the reason
         _check(1 <= self.draft_tokens <= 32, f"draft_tokens must be in [1, 32], got {self.draft_tokens}")
+
+    @property
+    def experts(self) -> dict[str, Any]:
+        """ember.load's keyword arguments for the experts."""
+        return dict(expert_budget=self.expert_budget or None, cold_policy=self.cold_policy,
+                    cold_workers=None if self.cold_workers < 0 else self.cold_workers)
 
     @property
     def display_name(self) -> str:
@@ -165,6 +186,7 @@ def load_config(file: str | Path | None = None, env: Mapping[str, str] | None = 
         _merge(raw, sources, _read_toml(Path(path)), f"config file {path}")
     _merge(raw, sources, _from_env(env), "the environment")
     _merge(raw, sources, _unflatten(flags or {}), "the command line")
+    _apply_model_flags(raw, sources, flags or {})
     try:
         return msgspec.convert(raw, Config, strict=False)
     except msgspec.ValidationError as e:
@@ -199,10 +221,19 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+def _apply_model_flags(raw: dict[str, Any], sources: dict[str, str], flags: Mapping[str, Any]) -> None:
+    """Flags "model.KEY" set KEY on every model (the command line's, else the file's or the environment's)."""
+    for key, value in flags.items():
+        if key.startswith("model.") and value is not None:
+            for m in raw.setdefault("models", []):
+                m[key.split(".", 1)[1]] = value
+            sources[f"models.{key.split('.', 1)[1]}"] = "the command line"
+
+
 def _unflatten(flags: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in flags.items():
-        if value is None:
+        if value is None or key.startswith("model."):
             continue
         if key == "models":
             out["models"] = [dict(p) if isinstance(p, Mapping) else {"path": str(p)} for p in value]

@@ -24,9 +24,12 @@ from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.transformer import Transformer
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import ModelRunner
-from ember.daemon.runner.split_runner import Pipeline, SplitRunner
+from ember.daemon.runner.pipeline import Pipeline
+from ember.daemon.runner.split_runner import SplitRunner
 from ember.daemon.runner.split_spec import parse_devices, parse_split, plan_stages, stage_budgets
-from ember.daemon.planning.precision import DeviceCaps, PrecisionSettings, resolve_policy
+from ember.daemon.config import DEFAULT_CTX
+from ember.daemon.planning.planner import Device, PlanRequest, plan_model, read_model_info
+from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
 from ember.daemon.text.tokenizer import Tokenizer, TokenizerError
@@ -210,6 +213,15 @@ def _drive(engine: EngineCore) -> Iterator[StepOutput]:
         yield from result.outputs
 
 
+def _expert_room(path: Path, name: DeviceName, policy: PrecisionPolicy, experts: ExpertOptions) -> int:
+    """The hot-expert bytes the memory plan leaves on the device: its budget minus the core weights,
+    a context's KV cache, activations and reserves, bounded by the expert budget."""
+    device = Device(str(name), backend_for(name).available_memory(name))
+    request = PlanRequest(devices=(device,), policy=policy, ctx=min(DEFAULT_CTX, read_model_info(path).config.context_length),
+                          expert_budget=experts.budget)
+    return plan_model(path, request).devices[0].experts_hot
+
+
 def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_act: str = "q8_0",
          devices: str | Sequence[str] | None = None, split: str | Sequence[int] | None = None,
          act_dtype: str = "auto", max_step_tokens: int = PREFILL_CHUNK, stage_threads: int = 0,
@@ -258,6 +270,8 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     except TokenizerError as e:
         raise ModelFileError(str(mf.path), str(e)) from None
     if not staged:
+        if experts.budget is not None and mf.config.n_experts:
+            experts = replace(experts, device_room=_expert_room(mf.path, names[0], replace(policy, kv=kv_dtype), experts))
         return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, experts=experts, draft=draft_file,
                      draft_tokens=draft_tokens)
     if draft_file is not None:

@@ -8,12 +8,13 @@ float32 at every interface; storage formats live inside the backend.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from ember.kernels.raw_tensor import RawTensor
+from ember.kernels.sampling import Choice, SampleRow, sample_host_rows
 
 Array = Any  # numpy.ndarray on cpu, cupy.ndarray on cuda
 Weight = Any  # a backend's packed matrix (keeps the file's quantization)
@@ -205,6 +206,13 @@ class Ops(ABC):
     def argmax_rows(self, x: Array, rows: np.ndarray) -> Array:
         """The index of the largest value of each of x's `rows` (x is [n, vocab]): greedy sampling
         where the logits are, so only token ids leave the device."""
+
+    def sample_rows(self, logits: Array, rows: Sequence[SampleRow]) -> list[Choice | str]:
+        """The full sampler (kernels/sampling.py) on each of `rows` of logits [n, vocab]: a Choice per
+        row, or why its sampling failed. This default brings the logits to the host; a backend may
+        sample where they are, drawing from each row's generator as the host sampler does, so a
+        seeded request gives the same tokens on every device."""
+        return sample_host_rows(self.to_numpy(logits), rows)
 
     # --- moving data ----------------------------------------------------------------------------
     @abstractmethod

@@ -78,6 +78,18 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class SampleRow:
+    """One logits row to sample (Ops.sample_rows): its parameters, the request's own generator, and the
+    history penalties look at."""
+    row: int
+    params: SamplingParams
+    rng: np.random.Generator
+    prompt: Sequence[int] = ()
+    generated: Sequence[int] = ()
+    logprob: bool = True
+
+
+@dataclass(frozen=True)
 class Choice:
     token: int
     logprob: float
@@ -151,6 +163,18 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
         probs = final_distribution(penalized, params)
         token = int(rng.choice(probs.size, p=probs))
     return choice_of(penalized, token, params.logprobs)
+
+
+def sample_host_rows(host: np.ndarray, rows: Sequence[SampleRow]) -> list[Choice | str]:
+    """`sample` for each of `rows` of host logits: a Choice, or why that row's sampling failed (one
+    row's failure is its sequence's alone)."""
+    out: list[Choice | str] = []
+    for r in rows:
+        try:
+            out.append(sample(host[r.row], r.params, r.rng, r.prompt, r.generated, logprob=r.logprob))
+        except (ValueError, FloatingPointError, ArithmeticError) as e:
+            out.append(f"sampling failed: {type(e).__name__}: {e}")
+    return out
 
 
 def choice_of(penalized: np.ndarray, token: int, top_n: int) -> Choice:

@@ -240,6 +240,14 @@ class StatsReport(Wire, tag="stats_report"):
     prefix_hit_rate: float = 0.0  # share of full prompt blocks found in the prefix cache
     preemptions: int = 0  # sequences evicted for KV memory and recomputed later
     tokens_per_s: float = 0.0  # generated tokens per second over the last 10 s
+    # MoE models (all of them together; 0 without any): experts hot of all, the share of routed
+    # (token, expert) slots computed cold (or dropped, under cold_policy "mask"), experts promoted by
+    # swaps, and cold-expert workers restarted after dying
+    hot_experts: int = 0
+    total_experts: int = 0
+    cold_share: float = 0.0
+    expert_swaps: int = 0
+    cold_worker_restarts: int = 0
     spec_acceptance_rate: float = 0.0  # speculative decoding: share of draft tokens the models kept
     spec_mean_accepted_length: float = 0.0  # tokens per verification pass, the target's own one included (0: none)
 

@@ -123,16 +123,16 @@ def test_seeded_sampling_is_independent_of_batch_company(model) -> None:
 
 
 def test_a_sequence_whose_sampling_fails_ends_alone(model, monkeypatch) -> None:
-    from ember.daemon.runner import model_runner
+    from ember.kernels import sampling  # the host sampler every backend's default sample_rows calls
 
-    real = model_runner.sample
+    real = sampling.sample
 
     def flaky(logits, params, rng, prompt, generated, logprob=True):  # type: ignore[no-untyped-def]
         if params.min_p == 0.5 and len(generated) == 3:
             raise ValueError("probabilities contain NaN")
         return real(logits, params, rng, prompt, generated, logprob=logprob)
 
-    monkeypatch.setattr(model_runner, "sample", flaky)
+    monkeypatch.setattr(sampling, "sample", flaky)
     prompts = [model.tokenize(s) for s in SNIPPETS[:3]]
     good = [Sequence(p, 12, SamplingParams(temperature=0.8), seed=i) for i, p in enumerate(prompts[:2])]
     bad = Sequence(prompts[2], 12, SamplingParams(temperature=0.8, min_p=0.5), seed=9)
@@ -190,11 +190,11 @@ def test_prompt_logits_survive_preemption_without_repeats(model) -> None:
 
 
 def test_in_process_generation_raises_what_the_engine_reports_as_failed(model, monkeypatch) -> None:
-    from ember.daemon.runner import model_runner
+    from ember.kernels import sampling
 
     def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise ValueError("probabilities contain NaN")
 
-    monkeypatch.setattr(model_runner, "sample", broken)
+    monkeypatch.setattr(sampling, "sample", broken)
     with pytest.raises(RuntimeError, match="probabilities contain NaN"):
         list(model.generate("def f(x):", max_tokens=4, temperature=0.8))

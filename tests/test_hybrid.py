@@ -84,6 +84,31 @@ def test_logits_and_greedy_match_transformers_past_a_prefill_chunk(hybrid) -> No
     assert alone(model, prompt[:40], 16) == theirs[0, 40:].tolist()
 
 
+QWEN35_MOE = dict(QWEN35, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                  shared_expert_intermediate_size=96)
+
+
+def test_moe_variant_matches_transformers(tmp_path: Path) -> None:
+    """qwen35moe: the same hybrid layers with routed experts (top-2 of 8, renormalised) and a shared
+    expert behind a sigmoid gate in every layer; 300-token prompt, decode steps, greedy tokens."""
+    path, ref = build_hf_model("qwen35moe", tmp_path / "moe", **QWEN35_MOE)
+    model = ember.load(path, decode_act="f32")
+    assert model.config.arch == "qwen35moe" and model.config.n_experts == 8
+    prompt = rng.integers(1, 8192, 300).tolist()
+    assert rel_error(model.logits(prompt), hf_logits(ref, prompt)) <= 1e-4
+    engine = model.engine(320)
+    engine.add(Sequence(prompt, 6, wants_logits=True))
+    rows, tokens = [], []
+    while engine.has_work:
+        for out in engine.step().outputs:
+            rows.append(out.logits[0])
+            tokens += out.new_tokens
+    assert rel_error(np.stack(rows), hf_logits(ref, prompt + tokens[:-1])[len(prompt) - 1:]) <= 1e-4
+    with torch.no_grad():
+        theirs = ref.generate(torch.tensor([prompt[:30]]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert alone(model, prompt[:30], 12) == theirs[0, 30:].tolist()
+
+
 def test_batched_and_staggered_sequences_equal_their_solo_runs(model) -> None:
     ps = prompts(5)
     engine = engine_of(model, kv_blocks=64, max_step_tokens=24)

@@ -18,9 +18,7 @@ from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.planning.planner import Device, PlanRequest, plan_model
 from ember.daemon.planning.precision import PrecisionSettings
-from ember.daemon.runner.split_runner import split_micro_batches
 from ember.daemon.runner.split_spec import SplitSpecError
-from ember.daemon.runner.step_batch import StepBatch
 from ember.kernels.sampling import SamplingParams
 
 SNIPPETS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
@@ -97,22 +95,6 @@ def test_batched_sequences_pipelined_equal_unsplit(unsplit, split) -> None:
     assert [s.generated for s in got] == [s.generated for s in want]
 
 
-def test_micro_batches_cut_whole_sequences_and_keep_logit_rows() -> None:
-    chunks = [([5], 7, [0]), ([6], 3, [1]), ([1, 2, 3], 0, [2, 3]), ([4, 4], 16, [4, 5])]
-    batch = StepBatch.build(chunks, 16, all_logits=[False, False, True, False])
-    parts = split_micro_batches(batch, 2)
-    assert len(parts) == 2
-    assert np.array_equal(np.concatenate([p.ids for p, _ in parts]), batch.ids)
-    rows, offset = [], 0
-    for part, first in parts:  # every token sees its own sequence's table, whatever the part
-        assert np.array_equal(part.tables[part.token_seq], batch.tables[batch.token_seq[offset: offset + len(part.ids)]])
-        assert first == len(rows)
-        rows += list(part.logit_rows + offset)
-        offset += len(part.ids)
-    assert rows == list(batch.logit_rows)
-    assert len(split_micro_batches(StepBatch.build([([1, 2], 0, [0])], 16), 2)) == 1  # one sequence: one part
-
-
 def test_tiny_random_llama_split_equals_unsplit(hf_model) -> None:
     path, _ = hf_model("llama", num_hidden_layers=3)
     whole = ember.load(path)
@@ -179,7 +161,10 @@ def test_a_stage_that_dies_fails_its_sequences_and_is_restarted(unsplit) -> None
             engine.step(), other.step()
         stage = model.pipeline.stages[1]
         os.kill(stage.process.pid, signal.SIGKILL)
-        result = engine.step()
+        for _ in range(3):  # a step that was done before the kill still comes back
+            result = engine.step()
+            if result.failed:
+                break
         assert sorted(s.seq_id for s, _ in result.failed) == sorted(s.seq_id for s in seqs)
         assert all("stage cpu:1 (layers 3-4) died: killed by signal 9" in why for _, why in result.failed)
         assert all(s.finish_reason == "error" for s in seqs) and not engine.has_work

@@ -3,6 +3,7 @@ against transformers (HF directories and GGUF) and llama.cpp, the trained MoE mo
 against transformers, and the hot/cold machinery (placement, routing statistics, cold workers)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 
 import ember
-from ember.daemon.experts.placement import parse_budget, place
+from ember.daemon.experts.placement import place
+from ember.daemon.planning.planner import parse_expert_budget as parse_budget
 from ember.kernels import get_ops
 from ember.kernels.ops import ExpertWeights
 from ember.kernels.raw_tensor import RawTensor
@@ -265,3 +267,46 @@ def test_routing_statistics_persist_and_drive_placement(tiny_moe_gguf: Path) -> 
     for layer, hot in enumerate(again.placement()):
         assert hot == sorted(hot) and len(hot) == 2
         assert set(hot) == set(np.argsort(-counts[layer], kind="stable")[:2].tolist())
+
+
+def test_swaps_follow_routing_between_requests_bounded_and_counted(tiny_moe_gguf: Path, caplog) -> None:
+    from dataclasses import replace
+
+    ids = np.random.default_rng(5).integers(1, 8192, 64).tolist()
+    expected = ember.load(tiny_moe_gguf).logits(ids)
+    model = ember.load(tiny_moe_gguf, expert_budget="25%", cold_workers=2)
+    try:
+        manager = model.net.experts
+        assert model.placement() == [[0, 1], [0, 1]]  # no statistics yet: by id
+        one = manager.expert_bytes[0]
+        manager.options = replace(manager.options, swap_bytes=one)  # at most one expert per swap
+        model.logits(ids)  # routes 64 tokens; no swap inside the request
+        assert model.expert_stats().swaps == 0
+        counts = model.routing_stats()
+        with caplog.at_level("INFO", logger="ember.experts"):
+            list(model.generate(ids[:3], max_tokens=1))  # a new request: a swap first
+        s = model.expert_stats()
+        assert s.swaps == 1 and s.swapped_bytes == one and "expert swap" in caplog.text
+        hot = model.placement()
+        assert sum(map(len, hot)) == 4 and hot != [[0, 1], [0, 1]]
+        promoted = {(layer, e) for layer, row in enumerate(hot) for e in row} - {(0, 0), (0, 1), (1, 0), (1, 1)}
+        (layer, e), = promoted
+        assert counts[layer, e] == max(counts[layer, x] for x in range(8) if x not in (0, 1))  # the hottest cold one
+        got = model.logits(ids)
+        assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()  # exact whatever is hot
+    finally:
+        model.close()
+
+
+def test_ember_plan_shows_hot_and_cold_experts_per_layer(capsys) -> None:
+    from ember.client.cli import main
+
+    assert main(["plan", str(TRAINED_MOE), "--ctx", "512", "--expert-budget", "25%"]) == 0
+    out = capsys.readouterr().out
+    for layer in range(6):
+        assert f"layer   {layer}:    4 hot,   12 cold" in out
+    assert main(["plan", str(TRAINED_MOE), "--ctx", "512", "--expert-budget", "25%", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    device = doc["devices"][0]
+    assert device["experts_hot"] == 24 * device["expert_bytes"] and doc["request"]["expert_budget"] == "25%"
+    assert [len(h) for h in doc["hot_experts"]] == [4] * 6

@@ -37,6 +37,12 @@ def add_daemon_commands(sub: Any) -> None:
                        help="a draft model for speculative decoding, one per --model in order (with no --model: "
                             "the demo model's); same vocabulary as its model; docs/speculative.md")
     serve.add_argument("--draft-tokens", type=int, metavar="K", help="tokens the draft proposes per step (default 4)")
+    serve.add_argument("--expert-budget", metavar="SIZE|N%",
+                       help="MoE models: hot experts' bytes at most (2GiB, or N%% of the experts; default all hot)")
+    serve.add_argument("--cold-workers", type=int, metavar="N",
+                       help="MoE models: CPU worker processes for the cold experts (default 2 when some are cold)")
+    serve.add_argument("--cold-policy", choices=("exact", "mask"),
+                       help="MoE models: cold experts computed exactly (default) or dropped (mask: faster, lossy)")
     serve.add_argument("--threads", type=int, help="kernel threads of the engine (default: one per core but one)")
     serve.add_argument("--devices", metavar="D,D,..",
                        help="split the layers across stage processes, e.g. cpu:0,cpu:1 (cpu:N: a worker bound to "
@@ -110,7 +116,9 @@ def _serve(args: argparse.Namespace) -> int:
              "engine.ctx": args.ctx, "engine.max_active": args.max_active, "engine.kv_dtype": args.kv_dtype,
              "engine.decode_act": args.decode_act, "engine.devices": args.devices, "engine.split": args.split,
              "engine.act_dtype": args.act_dtype, "engine.stage_threads": args.stage_threads,
-             "engine.threads": args.threads, "server.log_format": args.log_format}
+             "engine.threads": args.threads, "server.log_format": args.log_format,
+             "model.expert_budget": args.expert_budget, "model.cold_workers": args.cold_workers,
+             "model.cold_policy": args.cold_policy}
     config = load_config(args.config, flags=flags)
     gateway = _start_gateway(args.http, config) if args.http else None
     try:
@@ -241,4 +249,7 @@ def _status(args: argparse.Namespace) -> int:
     if stats.spec_mean_accepted_length:
         print(f"  speculative decoding: {stats.spec_acceptance_rate:.0%} of draft tokens accepted, "
               f"{stats.spec_mean_accepted_length:.2f} tokens per verification")
+    if stats.total_experts:
+        print(f"  experts: {stats.hot_experts} of {stats.total_experts} hot, {stats.cold_share:.0%} of routed slots "
+              f"computed cold, {stats.expert_swaps} swapped in, {stats.cold_worker_restarts} worker restarts")
     return 0

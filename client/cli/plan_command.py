@@ -29,6 +29,8 @@ def add_plan_parser(sub: Any) -> None:
                                                           "(also EMBER_FEATURE_DTYPE)")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per step (default 256)")
     p.add_argument("--expert-offload", action="store_true", help="MoE: GPUs keep the experts that fit, CPU workers the rest")
+    p.add_argument("--expert-budget", default=None, metavar="SIZE|N%",
+                   help="MoE: hot experts' bytes at most (512MiB, or N%% of the experts); the rest run cold on CPU workers")
     p.add_argument("--speculative", action="store_true", help="reserve the speculative-decoding feature mirror")
     p.add_argument("--spec-layers", type=int, default=3, help="hidden states captured per token (default 3)")
     p.add_argument("--spec-ctx", type=int, default=4096, help="positions mirrored per sequence (default 4096)")
@@ -59,7 +61,8 @@ def _request(args: argparse.Namespace) -> Any:
     from ember.daemon.planning.precision import PrecisionSettings
 
     devices = [parse_device(s) for s in (args.device or ["cpu"])]
-    options: dict[str, Any] = dict(ctx=args.ctx, seqs=args.seqs, expert_offload=args.expert_offload)
+    options: dict[str, Any] = dict(ctx=args.ctx, seqs=args.seqs, expert_offload=args.expert_offload,
+                                   expert_budget=args.expert_budget)
     if args.split:
         options["split"] = tuple(int(n) for n in args.split.split(","))
     if args.prefill_chunk is not None:
@@ -139,8 +142,28 @@ def render_table(plan: Any) -> str:
         lines.append(f"\nactivations ({ds[-1].device.name}): the larger of {a.widest} wide x {a.tokens} tokens x "
                      f"{a.elem_bytes} B x {a.safety:.3f} = {fmt_bytes(a.buffers)} and logits {fmt_bytes(a.logits)} + "
                      f"sampler {fmt_bytes(a.sampler)}, plus kernel scratch {fmt_bytes(a.scratch)}{capped}")
+    lines += _placement_lines(plan)
     lines.append("\n" + ("It fits." if plan.fits else explain(plan)))
     return "\n".join(lines)
+
+
+def _placement_lines(plan: Any) -> list[str]:
+    """Hot and cold experts per MoE layer (ids where there are few enough to read)."""
+    from ember.daemon.experts.placement import planned_placement
+
+    placed = planned_placement(plan)
+    if placed is None or not any(d.offloads_experts for d in plan.devices):
+        return []
+    hot, moe = placed
+    lines = ["", "hot experts per layer (placed by the saved routing statistics, else by id):"]
+    for layer, row in enumerate(hot):
+        if not moe[layer]:
+            lines.append(f"  layer {layer:>3}: dense")
+            continue
+        ids = [int(e) for e in row.nonzero()[0]]
+        listed = f"  [{' '.join(map(str, ids))}]" if row.size <= 64 else ""
+        lines.append(f"  layer {layer:>3}: {len(ids):>4} hot, {row.size - len(ids):>4} cold{listed}")
+    return lines
 
 
 def plan_dict(plan: Any) -> dict[str, Any]:
@@ -155,13 +178,22 @@ def plan_dict(plan: Any) -> dict[str, Any]:
                   "ffn": cfg.ffn, "vocab": cfg.vocab, "context_length": cfg.context_length, "experts": cfg.n_experts,
                   "experts_used": cfg.n_experts_used, "expert_ffn": expert_ffn(cfg)},
         "request": {"ctx": plan.ctx, "seqs": req.seqs, "prefill_chunk": req.prefill_chunk, "kv_block": req.kv_block,
-                    "expert_offload": req.expert_offload,
+                    "expert_offload": req.expert_offload, "expert_budget": req.expert_budget,
                     "speculative": None if req.speculative is None else vars(req.speculative).copy()},
         "precision": {"act": pol.act, "feature": pol.feature, "kv": pol.kv, "sources": dict(pol.sources)},
         "devices": [_device_dict(d) for d in plan.devices],
+        "hot_experts": _hot_ids(plan),
         "fits": plan.fits,
         "problem": None if plan.fits else explain(plan),
     }
+
+
+def _hot_ids(plan: Any) -> list[list[int]] | None:
+    """Per layer, the ids of the hot experts (docs/experts.md); None for a dense model."""
+    from ember.daemon.experts.placement import planned_placement
+
+    placed = planned_placement(plan)
+    return None if placed is None else [[int(e) for e in row.nonzero()[0]] for row in placed[0]]
 
 
 def _device_dict(d: Any) -> dict[str, Any]:

@@ -10,14 +10,15 @@ the same pass and keeps what verification accepts (so a step may add several tok
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ember.daemon.engine.block_manager import BlockManager
 from ember.daemon.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
-from ember.daemon.engine.sequence import Sequence
-from ember.daemon.runner.model_runner import KVStateLost, ModelRunner, StepRun
+from ember.daemon.engine.sequence import Sequence, Status
+from ember.daemon.runner.model_runner import KVStateLost, ModelRunner, PendingStep, StepRun
 from ember.daemon.runner.step_batch import StepBatch
 from ember.daemon.speculative.draft_proposer import DraftProposer
 from ember.daemon.speculative.spec_stats import SpecStats
@@ -88,6 +89,7 @@ class EngineCore:
             self.proposer = DraftProposer(draft, runner.config.vocab)
         lookahead = draft_tokens if draft is not None else 0
         self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context, lookahead)
+        self._in_flight: deque[_Flight] = deque()  # steps submitted to a pipelined runner, oldest first
 
     def add(self, seq: Sequence) -> None:
         seq.params.check_vocab(self.runner.config.vocab)
@@ -98,7 +100,7 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._in_flight)
 
     def step(self) -> StepResult:
         """One forward pass; its outputs are the sequences that got a new token, logits or finished.
@@ -108,6 +110,8 @@ class EngineCore:
         alone end with "error", the others' work stands — one request cannot end its neighbours'.
         A runner that lost its KV cache (KVStateLost: a layer-split stage died) ends every running
         sequence with "error" and forgets the cached prefixes; waiting ones run later as usual."""
+        if self.runner.lanes > 1 and self.proposer is None:
+            return self._step_pipelined()
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return StepResult(0)
@@ -123,6 +127,56 @@ class EngineCore:
         except KVStateLost as e:
             outputs, failed = [], self._lose_state(str(e))
         return StepResult(plan.n_tokens, outputs, plan.started, failed)
+
+    def _step_pipelined(self) -> StepResult:
+        """A runner that takes several steps at once (a layer split: one per stage) gets that many,
+        each on sequences of its own, so that while one runs on its last stage the next runs on its
+        first; the oldest is accounted. Every sequence still takes one step at a time."""
+        plan = StepPlan([])
+        try:
+            while len(self._in_flight) < self.runner.lanes:
+                share = -(-(len(self.scheduler.running) + len(self.scheduler.waiting)) // self.runner.lanes)
+                plan = self.scheduler.schedule(max_seqs=max(1, share))
+                if not plan.chunks:
+                    break
+                if plan.started:
+                    self.runner.between_requests()
+                try:
+                    self._in_flight.append(self._submit(plan))
+                except KVStateLost:
+                    raise
+                except Exception as e:  # refused before it ran: find whose it was, in step
+                    outputs, failed = self._isolate(plan, e)
+                    return StepResult(plan.n_tokens, outputs, plan.started, failed)
+            if not self._in_flight:
+                return StepResult(0)
+            flight = self._in_flight.popleft()
+            plan = flight.plan
+            for chunk in plan.chunks:
+                chunk.seq.in_flight = False
+            try:
+                outputs, failed = self._account(plan, flight.rows, flight.before, self.runner.collect(flight.pending))
+            except KVStateLost:
+                raise
+            except Exception as e:
+                outputs, failed = self._isolate(plan, e)
+            return StepResult(plan.n_tokens, outputs, plan.started, failed)
+        except KVStateLost as e:
+            for flight in self._in_flight:
+                for chunk in flight.plan.chunks:
+                    chunk.seq.in_flight = False
+            self._in_flight.clear()
+            # tokens: the step that found the loss (0 would read as "nothing ran" to the daemon)
+            return StepResult(max(1, plan.n_tokens), [], plan.started, self._lose_state(str(e)))
+
+    def _submit(self, plan: StepPlan) -> _Flight:
+        rows = _LogitRows(plan)
+        before = [len(c.seq.generated) if c.samples else -1 for c in plan.chunks]  # before update() appends
+        samplers = [(rows.last[i], c.seq) for i, c in enumerate(plan.chunks) if c.samples]
+        pending = self.runner.submit(self._build(plan.chunks, rows, {}), samplers, rows.keep)
+        for chunk in plan.chunks:
+            chunk.seq.in_flight = True
+        return _Flight(plan, rows, before, pending)
 
     def _lose_state(self, why: str) -> list[tuple[Sequence, str]]:
         lost = list(self.scheduler.running)
@@ -142,16 +196,21 @@ class EngineCore:
     def _step(self, plan: StepPlan) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
         rows = _LogitRows(plan)
         before = [len(c.seq.generated) if c.samples else -1 for c in plan.chunks]  # before update() appends
-        run = self._run(plan, rows)
+        return self._account(plan, rows, before, self._run(plan, rows))
+
+    def _account(self, plan: StepPlan, rows: _LogitRows, before: list[int], run: StepRun
+                 ) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
         sampling = [c.seq for c in plan.chunks if c.samples]
         failed = [(sampling[k], message) for k, message in run.failed.items()]
         for seq, _ in failed:
             self.scheduler.abort(seq, "error")  # update() skips it, and its choice is not passed on
-        finished = set(map(id, self.scheduler.update(plan, [c for c in run.choices if c is not None])))
+        # a sequence ended meanwhile (sampling failed; cancelled while a pipelined step ran) takes no token
+        choices = [c for seq, c in zip(sampling, run.choices, strict=True) if c is not None and seq.status == Status.RUNNING]
+        finished = set(map(id, self.scheduler.update(plan, choices)))
         outputs = []
         for i, chunk in enumerate(plan.chunks):
             seq, done = chunk.seq, id(chunk.seq) in finished
-            if seq.finish_reason == "error":
+            if seq.status == Status.FINISHED and not done:
                 continue
             new = seq.generated[before[i]:] if before[i] >= 0 else []
             logits = rows.kept_logits(i, run)
@@ -193,16 +252,19 @@ class EngineCore:
         end, size = chunk.start + chunk.length, self.scheduler.max_step_tokens
         return [ScheduledChunk(chunk.seq, s, min(size, end - s)) for s in range(0, end, size)]
 
-    def _run(self, plan: StepPlan, rows: _LogitRows) -> StepRun:
-        chunks = plan.chunks
-        proposals = self.proposer.propose(chunks) if self.proposer else {}
-        batch = StepBatch.build(
+    def _build(self, chunks: list[ScheduledChunk], rows: _LogitRows, proposals: dict) -> StepBatch:  # type: ignore[type-arg]
+        return StepBatch.build(
             [(c.seq.tokens[c.start : c.start + c.length] + (proposals[i].tokens if i in proposals else []),
               c.start, c.seq.table) for i, c in enumerate(chunks)],
             self.runner.block_size, all_logits=[c.seq.prompt_logits for c in chunks],
             wants_logits=[c.samples for c in chunks], prompt_lengths=[len(c.seq.prompt) for c in chunks],
             state_slots=[c.seq.state_slot for c in chunks], logit_tails=rows.count if proposals else None,
         )
+
+    def _run(self, plan: StepPlan, rows: _LogitRows) -> StepRun:
+        chunks = plan.chunks
+        proposals = self.proposer.propose(chunks) if self.proposer else {}
+        batch = self._build(chunks, rows, proposals)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         samplers = [(rows.last[i], chunks[i].seq) for i in sampling if i not in proposals]
         run = self.runner.execute(batch, samplers, rows.keep + rows.verified)
@@ -227,6 +289,15 @@ class EngineCore:
                 self.spec_stats.add(len(proposals[i].tokens), len(block) - 1)
             choices.append(block)
         return StepRun(choices, run.kept, failed)
+
+
+@dataclass(frozen=True)
+class _Flight:
+    """A step submitted to a pipelined runner, not yet accounted."""
+    plan: StepPlan
+    rows: _LogitRows
+    before: list[int]  # per chunk: its tokens generated before the step (-1: it samples none)
+    pending: PendingStep
 
 
 class _LogitRows:

@@ -87,14 +87,17 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # --- one step ---------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, max_seqs: int | None = None) -> StepPlan:
+        """The next step: at most max_steps_tokens tokens of at most `max_seqs` sequences, none of
+        them in flight (a pipelined runner's earlier step)."""
         budget = self.max_step_tokens
+        room = max_seqs or self.max_running
         chunks: list[ScheduledChunk] = []
         started: list[Sequence] = []
         # decodes (one pending token) before prompt chunks, oldest first: latency of running streams
         for seq in sorted(self.running, key=lambda s: (s.pending > 1, s.seq_id)):
-            if budget == 0 or seq not in self.running or seq.held:
-                continue  # out of budget, preempted by an older sequence in this loop, or held
+            if budget == 0 or len(chunks) == room or seq not in self.running or seq.held or seq.in_flight:
+                continue  # out of budget or room, preempted by an older sequence in this loop, held or in flight
             length = min(seq.pending, budget)
             extra = self._lookahead(seq, length, budget - length)
             if not self._grow(seq, seq.n_computed + length + extra):
@@ -103,7 +106,8 @@ class Scheduler:
             budget -= length + extra
         chunks = [c for c in chunks if c.seq.status == Status.RUNNING]  # drop those preempted meanwhile
         self._swap_out_held()
-        while budget and len(self.running) < self.max_running and any(not s.held for s in self.waiting):
+        while budget and len(chunks) < room and len(self.running) < self.max_running \
+                and any(not s.held for s in self.waiting):
             seq = self._next_waiting()
             first = seq.started is None
             length = self._admit(seq, budget)
@@ -230,7 +234,7 @@ class Scheduler:
         from the prefix cache)."""
         runnable = sum(not s.held for s in self.waiting)
         free = self.max_running - len(self.running)
-        for seq in sorted((s for s in self.running if s.held), key=lambda s: -s.seq_id):
+        for seq in sorted((s for s in self.running if s.held and not s.in_flight), key=lambda s: -s.seq_id):
             if runnable <= free:
                 return
             self._preempt(seq)
@@ -241,7 +245,7 @@ class Scheduler:
         ones, if memory is short. False if seq itself had to be preempted."""
         needed = self.blocks.blocks_for(n_tokens) - len(seq.table)
         while not self.blocks.can_allocate(needed):
-            victim = max(self.running, key=lambda s: (s.held, s.seq_id))
+            victim = max((s for s in self.running if not s.in_flight), key=lambda s: (s.held, s.seq_id))
             self._preempt(victim)
             if victim is seq:
                 return False

@@ -37,6 +37,7 @@ class Sequence:
     wants_logits: bool = False  # keep the logits each token was sampled from (StepOutput.logits)
     wants_logprob: bool = False  # compute each chosen token's logprob (else Choice.logprob is NaN)
     prompt_logits: bool = False  # keep the logits of every position computed (StepOutput.logits)
+    in_flight: bool = False  # in a step a pipelined runner has not returned yet: not scheduled, never preempted
     logits_returned: int = 0  # with prompt_logits: positions whose logits went out (a recompute repeats none)
     state_slot: int = -1  # while running: its recurrent state's slot (hybrid models)
     held: bool = False  # set by the daemon while the client cannot take output: not scheduled, keeps its blocks

@@ -186,6 +186,11 @@ class ColdPool:
         messages = []
         for index, status in dead:
             worker = self.workers[index]
+            if status is None:  # its socket closed: let it finish dying, for its exit code
+                try:
+                    worker.proc.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    pass
             what = "failed" if status is not None and worker.proc.poll() is None else "died"
             messages.append(f"{worker.describe()} {what} computing layer {layer}'s cold experts")
             log.error("%s; restarting it", messages[-1])

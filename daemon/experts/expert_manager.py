@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ember.daemon.experts.cold_pool import ColdPool, Pending
-from ember.daemon.experts.placement import parse_budget, place
+from ember.daemon.experts.placement import place
+from ember.daemon.planning.planner import parse_expert_budget
 from ember.daemon.experts.routing_stats import RoutingStats, stats_path
 from ember.kernels.ops import Array, Ops
 
@@ -38,6 +39,7 @@ class ExpertOptions:
     cold_policy: str = "exact"
     swap_bytes: int | None = None  # bytes one swap may move; None: an eighth of the budget (one expert at least)
     stats_file: Path | None = None  # None: in ember's cache directory (routing_stats.stats_path)
+    device_room: int | None = None  # the most hot-expert bytes the device has room for (the memory plan's)
 
     def __post_init__(self) -> None:
         if self.cold_policy not in COLD_POLICIES:
@@ -63,14 +65,14 @@ class ExpertStats:
 
 class ExpertManager:
     def __init__(self, model: Path, hidden: int, n_used: int, expert_bytes: list[int], n_experts: int,
-                 options: ExpertOptions, planner_budget: int | None = None) -> None:
+                 options: ExpertOptions) -> None:
         self.model, self.options = Path(model), options
         self.expert_bytes = expert_bytes
         self.floor = n_used
         total = sum(expert_bytes) * n_experts
-        budget = parse_budget(options.budget, total)
-        if planner_budget is not None and (budget is None or planner_budget < budget) and planner_budget < total:
-            budget = planner_budget
+        budget = parse_expert_budget(options.budget, total)
+        if budget is not None and options.device_room is not None:
+            budget = min(budget, options.device_room)
         self.budget = None if budget is None or budget >= total else budget
         self.stats = RoutingStats(len(expert_bytes), n_experts)
         self.stats_file = options.stats_file or stats_path(self.model)

@@ -3,13 +3,13 @@
 Each MoE layer first gets a floor of its `floor` most-routed experts (so no layer runs entirely cold
 while the budget allows), then the remaining (layer, expert) items go in by hotness per byte, the
 most valuable first, while they fit. Dense layers (expert bytes 0) have no experts to place. Ties
-(no statistics yet: all zero) go to the lower layer and expert id, so a placement is deterministic.
+(no statistics yet: all zero) go round the layers by expert id, so a placement is deterministic and,
+without statistics, even.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ember.daemon.planning.planner import parse_size
 
 
 def place(hotness: np.ndarray, expert_bytes: list[int], budget: int | None, floor: int) -> np.ndarray:
@@ -22,14 +22,16 @@ def place(hotness: np.ndarray, expert_bytes: list[int], budget: int | None, floo
         hot[moe] = True
         return hot
     room = budget
+    rank = {layer: _by_hotness(hotness[layer]) for layer in moe}
     for layer in moe:
-        for e in _by_hotness(hotness[layer])[:floor]:
+        for e in rank[layer][:floor]:
             if expert_bytes[layer] <= room:
                 hot[layer, e] = True
                 room -= expert_bytes[layer]
-    items = sorted(((-hotness[layer, e] / expert_bytes[layer], layer, e) for layer in moe for e in range(n_experts)
-                    if not hot[layer, e]))
-    for _, layer, e in items:
+    # ties (equal hotness per byte) go round the layers, each layer's next-hottest expert in turn
+    items = sorted((-hotness[layer, e] / expert_bytes[layer], r, layer, e)
+                   for layer in moe for r, e in enumerate(rank[layer]) if not hot[layer, e])
+    for _, _, layer, e in items:
         if expert_bytes[layer] <= room:
             hot[layer, e] = True
             room -= expert_bytes[layer]
@@ -40,22 +42,21 @@ def _by_hotness(row: np.ndarray) -> list[int]:
     return sorted(range(row.size), key=lambda e: (-row[e], e))
 
 
-def parse_budget(spec: int | str | None, total: int) -> int | None:
-    """expert_budget as bytes: None (every expert hot), a byte count, a size ("512M"), or "N%" of
-    `total` (every expert's bytes)."""
-    if spec is None:
+def planned_placement(plan) -> tuple[np.ndarray, list[bool]] | None:  # plan: planner.Plan
+    """The hot experts [layers, experts] a memory plan gives a MoE model, placed from the routing
+    statistics saved for its file (none yet: by expert id), and which layers are MoE ones; None for a
+    dense model. What `ember plan` shows, and the runtime's first placement under the same budget."""
+    from pathlib import Path
+
+    from ember.daemon.experts.routing_stats import RoutingStats, stats_path
+    from ember.daemon.planning.planner import layer_of, weight_class
+
+    cfg = plan.model.config
+    if not cfg.n_experts:
         return None
-    if isinstance(spec, str):
-        text = spec.strip()
-        if text.endswith("%"):
-            try:
-                share = float(text[:-1])
-            except ValueError:
-                raise ValueError(f"expert_budget {spec!r} is not a percentage") from None
-            if not 0 <= share <= 100:
-                raise ValueError(f"expert_budget {spec!r} must be between 0% and 100%")
-            return int(total * share / 100)
-        spec = parse_size(text)
-    if isinstance(spec, bool) or not isinstance(spec, (int, np.integer)) or spec < 0:
-        raise ValueError(f"expert_budget must be None, bytes >= 0, a size or 'N%', got {spec!r}")
-    return int(spec)
+    moe = {layer_of(t.name) for t in plan.model.tensors if weight_class(t.name) == "experts"}
+    sizes = [plan.devices[0].expert_bytes if layer in moe else 0 for layer in range(cfg.n_layers)]
+    stats = RoutingStats(cfg.n_layers, cfg.n_experts)
+    stats.load(stats_path(Path(plan.model.path)))
+    budget = sum(d.experts_hot for d in plan.devices) if any(d.offloads_experts for d in plan.devices) else None
+    return place(stats.counts, sizes, budget, cfg.n_experts_used), [bool(b) for b in sizes]

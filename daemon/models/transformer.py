@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions
 from ember.daemon.experts.moe_ffn import MoEFFN, expert_files, load_moe_ffn
+from ember.daemon.experts.shared_expert import SharedExpertMoE, has_shared_expert, with_shared_expert
 from ember.daemon.runner.kv_cache import PagedKVCache
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile
@@ -86,7 +87,7 @@ class Block:
     attn_norm: Array
     attn: Attention | GatedDeltaNet
     ffn_norm: Array
-    ffn: DenseFFN | MoEFFN
+    ffn: DenseFFN | MoEFFN | SharedExpertMoE
 
     def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: PagedKVCache,
                  batch: StepBatch) -> Array:
@@ -101,18 +102,16 @@ class Block:
 
 
 class Transformer:
-    def __init__(self, mf: ModelFile, ops: Ops, layers: range | None = None, experts: ExpertOptions | None = None,
-                 expert_budget_cap: int | None = None) -> None:
-        """The model's layers `layers` (default: all of them) on `ops`' device. `experts`: where a MoE
-        model's experts run (default every expert hot); expert_budget_cap: the most bytes of hot
-        experts the device has room for (the planner's)."""
+    def __init__(self, mf: ModelFile, ops: Ops, layers: range | None = None, experts: ExpertOptions | None = None) -> None:
+        """The model's layers `layers` (default: all of them) on `ops`' device; a MoE model's experts
+        placed by `experts` (default: every expert hot)."""
         self.ops, self.config = ops, mf.config
         self.layers = range(mf.config.n_layers) if layers is None else layers
         if not 0 <= self.layers.start < self.layers.stop <= mf.config.n_layers or self.layers.step != 1:
             raise ValueError(f"layers {self.layers.start}-{self.layers.stop - 1} are not a range of the model's "
                              f"{mf.config.n_layers} layers")
         spec = architecture(mf.config.arch, str(mf.path))
-        self.experts = _expert_manager(mf, experts or ExpertOptions(), expert_budget_cap)
+        self.experts = _expert_manager(mf, experts or ExpertOptions())
         tied = "output.weight" not in mf.tensors
         embed = self.runs_first or (self.runs_last and tied)
         self.embed = ops.weight(mf.tensor("token_embd.weight")) if embed else None
@@ -174,7 +173,7 @@ class Transformer:
                                batch.decode_rows[batch.logit_rows])
 
 
-def _expert_manager(mf: ModelFile, options: ExpertOptions, cap: int | None) -> ExpertManager | None:
+def _expert_manager(mf: ModelFile, options: ExpertOptions) -> ExpertManager | None:
     moe = [mf.is_moe_layer(i) for i in range(mf.config.n_layers)]
     if not any(moe):
         return None
@@ -182,7 +181,7 @@ def _expert_manager(mf: ModelFile, options: ExpertOptions, cap: int | None) -> E
         raise ModelFileError(str(mf.path), f"MoE model routes to {mf.config.n_experts_used} of "
                                            f"{mf.config.n_experts} experts per token")
     sizes = [expert_files(mf, i)[0].nbytes if is_moe else 0 for i, is_moe in enumerate(moe)]
-    return ExpertManager(mf.path, mf.config.hidden, mf.config.n_experts_used, sizes, mf.config.n_experts, options, cap)
+    return ExpertManager(mf.path, mf.config.hidden, mf.config.n_experts_used, sizes, mf.config.n_experts, options)
 
 
 def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, experts: ExpertManager | None) -> Block:
@@ -194,7 +193,9 @@ def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, exp
         return ops.vector(mf.tensor(f"blk.{i}.{name}"))
 
     if experts is not None and mf.is_moe_layer(i):
-        ffn: DenseFFN | MoEFFN = load_moe_ffn(mf, ops, i, experts)
+        ffn: DenseFFN | MoEFFN | SharedExpertMoE = load_moe_ffn(mf, ops, i, experts)
+        if has_shared_expert(mf, i):  # qwen35moe
+            ffn = with_shared_expert(mf, ops, i, ffn)
     else:
         ffn = DenseFFN(gate=w("ffn_gate"), up=w("ffn_up"), down=w("ffn_down"))
     lin = mf.config.linear

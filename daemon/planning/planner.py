@@ -139,6 +139,9 @@ class PlanRequest:
     split: tuple[int, ...] | None = None  # layers per device; None: proportional to the budgets
     speculative: SpeculativeSettings | None = None
     expert_offload: bool = False  # CUDA devices keep only the experts that fit; the rest run on CPU workers
+    # hot experts' bytes at most, on any device: bytes, a size ("2GiB") or "N%" of the experts; the rest
+    # are cold (CPU workers); None: no bound but the device's room (and that only with expert_offload)
+    expert_budget: int | str | None = None
     act_safety: float | None = None  # None: act_safety_for(model), measured; a number overrides it
     act_cap: int | None = None  # None: ACT_CAP of each device's kind
     graph_headroom: int | None = None  # None: GRAPH_HEADROOM of each device's kind
@@ -205,8 +208,9 @@ class DevicePlan:
     graph_headroom: int
     staging: int
     feature_mirror: int
-    offloads_experts: bool  # only the experts that fit stay here (CUDA with expert offload)
+    offloads_experts: bool  # only the experts that fit stay here (CUDA with expert offload, or a budget)
     expert_bytes: int = 0  # one expert's bytes (all its tensors in one layer); 0 for dense models
+    expert_cap: int | None = None  # this device's share of the request's expert_budget, in bytes
     # hybrid models: the linear-attention layers' recurrent state (conv window + DeltaNet state,
     # float32) of every resident sequence; fixed per sequence, whatever the context
     recurrent_state: int = 0
@@ -227,6 +231,8 @@ class DevicePlan:
         if not self.offloads_experts:
             return self.weights.experts
         room = max(0, min(self.weights.experts, self.device.budget - self.fixed))
+        if self.expert_cap is not None:
+            room = min(room, self.expert_cap)
         return room - room % self.expert_bytes if self.expert_bytes else 0
 
     @property
@@ -292,8 +298,9 @@ def build_plan(info: ModelHeaders, request: PlanRequest) -> Plan:
             staging=boundary_bytes(cfg.hidden, request.prefill_chunk, request.policy.act, request.staging_buffers)
             if i > 0 else 0,
             feature_mirror=_feature_mirror(cfg, request, ctx) if last else 0,
-            offloads_experts=request.expert_offload and dev.kind == "cuda",
+            offloads_experts=(request.expert_offload and dev.kind == "cuda") or request.expert_budget is not None,
             expert_bytes=_expert_bytes(info),
+            expert_cap=_expert_cap(request.expert_budget, weights[i].experts, sum(w.experts for w in weights)),
         ))
     return Plan(info, request, ctx, tuple(plans))
 
@@ -401,6 +408,37 @@ def _expert_bytes(info: ModelHeaders) -> int:
     total = sum(t.nbytes for t in info.tensors if weight_class(t.name) == "experts")
     layers = {layer_of(t.name) for t in info.tensors if weight_class(t.name) == "experts"}
     return total // (len(layers) * cfg.n_experts) if total and cfg.n_experts else 0
+
+
+def _expert_cap(budget: int | str | None, here: int, total: int) -> int | None:
+    """A device's share of the expert budget: "N%" of its own experts, or bytes in proportion to them."""
+    if budget is None:
+        return None
+    if isinstance(budget, str) and budget.strip().endswith("%"):
+        return parse_expert_budget(budget, here)
+    whole = parse_expert_budget(budget, total)
+    return whole * here // total if total else 0
+
+
+def parse_expert_budget(spec: int | str | None, total: int) -> int | None:
+    """expert_budget as bytes: None (no bound), a byte count, a size ("512MiB"), or "N%" of `total`
+    (all the experts' bytes)."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        text = spec.strip()
+        if text.endswith("%"):
+            try:
+                share = float(text[:-1])
+            except ValueError:
+                raise PlanError(f"expert_budget {spec!r} is not a percentage") from None
+            if not 0 <= share <= 100:
+                raise PlanError(f"expert_budget {spec!r} must be between 0% and 100%")
+            return int(total * share / 100)
+        spec = parse_size(text)
+    if isinstance(spec, bool) or not isinstance(spec, int) or spec < 0:
+        raise PlanError(f"expert_budget must be bytes >= 0, a size or 'N%', got {spec!r}")
+    return spec
 
 
 def _feature_mirror(cfg: ModelConfig, request: PlanRequest, ctx: int) -> int:

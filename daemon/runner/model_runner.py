@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,7 @@ from ember.daemon.runner.kv_cache import PagedKVCache
 from ember.daemon.runner.step_batch import StepBatch
 from ember.kernels.convert import DECODE_ACTIVATIONS
 from ember.kernels.ops import Array
-from ember.kernels.sampling import Choice, sample
+from ember.kernels.sampling import Choice, SampleRow
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,14 @@ class StepRun:
     choices: list[Choice | None]  # one per sampling row, in order (None where sampling failed)
     kept: dict[int, np.ndarray]  # row index -> host logits, for the rows asked to be kept
     failed: dict[int, str] = field(default_factory=dict)  # sampler index -> why its sampling failed
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    work: Any  # the logits (this class), or what a pipelined runner collects them by
+    n_logits: int
+    samplers: list[tuple[int, Sequence]]
+    keep: list[int]
 
 
 class KVStateLost(RuntimeError):
@@ -78,14 +87,27 @@ class ModelRunner:
             batch = replace(batch, decode_rows=np.zeros_like(batch.decode_rows))
         return batch.on(self.net.ops.to_device)
 
+    lanes = 1  # steps the engine may keep in flight on this runner (a split's stages: one each)
+
     def execute(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], keep: Seq[int] = ()) -> StepRun:
         """Run `batch`; sample row r for each (r, sequence) of `samplers` with that sequence's
         parameters and generator; bring the rows in `keep` to the host."""
-        logits = self.forward(batch)
-        if batch.n_logits == 0:
+        return self.collect(self.submit(batch, samplers, keep))
+
+    def submit(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], keep: Seq[int] = ()) -> PendingStep:
+        """Start `batch` (here: run it); collect() samples it. A runner with lanes > 1 returns at once."""
+        return PendingStep(self.forward(batch), batch.n_logits, list(samplers), list(keep))
+
+    def collect(self, step: PendingStep) -> StepRun:
+        """The sampled tokens (and kept logits rows) of a submitted step."""
+        logits = self._logits_of(step)
+        if step.n_logits == 0:
             return StepRun([], {})
-        choices, failed = self._sample(logits, samplers)
-        return StepRun(choices, {r: self.ops.to_numpy(logits[r]) for r in keep}, failed)
+        choices, failed = self._sample(logits, step.samplers)
+        return StepRun(choices, {r: self.ops.to_numpy(logits[r]) for r in step.keep}, failed)
+
+    def _logits_of(self, step: PendingStep) -> Array:
+        return step.work
 
     def forward(self, batch: StepBatch) -> Array:
         """The logits [batch.n_logits, vocab] of the host batch's logit rows, where the runner keeps them."""
@@ -98,13 +120,7 @@ class ModelRunner:
             rows = np.fromiter((r for r, _ in samplers), np.int64, len(samplers))
             best = self.ops.to_numpy(self.ops.argmax_rows(logits, rows))
             return [Choice(int(t), float("nan")) for t in best], {}
-        host = self.ops.to_numpy(logits)
-        choices: list[Choice | None] = []
-        failed: dict[int, str] = {}
-        for k, (r, s) in enumerate(samplers):  # one row's failure is its sequence's alone
-            try:
-                choices.append(sample(host[r], s.params, s.rng, s.prompt, s.generated, logprob=s.wants_logprob))
-            except (ValueError, FloatingPointError, ArithmeticError) as e:
-                choices.append(None)
-                failed[k] = f"sampling failed: {type(e).__name__}: {e}"
-        return choices, failed
+        results = self.ops.sample_rows(logits, [SampleRow(r, s.params, s.rng, s.prompt, s.generated, s.wants_logprob)
+                                                for r, s in samplers])
+        failed = {k: why for k, why in enumerate(results) if isinstance(why, str)}
+        return [None if isinstance(c, str) else c for c in results], failed

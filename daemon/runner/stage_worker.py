@@ -65,7 +65,8 @@ class StageWorker:
                                                              setup.act_dtype)
         out = Segment.attach(setup.outbox)
         if self.net.runs_last:
-            self.logits: LogitsRows | None = LogitsRows(out, cfg.vocab, setup.max_tokens)
+            # a region of max_tokens rows per step in flight (Pipeline.lanes)
+            self.logits: LogitsRows | None = LogitsRows(out, cfg.vocab, out.nbytes // (cfg.vocab * 4))
             self.outbox: Boundary | None = None
         else:
             self.logits, self.outbox = None, Boundary(out, cfg.hidden, setup.max_tokens, setup.act_dtype)

@@ -71,7 +71,11 @@ def serve(config: Config) -> int:
         backend.prepare(on_compile=lambda: _compiling(notifier))
         models = _load_models(config, specs, policy, notifier)
         server = Server(config, models, path, notifier, _engine_factory(config, models, notifier, path))
-        uvloop.run(server.run())
+        try:
+            uvloop.run(server.run())
+        finally:
+            for model in models.values():  # stage and cold-expert workers; MoE routing statistics saved
+                model.close()
     finally:
         lock.release()
         notifier.close()
@@ -106,7 +110,8 @@ def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
             split = tuple(s.end - s.first for s in stages)
         request = PlanRequest(devices=tuple(Device(str(d), b) for d, b in zip(devices, budgets, strict=True)),
                               policy=policy, ctx=config.engine.context_for(info.config.context_length),
-                              seqs=config.engine.max_active, prefill_chunk=config.engine.max_step_tokens, split=split)
+                              seqs=config.engine.max_active, prefill_chunk=config.engine.max_step_tokens, split=split,
+                              expert_budget=spec.experts["expert_budget"])
         plan = build_plan(info, request)
         log_plan(plan, get_logger())
         plan.check()
@@ -129,7 +134,8 @@ def _load_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
         e = config.engine
         model = load(spec.path, device=e.device, kv_dtype=policy.kv, decode_act=e.decode_act, devices=e.devices or None,
                      split=e.split or None, act_dtype=policy.act, max_step_tokens=e.max_step_tokens,
-                     stage_threads=e.stage_threads, draft=spec.draft or None, draft_tokens=spec.draft_tokens)
+                     stage_threads=e.stage_threads, draft=spec.draft or None, draft_tokens=spec.draft_tokens,
+                     **spec.experts)
         if model.pipeline is not None:
             for stage in model.pipeline.stages:
                 log.info("layer-split stage ready", model=name, stage=stage.name, pid=stage.pid, binding=stage.binding,

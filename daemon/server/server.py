@@ -346,8 +346,18 @@ class Server:
             cancelled_total=c["cancelled"], busy_total=c["busy"], errors_total=c["errors"],
             kv_blocks_used=e.kv_blocks_used, kv_blocks_free=e.kv_blocks_free,
             prefix_hit_rate=round(e.prefix_hit_rate, 4), preemptions=e.preemptions,
-            tokens_per_s=round(e.tokens_per_s, 2), spec_acceptance_rate=round(e.spec.acceptance_rate, 4),
+            tokens_per_s=round(e.tokens_per_s, 2), **self._expert_stats(),
+            spec_acceptance_rate=round(e.spec.acceptance_rate, 4),
             spec_mean_accepted_length=round(e.spec.mean_accepted_length, 3)))
+
+    def _expert_stats(self) -> dict[str, Any]:
+        """The MoE models' expert counters, summed (read while the engine runs: a snapshot of ints)."""
+        stats = [s for m in self._models.values() if (s := m.expert_stats()) is not None]
+        routed = sum(s.routed_slots for s in stats)
+        return dict(hot_experts=sum(s.hot_experts for s in stats), total_experts=sum(s.total_experts for s in stats),
+                    cold_share=round(sum(s.cold_slots for s in stats) / routed, 4) if routed else 0.0,
+                    expert_swaps=sum(s.swaps for s in stats),
+                    cold_worker_restarts=sum(s.worker_restarts for s in stats))
 
     # --- engine output and peers -------------------------------------------------------------------
     def _on_outputs(self, outputs: list[Output]) -> None:

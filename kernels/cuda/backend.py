@@ -3,24 +3,28 @@ DeviceArrays.
 
 Weights go to the device once, at load, in their file formats; activations stay there between ops;
 a step's metadata arrives through to_device once (ModelRunner.prepare) and every layer reads it
-there. Only what the caller asks for comes back: token ids from argmax_rows, logits rows through
-to_numpy.
+there. Only what the caller asks for comes back: token ids (and logprobs) from argmax_rows and
+sample_rows, which run the whole sampler on the device, and logits rows through to_numpy.
 
 Every row is computed in float32, prompt or generated: decode_rows (the CPU's quantized-activation
 decode) is accepted and not used, so a GPU step's numerics never depend on the batch's makeup.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 from numba import cuda
 
-from ember.kernels.cuda import dense, quant_matmul
-from ember.kernels.cuda.device_array import DeviceArray
+from ember.kernels.cuda import dense, quant_matmul, sampling
+from ember.kernels.cuda.device_array import DeviceArray, zeros
 from ember.kernels.cuda.paged_attention import CudaKVStore, kv_write, paged_attention
 from ember.kernels.cuda.quant_matmul import CudaWeight, Tables
-from ember.kernels.ops import Array, Ops
+from ember.kernels.cuda.experts import expert_ffn as experts_ffn
+from ember.kernels.ops import Array, ExpertWeights, Ops
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.reference.quant import dequantize
+from ember.kernels.sampling import Choice, SampleRow
 
 
 class CudaOps(Ops):
@@ -45,6 +49,10 @@ class CudaOps(Ops):
     def matmul(self, x: Array, w: CudaWeight, decode_rows: Array | None = None) -> DeviceArray:
         return quant_matmul.matmul(x, w, self.tables)
 
+    def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
+                   weight: np.ndarray, decode_rows: Array | None = None) -> DeviceArray:
+        return experts_ffn(self, x, experts, np.asarray(token), np.asarray(expert), np.asarray(weight), decode_rows)
+
     def embedding(self, w: CudaWeight, ids: Array) -> DeviceArray:
         return quant_matmul.embedding(w, self._on_device(ids, np.int64), self.tables)
 
@@ -68,18 +76,24 @@ class CudaOps(Ops):
     def swiglu(self, gate: Array, up: Array) -> DeviceArray:
         return dense.swiglu(gate, up)
 
+    def sigmoid_mul(self, x: Array, gate: Array) -> DeviceArray:
+        return dense.sigmoid_mul(x, gate)
+
     def softmax(self, x: Array) -> DeviceArray:
         return dense.softmax(x)
 
     def argmax_rows(self, x: Array, rows: Array) -> DeviceArray:
         return dense.argmax_rows(x, self._on_device(rows, np.int64))
 
+    def sample_rows(self, logits: Array, rows: Sequence[SampleRow]) -> list[Choice | str]:
+        return sampling.sample_rows(logits, rows)
+
     # --- moving data ----------------------------------------------------------------------------
     def to_device(self, x: np.ndarray) -> DeviceArray:
         return DeviceArray(cuda.to_device(np.ascontiguousarray(x)))
 
     def zeros(self, shape: tuple[int, ...]) -> DeviceArray:
-        return DeviceArray(cuda.to_device(np.zeros(shape, np.float32)))
+        return zeros(shape)
 
     def to_numpy(self, x: Array) -> np.ndarray:
         return x.to_host() if isinstance(x, DeviceArray) else np.asarray(x)

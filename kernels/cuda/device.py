@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from numba import config, cuda, float32
+from numba import config, cuda
 
 SIMULATOR: bool = bool(config.ENABLE_CUDASIM)
 WARP = 32
@@ -47,15 +47,15 @@ def unavailable_reason() -> str | None:
 
 # --- the reduction helper ------------------------------------------------------------------------
 # Each returns the block-wide result to every thread; `scratch` is a shared float32 [THREADS] array
-# (and `iscratch` int64 for argmax) that the kernel allocates, since only kernels own shared memory.
+# (float64 for float64 values; `iscratch` int64 for argmax) that the kernel allocates, since only kernels own shared memory.
 if SIMULATOR:
     @cuda.jit(device=True)
     def block_sum(v, scratch):  # type: ignore[no-untyped-def]
         t = cuda.threadIdx.x
         scratch[t] = v
         cuda.syncthreads()
-        total = float32(0)
-        for i in range(cuda.blockDim.x):  # one order for every thread: they all agree on the sum
+        total = scratch[0]  # in scratch's type: float32 or float64 sums alike
+        for i in range(1, cuda.blockDim.x):  # one order for every thread: they all agree on the sum
             total += scratch[i]
         cuda.syncthreads()  # everyone has read scratch before anyone reuses it
         return total

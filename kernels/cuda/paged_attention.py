@@ -24,7 +24,7 @@ from numba import cuda, float32
 
 from ember.kernels.convert import KV_DTYPES, QK8_0
 from ember.kernels.cuda.device import THREADS, block_max, block_sum, flat_grid, grid
-from ember.kernels.cuda.device_array import DeviceArray, empty
+from ember.kernels.cuda.device_array import DeviceArray, empty, zeros
 from ember.kernels.cuda.quant_matmul import Tables
 
 MODE = {name: i for i, name in enumerate(KV_DTYPES)}
@@ -51,24 +51,15 @@ class CudaKVStore:
             raise ValueError(f"head_dim {head_dim} exceeds the CUDA attention kernel's {MAX_HEAD_DIM}")
         shape, tiny = (n_blocks, block_size, kv_heads, head_dim), (1, 1, 1, 1)
 
-        def zeros(used: bool, dt: Any, full: tuple[int, ...] = shape) -> Any:
-            out = cuda.device_array(full if used else tiny, dt)
-            _zero[flat_grid(out.size)](out.reshape(out.size))
-            return out
+        def store(used: bool, dt: Any, full: tuple[int, ...] = shape) -> Any:
+            return zeros(full if used else tiny, dt).raw
 
-        return cls(MODE[dtype], zeros(dtype == "f32", np.float32), zeros(dtype in ("f16", "bf16"), np.uint16),
-                   zeros(dtype == "q8_0", np.int8),
-                   zeros(dtype == "q8_0", np.uint16, shape[:3] + (head_dim // QK8_0,)))
+        return cls(MODE[dtype], store(dtype == "f32", np.float32), store(dtype in ("f16", "bf16"), np.uint16),
+                   store(dtype == "q8_0", np.int8), store(dtype == "q8_0", np.uint16, shape[:3] + (head_dim // QK8_0,)))
 
     @property
     def nbytes(self) -> int:
         return int(self.f32.nbytes + self.u16.nbytes + self.i8.nbytes + self.scales.nbytes)
-
-
-@cuda.jit
-def _zero(a):  # type: ignore[no-untyped-def]
-    for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
-        a[i] = 0
 
 
 # --- float32 -> storage bits, as kernels/convert.py -----------------------------------------------

@@ -5,16 +5,22 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-import ember
 from ember.client.cli.main import main
 from ember.daemon.loader.demo_model import DEMO_MODEL
-from ember.daemon.runner.devices import CudaUnavailable, backend_for
+from ember.daemon.runner.devices import CudaUnavailable, DeviceName, backend_for
 
-ROOT = Path(__file__).parents[2]
+NEEDS_DEVICE = False  # these run on any machine (conftest.py): most are about not having a GPU
+
+
+def _need_device() -> None:
+    from ember.kernels.cuda.device import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no CUDA device and no simulator ({reason})")
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -40,15 +46,18 @@ def test_no_gpu_and_no_simulator_is_one_clear_line() -> None:
                          capture_output=True, text=True, timeout=300, env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0"})
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ember: error: cuda:0: no usable CUDA device")
-    assert "NUMBA_ENABLE_CUDASIM=1" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("ember: error: cuda:0: ")
+    assert "NUMBA_ENABLE_CUDASIM=1" in lines[0] or "numba-cuda" in lines[0]  # what is missing, and what to do
 
 
 def test_a_device_index_beyond_the_machines_is_refused() -> None:
+    pytest.importorskip("numba.cuda")
+    _need_device()
     from numba import cuda
 
-    with pytest.raises(CudaUnavailable, match=f"cuda:{len(cuda.gpus)}: no such device"):
-        backend_for("cuda:9").ops(ember.daemon.runner.devices.DeviceName("cuda", len(cuda.gpus)))
+    beyond = DeviceName("cuda", len(cuda.gpus))
+    with pytest.raises(CudaUnavailable, match=f"{beyond}: no such device"):
+        backend_for(beyond).ops(beyond)
 
 
 def test_plan_for_a_cuda_budget(capsys) -> None:  # type: ignore[no-untyped-def]

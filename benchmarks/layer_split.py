@@ -1,0 +1,121 @@
+"""Layer split against the unsplit model: decode tokens/s at 1 and 8 concurrent streams, the staging
+bytes per token of each act_dtype, and how close f16/bf16 staging stays to f32.
+
+    python benchmarks/layer_split.py [--model PATH] [--tokens 64] [--precision]
+
+Two stages (`cpu:0,cpu:1`, one kernel thread each) against the unsplit model in process with the same
+total: two kernel threads (and, for reference, one); and the split without pipelining (the engine
+keeps one step in flight instead of one per stage). Streams run through the engine core as the daemon
+runs them (continuous batching, greedy, ignore_eos); a split step is cut into micro-batches that the
+stages pipeline. Each configuration is timed `--repeats` times, alternating, and the medians compared.
+--precision: for f16 and bf16 staging, greedy 128 tokens on several prompts against the unsplit model
+(identical or not, and where they first differ), and teacher-forced on the unsplit tokens: top-1
+agreement and the largest logit error relative to each row's logit range.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+import ember
+from ember.daemon.engine.sequence import Sequence
+from ember.daemon.loader.demo_model import DEMO_MODEL
+from ember.daemon.runner.devices import backend_for
+from ember.kernels.convert import storage_bytes
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
+           "for i in range(10):\n    print(", "# read the config file\nwith open(", "x = [", "return self.",
+           "    @property\n    def name(self) -> str:\n        "]
+
+
+def decode_rate(model: ember.Model, streams: int, tokens: int, lanes: int | None = None) -> float:
+    """Generated tokens per second of `streams` sequences decoded together (prompts first, untimed);
+    lanes=1 keeps a split model's engine to one step at a time (no pipelining)."""
+    engine = model.engine(streams * 256, max_running=streams)
+    if lanes is not None:
+        engine.runner.lanes = lanes
+    seqs = [Sequence(model.tokenize(PROMPTS[i % len(PROMPTS)]), tokens) for i in range(streams)]
+    for seq in seqs:
+        engine.add(seq)
+    while any(not s.generated for s in seqs):  # the prompts' steps
+        engine.step()
+    done = sum(len(s.generated) for s in seqs)
+    t0 = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    return (sum(len(s.generated) for s in seqs) - done) / (time.perf_counter() - t0)
+
+
+def throughput(args: argparse.Namespace) -> None:
+    cpu = backend_for("cpu")
+    whole = ember.load(args.model)
+    split = ember.load(args.model, devices=["cpu:0", "cpu:1"], act_dtype="f32", stage_threads=1)
+    print(f"model {args.model}: {whole.config.n_layers} layers, hidden {whole.config.hidden}")
+    print("stages: " + "; ".join(split.pipeline.describe()))
+    configs = {"unsplit, 2 threads": (whole, 2, None), "unsplit, 1 thread": (whole, 1, None),
+               "2 stages x 1 thread": (split, 1, None), "  not pipelined": (split, 1, 1)}
+    for streams in (1, 8):
+        rates: dict[str, list[float]] = {name: [] for name in configs}
+        decode_rate(whole, streams, 8), decode_rate(split, streams, 8)  # warm
+        for _ in range(args.repeats):
+            for name, (model, threads, lanes) in configs.items():
+                cpu.use_threads(threads)  # the engine thread's kernels (the split's only sample on it)
+                rates[name].append(decode_rate(model, streams, args.tokens, lanes))
+        base = statistics.median(rates["unsplit, 2 threads"])
+        print(f"\n{streams} stream(s), {args.tokens} tokens each, median of {args.repeats}:")
+        for name, r in rates.items():
+            print(f"  {name:22s} {statistics.median(r):8.1f} tok/s   {statistics.median(r) / base:5.2f}x")
+    split.close()
+
+
+def staging_table(model_path: str) -> None:
+    whole = ember.load(model_path)
+    hidden = whole.config.hidden
+    print(f"\nstaging per token per boundary (hidden {hidden}); allocated per boundary for 256-token steps, 2 buffers:")
+    for dtype in ("f32", "f16", "bf16"):
+        print(f"  {dtype:5s} {storage_bytes(dtype, hidden):6d} B/token   {2 * 256 * storage_bytes(dtype, hidden):9d} B")
+
+
+def precision(model_path: str) -> None:
+    whole = ember.load(model_path)
+    backend_for("cpu").use_threads(1)  # numerics do not depend on it; a shared machine's time does
+    for dtype in ("f16", "bf16"):
+        split = ember.load(model_path, devices=["cpu:0", "cpu:1"], act_dtype=dtype)
+        same, agree, rows, worst = 0, 0, 0, 0.0
+        firsts = []
+        for text in PROMPTS:
+            ids = whole.tokenize(text)
+            want = list(whole.generate(ids, 128, ignore_eos=True))
+            got = list(split.generate(ids, 128, ignore_eos=True))
+            same += got == want
+            firsts.append(next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None))
+            ref, out = whole.logits(ids + want), split.logits(ids + want)  # teacher-forced on the unsplit tokens
+            agree += int((ref.argmax(1) == out.argmax(1)).sum())
+            rows += len(ref)
+            span = ref.max(1) - ref.min(1)
+            worst = max(worst, float((np.abs(out - ref).max(1) / span).max()))
+        split.close()
+        print(f"\n{dtype} staging, greedy 128 tokens x {len(PROMPTS)} prompts: {same}/{len(PROMPTS)} identical "
+              f"(first difference at token {firsts}); teacher-forced top-1 agreement {agree}/{rows} "
+              f"({100 * agree / rows:.2f}%), max logit error {100 * worst:.3f}% of the row's range")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(DEMO_MODEL))
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--precision", action="store_true", help="the f16/bf16 agreement report instead of the timings")
+    args = p.parse_args()
+    if args.precision:
+        precision(args.model)
+    else:
+        throughput(args)
+    staging_table(args.model)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""The full sampler on the GPU: kernels/sampling.py's steps on logits that stay on the device, so only
+token ids (and logprobs when asked) come back.
+
+The host turns each row's parameters and history into a few small arrays — the sparse logit
+adjustments (bias, repetition penalty, frequency/presence penalty, merged per token id), temperature,
+top-k/p, min-p — and draws the row's one uniform number from the request's own generator, which is
+exactly what numpy's `Generator.choice(p=...)` draws; the device does the rest in float64 where the
+host sampler does:
+  1. penalize   copy the rows, apply the adjustments in the host sampler's order and precisions
+  2. sample     per row: max and log-sum-exp (for logprobs), first argmax (greedy), or softmax at the
+                temperature, a stable descending sort (bitonic, in global scratch), the top-k / top-p
+                cut and min-p, renormalisation, and the inverse-CDF draw numpy's choice makes
+  3. top-n      the alternatives logprobs report, by repeated argmax
+So a seeded request draws the same tokens as on the CPU (up to the last bits of a float64 sum).
+The sort and the CDF walk are one block (and partly one thread) per row: correct, not fast.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from numba import cuda, float32, float64, int64
+
+from ember.kernels.cuda.device import THREADS, block_argmax, block_sum, flat_grid, grid
+from ember.kernels.cuda.device_array import DeviceArray, empty
+from ember.kernels.sampling import Choice, SampleRow, _window
+
+
+@cuda.jit
+def _copy_rows(logits, rows, out):  # type: ignore[no-untyped-def]
+    vocab = out.shape[1]
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        k, j = i // vocab, i % vocab
+        out[k, j] = logits[rows[k], j]
+
+
+@cuda.jit
+def _adjust(out, entry_row, ids, bias, rep, penalty, sub):  # type: ignore[no-untyped-def]
+    # one entry = one (row, token id), ids unique per row: bias, then repetition, then frequency and
+    # presence, each rounded as penalized_logits rounds it
+    for e in range(cuda.grid(1), ids.shape[0], cuda.gridsize(1)):
+        k, t = entry_row[e], ids[e]
+        v = float32(out[k, t] + bias[e])
+        if rep[e]:
+            v = float32(v / penalty[k]) if v > 0 else float32(v * penalty[k])
+        out[k, t] = float32(float64(v) - sub[e])
+
+
+@cuda.jit(device=True)
+def _before(ka, ia, kb, ib):  # type: ignore[no-untyped-def]
+    """Whether (ka, ia) sorts before (kb, ib): larger probability first, then smaller id (argsort's
+    stable order of -probs)."""
+    return ka > kb or (ka == kb and ia < ib)
+
+
+@cuda.jit(device=True)
+def _bitonic_sort(keys, ids, k):  # type: ignore[no-untyped-def]
+    t, width = cuda.threadIdx.x, cuda.blockDim.x
+    n = keys.shape[1]  # a power of two
+    size = 2
+    while size <= n:
+        stride = size // 2
+        while stride > 0:
+            for i in range(t, n, width):
+                other = i ^ stride
+                if other > i:
+                    first = _before(keys[k, i], ids[k, i], keys[k, other], ids[k, other])
+                    if first != ((i & size) == 0):  # out of this half's order: swap
+                        keys[k, i], keys[k, other] = keys[k, other], keys[k, i]
+                        ids[k, i], ids[k, other] = ids[k, other], ids[k, i]
+            cuda.syncthreads()
+            stride //= 2
+        size *= 2
+
+
+@cuda.jit
+def _sample(x, greedy, temperature, top_k, top_p, min_p, uniform, probs, keys, ids,  # type: ignore[no-untyped-def]
+            token, token_value, best_out, log_total):
+    f32s = cuda.shared.array(THREADS, float32)
+    f64s = cuda.shared.array(THREADS, float64)
+    i64s = cuda.shared.array(THREADS, int64)
+    keep = cuda.shared.array(1, int64)
+    t, width = cuda.threadIdx.x, cuda.blockDim.x
+    vocab = x.shape[1]
+    for k in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
+        best, at = float32(-math.inf), int64(vocab)
+        for j in range(t, vocab, width):
+            if x[k, j] > best or at == vocab:
+                best, at = x[k, j], int64(j)
+        best, at = block_argmax(best, at, f32s, i64s)
+        total = float64(0)  # log-sum-exp as _choice: exp in float32, summed in float64
+        for j in range(t, vocab, width):
+            total += float64(float32(math.exp(float32(x[k, j] - best))))
+        total = block_sum(total, f64s)
+        if t == 0:
+            best_out[k], log_total[k] = best, math.log(total)
+        if greedy[k]:
+            if t == 0:
+                token[k], token_value[k] = at, x[k, at]
+            continue
+        # final_distribution: softmax at the temperature in float64, shifted by the max
+        z = float64(0)
+        for j in range(t, vocab, width):
+            p = math.exp((float64(x[k, j]) - float64(best)) / temperature[k])
+            probs[k, j] = p
+            z += p
+        z = block_sum(z, f64s)
+        for i in range(t, keys.shape[1], width):
+            keys[k, i] = probs[k, i] / z if i < vocab else float64(-1)  # padding sorts last
+            ids[k, i] = i
+        cuda.syncthreads()
+        for j in range(t, vocab, width):
+            probs[k, j] = keys[k, j]
+        cuda.syncthreads()  # every lane has copied its keys before the sort moves them
+        _bitonic_sort(keys, ids, k)
+        if t == 0:  # how many of the sorted tokens top_k and top_p keep
+            n = vocab
+            if 0 < top_k[k] < vocab:
+                n = top_k[k]
+            if top_p[k] < 1.0:
+                c = float64(0)
+                for i in range(vocab):
+                    c += keys[k, i]
+                    if c >= top_p[k]:  # np.searchsorted(cumsum, top_p) is this i
+                        n = min(n, i + 1)
+                        break
+            keep[0] = n
+        cuda.syncthreads()
+        floor = min_p[k] * keys[k, 0]
+        for i in range(t, vocab, width):
+            if i >= keep[0]:
+                probs[k, ids[k, i]] = float64(0)
+        cuda.syncthreads()
+        z = float64(0)
+        for j in range(t, vocab, width):
+            if min_p[k] > 0 and probs[k, j] < floor:
+                probs[k, j] = float64(0)
+            z += probs[k, j]
+        z = block_sum(z, f64s)
+        if t == 0:  # Generator.choice(p=probs / z): the first index whose normalised CDF passes u
+            last = float64(0)
+            for j in range(vocab):
+                last += probs[k, j] / z
+            chosen, c = int64(-1), float64(0)  # -1: no valid distribution (NaN logits)
+            if z > 0 and last > 0 and not math.isinf(z):
+                for j in range(vocab):
+                    c += probs[k, j] / z
+                    if c / last > uniform[k]:
+                        chosen = j
+                        break
+            token[k] = chosen
+            token_value[k] = x[k, max(chosen, 0)]
+        cuda.syncthreads()
+
+
+@cuda.jit
+def _top_n(x, n, out_ids, out_values):  # type: ignore[no-untyped-def]
+    f32s = cuda.shared.array(THREADS, float32)
+    i64s = cuda.shared.array(THREADS, int64)
+    t, width = cuda.threadIdx.x, cuda.blockDim.x
+    vocab = x.shape[1]
+    for k in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
+        prev_v, prev_i = float32(math.inf), int64(-1)
+        for r in range(n):  # the next best after (prev_v, prev_i) in (value desc, id asc) order
+            best, at = float32(-math.inf), int64(vocab)
+            for j in range(t, vocab, width):
+                v = x[k, j]
+                if (v < prev_v or (v == prev_v and j > prev_i)) and (v > best or at == vocab):
+                    best, at = v, int64(j)
+            best, at = block_argmax(best, at, f32s, i64s)
+            if t == 0:
+                out_ids[k, r], out_values[k, r] = at, best
+            prev_v, prev_i = best, at
+
+
+def _adjustments(rows: Sequence[SampleRow]) -> tuple[np.ndarray, ...]:
+    """The rows' logit adjustments merged per (row, token id): (row, id, bias, repeat?, subtract)."""
+    entries: list[tuple[int, int, float, bool, float]] = []
+    for k, r in enumerate(rows):
+        p = r.params
+        bias = {int(t): float(np.float32(b)) for t, b in p.logit_bias.items()}
+        seen = set(np.unique(_window(r.prompt, r.generated, p)).tolist()) if p.repetition_penalty != 1.0 else set()
+        sub: dict[int, float] = {}
+        if (p.frequency_penalty or p.presence_penalty) and len(r.generated):
+            ids, counts = np.unique(np.asarray(r.generated, np.int64), return_counts=True)
+            sub = {int(t): float(c * p.frequency_penalty + p.presence_penalty) for t, c in zip(ids, counts, strict=True)}
+        for t in sorted(bias.keys() | seen | sub.keys()):
+            entries.append((k, t, bias.get(t, 0.0), t in seen, sub.get(t, 0.0)))
+    cols = list(zip(*entries, strict=True)) if entries else [(), (), (), (), ()]
+    return (np.array(cols[0], np.int64), np.array(cols[1], np.int64), np.array(cols[2], np.float32),
+            np.array(cols[3], np.bool_), np.array(cols[4], np.float64))
+
+
+def _up(x: np.ndarray) -> DeviceArray:
+    return DeviceArray(cuda.to_device(np.ascontiguousarray(x)))
+
+
+def sample_rows(logits: DeviceArray, rows: Sequence[SampleRow]) -> list[Choice | str]:
+    """kernels/sampling.sample for each of `rows` of device logits [n, vocab], on the device."""
+    if not rows:
+        return []
+    m, vocab = len(rows), logits.shape[1]
+    pen = empty((m, vocab))
+    _copy_rows[flat_grid(m * vocab)](logits.raw, _up(np.array([r.row for r in rows], np.int64)).raw, pen.raw)
+    entry_row, ids, bias, rep, sub = _adjustments(rows)
+    if len(ids):
+        penalty = np.array([r.params.repetition_penalty for r in rows], np.float32)
+        _adjust[flat_grid(len(ids))](pen.raw, _up(entry_row).raw, _up(ids).raw, _up(bias).raw, _up(rep).raw,
+                                     _up(penalty).raw, _up(sub).raw)
+    greedy = np.array([r.params.greedy for r in rows], np.bool_)
+    # the one number numpy's choice draws, from each sampled row's generator, in the host's order
+    uniform = np.array([0.0 if g else r.rng.random() for g, r in zip(greedy, rows, strict=True)], np.float64)
+    width = 1 << max(1, (vocab - 1).bit_length())
+    sorting = int(not greedy.all())  # scratch only when some row samples
+    probs = empty((m, vocab) if sorting else (1, 1), np.float64)
+    keys, order = empty((m, width) if sorting else (1, 1), np.float64), empty((m, width) if sorting else (1, 1), np.int64)
+    token, value = empty((m,), np.int64), empty((m,))
+    best, log_total = empty((m,)), empty((m,), np.float64)
+    _sample[grid(m)](pen.raw, _up(greedy).raw,
+                     _up(np.array([r.params.temperature or 1.0 for r in rows], np.float64)).raw,
+                     _up(np.array([r.params.top_k for r in rows], np.int64)).raw,
+                     _up(np.array([r.params.top_p for r in rows], np.float64)).raw,
+                     _up(np.array([r.params.min_p for r in rows], np.float64)).raw,
+                     _up(uniform).raw, probs.raw, keys.raw, order.raw, token.raw, value.raw, best.raw, log_total.raw)
+    top_n = max(r.params.logprobs for r in rows)
+    tops = None
+    if top_n:
+        top_ids, top_values = empty((m, top_n), np.int64), empty((m, top_n))
+        _top_n[grid(m)](pen.raw, top_n, top_ids.raw, top_values.raw)
+        tops = (top_ids.to_host(), top_values.to_host())
+    return [_choice(k, r, token.to_host(), value.to_host(), best.to_host(), log_total.to_host(), tops)
+            for k, r in enumerate(rows)]
+
+
+def _choice(k: int, r: SampleRow, token: np.ndarray, value: np.ndarray, best: np.ndarray, log_total: np.ndarray,
+            tops: tuple[np.ndarray, np.ndarray] | None) -> Choice | str:
+    if token[k] < 0:
+        return "sampling failed: ValueError: probabilities contain NaN"
+    if not r.logprob and r.params.plain_greedy:
+        return Choice(int(token[k]), math.nan)
+    base = float(best[k]) + float(log_total[k])
+    top = () if tops is None else tuple((int(t), float(v) - base) for t, v in
+                                        zip(tops[0][k, :r.params.logprobs], tops[1][k, :r.params.logprobs], strict=True))
+    return Choice(int(token[k]), float(value[k]) - base, top)

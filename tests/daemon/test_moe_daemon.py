@@ -1,0 +1,80 @@
+"""A MoE model through the daemon with a quarter of its experts hot and two cold-expert workers: its
+logits equal the all-hot model's in process, and a killed worker fails one request clearly, is
+restarted, and the daemon keeps serving."""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ember
+from ember.client import Client
+from ember.client.errors import GenerationFailed
+from ember.daemon.engine.defaults import KV_BLOCK
+from ember.daemon.engine.sequence import Sequence
+
+from daemon_process import DaemonProcess
+
+TRAINED_MOE = Path(__file__).parents[1] / "fixtures" / "ember-demo-moe-q8_0.gguf"
+PROMPT = "import os\n\ndef main():\n"
+
+
+def cold_workers(daemon_pid: int) -> list[int]:
+    # each thread lists the children it started (restarts come from the engine thread)
+    children = [p for task in Path(f"/proc/{daemon_pid}/task").iterdir() for p in (task / "children").read_text().split()]
+    return [int(p) for p in children if b"cold_worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+@pytest.fixture(scope="module")
+def moe_daemon(tmp_path_factory) -> DaemonProcess:
+    cache = tmp_path_factory.mktemp("cache")
+    config = f"""
+[[models]]
+path = "{TRAINED_MOE}"
+name = "moe"
+expert_budget = "25%"
+cold_workers = 2
+[server]
+logits_slots = 32
+[engine]
+max_active = 2
+ctx = 512
+"""
+    d = DaemonProcess(config, env={"EMBER_CACHE_DIR": str(cache)}).wait_ready(timeout=300)
+    yield d
+    d.stop()
+
+
+def test_cold_experts_through_the_daemon_equal_all_hot_and_survive_a_killed_worker(moe_daemon, tmp_path,
+                                                                                    monkeypatch) -> None:
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    all_hot = ember.load(TRAINED_MOE)
+    ids = all_hot.tokenize(PROMPT)
+    engine = all_hot.engine(8 * KV_BLOCK)  # what the daemon runs for a request alone
+    engine.add(Sequence(ids, 12, wants_logits=True, stop_ids=frozenset()))
+    expected = []
+    while engine.has_work:
+        expected += [o.logits for o in engine.step().outputs]
+    with Client(moe_daemon.socket) as client:
+        rows = [c.logits[0].copy() for c in client.generate(PROMPT, max_tokens=12, return_logits=True, ignore_eos=True)]
+        assert len(rows) == len(expected) == 12
+        for got, want in zip(rows, expected):
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+        stats = client.stats()
+        assert (stats.hot_experts, stats.total_experts) == (24, 96) and 0 < stats.cold_share < 1
+
+        workers = cold_workers(moe_daemon.proc.pid)
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGKILL)
+        with pytest.raises(GenerationFailed, match=r"cold expert worker 0 \(pid \d+, exit code -9\) died"):
+            list(client.generate(PROMPT, max_tokens=4))
+        again = client.generate(PROMPT, max_tokens=12, return_logits=True, ignore_eos=True)
+        rows = [c.logits[0].copy() for c in again]
+        assert again.finished.reason == "length"
+        for got, want in zip(rows, expected):
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+        assert client.stats().cold_worker_restarts == 1
+        assert len(cold_workers(moe_daemon.proc.pid)) == 2 and workers[0] not in cold_workers(moe_daemon.proc.pid)
