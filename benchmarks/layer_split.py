@@ -71,6 +71,15 @@ def throughput(args: argparse.Namespace) -> None:
         print(f"\n{streams} stream(s), {args.tokens} tokens each, median of {args.repeats}:")
         for name, r in rates.items():
             print(f"  {name:22s} {statistics.median(r):8.1f} tok/s   {statistics.median(r) / base:5.2f}x")
+        for lanes in (None, 1):  # what a stage's micro-batch costs, pipelined (stages at once) or not
+            p = split.pipeline
+            p.busy_seconds, p.runs = [0.0] * len(p.stages), [0] * len(p.stages)
+            t0 = time.perf_counter()
+            decode_rate(split, streams, args.tokens, lanes)
+            wall = time.perf_counter() - t0
+            per = ", ".join(f"stage {i}: {1e3 * b / max(n, 1):.2f} ms x {n} ({100 * b / wall:.0f}% busy)"
+                            for i, (b, n) in enumerate(zip(p.busy_seconds, p.runs)))
+            print(f"  {'pipelined' if lanes is None else 'not pipelined':14s} micro-batches {per}")
     split.close()
 
 
