@@ -76,6 +76,9 @@ class CudaOps(Ops):
     def swiglu(self, gate: Array, up: Array) -> DeviceArray:
         return dense.swiglu(gate, up)
 
+    def sigmoid_mul(self, x: Array, gate: Array) -> DeviceArray:
+        return dense.sigmoid_mul(x, gate)
+
     def softmax(self, x: Array) -> DeviceArray:
         return dense.softmax(x)
 

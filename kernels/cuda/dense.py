@@ -1,5 +1,5 @@
-"""numba.cuda kernels for the dense primitives: rmsnorm, rope (both layouts), SwiGLU, softmax, and
-the greedy sampler's argmax over logits rows.
+"""numba.cuda kernels for the dense primitives: rmsnorm, rope (both layouts), SwiGLU, the sigmoid
+output gate, softmax, and the greedy sampler's argmax over logits rows.
 
 Row-wise kernels (rmsnorm, softmax, argmax) run one block per row and reduce through the helpers of
 device.py; elementwise ones (rope, SwiGLU) run one thread per item. All loop over whatever a launch
@@ -44,9 +44,10 @@ def rmsnorm(x: DeviceArray, w: DeviceArray, eps: float) -> DeviceArray:
 
 @cuda.jit
 def _rope(x, positions, inv_freq, interleaved):  # type: ignore[no-untyped-def]
-    # one item = (token, head, rotary pair), in place
+    # one item = (token, head, rotary pair), in place; the first 2 * len(inv_freq) dimensions of each
+    # head rotate, the rest pass through (partial rotary)
     n, heads, hd = x.shape
-    half = hd // 2
+    half = inv_freq.shape[0]
     for item in range(cuda.grid(1), n * heads * half, cuda.gridsize(1)):
         i, h, p = item // (heads * half), (item // half) % heads, item % half
         # float64 angle: positions reach 1e5+, where float32 would lose the phase
@@ -60,9 +61,9 @@ def _rope(x, positions, inv_freq, interleaved):  # type: ignore[no-untyped-def]
 
 def rope(x: DeviceArray, positions: DeviceArray, inv_freq: DeviceArray, interleaved: bool) -> DeviceArray:
     """In place on x [n, heads, hd]; returns x."""
-    n, heads, hd = x.shape
+    n, heads, _ = x.shape
     if x.size:
-        _rope[flat_grid(n * heads * (hd // 2))](x.raw, positions.raw, inv_freq.raw, interleaved)
+        _rope[flat_grid(n * heads * inv_freq.shape[0])](x.raw, positions.raw, inv_freq.raw, interleaved)
     return x
 
 
@@ -76,7 +77,21 @@ def _swiglu(gate, up, out):  # type: ignore[no-untyped-def]
 def swiglu(gate: DeviceArray, up: DeviceArray) -> DeviceArray:
     out = empty(gate.shape)
     if gate.size:
-        _swiglu[flat_grid(gate.size)](gate.raw.reshape(gate.size), up.raw.reshape(up.size), out.raw.reshape(out.size))
+        _swiglu[flat_grid(gate.size)](gate.flat(), up.flat(), out.flat())
+    return out
+
+
+@cuda.jit
+def _sigmoid_mul(x, gate, out):  # type: ignore[no-untyped-def]
+    for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        out[i] = x[i] / (float32(1) + math.exp(-gate[i]))
+
+
+def sigmoid_mul(x: DeviceArray, gate: DeviceArray) -> DeviceArray:
+    """x * sigmoid(gate), elementwise (gated attention's output gate)."""
+    out = empty(x.shape)
+    if x.size:
+        _sigmoid_mul[flat_grid(x.size)](x.flat(), gate.flat(), out.flat())
     return out
 
 

@@ -1,10 +1,11 @@
 """DeviceArray: a numba device array with the few numpy operations model code uses on activations.
 
-Model code (daemon/models) is written once against the ops API plus `a + b` (residuals, biases),
-`reshape`, `x.shape` and row selection `x[rows]` (the logits rows). numba's device arrays have the
-views but not the arithmetic, so this wrapper adds the two kernels behind them; everything else is
-the ops' business. `raw` is the numba array (it speaks __cuda_array_interface__ on a GPU, so CuPy
-can take it without a copy).
+Model code (daemon/models) is written once against the ops API plus plain array arithmetic: `a + b`
+(residuals, biases, a scalar), `reshape`, `x.shape`, basic slicing (views), row selection `x[rows]`
+(the logits rows) and whole-array assignment `a[...] = b`. numba's device arrays have the views but
+not the arithmetic, and refuse to reshape a strided view; this wrapper adds the kernels behind those,
+copying a strided view into contiguous memory where a reshape needs it (numpy's rule). `raw` is the
+numba array (it speaks __cuda_array_interface__ on a GPU, so CuPy can take it without a copy).
 """
 from __future__ import annotations
 
@@ -38,18 +39,37 @@ class DeviceArray:
     def size(self) -> int:
         return int(self.raw.size)
 
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
     def __len__(self) -> int:
         return self.shape[0]
 
     def __repr__(self) -> str:
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype})"
 
+    def contiguous(self) -> DeviceArray:
+        """This array in C order: itself, or a copy of a strided view."""
+        if self.raw.is_c_contiguous():
+            return self
+        if not 1 <= self.ndim <= 4:
+            raise ValueError(f"cannot copy a strided view of {self.ndim} dimensions (1 to 4)")
+        out = empty(self.shape, self.dtype)
+        if self.size:
+            _COPY[self.ndim][flat_grid(self.size)](self.raw, out.raw)
+        return out
+
     def reshape(self, *shape: Any) -> DeviceArray:
         dims = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple | list) else shape
         if -1 in dims:
             known = int(np.prod([d for d in dims if d != -1]))
             dims = tuple(self.size // max(known, 1) if d == -1 else d for d in dims)
-        return DeviceArray(self.raw.reshape(*dims))
+        return DeviceArray(self.contiguous().raw.reshape(*dims))
+
+    def flat(self) -> Any:
+        """The raw 1-D array over every element (contiguous), for elementwise kernels."""
+        return self.reshape(self.size).raw
 
     def __getitem__(self, index: Any) -> DeviceArray:
         if isinstance(index, DeviceArray):  # row selection by an index array on the device
@@ -58,11 +78,22 @@ class DeviceArray:
             return gather_rows(self, DeviceArray(cuda.to_device(np.ascontiguousarray(index, np.int64))))
         return DeviceArray(self.raw[index])  # basic indexing: a view
 
-    def __add__(self, other: DeviceArray) -> DeviceArray:
+    def __setitem__(self, index: Any, value: DeviceArray) -> None:
+        if index is not Ellipsis or not isinstance(value, DeviceArray) or value.shape != self.shape:
+            raise TypeError("a DeviceArray takes whole-array assignment only: a[...] = b, b of a's shape")
+        if not self.raw.is_c_contiguous():
+            raise TypeError("cannot assign into a strided view of device memory")
+        self.raw.copy_to_device(value.contiguous().raw)
+
+    def __add__(self, other: Any) -> DeviceArray:
+        if isinstance(other, int | float):
+            return add_scalar(self, float(other))
         return add(self, other)
 
+    __radd__ = __add__
+
     def view(self, dtype: Any) -> DeviceArray:
-        return DeviceArray(self.raw.view(np.dtype(dtype)))
+        return DeviceArray(self.contiguous().raw.view(np.dtype(dtype)))
 
     def to_host(self) -> np.ndarray:
         return self.raw.copy_to_host()
@@ -82,8 +113,41 @@ def zeros(shape: tuple[int, ...], dtype: Any = np.float32) -> DeviceArray:
     """Zeros allocated and cleared on the device (no host array of the size)."""
     out = empty(shape, dtype)
     if out.size:
-        _fill_zero[flat_grid(out.size)](out.raw.reshape(out.size))
+        _fill_zero[flat_grid(out.size)](out.flat())
     return out
+
+
+# strided -> contiguous copies, one kernel per rank (numba has no rank-generic indexing)
+@cuda.jit
+def _copy1(a, out):  # type: ignore[no-untyped-def]
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        out[i] = a[i]
+
+
+@cuda.jit
+def _copy2(a, out):  # type: ignore[no-untyped-def]
+    n1 = out.shape[1]
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        out[i // n1, i % n1] = a[i // n1, i % n1]
+
+
+@cuda.jit
+def _copy3(a, out):  # type: ignore[no-untyped-def]
+    n1, n2 = out.shape[1], out.shape[2]
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        x, y, z = i // (n1 * n2), (i // n2) % n1, i % n2
+        out[x, y, z] = a[x, y, z]
+
+
+@cuda.jit
+def _copy4(a, out):  # type: ignore[no-untyped-def]
+    n1, n2, n3 = out.shape[1], out.shape[2], out.shape[3]
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        w, x, y, z = i // (n1 * n2 * n3), (i // (n2 * n3)) % n1, (i // n3) % n2, i % n3
+        out[w, x, y, z] = a[w, x, y, z]
+
+
+_COPY = {1: _copy1, 2: _copy2, 3: _copy3, 4: _copy4}
 
 
 @cuda.jit
@@ -100,7 +164,21 @@ def add(a: DeviceArray, b: DeviceArray) -> DeviceArray:
         raise ValueError(f"cannot add {b.shape} to {a.shape}: only same shapes or a trailing vector broadcast")
     out = empty(a.shape, np.result_type(a.dtype, b.dtype))
     if a.size:
-        _add[flat_grid(a.size)](a.raw.reshape(a.size), b.raw.reshape(b.size), out.raw.reshape(a.size))
+        _add[flat_grid(a.size)](a.flat(), b.flat(), out.flat())
+    return out
+
+
+@cuda.jit
+def _add_scalar(a, s, out):  # type: ignore[no-untyped-def]
+    for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
+        out[i] = a[i] + s
+
+
+def add_scalar(a: DeviceArray, s: float) -> DeviceArray:
+    """a + s, in a's dtype (numpy's rule for a Python scalar)."""
+    out = empty(a.shape, a.dtype)
+    if a.size:
+        _add_scalar[flat_grid(a.size)](a.flat(), a.dtype.type(s), out.flat())
     return out
 
 
@@ -118,5 +196,5 @@ def gather_rows(x: DeviceArray, rows: DeviceArray) -> DeviceArray:
     width = int(np.prod(tail, dtype=np.int64))
     out = empty((len(rows),) + tail, x.dtype)
     if out.size:
-        _gather[flat_grid(out.size)](x.raw.reshape(x.shape[0], width), rows.raw, out.raw.reshape(len(rows), width))
+        _gather[flat_grid(out.size)](x.reshape(x.shape[0], width).raw, rows.raw, out.reshape(len(rows), width).raw)
     return out

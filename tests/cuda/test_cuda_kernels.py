@@ -58,11 +58,12 @@ def test_rmsnorm_swiglu_softmax(ops) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
-def test_rope_both_layouts(ops, interleaved: bool) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("rotary", [16, 8], ids=["full", "partial"])
+def test_rope_both_layouts(ops, interleaved: bool, rotary: int) -> None:  # type: ignore[no-untyped-def]
     rng = np.random.default_rng(2)
     x = rng.standard_normal((3, 2, 16)).astype(np.float32)
     positions = np.array([0, 7, 100_003])  # far positions need the float64 angle
-    inv_freq = (1.0 / 10000 ** (np.arange(0, 16, 2) / 16)).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, rotary, 2) / rotary)).astype(np.float32)
     got = ops.to_numpy(ops.rope(dev(ops, x), positions, dev(ops, inv_freq), interleaved))
     np.testing.assert_allclose(got, ref.rope(x, positions, inv_freq, interleaved), rtol=1e-5, atol=1e-5)
 
@@ -101,6 +102,29 @@ def test_device_arrays_add_and_select_rows(ops) -> None:  # type: ignore[no-unty
     assert ops.to_numpy(flags[dev(ops, np.array([1, 2]))]).tolist() == [False, True]
     with pytest.raises(ValueError, match="cannot add"):
         da + dev(ops, b[:4])
+    assert np.array_equal(ops.to_numpy(1.0 + da), a + np.float32(1))  # a scalar, in the array's dtype
+
+
+def test_device_array_views_reshape_and_assignment(ops) -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal((2, 3, 2, 4)).astype(np.float32)
+    both = dev(ops, a)
+    second = both[:, :, 1]  # a strided view, as gated attention splits [q | gate] per head
+    assert np.array_equal(ops.to_numpy(second.reshape(2, 12)), a[:, :, 1].reshape(2, 12))  # copied, then reshaped
+    np.testing.assert_allclose(ops.to_numpy(ops.swiglu(second, both[:, :, 0])), ref.swiglu(a[:, :, 1], a[:, :, 0]),
+                               rtol=1e-5, atol=1e-7)
+    target = ops.zeros((2, 3, 4))
+    target[...] = second
+    assert np.array_equal(ops.to_numpy(target), a[:, :, 1]) and target.nbytes == 96
+    with pytest.raises(TypeError, match="whole-array assignment"):
+        target[0] = second[0]
+
+
+def test_sigmoid_mul(ops) -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(9)
+    x, g = rng.standard_normal((3, 10)).astype(np.float32), rng.standard_normal((3, 10)).astype(np.float32) * 4
+    np.testing.assert_allclose(ops.to_numpy(ops.sigmoid_mul(dev(ops, x), dev(ops, g))), ref.sigmoid_mul(x, g),
+                               rtol=1e-5, atol=1e-7)
 
 
 def _host_store(store) -> np.ndarray:  # type: ignore[no-untyped-def]

@@ -54,3 +54,14 @@ def test_cuda_seeded_sampling_equals_cpu(pair: tuple[ember.Model, ember.Model]) 
     cpu, gpu = pair
     options = dict(max_tokens=2, ignore_eos=True, temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.2, seed=7)
     assert list(gpu.generate(PROMPT[:3], **options)) == list(cpu.generate(PROMPT[:3], **options))
+
+
+def test_a_hybrid_model_on_cuda_equals_cpu(tmp_path: Path) -> None:
+    """qwen35: gated attention (a strided [q | gate] split, partial rotary) and Gated DeltaNet layers,
+    whose recurrent ops run through the ops API's host defaults on the device's arrays."""
+    from tiny_models import QWEN35, build_hf_model
+
+    path, _ = build_hf_model("qwen35", tmp_path / "hybrid", **(QWEN35 | {"vocab_size": 512}))
+    want = ember.load(path, decode_act="f32").logits(PROMPT[:3])
+    got = ember.load(path, device="cuda:0").logits(PROMPT[:3])
+    assert np.abs(got - want).max() <= 1e-5 * (want.max() - want.min())
