@@ -243,6 +243,7 @@ def test_cold_workers_compute_exactly_what_hot_experts_do(tiny_moe_gguf: Path) -
             list(all_hot.generate(ids[:5], max_tokens=8, ignore_eos=True))
         s = model.expert_stats()
         assert s.hot_experts == 4 and s.total_experts == 16 and 0.5 < s.cold_share < 1
+        assert s.cold_busy_s > 0 and s.cold_wait_s > 0 and 0 <= s.overlap <= 1
         pool = model.net.experts.pool
         victim = pool.pids[0]
         os.kill(victim, signal.SIGKILL)

@@ -18,6 +18,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3": ArchSpec(qk_norm=True),
     # hybrid: linear attention on most layers (ModelConfig.linear), gated attention with q/k norms on the rest
     "qwen35": ArchSpec(qk_norm=True),
+    "qwen35moe": ArchSpec(qk_norm=True),  # with routed experts and a gated shared expert (experts/shared_expert.py)
     # mixture-of-experts blocks are found by their router tensor (Transformer), whatever the arch:
     # Mixtral GGUF files are "llama" with experts
     "qwen3moe": ArchSpec(qk_norm=True),

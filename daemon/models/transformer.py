@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions
 from ember.daemon.experts.moe_ffn import MoEFFN, expert_files, load_moe_ffn
+from ember.daemon.experts.shared_expert import SharedExpertMoE, has_shared_expert, with_shared_expert
 from ember.daemon.runner.kv_cache import PagedKVCache
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile
@@ -86,7 +87,7 @@ class Block:
     attn_norm: Array
     attn: Attention | GatedDeltaNet
     ffn_norm: Array
-    ffn: DenseFFN | MoEFFN
+    ffn: DenseFFN | MoEFFN | SharedExpertMoE
 
     def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: PagedKVCache,
                  batch: StepBatch) -> Array:
@@ -192,7 +193,9 @@ def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, exp
         return ops.vector(mf.tensor(f"blk.{i}.{name}"))
 
     if experts is not None and mf.is_moe_layer(i):
-        ffn: DenseFFN | MoEFFN = load_moe_ffn(mf, ops, i, experts)
+        ffn: DenseFFN | MoEFFN | SharedExpertMoE = load_moe_ffn(mf, ops, i, experts)
+        if has_shared_expert(mf, i):  # qwen35moe
+            ffn = with_shared_expert(mf, ops, i, ffn)
     else:
         ffn = DenseFFN(gate=w("ffn_gate"), up=w("ffn_up"), down=w("ffn_down"))
     lin = mf.config.linear
