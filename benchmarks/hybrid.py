@@ -34,6 +34,10 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "tests"))  # tiny_models (the HF builder) and llama_cpp_tools (converter, quantizer)
+sys.path.insert(0, str(HERE))
+
+import cpu_decode  # noqa: E402
+from cpu_decode import _timed  # noqa: E402
 
 SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=6,
              num_key_value_heads=2, head_dim=256, vocab_size=32768, max_position_embeddings=4096,
@@ -111,31 +115,8 @@ def delta_rule_alone(model, args: argparse.Namespace) -> dict[str, float]:  # ty
 
 
 def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, float]:
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(path), n_ctx=args.prompt_tokens + 64, n_batch=args.prompt_tokens,
-                n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
-    prompt, long_prompt = list(range(100, 116)), list(range(100, 100 + args.prompt_tokens))
-    steps = []
-    for _ in range(args.repeats + 1):  # the first run warms up
-        gen = llm.generate(prompt, top_k=1, temp=0.0, reset=True)
-        next(gen)
-        t = time.perf_counter()
-        for _ in range(args.tokens):
-            next(gen)
-        steps.append((time.perf_counter() - t) / args.tokens)
-    prefill = []
-    for _ in range(args.repeats):
-        llm.reset()
-        prefill.append(_timed(lambda: llm.eval(long_prompt)))
-    llm.close()
-    return {"step_s": statistics.median(steps[1:]), "prefill_tok_s": args.prompt_tokens / statistics.median(prefill)}
-
-
-def _timed(fn) -> float:  # type: ignore[no-untyped-def]
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+    r = cpu_decode.run_llama_cpp(path, args)  # the same decode loop and prompt as the dense benchmark
+    return {"step_s": r["step_s"], "prefill_tok_s": args.prompt_tokens / r["prefill_s"]}
 
 
 def measure(engine: str, path: Path, args: argparse.Namespace) -> dict[str, float]:

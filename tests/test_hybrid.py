@@ -12,6 +12,7 @@ import ember
 from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence, Status
 from ember.daemon.runner.model_runner import ModelRunner
+from test_engine_core import run
 from tiny_models import QWEN35, build_hf_model
 
 torch = pytest.importorskip("torch")
@@ -52,15 +53,16 @@ def engine_of(model, kv_blocks: int, block_size: int = 16, max_running: int = 8,
     return EngineCore(runner, max_running=max_running, **options)
 
 
-def run(engine: EngineCore, arrivals: dict[int, list[Sequence]], max_steps: int = 5000) -> None:
-    for step in range(max_steps):
-        for seq in arrivals.get(step, []):
-            engine.add(seq)
-        if not engine.has_work and step > max(arrivals):
-            return
-        engine.step()
-        engine.blocks.check_integrity([s.table for s in engine.scheduler.running + list(engine.scheduler.waiting)])
-    raise AssertionError("did not finish")
+def decode_logits(model: ember.Model, prompt: list[int], n: int) -> tuple[np.ndarray, list[int]]:
+    """The logits each of n generated tokens was sampled from (greedy), and the tokens."""
+    engine = model.engine(len(prompt) + n)
+    engine.add(Sequence(prompt, n, wants_logits=True))
+    rows, tokens = [], []
+    while engine.has_work:
+        for out in engine.step().outputs:
+            rows.append(out.logits[0])
+            tokens += out.new_tokens
+    return np.stack(rows), tokens
 
 
 def test_logits_and_greedy_match_transformers_past_a_prefill_chunk(hybrid) -> None:
@@ -70,15 +72,8 @@ def test_logits_and_greedy_match_transformers_past_a_prefill_chunk(hybrid) -> No
     model = ember.load(path, decode_act="f32")
     prompt = rng.integers(1, 8192, 300).tolist()
     assert rel_error(model.logits(prompt), hf_logits(ref, prompt)) <= 1e-4
-    engine = model.engine(320)
-    engine.add(Sequence(prompt, 8, wants_logits=True))
-    rows, tokens = [], []
-    while engine.has_work:
-        for out in engine.step().outputs:
-            rows.append(out.logits[0])
-            tokens += out.new_tokens
-    want = hf_logits(ref, prompt + tokens[:-1])[len(prompt) - 1:]
-    assert rel_error(np.stack(rows), want) <= 1e-4
+    rows, tokens = decode_logits(model, prompt, 8)
+    assert rel_error(rows, hf_logits(ref, prompt + tokens[:-1])[len(prompt) - 1:]) <= 1e-4
     with torch.no_grad():
         theirs = ref.generate(torch.tensor([prompt[:40]]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert alone(model, prompt[:40], 16) == theirs[0, 40:].tolist()
@@ -96,14 +91,8 @@ def test_moe_variant_matches_transformers(tmp_path: Path) -> None:
     assert model.config.arch == "qwen35moe" and model.config.n_experts == 8
     prompt = rng.integers(1, 8192, 300).tolist()
     assert rel_error(model.logits(prompt), hf_logits(ref, prompt)) <= 1e-4
-    engine = model.engine(320)
-    engine.add(Sequence(prompt, 6, wants_logits=True))
-    rows, tokens = [], []
-    while engine.has_work:
-        for out in engine.step().outputs:
-            rows.append(out.logits[0])
-            tokens += out.new_tokens
-    assert rel_error(np.stack(rows), hf_logits(ref, prompt + tokens[:-1])[len(prompt) - 1:]) <= 1e-4
+    rows, tokens = decode_logits(model, prompt, 6)
+    assert rel_error(rows, hf_logits(ref, prompt + tokens[:-1])[len(prompt) - 1:]) <= 1e-4
     with torch.no_grad():
         theirs = ref.generate(torch.tensor([prompt[:30]]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
     assert alone(model, prompt[:30], 12) == theirs[0, 30:].tolist()

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import ember
-from ember.daemon.engine.sequence import Sequence
 from llama_cpp_tools import convert, quantize
 from test_gguf_oracle import llama_cpp_logits
+from test_hybrid import decode_logits
 from tiny_models import FIXTURES, QWEN35, build_hf_model
 
 torch = pytest.importorskip("torch")
@@ -33,18 +33,6 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, P
 def hf_logits(ref, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return ref(torch.tensor([ids])).logits[0].float().numpy()
-
-
-def decode_logits(model: ember.Model, prompt: list[int], n: int) -> tuple[np.ndarray, list[int]]:
-    """The logits each of n generated tokens was sampled from (greedy), and the tokens."""
-    engine = model.engine(len(prompt) + n)
-    engine.add(Sequence(prompt, n, wants_logits=True))
-    rows, tokens = [], []
-    while engine.has_work:
-        for out in engine.step().outputs:
-            rows.append(out.logits[0])
-            tokens += out.new_tokens
-    return np.stack(rows), tokens
 
 
 def test_converted_file_equals_transformers(converted) -> None:

@@ -119,17 +119,22 @@ def test_staging_allocated_is_the_planners_figure_and_private(split) -> None:
 
 
 @pytest.mark.parametrize("act_dtype", ["f16", "bf16"])
-def test_narrow_staging_tracks_f32(unsplit, act_dtype: str) -> None:
+def test_narrow_staging_tracks_f32(act_dtype: str) -> None:
     """Hidden states rounded to 16 bits at the boundary, widened back before the next norm: the
-    logits move by the rounding (bounded here), the greedy tokens of this prompt do not."""
-    model = ember.load(DEMO_MODEL, devices=["cpu:0", "cpu:1"], act_dtype=act_dtype, max_step_tokens=STEP)
+    logits move by the rounding (bounded here), the greedy tokens do not. With decode_act f32: the
+    q8_0 decode activations magnify the rounding into flipped near-ties on some prompts
+    (docs/layer_split.md, benchmarks/layer_split.py --precision)."""
+    whole = ember.load(DEMO_MODEL, decode_act="f32")
+    model = ember.load(DEMO_MODEL, devices=["cpu:0", "cpu:1"], act_dtype=act_dtype, max_step_tokens=STEP,
+                       decode_act="f32")
     try:
         assert model.pipeline.staging_bytes == [0, 2 * STEP * 384 * 2]
-        ids = unsplit.tokenize(SNIPPETS[0])
-        got, want = model.logits(ids), unsplit.logits(ids)
-        assert 0 < rel_error(got, want) < 0.01
-        assert np.array_equal(got.argmax(1), want.argmax(1))
-        assert list(model.generate(ids, 32, ignore_eos=True)) == list(unsplit.generate(ids, 32, ignore_eos=True))
+        for text in SNIPPETS[:2]:
+            ids = whole.tokenize(text)
+            got, want = model.logits(ids), whole.logits(ids)
+            assert 0 < rel_error(got, want) < 0.01
+            assert np.array_equal(got.argmax(1), want.argmax(1))
+            assert list(model.generate(ids, 48, ignore_eos=True)) == list(whole.generate(ids, 48, ignore_eos=True))
     finally:
         model.close()
 

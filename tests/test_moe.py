@@ -243,6 +243,7 @@ def test_cold_workers_compute_exactly_what_hot_experts_do(tiny_moe_gguf: Path) -
             list(all_hot.generate(ids[:5], max_tokens=8, ignore_eos=True))
         s = model.expert_stats()
         assert s.hot_experts == 4 and s.total_experts == 16 and 0.5 < s.cold_share < 1
+        assert s.cold_busy_s > 0 and s.cold_wait_s > 0 and 0 <= s.overlap <= 1
         pool = model.net.experts.pool
         victim = pool.pids[0]
         os.kill(victim, signal.SIGKILL)
@@ -310,3 +311,20 @@ def test_ember_plan_shows_hot_and_cold_experts_per_layer(capsys) -> None:
     device = doc["devices"][0]
     assert device["experts_hot"] == 24 * device["expert_bytes"] and doc["request"]["expert_budget"] == "25%"
     assert [len(h) for h in doc["hot_experts"]] == [4] * 6
+
+
+def test_daemon_config_keys_and_serve_flags(tmp_path: Path) -> None:
+    from ember.daemon.config import ConfigError, load_config
+
+    toml = tmp_path / "ember.toml"
+    toml.write_text('[[models]]\npath = "a.gguf"\nexpert_budget = "25%"\ncold_workers = 3\n')
+    spec = load_config(toml, env={}).models[0]
+    assert spec.experts == dict(expert_budget="25%", cold_workers=3, cold_policy="exact")
+    # the serve flags set the keys on every model, over the file's
+    flags = {"model.expert_budget": "1GiB", "model.cold_policy": "mask"}
+    spec = load_config(toml, env={}, flags=flags).models[0]
+    assert spec.experts == dict(expert_budget="1GiB", cold_workers=3, cold_policy="mask")
+    assert load_config(None, env={}, flags={"models": ["b.gguf"]}).models[0].experts["expert_budget"] is None
+    for bad in ({"model.cold_policy": "drop"}, {"model.expert_budget": "150%"}, {"model.cold_workers": -2}):
+        with pytest.raises(ConfigError):
+            load_config(toml, env={}, flags=bad)

@@ -11,7 +11,7 @@ descriptor, so nothing is left behind if either dies) has room for `capacity` (t
     out     float32 [capacity, hidden]   weight * expert(x), written by the worker
 
 Messages are fixed-size structs on the socket (no pickle): a Job (sequence number, layer, pairs), and
-a Reply (sequence number, status). A blocking recv is the signal, so neither side polls.
+a Reply (sequence number, status, seconds spent computing). A blocking recv is the signal, so neither side polls.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 JOB = struct.Struct("<IIi")  # seq, layer, pairs
-REPLY = struct.Struct("<II")  # seq, status
+REPLY = struct.Struct("<IIf")  # seq, status, seconds the worker computed
 OK, FAILED = 0, 1
 READY = b"R"  # the worker's first byte: model mapped, kernels loaded
 

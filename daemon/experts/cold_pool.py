@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,16 +70,17 @@ class _Worker:
             return False
         return True
 
-    def receive(self) -> int | None:
-        """The status of the reply to the last job; None if the worker is gone."""
+    def receive(self) -> tuple[int, float] | None:
+        """The status of the reply to the last job and the seconds the worker computed; None if the
+        worker is gone."""
         try:
             while True:
                 data = recv_exact(self.sock, REPLY.size)
                 if not data:
                     return None
-                seq, status = REPLY.unpack(data)
+                seq, status, seconds = REPLY.unpack(data)
                 if seq == self.seq:  # else a reply to a job of a step that failed meanwhile
-                    return status
+                    return status, seconds
         except OSError:
             return None
 
@@ -108,6 +110,8 @@ class Pending:
         self.pool, self.layer = pool, layer
         self.x, self.token, self.expert, self.weight, self.decode = x, token, expert, weight, decode
         self.out = np.zeros((n_tokens, x.shape[1]), np.float32)
+        self.busy = 0.0  # seconds the workers computed, the slowest of each round (they run side by side)
+        self.waited = 0.0  # seconds the engine waited for them, after its own (hot) work
         self.rounds = pool.split(expert)
         self.in_flight = self._send(self.rounds.pop(0)) if self.rounds else []
 
@@ -121,24 +125,31 @@ class Pending:
         return sent
 
     def _collect(self) -> None:
-        dead = []
+        dead: list[tuple[int, int | None]] = []
+        slowest = 0.0
         for share in self.in_flight:
             w = self.pool.workers[share.worker]
-            status = w.receive()
-            if status != OK:
-                dead.append((share.worker, status))
+            reply = w.receive()
+            if reply is None or reply[0] != OK:
+                dead.append((share.worker, None if reply is None else reply[0]))
                 continue
+            slowest = max(slowest, reply[1])
             np.add.at(self.out, self.token[share.pairs], w.slots.out[: len(share.pairs)])
         self.in_flight = []
+        self.busy += slowest
         if dead:
             self.pool.failed(dead, self.layer)
 
     def wait(self) -> np.ndarray:
         """Sum over the cold pairs of weight * expert(x), per token: float32 [n_tokens, hidden]."""
-        self._collect()
-        while self.rounds:
-            self.in_flight = self._send(self.rounds.pop(0))
+        start = time.perf_counter()
+        try:
             self._collect()
+            while self.rounds:
+                self.in_flight = self._send(self.rounds.pop(0))
+                self._collect()
+        finally:
+            self.waited = time.perf_counter() - start
         return self.out
 
 

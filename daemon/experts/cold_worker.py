@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> int:
         if not head:
             return 0  # the engine closed the channel
         seq, layer, n = JOB.unpack(head)
-        status = OK
+        status, start = OK, time.perf_counter()
         try:
             expert = slots.expert[:n].astype(np.int64)
             slots.out[:n] = ops.expert_ffn(slots.x[:n], weights(layer, np.unique(expert)), np.arange(n), expert,
@@ -47,7 +48,7 @@ def main(argv: list[str]) -> int:
         except Exception:
             traceback.print_exc(file=sys.stderr)
             status = FAILED
-        sock.sendall(REPLY.pack(seq, status))
+        sock.sendall(REPLY.pack(seq, status, time.perf_counter() - start))
 
 
 if __name__ == "__main__":

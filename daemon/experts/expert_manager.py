@@ -57,10 +57,17 @@ class ExpertStats:
     swaps: int  # experts promoted by swaps
     swapped_bytes: int
     worker_restarts: int
+    cold_busy_s: float = 0.0  # seconds the cold workers computed (the slowest worker of each layer's step)
+    cold_wait_s: float = 0.0  # seconds the engine waited for them after its hot experts were done
 
     @property
     def cold_share(self) -> float:
         return self.cold_slots / self.routed_slots if self.routed_slots else 0.0
+
+    @property
+    def overlap(self) -> float:
+        """The share of the cold work done while the engine computed the hot experts."""
+        return max(0.0, 1 - self.cold_wait_s / self.cold_busy_s) if self.cold_busy_s else 0.0
 
 
 class ExpertManager:
@@ -81,6 +88,7 @@ class ExpertManager:
         self.hot = place(self.stats.counts, expert_bytes, self.budget, self.floor)
         self.ffns: dict[int, MoEFFN] = {}
         self.routed = self.cold = self.swaps = self.swapped_bytes = 0
+        self.cold_busy = self.cold_wait = 0.0
         self._saved_at = time.monotonic()
         self.pool: ColdPool | None = None
         some_cold = not self.hot[[i for i, b in enumerate(expert_bytes) if b]].all()
@@ -112,7 +120,7 @@ class ExpertManager:
         host = ops.to_numpy(x)
         decode = np.zeros(len(token), bool) if rows is None else np.asarray(ops.to_numpy(rows), bool)[token]
         pending = self.pool.submit(layer, host[token], token, expert, weight, decode, host.shape[0])
-        return _ColdResult(pending, ops)
+        return _ColdResult(pending, ops, self)
 
     # --- between requests -----------------------------------------------------------------------
     def register(self, ffn: MoEFFN) -> None:
@@ -139,16 +147,20 @@ class ExpertManager:
             size = self.expert_bytes[layer]
             if moved + size > limit:
                 break
-            while room < size and outs and value[layer, e] > SWAP_MARGIN * value[outs[0]]:
-                out_layer, out_e = outs.pop(0)
+            # the least valuable hot experts that make room, if each is clearly less valuable
+            freed, victims = room, 0
+            while freed < size and victims < len(outs) and value[layer, e] > SWAP_MARGIN * value[outs[victims]]:
+                freed += self.expert_bytes[outs[victims][0]]
+                victims += 1
+            if freed < size:
+                break
+            for out_layer, out_e in outs[:victims]:
                 self.hot[out_layer, out_e] = False
                 self.ffns[out_layer].demote([int(out_e)])
-                room += self.expert_bytes[out_layer]
-            if room < size:
-                break
+            outs = outs[victims:]
             self.hot[layer, e] = True
             self.ffns[layer].promote(ops, [int(e)])
-            room -= size
+            room = freed - size
             moved += size
             promoted.append((int(layer), int(e)))
         if promoted:
@@ -166,7 +178,8 @@ class ExpertManager:
     def snapshot(self) -> ExpertStats:
         moe = [i for i, b in enumerate(self.expert_bytes) if b]
         return ExpertStats(int(self.hot[moe].sum()), len(moe) * self.hot.shape[1], self.routed, self.cold,
-                           self.swaps, self.swapped_bytes, self.pool.restarts if self.pool else 0)
+                           self.swaps, self.swapped_bytes, self.pool.restarts if self.pool else 0,
+                           self.cold_busy, self.cold_wait)
 
     def save_stats(self) -> None:
         try:
@@ -182,8 +195,11 @@ class ExpertManager:
 
 
 class _ColdResult:
-    def __init__(self, pending: Pending, ops: Ops) -> None:
-        self.pending, self.ops = pending, ops
+    def __init__(self, pending: Pending, ops: Ops, manager: ExpertManager) -> None:
+        self.pending, self.ops, self.manager = pending, ops, manager
 
     def wait(self) -> Array:
-        return self.ops.to_device(self.pending.wait())
+        out = self.pending.wait()
+        self.manager.cold_busy += self.pending.busy
+        self.manager.cold_wait += self.pending.waited
+        return self.ops.to_device(out)

@@ -44,6 +44,10 @@ class MoEFFN:
     manager: ExpertManager
     # the hot experts, on the engine's device (promoted and demoted by the manager between steps)
     hot: dict[int, ExpertWeights] = field(default_factory=dict)
+    is_hot: np.ndarray = field(init=False)  # bool [experts]: the keys of `hot`
+
+    def __post_init__(self) -> None:
+        self.is_hot = np.zeros(len(self.files), bool)
 
     @property
     def n_experts(self) -> int:
@@ -53,10 +57,12 @@ class MoEFFN:
         for e in experts:
             t = self.files[e]
             self.hot[e] = ExpertWeights(ops.weight(t.gate), ops.weight(t.up), ops.weight(t.down))
+            self.is_hot[e] = True
 
     def demote(self, experts: list[int]) -> None:
         for e in experts:
             del self.hot[e]
+            self.is_hot[e] = False
 
     def __call__(self, ops: Ops, x: Array, rows: Array) -> Array:
         n = x.shape[0]
@@ -64,7 +70,7 @@ class MoEFFN:
         token = np.repeat(np.arange(n), self.n_used)
         expert, weight = ids.reshape(-1), weights.reshape(-1)
         self.manager.record(self.layer, expert, n)
-        hot = np.fromiter((e in self.hot for e in range(self.n_experts)), bool, self.n_experts)[expert]
+        hot = self.is_hot[expert]
         if hot.all():
             return ops.expert_ffn(x, self.hot, token, expert, weight, rows)
         cold = ~hot

@@ -144,6 +144,11 @@ class CudaBackend:
 
         if (device.index or 0) >= len(cuda.gpus):
             raise CudaUnavailable(f"{device}: no such device (this machine has {len(cuda.gpus)} CUDA device(s))")
+        if (device.index or 0) > 0:
+            # numba binds a context per thread and the engine thread does not select one yet: a cuda:1
+            # served silently on device 0 would be a lie (docs/cuda.md)
+            raise CudaUnavailable(f"{device}: this build serves cuda:0 only; run with "
+                                  f"CUDA_VISIBLE_DEVICES={device.index} and --device cuda:0")
 
 
 BACKENDS: dict[str, Backend] = {"cpu": CpuBackend(), "cuda": CudaBackend()}

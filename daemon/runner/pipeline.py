@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import select
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -114,6 +115,10 @@ class Pipeline:
         self._started = [0] * len(stages)  # per stage: micro-batches started (all before this number)
         self._done = [0] * len(stages)  # and finished
         self._free_lanes = list(range(self.lanes))
+        # per stage, as the engine's process sees it (start sent -> reply read): for benchmarks
+        self.busy_seconds = [0.0] * len(stages)
+        self.runs = [0] * len(stages)
+        self._since = [0.0] * len(stages)
 
     @property
     def staging_bytes(self) -> list[int]:
@@ -200,6 +205,7 @@ class Pipeline:
                 except StageDied as e:
                     self._recover(e)
                     return
+                self._since[s] = time.perf_counter()
 
     def _wait(self) -> None:
         """Sleep until a busy stage answers; account its reply."""
@@ -215,6 +221,8 @@ class Pipeline:
                 self._recover(e)
                 return
             m = self._done[s]
+            self.busy_seconds[s] += time.perf_counter() - self._since[s]
+            self.runs[s] += 1
             if isinstance(reply, Failed) and self._micro[m].ticket.failure is None:
                 self._micro[m].ticket.failure = f"{stage.name}: {reply.error}"
             self._finished(s, m)

@@ -31,6 +31,8 @@ class CudaOps(Ops):
     name = "cuda"
 
     def __init__(self, index: int = 0) -> None:
+        # The device asked for. numba binds a context per thread and the kernels launch on the calling
+        # thread's current device: only cuda:0 is served as asked so far (docs/cuda.md, issue 15).
         self.index = index
         self.tables = Tables.upload()
 

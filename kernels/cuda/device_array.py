@@ -1,7 +1,7 @@
 """DeviceArray: a numba device array with the few numpy operations model code uses on activations.
 
 Model code (daemon/models) is written once against the ops API plus plain array arithmetic: `a + b`
-(residuals, biases, a scalar), `reshape`, `x.shape`, basic slicing (views), row selection `x[rows]`
+and `a * b` with numpy's broadcasting (residuals, biases, scalars), `reshape`, `x.shape`, basic slicing (views), row selection `x[rows]`
 (the logits rows) and whole-array assignment `a[...] = b`. numba's device arrays have the views but
 not the arithmetic, and refuse to reshape a strided view; this wrapper adds the kernels behind those,
 copying a strided view into contiguous memory where a reshape needs it (numpy's rule). `raw` is the
@@ -86,11 +86,20 @@ class DeviceArray:
         self.raw.copy_to_device(value.contiguous().raw)
 
     def __add__(self, other: Any) -> DeviceArray:
-        if isinstance(other, int | float):
-            return add_scalar(self, float(other))
-        return add(self, other)
+        return self._binary(other, _ADD)
+
+    def __mul__(self, other: Any) -> DeviceArray:
+        return self._binary(other, _MUL)
 
     __radd__ = __add__
+    __rmul__ = __mul__
+
+    def _binary(self, other: Any, op: int) -> DeviceArray:
+        if isinstance(other, DeviceArray):
+            return binary(self, other, op)
+        if isinstance(other, int | float):
+            return binary(self, float(other), op)
+        return NotImplemented
 
     def view(self, dtype: Any) -> DeviceArray:
         return DeviceArray(self.contiguous().raw.view(np.dtype(dtype)))
@@ -151,34 +160,45 @@ _COPY = {1: _copy1, 2: _copy2, 3: _copy3, 4: _copy4}
 
 
 @cuda.jit
-def _add(a, b, out):  # type: ignore[no-untyped-def]
-    # b broadcasts over a's leading axes: b's shape is a's trailing shape (a bias) or a's own
-    for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
-        out[i] = a[i] + b[i % b.size]
+def _binary(a, b, op, n0, n1, n2, n3, a0, a1, a2, a3, b0, b1, b2, b3, out):  # type: ignore[no-untyped-def]
+    # out [n0, n1, n2, n3] (C order) = a op b, each operand read through its element strides (0 on a
+    # broadcast axis)
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        i0, i1, i2, i3 = i // (n1 * n2 * n3), (i // (n2 * n3)) % n1, (i // n3) % n2, i % n3
+        x = a[i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3]
+        y = b[i0 * b0 + i1 * b1 + i2 * b2 + i3 * b3]
+        out[i] = x + y if op == _ADD else x * y
 
 
-def add(a: DeviceArray, b: DeviceArray) -> DeviceArray:
-    if not isinstance(b, DeviceArray):
-        return NotImplemented
-    if a.shape[a.ndim - b.ndim:] != b.shape:
-        raise ValueError(f"cannot add {b.shape} to {a.shape}: only same shapes or a trailing vector broadcast")
-    out = empty(a.shape, np.result_type(a.dtype, b.dtype))
-    if a.size:
-        _add[flat_grid(a.size)](a.flat(), b.flat(), out.flat())
-    return out
+_ADD, _MUL = 0, 1
+_RANK = 4  # operands of up to 4 dimensions: the widest model code has is [n, heads, 2, head_dim]
 
 
-@cuda.jit
-def _add_scalar(a, s, out):  # type: ignore[no-untyped-def]
-    for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
-        out[i] = a[i] + s
+def _strides(shape: tuple[int, ...], out: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous array of `shape` read as `out` (both padded to _RANK dims)."""
+    padded = (1,) * (_RANK - len(shape)) + shape
+    step, strides = 1, []
+    for n, want in zip(reversed(padded), reversed(out), strict=True):
+        strides.append(0 if n == 1 and want != 1 else step)
+        step *= n
+    return tuple(reversed(strides))
 
 
-def add_scalar(a: DeviceArray, s: float) -> DeviceArray:
-    """a + s, in a's dtype (numpy's rule for a Python scalar)."""
-    out = empty(a.shape, a.dtype)
-    if a.size:
-        _add_scalar[flat_grid(a.size)](a.flat(), a.dtype.type(s), out.flat())
+def binary(a: DeviceArray, b: DeviceArray | float, op: int) -> DeviceArray:
+    """a + b or a * b with numpy's broadcasting; a Python scalar b keeps a's dtype (numpy's rule)."""
+    other = b if isinstance(b, DeviceArray) else DeviceArray(cuda.to_device(np.full(1, b, a.dtype)))
+    try:
+        shape = np.broadcast_shapes(a.shape, () if not isinstance(b, DeviceArray) else b.shape)
+    except ValueError:
+        raise ValueError(f"cannot broadcast {other.shape} with {a.shape}") from None
+    if len(shape) > _RANK:
+        raise ValueError(f"elementwise operands of {len(shape)} dimensions: at most {_RANK}")
+    out = empty(shape, np.result_type(a.dtype, other.dtype))
+    if out.size:
+        full = (1,) * (_RANK - len(shape)) + tuple(shape)
+        b_shape = other.shape if isinstance(b, DeviceArray) else ()
+        _binary[flat_grid(out.size)](a.flat(), other.flat(), op, *full, *_strides(a.shape, full),
+                                     *_strides(b_shape, full), out.flat())
     return out
 
 

@@ -100,9 +100,12 @@ def test_device_arrays_add_and_select_rows(ops) -> None:  # type: ignore[no-unty
     assert np.array_equal(ops.to_numpy(da[dev(ops, np.array([2, 0]))]), a[[2, 0]])
     flags = dev(ops, np.array([True, False, True]))
     assert ops.to_numpy(flags[dev(ops, np.array([1, 2]))]).tolist() == [False, True]
-    with pytest.raises(ValueError, match="cannot add"):
+    with pytest.raises(ValueError, match="cannot broadcast"):
         da + dev(ops, b[:4])
     assert np.array_equal(ops.to_numpy(1.0 + da), a + np.float32(1))  # a scalar, in the array's dtype
+    column = rng.standard_normal((3, 1)).astype(np.float32)  # [n, 1] over [n, d], as a per-row gate
+    assert np.array_equal(ops.to_numpy(dev(ops, column) + 0.0 * da), column + np.float32(0) * a)
+    assert np.array_equal(ops.to_numpy(da * dev(ops, b)), a * b)
 
 
 def test_device_array_views_reshape_and_assignment(ops) -> None:  # type: ignore[no-untyped-def]

@@ -56,12 +56,15 @@ def test_cuda_seeded_sampling_equals_cpu(pair: tuple[ember.Model, ember.Model]) 
     assert list(gpu.generate(PROMPT[:3], **options)) == list(cpu.generate(PROMPT[:3], **options))
 
 
-def test_a_hybrid_model_on_cuda_equals_cpu(tmp_path: Path) -> None:
-    """qwen35: gated attention (a strided [q | gate] split, partial rotary) and Gated DeltaNet layers,
-    whose recurrent ops run through the ops API's host defaults on the device's arrays."""
+def test_a_hybrid_moe_model_on_cuda_equals_cpu(tmp_path: Path) -> None:
+    """qwen35moe: gated attention (a strided [q | gate] split, partial rotary), Gated DeltaNet layers
+    (their recurrence through the ops API's host defaults, on the device's arrays), routed experts and
+    a sigmoid-gated shared expert (array broadcasting in model code)."""
     from tiny_models import QWEN35, build_hf_model
 
-    path, _ = build_hf_model("qwen35", tmp_path / "hybrid", **(QWEN35 | {"vocab_size": 512}))
+    moe = dict(QWEN35, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+               shared_expert_intermediate_size=96, vocab_size=512)
+    path, _ = build_hf_model("qwen35moe", tmp_path / "hybrid", **moe)
     want = ember.load(path, decode_act="f32").logits(PROMPT[:3])
     got = ember.load(path, device="cuda:0").logits(PROMPT[:3])
     assert np.abs(got - want).max() <= 1e-5 * (want.max() - want.min())
