@@ -19,6 +19,7 @@ from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.planning.planner import Device, PlanRequest, plan_model
 from ember.daemon.planning.precision import PrecisionSettings
 from ember.daemon.runner.split_spec import SplitSpecError
+from ember.daemon.runner.stage_worker import bind_to_numa_node, parse_cpulist
 from ember.kernels.sampling import SamplingParams
 
 SNIPPETS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
@@ -152,6 +153,13 @@ def test_narrow_staging_tracks_f32(act_dtype: str) -> None:
 def test_bad_split_specs_are_refused_with_what_to_change(devices, split, message) -> None:
     with pytest.raises(SplitSpecError, match=message):
         ember.load(DEMO_MODEL, devices=devices, split=split)
+
+
+def test_numa_binding_degrades_to_unbound() -> None:
+    assert parse_cpulist("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
+    before = os.sched_getaffinity(0)
+    assert bind_to_numa_node(4095) == "unbound: this machine has no NUMA node 4095"
+    assert os.sched_getaffinity(0) == before
 
 
 def test_a_stage_that_dies_fails_its_sequences_and_is_restarted(unsplit) -> None:
