@@ -8,9 +8,12 @@ total: two kernel threads (and, for reference, one); and the split without pipel
 keeps one step in flight instead of one per stage). Streams run through the engine core as the daemon
 runs them (continuous batching, greedy, ignore_eos); a split step is cut into micro-batches that the
 stages pipeline. Each configuration is timed `--repeats` times, alternating, and the medians compared.
---precision: for f16 and bf16 staging, greedy 128 tokens on several prompts against the unsplit model
-(identical or not, and where they first differ), and teacher-forced on the unsplit tokens: top-1
-agreement and the largest logit error relative to each row's logit range.
+--precision [--decode-act q8_0|f32]: for f16 and bf16 staging, greedy 128 tokens on several prompts
+against the unsplit model (identical or not, and where they first differ), and teacher-forced on the
+unsplit tokens: top-1 agreement and the largest logit error relative to each row's logit range. With
+q8_0 decode activations (the default) the int8 quantization of each matmul's input magnifies the
+staging's rounding (a value that crosses a rounding boundary moves by 1/127 of its block's range):
+near-ties among the top logits then go the other way; with f32 decode activations they do not.
 """
 from __future__ import annotations
 
@@ -68,6 +71,15 @@ def throughput(args: argparse.Namespace) -> None:
         print(f"\n{streams} stream(s), {args.tokens} tokens each, median of {args.repeats}:")
         for name, r in rates.items():
             print(f"  {name:22s} {statistics.median(r):8.1f} tok/s   {statistics.median(r) / base:5.2f}x")
+        for lanes in (None, 1):  # what a stage's micro-batch costs, pipelined (stages at once) or not
+            p = split.pipeline
+            p.busy_seconds, p.runs = [0.0] * len(p.stages), [0] * len(p.stages)
+            t0 = time.perf_counter()
+            decode_rate(split, streams, args.tokens, lanes)
+            wall = time.perf_counter() - t0
+            per = ", ".join(f"stage {i}: {1e3 * b / max(n, 1):.2f} ms x {n} ({100 * b / wall:.0f}% busy)"
+                            for i, (b, n) in enumerate(zip(p.busy_seconds, p.runs)))
+            print(f"  {'pipelined' if lanes is None else 'not pipelined':14s} micro-batches {per}")
     split.close()
 
 
@@ -79,11 +91,11 @@ def staging_table(model_path: str) -> None:
         print(f"  {dtype:5s} {storage_bytes(dtype, hidden):6d} B/token   {2 * 256 * storage_bytes(dtype, hidden):9d} B")
 
 
-def precision(model_path: str) -> None:
-    whole = ember.load(model_path)
+def precision(model_path: str, decode_act: str) -> None:
+    whole = ember.load(model_path, decode_act=decode_act)
     backend_for("cpu").use_threads(1)  # numerics do not depend on it; a shared machine's time does
     for dtype in ("f16", "bf16"):
-        split = ember.load(model_path, devices=["cpu:0", "cpu:1"], act_dtype=dtype)
+        split = ember.load(model_path, devices=["cpu:0", "cpu:1"], act_dtype=dtype, decode_act=decode_act)
         same, agree, rows, worst = 0, 0, 0, 0.0
         firsts = []
         for text in PROMPTS:
@@ -98,7 +110,7 @@ def precision(model_path: str) -> None:
             span = ref.max(1) - ref.min(1)
             worst = max(worst, float((np.abs(out - ref).max(1) / span).max()))
         split.close()
-        print(f"\n{dtype} staging, greedy 128 tokens x {len(PROMPTS)} prompts: {same}/{len(PROMPTS)} identical "
+        print(f"\n{dtype} staging, decode_act {decode_act}, greedy 128 tokens x {len(PROMPTS)} prompts: {same}/{len(PROMPTS)} identical "
               f"(first difference at token {firsts}); teacher-forced top-1 agreement {agree}/{rows} "
               f"({100 * agree / rows:.2f}%), max logit error {100 * worst:.3f}% of the row's range")
 
@@ -109,9 +121,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--precision", action="store_true", help="the f16/bf16 agreement report instead of the timings")
+    p.add_argument("--decode-act", default="q8_0", choices=("q8_0", "f32"), help="with --precision: decode activations")
     args = p.parse_args()
     if args.precision:
-        precision(args.model)
+        precision(args.model, args.decode_act)
     else:
         throughput(args)
     staging_table(args.model)

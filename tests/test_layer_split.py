@@ -19,6 +19,7 @@ from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.planning.planner import Device, PlanRequest, plan_model
 from ember.daemon.planning.precision import PrecisionSettings
 from ember.daemon.runner.split_spec import SplitSpecError
+from ember.daemon.runner.stage_worker import bind_to_numa_node, parse_cpulist
 from ember.kernels.sampling import SamplingParams
 
 SNIPPETS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
@@ -119,17 +120,22 @@ def test_staging_allocated_is_the_planners_figure_and_private(split) -> None:
 
 
 @pytest.mark.parametrize("act_dtype", ["f16", "bf16"])
-def test_narrow_staging_tracks_f32(unsplit, act_dtype: str) -> None:
+def test_narrow_staging_tracks_f32(act_dtype: str) -> None:
     """Hidden states rounded to 16 bits at the boundary, widened back before the next norm: the
-    logits move by the rounding (bounded here), the greedy tokens of this prompt do not."""
-    model = ember.load(DEMO_MODEL, devices=["cpu:0", "cpu:1"], act_dtype=act_dtype, max_step_tokens=STEP)
+    logits move by the rounding (bounded here), the greedy tokens do not. With decode_act f32: the
+    q8_0 decode activations magnify the rounding into flipped near-ties on some prompts
+    (docs/layer_split.md, benchmarks/layer_split.py --precision)."""
+    whole = ember.load(DEMO_MODEL, decode_act="f32")
+    model = ember.load(DEMO_MODEL, devices=["cpu:0", "cpu:1"], act_dtype=act_dtype, max_step_tokens=STEP,
+                       decode_act="f32")
     try:
         assert model.pipeline.staging_bytes == [0, 2 * STEP * 384 * 2]
-        ids = unsplit.tokenize(SNIPPETS[0])
-        got, want = model.logits(ids), unsplit.logits(ids)
-        assert 0 < rel_error(got, want) < 0.01
-        assert np.array_equal(got.argmax(1), want.argmax(1))
-        assert list(model.generate(ids, 32, ignore_eos=True)) == list(unsplit.generate(ids, 32, ignore_eos=True))
+        for text in SNIPPETS[:2]:
+            ids = whole.tokenize(text)
+            got, want = model.logits(ids), whole.logits(ids)
+            assert 0 < rel_error(got, want) < 0.01
+            assert np.array_equal(got.argmax(1), want.argmax(1))
+            assert list(model.generate(ids, 48, ignore_eos=True)) == list(whole.generate(ids, 48, ignore_eos=True))
     finally:
         model.close()
 
@@ -147,6 +153,13 @@ def test_narrow_staging_tracks_f32(unsplit, act_dtype: str) -> None:
 def test_bad_split_specs_are_refused_with_what_to_change(devices, split, message) -> None:
     with pytest.raises(SplitSpecError, match=message):
         ember.load(DEMO_MODEL, devices=devices, split=split)
+
+
+def test_numa_binding_degrades_to_unbound() -> None:
+    assert parse_cpulist("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
+    before = os.sched_getaffinity(0)
+    assert bind_to_numa_node(4095) == "unbound: this machine has no NUMA node 4095"
+    assert os.sched_getaffinity(0) == before
 
 
 def test_a_stage_that_dies_fails_its_sequences_and_is_restarted(unsplit) -> None:

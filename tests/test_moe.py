@@ -311,3 +311,20 @@ def test_ember_plan_shows_hot_and_cold_experts_per_layer(capsys) -> None:
     device = doc["devices"][0]
     assert device["experts_hot"] == 24 * device["expert_bytes"] and doc["request"]["expert_budget"] == "25%"
     assert [len(h) for h in doc["hot_experts"]] == [4] * 6
+
+
+def test_daemon_config_keys_and_serve_flags(tmp_path: Path) -> None:
+    from ember.daemon.config import ConfigError, load_config
+
+    toml = tmp_path / "ember.toml"
+    toml.write_text('[[models]]\npath = "a.gguf"\nexpert_budget = "25%"\ncold_workers = 3\n')
+    spec = load_config(toml, env={}).models[0]
+    assert spec.experts == dict(expert_budget="25%", cold_workers=3, cold_policy="exact")
+    # the serve flags set the keys on every model, over the file's
+    flags = {"model.expert_budget": "1GiB", "model.cold_policy": "mask"}
+    spec = load_config(toml, env={}, flags=flags).models[0]
+    assert spec.experts == dict(expert_budget="1GiB", cold_workers=3, cold_policy="mask")
+    assert load_config(None, env={}, flags={"models": ["b.gguf"]}).models[0].experts["expert_budget"] is None
+    for bad in ({"model.cold_policy": "drop"}, {"model.expert_budget": "150%"}, {"model.cold_workers": -2}):
+        with pytest.raises(ConfigError):
+            load_config(toml, env={}, flags=bad)

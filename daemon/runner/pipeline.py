@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import select
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,16 +80,17 @@ class _Micro:
 
 class Pipeline:
     def __init__(self, model_path: str, config: ModelConfig, stages: Sequence[StageSpec], act_dtype: str,
-                 max_tokens: int, threads: int = 1) -> None:
+                 max_tokens: int, threads: int = 1, shm_owner: str | None = None) -> None:
         """Start a worker per stage (they load in parallel); `max_tokens`: tokens per step at most (the
-        engines' max_step_tokens); `threads`: kernel threads per stage."""
+        engines' max_step_tokens); `threads`: kernel threads per stage; shm_owner: names the segments
+        after the daemon's socket (staging.Segment.create)."""
         if config.linear is not None:  # stages would each need the sequences' recurrent state slots
             raise ValueError(f"{model_path}: a layer split of a hybrid model ({config.arch}) is not supported")
         self.config, self.act_dtype, self.max_tokens = config, act_dtype, max_tokens
         self.specs = tuple(stages)
         self.lanes = len(stages)  # micro-batches in flight at most: one per stage keeps every stage busy
-        self.boundaries = [Boundary.create(config.hidden, max_tokens, act_dtype) for _ in stages[1:]]
-        self.logits = LogitsRows.create(config.vocab, self.lanes * max_tokens)
+        self.boundaries = [Boundary.create(config.hidden, max_tokens, act_dtype, shm_owner) for _ in stages[1:]]
+        self.logits = LogitsRows.create(config.vocab, self.lanes * max_tokens, shm_owner)
         self.stages: list[Stage] = []
         for i, s in enumerate(stages):
             inbox = self.boundaries[i - 1].segment.name if i else ""
@@ -114,6 +116,10 @@ class Pipeline:
         self._started = [0] * len(stages)  # per stage: micro-batches started (all before this number)
         self._done = [0] * len(stages)  # and finished
         self._free_lanes = list(range(self.lanes))
+        # per stage, as the engine's process sees it (start sent -> reply read): for benchmarks
+        self.busy_seconds = [0.0] * len(stages)
+        self.runs = [0] * len(stages)
+        self._since = [0.0] * len(stages)
 
     @property
     def staging_bytes(self) -> list[int]:
@@ -200,6 +206,7 @@ class Pipeline:
                 except StageDied as e:
                     self._recover(e)
                     return
+                self._since[s] = time.perf_counter()
 
     def _wait(self) -> None:
         """Sleep until a busy stage answers; account its reply."""
@@ -215,6 +222,8 @@ class Pipeline:
                 self._recover(e)
                 return
             m = self._done[s]
+            self.busy_seconds[s] += time.perf_counter() - self._since[s]
+            self.runs[s] += 1
             if isinstance(reply, Failed) and self._micro[m].ticket.failure is None:
                 self._micro[m].ticket.failure = f"{stage.name}: {reply.error}"
             self._finished(s, m)
