@@ -134,7 +134,8 @@ def _load_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
         e = config.engine
         model = load(spec.path, device=e.device, kv_dtype=policy.kv, decode_act=e.decode_act, devices=e.devices or None,
                      split=e.split or None, act_dtype=policy.act, max_step_tokens=e.max_step_tokens,
-                     stage_threads=e.stage_threads, shm_owner=shm_owner, **spec.experts)
+                     stage_threads=e.stage_threads, shm_owner=shm_owner, draft=spec.draft or None,
+                     draft_tokens=spec.draft_tokens, **spec.experts)
         if model.pipeline is not None:
             for stage in model.pipeline.stages:
                 log.info("layer-split stage ready", model=name, stage=stage.name, pid=stage.pid, binding=stage.binding,
