@@ -3,6 +3,8 @@
     [[models]]                    # none: the built-in demo model
     path = "/var/lib/ember/models/qwen3-8b-q4_k_m.gguf"
     name = "qwen3-8b"             # default: the file name without extension
+    draft = "/var/lib/ember/models/qwen3-0.6b-q8_0.gguf"  # optional: speculative decoding (docs/speculative.md)
+    draft_tokens = 4              # tokens the draft proposes per step
     expert_budget = "50%"         # MoE: hot experts' bytes at most (bytes, "2GiB", "N%"); "": all hot
     cold_workers = 2              # MoE: CPU workers for the cold experts; -1: 2 when some are cold
     cold_policy = "exact"         # MoE: "exact" (default) or "mask" (cold experts dropped: lossy)
@@ -56,6 +58,8 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class ModelSpec(_Section):
     path: str
     name: str = ""
+    draft: str = ""  # a draft model for speculative decoding (same vocabulary); "": none
+    draft_tokens: int = 4  # tokens the draft proposes per step
     expert_budget: str = ""  # MoE: hot experts' bytes at most (bytes, a size, "N%"); "": every expert hot
     cold_workers: int = -1  # MoE: CPU worker processes for cold experts; -1: 2 when some are cold
     cold_policy: str = "exact"  # MoE: "exact" or "mask" (lossy, opt-in)
@@ -69,6 +73,7 @@ class ModelSpec(_Section):
         _check(self.cold_workers >= -1, f"cold_workers must be >= 0 (or -1: automatic), got {self.cold_workers}")
         if self.expert_budget:
             parse_expert_budget(self.expert_budget, 1)  # raises PlanError (a ValueError) with the reason
+        _check(1 <= self.draft_tokens <= 32, f"draft_tokens must be in [1, 32], got {self.draft_tokens}")
 
     @property
     def experts(self) -> dict[str, Any]:
@@ -231,7 +236,7 @@ def _unflatten(flags: Mapping[str, Any]) -> dict[str, Any]:
         if value is None or key.startswith("model."):
             continue
         if key == "models":
-            out["models"] = [{"path": str(p)} for p in value]
+            out["models"] = [dict(p) if isinstance(p, Mapping) else {"path": str(p)} for p in value]
             continue
         section, field = key.split(".")
         out.setdefault(section, {})[field] = value

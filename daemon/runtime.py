@@ -224,7 +224,7 @@ def _expert_room(path: Path, name: DeviceName, policy: PrecisionPolicy, experts:
 
 def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_act: str = "q8_0",
          devices: str | Sequence[str] | None = None, split: str | Sequence[int] | None = None,
-         act_dtype: str = "auto", max_step_tokens: int = PREFILL_CHUNK, stage_threads: int = 0,
+         act_dtype: str = "auto", max_step_tokens: int = PREFILL_CHUNK, stage_threads: int = 0, shm_owner: str | None = None,
          expert_budget: int | str | None = None, cold_workers: int | None = None, cold_policy: str = "exact",
          draft: str | Path | None = None, draft_tokens: int = 4) -> Model:
     """Open a GGUF file or Hugging Face directory and place the model on `device` ("cpu"); its KV
@@ -235,7 +235,7 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     layers each ([3, 2] or "3,2"; default: in proportion to each device's memory), hidden states
     staged between them in `act_dtype` (f32, f16, bf16; auto: the precision policy's, EMBER_ACT_DTYPE
     overrides it), steps of up to `max_step_tokens` tokens, `stage_threads` kernel threads per stage
-    (0: the CPUs shared out among the stages).
+    (0: the CPUs shared out among the stages), shared memory named after `shm_owner` (the daemon's).
 
     MoE models: `expert_budget` bounds the bytes of hot experts (None: all; bytes; a size such as
     "2GiB"; or "N%" of all experts' bytes); the cold ones are computed by `cold_workers` CPU worker
@@ -278,5 +278,5 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
         raise ValueError("a draft model with a layer split is not supported yet: load the target on one device")
     stages = plan_stages(names, counts, mf.config.n_layers, stage_budgets(names))
     threads = stage_threads or max(1, len(os.sched_getaffinity(0)) // len(stages))
-    pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads)
+    pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads, shm_owner)
     return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, pipeline)

@@ -248,6 +248,8 @@ class StatsReport(Wire, tag="stats_report"):
     cold_share: float = 0.0
     expert_swaps: int = 0
     cold_worker_restarts: int = 0
+    spec_acceptance_rate: float = 0.0  # speculative decoding: share of draft tokens the models kept
+    spec_mean_accepted_length: float = 0.0  # tokens per verification pass, the target's own one included (0: none)
 
 
 class Ping(Wire, tag="ping"):

@@ -19,6 +19,7 @@ from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.planning.planner import Device, PlanRequest, plan_model
 from ember.daemon.planning.precision import PrecisionSettings
 from ember.daemon.runner.split_spec import SplitSpecError
+from ember.daemon.runner.stage_worker import bind_to_numa_node, parse_cpulist
 from ember.kernels.sampling import SamplingParams
 
 SNIPPETS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
@@ -95,6 +96,29 @@ def test_batched_sequences_pipelined_equal_unsplit(unsplit, split) -> None:
     assert [s.generated for s in got] == [s.generated for s in want]
 
 
+def test_cancelling_a_sequence_whose_step_is_in_flight(unsplit, split) -> None:
+    """Two steps in flight (one per stage): a sequence cancelled between them takes nothing from the
+    step that comes back, its blocks are free, and the others' tokens are those they get alone."""
+    engine = split.engine(1024, max_running=4)
+    seqs = [Sequence(unsplit.tokenize(t), 12) for t in SNIPPETS[:4]]
+    for seq in seqs:
+        engine.add(seq)
+    while not all(s.generated for s in seqs):
+        engine.step()
+    victim = next(s for s in seqs if s.in_flight)
+    taken = len(victim.generated)
+    engine.abort(victim)
+    while engine.has_work:
+        for out in engine.step().outputs:
+            assert out.seq is not victim
+        running = engine.scheduler.running + list(engine.scheduler.waiting)
+        engine.blocks.check_integrity([s.table for s in running])
+    assert victim.finish_reason == "cancelled" and len(victim.generated) == taken
+    for seq in seqs:
+        if seq is not victim:
+            assert seq.generated == list(unsplit.generate(seq.prompt, 12, ignore_eos=True)), unsplit.detokenize(seq.prompt)
+
+
 def test_tiny_random_llama_split_equals_unsplit(hf_model) -> None:
     path, _ = hf_model("llama", num_hidden_layers=3)
     whole = ember.load(path)
@@ -152,6 +176,13 @@ def test_narrow_staging_tracks_f32(act_dtype: str) -> None:
 def test_bad_split_specs_are_refused_with_what_to_change(devices, split, message) -> None:
     with pytest.raises(SplitSpecError, match=message):
         ember.load(DEMO_MODEL, devices=devices, split=split)
+
+
+def test_numa_binding_degrades_to_unbound() -> None:
+    assert parse_cpulist("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
+    before = os.sched_getaffinity(0)
+    assert bind_to_numa_node(4095) == "unbound: this machine has no NUMA node 4095"
+    assert os.sched_getaffinity(0) == before
 
 
 def test_a_stage_that_dies_fails_its_sequences_and_is_restarted(unsplit) -> None:

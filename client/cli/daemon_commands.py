@@ -2,6 +2,7 @@
 
   ember serve [--model PATH ...] [--config FILE] [--socket PATH] [--device cpu|cuda:N] [--threads N]
               [--devices cpu:0,cpu:1 [--split 3,2] [--act-dtype T]]  layers split across stage processes
+              [--draft PATH [--draft-tokens K]]                speculative decoding with a draft model
               [--http HOST:PORT]                               and the HTTP gateway as its child process
   ember generate PROMPT [--model NAME] [sampling options]     stream a completion from the daemon
   ember chat [--model NAME] [--system TEXT]                    an interactive chat with the daemon
@@ -32,6 +33,10 @@ def add_daemon_commands(sub: Any) -> None:
     serve.add_argument("--decode-act", metavar="P", choices=("q8_0", "f32"),
                        help="activations of generated tokens against quantized weights: q8_0 (default; integer dot "
                             "products, as llama.cpp) or f32 (exact, slower)")
+    serve.add_argument("--draft", action="append", metavar="PATH",
+                       help="a draft model for speculative decoding, one per --model in order (with no --model: "
+                            "the demo model's); same vocabulary as its model; docs/speculative.md")
+    serve.add_argument("--draft-tokens", type=int, metavar="K", help="tokens the draft proposes per step (default 4)")
     serve.add_argument("--expert-budget", metavar="SIZE|N%",
                        help="MoE models: hot experts' bytes at most (2GiB, or N%% of the experts; default all hot)")
     serve.add_argument("--cold-workers", type=int, metavar="N",
@@ -107,7 +112,7 @@ def _serve(args: argparse.Namespace) -> int:
     from ember.daemon.server.serve import serve
     from ember.daemon.server.socket_dir import SocketInUse
 
-    flags = {"models": args.model, "server.socket": args.socket, "engine.device": args.device,
+    flags = {"models": _models(args), "server.socket": args.socket, "engine.device": args.device,
              "engine.ctx": args.ctx, "engine.max_active": args.max_active, "engine.kv_dtype": args.kv_dtype,
              "engine.decode_act": args.decode_act, "engine.devices": args.devices, "engine.split": args.split,
              "engine.act_dtype": args.act_dtype, "engine.stage_threads": args.stage_threads,
@@ -127,6 +132,22 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         if gateway is not None:
             gateway.stop()
+
+
+def _models(args: argparse.Namespace) -> list[Any] | None:
+    """--model paths, each with its --draft (in order) and --draft-tokens when given."""
+    if not args.draft:
+        if args.draft_tokens is not None:
+            raise SystemExit("ember: error: --draft-tokens needs --draft")
+        return args.model
+    from ember.daemon.loader.demo_model import DEMO_MODEL
+    from ember.daemon.server.serve import DEMO_NAME
+
+    models = [{"path": p} for p in args.model] if args.model else [{"path": str(DEMO_MODEL), "name": DEMO_NAME}]
+    if len(args.draft) != len(models):
+        raise SystemExit(f"ember: error: {len(args.draft)} --draft for {len(models)} model(s): give one per --model")
+    extra = {} if args.draft_tokens is None else {"draft_tokens": args.draft_tokens}
+    return [{**m, "draft": d, **extra} for m, d in zip(models, args.draft)]
 
 
 def _start_gateway(listen: str, config: Any) -> Any:
@@ -225,6 +246,9 @@ def _status(args: argparse.Namespace) -> int:
     print(f"  batching: {stats.tokens_per_s:.1f} tokens/s, KV blocks {stats.kv_blocks_used} used / "
           f"{stats.kv_blocks_free} free, prefix cache hit rate {stats.prefix_hit_rate:.0%}, "
           f"{stats.preemptions} preemptions")
+    if stats.spec_mean_accepted_length:
+        print(f"  speculative decoding: {stats.spec_acceptance_rate:.0%} of draft tokens accepted, "
+              f"{stats.spec_mean_accepted_length:.2f} tokens per verification")
     if stats.total_experts:
         print(f"  experts: {stats.hot_experts} of {stats.total_experts} hot, {stats.cold_share:.0%} of routed slots "
               f"computed cold, {stats.expert_swaps} swapped in, {stats.cold_worker_restarts} worker restarts")

@@ -11,7 +11,7 @@ the same pass and keeps what verification accepts (so a step may add several tok
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -53,6 +53,7 @@ class EngineStats:
     prefix_queries: int  # full prompt blocks looked up in the prefix cache
     prefix_hits: int  # of those, found
     preemptions: int
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding (zeros without a draft)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -189,7 +190,7 @@ class EngineCore:
             waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
             kv_blocks_used=self.blocks.n_blocks - self.blocks.num_free, kv_blocks_free=self.blocks.num_free,
             prefix_queries=self.blocks.stats.prefix_queries, prefix_hits=self.blocks.stats.prefix_hits,
-            preemptions=self.scheduler.preemptions,
+            preemptions=self.scheduler.preemptions, spec=replace(self.spec_stats),
         )
 
     def _step(self, plan: StepPlan) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:

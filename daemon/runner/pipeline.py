@@ -80,16 +80,17 @@ class _Micro:
 
 class Pipeline:
     def __init__(self, model_path: str, config: ModelConfig, stages: Sequence[StageSpec], act_dtype: str,
-                 max_tokens: int, threads: int = 1) -> None:
+                 max_tokens: int, threads: int = 1, shm_owner: str | None = None) -> None:
         """Start a worker per stage (they load in parallel); `max_tokens`: tokens per step at most (the
-        engines' max_step_tokens); `threads`: kernel threads per stage."""
+        engines' max_step_tokens); `threads`: kernel threads per stage; shm_owner: names the segments
+        after the daemon's socket (staging.Segment.create)."""
         if config.linear is not None:  # stages would each need the sequences' recurrent state slots
             raise ValueError(f"{model_path}: a layer split of a hybrid model ({config.arch}) is not supported")
         self.config, self.act_dtype, self.max_tokens = config, act_dtype, max_tokens
         self.specs = tuple(stages)
         self.lanes = len(stages)  # micro-batches in flight at most: one per stage keeps every stage busy
-        self.boundaries = [Boundary.create(config.hidden, max_tokens, act_dtype) for _ in stages[1:]]
-        self.logits = LogitsRows.create(config.vocab, self.lanes * max_tokens)
+        self.boundaries = [Boundary.create(config.hidden, max_tokens, act_dtype, shm_owner) for _ in stages[1:]]
+        self.logits = LogitsRows.create(config.vocab, self.lanes * max_tokens, shm_owner)
         self.stages: list[Stage] = []
         for i, s in enumerate(stages):
             inbox = self.boundaries[i - 1].segment.name if i else ""

@@ -39,8 +39,10 @@ class Segment:
         self.name, self._buffer, self._owner = name, buffer, owner
 
     @classmethod
-    def create(cls, nbytes: int) -> Segment:
-        name, fd = _open_new(secrets.token_hex(4), 0o600)
+    def create(cls, nbytes: int, owner: str | None = None) -> Segment:
+        """owner: the daemon's socket's owner_id (protocol/shm_ring.py), so that the next daemon on the
+        socket removes what a killed one left; None: a random one."""
+        name, fd = _open_new(owner or secrets.token_hex(4), 0o600)
         try:
             os.fchmod(fd, 0o600)  # exactly 0600, whatever the umask
             os.ftruncate(fd, max(nbytes, 1))
@@ -92,8 +94,8 @@ class Boundary:
         self._storage = np.float32 if act_dtype == "f32" else np.uint16
 
     @classmethod
-    def create(cls, hidden: int, max_tokens: int, act_dtype: str) -> Boundary:
-        return cls(Segment.create(boundary_bytes(hidden, max_tokens, act_dtype)), hidden, max_tokens, act_dtype)
+    def create(cls, hidden: int, max_tokens: int, act_dtype: str, owner: str | None = None) -> Boundary:
+        return cls(Segment.create(boundary_bytes(hidden, max_tokens, act_dtype), owner), hidden, max_tokens, act_dtype)
 
     def write(self, slot: int, x: np.ndarray) -> None:
         """Rows x [n, hidden] (f32) into `slot`, in the staging dtype."""
@@ -117,8 +119,8 @@ class LogitsRows:
         self.segment, self.vocab, self.max_rows = segment, vocab, max_rows
 
     @classmethod
-    def create(cls, vocab: int, max_rows: int) -> LogitsRows:
-        return cls(Segment.create(max_rows * vocab * 4), vocab, max_rows)
+    def create(cls, vocab: int, max_rows: int, owner: str | None = None) -> LogitsRows:
+        return cls(Segment.create(max_rows * vocab * 4, owner), vocab, max_rows)
 
     def rows(self, first: int, n: int) -> np.ndarray:
         if first < 0 or first + n > self.max_rows:

@@ -25,6 +25,7 @@ from ember.daemon.engine.engine_core import EngineCore, StepOutput
 from ember.daemon.engine.sequence import Status
 from ember.daemon.logging_setup import get_logger
 from ember.daemon.server.request import Request
+from ember.daemon.speculative.spec_stats import SpecStats
 from ember.kernels.sampling import Choice
 from ember.protocol.limits import LimitExceeded
 from ember.protocol.messages import ErrorCode, FinishReason, ShmSlot
@@ -58,6 +59,7 @@ class EngineStats:
     prefix_hit_rate: float = 0.0  # of full prompt blocks looked up, the share found cached
     preemptions: int = 0
     tokens_per_s: float = 0.0  # generated tokens over the last _RATE_WINDOW seconds
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding, all models together
 
 
 class EngineThread:
@@ -295,4 +297,6 @@ class EngineThread:
             prefix_hit_rate=sum(p.prefix_hits for p in parts) / queries if queries else 0.0,
             preemptions=sum(p.preemptions for p in parts),
             tokens_per_s=sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0,
+            spec=SpecStats(sum(p.spec.proposed for p in parts), sum(p.spec.accepted for p in parts),
+                           sum(p.spec.steps for p in parts)),
         )

@@ -69,7 +69,7 @@ def serve(config: Config) -> int:
             log.error("model does not fit", problem=str(e))
             raise PlanDoesNotFit(e.plan, f"{e}\n{_DAEMON_KNOBS}") from None
         backend.prepare(on_compile=lambda: _compiling(notifier))
-        models = _load_models(config, specs, policy, notifier)
+        models = _load_models(config, specs, policy, notifier, owner_id(path))
         server = Server(config, models, path, notifier, _engine_factory(config, models, notifier, path))
         try:
             uvloop.run(server.run())
@@ -123,8 +123,8 @@ def _compiling(notifier: Notifier) -> None:
     get_logger().info("compiling the CPU kernels in a child process (first start after an install or upgrade)")
 
 
-def _load_models(config: Config, specs: tuple[ModelSpec, ...], policy: PrecisionPolicy, notifier: Notifier
-                 ) -> dict[str, Model]:
+def _load_models(config: Config, specs: tuple[ModelSpec, ...], policy: PrecisionPolicy, notifier: Notifier,
+                 shm_owner: str) -> dict[str, Model]:
     log = get_logger()
     models: dict[str, Model] = {}
     for i, spec in enumerate(specs, 1):
@@ -134,7 +134,8 @@ def _load_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
         e = config.engine
         model = load(spec.path, device=e.device, kv_dtype=policy.kv, decode_act=e.decode_act, devices=e.devices or None,
                      split=e.split or None, act_dtype=policy.act, max_step_tokens=e.max_step_tokens,
-                     stage_threads=e.stage_threads, **spec.experts)
+                     stage_threads=e.stage_threads, shm_owner=shm_owner, draft=spec.draft or None,
+                     draft_tokens=spec.draft_tokens, **spec.experts)
         if model.pipeline is not None:
             for stage in model.pipeline.stages:
                 log.info("layer-split stage ready", model=name, stage=stage.name, pid=stage.pid, binding=stage.binding,

@@ -346,7 +346,9 @@ class Server:
             cancelled_total=c["cancelled"], busy_total=c["busy"], errors_total=c["errors"],
             kv_blocks_used=e.kv_blocks_used, kv_blocks_free=e.kv_blocks_free,
             prefix_hit_rate=round(e.prefix_hit_rate, 4), preemptions=e.preemptions,
-            tokens_per_s=round(e.tokens_per_s, 2), **self._expert_stats()))
+            tokens_per_s=round(e.tokens_per_s, 2), **self._expert_stats(),
+            spec_acceptance_rate=round(e.spec.acceptance_rate, 4),
+            spec_mean_accepted_length=round(e.spec.mean_accepted_length, 3)))
 
     def _expert_stats(self) -> dict[str, Any]:
         """The MoE models' expert counters, summed (read while the engine runs: a snapshot of ints)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -106,6 +107,18 @@ def test_logits_to_clients_equal_unsplit(split_daemon, demo_model) -> None:  # t
         rows = [c.logits[0].copy() for c in client.generate(PROMPT, max_tokens=6, return_logits=True)]
     got, ref = np.stack(rows), np.stack(want.rows)  # type: ignore[attr-defined]
     assert got.shape == ref.shape and np.abs(got - ref).max() <= 1e-6 * np.abs(ref).max()
+
+
+def test_staging_segments_are_the_daemons_and_private(split_daemon) -> None:  # type: ignore[no-untyped-def]
+    """Named after the daemon's socket like its logits rings: the next daemon there removes what a
+    killed one left (protocol/shm_ring.remove_dead_segments)."""
+    from pathlib import Path
+
+    from ember.protocol.shm_ring import owner_id
+
+    segments = list(Path("/dev/shm").glob(f"ember-{split_daemon.proc.pid}-{owner_id(split_daemon.socket)}*"))
+    assert len(segments) >= 2  # the boundary's staging and the logits rows
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in segments)
 
 
 def test_a_killed_stage_fails_its_requests_and_the_daemon_serves_on(split_daemon, demo_model) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,47 @@
+"""The daemon with a draft model (`ember serve --draft PATH --draft-tokens K`, or the per-model config
+keys): streams equal in-process generation, greedy without a draft and seeded sampling with it, and
+Stats report how speculation went."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+import ember
+from daemon_process import DaemonProcess
+from ember.client import Client
+from ember.daemon.config import ConfigError, load_config
+from ember.daemon.loader.demo_model import DEMO_DRAFT, DEMO_MODEL
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):"]
+
+
+@pytest.fixture(scope="module")
+def spec_daemon() -> Iterator[DaemonProcess]:
+    d = DaemonProcess("[engine]\nmax_active = 3\n", args=("--draft", str(DEMO_DRAFT), "--draft-tokens", "3")).wait_ready(120)
+    yield d
+    d.stop()
+
+
+def test_streams_equal_in_process_generation(spec_daemon, demo_model) -> None:  # type: ignore[no-untyped-def]
+    spec = ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=3)
+    sampled = dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1, seed=11)
+    with Client(spec_daemon.socket) as client:
+        streams = [client.generate(p, max_tokens=48, ignore_eos=True) for p in PROMPTS]
+        streams.append(client.generate(PROMPTS[0], max_tokens=48, ignore_eos=True, **sampled))
+        got = [[t for c in s for t in c.token_ids] for s in streams]
+        stats = client.stats()
+    for prompt, ids in zip(PROMPTS, got):
+        assert ids == list(demo_model.generate(prompt, max_tokens=48, ignore_eos=True)), prompt
+    assert got[-1] == list(spec.generate(PROMPTS[0], max_tokens=48, ignore_eos=True, **sampled))
+    assert stats.spec_acceptance_rate > 0.5 and stats.spec_mean_accepted_length > 1.5
+
+
+def test_per_model_config_keys(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    file = tmp_path / "ember.toml"
+    file.write_text(f'[[models]]\npath = "{DEMO_MODEL}"\ndraft = "{DEMO_DRAFT}"\ndraft_tokens = 6\n')
+    (model,) = load_config(file, env={}).models
+    assert (model.draft, model.draft_tokens) == (str(DEMO_DRAFT), 6)
+    file.write_text(f'[[models]]\npath = "{DEMO_MODEL}"\ndraft_tokens = 0\n')
+    with pytest.raises(ConfigError, match="draft_tokens"):
+        load_config(file, env={})
