@@ -20,6 +20,9 @@ layer's top quarter of experts: 25% is uniform), the share of slots computed col
 cold work overlapped the hot work (1 - engine wait / worker compute time).
 
     python benchmarks/moe.py [--tokens 64] [--rounds 3] [--threads N] [--workers 2] [--only trained|random]
+
+--threads (default: one per core but one, as the daemon serves) is the engine's kernel threads and
+llama.cpp's threads; each cold worker runs one kernel thread.
 """
 from __future__ import annotations
 
@@ -180,7 +183,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    # the daemon's serving default (daemon/runner/devices.py): one kernel thread per core but one; on a
+    # busy 2-core box two-thread kernels stall at their barriers (measured here: 2.7 tok/s with 2
+    # threads, 75 with 1, on the random file)
+    ap.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1))
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--only", choices=("trained", "random"))
     args = ap.parse_args()

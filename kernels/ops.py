@@ -30,6 +30,9 @@ class ExpertWeights(NamedTuple):
 
 class Ops(ABC):
     name: str
+    # tokens per chunk of gated_delta_net's chunked form, counted from each run's first token (the
+    # engine cuts prompt runs at multiples of it, so a hybrid's rounding does not depend on the steps)
+    linear_attention_chunk: int = 64
 
     # --- placing weights ------------------------------------------------------------------------
     @abstractmethod

@@ -98,6 +98,29 @@ def test_moe_variant_matches_transformers(tmp_path: Path) -> None:
     assert alone(model, prompt[:30], 12) == theirs[0, 30:].tolist()
 
 
+def test_prompt_logits_do_not_depend_on_how_steps_cut_the_prompt(model) -> None:
+    """Prompt runs stop at multiples of the delta rule's chunk (64) unless they reach the end, so the
+    logits are bit-identical whatever the step size, and beside another sequence's decodes."""
+    prompt = rng.integers(1, 8192, 300).tolist()
+
+    def prompt_logits(step: int, company: bool) -> np.ndarray:
+        engine = engine_of(model, kv_blocks=64, max_running=2, max_step_tokens=step)
+        assert engine.scheduler.align == 64
+        seq = Sequence(prompt, 0, prompt_logits=True)
+        rows: list[np.ndarray] = []
+        if company:
+            engine.add(Sequence(prompts(1)[0], 40))
+            engine.step()
+        engine.add(seq)
+        while seq.status != Status.FINISHED:
+            rows += [o.logits for o in engine.step().outputs if o.seq is seq and o.logits is not None]
+        return np.concatenate(rows)
+
+    solo = prompt_logits(256, False)
+    for step, company in ((100, False), (67, True), (256, True)):
+        assert np.array_equal(prompt_logits(step, company), solo), (step, company)
+
+
 def test_batched_and_staggered_sequences_equal_their_solo_runs(model) -> None:
     ps = prompts(5)
     engine = engine_of(model, kv_blocks=64, max_step_tokens=24)

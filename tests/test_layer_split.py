@@ -96,6 +96,29 @@ def test_batched_sequences_pipelined_equal_unsplit(unsplit, split) -> None:
     assert [s.generated for s in got] == [s.generated for s in want]
 
 
+def test_cancelling_a_sequence_whose_step_is_in_flight(unsplit, split) -> None:
+    """Two steps in flight (one per stage): a sequence cancelled between them takes nothing from the
+    step that comes back, its blocks are free, and the others' tokens are those they get alone."""
+    engine = split.engine(1024, max_running=4)
+    seqs = [Sequence(unsplit.tokenize(t), 12) for t in SNIPPETS[:4]]
+    for seq in seqs:
+        engine.add(seq)
+    while not all(s.generated for s in seqs):
+        engine.step()
+    victim = next(s for s in seqs if s.in_flight)
+    taken = len(victim.generated)
+    engine.abort(victim)
+    while engine.has_work:
+        for out in engine.step().outputs:
+            assert out.seq is not victim
+        running = engine.scheduler.running + list(engine.scheduler.waiting)
+        engine.blocks.check_integrity([s.table for s in running])
+    assert victim.finish_reason == "cancelled" and len(victim.generated) == taken
+    for seq in seqs:
+        if seq is not victim:
+            assert seq.generated == list(unsplit.generate(seq.prompt, 12, ignore_eos=True)), unsplit.detokenize(seq.prompt)
+
+
 def test_tiny_random_llama_split_equals_unsplit(hf_model) -> None:
     path, _ = hf_model("llama", num_hidden_layers=3)
     whole = ember.load(path)

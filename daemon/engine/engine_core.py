@@ -88,7 +88,9 @@ class EngineCore:
                 raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
             self.proposer = DraftProposer(draft, runner.config.vocab)
         lookahead = draft_tokens if draft is not None else 0
-        self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context, lookahead)
+        # aligned prompt runs only where decodes can never take the whole budget (else prompts could wait forever)
+        align = runner.step_alignment if max_step_tokens >= runner.step_alignment + max_running else 1
+        self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context, lookahead, align)
         self._in_flight: deque[_Flight] = deque()  # steps submitted to a pipelined runner, oldest first
 
     def add(self, seq: Sequence) -> None:
@@ -249,7 +251,8 @@ class EngineCore:
         in steps of the usual size; the KV blocks they rewrite get the same values."""
         if not self.runner.stateful:
             return [chunk]
-        end, size = chunk.start + chunk.length, self.scheduler.max_step_tokens
+        end, size, align = chunk.start + chunk.length, self.scheduler.max_step_tokens, self.scheduler.align
+        size = max(align, size - size % align)  # runs cut where the scheduler would cut them
         return [ScheduledChunk(chunk.seq, s, min(size, end - s)) for s in range(0, end, size)]
 
     def _build(self, chunks: list[ScheduledChunk], rows: _LogitRows, proposals: dict) -> StepBatch:  # type: ignore[type-arg]

@@ -54,8 +54,12 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_step_tokens: int = 256, max_running: int = 64,
-                 max_context: int | None = None, lookahead: int = 0) -> None:
+                 max_context: int | None = None, lookahead: int = 0, align: int = 1) -> None:
+        """align: a prompt run that stops short of the sequence's end stops at a multiple of `align`
+        positions (a hybrid model's delta-rule chunk: its rounding then does not depend on how steps
+        cut the prompt)."""
         self.blocks = blocks
+        self.align = align
         self.lookahead = lookahead
         self.max_step_tokens = max_step_tokens
         self.max_running = max_running
@@ -98,7 +102,9 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: (s.pending > 1, s.seq_id)):
             if budget == 0 or len(chunks) == room or seq not in self.running or seq.held or seq.in_flight:
                 continue  # out of budget or room, preempted by an older sequence in this loop, held or in flight
-            length = min(seq.pending, budget)
+            length = self._cut(seq, min(seq.pending, budget))
+            if length == 0:
+                continue  # too little budget left for an aligned piece of its prompt
             extra = self._lookahead(seq, length, budget - length)
             if not self._grow(seq, seq.n_computed + length + extra):
                 continue
@@ -208,17 +214,16 @@ class Scheduler:
             seq.table = self.blocks.match_prefix(seq.tokens)
             seq.n_computed = len(seq.table) * self.blocks.block_size
         length = min(seq.pending, budget)
-        needed = self.blocks.blocks_for(seq.n_computed + length) - len(seq.table)
-        if not self.blocks.can_allocate(needed):
+        if not self.blocks.can_allocate(self.blocks.blocks_for(seq.n_computed + length) - len(seq.table)):
             length = (len(seq.table) + self.blocks.num_free) * self.blocks.block_size - seq.n_computed
-            if length <= 0:
-                # waiting sequences hold no blocks (else they could starve the running ones); the
-                # matched blocks stay cached, so the match is found again next time
-                self.blocks.release(seq.table)
-                seq.table, seq.n_computed, seq.registered = [], 0, None
-                return 0
-            needed = self.blocks.blocks_for(seq.n_computed + length) - len(seq.table)
-        seq.table += self.blocks.allocate(needed)
+        length = self._cut(seq, length)
+        if length <= 0:
+            # waiting sequences hold no blocks (else they could starve the running ones); the
+            # matched blocks stay cached, so the match is found again next time
+            self.blocks.release(seq.table)
+            seq.table, seq.n_computed, seq.registered = [], 0, None
+            return 0
+        seq.table += self.blocks.allocate(self.blocks.blocks_for(seq.n_computed + length) - len(seq.table))
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.state_slot = self._free_slots.pop()
@@ -226,6 +231,14 @@ class Scheduler:
         if seq.started is None:
             seq.started = time.perf_counter()
         return length
+
+    def _cut(self, seq: Sequence, length: int) -> int:
+        """`length` tokens of seq, or fewer so that a run stopping short of its end stops at a
+        multiple of `align` positions (0: no such piece fits)."""
+        if self.align == 1 or length >= seq.pending:
+            return length
+        end = seq.n_computed + length
+        return max(0, end - end % self.align - seq.n_computed)
 
     def _swap_out_held(self) -> None:
         """Held sequences give their running slots to runnable waiting ones: a client that does not

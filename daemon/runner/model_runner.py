@@ -69,6 +69,12 @@ class ModelRunner:
         return self.net.stateful
 
     @property
+    def step_alignment(self) -> int:
+        """Positions a prompt run stopping short of its end should stop at a multiple of: the delta
+        rule's chunk for hybrid models (their rounding then follows the positions, not the steps), 1 else."""
+        return self.net.ops.linear_attention_chunk if self.stateful else 1
+
+    @property
     def block_size(self) -> int:
         return self.cache.block_size
 
