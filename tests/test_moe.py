@@ -23,6 +23,7 @@ from ember.kernels.reference.quant import dequantize, quantize
 from ember.kernels.tensor_types import TensorType, row_bytes
 from gguf_writer import write_gguf
 from test_gguf_oracle import llama_cpp_logits, state_dict
+from test_hf_oracle import hf_greedy, hf_logits
 
 torch = pytest.importorskip("torch")
 
@@ -99,17 +100,6 @@ def test_grouped_expert_matmul_matches_reference(ttype: TensorType) -> None:
 
 
 # --- models against transformers and llama.cpp ------------------------------------------------
-def hf_logits(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
-
-
 @pytest.mark.oracle
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_hf_moe_matches_transformers(hf_model, arch: str) -> None:

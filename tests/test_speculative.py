@@ -18,6 +18,7 @@ from ember.daemon.engine.sequence import Sequence, Status
 from ember.daemon.loader.demo_model import DEMO_DRAFT, DEMO_MODEL
 from ember.daemon.runner.model_runner import ModelRunner
 from ember.kernels.sampling import SamplingParams
+from test_engine_core import run
 
 SNIPPETS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
             "for i in range(10):\n    print(", "# read the config file\nwith open(", "x = ["]
@@ -36,17 +37,6 @@ def spec() -> ember.Model:
 def engine_of(model: ember.Model, kv_blocks: int, block_size: int = 16, draft_tokens: int = 4, **options) -> EngineCore:
     draft = ModelRunner(model._draft, kv_blocks, block_size) if model._draft is not None else None
     return EngineCore(ModelRunner(model.net, kv_blocks, block_size), draft=draft, draft_tokens=draft_tokens, **options)
-
-
-def run(engine: EngineCore, arrivals: dict[int, list[Sequence]], max_steps: int = 5000) -> None:
-    for step in range(max_steps):
-        for seq in arrivals.get(step, []):
-            engine.add(seq)
-        if not engine.has_work and step > max(arrivals):
-            return
-        engine.step()
-        engine.blocks.check_integrity([s.table for s in engine.scheduler.running + list(engine.scheduler.waiting)])
-    raise AssertionError("did not finish")
 
 
 _greedy: dict[tuple[int, ...], list[int]] = {}
