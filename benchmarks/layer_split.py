@@ -55,7 +55,7 @@ def decode_rate(model: ember.Model, streams: int, tokens: int, lanes: int | None
 def throughput(args: argparse.Namespace) -> None:
     cpu = backend_for("cpu")
     whole = ember.load(args.model)
-    split = ember.load(args.model, devices=["cpu:0", "cpu:1"], act_dtype="f32", stage_threads=1)
+    split = ember.load(args.model, devices=["cpu:0", "cpu:1"], split=args.split, act_dtype="f32", stage_threads=1)
     print(f"model {args.model}: {whole.config.n_layers} layers, hidden {whole.config.hidden}")
     print("stages: " + "; ".join(split.pipeline.describe()))
     configs = {"unsplit, 2 threads": (whole, 2, None), "unsplit, 1 thread": (whole, 1, None),
@@ -120,6 +120,8 @@ def main() -> None:
     p.add_argument("--model", default=str(DEMO_MODEL))
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--split", type=lambda v: [int(n) for n in v.split(",")], default=None,
+                   help="layers per stage, e.g. 4,1 (default: by the stages' memory budgets)")
     p.add_argument("--precision", action="store_true", help="the f16/bf16 agreement report instead of the timings")
     p.add_argument("--decode-act", default="q8_0", choices=("q8_0", "f32"), help="with --precision: decode activations")
     args = p.parse_args()
