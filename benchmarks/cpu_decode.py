@@ -204,9 +204,13 @@ def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, float]:
 
 
 def measure(engine: str, path: Path, args: argparse.Namespace) -> dict[str, float]:
-    cmd = [sys.executable, __file__, "--worker", engine, str(path), "--tokens", str(args.tokens), "--repeats",
-           str(args.repeats), "--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens),
-           "--batch", str(args.batch)]
+    return run_worker(__file__, engine, path, args, ["--batch", str(args.batch)])
+
+
+def run_worker(script: str, engine: str, path: Path, args: argparse.Namespace, extra: list[str]) -> dict[str, float]:
+    """One engine's figures from `script --worker` in a fresh process (the JSON of its last line)."""
+    cmd = [sys.executable, script, "--worker", engine, str(path), "--tokens", str(args.tokens), "--repeats",
+           str(args.repeats), "--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{engine} on {path.name} failed:\n{done.stderr[-2000:]}")

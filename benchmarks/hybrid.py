@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -120,13 +119,7 @@ def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, float]:
 
 
 def measure(engine: str, path: Path, args: argparse.Namespace) -> dict[str, float]:
-    cmd = [sys.executable, __file__, "--worker", engine, str(path), "--tokens", str(args.tokens), "--repeats",
-           str(args.repeats), "--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens),
-           "--recurrent-tokens", str(args.recurrent_tokens)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{engine} on {path.name} failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return cpu_decode.run_worker(__file__, engine, path, args, ["--recurrent-tokens", str(args.recurrent_tokens)])
 
 
 def main() -> None:
