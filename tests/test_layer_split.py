@@ -137,7 +137,8 @@ def test_staging_allocated_is_the_planners_figure_and_private(split) -> None:
     devices = [Device("cpu:0", 1 << 30), Device("cpu:1", 1 << 30)]
     request = PlanRequest.create(devices, flags=PrecisionSettings(act="f32"), split=(3, 2), prefill_chunk=STEP)
     plan = plan_model(DEMO_MODEL, request)
-    assert [d.staging for d in plan.devices] == split.pipeline.staging_bytes == [0, 2 * STEP * 384 * 4]
+    # the boundary (2 buffers x hidden 384, f32) and the logits rows (2 lanes x vocab 8192, f32)
+    assert [d.staging for d in plan.devices] == split.pipeline.staging_bytes == [0, 2 * STEP * (384 + 8192) * 4]
     for segment in split.pipeline._segments:
         assert stat.S_IMODE(os.stat(f"/dev/shm/{segment.name}").st_mode) == 0o600
 
@@ -152,7 +153,7 @@ def test_narrow_staging_tracks_f32(act_dtype: str) -> None:
     model = ember.load(DEMO_MODEL, devices=["cpu:0", "cpu:1"], act_dtype=act_dtype, max_step_tokens=STEP,
                        decode_act="f32")
     try:
-        assert model.pipeline.staging_bytes == [0, 2 * STEP * 384 * 2]
+        assert model.pipeline.staging_bytes == [0, 2 * STEP * 384 * 2 + 2 * STEP * 8192 * 4]
         for text in SNIPPETS[:2]:
             ids = whole.tokenize(text)
             got, want = model.logits(ids), whole.logits(ids)

@@ -130,8 +130,9 @@ def test_split_staging_and_kv_per_device() -> None:
     d0, d1 = p.devices
     assert (d0.layers, d1.layers) == ((0, 18), (18, 36))  # proportional to equal budgets
     assert d0.kv_cache == d1.kv_cache == 18 * 8 * 128 * 2 * 4096 * 4 == 603_979_776
-    # one boundary: hidden x tokens per step (256) x 2 bytes (f16) x 2 buffers, on the receiving device
-    assert (d0.staging, d1.staging) == (0, 4096 * 256 * 2 * 2) == (0, 4_194_304)
+    # one boundary: hidden x tokens per step (256) x 2 bytes (f16) x 2 buffers, on the receiving device;
+    # and the last stage's logits rows: 2 lanes x 256 tokens x vocab x 4 bytes
+    assert (d0.staging, d1.staging) == (0, 4096 * 256 * 2 * 2 + 2 * 256 * 151936 * 4) == (0, 315_359_232)
     assert d0.activations.logits == 0 and d1.activations.logits == 151936 * 4  # logits on the last device only
     uneven = plan(QWEN3_8B, devices=(Device("cuda:0", 24 * GiB), Device("cuda:1", 12 * GiB)), ctx=4096)
     assert [d.layers for d in uneven.devices] == [(0, 24), (24, 36)]

@@ -20,7 +20,7 @@ from ember.daemon.loader.model_file import open_model_file
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.kernels.convert import storage_bytes
 from ember.daemon.engine.defaults import KV_BLOCK, PREFILL_CHUNK
-from ember.daemon.runner.staging import STAGING_BUFFERS, boundary_bytes  # what the split runner allocates
+from ember.daemon.runner.staging import STAGING_BUFFERS, boundary_bytes, logits_rows_bytes  # what the split runner allocates
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SCHEMA = "ember.plan/1"
@@ -295,8 +295,11 @@ def build_plan(info: ModelHeaders, request: PlanRequest) -> Plan:
             graph_headroom=_per_kind(request.graph_headroom, GRAPH_HEADROOM, dev),
             # a boundary's buffers live on the device that receives the hidden states; a step moves at
             # most prefill_chunk tokens (engine.max_step_tokens): a long prompt crosses in chunks
-            staging=boundary_bytes(cfg.hidden, request.prefill_chunk, request.policy.act, request.staging_buffers)
-            if i > 0 else 0,
+            staging=(boundary_bytes(cfg.hidden, request.prefill_chunk, request.policy.act, request.staging_buffers)
+                     if i > 0 else 0)
+            # the last stage hands the step's logits rows back through a segment of its own, one region
+            # per micro-batch in flight (one per stage)
+            + (logits_rows_bytes(cfg.vocab, request.prefill_chunk, len(devices)) if last and i > 0 else 0),
             feature_mirror=_feature_mirror(cfg, request, ctx) if last else 0,
             offloads_experts=(request.expert_offload and dev.kind == "cuda") or request.expert_budget is not None,
             expert_bytes=_expert_bytes(info),

@@ -123,9 +123,12 @@ class Pipeline:
 
     @property
     def staging_bytes(self) -> list[int]:
-        """Per stage, the staging memory it receives hidden states in (0 for the first): the planner's
-        DevicePlan.staging for the same split, act_dtype and step tokens."""
-        return [0] + [b.segment.nbytes for b in self.boundaries]
+        """Per stage, the staging memory it receives hidden states in (0 for the first), the last one's
+        with the logits segment it writes: the planner's DevicePlan.staging for the same split,
+        act_dtype and step tokens."""
+        sizes = [0] + [b.segment.nbytes for b in self.boundaries]
+        sizes[-1] += self.logits.segment.nbytes
+        return sizes
 
     def describe(self) -> list[str]:
         return [f"{s.name}: pid {s.pid}, {s.binding}" for s in self.stages]

@@ -32,6 +32,11 @@ def boundary_bytes(hidden: int, max_tokens: int, act_dtype: str, buffers: int = 
     return buffers * max_tokens * storage_bytes(act_dtype, hidden)
 
 
+def logits_rows_bytes(vocab: int, max_tokens: int, lanes: int) -> int:
+    """Bytes of the logits segment: a region of max_tokens f32 rows per lane (micro-batch in flight)."""
+    return lanes * max_tokens * vocab * 4
+
+
 class Segment:
     """A POSIX shared-memory segment: created (and later unlinked) by its owner, or attached by name."""
 
