@@ -144,6 +144,15 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
     t = time.perf_counter()
     model = ember.load(path)
     load_s = time.perf_counter() - t
+    step_s, prefill_s = decode_and_prefill(model, args)
+    batched = statistics.median(batched_decode(model, args.batch, args.tokens) for _ in range(args.repeats))
+    return {"load_s": load_s, "rss": rss_bytes() - rss0, "step_s": step_s, "prefill_s": prefill_s,
+            "batch_tok_s": batched}
+
+
+def decode_and_prefill(model, args: argparse.Namespace) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """Median seconds per decoded token after a 16-token prompt, and median seconds to read a prompt of
+    args.prompt_tokens (and sample one token), over args.repeats runs each."""
     prompt, long_prompt = list(range(100, 116)), list(range(100, 100 + args.prompt_tokens))
     list(model.generate(prompt, max_tokens=4, ignore_eos=True))  # warm up
     steps = []
@@ -155,9 +164,7 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
         steps.append((time.perf_counter() - t) / n)
     prefill = [_timed(lambda: list(model.generate(long_prompt, max_tokens=1, ignore_eos=True)))
                for _ in range(args.repeats)]
-    batched = statistics.median(batched_decode(model, args.batch, args.tokens) for _ in range(args.repeats))
-    return {"load_s": load_s, "rss": rss_bytes() - rss0, "step_s": statistics.median(steps),
-            "prefill_s": statistics.median(prefill), "batch_tok_s": batched}
+    return statistics.median(steps), statistics.median(prefill)
 
 
 def batched_decode(model, streams: int, tokens: int) -> float:  # type: ignore[no-untyped-def]

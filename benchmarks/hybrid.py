@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -66,24 +65,15 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
 
     numba.set_num_threads(args.threads)
     model = ember.load(path)
-    prompt, long_prompt = list(range(100, 116)), list(range(100, 100 + args.prompt_tokens))
-    list(model.generate(prompt, max_tokens=4, ignore_eos=True))  # warm up
-    steps = []
-    for _ in range(args.repeats):
-        gen = model.generate(prompt, max_tokens=args.tokens + 1, ignore_eos=True)
-        next(gen)  # the prompt is read and the first token sampled: decode starts here
-        t = time.perf_counter()
-        n = sum(1 for _ in gen)
-        steps.append((time.perf_counter() - t) / n)
-    prefill = [_timed(lambda: list(model.generate(long_prompt, max_tokens=1, ignore_eos=True)))
-               for _ in range(args.repeats)]
+    step_s, prefill_s = cpu_decode.decode_and_prefill(model, args)  # the dense benchmark's decode and prefill
+    long_prompt = list(range(100, 100 + args.prompt_tokens))
     engine = model.engine(args.recurrent_tokens + 1, max_step_tokens=1)  # one prompt token a step
     engine.add(Sequence(long_prompt[: args.recurrent_tokens], 1))
     t = time.perf_counter()
     while engine.has_work:
         engine.step()
     recurrent = time.perf_counter() - t
-    return {"step_s": statistics.median(steps), "prefill_tok_s": args.prompt_tokens / statistics.median(prefill),
+    return {"step_s": step_s, "prefill_tok_s": args.prompt_tokens / prefill_s,
             "recurrent_prefill_tok_s": args.recurrent_tokens / recurrent, **delta_rule_alone(model, args)}
 
 
