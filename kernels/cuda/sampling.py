@@ -23,16 +23,8 @@ import numpy as np
 from numba import cuda, float32, float64, int64
 
 from ember.kernels.cuda.device import THREADS, block_argmax, block_sum, flat_grid, grid
-from ember.kernels.cuda.device_array import DeviceArray, empty
+from ember.kernels.cuda.device_array import DeviceArray, empty, gather_rows
 from ember.kernels.sampling import Choice, SampleRow, _window
-
-
-@cuda.jit
-def _copy_rows(logits, rows, out):  # type: ignore[no-untyped-def]
-    vocab = out.shape[1]
-    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-        k, j = i // vocab, i % vocab
-        out[k, j] = logits[rows[k], j]
 
 
 @cuda.jit
@@ -201,8 +193,7 @@ def sample_rows(logits: DeviceArray, rows: Sequence[SampleRow]) -> list[Choice |
     if not rows:
         return []
     m, vocab = len(rows), logits.shape[1]
-    pen = empty((m, vocab))
-    _copy_rows[flat_grid(m * vocab)](logits.raw, _up(np.array([r.row for r in rows], np.int64)).raw, pen.raw)
+    pen = gather_rows(logits, _up(np.array([r.row for r in rows], np.int64)))  # a copy: adjusted in place below
     entry_row, ids, bias, rep, sub = _adjustments(rows)
     if len(ids):
         penalty = np.array([r.params.repetition_penalty for r in rows], np.float32)
