@@ -22,7 +22,7 @@ from ember.daemon.runner.model_runner import KVStateLost, ModelRunner, PendingSt
 from ember.daemon.runner.step_batch import StepBatch
 from ember.daemon.speculative.draft_proposer import DraftProposer
 from ember.daemon.speculative.spec_stats import SpecStats
-from ember.daemon.speculative.verification import verify
+from ember.daemon.speculative.verification import Proposal, verify
 from ember.kernels.sampling import Choice
 
 
@@ -196,9 +196,13 @@ class EngineCore:
         )
 
     def _step(self, plan: StepPlan) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
+        proposals = self.proposer.propose(plan.chunks) if self.proposer else {}
+        if proposals:  # the draft may stop short of the lookahead: the step verifies what it proposed
+            plan = replace(plan, chunks=[replace(c, lookahead=len(proposals[i].tokens)) if i in proposals else c
+                                         for i, c in enumerate(plan.chunks)])
         rows = _LogitRows(plan)
         before = [len(c.seq.generated) if c.samples else -1 for c in plan.chunks]  # before update() appends
-        return self._account(plan, rows, before, self._run(plan, rows))
+        return self._account(plan, rows, before, self._run(plan, rows, proposals))
 
     def _account(self, plan: StepPlan, rows: _LogitRows, before: list[int], run: StepRun
                  ) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
@@ -255,7 +259,7 @@ class EngineCore:
         size = max(align, size - size % align)  # runs cut where the scheduler would cut them
         return [ScheduledChunk(chunk.seq, s, min(size, end - s)) for s in range(0, end, size)]
 
-    def _build(self, chunks: list[ScheduledChunk], rows: _LogitRows, proposals: dict) -> StepBatch:  # type: ignore[type-arg]
+    def _build(self, chunks: list[ScheduledChunk], rows: _LogitRows, proposals: dict[int, Proposal]) -> StepBatch:
         return StepBatch.build(
             [(c.seq.tokens[c.start : c.start + c.length] + (proposals[i].tokens if i in proposals else []),
               c.start, c.seq.table) for i, c in enumerate(chunks)],
@@ -264,9 +268,8 @@ class EngineCore:
             state_slots=[c.seq.state_slot for c in chunks], logit_tails=rows.count if proposals else None,
         )
 
-    def _run(self, plan: StepPlan, rows: _LogitRows) -> StepRun:
+    def _run(self, plan: StepPlan, rows: _LogitRows, proposals: dict[int, Proposal]) -> StepRun:
         chunks = plan.chunks
-        proposals = self.proposer.propose(chunks) if self.proposer else {}
         batch = self._build(chunks, rows, proposals)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         samplers = [(rows.last[i], chunks[i].seq) for i in sampling if i not in proposals]
