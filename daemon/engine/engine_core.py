@@ -20,7 +20,7 @@ from ember.daemon.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
 from ember.daemon.engine.sequence import Sequence, Status
 from ember.daemon.runner.model_runner import KVStateLost, ModelRunner, PendingStep, StepRun
 from ember.daemon.runner.step_batch import StepBatch
-from ember.daemon.speculative.draft_proposer import DraftProposer
+from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB, DraftProposer
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.speculative.verification import Proposal, verify
 from ember.kernels.sampling import Choice
@@ -63,11 +63,12 @@ class EngineStats:
 class EngineCore:
     def __init__(self, runner: ModelRunner, max_step_tokens: int = 256, max_running: int = 64,
                  prefix_caching: bool = True, max_context: int | None = None, draft: ModelRunner | None = None,
-                 draft_tokens: int = 4, spec_stats: SpecStats | None = None) -> None:
+                 draft_tokens: int = 4, spec_stats: SpecStats | None = None, draft_min_prob: float = DRAFT_MIN_PROB) -> None:
         """max_context: tokens per sequence at most (default and upper bound: the model's context).
         draft: a runner of the draft model whose KV cache has as many blocks, of the same size, as
-        the target's; each sequence then gets up to draft_tokens proposals a step, counted in
-        spec_stats (a new SpecStats if not given).
+        the target's; each sequence then gets up to draft_tokens proposals a step, fewer where the
+        draft is unsure (DraftProposer's min_prob = draft_min_prob), counted in spec_stats (a new
+        SpecStats if not given).
 
         A hybrid model (runner.stateful) runs without prefix reuse: cached KV blocks would skip the
         tokens whose recurrent state the sequence still needs (docs/hybrid.md); nor with a draft
@@ -86,7 +87,7 @@ class EngineCore:
                 raise ValueError("the draft's KV cache must have the target's blocks and block size")
             if draft_tokens < 1:
                 raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
-            self.proposer = DraftProposer(draft, runner.config.vocab)
+            self.proposer = DraftProposer(draft, runner.config.vocab, draft_min_prob)
         lookahead = draft_tokens if draft is not None else 0
         # aligned prompt runs only where decodes can never take the whole budget (else prompts could wait forever)
         align = runner.step_alignment if max_step_tokens >= runner.step_alignment + max_running else 1
