@@ -133,20 +133,40 @@ def final_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray
         probs = np.exp(shifted / params.temperature)
     probs /= probs.sum()
     keep = np.ones(probs.size, bool)
-    # the sort costs more than the rest together (0.3 ms over 8192 entries): only top-k/p need it,
-    # and speculative decoding calls this twice per proposed token
     if 0 < params.top_k < probs.size or params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        if 0 < params.top_k < probs.size:
-            keep[order[params.top_k:]] = False
-        if params.top_p < 1.0:
-            sorted_probs = probs[order]
-            cut = int(np.searchsorted(np.cumsum(sorted_probs), params.top_p)) + 1  # smallest set reaching p
-            keep[order[cut:]] = False
+        keep[:] = False
+        keep[_top_kept(probs, params.top_k if params.top_k < probs.size else 0, params.top_p)] = True
     if params.min_p > 0.0:
         keep &= probs >= params.min_p * probs.max()
     probs = np.where(keep, probs, 0.0)
     return probs / probs.sum()
+
+
+def _top_kept(probs: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """The tokens top-k (0: off) and top-p keep: the first min(top_k, cut) of the vocabulary stably
+    sorted by descending probability, where cut is the smallest prefix whose sum reaches top_p.
+
+    Sorting the whole vocabulary cost more than the rest of sampling together (0.3-1 ms over 8192
+    entries, and speculative decoding builds 2k + 1 distributions a step), while the kept tokens
+    are usually a few dozen. So only candidates are sorted: every token at least as probable as
+    the top_k-th (a linear-time partition), or without top-k every token at least 1e-3 (then 1e-6)
+    times as probable as the best. Either way they are all the tokens above a value, so their stable
+    order is the full sort's first entries, with the same prefix sums (cumsum adds in order) and the
+    same cut, as long as the cut falls among them; where it does not, the next set is tried, and at
+    last the whole vocabulary."""
+    if top_k:  # the kept tokens are at most the first top_k: these candidates always hold them
+        floors = [float(np.partition(probs, probs.size - top_k)[probs.size - top_k])]
+    else:
+        floors = [float(probs.max()) * 1e-3, float(probs.max()) * 1e-6, 0.0]
+    for i, floor in enumerate(floors):
+        candidates = np.flatnonzero(probs >= floor) if floor > 0.0 else np.arange(probs.size)
+        order = candidates[np.argsort(-probs[candidates], kind="stable")]
+        cut = len(order)
+        if top_p < 1.0:
+            cut = int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1  # smallest set reaching p
+        if top_k or cut <= len(order) or i == len(floors) - 1:
+            return order[: min(top_k or probs.size, cut)]
+    raise AssertionError("unreachable: the last floor returns")
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,

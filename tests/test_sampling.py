@@ -134,3 +134,31 @@ def test_extreme_accepted_values_sample_a_finite_distribution(params: dict) -> N
     tokens = {sample(logits, sp, rng, [4, 5], generated).token for _ in range(20)}
     if sp.temperature < 1e-300:  # the limit of a vanishing temperature is greedy
         assert tokens == {int(np.argmax(penalized_logits(logits, sp, [4, 5], generated)))}
+
+
+def full_sort_kept(probs: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """The kept set as final_distribution computed it before it sorted only the top of the vocabulary."""
+    keep = np.ones(probs.size, bool)
+    order = np.argsort(-probs, kind="stable")
+    if 0 < top_k < probs.size:
+        keep[order[top_k:]] = False
+    if top_p < 1.0:
+        keep[order[int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1:]] = False
+    return keep
+
+
+@pytest.mark.parametrize("scale, ties", [(3.0, False), (0.2, False), (3.0, True), (0.01, True)])
+def test_top_k_and_top_p_keep_exactly_what_a_full_sort_keeps(scale: float, ties: bool) -> None:
+    """The partial sort keeps the same tokens as sorting the whole vocabulary, ties at the boundary
+    and nuclei of thousands of tokens (flat distributions) included."""
+    rng = np.random.default_rng(5)
+    for trial in range(40):
+        logits = (rng.standard_normal(8192) * scale).astype(np.float32)
+        if ties:  # many exact ties: few distinct values
+            logits = np.round(logits * 4) / 4
+        for top_k, top_p in ((0, 0.9), (0, 0.999), (40, 1.0), (40, 0.5), (3000, 0.95), (1, 0.9), (0, 0.3)):
+            sp = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+            got = final_distribution(logits, sp) > 0
+            p = np.exp(logits.astype(np.float64) - logits.max())
+            want = full_sort_kept(p / p.sum(), top_k, top_p)
+            assert np.array_equal(got, want), (trial, top_k, top_p)
