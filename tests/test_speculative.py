@@ -147,8 +147,7 @@ def test_seeded_sampling_reproduces_alone_and_in_company(spec) -> None:
 
 # --- the distribution of sampled tokens ------------------------------------------------------------
 SEEDS = 2000
-# top-k/p sort the vocabulary per row, too slow for thousands of rows here: test_verification.py
-# covers them exactly on a small vocabulary
+# top-k/p are covered exactly on a small vocabulary by test_speculative_verification.py
 PARAMS = SamplingParams(temperature=1.0, min_p=0.03, repetition_penalty=1.2, logit_bias={25: 1.5})
 
 
