@@ -67,7 +67,7 @@ def test_the_draft_stops_where_it_is_unsure(target, spec) -> None:
     tokens are the target's either way, and the default stops some of the time."""
     prompt = spec.tokenize(SNIPPETS[2])
     proposed = {}
-    for min_prob in (0.0, 0.7, 1.0):
+    for min_prob in (0.0, 0.6, 1.0):
         engine = engine_of(spec, kv_blocks=16)
         engine.proposer.min_prob = min_prob
         seq = Sequence(prompt, 60)
@@ -75,7 +75,7 @@ def test_the_draft_stops_where_it_is_unsure(target, spec) -> None:
         assert seq.generated == greedy(target, prompt, 60)
         proposed[min_prob] = engine.spec_stats.proposed / engine.spec_stats.steps
     assert proposed[1.0] == 1.0 and proposed[0.0] > 3.5  # k = 4 but near max_tokens
-    assert 1.0 < proposed[0.7] < proposed[0.0]
+    assert 1.0 < proposed[0.6] < proposed[0.0]
 
 
 def test_greedy_with_penalties_and_bias_is_token_identical(target, spec) -> None:

@@ -3,11 +3,12 @@ cache of its own addressed by the same block tables, and proposes the next token
 the scheduler gave lookahead.
 
 It stops drafting a sequence early where the draft is unsure (Leviathan et al. 2023, section 4
-and the dynamic-length drafts after it): after a proposal drawn from a distribution whose top
-probability is below `min_prob`, no more proposals follow in that step. A rejection is likely there,
-and every proposal costs a draft pass and a verification row (docs/speculative.md has the data).
-The rule reads only the draft's own distribution, never a token drawn from it nor the target, so
-the output law stays the target's (tests/test_speculative_verification.py checks it; a rule that
+and the dynamic-length drafts after it): after a proposal where the draft's own distribution
+(softmax of its logits) has a top probability below `min_prob`, no more proposals follow in that
+step. A rejection is likely there, and every proposal costs a draft pass and a verification row
+(docs/speculative.md has the data).
+The rule reads only the draft's logits, never a token drawn from them nor the target, so the
+output law stays the target's (tests/test_speculative_verification.py checks it; a rule that
 read the drawn token would not be lossless, and the same test sees that).
 
 Sharing the block tables means the block manager's allocations, prefix reuse and preemption hold for
@@ -24,14 +25,14 @@ from ember.daemon.runner.step_batch import ChunkSpec, StepBatch
 from ember.daemon.speculative.verification import Proposal, draft_choice, draft_confidence
 
 # the stopping rule's threshold, from the demo pair's acceptance by draft confidence (docs/speculative.md):
-# near the best for both greedy (0.5) and temperature 0.7 (0.8-0.9) requests
-DRAFT_MIN_PROB = 0.7
+# the best, or within 0.01 of it, for greedy and temperature 0.7 requests at k = 4 to 8
+DRAFT_MIN_PROB = 0.6
 
 
 class DraftProposer:
     def __init__(self, runner: ModelRunner, target_vocab: int, min_prob: float = DRAFT_MIN_PROB) -> None:
-        """min_prob: stop drafting a sequence after a proposal whose distribution's top probability
-        is below it (0: always draft the whole lookahead)."""
+        """min_prob: stop drafting a sequence after a proposal where the draft's top probability is
+        below it (0: always draft the whole lookahead)."""
         if runner.config.vocab != target_vocab:
             raise ValueError(f"the draft's vocabulary ({runner.config.vocab}) differs from the target's ({target_vocab})")
         if not 0.0 <= min_prob <= 1.0:
@@ -57,7 +58,7 @@ class DraftProposer:
                 p.tokens.append(token)
                 if probs is not None:
                     p.probs.append(probs)
-                if self.min_prob and chunks[i].lookahead > r + 1 and draft_confidence(logits[row], probs) < self.min_prob:
+                if self.min_prob and chunks[i].lookahead > r + 1 and draft_confidence(logits[row]) < self.min_prob:
                     unsure.add(i)
             active = [i for i in drafting if chunks[i].lookahead > r + 1 and i not in unsure]
             if not active:

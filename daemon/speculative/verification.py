@@ -40,7 +40,7 @@ class Distribution:
 
     @property
     def top(self) -> float:
-        """The largest probability (the draft's confidence, for DraftProposer's stopping rule)."""
+        """The largest probability."""
         return float(self.weights.max()) / self.total
 
 
@@ -94,11 +94,10 @@ def draft_choice(logits: np.ndarray, seq: Sequence, proposed: Seq[int]) -> tuple
     return _draw(q.weights, seq), q
 
 
-def draft_confidence(logits: np.ndarray, q: Distribution | None) -> float:
-    """The draft's top probability at a position: q's when the token was drawn from q, else that of
-    the softmax of its logits (greedy requests, whose output never depends on it)."""
-    if q is not None:
-        return q.top
+def draft_confidence(logits: np.ndarray) -> float:
+    """The draft's top probability at a position, from its raw logits (softmax at temperature 1,
+    whatever the request's options): on the demo pair it predicts acceptance alike for greedy and
+    sampled requests (docs/speculative.md), and depends on nothing but the draft."""
     return 1.0 / float(np.exp(logits - logits.max(), dtype=np.float64).sum())
 
 
