@@ -1,0 +1,88 @@
+"""Writing tiny random DFlash drafts (llama.cpp's `dflash` GGUF architecture) for a target GGUF, with
+gguf-py's GGUFWriter: the keys and tensor names conversion/qwen.py DFlashModel writes (Qwen3 layers,
+fc, enc.output_norm, dflash.target_layers, dflash.block_size, tokenizer.ggml.mask_token_id, the
+target's tokenizer), random weights. `extra_tensors` / `extra_keys` add what a variant would carry,
+for the refusal tests."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from ember.daemon.loader.model_file import open_model_file
+
+
+def write_dflash(path: Path, target: Path, target_layers: tuple[int, ...] = (1, 3), n_layers: int = 1,
+                 block_size: int = 8, mask_id: int = 5, seed: int = 0, own_embedding: bool = False,
+                 heads: int = 6, kv_heads: int = 2, head_dim: int = 64, ffn: int = 512, hidden: int | None = None,
+                 mask: bool = True, extra_tensors: dict[str, np.ndarray] | None = None,
+                 extra_keys: dict[str, Any] | None = None, scale: float = 0.05) -> Path:
+    mf = open_model_file(target)
+    cfg = mf.config
+    hidden = hidden or cfg.hidden
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), "dflash")
+    w.add_block_count(n_layers)
+    w.add_context_length(cfg.context_length)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_uint32("dflash.block_size", block_size)
+    w.add_array("dflash.target_layers", list(target_layers))
+    for key, value in (extra_keys or {}).items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_string(key, value)
+    _copy_tokenizer(w, target)
+    if mask:
+        w.add_uint32("tokenizer.ggml.mask_token_id", mask_id)
+    tensors = {"fc.weight": rand(hidden, len(target_layers) * cfg.hidden), "enc.output_norm.weight": norm(hidden),
+               "output_norm.weight": norm(hidden)}
+    if own_embedding:
+        tensors["token_embd.weight"] = rand(cfg.vocab, hidden)
+    for i in range(n_layers):
+        tensors |= {f"blk.{i}.attn_norm.weight": norm(hidden), f"blk.{i}.attn_q.weight": rand(heads * head_dim, hidden),
+                    f"blk.{i}.attn_k.weight": rand(kv_heads * head_dim, hidden),
+                    f"blk.{i}.attn_v.weight": rand(kv_heads * head_dim, hidden),
+                    f"blk.{i}.attn_output.weight": rand(hidden, heads * head_dim),
+                    f"blk.{i}.attn_q_norm.weight": norm(head_dim), f"blk.{i}.attn_k_norm.weight": norm(head_dim),
+                    f"blk.{i}.ffn_norm.weight": norm(hidden), f"blk.{i}.ffn_gate.weight": rand(ffn, hidden),
+                    f"blk.{i}.ffn_up.weight": rand(ffn, hidden), f"blk.{i}.ffn_down.weight": rand(hidden, ffn)}
+    tensors |= extra_tensors or {}
+    for name, value in tensors.items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, target: Path) -> None:
+    """The target's tokenizer keys, as the converter copies them (DFlashModel.set_vocab)."""
+    reader = gguf.GGUFReader(target)
+    for field in reader.fields.values():
+        if not field.name.startswith("tokenizer.") or field.name in ("tokenizer.chat_template",):
+            continue
+        vtype = gguf.GGUFValueType(field.types[0])
+        sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
