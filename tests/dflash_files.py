@@ -12,6 +12,8 @@ import gguf
 import numpy as np
 
 from ember.daemon.loader.model_file import open_model_file
+from ember.kernels.reference.dflash import Draft, Layer
+from ember.kernels.reference.quant import dequantize
 
 
 def write_dflash(path: Path, target: Path, target_layers: tuple[int, ...] = (1, 3), n_layers: int = 1,
@@ -86,3 +88,27 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, target: Path) -> None:
         vtype = gguf.GGUFValueType(field.types[0])
         sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+
+
+def reference_draft(draft: Path, target: Path) -> Draft:
+    """The draft's weights as kernels/reference/dflash.py takes them (dequantized to float32), the
+    target's embedding and head where the draft has none."""
+    mf, tf = open_model_file(draft), open_model_file(target)
+
+    def f32(name: str, source: Any = mf) -> np.ndarray:
+        t = source.tensor(name)
+        return dequantize(t.ttype, t.rows2d(), t.cols).reshape(t.shape)
+
+    def layer(i: int) -> Layer:
+        names = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+                 "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+        return Layer(*(f32(f"blk.{i}.{n}.weight") for n in names))
+
+    cfg = mf.config
+    embed = f32("token_embd.weight") if "token_embd.weight" in mf.tensors else f32("token_embd.weight", tf)
+    own_output = "output.weight" in mf.tensors
+    output = f32("output.weight") if own_output else embed if "token_embd.weight" in mf.tensors else (
+        f32("output.weight", tf) if "output.weight" in tf.tensors else embed)
+    return Draft(fc=f32("fc.weight"), enc_norm=f32("enc.output_norm.weight"), layers=[layer(i) for i in range(cfg.n_layers)],
+                 norm=f32("output_norm.weight"), embed=embed, output=output, heads=cfg.n_heads,
+                 kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, inv_freq=cfg.inv_freq(), eps=cfg.norm_eps)

@@ -149,10 +149,10 @@ def test_split_staging_and_kv_per_device() -> None:
     ("q8_0", 2048 * (3 * 4096 // 32) * 34),  # 26_738_688: 34 bytes per 32 values
 ])
 def test_feature_mirror(dtype: str, expected: int) -> None:
-    spec = SpeculativeSettings(feature_layers=3, ctx_cap=2048)
-    assert plan(QWEN3_8B, ctx=4096, feature=dtype, speculative=spec).devices[0].feature_mirror == expected
-    # a context below the cap mirrors the context; each sequence has its own mirror
-    assert plan(QWEN3_8B, ctx=1024, seqs=2, feature=dtype, speculative=spec).devices[0].feature_mirror == expected
+    spec = SpeculativeSettings(feature_layers=3)
+    assert plan(QWEN3_8B, ctx=2048, feature=dtype, speculative=spec).devices[0].feature_mirror == expected
+    # a row per KV-cache position: each sequence has its own, rounded up to whole KV blocks
+    assert plan(QWEN3_8B, ctx=1020, seqs=2, feature=dtype, speculative=spec).devices[0].feature_mirror == expected
 
 
 def test_no_mirror_without_speculation() -> None:

@@ -32,8 +32,8 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--expert-budget", default=None, metavar="SIZE|N%",
                    help="MoE: hot experts' bytes at most (512MiB, or N%% of the experts); the rest run cold on CPU workers")
     p.add_argument("--speculative", action="store_true", help="reserve the speculative-decoding feature mirror")
-    p.add_argument("--spec-layers", type=int, default=3, help="hidden states captured per token (default 3)")
-    p.add_argument("--spec-ctx", type=int, default=4096, help="positions mirrored per sequence (default 4096)")
+    p.add_argument("--spec-layers", type=int, default=3,
+                   help="target layers a feature draft reads per position: len(dflash.target_layers) (default 3)")
     p.add_argument("--graph-headroom", default=None, metavar="SIZE", help="per CUDA device (default 256MiB)")
     p.add_argument("--act-cap", default=None, metavar="SIZE", help="activation reservation cap per device")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (schema ember.plan/1)")
@@ -68,7 +68,7 @@ def _request(args: argparse.Namespace) -> Any:
     if args.prefill_chunk is not None:
         options["prefill_chunk"] = args.prefill_chunk
     if args.speculative:
-        options["speculative"] = SpeculativeSettings(args.spec_layers, args.spec_ctx)
+        options["speculative"] = SpeculativeSettings(args.spec_layers)
     if args.graph_headroom is not None:
         options["graph_headroom"] = parse_size(args.graph_headroom)
     if args.act_cap is not None:
