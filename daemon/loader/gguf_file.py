@@ -21,6 +21,10 @@ def open_gguf(path: Path) -> ModelFile:
         contents = read_gguf(path, _tensor_bytes)
     except GGUFError as e:
         raise ModelFileError(source, f"not a readable GGUF file ({e})") from None
+    if contents.metadata.get("general.architecture") == "dflash":  # its variants, refused by name first
+        from ember.daemon.speculative.dflash_file import refuse_variants
+
+        refuse_variants(source, contents.metadata, [t.name for t in contents.tensors])
     tensors = {t.name: _raw_tensor(t, source) for t in contents.tensors}
     config = config_from_gguf(contents.metadata, _vocab_rows(tensors, contents.metadata, source), source)
     return ModelFile(path=path, format="gguf", config=config, tensors=tensors, metadata=contents.metadata)

@@ -160,9 +160,9 @@ class Transformer:
 
     def forward_with_features(self, batch: StepBatch, cache: PagedKVCache, layers: Sequence[int]
                               ) -> tuple[Array, list[Array]]:
-        """forward(), and the hidden states entering each of `layers` (model layer indices), every row:
-        f32 [n, hidden] each — llama.cpp's layer inputs (un-normed residual stream), which a DFlash
-        draft reads (its target_layers)."""
+        """forward(), and the hidden states entering each of `layers` (model layer indices; n_layers
+        is the last layer's output), every row: f32 [n, hidden] each — llama.cpp's layer inputs (the
+        un-normed residual stream), which a DFlash draft reads (its target_layers)."""
         x, features = self._layers(self.embed_tokens(batch), batch, cache, layers)
         return self.head(x, batch), features
 
@@ -177,6 +177,7 @@ class Transformer:
             if i in capture:
                 taps[i] = x  # a block returns a new array: this one stays as it is
             x = block(self.ops, self.config, self.rope, x, cache, batch)
+        taps[self.layers.stop] = x  # "the input of layer n_layers": the last layer's output, before the final norm
         return x, [taps[i] for i in capture]
 
     def head(self, x: Array, batch: StepBatch) -> Array:

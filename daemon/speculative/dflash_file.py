@@ -12,7 +12,9 @@ are the optional per-layer extras ember does not compute (sinks, post-norms, sli
 """
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile
@@ -68,18 +70,7 @@ def read_dflash(mf: ModelFile) -> DFlashSpec:
     source, meta, names = str(mf.path), mf.metadata, set(mf.tensors)
     if not is_dflash(mf):
         raise ModelFileError(source, f"not a DFlash draft (architecture {mf.config.arch!r}, not {ARCH!r})")
-    for name, what in _TENSOR_VARIANTS:
-        if name in names:
-            raise ModelFileError(source, f"{what} is not supported: ember runs plain DFlash drafts only")
-    for key, what in _KEY_VARIANTS:
-        if meta.get(f"{ARCH}.{key}"):
-            raise ModelFileError(source, f"{what} ({ARCH}.{key}) is not supported: ember runs plain DFlash drafts only")
-    for suffix, what in _LAYER_EXTRAS:
-        if any(n.startswith("blk.") and n.endswith(suffix) for n in names):
-            raise ModelFileError(source, f"{what} (blk.N.{suffix}) are not supported: ember runs plain DFlash drafts only")
-    scaled = sorted(n for n in names if n.endswith(".scale"))
-    if scaled:
-        raise ModelFileError(source, f"scaled (NVFP4-style) tensors such as {scaled[0]} are not supported")
+    refuse_variants(source, meta, names)
     act = meta.get(f"{ARCH}.hidden_activation", "silu")
     if act != "silu":
         raise ModelFileError(source, f"hidden activation {act!r} is not supported (DFlash drafts in ember use silu)")
@@ -104,15 +95,33 @@ def read_dflash(mf: ModelFile) -> DFlashSpec:
     )
 
 
+def refuse_variants(source: str, meta: Mapping[str, Any], names: Collection[str]) -> None:
+    """ModelFileError for a DFlash variant ember does not run, named by what its file holds. The GGUF
+    loader calls it before reading tensors (a d2t map is I64, which would be refused less clearly)."""
+    for name, what in _TENSOR_VARIANTS:
+        if name in names:
+            raise ModelFileError(source, f"{what} is not supported: ember runs plain DFlash drafts only")
+    for key, what in _KEY_VARIANTS:
+        if meta.get(f"{ARCH}.{key}"):
+            raise ModelFileError(source, f"{what} ({ARCH}.{key}) is not supported: ember runs plain DFlash drafts only")
+    for suffix, what in _LAYER_EXTRAS:
+        if any(n.startswith("blk.") and n.endswith(suffix) for n in names):
+            raise ModelFileError(source, f"{what} (blk.N.{suffix}) are not supported: ember runs plain DFlash drafts only")
+    scaled = sorted(n for n in names if n.endswith((".scale", ".input_scale")))
+    if scaled:
+        raise ModelFileError(source, f"scaled (NVFP4-style) tensors such as {scaled[0]} are not supported")
+
+
 def check_fits(spec: DFlashSpec, draft: ModelConfig, target: ModelConfig, source: str) -> None:
     """Refuse a draft that cannot read this target's features or speak its vocabulary."""
     if draft.hidden != target.hidden:
         raise ModelFileError(source, f"the DFlash draft's hidden size ({draft.hidden}) differs from the target's "
                              f"({target.hidden}): its fc reads {len(spec.target_layers)} x the target's hidden states")
-    bad = [i for i in spec.target_layers if not 0 <= i < target.n_layers]
+    # layer i's input; i = n_layers is the last layer's output (llama.cpp's converter writes HF's ids + 1)
+    bad = [i for i in spec.target_layers if not 0 <= i <= target.n_layers]
     if bad:
         raise ModelFileError(source, f"the DFlash draft reads target layers {list(spec.target_layers)}, but the target has "
-                             f"layers 0-{target.n_layers - 1} (layer {bad[0]} does not exist)")
+                             f"layers 0-{target.n_layers - 1} (an input of layer {bad[0]} does not exist)")
     if draft.vocab != target.vocab:
         raise ModelFileError(source, f"the draft's vocabulary ({draft.vocab} tokens) differs from the model's "
                              f"({target.vocab}): a draft must share the tokenizer")
