@@ -2,7 +2,7 @@
 gguf-py's GGUFWriter: the keys and tensor names conversion/qwen.py DFlashModel writes (Qwen3 layers,
 fc, enc.output_norm, dflash.target_layers, dflash.block_size, tokenizer.ggml.mask_token_id, the
 target's tokenizer), random weights. `extra_tensors` / `extra_keys` add what a variant would carry,
-for the refusal tests."""
+`mask` / `layers_key` False leave out the mask token / the target layers, for the refusal tests."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,7 +19,7 @@ from ember.kernels.reference.quant import dequantize
 def write_dflash(path: Path, target: Path, target_layers: tuple[int, ...] = (1, 3), n_layers: int = 1,
                  block_size: int = 8, mask_id: int = 5, seed: int = 0, own_embedding: bool = False,
                  heads: int = 6, kv_heads: int = 2, head_dim: int = 64, ffn: int = 512, hidden: int | None = None,
-                 mask: bool = True, extra_tensors: dict[str, np.ndarray] | None = None,
+                 mask: bool = True, layers_key: bool = True, extra_tensors: dict[str, np.ndarray] | None = None,
                  extra_keys: dict[str, Any] | None = None, scale: float = 0.05) -> Path:
     mf = open_model_file(target)
     cfg = mf.config
@@ -44,7 +44,8 @@ def write_dflash(path: Path, target: Path, target_layers: tuple[int, ...] = (1, 
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_uint32("dflash.block_size", block_size)
-    w.add_array("dflash.target_layers", list(target_layers))
+    if layers_key:
+        w.add_array("dflash.target_layers", list(target_layers))
     for key, value in (extra_keys or {}).items():
         if isinstance(value, bool):
             w.add_bool(key, value)
