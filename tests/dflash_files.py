@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 
 from ember.daemon.loader.model_file import open_model_file
+from gguf_writer import write_out
 from ember.kernels.reference.dflash import Draft, Layer
 from ember.kernels.reference.quant import dequantize
 
@@ -70,13 +71,7 @@ def write_dflash(path: Path, target: Path, target_layers: tuple[int, ...] = (1, 
                     f"blk.{i}.attn_q_norm.weight": norm(head_dim), f"blk.{i}.attn_k_norm.weight": norm(head_dim),
                     f"blk.{i}.ffn_norm.weight": norm(hidden), f"blk.{i}.ffn_gate.weight": rand(ffn, hidden),
                     f"blk.{i}.ffn_up.weight": rand(ffn, hidden), f"blk.{i}.ffn_down.weight": rand(hidden, ffn)}
-    tensors |= extra_tensors or {}
-    for name, value in tensors.items():
-        w.add_tensor(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w, tensors | (extra_tensors or {}))
     return path
 
 

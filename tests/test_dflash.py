@@ -2,7 +2,8 @@
 tiny random drafts written here (tests/dflash_files.py): the reader and its refusals, llama.cpp loading
 and running the same files (the oracle of the draft's forward pass and of the target's captured
 features), greedy output token-identical to decoding without a draft — alone, batched with prefix
-reuse, under preemption — sampled output with the target's distribution, and the feature mirror:
+reuse, under preemption (test_speculative.py's engine tests, run with a DFlash draft) — sampled
+output with the target's distribution, and the feature mirror:
 its round trip per dtype, its bytes against the memory plan, and prefix reuse carrying its rows.
 Random weights propose poorly (acceptance near 0): identity and losslessness must hold regardless."""
 from __future__ import annotations
@@ -16,23 +17,27 @@ import pytest
 import ember
 from dflash_files import reference_draft, write_dflash
 from ember.daemon.engine.defaults import KV_BLOCK
-from ember.daemon.engine.engine_core import EngineCore
-from ember.daemon.engine.sequence import Sequence, Status
+from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.loader.model_file import open_model_file
 from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.dflash import DFlashDraft
 from ember.daemon.planning.planner import Device, PlanRequest, SpeculativeSettings, plan_model
 from ember.daemon.planning.precision import resolve_policy, DeviceCaps, PrecisionSettings
-from ember.daemon.runner.model_runner import ModelRunner
 from ember.daemon.runner.step_batch import StepBatch
 from ember.daemon.speculative.dflash_file import check_fits, read_dflash
 from ember.daemon.speculative.feature_mirror import FeatureMirror
-from ember.daemon.speculative.feature_proposer import FeatureProposer
 from ember.kernels.convert import STORAGE_DTYPES, decode_rows, encode_rows, storage_bytes
 from ember.kernels.reference import dflash as reference
 from test_engine_core import run
-from test_speculative import PARAMS, SNIPPETS, chi_square_z
+from test_speculative import SEEDS, SNIPPETS, chi_square_z, engine_of, greedy, later_tokens
+# test_speculative.py's engine tests, run again here with this module's `spec` (a DFlash draft): batching
+# with prefix reuse and a logits stream, preemption, penalties and bias, max_tokens, stops and the
+# context limit inside a block, seeded sampling alone and in company
+from test_speculative import (test_a_stop_id_inside_a_block_ends_there, test_batched_with_prefix_reuse_and_logit_streams,  # noqa: F401
+                              test_greedy_with_penalties_and_bias_is_token_identical,
+                              test_kv_exhaustion_preempts_and_finishes_everything, test_max_tokens_inside_a_block,
+                              test_seeded_sampling_reproduces_alone_and_in_company, test_the_context_limit_inside_a_block)
 
 MASK = 5
 
@@ -51,22 +56,6 @@ def target() -> ember.Model:
 @pytest.fixture(scope="module")
 def spec(draft_path) -> ember.Model:  # type: ignore[no-untyped-def]
     return ember.load(DEMO_MODEL, draft=draft_path, draft_tokens=4)
-
-
-def engine_of(model: ember.Model, kv_blocks: int, block_size: int = 16, draft_tokens: int = 4,
-              feature_dtype: str = "f32", **options) -> EngineCore:  # type: ignore[no-untyped-def]
-    runner = ModelRunner(model.net, kv_blocks, block_size)
-    draft = FeatureProposer(model._draft, runner, feature_dtype=feature_dtype) if model._draft is not None else None
-    return EngineCore(runner, draft=draft, draft_tokens=draft_tokens, **options)
-
-
-_greedy: dict[tuple[int, ...], list[int]] = {}
-
-
-def greedy(target: ember.Model, prompt: list[int], max_tokens: int) -> list[int]:
-    if len(_greedy.get(tuple(prompt), ())) < max_tokens:
-        _greedy[tuple(prompt)] = list(target.generate(prompt, max_tokens=max(max_tokens, 64), ignore_eos=True))
-    return _greedy[tuple(prompt)][:max_tokens]
 
 
 # --- the file -------------------------------------------------------------------------------------
@@ -175,27 +164,6 @@ def test_greedy_is_token_identical(target, draft_path, draft_tokens: int) -> Non
     assert stats.steps > 0 and stats.proposed <= cap * stats.steps and stats.proposed > (cap - 1) * stats.steps
 
 
-def test_batched_with_prefix_reuse_and_preemption(target, spec) -> None:  # type: ignore[no-untyped-def]
-    """Sequences arrive while others decode, share prefixes, one asks for its logits (no proposals);
-    then a pool too small for all of them preempts: every sequence gets its tokens alone."""
-    prompts = [spec.tokenize(s) for s in SNIPPETS] + [spec.tokenize(SNIPPETS[0] + "\n    return")]
-    engine = engine_of(spec, kv_blocks=96, block_size=4, max_step_tokens=40, max_running=8, prefix_caching=True)
-    seqs = [Sequence(p, max_tokens=40) for p in prompts]
-    seqs[2].wants_logits = True
-    run(engine, {2 * i: [s] for i, s in enumerate(seqs)})
-    for seq, prompt in zip(seqs, prompts):
-        assert seq.generated == greedy(target, prompt, 40)
-    assert engine.spec_stats.steps > 0 and engine.stats().prefix_hits > 0
-    assert engine.stats().kv_blocks_free == 96
-
-    engine = engine_of(spec, kv_blocks=12, block_size=4, max_step_tokens=32)
-    seqs = [Sequence(p, max_tokens=24) for p in prompts[:5]]
-    run(engine, {0: seqs})
-    assert engine.scheduler.preemptions > 0
-    for seq, prompt in zip(seqs, prompts):
-        assert seq.status == Status.FINISHED and seq.generated == greedy(target, prompt, 24)
-
-
 def test_a_prompt_run_in_pieces_speculates_from_its_last_token(target, spec) -> None:  # type: ignore[no-untyped-def]
     """A prompt cut by max_step_tokens: its last piece, one token, already speculates (its block
     starts with a prompt token, over the injected rest of the prompt)."""
@@ -207,28 +175,14 @@ def test_a_prompt_run_in_pieces_speculates_from_its_last_token(target, spec) -> 
 
 
 # --- sampled: the target's distribution -----------------------------------------------------------
-SEEDS = 1500
-
-
-def later_tokens(model: ember.Model) -> list:  # type: ignore[type-arg]
-    """Tokens 2, 3 and 4 of SEEDS sampled continuations of one prompt, counted per position."""
-    from collections import Counter
-
-    prompt = model.tokenize("def main(")
-    engine = engine_of(model, kv_blocks=SEEDS, block_size=4, draft_tokens=3, max_running=256, max_step_tokens=1024,
-                       prefix_caching=True)
-    seqs = [Sequence(prompt, 4, PARAMS, seed=s) for s in range(SEEDS)]
-    run(engine, {0: seqs})
-    if model._draft is not None:
-        assert engine.spec_stats.steps >= SEEDS  # every sequence speculated
-    return [Counter(s.generated[i] for s in seqs) for i in (1, 2, 3)]
-
-
 def test_sampled_tokens_follow_the_target_distribution(target, spec) -> None:  # type: ignore[no-untyped-def]
-    """The rule's power is shown on a small vocabulary (test_speculative_verification.py); here the
-    draft's q is far from p (random weights), so almost every token comes from the residual
-    norm(max(0, p - q)): a wrong residual would show at once."""
-    for position, (a, b) in enumerate(zip(later_tokens(target), later_tokens(spec)), start=2):
+    """test_speculative.py's statistic (its power is shown on a small vocabulary in
+    test_speculative_verification.py). Here the draft's q is far from p (random weights), so almost
+    every token comes from the residual norm(max(0, p - q)): a wrong residual would show at once."""
+    plain, _ = later_tokens(target)
+    got, engine = later_tokens(spec)
+    assert engine.spec_stats.steps >= SEEDS  # every sequence speculated
+    for position, (a, b) in enumerate(zip(plain, got), start=2):
         assert chi_square_z(a, b) < 4.0, f"token {position} differs: {a.most_common(5)} vs {b.most_common(5)}"
 
 

@@ -21,6 +21,7 @@ from ember.daemon.planning.planner import (GiB, MiB, Device, ModelHeaders, PlanD
                                   SpeculativeSettings, TensorInfo, build_plan, layer_of, parse_device, parse_size,
                                   plan_model, weight_class, with_request)
 from ember.daemon.planning.precision import PrecisionSettings
+from gguf_writer import write_out
 
 QWEN3_8B = ModelConfig(arch="qwen3", n_layers=36, hidden=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn=12288,
                        vocab=151936, context_length=40960, rope_theta=1e6, norm_eps=1e-6)
@@ -247,12 +248,7 @@ def write_gguf(path: Path, arch: str, meta: dict[str, int], tensors: dict[str, n
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in meta.items():
         w.add_uint32(f"{arch}.{key}", value)
-    for name, value in tensors.items():
-        w.add_tensor(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w, tensors)
     return path
 
 

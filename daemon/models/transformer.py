@@ -163,22 +163,19 @@ class Transformer:
         """forward(), and the hidden states entering each of `layers` (model layer indices; n_layers
         is the last layer's output), every row: f32 [n, hidden] each — llama.cpp's layer inputs (the
         un-normed residual stream), which a DFlash draft reads (its target_layers)."""
-        x, features = self._layers(self.embed_tokens(batch), batch, cache, layers)
-        return self.head(x, batch), features
+        x, taps = self.embed_tokens(batch), {}
+        for i, block in zip(self.layers, self.blocks, strict=True):
+            if i in layers:
+                taps[i] = x  # a block returns a new array: this one stays as it is
+            x = block(self.ops, self.config, self.rope, x, cache, batch)
+        taps[self.layers.stop] = x
+        return self.head(x, batch), [taps[i] for i in layers]
 
     def run_layers(self, x: Array, batch: StepBatch, cache: PagedKVCache) -> Array:
         """Hidden states through this object's layers (f32 in, f32 out), writing their K/V into `cache`."""
-        return self._layers(x, batch, cache, ())[0]
-
-    def _layers(self, x: Array, batch: StepBatch, cache: PagedKVCache, capture: Sequence[int]
-                ) -> tuple[Array, list[Array]]:
-        taps: dict[int, Array] = {}
-        for i, block in zip(self.layers, self.blocks, strict=True):
-            if i in capture:
-                taps[i] = x  # a block returns a new array: this one stays as it is
+        for block in self.blocks:  # x is rebound: a layer's input is freed once the next has run
             x = block(self.ops, self.config, self.rope, x, cache, batch)
-        taps[self.layers.stop] = x  # "the input of layer n_layers": the last layer's output, before the final norm
-        return x, [taps[i] for i in capture]
+        return x
 
     def head(self, x: Array, batch: StepBatch) -> Array:
         """The final norm and output projection of the rows whose logits are wanted -> [n_logits, vocab]."""
