@@ -40,6 +40,7 @@ def write_dflash(path: Path, target: Path, target_layers: tuple[int, ...] = (1, 
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
+    w.add_vocab_size(cfg.vocab)  # the target's (test targets may pad their tokenizer past it)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_key_length(head_dim)
