@@ -32,6 +32,7 @@ from ember.daemon.config import DEFAULT_CTX
 from ember.daemon.planning.planner import Device, PlanRequest, plan_model, read_model_info
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.daemon.speculative.dflash_file import is_dflash
+from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB
 from ember.daemon.speculative.feature_proposer import FeatureProposer
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
@@ -64,6 +65,7 @@ class Model:
         self._net = None if pipeline else Transformer(mf, backend_for(name).ops(name), experts=experts)
         self.draft_path = None if draft is None else draft.path
         self.draft_tokens = draft_tokens
+        self.draft_min_prob = DRAFT_MIN_PROB  # the draft stops after a proposal it is less sure of (0: never)
         self.feature_dtype = feature_dtype
         self._draft: Transformer | DFlashDraft | None = None
         if draft is not None:
@@ -152,6 +154,7 @@ class Model:
             options.setdefault("draft", ModelRunner(self._draft, blocks, KV_BLOCK, self.kv_dtype, self.decode_act))
         if self._draft is not None:
             options.setdefault("draft_tokens", self.draft_tokens)
+            options.setdefault("draft_min_prob", self.draft_min_prob)
             options.setdefault("spec_stats", self._spec_stats)
         return EngineCore(runner, max_running=max_running, **options)
 

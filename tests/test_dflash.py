@@ -213,9 +213,14 @@ def test_mirror_bytes_equal_the_plan(draft_path, dtype: str) -> None:  # type: i
     loaded = ember.load(DEMO_MODEL, draft=draft_path, feature_dtype=dtype)
     engine = loaded.engine(seqs * (-(-ctx // KV_BLOCK) * KV_BLOCK), max_running=seqs, max_context=ctx)
     policy = resolve_policy([DeviceCaps.of("cpu")], env={}, flags=PrecisionSettings(feature=dtype))
-    plan = plan_model(DEMO_MODEL, PlanRequest(devices=(Device("cpu", 1 << 40),), policy=policy, ctx=ctx, seqs=seqs,
-                                              speculative=SpeculativeSettings(feature_layers=3)))
+    request = PlanRequest(devices=(Device("cpu", 1 << 40),), policy=policy, ctx=ctx, seqs=seqs)
+    plan = plan_model(DEMO_MODEL, request, draft_path)  # the mirror's width read off the draft
     assert engine.proposer.mirror.nbytes == plan.devices[0].feature_mirror == seqs * 63 * 16 * storage_bytes(dtype, 3 * 384)
+    assert plan_model(DEMO_MODEL, replace(request, speculative=SpeculativeSettings(3))).devices[0].feature_mirror \
+        == plan.devices[0].feature_mirror
+    stores = engine.proposer.cache.k + engine.proposer.cache.v  # the draft's injected K/V, as a draft model's
+    assert plan.devices[0].draft_kv_cache == sum(a.nbytes for s in stores for a in (s.f32, s.u16, s.i8, s.scales)
+                                                 if a.size > 1)
 
 
 @pytest.mark.parametrize("dtype", ["q8_0", "bf16"])

@@ -27,11 +27,8 @@ from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.logging_setup import configure_logging, get_logger
 from ember.daemon.server.notify import Notifier
-from ember.daemon.loader.model_file import open_model_file
-from ember.daemon.planning.planner import (Device, PlanDoesNotFit, PlanRequest, SpeculativeSettings, build_plan, log_plan,
-                                          read_model_info)
+from ember.daemon.planning.planner import Device, DraftModel, PlanDoesNotFit, PlanRequest, build_plan, log_plan, read_model_info
 from ember.daemon.planning.precision import ENV_VARS, DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
-from ember.daemon.speculative.dflash_file import is_dflash, read_dflash
 from ember.daemon.engine.defaults import KV_BLOCK
 from ember.daemon.runtime import Model, load
 from ember.daemon.runner.split_spec import parse_devices, parse_split, plan_stages, stage_budgets
@@ -117,8 +114,9 @@ def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
         request = PlanRequest(devices=tuple(Device(str(d), b) for d, b in zip(devices, budgets, strict=True)),
                               policy=_model_policy(policy, spec), ctx=config.engine.context_for(info.config.context_length),
                               seqs=config.engine.max_active, prefill_chunk=config.engine.max_step_tokens, split=split,
-                              expert_budget=spec.experts["expert_budget"], speculative=_feature_draft(spec))
-        plan = build_plan(info, request)
+                              expert_budget=spec.experts["expert_budget"])
+        draft = DraftModel(read_model_info(spec.draft), spec.draft_tokens) if spec.draft else None
+        plan = build_plan(info, request, draft)
         log_plan(plan, get_logger())
         plan.check()
         budgets = [b - d.required for b, d in zip(budgets, plan.devices, strict=True)]
@@ -134,14 +132,6 @@ def _model_policy(policy: PrecisionPolicy, spec: ModelSpec) -> PrecisionPolicy:
     if not spec.feature_dtype or policy.sources.get("feature") == ENV_VARS["feature"]:
         return policy
     return replace(policy, feature=spec.feature_dtype, sources={**policy.sources, "feature": "config"})
-
-
-def _feature_draft(spec: ModelSpec) -> SpeculativeSettings | None:
-    """The feature mirror's shape when the model's draft is feature-conditioned (DFlash), else None."""
-    if not spec.draft:
-        return None
-    draft = open_model_file(spec.draft)
-    return SpeculativeSettings(len(read_dflash(draft).target_layers)) if is_dflash(draft) else None
 
 
 def _compiling(notifier: Notifier) -> None:
