@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = draft_config(target_cfg, args, rarest_token(corpus.train, target_cfg["vocab_size"]))
     model = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
     target = FrozenTarget(model, cfg.target_layer_ids)
+    if len(corpus.val) < 1000:
+        raise ValueError(f"the corpus holds {len(corpus.val)} validation tokens: raise --corpus-mb")
     prompts = [corpus.val[s:s + 48].tolist() for s in
                np.random.default_rng(args.seed + 1).integers(0, len(corpus.val) - 48, args.eval_prompts)]
     evals = EvalSet.build(target, prompts, args.eval_tokens)
