@@ -30,6 +30,7 @@ from ember.daemon.runner.split_spec import parse_devices, parse_split, plan_stag
 from ember.daemon.config import DEFAULT_CTX
 from ember.daemon.planning.planner import Device, PlanRequest, plan_model, read_model_info
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
+from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
 from ember.daemon.text.tokenizer import Tokenizer, TokenizerError
@@ -59,6 +60,7 @@ class Model:
         self._net = None if pipeline else Transformer(mf, backend_for(name).ops(name), experts=experts)
         self.draft_path = None if draft is None else draft.path
         self.draft_tokens = draft_tokens
+        self.draft_min_prob = DRAFT_MIN_PROB  # the draft stops after a proposal it is less sure of (0: never)
         self._draft = None if draft is None else Transformer(draft, backend_for(name).ops(name))
         self._spec_stats = SpecStats()
 
@@ -141,6 +143,7 @@ class Model:
         if self._draft is not None:  # the draft's cache mirrors the target's blocks (daemon/speculative/)
             options.setdefault("draft", ModelRunner(self._draft, blocks, KV_BLOCK, self.kv_dtype, self.decode_act))
             options.setdefault("draft_tokens", self.draft_tokens)
+            options.setdefault("draft_min_prob", self.draft_min_prob)
             options.setdefault("spec_stats", self._spec_stats)
         return EngineCore(runner, max_running=max_running, **options)
 

@@ -61,6 +61,23 @@ def test_greedy_is_token_identical(target, k: int) -> None:
     assert stats.mean_accepted_length > 1 + 0.5 * min(k, 2)
 
 
+def test_the_draft_stops_where_it_is_unsure(target, spec) -> None:
+    """DraftProposer's rule: after a proposal whose draft distribution's top probability is below
+    min_prob, no more that step. 1.0 stops after every first proposal, 0 never stops early; the
+    tokens are the target's either way, and the default stops some of the time."""
+    prompt = spec.tokenize(SNIPPETS[2])
+    proposed = {}
+    for min_prob in (0.0, 0.7, 1.0):
+        engine = engine_of(spec, kv_blocks=16)
+        engine.proposer.min_prob = min_prob
+        seq = Sequence(prompt, 60)
+        run(engine, {0: [seq]})
+        assert seq.generated == greedy(target, prompt, 60)
+        proposed[min_prob] = engine.spec_stats.proposed / engine.spec_stats.steps
+    assert proposed[1.0] == 1.0 and proposed[0.0] > 3.5  # k = 4 but near max_tokens
+    assert 1.0 < proposed[0.7] < proposed[0.0]
+
+
 def test_greedy_with_penalties_and_bias_is_token_identical(target, spec) -> None:
     options = dict(repetition_penalty=1.3, frequency_penalty=0.5, logit_bias={271: -5.0, 25: 2.0}, logprobs=3)
     want = [c for c in target.generate(SNIPPETS[0], max_tokens=64, ignore_eos=True, **options)]

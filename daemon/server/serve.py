@@ -25,7 +25,7 @@ from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.logging_setup import configure_logging, get_logger
 from ember.daemon.server.notify import Notifier
-from ember.daemon.planning.planner import Device, PlanDoesNotFit, PlanRequest, build_plan, log_plan, read_model_info
+from ember.daemon.planning.planner import Device, DraftModel, PlanDoesNotFit, PlanRequest, build_plan, log_plan, read_model_info
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.daemon.engine.defaults import KV_BLOCK
 from ember.daemon.runtime import Model, load
@@ -112,7 +112,8 @@ def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
                               policy=policy, ctx=config.engine.context_for(info.config.context_length),
                               seqs=config.engine.max_active, prefill_chunk=config.engine.max_step_tokens, split=split,
                               expert_budget=spec.experts["expert_budget"])
-        plan = build_plan(info, request)
+        draft = DraftModel(read_model_info(spec.draft), spec.draft_tokens) if spec.draft else None
+        plan = build_plan(info, request, draft)
         log_plan(plan, get_logger())
         plan.check()
         budgets = [b - d.required for b, d in zip(budgets, plan.devices, strict=True)]
