@@ -21,6 +21,7 @@ from ember.daemon.planning.planner import (GiB, MiB, Device, DraftModel, ModelHe
                                   PlanRequest, SpeculativeSettings, TensorInfo, build_plan, layer_of, parse_device,
                                   parse_size, plan_model, read_model_info, weight_class, with_request)
 from ember.daemon.planning.precision import PrecisionSettings
+from gguf_writer import write_out
 
 QWEN3_8B = ModelConfig(arch="qwen3", n_layers=36, hidden=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn=12288,
                        vocab=151936, context_length=40960, rope_theta=1e6, norm_eps=1e-6)
@@ -149,10 +150,10 @@ def test_split_staging_and_kv_per_device() -> None:
     ("q8_0", 2048 * (3 * 4096 // 32) * 34),  # 26_738_688: 34 bytes per 32 values
 ])
 def test_feature_mirror(dtype: str, expected: int) -> None:
-    spec = SpeculativeSettings(feature_layers=3, ctx_cap=2048)
-    assert plan(QWEN3_8B, ctx=4096, feature=dtype, speculative=spec).devices[0].feature_mirror == expected
-    # a context below the cap mirrors the context; each sequence has its own mirror
-    assert plan(QWEN3_8B, ctx=1024, seqs=2, feature=dtype, speculative=spec).devices[0].feature_mirror == expected
+    spec = SpeculativeSettings(feature_layers=3)
+    assert plan(QWEN3_8B, ctx=2048, feature=dtype, speculative=spec).devices[0].feature_mirror == expected
+    # a row per KV-cache position: each sequence has its own, rounded up to whole KV blocks
+    assert plan(QWEN3_8B, ctx=1020, seqs=2, feature=dtype, speculative=spec).devices[0].feature_mirror == expected
 
 
 def test_no_mirror_without_speculation() -> None:
@@ -247,12 +248,7 @@ def write_gguf(path: Path, arch: str, meta: dict[str, int], tensors: dict[str, n
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in meta.items():
         w.add_uint32(f"{arch}.{key}", value)
-    for name, value in tensors.items():
-        w.add_tensor(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w, tensors)
     return path
 
 

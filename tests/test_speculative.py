@@ -16,7 +16,9 @@ import ember
 from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence, Status
 from ember.daemon.loader.demo_model import DEMO_DRAFT, DEMO_MODEL
+from ember.daemon.models.dflash import DFlashDraft
 from ember.daemon.runner.model_runner import ModelRunner
+from ember.daemon.speculative.feature_proposer import FeatureProposer
 from ember.kernels.sampling import SamplingParams
 from test_engine_core import run
 
@@ -34,9 +36,15 @@ def spec() -> ember.Model:
     return ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=4)
 
 
-def engine_of(model: ember.Model, kv_blocks: int, block_size: int = 16, draft_tokens: int = 4, **options) -> EngineCore:
-    draft = ModelRunner(model._draft, kv_blocks, block_size) if model._draft is not None else None
-    return EngineCore(ModelRunner(model.net, kv_blocks, block_size), draft=draft, draft_tokens=draft_tokens, **options)
+def engine_of(model: ember.Model, kv_blocks: int, block_size: int = 16, draft_tokens: int = 4,
+              feature_dtype: str = "f32", **options) -> EngineCore:
+    """An engine of model's target and draft (a draft model, or a DFlash draft: tests/test_dflash.py)."""
+    runner = ModelRunner(model.net, kv_blocks, block_size)
+    if isinstance(model._draft, DFlashDraft):
+        draft: ModelRunner | FeatureProposer | None = FeatureProposer(model._draft, runner, feature_dtype=feature_dtype)
+    else:
+        draft = ModelRunner(model._draft, kv_blocks, block_size) if model._draft is not None else None
+    return EngineCore(runner, draft=draft, draft_tokens=draft_tokens, **options)
 
 
 _greedy: dict[tuple[int, ...], list[int]] = {}

@@ -32,10 +32,10 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--expert-budget", default=None, metavar="SIZE|N%",
                    help="MoE: hot experts' bytes at most (512MiB, or N%% of the experts); the rest run cold on CPU workers")
     p.add_argument("--speculative", action="store_true", help="reserve the speculative-decoding feature mirror")
-    p.add_argument("--spec-layers", type=int, default=3, help="hidden states captured per token (default 3)")
-    p.add_argument("--spec-ctx", type=int, default=4096, help="positions mirrored per sequence (default 4096)")
+    p.add_argument("--spec-layers", type=int, default=3,
+                   help="target layers a feature draft reads per position: len(dflash.target_layers) (default 3)")
     p.add_argument("--draft", default=None, metavar="PATH", help="a draft model for speculative decoding: its weights, "
-                   "KV cache and proposals are counted on the device")
+                   "KV cache and proposals are counted on the device (a DFlash draft: its feature mirror too)")
     p.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per step (default 4)")
     p.add_argument("--graph-headroom", default=None, metavar="SIZE", help="per CUDA device (default 256MiB)")
     p.add_argument("--act-cap", default=None, metavar="SIZE", help="activation reservation cap per device")
@@ -71,7 +71,7 @@ def _request(args: argparse.Namespace) -> Any:
     if args.prefill_chunk is not None:
         options["prefill_chunk"] = args.prefill_chunk
     if args.speculative:
-        options["speculative"] = SpeculativeSettings(args.spec_layers, args.spec_ctx)
+        options["speculative"] = SpeculativeSettings(args.spec_layers)
     if args.graph_headroom is not None:
         options["graph_headroom"] = parse_size(args.graph_headroom)
     if args.act_cap is not None:

@@ -21,6 +21,7 @@ from ember.daemon.engine.sequence import Sequence, Status
 from ember.daemon.runner.model_runner import KVStateLost, ModelRunner, PendingStep, StepRun
 from ember.daemon.runner.step_batch import StepBatch
 from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB, DraftProposer
+from ember.daemon.speculative.feature_proposer import FeatureProposer
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.speculative.verification import Proposal, verify
 from ember.kernels.sampling import Choice
@@ -62,36 +63,44 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, max_step_tokens: int = 256, max_running: int = 64,
-                 prefix_caching: bool = True, max_context: int | None = None, draft: ModelRunner | None = None,
-                 draft_tokens: int = 4, spec_stats: SpecStats | None = None, draft_min_prob: float = DRAFT_MIN_PROB) -> None:
+                 prefix_caching: bool = True, max_context: int | None = None,
+                 draft: ModelRunner | FeatureProposer | None = None, draft_tokens: int = 4,
+                 spec_stats: SpecStats | None = None, draft_min_prob: float = DRAFT_MIN_PROB) -> None:
         """max_context: tokens per sequence at most (default and upper bound: the model's context).
         draft: a runner of the draft model whose KV cache has as many blocks, of the same size, as
         the target's; each sequence then gets up to draft_tokens proposals a step, fewer where the
         draft is unsure (DraftProposer's min_prob = draft_min_prob), counted in spec_stats (a new
-        SpecStats if not given).
+        SpecStats if not given). Or a feature-conditioned draft built over `runner`
+        (FeatureProposer): at most its block less one proposals a step, all from one pass.
 
         A hybrid model (runner.stateful) runs without prefix reuse: cached KV blocks would skip the
         tokens whose recurrent state the sequence still needs (docs/hybrid.md); nor with a draft
         (rejected proposals would have to be taken out of the recurrent state)."""
         if runner.stateful and max_running > runner.max_sequences:
             raise ValueError(f"max_running {max_running} exceeds the runner's {runner.max_sequences} recurrent state slots")
-        if draft is not None and (runner.stateful or draft.stateful):
+        feature = isinstance(draft, FeatureProposer)
+        if draft is not None and (runner.stateful or (not feature and draft.stateful)):
             raise ValueError("speculative decoding needs attention-only models (no recurrent state)")
         self.runner = runner
         self.blocks = BlockManager(runner.kv_blocks, runner.block_size, prefix_caching and not runner.stateful)
         context = min(max_context or runner.config.context_length, runner.config.context_length)
-        self.proposer: DraftProposer | None = None
+        self.proposer: DraftProposer | FeatureProposer | None = None
         self.spec_stats = spec_stats or SpecStats()
         if draft is not None:
             if (draft.kv_blocks, draft.block_size) != (runner.kv_blocks, runner.block_size):
                 raise ValueError("the draft's KV cache must have the target's blocks and block size")
             if draft_tokens < 1:
                 raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
-            self.proposer = DraftProposer(draft, runner.config.vocab, draft_min_prob)
+            if isinstance(draft, FeatureProposer):
+                if draft.target is not runner:
+                    raise ValueError("a feature draft must be built over the engine's own runner")
+                self.proposer, draft_tokens = draft, min(draft_tokens, draft.max_proposals)
+            else:
+                self.proposer = DraftProposer(draft, runner.config.vocab, draft_min_prob)
         lookahead = draft_tokens if draft is not None else 0
         # aligned prompt runs only where decodes can never take the whole budget (else prompts could wait forever)
         align = runner.step_alignment if max_step_tokens >= runner.step_alignment + max_running else 1
-        self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context, lookahead, align)
+        self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context, lookahead, align, feature)
         self._in_flight: deque[_Flight] = deque()  # steps submitted to a pipelined runner, oldest first
 
     def add(self, seq: Sequence) -> None:
@@ -275,6 +284,8 @@ class EngineCore:
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         samplers = [(rows.last[i], chunks[i].seq) for i in sampling if i not in proposals]
         run = self.runner.execute(batch, samplers, rows.keep + rows.verified)
+        if isinstance(self.proposer, FeatureProposer):
+            self.proposer.absorb(batch, run)  # every row's features, before any position counts as computed
         if not proposals:
             return run
         # one entry per sampling chunk again: the runner's samples, and the verified blocks in between

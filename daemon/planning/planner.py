@@ -124,8 +124,8 @@ class Device:
 
 @dataclass(frozen=True)
 class SpeculativeSettings:
-    feature_layers: int = 3  # hidden states captured per token (EAGLE-3: a low, a middle, a high layer)
-    ctx_cap: int = 4096  # positions mirrored per sequence, at most
+    # target hidden states captured per position for a feature-conditioned draft: len(dflash.target_layers)
+    feature_layers: int = 3
 
 
 @dataclass(frozen=True)
@@ -323,7 +323,7 @@ def build_plan(info: ModelHeaders, request: PlanRequest, draft: DraftModel | Non
             # the last stage hands the step's logits rows back through a segment of its own, one region
             # per micro-batch in flight (one per stage)
             + (logits_rows_bytes(cfg.vocab, request.prefill_chunk, len(devices)) if last and i > 0 else 0),
-            feature_mirror=_feature_mirror(cfg, request, ctx) if last else 0,
+            feature_mirror=_feature_mirror(cfg, request, draft, kv_tokens) if last else 0,
             offloads_experts=(request.expert_offload and dev.kind == "cuda") or request.expert_budget is not None,
             expert_bytes=_expert_bytes(info),
             expert_cap=_expert_cap(request.expert_budget, weights[i].experts, sum(w.experts for w in weights)),
@@ -491,12 +491,20 @@ def parse_expert_budget(spec: int | str | None, total: int) -> int | None:
     return spec
 
 
-def _feature_mirror(cfg: ModelConfig, request: PlanRequest, ctx: int) -> int:
-    spec = request.speculative
-    if spec is None:
+def _feature_mirror(cfg: ModelConfig, request: PlanRequest, draft: DraftModel | None, kv_tokens: int) -> int:
+    """A row of captured features per KV-cache position: the mirror is paged with the KV cache's
+    block tables (daemon/speculative/feature_mirror.py allocates exactly this). Its width: the
+    request's feature layers, or a DFlash draft's (its fc reads them) x the target's hidden size."""
+    layers = request.speculative.feature_layers if request.speculative is not None else _dflash_layers(draft, cfg)
+    return kv_tokens * storage_bytes(request.policy.feature, layers * cfg.hidden) if layers else 0
+
+
+def _dflash_layers(draft: DraftModel | None, cfg: ModelConfig) -> int:
+    """Target layers a DFlash draft reads (fc.weight is [hidden, layers x target hidden]); 0 for none."""
+    if draft is None or draft.headers.config.arch != "dflash":
         return 0
-    positions = min(ctx, spec.ctx_cap)
-    return positions * request.seqs * storage_bytes(request.policy.feature, spec.feature_layers * cfg.hidden)
+    fc = next((t for t in draft.headers.tensors if t.name == "fc.weight"), None)
+    return fc.shape[-1] // cfg.hidden if fc is not None else 0
 
 
 def _cpu_threads(request: PlanRequest) -> int:
