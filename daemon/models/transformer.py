@@ -11,7 +11,7 @@ forward pass is cut in three — `embed`, `run_layers`, `head` — that the whol
 from __future__ import annotations
 
 from dataclasses import dataclass
-
+from typing import Any
 
 from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions
 from ember.daemon.experts.moe_ffn import MoEFFN, expert_files, load_moe_ffn
@@ -24,7 +24,7 @@ from ember.daemon.models.architectures import ArchSpec, architecture
 from ember.daemon.models.linear_attention import GatedDeltaNet, load_gated_delta_net
 from ember.daemon.runner.recurrent_state import RecurrentState
 from ember.daemon.runner.step_batch import StepBatch
-from ember.kernels.ops import Array, Ops, Weight
+from ember.kernels.ops import Array, LayerShape, LayerWeights, Ops, Weight
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType
 
@@ -88,9 +88,16 @@ class Block:
     attn: Attention | GatedDeltaNet
     ffn_norm: Array
     ffn: DenseFFN | MoEFFN | SharedExpertMoE
+    fused: Any = None  # the backend's compiled form of the whole layer (ops.fuse_layer), if it has one
 
     def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: PagedKVCache,
                  batch: StepBatch) -> Array:
+        if self.fused is not None:  # decode steps: the layer in one go, Python off the per-op path
+            kv = self.attn.kv_layer
+            out = ops.run_fused_layer(self.fused, x, cache.k[kv], cache.v[kv], batch.decode_rows, batch.positions,
+                                      batch.kv_blocks, batch.kv_offsets, batch.tables, batch.token_seq)
+            if out is not None:
+                return out
         x = x + self._mix(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache, batch)
         return x + self.ffn(ops, ops.rmsnorm(x, self.ffn_norm, cfg.norm_eps), batch.decode_rows)
 
@@ -115,13 +122,13 @@ class Transformer:
         tied = "output.weight" not in mf.tensors
         embed = self.runs_first or (self.runs_last and tied)
         self.embed = ops.weight(mf.tensor("token_embd.weight")) if embed else None
-        self.blocks = [_load_block(mf, ops, spec, i, self.layers.start, self.experts) for i in self.layers]
-        self.norm = _norm(mf, ops, "output_norm.weight") if self.runs_last else None
-        # tied embeddings: the output projection is the embedding matrix, shared, not loaded twice
-        self.output = None if not self.runs_last else self.embed if tied else ops.weight(mf.tensors["output.weight"])
         factors = mf.tensors.get("rope_freqs.weight")
         inv_freq = mf.config.inv_freq(None if factors is None else ops.to_numpy(ops.vector(factors)))
         self.rope = Rope(ops.vector(RawTensor("rope.inv_freq", TensorType.F32, inv_freq.shape, inv_freq)), mf.rope_interleaved)
+        self.blocks = [_load_block(mf, ops, spec, i, self.layers.start, self.experts, self.rope) for i in self.layers]
+        self.norm = _norm(mf, ops, "output_norm.weight") if self.runs_last else None
+        # tied embeddings: the output projection is the embedding matrix, shared, not loaded twice
+        self.output = None if not self.runs_last else self.embed if tied else ops.weight(mf.tensors["output.weight"])
 
     @property
     def runs_first(self) -> bool:
@@ -184,7 +191,8 @@ def _expert_manager(mf: ModelFile, options: ExpertOptions) -> ExpertManager | No
     return ExpertManager(mf.path, mf.config.hidden, mf.config.n_experts_used, sizes, mf.config.n_experts, options)
 
 
-def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, experts: ExpertManager | None) -> Block:
+def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, experts: ExpertManager | None,
+                rope: Rope) -> Block:
     """Layer i of a Transformer whose first layer is `first` (its cache's layers count from there)."""
     def w(name: str) -> Weight:
         return ops.weight(mf.tensor(f"blk.{i}.{name}.weight"))
@@ -217,7 +225,14 @@ def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, exp
         k_norm=vec("attn_k_norm.weight") if spec.qk_norm else None,
         kv_layer=i - first,
     )
-    return Block(vec("attn_norm.weight"), attn, vec("ffn_norm.weight"), ffn)
+    block = Block(vec("attn_norm.weight"), attn, vec("ffn_norm.weight"), ffn)
+    if isinstance(ffn, DenseFFN):
+        cfg = mf.config
+        block.fused = ops.fuse_layer(
+            LayerWeights(block.attn_norm, attn.wq, attn.wk, attn.wv, attn.wo, attn.bq, attn.bk, attn.bv, attn.q_norm,
+                         attn.k_norm, block.ffn_norm, ffn.gate, ffn.up, ffn.down),
+            LayerShape(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, rope.inv_freq, rope.interleaved))
+    return block
 
 
 def _norm(mf: ModelFile, ops: Ops, name: str) -> Array:

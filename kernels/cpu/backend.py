@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.kernels.cpu import dense, linear_attention, quant_matmul
+from ember.kernels.cpu import decoder_layer, dense, linear_attention, quant_matmul
 from ember.kernels.cpu.paged_attention import KVLayerStore, paged_attention
-from ember.kernels.ops import Array, Ops
+from ember.kernels.ops import Array, LayerShape, LayerWeights, Ops
 from ember.kernels.reference.quant import dequantize
 from ember.kernels.raw_tensor import RawTensor
 
@@ -43,6 +43,16 @@ class CpuOps(Ops):
             flags = quant_matmul.decode_flags(decode_rows)
             self._last_rows = (decode_rows, flags)
         return flags
+
+    def fuse_layer(self, w: LayerWeights, shape: LayerShape) -> decoder_layer.FusedLayer | None:
+        return decoder_layer.fuse(*w, *shape)
+
+    def run_fused_layer(self, fused: decoder_layer.FusedLayer, x: Array, k: KVLayerStore, v: KVLayerStore,
+                        decode_rows: Array, positions: Array, kv_blocks: Array, kv_offsets: Array, tables: Array,
+                        token_seq: Array) -> np.ndarray | None:
+        if self._flags(decode_rows) is not True:  # prompt rows take the float kernels: op by op
+            return None
+        return decoder_layer.run(fused, x, k, v, self.kv_write, positions, kv_blocks, kv_offsets, tables, token_seq)
 
     def embedding(self, w: quant_matmul.CpuWeight, ids: np.ndarray) -> np.ndarray:
         return quant_matmul.embedding(w, np.asarray(ids, dtype=np.int64))
