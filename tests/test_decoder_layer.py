@@ -3,6 +3,9 @@ for bit: a decode row's logits must not depend on whether its step ran fused (ev
 or op by op (a step with prompt rows), in any weight type, KV dtype, architecture or kernel variant."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -77,3 +80,21 @@ def test_a_decode_row_beside_a_prompt_chunk_runs_op_by_op_and_equals_it_alone() 
 def test_layers_without_integer_kernels_are_not_fused() -> None:
     net = synthetic_model([T.Q8_0, T.F16, T.BF16, T.F32])
     assert [b.fused is not None for b in net.blocks] == [True, False, False, False]
+
+
+def test_a_fresh_process_can_start_with_a_fused_step() -> None:
+    """The fused functions loaded from numba's cache call parallel kernels; a process whose first
+    kernel was one of them crashed until the module started the thread pool itself."""
+    code = ("import numpy as np\n"
+            "from ember.daemon.runner.kernel_cache import synthetic_model\n"
+            "from ember.daemon.runner.step_batch import StepBatch\n"
+            "from ember.kernels.cpu import twin\n"
+            "net = synthetic_model([8, 8])\n"  # Q8_0 layers
+            "batch = StepBatch.build([([3], 0, [0])], 16, prompt_lengths=[0])\n"
+            "twin.FORCE = 'serial'\n"  # no parallel kernel before the fused step
+            "x = net.embed_tokens(batch)\n"
+            "twin.FORCE = 'parallel'\n"
+            "print(np.isfinite(net.run_layers(x, batch, net.new_cache(1, 16))).all())\n")
+    for _ in range(2):  # the second process loads what the first compiled
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
