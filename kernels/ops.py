@@ -29,9 +29,10 @@ class ExpertWeights(NamedTuple):
 
 
 class LayerWeights(NamedTuple):
-    """A standard decoder layer (ops.fuse_layer): x + attention(rmsnorm(x)), then h + ffn(rmsnorm(h)),
+    """A standard decoder layer (ops.fuse_layer): h = x + attention(rmsnorm(x)), then h + ffn(rmsnorm(h)),
     the attention with q/k/v (and optional biases), q/k head norms (optional) and rope, the FFN
-    down(swiglu(gate x, up x))."""
+    down(swiglu(gate x, up x)); gate, up and down None: a layer whose FFN is not fused (MoE), which
+    the fused form takes up to h."""
 
     attn_norm: Array
     wq: Weight
@@ -44,9 +45,9 @@ class LayerWeights(NamedTuple):
     q_norm: Array | None
     k_norm: Array | None
     ffn_norm: Array
-    gate: Weight
-    up: Weight
-    down: Weight
+    gate: Weight | None
+    up: Weight | None
+    down: Weight | None
 
 
 class LayerShape(NamedTuple):
@@ -135,7 +136,8 @@ class Ops(ABC):
 
     def run_fused_layer(self, fused: Any, x: Array, k: Any, v: Any, decode_rows: Array, positions: Array,
                         kv_blocks: Array, kv_offsets: Array, tables: Array, token_seq: Array) -> Array | None:
-        """The layer `fused` on x [n, d] -> its output [n, d], its K/V written to the stores k and v as
+        """The layer `fused` on x [n, d] -> its output [n, d] (h, after the attention, if it was fused
+        without its FFN), its K/V written to the stores k and v as
         kv_write does and read as paged_attention does; or None, having done nothing, for a step the
         fused form does not take (the model then runs the layer op by op). Bit for bit what the ops
         compute one by one, so a row's result never depends on which of the two ran it."""

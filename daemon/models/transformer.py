@@ -88,17 +88,22 @@ class Block:
     attn: Attention | GatedDeltaNet
     ffn_norm: Array
     ffn: DenseFFN | MoEFFN | SharedExpertMoE
-    fused: Any = None  # the backend's compiled form of the whole layer (ops.fuse_layer), if it has one
+    fused: Any = None  # the backend's compiled form of the layer (ops.fuse_layer), if it has one
+    fused_ffn: bool = False  # whether `fused` includes the FFN (a dense one) or stops at the attention residual
 
     def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: PagedKVCache,
                  batch: StepBatch) -> Array:
+        out = None
         if self.fused is not None:  # decode steps: the layer in one go, Python off the per-op path
             kv = self.attn.kv_layer
             out = ops.run_fused_layer(self.fused, x, cache.k[kv], cache.v[kv], batch.decode_rows, batch.positions,
                                       batch.kv_blocks, batch.kv_offsets, batch.tables, batch.token_seq)
-            if out is not None:
-                return out
-        x = x + self._mix(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache, batch)
+        if out is None:
+            x = x + self._mix(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache, batch)
+        elif self.fused_ffn:
+            return out
+        else:
+            x = out
         return x + self.ffn(ops, ops.rmsnorm(x, self.ffn_norm, cfg.norm_eps), batch.decode_rows)
 
     def _mix(self, ops: Ops, cfg: ModelConfig, rope: Rope, h: Array, cache: PagedKVCache, batch: StepBatch) -> Array:
@@ -226,12 +231,13 @@ def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, exp
         kv_layer=i - first,
     )
     block = Block(vec("attn_norm.weight"), attn, vec("ffn_norm.weight"), ffn)
-    if isinstance(ffn, DenseFFN):
-        cfg = mf.config
-        block.fused = ops.fuse_layer(
-            LayerWeights(block.attn_norm, attn.wq, attn.wk, attn.wv, attn.wo, attn.bq, attn.bk, attn.bv, attn.q_norm,
-                         attn.k_norm, block.ffn_norm, ffn.gate, ffn.up, ffn.down),
-            LayerShape(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, rope.inv_freq, rope.interleaved))
+    dense = isinstance(ffn, DenseFFN)  # a MoE layer's attention is fused, its experts run as ops.expert_ffn
+    cfg = mf.config
+    block.fused = ops.fuse_layer(
+        LayerWeights(block.attn_norm, attn.wq, attn.wk, attn.wv, attn.wo, attn.bq, attn.bk, attn.bv, attn.q_norm,
+                     attn.k_norm, block.ffn_norm, *((ffn.gate, ffn.up, ffn.down) if dense else (None,) * 3)),
+        LayerShape(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, rope.inv_freq, rope.interleaved))
+    block.fused_ffn = dense
     return block
 
 

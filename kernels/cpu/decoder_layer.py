@@ -67,15 +67,18 @@ class FusedLayer:
 
 def fuse(attn_norm: np.ndarray, wq: CpuWeight, wk: CpuWeight, wv: CpuWeight, wo: CpuWeight, bq: np.ndarray | None,
          bk: np.ndarray | None, bv: np.ndarray | None, q_norm: np.ndarray | None, k_norm: np.ndarray | None,
-         ffn_norm: np.ndarray, gate: CpuWeight, up: CpuWeight, down: CpuWeight, n_heads: int, n_kv_heads: int,
-         head_dim: int, eps: float, inv_freq: np.ndarray, interleaved: bool) -> FusedLayer | None:
-    """The layer's fused form, or None where the op-by-op path computes differently (a matrix without
-    integer decode kernels, gate and up of different shapes) or the shapes do not chain."""
-    mats = (wq, wk, wv, wo, gate, up, down)
-    if not all(w.int8 for w in mats) or (gate.rows, gate.cols) != (up.rows, up.cols):
-        return None
+         ffn_norm: np.ndarray | None, gate: CpuWeight | None, up: CpuWeight | None, down: CpuWeight | None,
+         n_heads: int, n_kv_heads: int, head_dim: int, eps: float, inv_freq: np.ndarray,
+         interleaved: bool) -> FusedLayer | None:
+    """The layer's fused form (without FFN matrices: its attention and residual only), or None where
+    the op-by-op path computes differently (a matrix without integer decode kernels, gate and up of
+    different shapes) or the shapes do not chain."""
     d = attn_norm.shape[0]
-    if (wq.cols, wk.cols, wv.cols, gate.cols, wo.rows, down.rows) != (d,) * 6 or down.cols != gate.rows:
+    ffn = gate is not None
+    if ffn and not (gate.int8 and up.int8 and down.int8 and (gate.rows, gate.cols) == (up.rows, up.cols) == (down.cols, d)
+                    and down.rows == d):
+        return None
+    if not all(w.int8 for w in (wq, wk, wv, wo)) or (wq.cols, wk.cols, wv.cols, wo.rows) != (d,) * 4:
         return None
     if (wq.rows, wk.rows, wv.rows, wo.cols) != (n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim,
                                                  n_heads * head_dim):
@@ -84,8 +87,9 @@ def fuse(attn_norm: np.ndarray, wq: CpuWeight, wk: CpuWeight, wv: CpuWeight, wo:
     attn_in = (_f32(attn_norm), np.array([wq.code, wk.code, wv.code], np.int64), wq.u8, wk.u8, wv.u8,
                biased, _f32(bq), _f32(bk), _f32(bv), normed, _f32(q_norm), _f32(k_norm), _f32(inv_freq),
                bool(interleaved), n_heads, n_kv_heads, head_dim, float(eps))
-    attn_out = (np.float32(head_dim**-0.5), wo.code, wo.u8, _f32(ffn_norm), float(eps), gate.code, gate.u8, up.code,
-                up.u8, down.code, down.u8)
+    mats = (gate, up, down) if ffn else (wo, wo, wo)  # stand-ins the compiled code never reads
+    attn_out = (np.float32(head_dim**-0.5), wo.code, wo.u8, ffn, _f32(ffn_norm), float(eps),
+                *(v for w in mats for v in (w.code, w.u8)))
     return FusedLayer(attn_in, attn_out, n_kv_heads, head_dim)
 
 
@@ -149,9 +153,10 @@ def _attention_in(x, positions, force, attn_norm, codes, wq, wk, wv, biased, bq,
 
 @njit(cache=True, nogil=True)
 def _attention_out(x, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq, positions,
-                   force, scale, code_o, wo, ffn_norm, eps, code_g, gate, code_u, up, code_d, down):
-    """Attention over the paged cache, the output projection and residual, then rmsnorm, the SwiGLU
-    FFN and its residual -> the layer's output [n, hidden]."""
+                   force, scale, code_o, wo, ffn, ffn_norm, eps, code_g, gate, code_u, up, code_d, down):
+    """Attention over the paged cache, the output projection and residual, then (if `ffn`) rmsnorm,
+    the SwiGLU FFN and its residual -> the layer's output [n, hidden] (the attention residual
+    without `ffn`)."""
     n, heads, hd = q.shape
     attn = np.empty_like(q)
     if _parallel(force, q.size * 2 * (positions[-1] + 1), PARALLEL_MIN_WORK):
@@ -163,6 +168,8 @@ def _attention_out(x, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mod
     o = np.empty((n, wo.shape[0]), np.float32)
     _matmul_int8(code_o, wo, attn.reshape(n, heads * hd), o, force)
     x = x + o
+    if not ffn:
+        return x
     h = np.empty_like(x)
     _rmsnorm(x, ffn_norm, eps, h, force)
     f = np.empty((n, gate.shape[0]), np.float32)
