@@ -81,6 +81,7 @@ def compile_all() -> None:
             net.forward(StepBatch.build([([7], 6, [0, 1]), ([8, 9], 0, [1])], 16, prompt_lengths=[5, 2]), cache)
             net.forward(StepBatch.build([([7], 6, [0, 1]), ([8], 1, [1])], 16, prompt_lengths=[5, 2]), cache)
         _linear_attention_kernels()
+        _expert_kernels(net)
 
 
 def _linear_attention_kernels() -> None:
@@ -104,6 +105,17 @@ def _linear_attention_kernels() -> None:
         for tiled in (False, True):
             ops.gated_delta_net(mixed, ab, ab, A, dt_bias, delta_states, starts, slots, positions, hk, dk, tiled)
         ops.sigmoid_mul(x, x)
+
+
+def _expert_kernels(net) -> None:  # type: ignore[no-untyped-def]
+    """MoE layers' decode kernel (the experts of a step in one call), with the synthetic model's dense
+    FFNs standing in for experts."""
+    from ember.kernels.ops import ExpertWeights
+
+    experts = {e: ExpertWeights(b.ffn.gate, b.ffn.up, b.ffn.down) for e, b in enumerate(net.blocks[:4])}
+    x = np.ones((2, net.config.hidden), np.float32)
+    token, expert, weight = np.array([0, 0, 1, 1]), np.array([0, 1, 1, 3]), np.ones(4, np.float32)
+    net.ops.expert_ffn(x, experts, token, expert, weight, np.ones(2, bool))
 
 
 def synthetic_model(types: Sequence[int] | None = None, arch: str = "qwen3"):  # type: ignore[no-untyped-def]
