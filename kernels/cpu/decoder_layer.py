@@ -52,7 +52,6 @@ _NONE = np.zeros(0, np.float32)
 # pool without starting it: in a process that has run no parallel kernel yet, that call crashed
 # (segfault). Asking for the thread count starts the pool.
 numba.get_num_threads()  # an absent bias or norm: one compiled signature for every model
-_FORCE = {None: 0, "serial": 1, "parallel": 2}  # twin.FORCE as the compiled code reads it
 
 
 @dataclass(frozen=True)
@@ -103,7 +102,7 @@ def run(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, kv_w
         kv_blocks: np.ndarray, kv_offsets: np.ndarray, tables: np.ndarray, token_seq: np.ndarray) -> np.ndarray:
     """The layer on x [n, hidden] (every row a decode row), its K/V written by `kv_write(store,
     blocks, offsets, rows)` -> the layer's output [n, hidden]."""
-    force = _FORCE[twin.FORCE]
+    force = twin.force_code()
     q, kr, vr = _attention_in(_f32_rows(x), positions, force, *layer.attn_in)
     kv_write(k, kv_blocks, kv_offsets, kr)
     kv_write(v, kv_blocks, kv_offsets, vr)

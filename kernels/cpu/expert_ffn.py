@@ -30,7 +30,6 @@ from ember.kernels.ops import ExpertWeights
 
 __all__ = ["expert_ffn"]
 
-_FORCE = {None: 0, "serial": 1, "parallel": 2}
 
 
 def expert_ffn(x: np.ndarray, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
@@ -49,7 +48,7 @@ def expert_ffn(x: np.ndarray, experts: Mapping[int, ExpertWeights], token: np.nd
     table = np.array(rows, np.int64)
     _groups(np.ascontiguousarray(x, np.float32), table, np.append(firsts, order.size),
             np.ascontiguousarray(token[order], np.int64), np.ascontiguousarray(weight[order], np.float32),
-            _FORCE[twin.FORCE], out)
+            twin.force_code(), out)
     return out
 
 
