@@ -3,13 +3,16 @@
 
 For each mode, the configurations alternate --rounds times (so the machine's drift hits them alike)
 and each figure is the median over the rounds: tok/s of --tokens generated tokens after each of the
-prompts (one sequence at a time, ignore_eos, as Model.generate runs), the draft's acceptance rate and
-the mean accepted length (tokens per verification pass, the target's own one included). Then what
-bounds the speedup, measured on the same models: one target decode step (1 token), one
-verification forward (k + 1 tokens), one draft step, and the speedup they predict,
-L x t_step / (k x t_draft + t_verify) for mean accepted length L.
+prompts (one sequence at a time, ignore_eos, as Model.generate runs), the draft's acceptance rate,
+the mean accepted length (tokens per verification pass, the target's own one included) and the
+proposals per verification pass (each one a draft pass and a verification row; the draft stops
+early where it is unsure, DraftProposer.min_prob, except in the "full" configuration). Then what
+bounds the speedup, measured on the same models: one target decode step (1 token), verification
+forwards (n tokens), one draft step, the host work of sampled verification, and for each
+configuration the speedup the measured costs predict,
+L x t_step / (P x t_draft + t_verify(1 + P)) for mean accepted length L and P proposals per pass.
 
-    python benchmarks/speculative.py [--tokens 128] [--rounds 3] [--k 2,3,4] [--threads N]
+    python benchmarks/speculative.py [--tokens 128] [--rounds 3] [--k 3,4,6] [--full-k 4] [--threads N]
 """
 from __future__ import annotations
 
@@ -18,11 +21,16 @@ import os
 import statistics
 import time
 
+import numpy as np
+
 import ember
+from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_DRAFT, DEMO_MODEL
 from ember.daemon.runner.model_runner import ModelRunner
 from ember.daemon.runner.step_batch import StepBatch
 from ember.daemon.speculative.spec_stats import SpecStats
+from ember.daemon.speculative.verification import Proposal, draft_choice, verify
+from ember.kernels.sampling import SamplingParams
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
            "for i in range(10):\n    print("]
@@ -52,11 +60,31 @@ def forward_ms(net, n: int, context: int = 64, reps: int = 200) -> float:  # typ
                 runner.cache)
     batch = runner.prepare(StepBatch.build([(list(range(100, 100 + n)), context, table)], 16,
                                            prompt_lengths=[context], logit_tails=[n]))
+    return _median_ms(lambda: net.forward(batch, runner.cache), reps)
+
+
+def sampled_verification_ms(k: int, vocab: int, reps: int = 100) -> float:
+    """The host work of one sampled round at temperature 0.7 (k draft choices, then verifying k + 1
+    rows with every proposal accepted: the most rows a round reads), in milliseconds."""
+    rows = np.random.default_rng(0).normal(size=(k + 1, vocab)).astype(np.float32) * 3
+    seq = Sequence([1, 2, 3], 1000, SamplingParams(temperature=0.7), seed=0)
+
+    def one_round() -> None:
+        tokens, probs = [], []
+        for i in range(k):
+            token, q = draft_choice(rows[i], seq, tokens)
+            tokens.append(token)
+            probs.append(q)
+        verify(rows, Proposal(tokens, probs), seq)  # the draft's rows are the target's: all accepted
+    return _median_ms(one_round, reps)
+
+
+def _median_ms(work, reps: int) -> float:  # type: ignore[no-untyped-def]
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(reps):
-            net.forward(batch, runner.cache)
+            work()
         times.append((time.perf_counter() - t0) / reps * 1e3)
     return statistics.median(times)
 
@@ -65,7 +93,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--k", default="2,3,4", help="draft tokens per step to try")
+    ap.add_argument("--k", default="3,4,6", help="draft tokens per step to try")
+    ap.add_argument("--full-k", type=int, default=4, help="also this k drafting every token (no early stop; 0: skip)")
     ap.add_argument("--threads", type=int, default=0, help="numba threads (default: all cores)")
     args = ap.parse_args()
     if args.threads:
@@ -74,10 +103,14 @@ def main() -> None:
         numba.set_num_threads(args.threads)
     ks = [int(k) for k in args.k.split(",")]
     target = ember.load(DEMO_MODEL)
-    drafts = {k: ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=k) for k in ks}
-    configs = {"autoregressive": target, **{f"draft k={k}": m for k, m in drafts.items()}}
+    configs = {"autoregressive": target}
+    configs |= {f"draft k={k}": ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=k) for k in ks}
+    if args.full_k:
+        full = configs[f"draft k={args.full_k} full"] = ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=args.full_k)
+        full.draft_min_prob = 0.0
     print(f"demo dense (Q8_0) + demo draft (Q8_0), {args.tokens} tokens x {len(PROMPTS)} prompts, "
           f"{args.rounds} rounds, {os.cpu_count()} CPUs")
+    results: dict[str, dict[str, tuple[float, SpecStats]]] = {}
     for mode, options in MODES.items():
         for model in configs.values():
             decode(model, 8, options)  # warm: every kernel shape of this mode loaded
@@ -85,21 +118,35 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, model in configs.items():
                 runs[name].append(decode(model, args.tokens, options))
-        base = statistics.median(r[0] for r in runs["autoregressive"])
-        print(f"\n{mode}:\n| config | tok/s | speedup | acceptance | mean accepted length |\n|---|---|---|---|---|")
-        for name, results in runs.items():
-            rate = statistics.median(r[0] for r in results)
-            stats = SpecStats(*(sum(getattr(r[1], f) for r in results) for f in ("proposed", "accepted", "steps")))
-            extra = (f"{stats.acceptance_rate:.0%} | {stats.mean_accepted_length:.2f}" if stats.steps else "- | -")
-            print(f"| {name} | {rate:.0f} | {rate / base:.2f}x | {extra} |")
-    step, draft = forward_ms(target.net, 1), forward_ms(drafts[ks[0]]._draft, 1)
-    print(f"\nwhat bounds it: target decode step {step:.3f} ms, draft step {draft:.3f} ms ({draft / step:.2f} of a step)")
-    print("| k | verify k+1 tokens | per token | k draft steps | round | tokens/round for 1.8x |\n|---|---|---|---|---|---|")
-    for k in ks:
-        verify = forward_ms(target.net, k + 1)
-        round_ms = k * draft + verify
-        print(f"| {k} | {verify:.3f} ms ({verify / step:.2f} steps) | {verify / (k + 1):.3f} ms | {k * draft:.3f} ms "
-              f"| {round_ms:.3f} ms | {1.8 * round_ms / step:.2f} (at most {k + 1}) |")
+        results[mode] = {name: (statistics.median(r[0] for r in rs), SpecStats(
+            *(sum(getattr(r[1], f) for r in rs) for f in ("proposed", "accepted", "steps")))) for name, rs in runs.items()}
+
+    most = max(ks + [args.full_k]) + 1
+    verify_ms = [0.0] + [forward_ms(target.net, n) for n in range(1, most + 1)]  # verify_ms[n]: n tokens
+    step, draft = verify_ms[1], forward_ms(configs[f"draft k={ks[0]}"]._draft, 1)
+    sampling = sampled_verification_ms(4, target.config.vocab)
+
+    def verify_steps(rows: float) -> float:  # linear between the measured whole row counts
+        lo = min(int(rows), most - 1)
+        return (verify_ms[lo] + (rows - lo) * (verify_ms[lo + 1] - verify_ms[lo])) / step
+
+    for mode, table in results.items():
+        base = table["autoregressive"][0]
+        print(f"\n{mode}:\n| config | tok/s | speedup | acceptance | mean accepted length | proposals per pass "
+              f"| round cost (target steps) | predicted speedup |\n|---|---|---|---|---|---|---|---|")
+        for name, (rate, stats) in table.items():
+            if not stats.steps:
+                print(f"| {name} | {rate:.0f} | {rate / base:.2f}x | - | - | - | 1.00 | 1.00x |")
+                continue
+            per = stats.proposed / stats.steps
+            cost = per * draft / step + verify_steps(1 + per)
+            print(f"| {name} | {rate:.0f} | {rate / base:.2f}x | {stats.acceptance_rate:.0%} | "
+                  f"{stats.mean_accepted_length:.2f} | {per:.2f} | {cost:.2f} | {stats.mean_accepted_length / cost:.2f}x |")
+    print(f"\nwhat bounds it: target decode step {step:.3f} ms, draft step {draft:.3f} ms ({draft / step:.2f} of a step); "
+          f"sampled host work of a k=4 round (4 draft choices, 5 rows verified) {sampling:.3f} ms ({sampling / step:.2f} of a step)")
+    print("| tokens verified | ms | target steps | per token |\n|---|---|---|---|")
+    for n in range(1, most + 1):
+        print(f"| {n} | {verify_ms[n]:.3f} | {verify_ms[n] / step:.2f} | {verify_ms[n] / n / step:.2f} |")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
     name = "qwen3-8b"             # default: the file name without extension
     draft = "/var/lib/ember/models/qwen3-0.6b-q8_0.gguf"  # optional: speculative decoding (docs/speculative.md)
     draft_tokens = 4              # tokens the draft proposes per step
+    feature_dtype = "f32"         # a DFlash draft's feature mirror: f32, f16, bf16, q8_0 (EMBER_FEATURE_DTYPE overrides)
     expert_budget = "50%"         # MoE: hot experts' bytes at most (bytes, "2GiB", "N%"); "": all hot
     cold_workers = 2              # MoE: CPU workers for the cold experts; -1: 2 when some are cold
     cold_policy = "exact"         # MoE: "exact" (default) or "mask" (cold experts dropped: lossy)
@@ -16,7 +17,7 @@
 
 The `ember serve` flags --expert-budget, --cold-workers and --cold-policy set those keys for every model.
 Environment: EMBER_CONFIG (the file), EMBER_SOCKET, EMBER_MODELS (paths separated by ':'), EMBER_KV_DTYPE,
-EMBER_ACT_DTYPE, and
+EMBER_ACT_DTYPE, EMBER_FEATURE_DTYPE (every model's feature_dtype), and
 EMBER_<SECTION>_<FIELD> for every other scalar (EMBER_ENGINE_MAX_ACTIVE=2). A bad value is refused at
 start with the key, the reason and where the value came from.
 """
@@ -31,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES
+from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES, STORAGE_DTYPES
 from ember.daemon.planning.precision import ACT_DTYPES
 from ember.daemon.runner.devices import DeviceName
 from ember.daemon.runner.split_spec import parse_devices, parse_split
@@ -60,6 +61,7 @@ class ModelSpec(_Section):
     name: str = ""
     draft: str = ""  # a draft model for speculative decoding (same vocabulary); "": none
     draft_tokens: int = 4  # tokens the draft proposes per step
+    feature_dtype: str = ""  # a DFlash draft's feature mirror: f32, f16, bf16 or q8_0; "": EMBER_FEATURE_DTYPE, else f32
     expert_budget: str = ""  # MoE: hot experts' bytes at most (bytes, a size, "N%"); "": every expert hot
     cold_workers: int = -1  # MoE: CPU worker processes for cold experts; -1: 2 when some are cold
     cold_policy: str = "exact"  # MoE: "exact" or "mask" (lossy, opt-in)
@@ -74,6 +76,8 @@ class ModelSpec(_Section):
         if self.expert_budget:
             parse_expert_budget(self.expert_budget, 1)  # raises PlanError (a ValueError) with the reason
         _check(1 <= self.draft_tokens <= 32, f"draft_tokens must be in [1, 32], got {self.draft_tokens}")
+        _check(self.feature_dtype in ("", *STORAGE_DTYPES),
+               f"feature_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {self.feature_dtype!r}")
 
     @property
     def experts(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from ember.daemon.engine.sequence import Sequence as EngineSequence
 from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions, ExpertStats
 from ember.daemon.loader.model_file import ModelFile, open_model_file
 from ember.daemon.loader.model_file_error import ModelFileError
+from ember.daemon.models.dflash import DFlashDraft
 from ember.daemon.models.transformer import Transformer
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import ModelRunner
@@ -30,6 +31,9 @@ from ember.daemon.runner.split_spec import parse_devices, parse_split, plan_stag
 from ember.daemon.config import DEFAULT_CTX
 from ember.daemon.planning.planner import Device, PlanRequest, plan_model, read_model_info
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
+from ember.daemon.speculative.dflash_file import is_dflash
+from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB
+from ember.daemon.speculative.feature_proposer import FeatureProposer
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
 from ember.daemon.text.tokenizer import Tokenizer, TokenizerError
@@ -43,9 +47,11 @@ __all__ = ["Model", "ModelFileError", "load"]
 class Model:
     def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str = "cpu", kv_dtype: str = "f32",
                  decode_act: str = "q8_0", pipeline: Pipeline | None = None,
-                 experts: ExpertOptions | None = None, draft: ModelFile | None = None, draft_tokens: int = 4) -> None:
+                 experts: ExpertOptions | None = None, draft: ModelFile | None = None, draft_tokens: int = 4,
+                 feature_dtype: str = "f32") -> None:
         """On `device`, or split across `pipeline`'s stages (its workers already loaded); a MoE
-        model's experts placed by `experts`; `draft` proposes `draft_tokens` tokens a step."""
+        model's experts placed by `experts`; `draft` proposes `draft_tokens` tokens a step (a DFlash
+        draft reads the target's features, mirrored in `feature_dtype`)."""
         self.path = mf.path
         self.config = mf.config
         self.tokenizer = tokenizer
@@ -59,7 +65,11 @@ class Model:
         self._net = None if pipeline else Transformer(mf, backend_for(name).ops(name), experts=experts)
         self.draft_path = None if draft is None else draft.path
         self.draft_tokens = draft_tokens
-        self._draft = None if draft is None else Transformer(draft, backend_for(name).ops(name))
+        self.draft_min_prob = DRAFT_MIN_PROB  # the draft stops after a proposal it is less sure of (0: never)
+        self.feature_dtype = feature_dtype
+        self._draft: Transformer | DFlashDraft | None = None
+        if draft is not None:
+            self._draft = DFlashDraft(draft, self.net) if is_dflash(draft) else Transformer(draft, backend_for(name).ops(name))
         self._spec_stats = SpecStats()
 
     def __repr__(self) -> str:
@@ -138,9 +148,13 @@ class Model:
                              f"tokens the split's staging holds (load(..., max_step_tokens=))")
         else:
             runner = SplitRunner(self.pipeline, blocks, KV_BLOCK, self.kv_dtype, self.decode_act)
-        if self._draft is not None:  # the draft's cache mirrors the target's blocks (daemon/speculative/)
+        if isinstance(self._draft, DFlashDraft):  # its KV cache and feature mirror follow the target's blocks
+            options.setdefault("draft", FeatureProposer(self._draft, runner, self.kv_dtype, self.feature_dtype))
+        elif self._draft is not None:  # the draft's cache mirrors the target's blocks (daemon/speculative/)
             options.setdefault("draft", ModelRunner(self._draft, blocks, KV_BLOCK, self.kv_dtype, self.decode_act))
+        if self._draft is not None:
             options.setdefault("draft_tokens", self.draft_tokens)
+            options.setdefault("draft_min_prob", self.draft_min_prob)
             options.setdefault("spec_stats", self._spec_stats)
         return EngineCore(runner, max_running=max_running, **options)
 
@@ -226,7 +240,7 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
          devices: str | Sequence[str] | None = None, split: str | Sequence[int] | None = None,
          act_dtype: str = "auto", max_step_tokens: int = PREFILL_CHUNK, stage_threads: int = 0, shm_owner: str | None = None,
          expert_budget: int | str | None = None, cold_workers: int | None = None, cold_policy: str = "exact",
-         draft: str | Path | None = None, draft_tokens: int = 4) -> Model:
+         draft: str | Path | None = None, draft_tokens: int = 4, feature_dtype: str | None = None) -> Model:
     """Open a GGUF file or Hugging Face directory and place the model on `device` ("cpu"); its KV
     cache holds `kv_dtype` (f32, f16, bf16 or q8_0); generated tokens meet quantized weights with
     `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do).
@@ -244,7 +258,10 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
 
     `draft`: a smaller model with the same vocabulary that proposes `draft_tokens` tokens a step for
     the target to verify (speculative decoding: the same tokens when greedy, the same distribution
-    when sampled; docs/speculative.md). The draft runs on `device`, beside the target."""
+    when sampled; docs/speculative.md). The draft runs on `device`, beside the target. A draft in
+    llama.cpp's `dflash` format (a feature-conditioned draft) is recognised by its architecture: it
+    reads the target's hidden states, kept per position in `feature_dtype` (f32, f16, bf16 or q8_0;
+    None: EMBER_FEATURE_DTYPE, else f32), and proposes up to min(draft_tokens, its block - 1) a step."""
     experts = ExpertOptions(expert_budget, cold_workers, cold_policy)
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
@@ -258,7 +275,7 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
         raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
     backend = backend_for(names[0])  # an unknown device fails before the file is read
     policy = resolve_policy([DeviceCaps.of(str(n)) for n in names],
-                            flags=PrecisionSettings(act=None if act_dtype == "auto" else act_dtype))
+                            flags=PrecisionSettings(act=None if act_dtype == "auto" else act_dtype, feature=feature_dtype))
     mf = open_model_file(path)
     draft_file = None if draft is None else open_model_file(draft)
     if draft_file is not None and draft_file.config.vocab != mf.config.vocab:
@@ -273,7 +290,7 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
         if experts.budget is not None and mf.config.n_experts:
             experts = replace(experts, device_room=_expert_room(mf.path, names[0], replace(policy, kv=kv_dtype), experts))
         return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, experts=experts, draft=draft_file,
-                     draft_tokens=draft_tokens)
+                     draft_tokens=draft_tokens, feature_dtype=policy.feature)
     if draft_file is not None:
         raise ValueError("a draft model with a layer split is not supported yet: load the target on one device")
     stages = plan_stages(names, counts, mf.config.n_layers, stage_budgets(names))

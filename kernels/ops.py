@@ -135,10 +135,12 @@ class Ops(ABC):
         return None
 
     def run_fused_layer(self, fused: Any, x: Array, k: Any, v: Any, decode_rows: Array, positions: Array,
-                        kv_blocks: Array, kv_offsets: Array, tables: Array, token_seq: Array) -> Array | None:
+                        seen: Array, kv_blocks: Array, kv_offsets: Array, tables: Array, token_seq: Array
+                        ) -> Array | None:
         """The layer `fused` on x [n, d] -> its output [n, d] (h, after the attention, if it was fused
         without its FFN), its K/V written to the stores k and v as
-        kv_write does and read as paged_attention does; or None, having done nothing, for a step the
+        kv_write does and read as paged_attention does (rope at `positions`, each token seeing its
+        sequence's keys 0 .. seen[i]); or None, having done nothing, for a step the
         fused form does not take (the model then runs the layer op by op). Bit for bit what the ops
         compute one by one, so a row's result never depends on which of the two ran it."""
         raise NotImplementedError(f"{self.name} fuses no layers")

@@ -59,6 +59,16 @@ def write_gguf(path: Path, hf_config: Any, state: dict[str, np.ndarray], types: 
     return path
 
 
+def write_out(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
+    """Add `tensors` as they are and write the file (header, metadata, tensors)."""
+    for name, value in tensors.items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def _split_fused_experts(state: dict[str, np.ndarray]) -> Any:
     """transformers keeps a layer's experts fused in memory (mlp.experts.gate_up_proj [experts, 2 x ffn,
     hidden], mlp.experts.down_proj): yield them under the stacked names the converter maps."""

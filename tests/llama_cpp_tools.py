@@ -4,24 +4,13 @@ llama_model_quantize), so tests compare ember with files llama.cpp made itself."
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-LLAMA_CPP_SRC = Path(os.environ.get("EMBER_LLAMA_CPP_SRC", "/work/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+from ember.daemon.loader.llama_cpp_converter import convert_hf
 
-# the demo tokenizer's pre-tokenizer is not in the converter's table of known hashes: it is GPT-2's
-# byte-level BPE, as for the shared demo models (their README)
-_CONVERT = """
-import runpy, sys
-sys.path.insert(0, {src!r})
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
-runpy.run_path({script!r}, run_name="__main__")
-"""
+LLAMA_CPP_SRC = Path(os.environ.get("EMBER_LLAMA_CPP_SRC", "/work/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 
 
 def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
@@ -29,12 +18,7 @@ def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
     script = LLAMA_CPP_SRC / "convert_hf_to_gguf.py"
     if not script.exists():
         pytest.skip(f"llama.cpp's converter not found at {script} (set EMBER_LLAMA_CPP_SRC)")
-    code = _CONVERT.format(src=str(LLAMA_CPP_SRC), script=str(script))
-    done = subprocess.run([sys.executable, "-c", code, str(hf_dir), "--outfile", str(out), "--outtype", outtype,
-                           "--no-mtp"], capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-3000:]}")
-    return out
+    return convert_hf(script, hf_dir, out, outtype, "--no-mtp")
 
 
 def quantize(src: Path, out: Path, ftype: str = "Q8_0") -> Path:

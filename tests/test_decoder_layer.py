@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -98,3 +99,19 @@ def test_a_fresh_process_can_start_with_a_fused_step() -> None:
     for _ in range(2):  # the second process loads what the first compiled
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
         assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+
+
+def test_a_block_that_sees_past_its_positions_runs_fused_as_op_by_op() -> None:
+    """StepBatch.attn_end (a DFlash noise block: every token sees the whole block) reaches the fused
+    attention as it reaches paged_attention."""
+    net = synthetic_model(INT8_TYPES)
+    hidden = []
+    for fused in (True, False):
+        if not fused:
+            without_fusion(net)
+        cache = net.new_cache(4, 16, "f32")
+        net.forward(StepBatch.build([([1, 2, 3, 4, 5], 0, [0, 1])], 16), cache)
+        step = StepBatch.build([([9, 10, 11], 5, [0, 1])], 16, prompt_lengths=[5], logit_tails=[3])
+        step = replace(step, attn_end=np.full(3, 7, np.int64))
+        hidden.append(np.array(net.run_layers(net.embed_tokens(step), step, cache)))
+    np.testing.assert_array_equal(hidden[0], hidden[1])

@@ -17,10 +17,11 @@ import pytest
 
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.loader.model_config import ModelConfig
-from ember.daemon.planning.planner import (GiB, MiB, Device, ModelHeaders, PlanDoesNotFit, PlanError, PlanRequest,
-                                  SpeculativeSettings, TensorInfo, build_plan, layer_of, parse_device, parse_size,
-                                  plan_model, weight_class, with_request)
+from ember.daemon.planning.planner import (GiB, MiB, Device, DraftModel, ModelHeaders, PlanDoesNotFit, PlanError,
+                                  PlanRequest, SpeculativeSettings, TensorInfo, build_plan, layer_of, parse_device,
+                                  parse_size, plan_model, read_model_info, weight_class, with_request)
 from ember.daemon.planning.precision import PrecisionSettings
+from gguf_writer import write_out
 
 QWEN3_8B = ModelConfig(arch="qwen3", n_layers=36, hidden=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn=12288,
                        vocab=151936, context_length=40960, rope_theta=1e6, norm_eps=1e-6)
@@ -149,10 +150,10 @@ def test_split_staging_and_kv_per_device() -> None:
     ("q8_0", 2048 * (3 * 4096 // 32) * 34),  # 26_738_688: 34 bytes per 32 values
 ])
 def test_feature_mirror(dtype: str, expected: int) -> None:
-    spec = SpeculativeSettings(feature_layers=3, ctx_cap=2048)
-    assert plan(QWEN3_8B, ctx=4096, feature=dtype, speculative=spec).devices[0].feature_mirror == expected
-    # a context below the cap mirrors the context; each sequence has its own mirror
-    assert plan(QWEN3_8B, ctx=1024, seqs=2, feature=dtype, speculative=spec).devices[0].feature_mirror == expected
+    spec = SpeculativeSettings(feature_layers=3)
+    assert plan(QWEN3_8B, ctx=2048, feature=dtype, speculative=spec).devices[0].feature_mirror == expected
+    # a row per KV-cache position: each sequence has its own, rounded up to whole KV blocks
+    assert plan(QWEN3_8B, ctx=1020, seqs=2, feature=dtype, speculative=spec).devices[0].feature_mirror == expected
 
 
 def test_no_mirror_without_speculation() -> None:
@@ -247,12 +248,7 @@ def write_gguf(path: Path, arch: str, meta: dict[str, int], tensors: dict[str, n
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in meta.items():
         w.add_uint32(f"{arch}.{key}", value)
-    for name, value in tensors.items():
-        w.add_tensor(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w, tensors)
     return path
 
 
@@ -452,3 +448,57 @@ def test_cli_table_and_exit_status_when_it_does_not_fit(capsys: pytest.CaptureFi
     assert "It fits." in capsys.readouterr().out
     assert main(["plan", "/no/such/model.gguf"]) == 1
     assert "no such file" in capsys.readouterr().err
+
+
+# --- a draft model (speculative decoding) -----------------------------------------------------------------
+def test_draft_model_counted_and_allocated_as_planned() -> None:
+    """The draft's weights as the target's are counted, its KV cache with the target's blocks in its own
+    layers and heads, its proposals' distributions; the runtime's draft cache has exactly the planned
+    bytes (the daemon's pool: seqs x ctx rounded to blocks)."""
+    import ember
+    from ember.daemon.loader.demo_model import DEMO_DRAFT
+
+    reader = gguf.GGUFReader(DEMO_DRAFT)
+    matrices = sum(int(t.n_bytes) for t in reader.tensors if len(t.shape) > 1)
+    vectors = sum(int(t.n_bytes) for t in reader.tensors if len(t.shape) == 1)
+    for kv, per_head in (("f32", 64 * 4), ("q8_0", 2 * 34)):
+        request = PlanRequest.create([CPU], flags=PrecisionSettings(kv=kv), env={}, ctx=1000, seqs=3)
+        alone, (d,) = plan_model(DEMO_MODEL, request).devices[0], plan_model(DEMO_MODEL, request, DEMO_DRAFT, 5).devices
+        assert d.draft_weights == matrices + 2 * vectors
+        assert d.draft_kv_cache == 2 * 2 * per_head * 2 * 1008 * 3  # 2 layers x 2 kv heads x head x K,V x ctx x seqs
+        assert d.draft_proposals == 3 * 5 * 8192 * 8
+        assert d.required == alone.required + d.draft + (d.activations.bytes - alone.activations.bytes)
+        assert d.activations.logits == 3 * 6 * 8192 * 4  # the last token and 5 proposals per sequence
+        model = ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=5, kv_dtype=kv)
+        engine = model.engine(3 * 1008, max_running=3)
+        for planned, runner in ((d.kv_cache, engine.runner), (d.draft_kv_cache, engine.proposer.runner)):
+            stores = runner.cache.k + runner.cache.v  # less the 1-element placeholders of the dtypes not used
+            assert planned == sum(a.nbytes for s in stores for a in (s.f32, s.u16, s.i8, s.scales) if a.size > 1)
+
+
+def test_a_draft_that_does_not_fit_is_named() -> None:
+    from ember.daemon.loader.demo_model import DEMO_DRAFT
+
+    request = PlanRequest.create([CPU], env={}, ctx=1024, seqs=64)
+    alone = plan_model(DEMO_MODEL, request).devices[0].required
+    two = plan_model(DEMO_MODEL, request, DEMO_DRAFT, 2).devices[0].required
+    for budget, fix in ((two, r"fewer draft tokens \(--draft-tokens 2\)"), (alone + MiB, "no draft model")):
+        tight = replace(request, devices=(Device("cpu", budget),))
+        with pytest.raises(PlanDoesNotFit, match=r"draft model 1\d\d.\d\d MiB\..*\n.*" + fix):
+            plan_model(DEMO_MODEL, tight, DEMO_DRAFT, 4).check()
+    with pytest.raises(PlanError, match="layer split"):
+        plan_model(DEMO_MODEL, PlanRequest.create([CPU, CPU], env={}), DEMO_DRAFT)
+    with pytest.raises(PlanError, match="draft's vocabulary"):
+        build_plan(read_model_info(DEMO_MODEL), PlanRequest.create([CPU], env={}), DraftModel(shape_only(QWEN3_8B)))
+
+
+def test_cli_counts_the_draft(capsys: pytest.CaptureFixture[str]) -> None:
+    from ember.client.cli import main
+    from ember.daemon.loader.demo_model import DEMO_DRAFT
+
+    assert main(["plan", str(DEMO_MODEL), "--ctx", "1024", "--device", "cpu=1GiB", "--draft", str(DEMO_DRAFT),
+                 "--draft-tokens", "3", "--json"]) == 0
+    (dev,) = json.loads(capsys.readouterr().out)["devices"]
+    assert dev["draft"]["kv_cache"] == 2 * 2 * 64 * 4 * 2 * 1024
+    assert dev["draft"]["total"] == dev["draft"]["weights"] + dev["draft"]["kv_cache"] + dev["draft"]["proposals"]
+    assert dev["required"] == (dev["weights"]["total"] + dev["kv_cache"] + dev["activations"]["bytes"] + dev["draft"]["total"])

@@ -16,7 +16,9 @@ import ember
 from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence, Status
 from ember.daemon.loader.demo_model import DEMO_DRAFT, DEMO_MODEL
+from ember.daemon.models.dflash import DFlashDraft
 from ember.daemon.runner.model_runner import ModelRunner
+from ember.daemon.speculative.feature_proposer import FeatureProposer
 from ember.kernels.sampling import SamplingParams
 from test_engine_core import run
 
@@ -34,9 +36,15 @@ def spec() -> ember.Model:
     return ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=4)
 
 
-def engine_of(model: ember.Model, kv_blocks: int, block_size: int = 16, draft_tokens: int = 4, **options) -> EngineCore:
-    draft = ModelRunner(model._draft, kv_blocks, block_size) if model._draft is not None else None
-    return EngineCore(ModelRunner(model.net, kv_blocks, block_size), draft=draft, draft_tokens=draft_tokens, **options)
+def engine_of(model: ember.Model, kv_blocks: int, block_size: int = 16, draft_tokens: int = 4,
+              feature_dtype: str = "f32", **options) -> EngineCore:
+    """An engine of model's target and draft (a draft model, or a DFlash draft: tests/test_dflash.py)."""
+    runner = ModelRunner(model.net, kv_blocks, block_size)
+    if isinstance(model._draft, DFlashDraft):
+        draft: ModelRunner | FeatureProposer | None = FeatureProposer(model._draft, runner, feature_dtype=feature_dtype)
+    else:
+        draft = ModelRunner(model._draft, kv_blocks, block_size) if model._draft is not None else None
+    return EngineCore(runner, draft=draft, draft_tokens=draft_tokens, **options)
 
 
 _greedy: dict[tuple[int, ...], list[int]] = {}
@@ -59,6 +67,23 @@ def test_greedy_is_token_identical(target, k: int) -> None:
     assert stats.steps > 0 and stats.proposed <= k * stats.steps
     assert stats.acceptance_rate > 0.5  # the trained pair agrees (77% in transformers at k=4)
     assert stats.mean_accepted_length > 1 + 0.5 * min(k, 2)
+
+
+def test_the_draft_stops_where_it_is_unsure(target, spec) -> None:
+    """DraftProposer's rule: after a proposal whose draft distribution's top probability is below
+    min_prob, no more that step. 1.0 stops after every first proposal, 0 never stops early; the
+    tokens are the target's either way, and the default stops some of the time."""
+    prompt = spec.tokenize(SNIPPETS[2])
+    proposed = {}
+    for min_prob in (0.0, 0.7, 1.0):
+        engine = engine_of(spec, kv_blocks=16)
+        engine.proposer.min_prob = min_prob
+        seq = Sequence(prompt, 60)
+        run(engine, {0: [seq]})
+        assert seq.generated == greedy(target, prompt, 60)
+        proposed[min_prob] = engine.spec_stats.proposed / engine.spec_stats.steps
+    assert proposed[1.0] == 1.0 and proposed[0.0] > 3.5  # k = 4 but near max_tokens
+    assert 1.0 < proposed[0.7] < proposed[0.0]
 
 
 def test_greedy_with_penalties_and_bias_is_token_identical(target, spec) -> None:

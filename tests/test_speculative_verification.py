@@ -1,51 +1,63 @@
 """Speculative sampling is lossless: on a small vocabulary with every sampling option on, the first two
 tokens of draft-and-verify follow the target's distribution exactly (the joint law, computed, against
-tens of thousands of draws), and the same test rejects a wrong rule."""
+thousands of draws), and the same test rejects a wrong rule. The same holds without truncation
+(verification's unnormalized distributions) and when the draft stops early by its own confidence
+(DraftProposer's rule), while a stopping rule that reads the drawn token is seen to be wrong."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.speculative import verification
-from ember.daemon.speculative.verification import Proposal, draft_choice, verify
+from ember.daemon.speculative.verification import Distribution, Proposal, draft_choice, verify
 from ember.kernels.sampling import SamplingParams, final_distribution, penalized_logits, sample
 
 V, PROMPT, TRIALS = 8, [1, 3], 3000
 PARAMS = SamplingParams(temperature=0.9, top_k=6, top_p=0.92, min_p=0.04, repetition_penalty=1.3,
                         frequency_penalty=0.4, presence_penalty=0.2, logit_bias={2: 1.0, 5: -0.5})
+UNTRUNCATED = SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.4, logit_bias={2: 1.0})
 rng = np.random.default_rng(0)
 TARGET = (rng.normal(size=V) * 1.5, rng.normal(size=(V, V)) * 1.5, rng.normal(size=(V, V, V)))  # after 0, 1, 2 tokens
 # the draft: the target's logits plus noise, as a smaller model of the same data would be
 DRAFT = (TARGET[0] + rng.normal(size=V), TARGET[1] + rng.normal(size=(V, V)))
 
 
-def target_law() -> np.ndarray:
+def target_law(params: SamplingParams) -> np.ndarray:
     """P(t1, t2): the target's distribution of the first two tokens, with the same processing."""
-    p1 = final_distribution(penalized_logits(TARGET[0], PARAMS, PROMPT, []), PARAMS)
-    return np.stack([p1[a] * final_distribution(penalized_logits(TARGET[1][a], PARAMS, PROMPT, [a]), PARAMS)
+    p1 = final_distribution(penalized_logits(TARGET[0], params, PROMPT, []), params)
+    return np.stack([p1[a] * final_distribution(penalized_logits(TARGET[1][a], params, PROMPT, [a]), params)
                      for a in range(V)])
 
 
-def speculated(seed: int) -> tuple[int, int]:
-    """t1, t2 from proposing two tokens and verifying them; when verification yields only t1, t2
-    comes from the next step, which samples the target after t1."""
-    seq = Sequence(PROMPT, 10, PARAMS, seed=seed)
+def always(q2: Distribution, d2: int) -> bool:
+    return True
+
+
+def speculated(seed: int, params: SamplingParams, second: Callable[[Distribution, int], bool] = always) -> tuple[int, int]:
+    """t1, t2 from proposing one or two tokens and verifying them: d2, drawn from the draft's q2,
+    is proposed when second(q2, d2) says so. When verification yields only t1, t2 comes from the
+    next step, which samples the target after t1."""
+    seq = Sequence(PROMPT, 10, params, seed=seed)
     d1, q1 = draft_choice(DRAFT[0], seq, [])
     d2, q2 = draft_choice(DRAFT[1][d1], seq, [d1])
-    rows = np.stack([TARGET[0], TARGET[1][d1], TARGET[2][d1, d2]]).astype(np.float32)
-    block = verify(rows, Proposal([d1, d2], [q1, q2]), seq)
+    if second(q2, d2):
+        rows = np.stack([TARGET[0], TARGET[1][d1], TARGET[2][d1, d2]]).astype(np.float32)
+        block = verify(rows, Proposal([d1, d2], [q1, q2]), seq)
+    else:
+        block = verify(np.stack([TARGET[0], TARGET[1][d1]]).astype(np.float32), Proposal([d1], [q1]), seq)
     t1 = block[0].token
-    t2 = block[1].token if len(block) > 1 else sample(TARGET[1][t1], PARAMS, seq.rng, PROMPT, [t1]).token
+    t2 = block[1].token if len(block) > 1 else sample(TARGET[1][t1], params, seq.rng, PROMPT, [t1]).token
     return t1, t2
 
 
-def chi_square_z() -> float:
+def chi_square_z(params: SamplingParams = PARAMS, second: Callable[[Distribution, int], bool] = always) -> float:
     counts = np.zeros((V, V))
     for seed in range(TRIALS):
-        counts[speculated(seed)] += 1
-    expected = target_law() * TRIALS
+        counts[speculated(seed, params, second)] += 1
+    expected = target_law(params) * TRIALS
     if counts[expected == 0].sum():
         return math.inf  # a pair the target can never sample came out
     cells = expected > 0
@@ -63,6 +75,32 @@ def test_a_wrong_rule_is_seen(monkeypatch) -> None:
     draws, when this test was written)."""
     monkeypatch.setattr(verification, "_residual", lambda p, q: p)
     assert chi_square_z() > 6.0
+
+
+def test_untruncated_distributions_follow_the_target_law(monkeypatch) -> None:
+    """Without top-k/p and min-p, verification keeps distributions unnormalized: the law is the same,
+    and the wrong residual is seen there too."""
+    assert chi_square_z(UNTRUNCATED) < 4.0
+    monkeypatch.setattr(verification, "_residual", lambda p, q: p)
+    assert chi_square_z(UNTRUNCATED) > 6.0
+
+
+# the draft's top probability at position 2 is 0.3 to 0.85 over d1 here: 0.56 stops about half the time
+MIN_PROB = 0.56
+
+
+def test_stopping_by_the_drafts_confidence_keeps_the_law() -> None:
+    """DraftProposer's rule, in its general form: whether to propose at a position depends on the
+    draft's distribution there (a function of the tokens before it), never on the token drawn."""
+    for params in (PARAMS, UNTRUNCATED):
+        assert chi_square_z(params, lambda q2, d2: q2.top >= MIN_PROB) < 4.0
+
+
+def test_a_stopping_rule_that_reads_the_drawn_token_is_seen() -> None:
+    """The mistake the rule avoids: dropping a proposal by its own probability q(d). What is then
+    verified against q2 was drawn from q2 cut to its likely tokens: those come out too often."""
+    for params in (PARAMS, UNTRUNCATED):
+        assert chi_square_z(params, lambda q2, d2: q2[d2] >= 0.5 * q2.top) > 6.0
 
 
 def test_greedy_keeps_exactly_the_argmax_prefix() -> None:

@@ -35,7 +35,8 @@ def add_daemon_commands(sub: Any) -> None:
                             "products, as llama.cpp) or f32 (exact, slower)")
     serve.add_argument("--draft", action="append", metavar="PATH",
                        help="a draft model for speculative decoding, one per --model in order (with no --model: "
-                            "the demo model's); same vocabulary as its model; docs/speculative.md")
+                            "the demo model's); same vocabulary as its model, or a DFlash draft (llama.cpp's dflash "
+                            "GGUF) for it; docs/speculative.md")
     serve.add_argument("--draft-tokens", type=int, metavar="K", help="tokens the draft proposes per step (default 4)")
     serve.add_argument("--expert-budget", metavar="SIZE|N%",
                        help="MoE models: hot experts' bytes at most (2GiB, or N%% of the experts; default all hot)")

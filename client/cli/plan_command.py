@@ -32,8 +32,11 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--expert-budget", default=None, metavar="SIZE|N%",
                    help="MoE: hot experts' bytes at most (512MiB, or N%% of the experts); the rest run cold on CPU workers")
     p.add_argument("--speculative", action="store_true", help="reserve the speculative-decoding feature mirror")
-    p.add_argument("--spec-layers", type=int, default=3, help="hidden states captured per token (default 3)")
-    p.add_argument("--spec-ctx", type=int, default=4096, help="positions mirrored per sequence (default 4096)")
+    p.add_argument("--spec-layers", type=int, default=3,
+                   help="target layers a feature draft reads per position: len(dflash.target_layers) (default 3)")
+    p.add_argument("--draft", default=None, metavar="PATH", help="a draft model for speculative decoding: its weights, "
+                   "KV cache and proposals are counted on the device (a DFlash draft: its feature mirror too)")
+    p.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per step (default 4)")
     p.add_argument("--graph-headroom", default=None, metavar="SIZE", help="per CUDA device (default 256MiB)")
     p.add_argument("--act-cap", default=None, metavar="SIZE", help="activation reservation cap per device")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (schema ember.plan/1)")
@@ -45,7 +48,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from ember.daemon.planning.planner import plan_model
 
     try:
-        plan = plan_model(args.model, _request(args))
+        plan = plan_model(args.model, _request(args), args.draft, args.draft_tokens)
     except ModelFileError as e:
         print(f"ember: error: cannot read model: {e}", file=sys.stderr)
         return 1
@@ -68,7 +71,7 @@ def _request(args: argparse.Namespace) -> Any:
     if args.prefill_chunk is not None:
         options["prefill_chunk"] = args.prefill_chunk
     if args.speculative:
-        options["speculative"] = SpeculativeSettings(args.spec_layers, args.spec_ctx)
+        options["speculative"] = SpeculativeSettings(args.spec_layers)
     if args.graph_headroom is not None:
         options["graph_headroom"] = parse_size(args.graph_headroom)
     if args.act_cap is not None:
@@ -128,6 +131,11 @@ def render_table(plan: Any) -> str:
         ("CUDA-graph headroom", [size(d.graph_headroom) for d in ds]),
         ("layer-split staging", [size(d.staging) for d in ds]),
         ("feature mirror", [size(d.feature_mirror) for d in ds]),
+    ]
+    if plan.draft is not None:
+        rows += [("draft model", [size(d.draft) for d in ds]), ("  weights", [size(d.draft_weights) for d in ds]),
+                 ("  KV cache", [size(d.draft_kv_cache) for d in ds]), ("  proposals", [size(d.draft_proposals) for d in ds])]
+    rows += [
         ("required", [fmt_bytes(d.required) for d in ds]),
         ("free", [fmt_bytes(d.free) for d in ds]),
         ("fits", ["yes" if d.fits else "NO" for d in ds]),
@@ -208,6 +216,7 @@ def _device_dict(d: Any) -> dict[str, Any]:
                         "tokens": a.tokens, "elem_bytes": a.elem_bytes, "safety": a.safety, "buffers": a.buffers,
                         "logits": a.logits, "sampler": a.sampler, "scratch": a.scratch},
         "graph_headroom": d.graph_headroom, "staging": d.staging, "feature_mirror": d.feature_mirror,
+        "draft": {"weights": d.draft_weights, "kv_cache": d.draft_kv_cache, "proposals": d.draft_proposals, "total": d.draft},
         "experts_offloaded": d.offloads_experts, "experts_hot": d.experts_hot,
         "experts_cold": d.weights.experts - d.experts_hot, "expert_bytes": d.expert_bytes,
         "required": d.required, "free": d.free, "fits": d.fits,

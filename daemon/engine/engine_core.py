@@ -20,9 +20,10 @@ from ember.daemon.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
 from ember.daemon.engine.sequence import Sequence, Status
 from ember.daemon.runner.model_runner import KVStateLost, ModelRunner, PendingStep, StepRun
 from ember.daemon.runner.step_batch import StepBatch
-from ember.daemon.speculative.draft_proposer import DraftProposer
+from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB, DraftProposer
+from ember.daemon.speculative.feature_proposer import FeatureProposer
 from ember.daemon.speculative.spec_stats import SpecStats
-from ember.daemon.speculative.verification import verify
+from ember.daemon.speculative.verification import Proposal, verify
 from ember.kernels.sampling import Choice
 
 
@@ -62,35 +63,44 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, max_step_tokens: int = 256, max_running: int = 64,
-                 prefix_caching: bool = True, max_context: int | None = None, draft: ModelRunner | None = None,
-                 draft_tokens: int = 4, spec_stats: SpecStats | None = None) -> None:
+                 prefix_caching: bool = True, max_context: int | None = None,
+                 draft: ModelRunner | FeatureProposer | None = None, draft_tokens: int = 4,
+                 spec_stats: SpecStats | None = None, draft_min_prob: float = DRAFT_MIN_PROB) -> None:
         """max_context: tokens per sequence at most (default and upper bound: the model's context).
         draft: a runner of the draft model whose KV cache has as many blocks, of the same size, as
-        the target's; each sequence then gets up to draft_tokens proposals a step, counted in
-        spec_stats (a new SpecStats if not given).
+        the target's; each sequence then gets up to draft_tokens proposals a step, fewer where the
+        draft is unsure (DraftProposer's min_prob = draft_min_prob), counted in spec_stats (a new
+        SpecStats if not given). Or a feature-conditioned draft built over `runner`
+        (FeatureProposer): at most its block less one proposals a step, all from one pass.
 
         A hybrid model (runner.stateful) runs without prefix reuse: cached KV blocks would skip the
         tokens whose recurrent state the sequence still needs (docs/hybrid.md); nor with a draft
         (rejected proposals would have to be taken out of the recurrent state)."""
         if runner.stateful and max_running > runner.max_sequences:
             raise ValueError(f"max_running {max_running} exceeds the runner's {runner.max_sequences} recurrent state slots")
-        if draft is not None and (runner.stateful or draft.stateful):
+        feature = isinstance(draft, FeatureProposer)
+        if draft is not None and (runner.stateful or (not feature and draft.stateful)):
             raise ValueError("speculative decoding needs attention-only models (no recurrent state)")
         self.runner = runner
         self.blocks = BlockManager(runner.kv_blocks, runner.block_size, prefix_caching and not runner.stateful)
         context = min(max_context or runner.config.context_length, runner.config.context_length)
-        self.proposer: DraftProposer | None = None
+        self.proposer: DraftProposer | FeatureProposer | None = None
         self.spec_stats = spec_stats or SpecStats()
         if draft is not None:
             if (draft.kv_blocks, draft.block_size) != (runner.kv_blocks, runner.block_size):
                 raise ValueError("the draft's KV cache must have the target's blocks and block size")
             if draft_tokens < 1:
                 raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
-            self.proposer = DraftProposer(draft, runner.config.vocab)
+            if isinstance(draft, FeatureProposer):
+                if draft.target is not runner:
+                    raise ValueError("a feature draft must be built over the engine's own runner")
+                self.proposer, draft_tokens = draft, min(draft_tokens, draft.max_proposals)
+            else:
+                self.proposer = DraftProposer(draft, runner.config.vocab, draft_min_prob)
         lookahead = draft_tokens if draft is not None else 0
         # aligned prompt runs only where decodes can never take the whole budget (else prompts could wait forever)
         align = runner.step_alignment if max_step_tokens >= runner.step_alignment + max_running else 1
-        self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context, lookahead, align)
+        self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context, lookahead, align, feature)
         self._in_flight: deque[_Flight] = deque()  # steps submitted to a pipelined runner, oldest first
 
     def add(self, seq: Sequence) -> None:
@@ -196,9 +206,13 @@ class EngineCore:
         )
 
     def _step(self, plan: StepPlan) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
+        proposals = self.proposer.propose(plan.chunks) if self.proposer else {}
+        if proposals:  # the draft may stop short of the lookahead: the step verifies what it proposed
+            plan = replace(plan, chunks=[replace(c, lookahead=len(proposals[i].tokens)) if i in proposals else c
+                                         for i, c in enumerate(plan.chunks)])
         rows = _LogitRows(plan)
         before = [len(c.seq.generated) if c.samples else -1 for c in plan.chunks]  # before update() appends
-        return self._account(plan, rows, before, self._run(plan, rows))
+        return self._account(plan, rows, before, self._run(plan, rows, proposals))
 
     def _account(self, plan: StepPlan, rows: _LogitRows, before: list[int], run: StepRun
                  ) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
@@ -255,7 +269,7 @@ class EngineCore:
         size = max(align, size - size % align)  # runs cut where the scheduler would cut them
         return [ScheduledChunk(chunk.seq, s, min(size, end - s)) for s in range(0, end, size)]
 
-    def _build(self, chunks: list[ScheduledChunk], rows: _LogitRows, proposals: dict) -> StepBatch:  # type: ignore[type-arg]
+    def _build(self, chunks: list[ScheduledChunk], rows: _LogitRows, proposals: dict[int, Proposal]) -> StepBatch:
         return StepBatch.build(
             [(c.seq.tokens[c.start : c.start + c.length] + (proposals[i].tokens if i in proposals else []),
               c.start, c.seq.table) for i, c in enumerate(chunks)],
@@ -264,13 +278,14 @@ class EngineCore:
             state_slots=[c.seq.state_slot for c in chunks], logit_tails=rows.count if proposals else None,
         )
 
-    def _run(self, plan: StepPlan, rows: _LogitRows) -> StepRun:
+    def _run(self, plan: StepPlan, rows: _LogitRows, proposals: dict[int, Proposal]) -> StepRun:
         chunks = plan.chunks
-        proposals = self.proposer.propose(chunks) if self.proposer else {}
         batch = self._build(chunks, rows, proposals)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         samplers = [(rows.last[i], chunks[i].seq) for i in sampling if i not in proposals]
         run = self.runner.execute(batch, samplers, rows.keep + rows.verified)
+        if isinstance(self.proposer, FeatureProposer):
+            self.proposer.absorb(batch, run)  # every row's features, before any position counts as computed
         if not proposals:
             return run
         # one entry per sampling chunk again: the runner's samples, and the verified blocks in between

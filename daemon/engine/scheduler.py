@@ -54,11 +54,14 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_step_tokens: int = 256, max_running: int = 64,
-                 max_context: int | None = None, lookahead: int = 0, align: int = 1) -> None:
+                 max_context: int | None = None, lookahead: int = 0, align: int = 1, feature_draft: bool = False) -> None:
         """align: a prompt run that stops short of the sequence's end stops at a multiple of `align`
         positions (a hybrid model's delta-rule chunk: its rounding then does not depend on how steps
-        cut the prompt)."""
+        cut the prompt). feature_draft: the proposals come from a draft that reads the target's
+        features (DFlash): only a one-token chunk can speculate (its context must be computed), and
+        every accepted proposal counts as computed (the target ran it, the draft took its features)."""
         self.blocks = blocks
+        self.feature_draft = feature_draft
         self.align = align
         self.lookahead = lookahead
         self.max_step_tokens = max_step_tokens
@@ -165,19 +168,21 @@ class Scheduler:
         free memory allows without preempting anyone."""
         if not self.lookahead or not seq.can_speculate or seq.n_computed + length != seq.n_tokens:
             return 0
+        if self.feature_draft and length != 1:
+            return 0
         n = min(self.lookahead, budget, seq.max_tokens - len(seq.generated) - 1,
                 self.max_context - seq.n_tokens - 1)
         if n > 0 and not self.blocks.can_allocate(self.blocks.blocks_for(seq.n_tokens + n) - len(seq.table)):
             return 0
         return max(n, 0)
 
-    @staticmethod
-    def _verified(chunk: ScheduledChunk, accepted: int) -> int:
+    def _verified(self, chunk: ScheduledChunk, accepted: int) -> int:
         """Proposed tokens whose K/V count as computed after `accepted` of them were accepted. When
-        all were, the last one's K/V is the target's only (the draft never ran it), so it is left
+        all were, the last one's K/V is the target's only (a draft model never ran it), so it is left
         pending and runs again next step: target and draft caches then always hold the same
-        positions, and a full block registered for prefix reuse holds both models' K/V."""
-        return min(accepted, chunk.lookahead - 1)
+        positions, and a full block registered for prefix reuse holds both models' K/V. A feature
+        draft took every row the target ran in the same step: all of them count."""
+        return accepted if self.feature_draft else min(accepted, chunk.lookahead - 1)
 
     def _roll_back(self, seq: Sequence) -> None:
         """Free the blocks only rejected proposals used. Their positions were never counted as

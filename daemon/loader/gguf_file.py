@@ -1,7 +1,9 @@
 """Reading GGUF files: metadata and tensors as zero-copy views of the mmap'd file (gguf_reader.py)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -19,11 +21,24 @@ def open_gguf(path: Path) -> ModelFile:
         contents = read_gguf(path, _tensor_bytes)
     except GGUFError as e:
         raise ModelFileError(source, f"not a readable GGUF file ({e})") from None
+    if contents.metadata.get("general.architecture") == "dflash":  # its variants, refused by name first
+        from ember.daemon.speculative.dflash_file import refuse_variants
+
+        refuse_variants(source, contents.metadata, [t.name for t in contents.tensors])
     tensors = {t.name: _raw_tensor(t, source) for t in contents.tensors}
-    if "token_embd.weight" not in tensors:
-        raise ModelFileError(source, "missing tensor token_embd.weight")
-    config = config_from_gguf(contents.metadata, tensors["token_embd.weight"].rows, source)
+    config = config_from_gguf(contents.metadata, _vocab_rows(tensors, contents.metadata, source), source)
     return ModelFile(path=path, format="gguf", config=config, tensors=tensors, metadata=contents.metadata)
+
+
+def _vocab_rows(tensors: dict[str, RawTensor], meta: Mapping[str, Any], source: str) -> int:
+    """The vocabulary size: token_embd's rows; a DFlash draft may share the target's embedding and
+    carry none, and then its tokenizer (the target's, copied by the converter) says it."""
+    if "token_embd.weight" in tensors:
+        return tensors["token_embd.weight"].rows
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if meta.get("general.architecture") == "dflash" and tokens is not None:
+        return len(tokens)
+    raise ModelFileError(source, "missing tensor token_embd.weight")
 
 
 def _tensor_bytes(ggml_type: int, dims: tuple[int, ...]) -> int | None:

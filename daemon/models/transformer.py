@@ -10,6 +10,7 @@ forward pass is cut in three — `embed`, `run_layers`, `head` — that the whol
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,8 +60,9 @@ class Attention:
         q, k = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, cfg.norm_eps, batch.positions, rope.inv_freq,
                                 rope.interleaved)
         cache.write(self.kv_layer, batch.kv_blocks, batch.kv_offsets, k, v)
+        seen = batch.positions if batch.attn_end is None else batch.attn_end  # causal unless told otherwise
         out = ops.paged_attention(q, cache.k[self.kv_layer], cache.v[self.kv_layer], batch.tables, batch.token_seq,
-                                  batch.positions, cfg.head_dim**-0.5).reshape(n, cfg.n_heads * cfg.head_dim)
+                                  seen, cfg.head_dim**-0.5).reshape(n, cfg.n_heads * cfg.head_dim)
         if gate is not None:
             out = ops.sigmoid_mul(out, gate)
         return ops.matmul(out, self.wo, rows)
@@ -96,8 +98,9 @@ class Block:
         out = None
         if self.fused is not None:  # decode steps: the layer in one go, Python off the per-op path
             kv = self.attn.kv_layer
+            seen = batch.positions if batch.attn_end is None else batch.attn_end
             out = ops.run_fused_layer(self.fused, x, cache.k[kv], cache.v[kv], batch.decode_rows, batch.positions,
-                                      batch.kv_blocks, batch.kv_offsets, batch.tables, batch.token_seq)
+                                      seen, batch.kv_blocks, batch.kv_offsets, batch.tables, batch.token_seq)
         if out is None:
             x = x + self._mix(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache, batch)
         elif self.fused_ffn:
@@ -130,7 +133,7 @@ class Transformer:
         factors = mf.tensors.get("rope_freqs.weight")
         inv_freq = mf.config.inv_freq(None if factors is None else ops.to_numpy(ops.vector(factors)))
         self.rope = Rope(ops.vector(RawTensor("rope.inv_freq", TensorType.F32, inv_freq.shape, inv_freq)), mf.rope_interleaved)
-        self.blocks = [_load_block(mf, ops, spec, i, self.layers.start, self.experts, self.rope) for i in self.layers]
+        self.blocks = [load_block(mf, ops, spec, i, self.layers.start, self.experts, self.rope) for i in self.layers]
         self.norm = _norm(mf, ops, "output_norm.weight") if self.runs_last else None
         # tied embeddings: the output projection is the embedding matrix, shared, not loaded twice
         self.output = None if not self.runs_last else self.embed if tied else ops.weight(mf.tensors["output.weight"])
@@ -168,9 +171,22 @@ class Transformer:
             raise ValueError(f"layers {self.layers.start}-{self.layers.stop - 1} do not start the model: no embedding here")
         return self.ops.embedding(self.embed, batch.ids)
 
+    def forward_with_features(self, batch: StepBatch, cache: PagedKVCache, layers: Sequence[int]
+                              ) -> tuple[Array, list[Array]]:
+        """forward(), and the hidden states entering each of `layers` (model layer indices; n_layers
+        is the last layer's output), every row: f32 [n, hidden] each — llama.cpp's layer inputs (the
+        un-normed residual stream), which a DFlash draft reads (its target_layers)."""
+        x, taps = self.embed_tokens(batch), {}
+        for i, block in zip(self.layers, self.blocks, strict=True):
+            if i in layers:
+                taps[i] = x  # a block returns a new array: this one stays as it is
+            x = block(self.ops, self.config, self.rope, x, cache, batch)
+        taps[self.layers.stop] = x
+        return self.head(x, batch), [taps[i] for i in layers]
+
     def run_layers(self, x: Array, batch: StepBatch, cache: PagedKVCache) -> Array:
         """Hidden states through this object's layers (f32 in, f32 out), writing their K/V into `cache`."""
-        for block in self.blocks:
+        for block in self.blocks:  # x is rebound: a layer's input is freed once the next has run
             x = block(self.ops, self.config, self.rope, x, cache, batch)
         return x
 
@@ -196,9 +212,10 @@ def _expert_manager(mf: ModelFile, options: ExpertOptions) -> ExpertManager | No
     return ExpertManager(mf.path, mf.config.hidden, mf.config.n_experts_used, sizes, mf.config.n_experts, options)
 
 
-def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, experts: ExpertManager | None,
-                rope: Rope) -> Block:
-    """Layer i of a Transformer whose first layer is `first` (its cache's layers count from there)."""
+def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, experts: ExpertManager | None,
+               rope: Rope | None = None) -> Block:
+    """Layer i of a Transformer whose first layer is `first` (its cache's layers count from there);
+    with `rope`, also in the backend's fused form (ops.fuse_layer) where it has one."""
     def w(name: str) -> Weight:
         return ops.weight(mf.tensor(f"blk.{i}.{name}.weight"))
 
@@ -231,6 +248,8 @@ def _load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, exp
         kv_layer=i - first,
     )
     block = Block(vec("attn_norm.weight"), attn, vec("ffn_norm.weight"), ffn)
+    if rope is None:
+        return block
     dense = isinstance(ffn, DenseFFN)  # a MoE layer's attention is fused, its experts run as ops.expert_ffn
     cfg = mf.config
     block.fused = ops.fuse_layer(

@@ -1,7 +1,7 @@
 """The memory planner: from a model's metadata alone — GGUF header or config.json and safetensors
 headers, never a weight byte — the bytes each device needs: weights by class, KV cache, activation
-reservation, CUDA-graph headroom, layer-split staging, the speculative feature mirror, and what
-remains for hot MoE experts. `Plan.check()` refuses a plan that does not fit with a message naming
+reservation, CUDA-graph headroom, layer-split staging, the speculative feature mirror, a draft
+model's weights, KV cache and proposals, and what remains for hot MoE experts. `Plan.check()` refuses a plan that does not fit with a message naming
 the device, the component to blame and what to change. docs/planner.md has the formulas and the
 JSON schema; benchmarks/planner_calibration.py measured the activation safety factor.
 """
@@ -124,8 +124,16 @@ class Device:
 
 @dataclass(frozen=True)
 class SpeculativeSettings:
-    feature_layers: int = 3  # hidden states captured per token (EAGLE-3: a low, a middle, a high layer)
-    ctx_cap: int = 4096  # positions mirrored per sequence, at most
+    # target hidden states captured per position for a feature-conditioned draft: len(dflash.target_layers)
+    feature_layers: int = 3
+
+
+@dataclass(frozen=True)
+class DraftModel:
+    """A draft model for speculative decoding (daemon/speculative/): it runs on the target's device,
+    with a KV cache of as many blocks as the target's, in the same dtype."""
+    headers: ModelHeaders
+    tokens: int = 4  # proposals per step (draft_tokens)
 
 
 @dataclass(frozen=True)
@@ -214,12 +222,19 @@ class DevicePlan:
     # hybrid models: the linear-attention layers' recurrent state (conv window + DeltaNet state,
     # float32) of every resident sequence; fixed per sequence, whatever the context
     recurrent_state: int = 0
+    draft_weights: int = 0  # a draft model's (DraftModel), as the target's are counted
+    draft_kv_cache: int = 0  # its KV cache: the target's blocks, its own layers, heads and head size
+    draft_proposals: int = 0  # the distributions sampled proposals were drawn from: seqs x tokens x vocab float64
 
     @property
     def fixed(self) -> int:
         """Everything but the experts."""
         return (self.weights.total - self.weights.experts + self.kv_cache + self.recurrent_state + self.activations.bytes
-                + self.graph_headroom + self.staging + self.feature_mirror)
+                + self.graph_headroom + self.staging + self.feature_mirror + self.draft)
+
+    @property
+    def draft(self) -> int:
+        return self.draft_weights + self.draft_kv_cache + self.draft_proposals
 
     @property
     def required(self) -> int:
@@ -247,7 +262,8 @@ class DevicePlan:
         w = self.weights
         return {"weights": w.total - w.experts, "experts": w.experts if not self.offloads_experts else self.experts_hot,
                 "kv_cache": self.kv_cache, "recurrent_state": self.recurrent_state, "activations": self.activations.bytes,
-                "graph_headroom": self.graph_headroom, "staging": self.staging, "feature_mirror": self.feature_mirror}
+                "graph_headroom": self.graph_headroom, "staging": self.staging, "feature_mirror": self.feature_mirror,
+                "draft": self.draft}
 
 
 @dataclass(frozen=True)
@@ -256,6 +272,7 @@ class Plan:
     request: PlanRequest
     ctx: int
     devices: tuple[DevicePlan, ...]
+    draft: DraftModel | None = field(default=None, repr=False)
 
     @property
     def fits(self) -> bool:
@@ -267,12 +284,14 @@ class Plan:
             raise PlanDoesNotFit(self, explain(self))
 
 
-def plan_model(path: str | Path, request: PlanRequest) -> Plan:
-    """The plan for the model at `path` (GGUF file or HF directory); reads headers only."""
-    return build_plan(read_model_info(path), request)
+def plan_model(path: str | Path, request: PlanRequest, draft: str | Path | None = None, draft_tokens: int = 4) -> Plan:
+    """The plan for the model at `path` (GGUF file or HF directory), with the draft model at `draft`
+    proposing `draft_tokens` a step if given; reads headers only."""
+    return build_plan(read_model_info(path), request,
+                      None if draft is None else DraftModel(read_model_info(draft), draft_tokens))
 
 
-def build_plan(info: ModelHeaders, request: PlanRequest) -> Plan:
+def build_plan(info: ModelHeaders, request: PlanRequest, draft: DraftModel | None = None) -> Plan:
     cfg, devices = info.config, request.devices
     ctx = request.ctx or cfg.context_length
     if ctx > cfg.context_length:
@@ -280,6 +299,8 @@ def build_plan(info: ModelHeaders, request: PlanRequest) -> Plan:
     kv_dtype = request.policy.kv
     if kv_dtype == "q8_0" and cfg.head_dim % 32:
         raise PlanError(f"a q8_0 KV cache needs head_dim divisible by 32; this model's is {cfg.head_dim}")
+    if draft is not None:
+        _check_draft(draft, cfg, request)
     bounds = split_layers(cfg.n_layers, devices, request.split)
     weights = _weights_by_device(info, bounds, devices)
     kv_tokens = -(-ctx // request.kv_block) * request.kv_block * request.seqs
@@ -291,7 +312,9 @@ def build_plan(info: ModelHeaders, request: PlanRequest) -> Plan:
             device=dev, layers=(first, end), weights=weights[i],
             kv_cache=_attention_layers(cfg, first, end) * kv_per_layer,
             recurrent_state=(end - first - _attention_layers(cfg, first, end)) * _state_per_layer(cfg) * request.seqs,
-            activations=activation_reservation(cfg, request, dev, ctx, logits_rows=request.seqs if last else 0),
+            # with a draft, each sequence's step has logits for its last token and every proposal
+            activations=activation_reservation(cfg, request, dev, ctx, logits_rows=(
+                request.seqs * (1 + (draft.tokens if draft else 0)) if last else 0)),
             graph_headroom=_per_kind(request.graph_headroom, GRAPH_HEADROOM, dev),
             # a boundary's buffers live on the device that receives the hidden states; a step moves at
             # most prefill_chunk tokens (engine.max_step_tokens): a long prompt crosses in chunks
@@ -300,12 +323,36 @@ def build_plan(info: ModelHeaders, request: PlanRequest) -> Plan:
             # the last stage hands the step's logits rows back through a segment of its own, one region
             # per micro-batch in flight (one per stage)
             + (logits_rows_bytes(cfg.vocab, request.prefill_chunk, len(devices)) if last and i > 0 else 0),
-            feature_mirror=_feature_mirror(cfg, request, ctx) if last else 0,
+            feature_mirror=_feature_mirror(cfg, request, draft, kv_tokens) if last else 0,
             offloads_experts=(request.expert_offload and dev.kind == "cuda") or request.expert_budget is not None,
             expert_bytes=_expert_bytes(info),
             expert_cap=_expert_cap(request.expert_budget, weights[i].experts, sum(w.experts for w in weights)),
+            **(_draft_bytes(draft, request, kv_tokens, dev) if draft is not None else {}),
         ))
-    return Plan(info, request, ctx, tuple(plans))
+    return Plan(info, request, ctx, tuple(plans), draft)
+
+
+def _check_draft(draft: DraftModel, cfg: ModelConfig, request: PlanRequest) -> None:
+    d = draft.headers.config
+    if len(request.devices) > 1:
+        raise PlanError("a draft model with a layer split is not supported: plan the target on one device")
+    if d.vocab != cfg.vocab:
+        raise PlanError(f"the draft's vocabulary ({d.vocab} tokens) differs from the model's ({cfg.vocab})")
+    if draft.tokens < 1:
+        raise PlanError(f"draft_tokens must be >= 1, got {draft.tokens}")
+    if request.policy.kv == "q8_0" and d.head_dim % 32:
+        raise PlanError(f"a q8_0 KV cache needs head_dim divisible by 32; the draft's is {d.head_dim}")
+
+
+def _draft_bytes(draft: DraftModel, request: PlanRequest, kv_tokens: int, device: Device) -> dict[str, int]:
+    """The draft's weights, its KV cache (the target's block count and size: the same tokens) and
+    the q distributions of its sampled proposals, held until the target verifies them."""
+    d = draft.headers.config
+    return dict(
+        draft_weights=_weights_by_device(draft.headers, [(0, d.n_layers)], [device])[0].total,
+        draft_kv_cache=_attention_layers(d, 0, d.n_layers) * 2 * d.n_kv_heads
+        * storage_bytes(request.policy.kv, d.head_dim) * kv_tokens,
+        draft_proposals=request.seqs * draft.tokens * d.vocab * 8)
 
 
 def _attention_layers(cfg: ModelConfig, first: int, end: int) -> int:
@@ -444,12 +491,20 @@ def parse_expert_budget(spec: int | str | None, total: int) -> int | None:
     return spec
 
 
-def _feature_mirror(cfg: ModelConfig, request: PlanRequest, ctx: int) -> int:
-    spec = request.speculative
-    if spec is None:
+def _feature_mirror(cfg: ModelConfig, request: PlanRequest, draft: DraftModel | None, kv_tokens: int) -> int:
+    """A row of captured features per KV-cache position: the mirror is paged with the KV cache's
+    block tables (daemon/speculative/feature_mirror.py allocates exactly this). Its width: the
+    request's feature layers, or a DFlash draft's (its fc reads them) x the target's hidden size."""
+    layers = request.speculative.feature_layers if request.speculative is not None else _dflash_layers(draft, cfg)
+    return kv_tokens * storage_bytes(request.policy.feature, layers * cfg.hidden) if layers else 0
+
+
+def _dflash_layers(draft: DraftModel | None, cfg: ModelConfig) -> int:
+    """Target layers a DFlash draft reads (fc.weight is [hidden, layers x target hidden]); 0 for none."""
+    if draft is None or draft.headers.config.arch != "dflash":
         return 0
-    positions = min(ctx, spec.ctx_cap)
-    return positions * request.seqs * storage_bytes(request.policy.feature, spec.feature_layers * cfg.hidden)
+    fc = next((t for t in draft.headers.tensors if t.name == "fc.weight"), None)
+    return fc.shape[-1] // cfg.hidden if fc is not None else 0
 
 
 def _cpu_threads(request: PlanRequest) -> int:
@@ -504,13 +559,14 @@ def available_ram() -> int:
 
 def with_request(plan: Plan, **changes: Any) -> Plan:
     """The same model planned with some request fields changed (what-if questions, suggestions)."""
-    return build_plan(plan.model, replace(plan.request, **changes))
+    return build_plan(plan.model, replace(plan.request, **changes), plan.draft)
 
 
 # --- saying it ----------------------------------------------------------------------------------
 LABELS = {"weights": "weights", "experts": "MoE experts", "kv_cache": "KV cache", "recurrent_state": "recurrent state",
           "activations": "activations",
-          "graph_headroom": "CUDA-graph headroom", "staging": "layer-split staging", "feature_mirror": "feature mirror"}
+          "graph_headroom": "CUDA-graph headroom", "staging": "layer-split staging", "feature_mirror": "feature mirror",
+          "draft": "draft model"}
 
 
 def fmt_bytes(n: int) -> str:
@@ -558,6 +614,12 @@ def suggestions(plan: Plan) -> list[str]:
     seqs = _largest(_fits_with(plan, "seqs"), req.seqs - 1)
     if seqs:
         out.append(f"fewer sequences at once (--seqs {seqs})")
+    if plan.draft is not None:
+        tokens = _largest(lambda n: build_plan(plan.model, req, replace(plan.draft, tokens=n)).fits, plan.draft.tokens - 1)
+        if tokens:
+            out.append(f"fewer draft tokens (--draft-tokens {tokens})")
+        elif build_plan(plan.model, req).fits:
+            out.append("no draft model")
     if cfg.n_experts and not req.expert_offload and any(d.device.kind == "cuda" for d in plan.devices):
         if with_request(plan, expert_offload=True).fits:
             out.append("expert offload (--expert-offload: the experts that fit stay on the GPU, CPU workers run the rest)")
@@ -582,6 +644,10 @@ def _why(plan: Plan, component: str) -> str:
         return f" for {max(req.seqs, req.prefill_chunk)} tokens per step"
     if component == "recurrent_state":
         return f" for {req.seqs} sequences, {fmt_bytes(plan.model.config.state_bytes())} each"
+    if component == "draft" and plan.draft is not None:
+        d = plan.devices[-1]
+        return (f": weights {fmt_bytes(d.draft_weights)}, KV cache {fmt_bytes(d.draft_kv_cache)}, proposals "
+                f"{fmt_bytes(d.draft_proposals)} for {req.seqs} x {plan.draft.tokens} tokens")
     return ""
 
 

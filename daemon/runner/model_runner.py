@@ -30,6 +30,8 @@ class StepRun:
     choices: list[Choice | None]  # one per sampling row, in order (None where sampling failed)
     kept: dict[int, np.ndarray]  # row index -> host logits, for the rows asked to be kept
     failed: dict[int, str] = field(default_factory=dict)  # sampler index -> why its sampling failed
+    # the hidden states entering each layer of ModelRunner.capture, every row of the step (device arrays)
+    features: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class PendingStep:
     n_logits: int
     samplers: list[tuple[int, Sequence]]
     keep: list[int]
+    features: list[Any] = field(default_factory=list)  # ModelRunner.capture's hidden states
 
 
 class KVStateLost(RuntimeError):
@@ -61,6 +64,9 @@ class ModelRunner:
         self.decode_act = decode_act
         self.cache: PagedKVCache = net.new_cache(kv_blocks, block_size, kv_dtype, max_sequences)
         self.max_sequences = max_sequences
+        # model layers whose input hidden states each step hands back (StepRun.features): what a
+        # feature-conditioned draft reads (daemon/speculative/feature_proposer.py)
+        self.capture: tuple[int, ...] = ()
 
     @property
     def stateful(self) -> bool:
@@ -102,15 +108,18 @@ class ModelRunner:
 
     def submit(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], keep: Seq[int] = ()) -> PendingStep:
         """Start `batch` (here: run it); collect() samples it. A runner with lanes > 1 returns at once."""
+        if self.capture:
+            logits, features = self.net.forward_with_features(self.prepare(batch), self.cache, self.capture)
+            return PendingStep(logits, batch.n_logits, list(samplers), list(keep), features)
         return PendingStep(self.forward(batch), batch.n_logits, list(samplers), list(keep))
 
     def collect(self, step: PendingStep) -> StepRun:
         """The sampled tokens (and kept logits rows) of a submitted step."""
         logits = self._logits_of(step)
         if step.n_logits == 0:
-            return StepRun([], {})
+            return StepRun([], {}, features=step.features)
         choices, failed = self._sample(logits, step.samplers)
-        return StepRun(choices, {r: self.ops.to_numpy(logits[r]) for r in step.keep}, failed)
+        return StepRun(choices, {r: self.ops.to_numpy(logits[r]) for r in step.keep}, failed, step.features)
 
     def _logits_of(self, step: PendingStep) -> Array:
         return step.work

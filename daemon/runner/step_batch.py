@@ -29,6 +29,9 @@ class StepBatch:
     # its state sits at index state_slots[s] of each linear-attention layer's state array
     seq_starts: Any = None
     state_slots: Any = None
+    # [n] the last position each token attends to; None: its own (causal). A DFlash draft's noise block
+    # sees the whole block (daemon/models/dflash.py).
+    attn_end: Any = None
 
     @property
     def n_logits(self) -> int:
@@ -96,7 +99,8 @@ class StepBatch:
     def on(self, to_device: Any) -> StepBatch:
         """The same batch with every array moved by `to_device` (the runner's ops.to_device): done once
         per step, so no layer moves metadata again."""
-        return StepBatch(*(to_device(getattr(self, f)) for f in self.__dataclass_fields__))
+        return StepBatch(*(None if getattr(self, f) is None else to_device(getattr(self, f))
+                           for f in self.__dataclass_fields__))
 
 
 def _slots(state_slots: Sequence[int] | None, n: int) -> np.ndarray:

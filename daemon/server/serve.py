@@ -12,9 +12,11 @@ bounded together by server.max_logits_bytes (RingBudget).
 from __future__ import annotations
 
 import grp
+import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import uvloop
@@ -25,8 +27,8 @@ from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.logging_setup import configure_logging, get_logger
 from ember.daemon.server.notify import Notifier
-from ember.daemon.planning.planner import Device, PlanDoesNotFit, PlanRequest, build_plan, log_plan, read_model_info
-from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
+from ember.daemon.planning.planner import Device, DraftModel, PlanDoesNotFit, PlanRequest, build_plan, log_plan, read_model_info
+from ember.daemon.planning.precision import ENV_VARS, DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.daemon.engine.defaults import KV_BLOCK
 from ember.daemon.runtime import Model, load
 from ember.daemon.runner.split_spec import parse_devices, parse_split, plan_stages, stage_budgets
@@ -59,9 +61,10 @@ def serve(config: Config) -> int:
         device = DeviceName.parse(e.device)
         backend = backend_for(device)
         devices = parse_devices(e.devices) if e.devices else [device]
-        # engine.kv_dtype and act_dtype already merge file < EMBER_*_DTYPE < flag (daemon/config.py)
+        # engine.kv_dtype and act_dtype already merge file < EMBER_*_DTYPE < flag (daemon/config.py);
+        # a model's feature_dtype is its config layer, under EMBER_FEATURE_DTYPE (ModelSpec.policy)
         act = None if e.act_dtype in ("", "auto") else e.act_dtype
-        policy = resolve_policy([DeviceCaps.of(str(d)) for d in devices], env={},
+        policy = resolve_policy([DeviceCaps.of(str(d)) for d in devices], env=_feature_env(),
                                 flags=PrecisionSettings(kv=e.kv_dtype or None, act=act))
         try:
             _plan_models(config, specs, policy, devices, notifier)
@@ -109,13 +112,26 @@ def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
             stages = plan_stages(devices, parse_split(config.engine.split), info.config.n_layers, budgets)
             split = tuple(s.end - s.first for s in stages)
         request = PlanRequest(devices=tuple(Device(str(d), b) for d, b in zip(devices, budgets, strict=True)),
-                              policy=policy, ctx=config.engine.context_for(info.config.context_length),
+                              policy=_model_policy(policy, spec), ctx=config.engine.context_for(info.config.context_length),
                               seqs=config.engine.max_active, prefill_chunk=config.engine.max_step_tokens, split=split,
                               expert_budget=spec.experts["expert_budget"])
-        plan = build_plan(info, request)
+        draft = DraftModel(read_model_info(spec.draft), spec.draft_tokens) if spec.draft else None
+        plan = build_plan(info, request, draft)
         log_plan(plan, get_logger())
         plan.check()
         budgets = [b - d.required for b, d in zip(budgets, plan.devices, strict=True)]
+
+
+def _feature_env() -> dict[str, str]:
+    """The one precision variable daemon/config.py does not merge itself: the feature mirror's."""
+    return {k: v for k, v in os.environ.items() if k == ENV_VARS["feature"]}
+
+
+def _model_policy(policy: PrecisionPolicy, spec: ModelSpec) -> PrecisionPolicy:
+    """The daemon's policy with this model's feature_dtype key as the config layer (below the variable)."""
+    if not spec.feature_dtype or policy.sources.get("feature") == ENV_VARS["feature"]:
+        return policy
+    return replace(policy, feature=spec.feature_dtype, sources={**policy.sources, "feature": "config"})
 
 
 def _compiling(notifier: Notifier) -> None:
@@ -135,7 +151,7 @@ def _load_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
         model = load(spec.path, device=e.device, kv_dtype=policy.kv, decode_act=e.decode_act, devices=e.devices or None,
                      split=e.split or None, act_dtype=policy.act, max_step_tokens=e.max_step_tokens,
                      stage_threads=e.stage_threads, shm_owner=shm_owner, draft=spec.draft or None,
-                     draft_tokens=spec.draft_tokens, **spec.experts)
+                     draft_tokens=spec.draft_tokens, feature_dtype=_model_policy(policy, spec).feature, **spec.experts)
         if model.pipeline is not None:
             for stage in model.pipeline.stages:
                 log.info("layer-split stage ready", model=name, stage=stage.name, pid=stage.pid, binding=stage.binding,

@@ -2,6 +2,14 @@
 cache of its own addressed by the same block tables, and proposes the next tokens of each sequence
 the scheduler gave lookahead.
 
+It stops drafting a sequence early where the draft is unsure (Leviathan et al. 2023, section 4
+and the dynamic-length drafts after it): after a proposal drawn from a distribution whose top
+probability is below `min_prob`, no more proposals follow in that step. A rejection is likely there,
+and every proposal costs a draft pass and a verification row (docs/speculative.md has the data).
+The rule reads only the draft's own distribution, never a token drawn from it nor the target, so
+the output law stays the target's (tests/test_speculative_verification.py checks it; a rule that
+read the drawn token would not be lossless, and the same test sees that).
+
 Sharing the block tables means the block manager's allocations, prefix reuse and preemption hold for
 both caches at once; the scheduler only ever counts as computed positions both models have run
 (Scheduler._verified), so a reused block holds both models' K/V.
@@ -13,19 +21,28 @@ import numpy as np
 from ember.daemon.engine.scheduler import ScheduledChunk
 from ember.daemon.runner.model_runner import ModelRunner
 from ember.daemon.runner.step_batch import ChunkSpec, StepBatch
-from ember.daemon.speculative.verification import Proposal, draft_choice
+from ember.daemon.speculative.verification import Proposal, draft_choice, draft_confidence
+
+# the stopping rule's threshold, from the demo pair's acceptance by draft confidence (docs/speculative.md):
+# near the best for both greedy (0.5) and temperature 0.7 (0.8-0.9) requests
+DRAFT_MIN_PROB = 0.7
 
 
 class DraftProposer:
-    def __init__(self, runner: ModelRunner, target_vocab: int) -> None:
+    def __init__(self, runner: ModelRunner, target_vocab: int, min_prob: float = DRAFT_MIN_PROB) -> None:
+        """min_prob: stop drafting a sequence after a proposal whose distribution's top probability
+        is below it (0: always draft the whole lookahead)."""
         if runner.config.vocab != target_vocab:
             raise ValueError(f"the draft's vocabulary ({runner.config.vocab}) differs from the target's ({target_vocab})")
+        if not 0.0 <= min_prob <= 1.0:
+            raise ValueError(f"min_prob must be in [0, 1], got {min_prob}")
         self.runner = runner
+        self.min_prob = min_prob
 
     def propose(self, chunks: list[ScheduledChunk]) -> dict[int, Proposal]:
-        """Run `chunks` (a step's plan) through the draft; for each chunk with lookahead n, n proposed
-        tokens, keyed by the chunk's index. The first pass runs every chunk and drafts one token for
-        each speculating one; each further pass runs one token for each still drafting."""
+        """Run `chunks` (a step's plan) through the draft; for each chunk with lookahead n, 1 to n
+        proposed tokens, keyed by the chunk's index. The first pass runs every chunk and drafts one
+        token for each speculating one; each further pass runs one token for each still drafting."""
         spec = [i for i, c in enumerate(chunks) if c.lookahead]
         proposals = {i: Proposal([], []) for i in spec}
         specs = [(c.seq.tokens[c.start : c.start + c.length], c.start, c.seq.table) for c in chunks]
@@ -33,13 +50,18 @@ class DraftProposer:
         for r in range(max((c.lookahead for c in chunks), default=0) or 1):  # once at least: the K/V
             logits = self._forward(specs, [chunks[i] for i in active], wants)
             drafting = [i for i, w in zip(active, wants) if w]
+            unsure = set()
             for row, i in enumerate(drafting):
                 seq, p = chunks[i].seq, proposals[i]
                 token, probs = draft_choice(logits[row], seq, p.tokens)
                 p.tokens.append(token)
                 if probs is not None:
                     p.probs.append(probs)
-            active = [i for i in drafting if chunks[i].lookahead > r + 1]
+                if self.min_prob and chunks[i].lookahead > r + 1 and draft_confidence(logits[row], probs) < self.min_prob:
+                    unsure.add(i)
+            active = [i for i in drafting if chunks[i].lookahead > r + 1 and i not in unsure]
+            if not active:
+                break
             specs = [([proposals[i].tokens[-1]], chunks[i].start + chunks[i].length + r, chunks[i].seq.table)
                      for i in active]
             wants = [True] * len(active)

@@ -8,6 +8,11 @@ both the output of kernels/sampling.py on the same history (bias, penalties over
 generated tokens and the proposals before i, temperature, top-k/p, min-p), so every sampling option
 applies to both alike. Greedy requests keep a proposal exactly when it is the target's argmax: the
 tokens are those of decoding without speculation.
+
+The host work is per proposed token (up to 2k + 1 distributions over the vocabulary a step), so each
+distribution is built with as few passes over the vocabulary as its law allows: without truncation
+(top-k, top-p, min-p) it stays unnormalized, since the accept test reads two entries and a draw
+needs only the cumulative sum; the full normalized residual is built at a rejection only.
 """
 from __future__ import annotations
 
@@ -18,52 +23,105 @@ from dataclasses import dataclass
 import numpy as np
 
 from ember.daemon.engine.sequence import Sequence
-from ember.kernels.sampling import Choice, choice_of, final_distribution, penalized_logits
+from ember.kernels.sampling import Choice, SamplingParams, choice_of, final_distribution, penalized_logits
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Probabilities as nonnegative weights and their sum: P(t) = weights[t] / total."""
+    weights: np.ndarray  # float64 [vocab]
+    total: float
+
+    def __getitem__(self, token: int) -> float:
+        return float(self.weights[token]) / self.total
+
+    def dense(self) -> np.ndarray:
+        return self.weights / self.total
+
+    @property
+    def top(self) -> float:
+        """The largest probability (the draft's confidence, for DraftProposer's stopping rule)."""
+        return float(self.weights.max()) / self.total
 
 
 @dataclass(frozen=True)
 class Proposal:
     tokens: list[int]  # the draft's tokens, in order
-    probs: list[np.ndarray]  # the draft's distribution each was drawn from (sampled requests only)
+    probs: list[Distribution]  # the draft's distribution each was drawn from (sampled requests only)
 
 
 def verify(rows: np.ndarray, proposal: Proposal, seq: Sequence) -> tuple[Choice, ...]:
     """The tokens seq gets from one verification: `rows` are the target's logits [k + 1, vocab] after
     its last known token and after each of the k proposals. Draws use seq's own generator."""
-    params, history = seq.params, list(seq.generated)
+    params = seq.params
+    if params.plain_greedy:  # one argmax over the rows: no per-row copy
+        best = np.argmax(rows[: len(proposal.tokens) + 1], axis=1).tolist()
+        n = next((i for i, (b, d) in enumerate(zip(best, proposal.tokens)) if b != d), len(proposal.tokens))
+        return tuple(_choice(rows[i], best[i], seq) for i in range(n + 1))
+    history = list(seq.generated)
     out: list[Choice] = []
     for i, token in enumerate(proposal.tokens + [None]):
-        penalized = penalized_logits(rows[i], params, seq.prompt, history)
+        penalized = processed_logits(rows[i], params, seq.prompt, history)
         if params.greedy:
             best = int(np.argmax(penalized))
             out.append(_choice(penalized, best, seq))
             if best != token:
                 break
         else:
-            p = final_distribution(penalized, params)
+            p = distribution(penalized, params)
             if token is None:  # every proposal stood: one more from the target alone
-                out.append(_choice(penalized, _draw(p, seq), seq))
+                out.append(_choice(penalized, _draw(p.weights, seq), seq))
                 break
             q = proposal.probs[i]
             if seq.rng.random() * q[token] < p[token]:  # u < p/q without dividing by a tiny q
                 out.append(_choice(penalized, token, seq))
             else:
-                out.append(_choice(penalized, _draw(_residual(p, q), seq), seq))
+                out.append(_choice(penalized, _draw(_residual(p.dense(), q.dense()), seq), seq))
                 break
         history.append(out[-1].token)
     return tuple(out)
 
 
-def draft_choice(logits: np.ndarray, seq: Sequence, proposed: Seq[int]) -> tuple[int, np.ndarray | None]:
+def draft_choice(logits: np.ndarray, seq: Sequence, proposed: Seq[int]) -> tuple[int, Distribution | None]:
     """The draft's token after `proposed` ones, processed exactly as the target's row will be, and
     the distribution it was drawn from (None for greedy requests: the argmax needs none)."""
     if seq.params.plain_greedy:
         return int(np.argmax(logits)), None
-    penalized = penalized_logits(logits, seq.params, seq.prompt, seq.generated + list(proposed))
+    penalized = processed_logits(logits, seq.params, seq.prompt, seq.generated + list(proposed))
     if seq.params.greedy:
         return int(np.argmax(penalized)), None
-    q = final_distribution(penalized, seq.params)
-    return _draw(q, seq), q
+    q = distribution(penalized, seq.params)
+    return _draw(q.weights, seq), q
+
+
+def draft_confidence(logits: np.ndarray, q: Distribution | None) -> float:
+    """The draft's top probability at a position: q's when the token was drawn from q, else that of
+    the softmax of its logits (greedy requests, whose output never depends on it)."""
+    if q is not None:
+        return q.top
+    return 1.0 / float(np.exp(logits - logits.max(), dtype=np.float64).sum())
+
+
+def processed_logits(logits: np.ndarray, params: SamplingParams, prompt: Seq[int], history: Seq[int]) -> np.ndarray:
+    """penalized_logits, or the row itself when no bias or penalty changes it (nothing writes to it)."""
+    if params.logit_bias or params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
+        return penalized_logits(logits, params, prompt, history)
+    return logits
+
+
+def distribution(penalized: np.ndarray, params: SamplingParams) -> Distribution:
+    """final_distribution's law. Without truncation: exp((logits - max) / T) left unnormalized, the
+    same operations as final_distribution's first steps, in place (4 passes over the vocabulary
+    instead of 12)."""
+    vocab = penalized.shape[-1]
+    if 0 < params.top_k < vocab or params.top_p < 1.0 or params.min_p > 0.0:
+        probs = final_distribution(penalized, params)
+        return Distribution(probs, 1.0)
+    weights = np.subtract(penalized, penalized.max(), dtype=np.float64)
+    weights /= params.temperature
+    with np.errstate(over="ignore", under="ignore"):
+        np.exp(weights, out=weights)
+    return Distribution(weights, float(weights.sum()))
 
 
 def _residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -73,15 +131,16 @@ def _residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return r / total if total > 0 else p
 
 
-def _draw(probs: np.ndarray, seq: Sequence) -> int:
-    """A draw from `probs` by its inverse CDF: Generator.choice's algorithm without its checks of p,
-    which cost as much again on a large vocabulary (a step here draws up to 2k + 1 times a sequence).
-    The first entry whose cumulative sum passes u has a nonzero probability, since u < the total."""
-    cdf = np.cumsum(probs)
+def _draw(weights: np.ndarray, seq: Sequence) -> int:
+    """A draw from the distribution proportional to `weights` by its inverse CDF: Generator.choice's
+    algorithm without its checks of p, which cost as much again on a large vocabulary (a step here
+    draws up to 2k + 1 times a sequence). The first entry whose cumulative sum passes u has a nonzero
+    weight, since u < the total."""
+    cdf = np.cumsum(weights)
     return int(np.searchsorted(cdf, seq.rng.random() * cdf[-1], side="right"))
 
 
 def _choice(penalized: np.ndarray, token: int, seq: Sequence) -> Choice:
-    if not seq.wants_logprob and seq.params.plain_greedy:
+    if not seq.wants_logprob and not seq.params.logprobs:  # nobody reads it (Sequence.wants_logprob)
         return Choice(token, math.nan)
     return choice_of(penalized, token, seq.params.logprobs)

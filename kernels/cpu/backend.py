@@ -50,11 +50,12 @@ class CpuOps(Ops):
         return decoder_layer.fuse(*w, *shape)
 
     def run_fused_layer(self, fused: decoder_layer.FusedLayer, x: Array, k: KVLayerStore, v: KVLayerStore,
-                        decode_rows: Array, positions: Array, kv_blocks: Array, kv_offsets: Array, tables: Array,
-                        token_seq: Array) -> np.ndarray | None:
+                        decode_rows: Array, positions: Array, seen: Array, kv_blocks: Array, kv_offsets: Array,
+                        tables: Array, token_seq: Array) -> np.ndarray | None:
         if self._flags(decode_rows) is not True:  # prompt rows take the float kernels: op by op
             return None
-        return decoder_layer.run(fused, x, k, v, self.kv_write, positions, kv_blocks, kv_offsets, tables, token_seq)
+        return decoder_layer.run(fused, x, k, v, self.kv_write, positions, seen, kv_blocks, kv_offsets, tables,
+                                 token_seq)
 
     def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
                    weight: np.ndarray, decode_rows: Array | None = None) -> np.ndarray:

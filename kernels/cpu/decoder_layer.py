@@ -60,8 +60,6 @@ class FusedLayer:
 
     attn_in: tuple[Any, ...]  # the arguments of _attention_in after x, positions and force
     attn_out: tuple[Any, ...]  # those of _attention_out after the step's arrays
-    kv_heads: int
-    head_dim: int
 
 
 def fuse(attn_norm: np.ndarray, wq: CpuWeight, wk: CpuWeight, wv: CpuWeight, wo: CpuWeight, bq: np.ndarray | None,
@@ -89,7 +87,7 @@ def fuse(attn_norm: np.ndarray, wq: CpuWeight, wk: CpuWeight, wv: CpuWeight, wo:
     mats = (gate, up, down) if ffn else (wo, wo, wo)  # stand-ins the compiled code never reads
     attn_out = (np.float32(head_dim**-0.5), wo.code, wo.u8, ffn, _f32(ffn_norm), float(eps),
                 *(v for w in mats for v in (w.code, w.u8)))
-    return FusedLayer(attn_in, attn_out, n_kv_heads, head_dim)
+    return FusedLayer(attn_in, attn_out)
 
 
 def _f32(v: np.ndarray | None) -> np.ndarray:
@@ -99,16 +97,18 @@ def _f32(v: np.ndarray | None) -> np.ndarray:
 
 
 def run(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, kv_write: Any, positions: np.ndarray,
-        kv_blocks: np.ndarray, kv_offsets: np.ndarray, tables: np.ndarray, token_seq: np.ndarray) -> np.ndarray:
-    """The layer on x [n, hidden] (every row a decode row), its K/V written by `kv_write(store,
-    blocks, offsets, rows)` -> the layer's output [n, hidden]."""
+        seen: np.ndarray, kv_blocks: np.ndarray, kv_offsets: np.ndarray, tables: np.ndarray,
+        token_seq: np.ndarray) -> np.ndarray:
+    """The layer on x [n, hidden] (every row a decode row, roped at `positions`, token i attending
+    to its sequence's keys 0 .. seen[i]), its K/V written by `kv_write(store, blocks, offsets,
+    rows)` -> the layer's output [n, hidden]."""
     force = twin.force_code()
     q, kr, vr = _attention_in(_f32_rows(x), positions, force, *layer.attn_in)
     kv_write(k, kv_blocks, kv_offsets, kr)
     kv_write(v, kv_blocks, kv_offsets, vr)
     lut = BF16_TABLE if k.mode == _KV_BF16 else F16_TABLE
     return _attention_out(x, q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, lut, tables,
-                          token_seq, positions, force, *layer.attn_out)
+                          token_seq, seen, force, *layer.attn_out)
 
 
 def _f32_rows(x: np.ndarray) -> np.ndarray:
@@ -151,19 +151,19 @@ def _attention_in(x, positions, force, attn_norm, codes, wq, wk, wv, biased, bq,
 
 
 @njit(cache=True, nogil=True)
-def _attention_out(x, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq, positions,
+def _attention_out(x, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq, seen,
                    force, scale, code_o, wo, ffn, ffn_norm, eps, code_g, gate, code_u, up, code_d, down):
     """Attention over the paged cache, the output projection and residual, then (if `ffn`) rmsnorm,
     the SwiGLU FFN and its residual -> the layer's output [n, hidden] (the attention residual
     without `ffn`)."""
     n, heads, hd = q.shape
     attn = np.empty_like(q)
-    if _parallel(force, q.size * 2 * (positions[-1] + 1), PARALLEL_MIN_WORK):
+    if _parallel(force, q.size * 2 * (seen[-1] + 1), PARALLEL_MIN_WORK):
         _ATTENTION_PARALLEL(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq,
-                            positions, scale, attn)
+                            seen, scale, attn)
     else:
         _ATTENTION_SERIAL(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq,
-                          positions, scale, attn)
+                          seen, scale, attn)
     o = np.empty((n, wo.shape[0]), np.float32)
     _matmul_int8(code_o, wo, attn.reshape(n, heads * hd), o, force)
     x = x + o

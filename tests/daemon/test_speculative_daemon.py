@@ -45,3 +45,8 @@ def test_per_model_config_keys(tmp_path) -> None:  # type: ignore[no-untyped-def
     file.write_text(f'[[models]]\npath = "{DEMO_MODEL}"\ndraft_tokens = 0\n')
     with pytest.raises(ConfigError, match="draft_tokens"):
         load_config(file, env={})
+
+
+def test_memory_plan_counts_the_draft(spec_daemon) -> None:  # type: ignore[no-untyped-def]
+    plan = next(e for e in spec_daemon.log_events() if e["event"] == "memory plan")
+    assert plan["draft"] != "0 B" and plan["fits"] is True
