@@ -1,5 +1,6 @@
-"""Speculative decoding on the CPU: autoregressive vs draft-model decoding of the trained demo pair
-(daemon/assets: the dense model and its draft), greedy and at temperature 0.7, in one run.
+"""Speculative decoding on the CPU: autoregressive vs draft-model vs feature-draft decoding of the
+trained demo model (daemon/assets: the dense model, its draft model and its DFlash draft), greedy and at
+temperature 0.7, in one run.
 
 For each mode, the configurations alternate --rounds times (so the machine's drift hits them alike)
 and each figure is the median over the rounds: tok/s of --tokens generated tokens after each of the
@@ -11,13 +12,17 @@ bounds the speedup, measured on the same models: one target decode step (1 token
 forwards (n tokens), one draft step, the host work of sampled verification, and for each
 configuration the speedup the measured costs predict,
 L x t_step / (P x t_draft + t_verify(1 + P)) for mean accepted length L and P proposals per pass.
+A feature draft ("dflash k=") proposes its k tokens in one pass over a block of k + 1 rows:
+its round costs t_block(k + 1) + t_verify(1 + k) instead.
 
-    python benchmarks/speculative.py [--tokens 128] [--rounds 3] [--k 3,4,6] [--full-k 4] [--threads N]
+    python benchmarks/speculative.py [--tokens 128] [--rounds 3] [--k 3,4,6] [--full-k 4] [--feature-k 2,4,7]
+                                     [--threads N]
 """
 from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 import statistics
 import time
 
@@ -25,7 +30,7 @@ import numpy as np
 
 import ember
 from ember.daemon.engine.sequence import Sequence
-from ember.daemon.loader.demo_model import DEMO_DRAFT, DEMO_MODEL
+from ember.daemon.loader.demo_model import DEMO_DFLASH, DEMO_DRAFT, DEMO_MODEL
 from ember.daemon.runner.model_runner import ModelRunner
 from ember.daemon.runner.step_batch import StepBatch
 from ember.daemon.speculative.spec_stats import SpecStats
@@ -63,6 +68,22 @@ def forward_ms(net, n: int, context: int = 64, reps: int = 200) -> float:  # typ
     return _median_ms(lambda: net.forward(batch, runner.cache), reps)
 
 
+def feature_block_ms(model: ember.Model, k: int, context: int = 64, reps: int = 200) -> float:
+    """One pass of model's DFlash draft over a noise block of k + 1 tokens after `context` injected
+    positions, in milliseconds (median of 5)."""
+    draft = model._draft
+    runner = ModelRunner(model.net, 16, 16)
+    table = list(range(16))
+    cache = draft.new_cache(16, 16)
+    features = np.random.default_rng(0).normal(size=(context, draft.width)).astype(np.float32)
+    draft.inject(draft.ops.to_device(features), runner.prepare(
+        StepBatch.build([(list(range(1, context + 1)), 0, table)], 16, prompt_lengths=[context])), cache)
+    block = StepBatch.build([([100] + [draft.spec.mask_id] * k, context, table)], 16, prompt_lengths=[context],
+                            logit_tails=[k])
+    batch = runner.prepare(replace(block, attn_end=np.full(k + 1, context + k)))
+    return _median_ms(lambda: draft.block_logits(batch, cache), reps)
+
+
 def sampled_verification_ms(k: int, vocab: int, reps: int = 100) -> float:
     """The host work of one sampled round at temperature 0.7 (k draft choices, then verifying k + 1
     rows with every proposal accepted: the most rows a round reads), in milliseconds."""
@@ -95,6 +116,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--k", default="3,4,6", help="draft tokens per step to try")
     ap.add_argument("--full-k", type=int, default=4, help="also this k drafting every token (no early stop; 0: skip)")
+    ap.add_argument("--feature-k", default="2,4,7", help="the DFlash draft's tokens per step to try ('': none)")
     ap.add_argument("--threads", type=int, default=0, help="numba threads (default: all cores)")
     args = ap.parse_args()
     if args.threads:
@@ -108,7 +130,9 @@ def main() -> None:
     if args.full_k:
         full = configs[f"draft k={args.full_k} full"] = ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=args.full_k)
         full.draft_min_prob = 0.0
-    print(f"demo dense (Q8_0) + demo draft (Q8_0), {args.tokens} tokens x {len(PROMPTS)} prompts, "
+    fks = [int(k) for k in args.feature_k.split(",") if k]
+    configs |= {f"dflash k={k}": ember.load(DEMO_MODEL, draft=DEMO_DFLASH, draft_tokens=k) for k in fks}
+    print(f"demo dense (Q8_0) + demo draft (Q8_0) + demo DFlash draft (Q8_0), {args.tokens} tokens x {len(PROMPTS)} prompts, "
           f"{args.rounds} rounds, {os.cpu_count()} CPUs")
     results: dict[str, dict[str, tuple[float, SpecStats]]] = {}
     for mode, options in MODES.items():
@@ -121,10 +145,11 @@ def main() -> None:
         results[mode] = {name: (statistics.median(r[0] for r in rs), SpecStats(
             *(sum(getattr(r[1], f) for r in rs) for f in ("proposed", "accepted", "steps")))) for name, rs in runs.items()}
 
-    most = max(ks + [args.full_k]) + 1
+    most = max(ks + [args.full_k] + fks) + 1
     verify_ms = [0.0] + [forward_ms(target.net, n) for n in range(1, most + 1)]  # verify_ms[n]: n tokens
     step, draft = verify_ms[1], forward_ms(configs[f"draft k={ks[0]}"]._draft, 1)
     sampling = sampled_verification_ms(4, target.config.vocab)
+    block_ms = {f"dflash k={k}": feature_block_ms(configs[f"dflash k={k}"], k) for k in fks}
 
     def verify_steps(rows: float) -> float:  # linear between the measured whole row counts
         lo = min(int(rows), most - 1)
@@ -139,11 +164,14 @@ def main() -> None:
                 print(f"| {name} | {rate:.0f} | {rate / base:.2f}x | - | - | - | 1.00 | 1.00x |")
                 continue
             per = stats.proposed / stats.steps
-            cost = per * draft / step + verify_steps(1 + per)
+            drafting = block_ms[name] if name in block_ms else per * draft  # a feature draft: one block pass
+            cost = drafting / step + verify_steps(1 + per)
             print(f"| {name} | {rate:.0f} | {rate / base:.2f}x | {stats.acceptance_rate:.0%} | "
                   f"{stats.mean_accepted_length:.2f} | {per:.2f} | {cost:.2f} | {stats.mean_accepted_length / cost:.2f}x |")
     print(f"\nwhat bounds it: target decode step {step:.3f} ms, draft step {draft:.3f} ms ({draft / step:.2f} of a step); "
           f"sampled host work of a k=4 round (4 draft choices, 5 rows verified) {sampling:.3f} ms ({sampling / step:.2f} of a step)")
+    for name, ms in block_ms.items():
+        print(f"{name}: one block pass of {name[9:]} + 1 tokens {ms:.3f} ms ({ms / step:.2f} of a step)")
     print("| tokens verified | ms | target steps | per token |\n|---|---|---|---|")
     for n in range(1, most + 1):
         print(f"| {n} | {verify_ms[n]:.3f} | {verify_ms[n] / step:.2f} | {verify_ms[n] / n / step:.2f} |")

@@ -28,6 +28,37 @@ class ExpertWeights(NamedTuple):
     down: Weight
 
 
+class LayerWeights(NamedTuple):
+    """A standard decoder layer (ops.fuse_layer): h = x + attention(rmsnorm(x)), then h + ffn(rmsnorm(h)),
+    the attention with q/k/v (and optional biases), q/k head norms (optional) and rope, the FFN
+    down(swiglu(gate x, up x)); gate, up and down None: a layer whose FFN is not fused (MoE), which
+    the fused form takes up to h."""
+
+    attn_norm: Array
+    wq: Weight
+    wk: Weight
+    wv: Weight
+    wo: Weight
+    bq: Array | None
+    bk: Array | None
+    bv: Array | None
+    q_norm: Array | None
+    k_norm: Array | None
+    ffn_norm: Array
+    gate: Weight | None
+    up: Weight | None
+    down: Weight | None
+
+
+class LayerShape(NamedTuple):
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    eps: float
+    inv_freq: Array
+    interleaved: bool
+
+
 class Ops(ABC):
     name: str
     # tokens per chunk of gated_delta_net's chunked form, counted from each run's first token (the
@@ -96,6 +127,23 @@ class Ops(ABC):
             y = self.matmul(self.swiglu_matmul(xt, w.gate, w.up, rows), w.down, rows)
             out[self.to_device(t)] += y * self.to_device(weight[group])[:, None]
         return out
+
+    # --- a whole layer at once ------------------------------------------------------------------
+    def fuse_layer(self, w: LayerWeights, shape: LayerShape) -> Any | None:
+        """A backend's compiled form of a standard layer, for run_fused_layer; None (this default)
+        where it has none: the model then always runs the layer op by op."""
+        return None
+
+    def run_fused_layer(self, fused: Any, x: Array, k: Any, v: Any, decode_rows: Array, positions: Array,
+                        seen: Array, kv_blocks: Array, kv_offsets: Array, tables: Array, token_seq: Array
+                        ) -> Array | None:
+        """The layer `fused` on x [n, d] -> its output [n, d] (h, after the attention, if it was fused
+        without its FFN), its K/V written to the stores k and v as
+        kv_write does and read as paged_attention does (rope at `positions`, each token seeing its
+        sequence's keys 0 .. seen[i]); or None, having done nothing, for a step the
+        fused form does not take (the model then runs the layer op by op). Bit for bit what the ops
+        compute one by one, so a row's result never depends on which of the two ran it."""
+        raise NotImplementedError(f"{self.name} fuses no layers")
 
     @abstractmethod
     def embedding(self, w: Weight, ids: np.ndarray) -> Array:

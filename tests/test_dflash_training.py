@@ -102,3 +102,64 @@ def test_a_trained_draft_converts_with_llama_cpp_and_keeps_its_weights(tmp_path:
                                                  llama_cpp.llama_model_default_params())
     assert model, "llama.cpp did not load the converted draft"
     llama_cpp.llama_model_free(model)
+
+
+# --- the torch draft against llama.cpp, and the trained demo draft in ember --------------------------
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_the_torch_draft_computes_what_llama_cpp_runs(tmp_path: Path) -> None:
+    """The network trained here, saved and converted by llama.cpp's converter, run by llama.cpp beside
+    the demo target on the same context rows: the torch module's block logits are llama.cpp's (to the
+    target's q8_0 lm_head and llama.cpp's q8_0 activations)."""
+    from dflash_files import reference_draft
+    from llama_cpp_dflash import run_draft
+    from llama_cpp_tools import LLAMA_CPP_SRC
+
+    from ember.daemon.loader.demo_model import DEMO_MODEL
+    from ember.daemon.loader.llama_cpp_converter import convert_hf
+
+    converter = LLAMA_CPP_SRC / "convert_hf_to_gguf.py"
+    if not converter.exists():
+        pytest.skip(f"llama.cpp's converter not found at {converter}")
+    # the demo target's shape; layers 0 and 2 (llama.cpp taps no output of the last layer of a qwen3)
+    cfg = DFlashConfig(hidden_size=384, vocab_size=8192, rope_theta=100000.0, rms_norm_eps=1e-6, num_target_layers=5,
+                       target_layer_ids=(0, 2), mask_token_id=5, block_size=8)
+    torch.manual_seed(0)
+    draft = DFlashDraft(cfg).eval()
+    with torch.no_grad():  # weights large enough that the logits depend on them, norms not all 1
+        for name, p in draft.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
+    draft.save(tmp_path / "hf")
+    fixture = Path(__file__).parent / "fixtures" / "ember-demo-dense"  # config and tokenizer: all the converter reads
+    path = convert_hf(converter, tmp_path / "hf", tmp_path / "draft.gguf", "f32", "--target-model-dir", str(fixture))
+    ids = [int(t) for t in np.random.default_rng(0).integers(10, 8000, 23)]
+    context, last, k = ids[:-1], ids[-1], 6
+    oracle = run_draft(DEMO_MODEL, path, (1, 3), context, last, cfg.mask_token_id, k)
+    embed = torch.from_numpy(reference_draft(path, DEMO_MODEL).embed)  # the target's (tied), dequantized
+    n = len(context)
+    block = torch.tensor([[last] + [cfg.mask_token_id] * k])
+    mask = torch.ones(1, k + 1, n + k + 1, dtype=torch.bool)
+    with torch.no_grad():
+        hidden = draft(embed[block], torch.from_numpy(oracle.features)[None], torch.arange(n, n + k + 1)[None],
+                       torch.arange(n)[None], mask)
+        logits = (hidden[0, 1:] @ embed.T).numpy()
+    tolerance = 0.02 * np.abs(oracle.logits).max()
+    np.testing.assert_allclose(logits, oracle.logits, atol=tolerance)
+    assert np.abs(logits).max() > 1.0  # not a comparison of near-zero rows
+
+
+@pytest.mark.slow
+def test_the_trained_demo_draft_keeps_greedy_tokens_and_is_accepted() -> None:
+    """daemon/assets' trained DFlash draft on the demo model: the tokens of decoding without it, and
+    (being trained, not random) a real share of its proposals accepted."""
+    import ember
+    from ember.daemon.loader.demo_model import DEMO_DFLASH, DEMO_MODEL
+
+    target = ember.load(DEMO_MODEL)
+    spec = ember.load(DEMO_MODEL, draft=DEMO_DFLASH, draft_tokens=7)
+    for prompt in ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):"]:
+        alone = list(target.generate(prompt, max_tokens=64, ignore_eos=True))
+        assert list(spec.generate(prompt, max_tokens=64, ignore_eos=True)) == alone, prompt
+    stats = spec.spec_stats()
+    assert stats.steps > 0 and stats.proposed <= 7 * stats.steps
+    assert stats.acceptance_rate > 0.04, stats  # random weights: about 0 (tests/test_dflash.py)

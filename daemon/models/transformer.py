@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
+from typing import Any
 
 from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions
 from ember.daemon.experts.moe_ffn import MoEFFN, expert_files, load_moe_ffn
@@ -25,7 +25,7 @@ from ember.daemon.models.architectures import ArchSpec, architecture
 from ember.daemon.models.linear_attention import GatedDeltaNet, load_gated_delta_net
 from ember.daemon.runner.recurrent_state import RecurrentState
 from ember.daemon.runner.step_batch import StepBatch
-from ember.kernels.ops import Array, Ops, Weight
+from ember.kernels.ops import Array, LayerShape, LayerWeights, Ops, Weight
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType
 
@@ -90,10 +90,23 @@ class Block:
     attn: Attention | GatedDeltaNet
     ffn_norm: Array
     ffn: DenseFFN | MoEFFN | SharedExpertMoE
+    fused: Any = None  # the backend's compiled form of the layer (ops.fuse_layer), if it has one
+    fused_ffn: bool = False  # whether `fused` includes the FFN (a dense one) or stops at the attention residual
 
     def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: PagedKVCache,
                  batch: StepBatch) -> Array:
-        x = x + self._mix(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache, batch)
+        out = None
+        if self.fused is not None:  # decode steps: the layer in one go, Python off the per-op path
+            kv = self.attn.kv_layer
+            seen = batch.positions if batch.attn_end is None else batch.attn_end
+            out = ops.run_fused_layer(self.fused, x, cache.k[kv], cache.v[kv], batch.decode_rows, batch.positions,
+                                      seen, batch.kv_blocks, batch.kv_offsets, batch.tables, batch.token_seq)
+        if out is None:
+            x = x + self._mix(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache, batch)
+        elif self.fused_ffn:
+            return out
+        else:
+            x = out
         return x + self.ffn(ops, ops.rmsnorm(x, self.ffn_norm, cfg.norm_eps), batch.decode_rows)
 
     def _mix(self, ops: Ops, cfg: ModelConfig, rope: Rope, h: Array, cache: PagedKVCache, batch: StepBatch) -> Array:
@@ -117,13 +130,13 @@ class Transformer:
         tied = "output.weight" not in mf.tensors
         embed = self.runs_first or (self.runs_last and tied)
         self.embed = ops.weight(mf.tensor("token_embd.weight")) if embed else None
-        self.blocks = [load_block(mf, ops, spec, i, self.layers.start, self.experts) for i in self.layers]
-        self.norm = _norm(mf, ops, "output_norm.weight") if self.runs_last else None
-        # tied embeddings: the output projection is the embedding matrix, shared, not loaded twice
-        self.output = None if not self.runs_last else self.embed if tied else ops.weight(mf.tensors["output.weight"])
         factors = mf.tensors.get("rope_freqs.weight")
         inv_freq = mf.config.inv_freq(None if factors is None else ops.to_numpy(ops.vector(factors)))
         self.rope = Rope(ops.vector(RawTensor("rope.inv_freq", TensorType.F32, inv_freq.shape, inv_freq)), mf.rope_interleaved)
+        self.blocks = [load_block(mf, ops, spec, i, self.layers.start, self.experts, self.rope) for i in self.layers]
+        self.norm = _norm(mf, ops, "output_norm.weight") if self.runs_last else None
+        # tied embeddings: the output projection is the embedding matrix, shared, not loaded twice
+        self.output = None if not self.runs_last else self.embed if tied else ops.weight(mf.tensors["output.weight"])
 
     @property
     def runs_first(self) -> bool:
@@ -199,8 +212,10 @@ def _expert_manager(mf: ModelFile, options: ExpertOptions) -> ExpertManager | No
     return ExpertManager(mf.path, mf.config.hidden, mf.config.n_experts_used, sizes, mf.config.n_experts, options)
 
 
-def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, experts: ExpertManager | None) -> Block:
-    """Layer i of a Transformer whose first layer is `first` (its cache's layers count from there)."""
+def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, experts: ExpertManager | None,
+               rope: Rope | None = None) -> Block:
+    """Layer i of a Transformer whose first layer is `first` (its cache's layers count from there);
+    with `rope`, also in the backend's fused form (ops.fuse_layer) where it has one."""
     def w(name: str) -> Weight:
         return ops.weight(mf.tensor(f"blk.{i}.{name}.weight"))
 
@@ -232,7 +247,17 @@ def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, expe
         k_norm=vec("attn_k_norm.weight") if spec.qk_norm else None,
         kv_layer=i - first,
     )
-    return Block(vec("attn_norm.weight"), attn, vec("ffn_norm.weight"), ffn)
+    block = Block(vec("attn_norm.weight"), attn, vec("ffn_norm.weight"), ffn)
+    if rope is None:
+        return block
+    dense = isinstance(ffn, DenseFFN)  # a MoE layer's attention is fused, its experts run as ops.expert_ffn
+    cfg = mf.config
+    block.fused = ops.fuse_layer(
+        LayerWeights(block.attn_norm, attn.wq, attn.wk, attn.wv, attn.wo, attn.bq, attn.bk, attn.bv, attn.q_norm,
+                     attn.k_norm, block.ffn_norm, *((ffn.gate, ffn.up, ffn.down) if dense else (None,) * 3)),
+        LayerShape(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, rope.inv_freq, rope.interleaved))
+    block.fused_ffn = dense
+    return block
 
 
 def _norm(mf: ModelFile, ops: Ops, name: str) -> Array:

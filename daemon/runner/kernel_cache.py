@@ -19,7 +19,7 @@ import fcntl
 import hashlib
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import llvmlite.binding as llvm
@@ -71,7 +71,7 @@ def compile_all() -> None:
     from ember.kernels.cpu import twin
     from ember.kernels.convert import KV_DTYPES
 
-    net = _synthetic_model()
+    net = synthetic_model()
     for variant in ("serial", "parallel"):  # every twin serial, then every twin parallel
         twin.FORCE = variant
         for dtype in KV_DTYPES:
@@ -81,6 +81,7 @@ def compile_all() -> None:
             net.forward(StepBatch.build([([7], 6, [0, 1]), ([8, 9], 0, [1])], 16, prompt_lengths=[5, 2]), cache)
             net.forward(StepBatch.build([([7], 6, [0, 1]), ([8], 1, [1])], 16, prompt_lengths=[5, 2]), cache)
         _linear_attention_kernels()
+        _expert_kernels(net)
 
 
 def _linear_attention_kernels() -> None:
@@ -106,9 +107,21 @@ def _linear_attention_kernels() -> None:
         ops.sigmoid_mul(x, x)
 
 
-def _synthetic_model():  # type: ignore[no-untyped-def]
-    """A qwen3-shaped Transformer (q/k norms, so every dense kernel runs) of random weights, layer i
-    stored in the i-th weight type."""
+def _expert_kernels(net) -> None:  # type: ignore[no-untyped-def]
+    """MoE layers' decode kernel (the experts of a step in one call), with the synthetic model's dense
+    FFNs standing in for experts."""
+    from ember.kernels.ops import ExpertWeights
+
+    experts = {e: ExpertWeights(b.ffn.gate, b.ffn.up, b.ffn.down) for e, b in enumerate(net.blocks[:4])}
+    x = np.ones((2, net.config.hidden), np.float32)
+    token, expert, weight = np.array([0, 0, 1, 1]), np.array([0, 1, 1, 3]), np.ones(4, np.float32)
+    net.ops.expert_ffn(x, experts, token, expert, weight, np.ones(2, bool))
+
+
+def synthetic_model(types: Sequence[int] | None = None, arch: str = "qwen3"):  # type: ignore[no-untyped-def]
+    """A small Transformer of random weights, layer i stored in types[i] (default: every weight type,
+    so every kernel runs). qwen3 has q/k norms, qwen2 q/k/v biases, llama neither. Tests build
+    models from it too."""
     from ember.daemon.loader.model_config import ModelConfig
     from ember.daemon.loader.model_file import ModelFile
     from ember.daemon.models.transformer import Transformer
@@ -117,8 +130,8 @@ def _synthetic_model():  # type: ignore[no-untyped-def]
     from ember.kernels.raw_tensor import RawTensor
     from ember.kernels.tensor_types import TensorType as T
 
-    types = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32]
-    cfg = ModelConfig(arch="qwen3", n_layers=len(types), hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=256,
+    types = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32] if types is None else [T(t) for t in types]
+    cfg = ModelConfig(arch=arch, n_layers=len(types), hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=256,
                       vocab=64, context_length=64, rope_theta=10000.0, norm_eps=1e-6)
     rng = np.random.default_rng(0)
     tensors: dict[str, RawTensor] = {}
@@ -129,15 +142,17 @@ def _synthetic_model():  # type: ignore[no-untyped-def]
 
     add("token_embd.weight", T.Q8_0, cfg.vocab, cfg.hidden)
     add("output_norm.weight", T.F32, cfg.hidden)
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    vectors = [("attn_norm.weight", cfg.hidden), ("ffn_norm.weight", cfg.hidden)]
+    vectors += {"qwen3": [("attn_q_norm.weight", cfg.head_dim), ("attn_k_norm.weight", cfg.head_dim)],
+                "qwen2": [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)]}.get(arch, [])
     for i, ttype in enumerate(types):
-        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         for name, shape in (("attn_q", (q, cfg.hidden)), ("attn_k", (kv, cfg.hidden)), ("attn_v", (kv, cfg.hidden)),
                             ("attn_output", (cfg.hidden, q)), ("ffn_gate", (cfg.ffn, cfg.hidden)),
                             ("ffn_up", (cfg.ffn, cfg.hidden)), ("ffn_down", (cfg.hidden, cfg.ffn))):
             add(f"blk.{i}.{name}.weight", ttype, *shape)
-        for name, width in (("attn_norm", cfg.hidden), ("ffn_norm", cfg.hidden), ("attn_q_norm", cfg.head_dim),
-                            ("attn_k_norm", cfg.head_dim)):
-            add(f"blk.{i}.{name}.weight", T.F32, width)
+        for name, width in vectors:
+            add(f"blk.{i}.{name}", T.F32, width)
     return Transformer(ModelFile(Path("<kernel cache>"), "gguf", cfg, tensors), get_ops("cpu"))
 
 

@@ -1,11 +1,13 @@
 """CpuOps: the ops API on the CPU, numba kernels over numpy arrays."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
-from ember.kernels.cpu import dense, linear_attention, quant_matmul
+from ember.kernels.cpu import decoder_layer, dense, expert_ffn, linear_attention, quant_matmul
 from ember.kernels.cpu.paged_attention import KVLayerStore, paged_attention
-from ember.kernels.ops import Array, Ops
+from ember.kernels.ops import Array, ExpertWeights, LayerShape, LayerWeights, Ops
 from ember.kernels.reference.quant import dequantize
 from ember.kernels.raw_tensor import RawTensor
 
@@ -43,6 +45,24 @@ class CpuOps(Ops):
             flags = quant_matmul.decode_flags(decode_rows)
             self._last_rows = (decode_rows, flags)
         return flags
+
+    def fuse_layer(self, w: LayerWeights, shape: LayerShape) -> decoder_layer.FusedLayer | None:
+        return decoder_layer.fuse(*w, *shape)
+
+    def run_fused_layer(self, fused: decoder_layer.FusedLayer, x: Array, k: KVLayerStore, v: KVLayerStore,
+                        decode_rows: Array, positions: Array, seen: Array, kv_blocks: Array, kv_offsets: Array,
+                        tables: Array, token_seq: Array) -> np.ndarray | None:
+        if self._flags(decode_rows) is not True:  # prompt rows take the float kernels: op by op
+            return None
+        return decoder_layer.run(fused, x, k, v, self.kv_write, positions, seen, kv_blocks, kv_offsets, tables,
+                                 token_seq)
+
+    def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
+                   weight: np.ndarray, decode_rows: Array | None = None) -> np.ndarray:
+        out = None
+        if self._flags(decode_rows) is True:  # decode steps: every expert group in one compiled call
+            out = expert_ffn.expert_ffn(x, experts, token, expert, weight)
+        return super().expert_ffn(x, experts, token, expert, weight, decode_rows) if out is None else out
 
     def embedding(self, w: quant_matmul.CpuWeight, ids: np.ndarray) -> np.ndarray:
         return quant_matmul.embedding(w, np.asarray(ids, dtype=np.int64))

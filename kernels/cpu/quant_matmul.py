@@ -93,15 +93,18 @@ class CpuWeight:
     u32: np.ndarray
     f32: np.ndarray | None = None
     # derived once (the decode path reads them on every call): the type code the kernels switch on,
-    # whether decode rows take the integer kernels, and the bytes one matvec reads
+    # whether decode rows take the integer kernels, the bytes one matvec reads, and where u8's bytes
+    # are (expert_ffn.py hands the kernel a table of experts' addresses)
     code: int = field(init=False)
     int8: bool = field(init=False)
     nbytes: int = field(init=False)
+    address: int = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "code", int(self.ttype))
         object.__setattr__(self, "int8", self.ttype in INT8_TYPES)
         object.__setattr__(self, "nbytes", self.rows * row_bytes(self.ttype, self.cols))
+        object.__setattr__(self, "address", self.u8.__array_interface__["data"][0])
 
 
 def pack(t: RawTensor) -> CpuWeight:

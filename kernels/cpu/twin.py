@@ -24,6 +24,11 @@ PARALLEL_MIN_WORK = 1 << 16
 FORCE: str | None = None
 
 
+def force_code() -> int:
+    """FORCE as compiled code that picks variants itself takes it: 0 by the work, 1 serial, 2 parallel."""
+    return 0 if FORCE is None else 1 if FORCE == "serial" else 2
+
+
 class Twin:
     def __init__(self, core: Callable[..., Any], min_work: int | None = None, **options: Any) -> None:
         """options override JIT's (fastmath=False for kernels whose float order must not change);

@@ -1,0 +1,200 @@
+"""A standard decoder layer's decode step in two compiled calls: Python off the per-op path.
+
+This module owns the CPU backend's fused form of a layer (ops.fuse_layer / ops.run_fused_layer):
+pre-norm attention (optional q/k/v biases and q/k head norms) and a gated FFN whose seven matrices
+all take the integer decode kernels (Q8_0, Q4_K, Q5_K, Q6_K), run for a step whose rows are all
+decode rows. Run op by op, such a layer costs ~110 Python calls (wrappers, numba's argument typing
+for each kernel, array allocations): on the 12 MB demo model that host work was a third of a decode
+step. Here the whole layer is two numba functions, `_attention_in` (norm, q/k/v, q/k norm and rope)
+and `_attention_out` (attention, output projection, residual, norm, SwiGLU FFN, residual), with the
+KV write between them through the backend's kv_write (the one home of each KV dtype's conversion).
+
+The numbers are the op-by-op path's, bit for bit: both functions call the very kernels the ops call
+(quant_matmul's integer drivers, dense.py's norms and rope, paged_attention's kernel), each in the
+serial or parallel variant the op would pick for the same work (twin.py), and the residual adds
+are the same float32 adds. A decode row therefore gets the same logits whether its step ran fused
+(every row a decode row) or op by op (a step with prompt rows): batching never changes a token
+(tests/test_decoder_layer.py compares the two on every integer weight type and KV dtype).
+
+Calling a compiled function's entry point for a signature resolved once would skip numba's argument
+typing (measured: 2 us -> 1 us for 20 arguments), but the entry point trusts its arguments' types
+blindly; at two calls per layer the dispatcher's check was kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numba
+import numpy as np
+from numba import njit
+
+from ember.kernels.cpu import dense, twin
+from ember.kernels.cpu.paged_attention import BF16_TABLE, F16_TABLE, KVLayerStore
+from ember.kernels.cpu.paged_attention import _BF16 as _KV_BF16
+from ember.kernels.cpu.paged_attention import _KERNELS as _ATTENTION
+from ember.kernels.cpu.quant_matmul import (_MATMUL_INT8, _MATMUL_INT8_MANY, _SWIGLU_INT8, INT8_PARALLEL_MIN_WORK,
+                                            CpuWeight)
+from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
+
+__all__ = ["FusedLayer", "fuse", "run"]
+
+# each twin's variants as globals of their own: compiled code calls a dispatcher, not an attribute
+_QKV_SERIAL, _QKV_PARALLEL = _MATMUL_INT8_MANY.serial, _MATMUL_INT8_MANY.parallel
+_MATMUL_SERIAL, _MATMUL_PARALLEL = _MATMUL_INT8.serial, _MATMUL_INT8.parallel
+_SWIGLU_SERIAL, _SWIGLU_PARALLEL = _SWIGLU_INT8.serial, _SWIGLU_INT8.parallel
+_NORM_SERIAL, _NORM_PARALLEL = dense._RMSNORM.serial, dense._RMSNORM.parallel
+_ROPE_SERIAL, _ROPE_PARALLEL = dense._QK_NORM_ROPE.serial, dense._QK_NORM_ROPE.parallel
+_ATTENTION_SERIAL, _ATTENTION_PARALLEL = _ATTENTION.serial, _ATTENTION.parallel
+_NONE = np.zeros(0, np.float32)
+
+# The two functions call parallel kernels, whose code loaded from numba's cache jumps into the thread
+# pool without starting it: in a process that has run no parallel kernel yet, that call crashed
+# (segfault). Asking for the thread count starts the pool.
+numba.get_num_threads()  # an absent bias or norm: one compiled signature for every model
+
+
+@dataclass(frozen=True)
+class FusedLayer:
+    """One layer's weights and shape as the two compiled calls take them."""
+
+    attn_in: tuple[Any, ...]  # the arguments of _attention_in after x, positions and force
+    attn_out: tuple[Any, ...]  # those of _attention_out after the step's arrays
+
+
+def fuse(attn_norm: np.ndarray, wq: CpuWeight, wk: CpuWeight, wv: CpuWeight, wo: CpuWeight, bq: np.ndarray | None,
+         bk: np.ndarray | None, bv: np.ndarray | None, q_norm: np.ndarray | None, k_norm: np.ndarray | None,
+         ffn_norm: np.ndarray | None, gate: CpuWeight | None, up: CpuWeight | None, down: CpuWeight | None,
+         n_heads: int, n_kv_heads: int, head_dim: int, eps: float, inv_freq: np.ndarray,
+         interleaved: bool) -> FusedLayer | None:
+    """The layer's fused form (without FFN matrices: its attention and residual only), or None where
+    the op-by-op path computes differently (a matrix without integer decode kernels, gate and up of
+    different shapes) or the shapes do not chain."""
+    d = attn_norm.shape[0]
+    ffn = gate is not None
+    if ffn and not (gate.int8 and up.int8 and down.int8 and (gate.rows, gate.cols) == (up.rows, up.cols) == (down.cols, d)
+                    and down.rows == d):
+        return None
+    if not all(w.int8 for w in (wq, wk, wv, wo)) or (wq.cols, wk.cols, wv.cols, wo.rows) != (d,) * 4:
+        return None
+    if (wq.rows, wk.rows, wv.rows, wo.cols) != (n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim,
+                                                 n_heads * head_dim):
+        return None
+    biased, normed = bq is not None, q_norm is not None
+    attn_in = (_f32(attn_norm), np.array([wq.code, wk.code, wv.code], np.int64), wq.u8, wk.u8, wv.u8,
+               biased, _f32(bq), _f32(bk), _f32(bv), normed, _f32(q_norm), _f32(k_norm), _f32(inv_freq),
+               bool(interleaved), n_heads, n_kv_heads, head_dim, float(eps))
+    mats = (gate, up, down) if ffn else (wo, wo, wo)  # stand-ins the compiled code never reads
+    attn_out = (np.float32(head_dim**-0.5), wo.code, wo.u8, ffn, _f32(ffn_norm), float(eps),
+                *(v for w in mats for v in (w.code, w.u8)))
+    return FusedLayer(attn_in, attn_out)
+
+
+def _f32(v: np.ndarray | None) -> np.ndarray:
+    """A writable float32 copy (vectors are tiny): a file's read-only views would be another numba
+    type, compiled again at run time, outside the kernel cache."""
+    return _NONE if v is None else np.array(v, np.float32)
+
+
+def run(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, kv_write: Any, positions: np.ndarray,
+        seen: np.ndarray, kv_blocks: np.ndarray, kv_offsets: np.ndarray, tables: np.ndarray,
+        token_seq: np.ndarray) -> np.ndarray:
+    """The layer on x [n, hidden] (every row a decode row, roped at `positions`, token i attending
+    to its sequence's keys 0 .. seen[i]), its K/V written by `kv_write(store, blocks, offsets,
+    rows)` -> the layer's output [n, hidden]."""
+    force = twin.force_code()
+    q, kr, vr = _attention_in(_f32_rows(x), positions, force, *layer.attn_in)
+    kv_write(k, kv_blocks, kv_offsets, kr)
+    kv_write(v, kv_blocks, kv_offsets, vr)
+    lut = BF16_TABLE if k.mode == _KV_BF16 else F16_TABLE
+    return _attention_out(x, q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, lut, tables,
+                          token_seq, seen, force, *layer.attn_out)
+
+
+def _f32_rows(x: np.ndarray) -> np.ndarray:
+    return x if x.dtype == np.float32 and x.flags.c_contiguous and x.ndim == 2 else dense.f32_rows(x)
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _parallel(force, work, threshold):
+    """twin.Twin.pick inside compiled code: force 1 serial, 2 parallel, 0 by the work."""
+    return force == 2 or (force == 0 and work >= threshold)
+
+
+@njit(cache=True, nogil=True)
+def _attention_in(x, positions, force, attn_norm, codes, wq, wk, wv, biased, bq, bk, bv, normed, q_norm, k_norm,
+                  inv_freq, interleaved, n_heads, n_kv_heads, head_dim, eps):
+    """rmsnorm, then q, k, v (one integer kernel), biases, q/k head norms and rope -> q [n, heads, hd],
+    k, v [n, kv_heads, hd]: Block's attention up to the KV write, with the ops' kernels."""
+    n = x.shape[0]
+    h = np.empty_like(x)
+    _rmsnorm(x, attn_norm, eps, h, force)
+    q = np.empty((n, wq.shape[0]), np.float32)
+    k = np.empty((n, wk.shape[0]), np.float32)
+    v = np.empty((n, wv.shape[0]), np.float32)
+    if _parallel(force, (wq.size + wk.size + wv.size) * n, INT8_PARALLEL_MIN_WORK):
+        _QKV_PARALLEL(codes, (wq, wk, wv), h, (q, k, v))
+    else:
+        _QKV_SERIAL(codes, (wq, wk, wv), h, (q, k, v))
+    if biased:
+        q, k, v = q + bq, k + bk, v + bv
+    q3 = q.reshape(n, n_heads, head_dim)
+    k3 = k.reshape(n, n_kv_heads, head_dim)
+    v3 = v.reshape(n, n_kv_heads, head_dim)
+    qn = q_norm if normed else inv_freq[:0]
+    kn = k_norm if normed else inv_freq[:0]
+    if _parallel(force, (q3.size + k3.size) * 8, PARALLEL_MIN_WORK):
+        _ROPE_PARALLEL(q3, k3, qn, kn, normed, eps, positions, inv_freq, interleaved)
+    else:
+        _ROPE_SERIAL(q3, k3, qn, kn, normed, eps, positions, inv_freq, interleaved)
+    return q3, k3, v3
+
+
+@njit(cache=True, nogil=True)
+def _attention_out(x, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq, seen,
+                   force, scale, code_o, wo, ffn, ffn_norm, eps, code_g, gate, code_u, up, code_d, down):
+    """Attention over the paged cache, the output projection and residual, then (if `ffn`) rmsnorm,
+    the SwiGLU FFN and its residual -> the layer's output [n, hidden] (the attention residual
+    without `ffn`)."""
+    n, heads, hd = q.shape
+    attn = np.empty_like(q)
+    if _parallel(force, q.size * 2 * (seen[-1] + 1), PARALLEL_MIN_WORK):
+        _ATTENTION_PARALLEL(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq,
+                            seen, scale, attn)
+    else:
+        _ATTENTION_SERIAL(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq,
+                          seen, scale, attn)
+    o = np.empty((n, wo.shape[0]), np.float32)
+    _matmul_int8(code_o, wo, attn.reshape(n, heads * hd), o, force)
+    x = x + o
+    if not ffn:
+        return x
+    h = np.empty_like(x)
+    _rmsnorm(x, ffn_norm, eps, h, force)
+    f = np.empty((n, gate.shape[0]), np.float32)
+    if _parallel(force, 2 * gate.size * n, INT8_PARALLEL_MIN_WORK):
+        _SWIGLU_PARALLEL(code_g, gate, code_u, up, h, f)
+    else:
+        _SWIGLU_SERIAL(code_g, gate, code_u, up, h, f)
+    y = np.empty((n, down.shape[0]), np.float32)
+    _matmul_int8(code_d, down, f, y, force)
+    return x + y
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _rmsnorm(x, w, eps, out, force):
+    if _parallel(force, x.size, PARALLEL_MIN_WORK):
+        _NORM_PARALLEL(x, w, eps, out)
+    else:
+        _NORM_SERIAL(x, w, eps, out)
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _matmul_int8(code, w, x, out, force):
+    if _parallel(force, w.size * x.shape[0], INT8_PARALLEL_MIN_WORK):
+        _MATMUL_PARALLEL(code, w, x, out)
+    else:
+        _MATMUL_SERIAL(code, w, x, out)
+
+
+

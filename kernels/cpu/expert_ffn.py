@@ -1,0 +1,102 @@
+"""A MoE layer's routed experts for a decode step in one compiled call (the CPU's ops.expert_ffn).
+
+The ops API's default expert_ffn calls two kernels per expert from Python, plus the gathers and the
+weighted sum around them (~40 Python calls per expert): on a small MoE model that host work, not the
+weights, bounded decode (0.26x llama.cpp on the trained MoE demo). Here one numba function runs every
+expert group of the step. The experts' matrices reach it as a table of (type code, address, rows,
+row bytes) — the hot experts are whichever views of the file the layer holds, so no stacked array
+exists to pass — read back as arrays in compiled code; the table is rebuilt from the weights on every
+call, so they are alive (the caller holds them) while the kernel reads them.
+
+The numbers are the default's bit for bit: the same grouping (experts in order, tokens in pair order),
+the same integer kernels in the variant the op would pick (twin.py), and the weighted sum in the same
+float32 operations, without fast-math. A token's result is the same whether its step ran here (every
+row a decode row) or through the default (a step with prompt rows).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from ember.kernels.cpu import twin
+from ember.kernels.cpu.decoder_layer import _SWIGLU_PARALLEL, _SWIGLU_SERIAL, _matmul_int8, _parallel
+from ember.kernels.cpu.quant_matmul import INT8_PARALLEL_MIN_WORK
+from ember.kernels.ops import ExpertWeights
+
+__all__ = ["expert_ffn"]
+
+
+
+def expert_ffn(x: np.ndarray, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
+               weight: np.ndarray) -> np.ndarray | None:
+    """ops.expert_ffn for a step whose rows are all decode rows; None, having done nothing, if an
+    expert's matrices do not all take the integer kernels (the default then runs it)."""
+    out = np.zeros(x.shape, np.float32)
+    if expert.size == 0:
+        return out
+    order = np.argsort(expert, kind="stable")
+    sorted_experts = expert[order]
+    firsts = np.concatenate(([0], np.flatnonzero(np.diff(sorted_experts)) + 1))
+    rows = [_row(experts[int(e)]) for e in sorted_experts[firsts]]
+    if None in rows:
+        return None
+    table = np.array(rows, np.int64)
+    _groups(np.ascontiguousarray(x, np.float32), table, np.append(firsts, order.size),
+            np.ascontiguousarray(token[order], np.int64), np.ascontiguousarray(weight[order], np.float32),
+            twin.force_code(), out)
+    return out
+
+
+def _row(ws: ExpertWeights) -> tuple[int, ...] | None:
+    """An expert's row of the table, or None where the default computes it with other kernels."""
+    g, u, d = ws
+    if not (g.int8 and u.int8 and d.int8 and (g.rows, g.cols) == (u.rows, u.cols)):
+        return None
+    return (g.code, g.address, *g.u8.shape, u.code, u.address, *u.u8.shape, d.code, d.address, *d.u8.shape)
+
+
+@intrinsic
+def _u8_pointer(typingctx, address):
+    """The uint8 pointer at an integer address."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+
+    return types.CPointer(types.uint8)(address), codegen
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _matrix(table, g, k):
+    """Matrix k (gate 0, up 1, down 2) of group g as uint8 [rows, row bytes] over the file's bytes."""
+    return numba.carray(_u8_pointer(table[g, 4 * k + 1]), (table[g, 4 * k + 2], table[g, 4 * k + 3]))
+
+
+@njit(cache=True, nogil=True)  # no fast-math: the weighted sum rounds as numpy's
+def _groups(x, table, bounds, token, weight, force, out):
+    """out[token[p]] += weight[p] * expert(x[token[p]]) for the pairs p of each group g (bounds[g] to
+    bounds[g + 1], one expert, its matrices in table[g]), group by group."""
+    d = x.shape[1]
+    for g in range(table.shape[0]):
+        first, n = bounds[g], bounds[g + 1] - bounds[g]
+        xt = np.empty((n, d), np.float32)
+        for i in range(n):
+            xt[i] = x[token[first + i]]
+        gate, up, down = _matrix(table, g, 0), _matrix(table, g, 1), _matrix(table, g, 2)
+        f = np.empty((n, gate.shape[0]), np.float32)
+        if _parallel(force, 2 * gate.size * n, INT8_PARALLEL_MIN_WORK):
+            _SWIGLU_PARALLEL(table[g, 0], gate, table[g, 4], up, xt, f)
+        else:
+            _SWIGLU_SERIAL(table[g, 0], gate, table[g, 4], up, xt, f)
+        y = np.empty((n, down.shape[0]), np.float32)
+        _matmul_int8(table[g, 8], down, f, y, force)
+        for i in range(n):
+            w, t = weight[first + i], token[first + i]
+            for j in range(d):
+                out[t, j] += y[i, j] * w

@@ -1,0 +1,117 @@
+"""The fused decode layer (kernels/cpu/decoder_layer.py) computes what the ops compute one by one, bit
+for bit: a decode row's logits must not depend on whether its step ran fused (every row a decode row)
+or op by op (a step with prompt rows), in any weight type, KV dtype, architecture or kernel variant."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from ember.daemon.runner.kernel_cache import synthetic_model
+from ember.daemon.runner.step_batch import StepBatch
+from ember.kernels.cpu import twin
+from ember.kernels.tensor_types import TensorType as T
+
+INT8_TYPES = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+def decode_states(net, kv_dtype: str, steps: int = 3) -> list[np.ndarray]:
+    """Two sequences read prompts (op by op: prompt rows), then decode `steps` tokens together: the
+    last layer's output of each step (the residual stream keeps every last bit; logits come after
+    the head's int8 quantization of the activations, which hides most of them)."""
+    cache = net.new_cache(8, 16, kv_dtype)
+    prompts = ([1, 2, 3, 4, 5], [6, 7, 8])
+    tables = ([0, 1], [2, 3])
+    net.forward(StepBatch.build([(p, 0, t) for p, t in zip(prompts, tables)], 16), cache)
+    out, tokens = [], [9, 10]
+    for k in range(steps):
+        chunks = [([tok], len(p) + k, t) for tok, p, t in zip(tokens, prompts, tables)]
+        batch = StepBatch.build(chunks, 16, prompt_lengths=[len(p) for p in prompts])
+        hidden = net.run_layers(net.embed_tokens(batch), batch, cache)
+        out.append(np.array(hidden))
+        logits = net.head(hidden, batch)
+        tokens = [int(t) % 64 for t in np.argmax(logits, axis=1)]
+    return out
+
+
+def without_fusion(net):  # type: ignore[no-untyped-def]
+    fused = [b.fused for b in net.blocks]
+    for b in net.blocks:
+        b.fused = None
+    return fused
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "bf16", "q8_0"])
+def test_fused_decode_steps_equal_the_ops(arch: str, kv_dtype: str) -> None:
+    net = synthetic_model(INT8_TYPES, arch)
+    assert all(b.fused is not None for b in net.blocks)
+    fused = decode_states(net, kv_dtype)
+    without_fusion(net)
+    for a, b in zip(fused, decode_states(net, kv_dtype), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("variant", ["serial", "parallel"])
+def test_fused_steps_equal_the_ops_in_each_kernel_variant(variant: str, monkeypatch) -> None:
+    net = synthetic_model(INT8_TYPES)
+    monkeypatch.setattr(twin, "FORCE", variant)
+    fused = decode_states(net, "f32")
+    without_fusion(net)
+    for a, b in zip(fused, decode_states(net, "f32"), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_decode_row_beside_a_prompt_chunk_runs_op_by_op_and_equals_it_alone() -> None:
+    """The step's rows decide: with a prompt chunk beside it the decode row runs op by op, alone it
+    runs fused, and its hidden state is the same."""
+    net = synthetic_model(INT8_TYPES)
+    hidden = []
+    for company in ([], [([11, 12, 13], 0, [2])]):
+        cache = net.new_cache(4, 16, "f32")
+        net.forward(StepBatch.build([([1, 2, 3, 4, 5], 0, [0, 1])], 16), cache)
+        step = StepBatch.build([([9], 5, [0, 1]), *company], 16, prompt_lengths=[5] + [3] * len(company))
+        hidden.append(np.array(net.run_layers(net.embed_tokens(step), step, cache)[0]))
+    np.testing.assert_array_equal(hidden[0], hidden[1])
+
+
+def test_layers_without_integer_kernels_are_not_fused() -> None:
+    net = synthetic_model([T.Q8_0, T.F16, T.BF16, T.F32])
+    assert [b.fused is not None for b in net.blocks] == [True, False, False, False]
+
+
+def test_a_fresh_process_can_start_with_a_fused_step() -> None:
+    """The fused functions loaded from numba's cache call parallel kernels; a process whose first
+    kernel was one of them crashed until the module started the thread pool itself."""
+    code = ("import numpy as np\n"
+            "from ember.daemon.runner.kernel_cache import synthetic_model\n"
+            "from ember.daemon.runner.step_batch import StepBatch\n"
+            "from ember.kernels.cpu import twin\n"
+            "net = synthetic_model([8, 8])\n"  # Q8_0 layers
+            "batch = StepBatch.build([([3], 0, [0])], 16, prompt_lengths=[0])\n"
+            "twin.FORCE = 'serial'\n"  # no parallel kernel before the fused step
+            "x = net.embed_tokens(batch)\n"
+            "twin.FORCE = 'parallel'\n"
+            "print(np.isfinite(net.run_layers(x, batch, net.new_cache(1, 16))).all())\n")
+    for _ in range(2):  # the second process loads what the first compiled
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+
+
+def test_a_block_that_sees_past_its_positions_runs_fused_as_op_by_op() -> None:
+    """StepBatch.attn_end (a DFlash noise block: every token sees the whole block) reaches the fused
+    attention as it reaches paged_attention."""
+    net = synthetic_model(INT8_TYPES)
+    hidden = []
+    for fused in (True, False):
+        if not fused:
+            without_fusion(net)
+        cache = net.new_cache(4, 16, "f32")
+        net.forward(StepBatch.build([([1, 2, 3, 4, 5], 0, [0, 1])], 16), cache)
+        step = StepBatch.build([([9, 10, 11], 5, [0, 1])], 16, prompt_lengths=[5], logit_tails=[3])
+        step = replace(step, attn_end=np.full(3, 7, np.int64))
+        hidden.append(np.array(net.run_layers(net.embed_tokens(step), step, cache)))
+    np.testing.assert_array_equal(hidden[0], hidden[1])

@@ -1,0 +1,66 @@
+"""The CPU's one-call expert FFN for decode steps (kernels/cpu/expert_ffn.py) computes what the ops
+API's default expert_ffn computes, bit for bit, so a token's result never depends on which ran it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ember
+from ember.daemon.runner.step_batch import StepBatch
+from ember.kernels.cpu import expert_ffn, twin
+from ember.kernels.ops import Ops
+
+from tiny_models import FIXTURES
+
+MOE = FIXTURES / "ember-demo-moe-q8_0.gguf"
+
+
+@pytest.fixture(scope="module")
+def net():  # type: ignore[no-untyped-def]
+    return ember.load(MOE).net
+
+
+def decode_states(net, steps: int = 3) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
+    """Three sequences read prompts, then decode together: the last layer's output of each step."""
+    cache = net.new_cache(12, 16)
+    prompts, tables = ([5, 6, 7, 8, 9], [10, 11], [12, 13, 14]), ([0, 1], [2, 3], [4, 5])
+    net.forward(StepBatch.build([(p, 0, t) for p, t in zip(prompts, tables)], 16), cache)
+    out, tokens = [], [20, 21, 20]  # two sequences on the same token: an expert with several tokens
+    for k in range(steps):
+        batch = StepBatch.build([([tok], len(p) + k, t) for tok, p, t in zip(tokens, prompts, tables)], 16,
+                                prompt_lengths=[len(p) for p in prompts])
+        hidden = net.run_layers(net.embed_tokens(batch), batch, cache)
+        out.append(np.array(hidden))
+        tokens = [int(t) for t in np.argmax(net.head(hidden, batch), axis=1)]
+    return out
+
+
+@pytest.mark.parametrize("variant", [None, "serial", "parallel"])
+def test_decode_steps_equal_the_default_expert_ffn(net, variant: str | None, monkeypatch) -> None:
+    calls = []
+    fused = expert_ffn.expert_ffn
+    monkeypatch.setattr(expert_ffn, "expert_ffn", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setattr(twin, "FORCE", variant)
+    got = decode_states(net)
+    assert len(calls) == 3 * net.config.n_layers  # every MoE layer of every step ran fused
+    monkeypatch.setattr(expert_ffn, "expert_ffn", lambda *a: None)  # the backend falls back to the default
+    for block in net.blocks:  # and the attention runs op by op
+        monkeypatch.setattr(block, "fused", None)
+    for a, b in zip(got, decode_states(net), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_moe_layers_attention_is_fused_without_its_ffn(net) -> None:
+    assert all(b.fused is not None and not b.fused_ffn for b in net.blocks)
+
+
+def test_one_call_equals_the_default_on_the_same_pairs(net) -> None:
+    """Ops.expert_ffn (the API's default, which the CPU falls back to) on the same arguments: experts
+    with one and with several tokens, pairs in no particular order."""
+    ffn = net.blocks[0].ffn
+    x = np.random.default_rng(0).standard_normal((3, net.config.hidden)).astype(np.float32)
+    token, expert = np.array([0, 0, 1, 1, 2, 2]), np.array([3, 7, 7, 1, 3, 0])
+    weight = np.random.default_rng(1).random(6).astype(np.float32)
+    want = Ops.expert_ffn(net.ops, x, ffn.hot, token, expert, weight, np.ones(3, bool))
+    assert np.abs(want).min() > 0  # every token got its experts' outputs
+    np.testing.assert_array_equal(net.ops.expert_ffn(x, ffn.hot, token, expert, weight, np.ones(3, bool)), want)
