@@ -149,7 +149,8 @@ class Model:
         else:
             runner = SplitRunner(self.pipeline, blocks, KV_BLOCK, self.kv_dtype, self.decode_act)
         if isinstance(self._draft, DFlashDraft):  # its KV cache and feature mirror follow the target's blocks
-            options.setdefault("draft", FeatureProposer(self._draft, runner, self.kv_dtype, self.feature_dtype))
+            options.setdefault("draft", FeatureProposer(self._draft, runner, self.kv_dtype, self.feature_dtype,
+                                                        self.draft_min_prob))
         elif self._draft is not None:  # the draft's cache mirrors the target's blocks (daemon/speculative/)
             options.setdefault("draft", ModelRunner(self._draft, blocks, KV_BLOCK, self.kv_dtype, self.decode_act))
         if self._draft is not None:

@@ -22,15 +22,23 @@ from ember.daemon.engine.scheduler import ScheduledChunk
 from ember.daemon.models.dflash import DFlashDraft
 from ember.daemon.runner.model_runner import ModelRunner, StepRun
 from ember.daemon.runner.step_batch import StepBatch
+from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB
 from ember.daemon.speculative.feature_mirror import FeatureMirror
-from ember.daemon.speculative.verification import Proposal, draft_choice
+from ember.daemon.speculative.verification import Proposal, draft_choice, draft_confidence
 
 
 class FeatureProposer:
-    def __init__(self, draft: DFlashDraft, target: ModelRunner, kv_dtype: str = "f32", feature_dtype: str = "f32") -> None:
+    def __init__(self, draft: DFlashDraft, target: ModelRunner, kv_dtype: str = "f32", feature_dtype: str = "f32",
+                 min_prob: float = DRAFT_MIN_PROB) -> None:
         """The draft's KV cache and the feature mirror get the target runner's blocks and block size;
-        the target runner is set to capture the draft's target layers."""
-        self.draft, self.target = draft, target
+        the target runner is set to capture the draft's target layers. min_prob: a block's proposals
+        end after the first whose distribution's top probability is below it (llama.cpp's p_min; 0:
+        the whole block), as a draft model's do (DraftProposer); it reads only the draft's
+        distribution, so it is lossless. On the trained demo draft it keeps the mean accepted length
+        (1.56 -> 1.54 greedy) and cuts the target's rows per token from 4.9 to 1.4 (docs/speculative.md)."""
+        if not 0.0 <= min_prob <= 1.0:
+            raise ValueError(f"min_prob must be in [0, 1], got {min_prob}")
+        self.draft, self.target, self.min_prob = draft, target, min_prob
         self.kv_blocks, self.block_size = target.kv_blocks, target.block_size
         self.cache = draft.new_cache(self.kv_blocks, self.block_size, kv_dtype)
         self.mirror = FeatureMirror(self.kv_blocks, self.block_size, draft.width, feature_dtype)
@@ -55,15 +63,17 @@ class FeatureProposer:
         ends = np.repeat([c.start + c.lookahead for c in blocks], [1 + c.lookahead for c in blocks])
         batch = replace(batch, attn_end=ends)  # the block is not causal: each token sees all of it
         logits = self.draft.ops.to_numpy(self.draft.block_logits(self.target.prepare(batch), self.cache))
-        proposals, row = {}, 0
+        proposals, first = {}, 0
         for i, c in zip(spec, blocks, strict=True):
             p = proposals[i] = Proposal([], [])
-            for _ in range(c.lookahead):
+            for row in range(first, first + c.lookahead):
                 token, probs = draft_choice(logits[row], c.seq, p.tokens)
                 p.tokens.append(token)
                 if probs is not None:
                     p.probs.append(probs)
-                row += 1
+                if self.min_prob and draft_confidence(logits[row], probs) < self.min_prob:
+                    break  # the engine verifies the shorter proposal (EngineCore._step)
+            first += c.lookahead
         return proposals
 
     def absorb(self, batch: StepBatch, run: StepRun) -> None:
