@@ -71,7 +71,7 @@ class FeatureProposer:
                 p.tokens.append(token)
                 if probs is not None:
                     p.probs.append(probs)
-                if self.min_prob and draft_confidence(logits[row], probs) < self.min_prob:
+                if self.min_prob and draft_confidence(logits[row]) < self.min_prob:
                     break  # the engine verifies the shorter proposal (EngineCore._step)
             first += c.lookahead
         return proposals
