@@ -13,12 +13,17 @@ from ember.daemon.loader.llama_cpp_converter import convert_hf
 LLAMA_CPP_SRC = Path(os.environ.get("EMBER_LLAMA_CPP_SRC", "/work/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 
 
-def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
-    """hf_dir converted by llama.cpp's convert_hf_to_gguf.py (skips the test if the script is absent)."""
+def converter_script() -> Path:
+    """llama.cpp's convert_hf_to_gguf.py (skips the test if the script is absent)."""
     script = LLAMA_CPP_SRC / "convert_hf_to_gguf.py"
     if not script.exists():
         pytest.skip(f"llama.cpp's converter not found at {script} (set EMBER_LLAMA_CPP_SRC)")
-    return convert_hf(script, hf_dir, out, outtype, "--no-mtp")
+    return script
+
+
+def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
+    """hf_dir converted by llama.cpp's convert_hf_to_gguf.py (skips the test if the script is absent)."""
+    return convert_hf(converter_script(), hf_dir, out, outtype, "--no-mtp")
 
 
 def quantize(src: Path, out: Path, ftype: str = "Q8_0") -> Path:

@@ -66,11 +66,9 @@ def test_walk_counts_as_greedy_speculation_does() -> None:
 @pytest.mark.slow
 def test_a_trained_draft_converts_with_llama_cpp_and_keeps_its_weights(tmp_path: Path) -> None:
     """Train a few steps against a tiny random target, then read the GGUF llama.cpp's converter wrote."""
-    from llama_cpp_tools import LLAMA_CPP_SRC
+    from llama_cpp_tools import converter_script
 
-    converter = LLAMA_CPP_SRC / "convert_hf_to_gguf.py"
-    if not converter.exists():
-        pytest.skip(f"llama.cpp's converter not found at {converter}")
+    converter = converter_script()
     gguf = pytest.importorskip("gguf")
     from ember.daemon.speculative import dflash_training
 
@@ -113,14 +111,12 @@ def test_the_torch_draft_computes_what_llama_cpp_runs(tmp_path: Path) -> None:
     target's q8_0 lm_head and llama.cpp's q8_0 activations)."""
     from dflash_files import reference_draft
     from llama_cpp_dflash import run_draft
-    from llama_cpp_tools import LLAMA_CPP_SRC
+    from llama_cpp_tools import converter_script
 
     from ember.daemon.loader.demo_model import DEMO_MODEL
     from ember.daemon.loader.llama_cpp_converter import convert_hf
 
-    converter = LLAMA_CPP_SRC / "convert_hf_to_gguf.py"
-    if not converter.exists():
-        pytest.skip(f"llama.cpp's converter not found at {converter}")
+    converter = converter_script()
     # the demo target's shape; layers 0 and 2 (llama.cpp taps no output of the last layer of a qwen3)
     cfg = DFlashConfig(hidden_size=384, vocab_size=8192, rope_theta=100000.0, rms_norm_eps=1e-6, num_target_layers=5,
                        target_layer_ids=(0, 2), mask_token_id=5, block_size=8)
