@@ -67,10 +67,14 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def changes_logits(self) -> bool:
+        """Whether bias or a penalty changes the logits before anything else (penalized_logits)."""
+        return bool(self.logit_bias or self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty)
+
+    @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes the logits first: the token is the row's argmax."""
-        return (self.greedy and not self.logit_bias and self.repetition_penalty == 1.0
-                and not self.frequency_penalty and not self.presence_penalty and not self.logprobs)
+        return self.greedy and not self.changes_logits and not self.logprobs
 
     def check_vocab(self, vocab: int) -> None:
         for token in self.logit_bias:

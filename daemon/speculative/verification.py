@@ -103,7 +103,7 @@ def draft_confidence(logits: np.ndarray) -> float:
 
 def processed_logits(logits: np.ndarray, params: SamplingParams, prompt: Seq[int], history: Seq[int]) -> np.ndarray:
     """penalized_logits, or the row itself when no bias or penalty changes it (nothing writes to it)."""
-    if params.logit_bias or params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
+    if params.changes_logits:
         return penalized_logits(logits, params, prompt, history)
     return logits
 
