@@ -1,7 +1,9 @@
 """Throughput of the CPU quantized-weight kernels (kernels/cpu/quant_matmul.py), optionally vs llama.cpp.
 
 For each type and shape: the matvec (n=1) time and GB/s of weight bytes read, and the n=16 kernel's
-time and tokens/s through the matrix (16 / time). numpy float32 `W @ x` on the same shape is printed
+time and tokens/s through the matrix (16 / time); for the prompt rows' float kernel and, where the
+type has one, the decode rows' integer kernel ("i8": the activation quantized to int8 blocks, as
+decode runs every generated token). numpy float32 `W @ x` on the same shape is printed
 for context. With --llama-cpp, ggml's own mul_mat on the same quantized bytes is timed too, through
 ctypes into the libggml that llama-cpp-python ships: a graph of many mul_mat nodes computed with the
 same thread count, so ggml's per-graph thread start is amortized as in a real decode graph.
@@ -26,7 +28,7 @@ from ember.kernels.reference.quant import quantize
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType
 
-SHAPES = [(2048, 768), (768, 2048), (32000, 768)]
+SHAPES = [(640, 384), (1024, 384), (384, 1024), (2048, 768), (768, 2048), (32000, 768)]  # the demo's, the 100M's
 TYPES = ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
 
 
@@ -47,7 +49,7 @@ def best_time(fn, repeat: int) -> float:
 
 
 def row(name: str, rows: int, cols: int, nbytes: int, t1: float, t16: float) -> str:
-    return (f"{name:10} {rows:>5}x{cols:<5} {nbytes / 1e6:6.1f} {t1 * 1e6:8.1f} {nbytes / t1 / 1e9:6.1f} "
+    return (f"{name:15} {rows:>5}x{cols:<5} {nbytes / 1e6:6.1f} {t1 * 1e6:8.1f} {nbytes / t1 / 1e9:6.1f} "
             f"{t16 * 1e6:9.1f} {16 / t16:8.0f}")
 
 
@@ -104,7 +106,7 @@ def main() -> None:
     ggml = GgmlMulMat(numba.get_num_threads()) if args.llama_cpp else None
     rng = np.random.default_rng(0)
     print(f"threads: {numba.get_num_threads()}")
-    print(f"{'kernel':10} {'shape':>11} {'MB':>6} {'n=1 us':>8} {'GB/s':>6} {'n=16 us':>9} {'tok/s':>8}")
+    print(f"{'kernel':15} {'shape':>11} {'MB':>6} {'n=1 us':>8} {'GB/s':>6} {'n=16 us':>9} {'tok/s':>8}")
     for rows, cols in SHAPES:
         w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.02
         x1 = rng.standard_normal((1, cols)).astype(np.float32)
@@ -119,6 +121,10 @@ def main() -> None:
             t1 = best_time(lambda: matmul(x1, cw), repeat)
             t16 = best_time(lambda: matmul(x16, cw), repeat)
             print(row(f"ember {name}", rows, cols, cw.nbytes, t1, t16))
+            if cw.int8:  # decode rows: the activation quantized to int8, integer dots (what decode runs)
+                t1 = best_time(lambda: matmul(x1, cw, True), repeat)
+                t16 = best_time(lambda: matmul(x16, cw, True), repeat)
+                print(row(f"ember {name} i8", rows, cols, cw.nbytes, t1, t16))
             if ggml is not None:
                 nodes = max(4, 100 * 2048 * 768 // (rows * cols))
                 t1 = ggml.time(tt, storage, rows, cols, 1, nodes)

@@ -28,5 +28,14 @@ def test_a_cold_cache_and_a_warm_one_give_the_same_logits(tmp_path: Path) -> Non
         return done.stdout.strip()
 
     cold = digest()
-    assert list(tmp_path.rglob("ember-kernels-*.stamp")), "the first process left no stamp"
+    stamps = list(tmp_path.rglob("ember-kernels-*.stamp"))
+    assert stamps, "the first process left no stamp"
     assert digest() == cold
+
+    # a kernel source changed (its stamp is gone): every cached kernel is compiled anew, none reused
+    stamps[0].unlink()
+    stale = stamps[0].parent / "decoder_layer._attention_in-1.py311.nbi"
+    stale.write_bytes(b"an index of kernels compiled from older sources")
+    assert digest() == cold
+    assert not stale.exists()
+    assert list(tmp_path.rglob("ember-kernels-*.stamp"))

@@ -12,6 +12,11 @@ slowly, than every later one.
 a child process compiles every kernel signature the runtime uses (a forward pass of a small synthetic
 model with every weight type and KV dtype, through both variants of each twin kernel) and leaves a
 stamp; this process then only ever loads. A lock keeps concurrent starts from compiling twice.
+
+Before that child compiles, every cached kernel is removed. numba checks a cache entry against its own
+source file only: a fused kernel in decoder_layer.py that inlined quant_matmul.py's matvec kept the
+old matvec's code after quant_matmul.py changed (seen: a 1.75x faster matvec that the fused layers
+did not get). The stamp names every kernel source, so a change to any of them recompiles them all.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ def ensure_kernel_cache(on_compile: Callable[[], None] = lambda: None) -> bool:
         if stamp.exists():
             return False
         on_compile()
+        _remove_cached_kernels(stamp.parent)
         done = subprocess.run([sys.executable, "-m", "ember.daemon.runner.kernel_cache"], capture_output=True, text=True,
                               timeout=_CHILD_TIMEOUT)
         if done.returncode != 0:
@@ -61,6 +67,13 @@ def _stamp_path() -> Path:
     cache_dir = Path(quant_matmul._matmul._cache._cache_path)  # where numba keeps this module's kernels
     cache_dir.mkdir(parents=True, exist_ok=True)
     return cache_dir / f"ember-kernels-{digest.hexdigest()[:16]}.stamp"
+
+
+def _remove_cached_kernels(cache_dir: Path) -> None:
+    """numba's index and data files and the stamps of earlier kernel sources: compiled anew from here."""
+    for pattern in ("*.nbi", "*.nbc", "ember-kernels-*.stamp"):
+        for path in cache_dir.glob(pattern):
+            path.unlink(missing_ok=True)
 
 
 def compile_all() -> None:

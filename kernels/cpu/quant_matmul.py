@@ -442,10 +442,13 @@ def _activations(x, q8_0, k_quants):
 
 
 @njit(inline="always", **_STRICT)
-def _row_times_activations(tt, u8, r, q8_0, k_quants, out):
-    """_row_times_tokens with the activations of tt's format."""
+def _rows_times_activations(tt, u8, first, end, q8_0, k_quants, out):
+    """_row_times_tokens for rows first..end-1, with the activations of tt's format. The format is
+    picked once per call, not per row: picking a tuple of arrays costs a reference count on each
+    array, and per row that made the serial matvec 1.75x slower (640 x 384 Q8_0: 31 -> 18 us)."""
     xq, xd, xs = q8_0 if tt == _Q8_0 else k_quants
-    _row_times_tokens(tt, u8, r, xq, xd, xs, out)
+    for r in range(first, end):
+        _row_times_tokens(tt, u8, r, xq, xd, xs, out)
 
 
 def _matmul_int8(tt, u8, x, out):
@@ -454,8 +457,7 @@ def _matmul_int8(tt, u8, x, out):
     rows = out.shape[1]
     q8_0, k_quants = _activations(x, tt == _Q8_0, tt != _Q8_0)
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
-        for r in range(c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS)):
-            _row_times_activations(tt, u8, r, q8_0, k_quants, out)
+        _rows_times_activations(tt, u8, c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS), q8_0, k_quants, out)
 
 
 def _matmul_int8_many(tts, ws, x, outs):
@@ -473,8 +475,7 @@ def _matmul_int8_many(tts, ws, x, outs):
             k += 1
         u8, out = ws[k], outs[k]
         first = (c - groups[k]) * _MATVEC_ROWS
-        for r in range(first, min(u8.shape[0], first + _MATVEC_ROWS)):
-            _row_times_activations(tts[k], u8, r, q8_0, k_quants, out)
+        _rows_times_activations(tts[k], u8, first, min(u8.shape[0], first + _MATVEC_ROWS), q8_0, k_quants, out)
 
 
 def _swiglu_int8(tt_gate, gate, tt_up, up, x, out):
@@ -487,10 +488,8 @@ def _swiglu_int8(tt_gate, gate, tt_up, up, x, out):
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
         end = min(rows, (c + 1) * _MATVEC_ROWS)
         # the group's gate rows, then its up rows: one contiguous stream at a time for the prefetcher
-        for r in range(c * _MATVEC_ROWS, end):
-            _row_times_activations(tt_gate, gate, r, q8_0, k_quants, g)
-        for r in range(c * _MATVEC_ROWS, end):
-            _row_times_activations(tt_up, up, r, q8_0, k_quants, u)
+        _rows_times_activations(tt_gate, gate, c * _MATVEC_ROWS, end, q8_0, k_quants, g)
+        _rows_times_activations(tt_up, up, c * _MATVEC_ROWS, end, q8_0, k_quants, u)
         for t in range(n):
             for r in range(c * _MATVEC_ROWS, end):
                 out[t, r] = g[t, r] / (np.float32(1) + np.exp(-g[t, r])) * u[t, r]
