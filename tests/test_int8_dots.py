@@ -60,17 +60,17 @@ _Q8_0, _Q4_K, _Q5_K, _Q6_K = (tiles[ONE_BY_ONE] for tiles in (int8_dots.Q8_0_TIL
 
 
 @njit
-def _dots(code, w, xq, xd, xs, out):
+def _dots(code, w, xq, xd, xs, xc, out):
     """Row r . token 0 for every row, through each type's 1 x 1 tile."""
     for r in range(out.shape[0]):
         if code == 0:
-            out[r] = _Q8_0(w, r, xq, xd, xs, 0)[0]
+            out[r] = _Q8_0(w, r, xq, xd, xs, xc, 0)[0]
         elif code == 1:
-            out[r] = _Q4_K(w, r, xq, xd, xs, 0)[0]
+            out[r] = _Q4_K(w, r, xq, xd, xs, xc, 0)[0]
         elif code == 2:
-            out[r] = _Q5_K(w, r, xq, xd, xs, 0)[0]
+            out[r] = _Q5_K(w, r, xq, xd, xs, xc, 0)[0]
         else:
-            out[r] = _Q6_K(w, r, xq, xd, xs, 0)[0]
+            out[r] = _Q6_K(w, r, xq, xd, xs, xc, 0)[0]
 
 
 TYPES = [TensorType.Q8_0, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K]
@@ -85,8 +85,10 @@ def row_dots(ttype: TensorType, data: np.ndarray, x: np.ndarray) -> tuple[np.nda
         xq, xd, xs = np.empty(x.size, np.int8), np.empty(x.size // 256, np.float32), np.empty(x.size // 32, np.float32)
         int8_dots.quantize_activation_k(np.ascontiguousarray(x, np.float32), xq, xd, xs)
         x_hat = (xq.reshape(-1, 256) * xd[:, None].astype(np.float64)).reshape(-1)
+    xc = np.empty(x.size // 4, np.int32)
+    int8_dots.quad_offsets(xq, xc, int8_dots.Q8_0_OFFSET if ttype == TensorType.Q8_0 else int8_dots.Q6_K_OFFSET)
     out = np.empty(data.shape[0], np.float32)
-    _dots(TYPES.index(ttype), data, xq[None], xd[None], xs[None], out)
+    _dots(TYPES.index(ttype), data, xq[None], xd[None], xs[None], xc[None], out)
     return out, x_hat
 
 

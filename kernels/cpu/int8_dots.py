@@ -39,11 +39,13 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["quantize_activation", "quantize_activation_k", "unpack_k4_levels", "TILE_TOKENS", "TILE_SIZES",
+__all__ = ["quantize_activation", "quantize_activation_k", "quad_offsets", "Q8_0_OFFSET", "Q6_K_OFFSET", "unpack_k4_levels", "TILE_TOKENS", "TILE_SIZES",
            "Q8_0_TILES", "Q4_K_TILES", "Q5_K_TILES", "Q6_K_TILES"]
 
 QK = 32  # values per q8_0 activation block (ggml's QK8_0), and per sub-block sum
 QK_K = 256  # values per activation block against K-quant weights (one super-block)
+Q8_0_OFFSET = 128  # quad_offsets' offset for the q8_0 activations (Q8_0 weights, sign-flipped)
+Q6_K_OFFSET = 32  # and for the q8_K ones (Q6_K's stored offset; Q4_K/Q5_K have none and ignore them)
 
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V32I8 = ir.VectorType(_I8, 32)
@@ -89,6 +91,16 @@ def quantize_activation_k(x, xq, xd, xs):
     """The activations of K-quant weights (convert.quantize_q8_k_split): one float32 scale per 256
     values in xd [n/256]; xs [n/32] as above (per 32 values, the sub-blocks' mins need them)."""
     _quantize_blocks(x, xq, xd, xs, QK_K, False)
+
+
+@njit(cache=True, nogil=True)
+def quad_offsets(xq, xc, offset):
+    """xc int32 [n/4]: -offset * the sum of each 4 consecutive quants of xq int8 [n]. A weight stored
+    as unsigned u = q + offset meets x in one vpdpbusd that starts from these: sum(u * x) - offset *
+    sum(x) = q . x (Q8_0 weights flipped to q + 128, Q6_K's stored q + 32)."""
+    for j in range(xc.shape[0]):
+        xc[j] = -offset * (np.int32(xq[4 * j]) + np.int32(xq[4 * j + 1]) + np.int32(xq[4 * j + 2])
+                           + np.int32(xq[4 * j + 3]))
 
 
 @njit(inline="always", cache=True, nogil=True)
@@ -174,24 +186,31 @@ def _call(builder, name, ret, *args):
     return builder.call(fn, args)
 
 
-def _u8_s8_quads(builder, u, s):
-    """<32 x i8> unsigned u times <32 x i8> signed s -> <8 x i32>: lane j = sum of products 4j..4j+3.
-    Exact: |u| <= 128 and |s| <= 127 keep vpmaddubsw's int16 pair sums below saturation."""
+def _u8_s8_quads(builder, u, s, start=None):
+    """<32 x i8> unsigned u times <32 x i8> signed s -> <8 x i32>: lane j = start[j] + the sum of
+    products 4j..4j+3. Exact: |u| <= 128 and |s| <= 127 keep vpmaddubsw's int16 pair sums below
+    saturation; with VNNI (no int16 step) u may be up to 255."""
     v8i32, v16i16 = ir.VectorType(_I32, 8), ir.VectorType(_I16, 16)
     if _VNNI:
-        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", v8i32, ir.Constant(v8i32, [0] * 8),
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", v8i32,
+                     ir.Constant(v8i32, [0] * 8) if start is None else start,
                      builder.bitcast(u, v8i32), builder.bitcast(s, v8i32))
     if _AVX2:
         pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, u, s)
-        return _call(builder, "llvm.x86.avx2.pmadd.wd", v8i32, pairs, ir.Constant(v16i16, [1] * 16))
-    wide = ir.VectorType(_I32, 32)
-    prod = builder.mul(builder.zext(u, wide), builder.sext(s, wide))
-    return _pair_sums(builder, _pair_sums(builder, prod, 32), 16)
+        quads = _call(builder, "llvm.x86.avx2.pmadd.wd", v8i32, pairs, ir.Constant(v16i16, [1] * 16))
+    else:
+        wide = ir.VectorType(_I32, 32)
+        prod = builder.mul(builder.zext(u, wide), builder.sext(s, wide))
+        quads = _pair_sums(builder, _pair_sums(builder, prod, 32), 16)
+    return quads if start is None else builder.add(quads, start)
 
 
-def _chunk_dot(builder, wq, kind, xq):
+def _chunk_dot(builder, wq, kind, xq, offsets):
     """32 weight quants (stored as `kind`) . 32 activation quants -> <8 x i32>, lane j the exact sum
-    of products 4j..4j+3 (every instruction path gives the same integers)."""
+    of products 4j..4j+3 (every instruction path gives the same integers). offsets: the chunk's
+    quad_offsets (<8 x i32>) for the weight's offset (128 for SIGNED, 32 for OFFSET32)."""
+    if kind == SIGNED and _VNNI:  # (w + 128) . x - 128 * sum(x): one vpdpbusd from the offsets
+        return _u8_s8_quads(builder, builder.xor(wq, _splat_i8(-128)), xq, offsets)
     if kind == SIGNED:  # |w| . (x with w's sign), as llama.cpp does for signed pairs
         if _AVX2:
             v = ir.VectorType(_I8, 32)
@@ -200,10 +219,8 @@ def _chunk_dot(builder, wq, kind, xq):
         wide = ir.VectorType(_I32, 32)
         prod = builder.mul(builder.sext(wq, wide), builder.sext(xq, wide))
         return _pair_sums(builder, _pair_sums(builder, prod, 32), 16)
-    quads = _u8_s8_quads(builder, wq, xq)
-    if kind == OFFSET32:  # (q - 32) . x = q . x - 32 * sum(x)
-        quads = builder.sub(quads, _u8_s8_quads(builder, _splat_i8(32), xq))
-    return quads
+    # OFFSET32: (q - 32) . x = q . x - 32 * sum(x), the offsets being -32 * sum(x)
+    return _u8_s8_quads(builder, wq, xq, offsets if kind == OFFSET32 else None)
 
 
 def _tree_sum(builder, terms):
@@ -336,13 +353,14 @@ def _q6_k(builder, row, first):
 # tiles: one weight row x T tokens
 # --------------------------------------------------------------------------------------------------
 class _Tokens:
-    """Row pointers of tokens t0..t0+T-1 in the quantized activations xq [n, cols], xd, xs [n, blocks]."""
+    """Row pointers of tokens t0..t0+T-1 in the quantized activations xq [n, cols], xd, xs [n, blocks]
+    and xc [n, cols / 4] (quad_offsets)."""
 
     def __init__(self, context, builder, sig, args, count):
-        arrays = [context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args[2:5], args[2:5])]
-        t0 = _i64(builder, args[5])
-        self.q, self.d, self.s = [[self._row(builder, a, builder.add(t0, ir.Constant(_I64, j)), ty)
-                                   for j in range(count)] for a, ty in zip(arrays, (_I8, _F32, _F32))]
+        arrays = [context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args[2:6], args[2:6])]
+        t0 = _i64(builder, args[6])
+        self.q, self.d, self.s, self.c = [[self._row(builder, a, builder.add(t0, ir.Constant(_I64, j)), ty)
+                                           for j in range(count)] for a, ty in zip(arrays, (_I8, _F32, _F32, _I32))]
         self.blocks = builder.udiv(builder.extract_value(arrays[0].shape, 1), ir.Constant(_I64, QK))  # 32-value blocks
 
     @staticmethod
@@ -359,30 +377,39 @@ def _emit_unit(builder, weight_side, row, tokens, accs, mins, first):
     adds and multiplies: no reassociation, no contraction), so a token's result does not depend on
     how many other tokens share its step."""
     unit = weight_side(builder, row, first)
-    for t, (xq_row, xd, xs) in enumerate(zip(tokens.q, tokens.d, tokens.s)):
-        xqs = [_load_i8x32(builder, builder.gep(xq_row, [builder.mul(builder.add(first, ir.Constant(_I64, k)),
-                                                                     ir.Constant(_I64, QK))], inbounds=True))
-               for k, *_ in unit.chunks]
+    for t, (xq_row, xd, xs, xc) in enumerate(zip(tokens.q, tokens.d, tokens.s, tokens.c)):
+        blocks = [builder.add(first, ir.Constant(_I64, k)) for k, *_ in unit.chunks]
+        dots = [_chunk_dot(builder, wq, kind, _load_i8x32(builder, builder.gep(xq_row, [builder.mul(b, ir.Constant(_I64, QK))],
+                                                                                inbounds=True)),
+                           _offsets(builder, xc, b, kind))
+                for b, (k, wq, kind, _) in zip(blocks, unit.chunks)]
         if isinstance(unit, _KUnit):
-            value = _k_unit_value(builder, unit, xqs, xd, first)
+            value = _k_unit_value(builder, unit, dots, xd, first)
         else:  # Q8_0: one float scale per 32-value block of both weight and activation
             scales = builder.fmul(unit.scales, _activation_scales(builder, xd, first, len(unit.chunks)))
-            value = _tree_sum(builder, [builder.fmul(builder.sitofp(_chunk_dot(builder, wq, kind, xq), _V8F),
-                                                     _pick(builder, scales, lanes))
-                                        for (k, wq, kind, lanes), xq in zip(unit.chunks, xqs)])
+            value = _tree_sum(builder, [builder.fmul(builder.sitofp(dot, _V8F), _pick(builder, scales, lanes))
+                                        for dot, (k, wq, kind, lanes) in zip(dots, unit.chunks)])
         builder.store(builder.fadd(builder.load(accs[t]), value), accs[t])
         if getattr(unit, "mins", None) is not None:
             sums = _load_f32x8(builder, builder.gep(xs, [first], inbounds=True))
             builder.store(builder.fadd(builder.load(mins[t]), builder.fmul(unit.mins, sums)), mins[t])
 
 
-def _k_unit_value(builder, unit, xqs, xd, first):
+def _offsets(builder, xc, block, kind):
+    """<8 x i32>: the quad_offsets of 32-value block `block`, where a chunk of `kind` uses them."""
+    if kind == UNSIGNED or (kind == SIGNED and not _VNNI):
+        return None
+    ptr = builder.gep(xc, [builder.mul(block, ir.Constant(_I64, 8))], inbounds=True)
+    return builder.load(builder.bitcast(ptr, ir.VectorType(_I32, 8).as_pointer()), align=4)
+
+
+def _k_unit_value(builder, unit, dots, xd, first):
     """<8 x float> of a K-quant super-block against its 256-value activation block: the chunks'
     integer products times their integer scales summed in int32, then times d * the activation's
     scale (xd holds one per super-block)."""
     total = None
-    for (k, wq, kind, iscale), xq in zip(unit.chunks, xqs):
-        part = builder.mul(_chunk_dot(builder, wq, kind, xq), iscale)
+    for (k, wq, kind, iscale), dot in zip(unit.chunks, dots):
+        part = builder.mul(dot, iscale)
         total = part if total is None else builder.add(total, part)
     x_scale = builder.load(builder.gep(xd, [builder.udiv(first, ir.Constant(_I64, 8))], inbounds=True))
     return builder.fmul(builder.sitofp(total, _V8F), _splat(builder, builder.fmul(unit.d, x_scale), 8))
@@ -395,8 +422,8 @@ def _activation_scales(builder, xd, first, count):
 
 
 def _tile(name, weight_side, blocks_per_unit, T, tail=None):
-    """An intrinsic (w, r, xq, xd, xs, t0) -> UniTuple(float32, T): row r of w (uint8 [rows, row_bytes])
-    dotted with tokens t0..t0+T-1 of the quantized activations.
+    """An intrinsic (w, r, xq, xd, xs, xc, t0) -> UniTuple(float32, T): row r of w (uint8 [rows,
+    row_bytes]) dotted with tokens t0..t0+T-1 of the quantized activations (xc: their quad_offsets).
 
     The row is walked in units of blocks_per_unit activation blocks (4 Q8_0 blocks, or one K-quant
     super-block); `tail` (Q8_0) takes the 0-3 blocks after the last whole unit one at a time."""
@@ -424,12 +451,13 @@ def _tile(name, weight_side, blocks_per_unit, T, tail=None):
             out = builder.insert_value(out, value, t)
         return out
 
-    def typer(typingctx, w, r, xq, xd, xs, t0):
+    def typer(typingctx, w, r, xq, xd, xs, xc, t0):
         if not (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8 and w.layout == "C"
                 and xq == types.Array(types.int8, 2, "C") and xd == xs == types.Array(types.float32, 2, "C")
-                and isinstance(r, types.Integer) and isinstance(t0, types.Integer)):
+                and xc == types.Array(types.int32, 2, "C") and isinstance(r, types.Integer)
+                and isinstance(t0, types.Integer)):
             return None
-        return ret(w, r, xq, xd, xs, t0), codegen
+        return ret(w, r, xq, xd, xs, xc, t0), codegen
 
     typer.__name__ = f"{name}_1x{T}"
     return intrinsic(typer)

@@ -42,8 +42,9 @@ from numba.extending import intrinsic
 
 from ember.kernels.cpu import dense
 from ember.kernels.cpu.twin import Twin
-from ember.kernels.cpu.int8_dots import (Q4_K_TILES, Q5_K_TILES, Q6_K_TILES, Q8_0_TILES, QK, QK_K, TILE_SIZES,
-                                        TILE_TOKENS, quantize_activation, quantize_activation_k, unpack_k4_levels)
+from ember.kernels.cpu.int8_dots import (Q4_K_TILES, Q5_K_TILES, Q6_K_OFFSET, Q6_K_TILES, Q8_0_OFFSET, Q8_0_TILES, QK,
+                                        QK_K, TILE_SIZES, TILE_TOKENS, quad_offsets, quantize_activation,
+                                        quantize_activation_k, unpack_k4_levels)
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType, row_bytes
 
@@ -385,15 +386,15 @@ def _tile_call(shape):
     T = TILE_SIZES[shape]
 
     @njit(inline="always", **_STRICT)
-    def call(tt, u8, r, xq, xd, xs, t, out):
+    def call(tt, u8, r, xq, xd, xs, xc, t, out):
         if tt == _Q8_0:
-            v = q8_0(u8, r, xq, xd, xs, t)
+            v = q8_0(u8, r, xq, xd, xs, xc, t)
         elif tt == _Q4_K:
-            v = q4_k(u8, r, xq, xd, xs, t)
+            v = q4_k(u8, r, xq, xd, xs, xc, t)
         elif tt == _Q5_K:
-            v = q5_k(u8, r, xq, xd, xs, t)
+            v = q5_k(u8, r, xq, xd, xs, xc, t)
         else:
-            v = q6_k(u8, r, xq, xd, xs, t)
+            v = q6_k(u8, r, xq, xd, xs, xc, t)
         for j in range(T):
             out[t + j, r] = v[j]
 
@@ -404,26 +405,27 @@ _TILE, _TILE_1 = (_tile_call(k) for k in range(len(TILE_SIZES)))
 
 
 @njit(inline="always", **_STRICT)
-def _row_times_tokens(tt, u8, r, xq, xd, xs, out):
+def _row_times_tokens(tt, u8, r, xq, xd, xs, xc, out):
     """out[t, r] = row r . x_hat[t] for every token: tiles of TILE_TOKENS tokens, then single ones.
     Every (row, token) result is computed by the same operations whatever the number of tokens
     (int8_dots' tiles guarantee it), so batching changes no token's result."""
     n = xq.shape[0]
     t = 0
     while t + TILE_TOKENS <= n:
-        _TILE(tt, u8, r, xq, xd, xs, t, out)
+        _TILE(tt, u8, r, xq, xd, xs, xc, t, out)
         t += TILE_TOKENS
     while t < n:
-        _TILE_1(tt, u8, r, xq, xd, xs, t, out)
+        _TILE_1(tt, u8, r, xq, xd, xs, xc, t, out)
         t += 1
 
 
 @njit(inline="always", **_STRICT)
 def _quantized_tokens(n, cols, k_quants):
     """Room for n tokens' activations: q8_0 (scales per 32 values) or, for K-quant weights, q8_K
-    (scales per 256); the 32-value sums of x_hat either way."""
+    (scales per 256); the 32-value sums of x_hat and the quad_offsets either way."""
     per = QK_K if k_quants else QK
-    return np.empty((n, cols), np.int8), np.empty((n, cols // per), np.float32), np.empty((n, cols // QK), np.float32)
+    return (np.empty((n, cols), np.int8), np.empty((n, cols // per), np.float32), np.empty((n, cols // QK), np.float32),
+            np.empty((n, cols // 4), np.int32))
 
 
 @njit(inline="always", **_STRICT)
@@ -431,24 +433,26 @@ def _activations(x, q8_0, k_quants):
     """x's tokens quantized once per format its weights need: (q8_0 arrays, q8_K arrays), each
     (quants, scales, 32-value sums); a format not needed is left with no tokens."""
     n, cols = x.shape
-    xq, xd, xs = _quantized_tokens(n if q8_0 else 0, cols, False)
-    kq, kd, ks = _quantized_tokens(n if k_quants else 0, cols, True)
+    xq, xd, xs, xc = _quantized_tokens(n if q8_0 else 0, cols, False)
+    kq, kd, ks, kc = _quantized_tokens(n if k_quants else 0, cols, True)
     for t in prange(n):
         if q8_0:
             quantize_activation(x[t], xq[t], xd[t], xs[t])
+            quad_offsets(xq[t], xc[t], Q8_0_OFFSET)
         if k_quants:
             quantize_activation_k(x[t], kq[t], kd[t], ks[t])
-    return (xq, xd, xs), (kq, kd, ks)
+            quad_offsets(kq[t], kc[t], Q6_K_OFFSET)
+    return (xq, xd, xs, xc), (kq, kd, ks, kc)
 
 
 @njit(**_STRICT)
-def _rows_times_tokens(tt, u8, first, end, xq, xd, xs, out):
+def _rows_times_tokens(tt, u8, first, end, xq, xd, xs, xc, out):
     """_row_times_tokens for rows first..end-1: one compiled function (not inlined) that the serial
     and the parallel variant of every driver call alike. Inlined into the parallel variant's outlined
     loop body, the same row loop ran 1.25x slower per thread than in the serial variant (8192 x 384
     Q8_0, one thread: 224 vs 182 us); called, both variants run the very same machine code."""
     for r in range(first, end):
-        _row_times_tokens(tt, u8, r, xq, xd, xs, out)
+        _row_times_tokens(tt, u8, r, xq, xd, xs, xc, out)
 
 
 @njit(inline="always", **_STRICT)
@@ -457,9 +461,9 @@ def _rows_times_activations(tt, u8, first, end, q8_0, k_quants, out):
     tuple of arrays costs a reference count on each array, which per row made the serial matvec
     1.75x slower, 640 x 384 Q8_0: 31 -> 18 us)."""
     if tt == _Q8_0:
-        _rows_times_tokens(tt, u8, first, end, q8_0[0], q8_0[1], q8_0[2], out)
+        _rows_times_tokens(tt, u8, first, end, q8_0[0], q8_0[1], q8_0[2], q8_0[3], out)
     else:
-        _rows_times_tokens(tt, u8, first, end, k_quants[0], k_quants[1], k_quants[2], out)
+        _rows_times_tokens(tt, u8, first, end, k_quants[0], k_quants[1], k_quants[2], k_quants[3], out)
 
 
 def _matmul_int8(tt, u8, x, out):
