@@ -59,6 +59,7 @@ _Q5_K = int(TensorType.Q5_K)
 _Q6_K = int(TensorType.Q6_K)
 
 _MATVEC_ROWS = 32  # rows per parallel work item of the matvec
+_PARALLEL_QUANTIZE_TOKENS = 4  # fewer decode tokens than this are quantized on the calling thread
 _MATMUL_ROWS = 16  # rows dequantized together by the n-token kernel: 16 x cols f32 stays in L2
 _FLOAT_TILE_TOKENS = 4  # tokens per register tile of the n-token kernel (_tile_product)
 # weights whose decode rows take the integer dots of int8_dots
@@ -435,14 +436,23 @@ def _activations(x, q8_0, k_quants):
     n, cols = x.shape
     xq, xd, xs, xc = _quantized_tokens(n if q8_0 else 0, cols, False)
     kq, kd, ks, kc = _quantized_tokens(n if k_quants else 0, cols, True)
-    for t in prange(n):
-        if q8_0:
-            quantize_activation(x[t], xq[t], xd[t], xs[t])
-            quad_offsets(xq[t], xc[t], Q8_0_OFFSET)
-        if k_quants:
-            quantize_activation_k(x[t], kq[t], kd[t], ks[t])
-            quad_offsets(kq[t], kc[t], Q6_K_OFFSET)
+    if n < _PARALLEL_QUANTIZE_TOKENS:  # a parallel region of its own costs more than these few tokens
+        for t in range(n):
+            _quantize_token(x, t, q8_0, xq, xd, xs, xc, k_quants, kq, kd, ks, kc)
+    else:
+        for t in prange(n):
+            _quantize_token(x, t, q8_0, xq, xd, xs, xc, k_quants, kq, kd, ks, kc)
     return (xq, xd, xs, xc), (kq, kd, ks, kc)
+
+
+@njit(inline="always", **_STRICT)
+def _quantize_token(x, t, q8_0, xq, xd, xs, xc, k_quants, kq, kd, ks, kc):
+    if q8_0:
+        quantize_activation(x[t], xq[t], xd[t], xs[t])
+        quad_offsets(xq[t], xc[t], Q8_0_OFFSET)
+    if k_quants:
+        quantize_activation_k(x[t], kq[t], kd[t], ks[t])
+        quad_offsets(kq[t], kc[t], Q6_K_OFFSET)
 
 
 @njit(**_STRICT)
