@@ -26,7 +26,7 @@ import numpy as np
 from ember.kernels.cpu.quant_matmul import matmul, pack
 from ember.kernels.reference.quant import quantize
 from ember.kernels.raw_tensor import RawTensor
-from ember.kernels.tensor_types import TensorType
+from ember.kernels.tensor_types import BLOCK_GEOMETRY, TensorType
 
 SHAPES = [(640, 384), (1024, 384), (384, 1024), (2048, 768), (768, 2048), (32000, 768)]  # the demo's, the 100M's
 TYPES = ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
@@ -116,6 +116,9 @@ def main() -> None:
                   best_time(lambda: x16 @ w.T, repeat)))
         for name in args.types.split(","):
             tt = TensorType[name]
+            if cols % BLOCK_GEOMETRY[tt][0]:  # e.g. K-quants' 256-value blocks in a 384-column row
+                print(f"ember {name:10} {rows:>5}x{cols:<5} skipped: rows of {BLOCK_GEOMETRY[tt][0]}-value blocks")
+                continue
             storage = quantize(tt, w)
             cw = pack(RawTensor(name, tt, (rows, cols), storage))
             t1 = best_time(lambda: matmul(x1, cw), repeat)
