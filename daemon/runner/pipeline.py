@@ -116,8 +116,10 @@ class Pipeline:
         self._started = [0] * len(stages)  # per stage: micro-batches started (all before this number)
         self._done = [0] * len(stages)  # and finished
         self._free_lanes = list(range(self.lanes))
-        # per stage, as the engine's process sees it (start sent -> reply read): for benchmarks
+        # per stage, as the engine's process sees it (start sent -> reply read), and the stage's own
+        # time on its micro-batches (what it reports): for benchmarks
         self.busy_seconds = [0.0] * len(stages)
+        self.run_seconds = [0.0] * len(stages)
         self.runs = [0] * len(stages)
         self._since = [0.0] * len(stages)
 
@@ -226,6 +228,7 @@ class Pipeline:
                 return
             m = self._done[s]
             self.busy_seconds[s] += time.perf_counter() - self._since[s]
+            self.run_seconds[s] += reply.seconds if isinstance(reply, Done) else 0.0
             self.runs[s] += 1
             if isinstance(reply, Failed) and self._micro[m].ticket.failure is None:
                 self._micro[m].ticket.failure = f"{stage.name}: {reply.error}"

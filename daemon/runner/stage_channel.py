@@ -77,6 +77,7 @@ class Run(_Msg):
 
 class Done(_Msg):
     micro_batch: int
+    seconds: float = 0.0  # the worker's own time on the micro-batch (the engine's view adds the relay's waits)
 
 
 class Failed(_Msg):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 from ember.daemon.runner.kv_cache import PagedKVCache
@@ -92,12 +93,13 @@ class StageWorker:
         while True:
             msg = channel.recv()
             if isinstance(msg, Run):
+                start = time.perf_counter()
                 try:
                     self.run(msg)
                 except Exception as e:  # the micro-batch's failure, not the worker's
                     channel.send(Failed(msg.micro_batch, f"{type(e).__name__}: {e}"))
                     continue
-                channel.send(Done(msg.micro_batch))
+                channel.send(Done(msg.micro_batch, time.perf_counter() - start))
             elif isinstance(msg, NewCache):
                 self.caches[msg.cache] = self.net.new_cache(msg.blocks, msg.block_size, msg.dtype)
             elif isinstance(msg, DropCache):
