@@ -27,7 +27,7 @@ from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import ModelRunner
 from ember.daemon.runner.pipeline import Pipeline
 from ember.daemon.runner.split_runner import SplitRunner
-from ember.daemon.runner.split_spec import parse_devices, parse_split, plan_stages, stage_budgets
+from ember.daemon.runner.split_spec import parse_devices, parse_split, plan_stages, stage_budgets, stage_threads_for
 from ember.daemon.config import DEFAULT_CTX
 from ember.daemon.planning.planner import Device, PlanRequest, plan_model, read_model_info
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
@@ -295,6 +295,7 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     if draft_file is not None:
         raise ValueError("a draft model with a layer split is not supported yet: load the target on one device")
     stages = plan_stages(names, counts, mf.config.n_layers, stage_budgets(names))
-    threads = stage_threads or max(1, len(os.sched_getaffinity(0)) // len(stages))
+    threads = stage_threads_for(stage_threads, len(stages), len(os.sched_getaffinity(0)))
     pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads, shm_owner)
     return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, pipeline)
+

@@ -64,3 +64,22 @@ def test_qk_norm_rope_equals_norms_then_rope(normed: bool, interleaved: bool) ->
     got_q, got_k = dense.qk_norm_rope(q.copy(), k.copy(), qn, kn, 1e-6, positions, inv_freq, interleaved)
     np.testing.assert_allclose(got_q, want_q, rtol=1e-5, atol=3e-5)
     np.testing.assert_allclose(got_k, want_k, rtol=1e-5, atol=3e-5)
+
+
+def test_one_kernel_thread_runs_the_serial_variants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By the work, a twin runs parallel; on one thread it runs serial (faster there), compiled code too."""
+    import numba
+
+    monkeypatch.setattr(twin, "FORCE", None)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        assert twin.one_thread() and twin.force_code() == 1
+        assert dense._RMSNORM.pick(1 << 40) is dense._RMSNORM.serial
+        if numba.config.NUMBA_NUM_THREADS > 1:
+            numba.set_num_threads(2)
+            assert not twin.one_thread() and twin.force_code() == 0
+            assert dense._RMSNORM.pick(1 << 40) is dense._RMSNORM.parallel
+            assert dense._RMSNORM.pick(1) is dense._RMSNORM.serial
+    finally:
+        numba.set_num_threads(before)

@@ -18,8 +18,8 @@ from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.planning.planner import Device, PlanRequest, plan_model
 from ember.daemon.planning.precision import PrecisionSettings
-from ember.daemon.runner.split_spec import SplitSpecError
-from ember.daemon.runner.stage_worker import bind_to_numa_node, parse_cpulist
+from ember.daemon.runner.split_spec import SplitSpecError, stage_threads_for
+from ember.daemon.runner.stage_worker import bind_to_numa_node, parse_cpulist, stage_cpus
 from ember.kernels.sampling import SamplingParams
 
 SNIPPETS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
@@ -177,6 +177,29 @@ def test_narrow_staging_tracks_f32(act_dtype: str) -> None:
 def test_bad_split_specs_are_refused_with_what_to_change(devices, split, message) -> None:
     with pytest.raises(SplitSpecError, match=message):
         ember.load(DEMO_MODEL, devices=devices, split=split)
+
+
+def test_stage_threads_share_the_cpus_and_never_oversubscribe_them() -> None:
+    assert stage_threads_for(0, 2, 2) == 1
+    assert stage_threads_for(0, 2, 16) == 8
+    assert stage_threads_for(0, 3, 2) == 1  # one thread a stage never spins: allowed beyond the CPUs
+    assert stage_threads_for(3, 2, 8) == 3
+    with pytest.raises(SplitSpecError, match="stage_threads 2 x 2 stages is 4 kernel threads on 2 CPUs.*--stage-threads 1"):
+        stage_threads_for(2, 2, 2)
+    cpus = len(os.sched_getaffinity(0))
+    if cpus > 1:  # refused at load, before any stage process starts
+        with pytest.raises(SplitSpecError, match=f"kernel threads on {cpus} CPUs"):
+            ember.load(DEMO_MODEL, devices=["cpu:0", "cpu:1"], stage_threads=cpus)
+
+
+def test_stages_sharing_cpus_are_pinned_to_disjoint_ones() -> None:
+    two_nodes = {0: {0, 1, 2, 3}, 1: {4, 5, 6, 7}}.get
+    assert stage_cpus([0, 1], 2, two_nodes) == [[0, 1], [4, 5]]  # a node each: threads CPUs of it
+    assert stage_cpus([0, 0], 2, two_nodes) == [[0, 1], [2, 3]]  # one node shared out
+    assert stage_cpus([0, 0], 3, two_nodes) == [[], []]  # too few CPUs for a group each: the node's binding alone
+    one_node = lambda node: {0, 1}  # a 2-CPU machine: cpu:1 has no node and shares node 0's CPUs  # noqa: E731
+    assert stage_cpus([0, 1], 1, one_node) == [[0], [1]]
+    assert stage_cpus([0, 1, 2], 1, one_node) == [[], [], []]
 
 
 def test_numa_binding_degrades_to_unbound() -> None:

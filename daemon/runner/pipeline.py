@@ -35,6 +35,7 @@ from ember.daemon.runner.model_runner import KVStateLost
 from ember.daemon.runner.split_spec import StageSpec
 from ember.daemon.runner.stage_channel import Batch, Done, Failed, Message, Run, Setup, pack_batch
 from ember.daemon.runner.stage_process import CacheSpec, ProcessStage, StageDied
+from ember.daemon.runner.stage_worker import stage_cpus
 from ember.daemon.runner.staging import Boundary, LogitsRows, Segment
 from ember.daemon.runner.step_batch import StepBatch
 
@@ -92,10 +93,12 @@ class Pipeline:
         self.boundaries = [Boundary.create(config.hidden, max_tokens, act_dtype, shm_owner) for _ in stages[1:]]
         self.logits = LogitsRows.create(config.vocab, self.lanes * max_tokens, shm_owner)
         self.stages: list[Stage] = []
+        pins = stage_cpus([s.device.index or 0 for s in stages], threads)
         for i, s in enumerate(stages):
             inbox = self.boundaries[i - 1].segment.name if i else ""
             outbox = self.boundaries[i].segment.name if i < len(stages) - 1 else self.logits.segment.name
-            setup = Setup(model_path, s.first, s.end, s.device.index or 0, threads, act_dtype, max_tokens, inbox, outbox)
+            setup = Setup(model_path, s.first, s.end, s.device.index or 0, threads, act_dtype, max_tokens, inbox, outbox,
+                          pins[i])
             self.stages.append(_stage_for(s.device, setup))
         self._segments = [b.segment for b in self.boundaries] + [self.logits.segment]
         self._closer = weakref.finalize(self, _close, self.stages, self._segments)
@@ -116,8 +119,10 @@ class Pipeline:
         self._started = [0] * len(stages)  # per stage: micro-batches started (all before this number)
         self._done = [0] * len(stages)  # and finished
         self._free_lanes = list(range(self.lanes))
-        # per stage, as the engine's process sees it (start sent -> reply read): for benchmarks
+        # per stage, as the engine's process sees it (start sent -> reply read), and the stage's own
+        # time on its micro-batches (what it reports): for benchmarks
         self.busy_seconds = [0.0] * len(stages)
+        self.run_seconds = [0.0] * len(stages)
         self.runs = [0] * len(stages)
         self._since = [0.0] * len(stages)
 
@@ -226,6 +231,7 @@ class Pipeline:
                 return
             m = self._done[s]
             self.busy_seconds[s] += time.perf_counter() - self._since[s]
+            self.run_seconds[s] += reply.seconds if isinstance(reply, Done) else 0.0
             self.runs[s] += 1
             if isinstance(reply, Failed) and self._micro[m].ticket.failure is None:
                 self._micro[m].ticket.failure = f"{stage.name}: {reply.error}"

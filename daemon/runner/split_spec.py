@@ -92,5 +92,17 @@ def stage_budgets(devices: Sequence[DeviceName]) -> list[int]:
     return [backend_for(d).available_memory(d) // (cpus if d.kind == "cpu" else 1) for d in devices]
 
 
+def stage_threads_for(asked: int, stages: int, cpus: int) -> int:
+    """Kernel threads per stage process: `asked`, or (0) the CPUs shared out among the stages. More
+    threads than CPUs is refused: a stage's idle OpenMP threads spin-wait between kernels, holding the
+    cores the other stages need (2 stages x 2 threads on 2 cores decoded 30x slower than x 1)."""
+    threads = asked or max(1, cpus // stages)
+    if threads > 1 and threads * stages > cpus:
+        raise SplitSpecError(f"stage_threads {threads} x {stages} stages is {threads * stages} kernel threads on "
+                             f"{cpus} CPUs: idle kernel threads spin and stall the other stages; give "
+                             f"--stage-threads {max(1, cpus // stages)} (or 0: the CPUs shared out)")
+    return threads
+
+
 def _even(n_layers: int, parts: int) -> list[int]:
     return [n_layers // parts + (i < n_layers % parts) for i in range(parts)]

@@ -36,6 +36,7 @@ class Setup(_Msg):
     max_tokens: int  # tokens of one micro-batch at most (a staging slot's rows)
     inbox: str  # shared-memory segment of the boundary before this stage ("" for the first)
     outbox: str  # of the boundary after it, or the logits segment for the last stage
+    cpus: list[int] = []  # CPUs to pin the worker to, within its node (runner/stage_worker.stage_cpus); []: the node's
 
 
 class Ready(_Msg):
@@ -77,6 +78,7 @@ class Run(_Msg):
 
 class Done(_Msg):
     micro_batch: int
+    seconds: float = 0.0  # the worker's own time on the micro-batch (the engine's view adds the relay's waits)
 
 
 class Failed(_Msg):
