@@ -522,9 +522,11 @@ def _swiglu_int8(tt_gate, gate, tt_up, up, x, out):
 
 # Each integer kernel compiled serial and parallel (twin.py); below INT8_PARALLEL_MIN_WORK weight
 # bytes x tokens a call runs on the calling thread, where waking the pool costs more than it gains
-# (measured: 384 x 384 Q8_0, 13.7 us on 2 threads, 11.7 us on 1). Both variants compute every
+# (measured, Q8_0 n=1, 2 threads vs 1, min / median of 3000 alternating calls: 256 x 384 (104 kB)
+# 4.7 / 5.4 vs 5.4 / 5.6 us, 384 x 384 (157 kB) 5.5 / 7.6 vs 7.2 / 7.7, 640 x 384 7.3 / 7.5 vs
+# 11.1 / 11.3: the demo's q/k/v and output projections now run parallel). Both variants compute every
 # (row, token) with the same operations, so the choice, which depends on n, changes no result.
-INT8_PARALLEL_MIN_WORK = 1 << 18
+INT8_PARALLEL_MIN_WORK = 1 << 17
 _MATMUL_INT8 = Twin(_matmul_int8, INT8_PARALLEL_MIN_WORK, fastmath=False)
 _MATMUL_INT8_MANY = Twin(_matmul_int8_many, INT8_PARALLEL_MIN_WORK, fastmath=False)
 _SWIGLU_INT8 = Twin(_swiglu_int8, INT8_PARALLEL_MIN_WORK, fastmath=False)
