@@ -43,7 +43,7 @@ from numba.extending import intrinsic
 from ember.kernels.cpu import dense
 from ember.kernels.cpu.twin import Twin
 from ember.kernels.cpu.int8_dots import (Q4_K_TILES, Q5_K_TILES, Q6_K_OFFSET, Q6_K_TILES, Q8_0_OFFSET, Q8_0_TILES, QK,
-                                        QK_K, TILE_SIZES, TILE_TOKENS, quad_offsets, quantize_activation,
+                                        QK_K, ROW_PAIR, TILE_SIZES, TILE_TOKENS, quad_offsets, quantize_activation,
                                         quantize_activation_k, unpack_k4_levels)
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType, row_bytes
@@ -381,10 +381,11 @@ def _matvec_16bit(is_f16, u16, x, out):
 
 
 def _tile_call(shape):
-    """An inlined kernel storing one tile of TILE_SIZES[shape] tokens (of one row) into out, for any
-    quantized weight type (the type's tile intrinsic chosen by tt)."""
+    """An inlined kernel storing one tile (shape: an index into TILE_SIZES, one row, or ROW_PAIR, two
+    rows by one token) into out, for any quantized weight type (the type's tile chosen by tt)."""
     q8_0, q4_k, q5_k, q6_k = (tiles[shape] for tiles in (Q8_0_TILES, Q4_K_TILES, Q5_K_TILES, Q6_K_TILES))
-    T = TILE_SIZES[shape]
+    T = 1 if shape == ROW_PAIR else TILE_SIZES[shape]
+    R = 2 if shape == ROW_PAIR else 1
 
     @njit(inline="always", **_STRICT)
     def call(tt, u8, r, xq, xd, xs, xc, t, out):
@@ -396,28 +397,15 @@ def _tile_call(shape):
             v = q5_k(u8, r, xq, xd, xs, xc, t)
         else:
             v = q6_k(u8, r, xq, xd, xs, xc, t)
-        for j in range(T):
-            out[t + j, r] = v[j]
+        for i in range(R):
+            for j in range(T):
+                out[t + j, r + i] = v[i * T + j]
 
     return call
 
 
 _TILE, _TILE_1 = (_tile_call(k) for k in range(len(TILE_SIZES)))
-
-
-@njit(inline="always", **_STRICT)
-def _row_times_tokens(tt, u8, r, xq, xd, xs, xc, out):
-    """out[t, r] = row r . x_hat[t] for every token: tiles of TILE_TOKENS tokens, then single ones.
-    Every (row, token) result is computed by the same operations whatever the number of tokens
-    (int8_dots' tiles guarantee it), so batching changes no token's result."""
-    n = xq.shape[0]
-    t = 0
-    while t + TILE_TOKENS <= n:
-        _TILE(tt, u8, r, xq, xd, xs, xc, t, out)
-        t += TILE_TOKENS
-    while t < n:
-        _TILE_1(tt, u8, r, xq, xd, xs, xc, t, out)
-        t += 1
+_TILE_PAIR = _tile_call(ROW_PAIR)
 
 
 @njit(inline="always", **_STRICT)
@@ -457,12 +445,30 @@ def _quantize_token(x, t, q8_0, xq, xd, xs, xc, k_quants, kq, kd, ks, kc):
 
 @njit(**_STRICT)
 def _rows_times_tokens(tt, u8, first, end, xq, xd, xs, xc, out):
-    """_row_times_tokens for rows first..end-1: one compiled function (not inlined) that the serial
-    and the parallel variant of every driver call alike. Inlined into the parallel variant's outlined
-    loop body, the same row loop ran 1.25x slower per thread than in the serial variant (8192 x 384
-    Q8_0, one thread: 224 vs 182 us); called, both variants run the very same machine code."""
-    for r in range(first, end):
-        _row_times_tokens(tt, u8, r, xq, xd, xs, xc, out)
+    """out[t, r] = row r . x_hat[t] for rows first..end-1 and every token: per row, tiles of
+    TILE_TOKENS tokens, then the tokens left over (the one token of plain decode) with two rows per
+    tile. Every (row, token) result is computed by the same operations whichever tile computes it
+    (int8_dots guarantees it), so batching changes no token's result.
+
+    One compiled function (not inlined) that the serial and the parallel variant of every driver
+    call alike: inlined into the parallel variant's outlined loop body, the same loop ran 1.25x slower
+    per thread than in the serial variant (8192 x 384 Q8_0, one thread: 224 vs 182 us)."""
+    n = xq.shape[0]
+    whole = n - n % TILE_TOKENS
+    r = first
+    while r < end:
+        pair = r + 2 <= end
+        for i in range(2 if pair else 1):
+            t = 0
+            while t < whole:
+                _TILE(tt, u8, r + i, xq, xd, xs, xc, t, out)
+                t += TILE_TOKENS
+        for t in range(whole, n):
+            if pair:
+                _TILE_PAIR(tt, u8, r, xq, xd, xs, xc, t, out)
+            else:
+                _TILE_1(tt, u8, r, xq, xd, xs, xc, t, out)
+        r += 2 if pair else 1
 
 
 @njit(inline="always", **_STRICT)
