@@ -104,11 +104,13 @@ def run(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, kv_w
     to its sequence's keys 0 .. seen[i]), its K/V written by `kv_write(store, blocks, offsets,
     rows)` -> the layer's output [n, hidden]."""
     force = twin.force_code()
-    stored = k.mode == _KV_F32  # storing an f32 row is a copy: done in the compiled call
-    q, kr, vr = _attention_in(_f32_rows(x), positions, force, stored, k.f32, v.f32, kv_blocks, kv_offsets, *layer.attn_in)
-    if not stored:
-        kv_write(k, kv_blocks, kv_offsets, kr)
-        kv_write(v, kv_blocks, kv_offsets, vr)
+    x = _f32_rows(x)
+    if k.mode == _KV_F32:  # storing an f32 row is a copy: the whole layer in one compiled call
+        return _layer_f32_kv(x, positions, force, k.f32, k.u16, k.i8, k.scales, v.f32, kv_blocks, kv_offsets, tables,
+                             token_seq, seen, layer.attn_in, layer.attn_out)
+    q, kr, vr = _attention_in(x, positions, force, False, k.f32, v.f32, kv_blocks, kv_offsets, *layer.attn_in)
+    kv_write(k, kv_blocks, kv_offsets, kr)
+    kv_write(v, kv_blocks, kv_offsets, vr)
     lut = BF16_TABLE if k.mode == _KV_BF16 else F16_TABLE
     return _attention_out(x, q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, lut, tables,
                           token_seq, seen, force, *layer.attn_out)
@@ -157,6 +159,16 @@ def _attention_in(x, positions, force, store, k_f32, v_f32, kv_blocks, kv_offset
             k_f32[kv_blocks[i], kv_offsets[i]] = k3[i]
             v_f32[kv_blocks[i], kv_offsets[i]] = v3[i]
     return q3, k3, v3
+
+
+@njit(cache=True, nogil=True)
+def _layer_f32_kv(x, positions, force, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables, token_seq, seen,
+                  attn_in, attn_out):
+    """The layer over an f32 KV cache in one call (u16, i8, scales: the f32 store's unused arrays):
+    one dispatch and no returned q/k/v between the two halves."""
+    q, _, _ = _attention_in(x, positions, force, True, k_f32, v_f32, kv_blocks, kv_offsets, *attn_in)
+    return _attention_out(x, q, k_f32, u16, i8, scales, v_f32, u16, i8, scales, _KV_F32, attn_in[0][:0], tables,
+                          token_seq, seen, force, *attn_out)
 
 
 @njit(cache=True, nogil=True)
