@@ -1,4 +1,4 @@
-"""A standard decoder layer's decode step in two compiled calls: Python off the per-op path.
+"""A standard decoder layer's decode step in one or two compiled calls: Python off the per-op path.
 
 This module owns the CPU backend's fused form of a layer (ops.fuse_layer / ops.run_fused_layer):
 pre-norm attention (optional q/k/v biases and q/k head norms) and a gated FFN whose seven matrices
@@ -8,6 +8,8 @@ for each kernel, array allocations): on the 12 MB demo model that host work was 
 step. Here the whole layer is two numba functions, `_attention_in` (norm, q/k/v, q/k norm and rope)
 and `_attention_out` (attention, output projection, residual, norm, SwiGLU FFN, residual), with the
 KV write between them through the backend's kv_write (the one home of each KV dtype's conversion).
+Over an f32 KV cache (the CPU's default) a stored row is a plain copy: `_layer_f32_kv` runs both
+halves and the copy in one call.
 
 The numbers are the op-by-op path's, bit for bit: both functions call the very kernels the ops call
 (quant_matmul's integer drivers, dense.py's norms and rope, paged_attention's kernel), each in the
@@ -18,7 +20,7 @@ are the same float32 adds. A decode row therefore gets the same logits whether i
 
 Calling a compiled function's entry point for a signature resolved once would skip numba's argument
 typing (measured: 2 us -> 1 us for 20 arguments), but the entry point trusts its arguments' types
-blindly; at two calls per layer the dispatcher's check was kept.
+blindly; at one or two calls per layer the dispatcher's check was kept.
 """
 from __future__ import annotations
 
