@@ -101,7 +101,9 @@ class StageWorker:
 
     def run(self, msg: Run) -> None:
         ops = self.net.ops
-        batch = unpack_batch(msg.batch).on(ops.to_device)
+        batch = unpack_batch(msg.batch)
+        if not ops.host_memory:
+            batch = batch.on(ops.to_device)
         n = len(batch.ids)
         if self.inbox is None:
             x = self.net.embed_tokens(batch)
