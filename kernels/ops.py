@@ -64,6 +64,8 @@ class Ops(ABC):
     # tokens per chunk of gated_delta_net's chunked form, counted from each run's first token (the
     # engine cuts prompt runs at multiples of it, so a hybrid's rounding does not depend on the steps)
     linear_attention_chunk: int = 64
+    # the kernels read host memory: to_device is the identity (a step's metadata is not moved at all)
+    host_memory: bool = False
 
     # --- placing weights ------------------------------------------------------------------------
     @abstractmethod

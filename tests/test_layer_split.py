@@ -19,7 +19,7 @@ from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.planning.planner import Device, PlanRequest, plan_model
 from ember.daemon.planning.precision import PrecisionSettings
 from ember.daemon.runner.split_spec import SplitSpecError, stage_threads_for
-from ember.daemon.runner.stage_worker import bind_to_numa_node, parse_cpulist, stage_cpus
+from ember.daemon.runner.stage_worker import bind_to_numa_node, parse_cpulist, pin_to_cpus, stage_cpus
 from ember.kernels.sampling import SamplingParams
 
 SNIPPETS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
@@ -206,6 +206,8 @@ def test_numa_binding_degrades_to_unbound() -> None:
     assert parse_cpulist("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
     before = os.sched_getaffinity(0)
     assert bind_to_numa_node(4095) == "unbound: this machine has no NUMA node 4095"
+    assert os.sched_getaffinity(0) == before
+    assert pin_to_cpus([4095]).startswith("not pinned: pinning to CPUs 4095 failed")  # no such CPU
     assert os.sched_getaffinity(0) == before
 
 

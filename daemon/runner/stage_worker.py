@@ -43,6 +43,16 @@ def bind_to_numa_node(node: int) -> str:
     return f"bound to NUMA node {node} (CPUs {cpulist})"
 
 
+def pin_to_cpus(cpus: Sequence[int]) -> str:
+    """Run on `cpus` only; where that is refused (a cpuset that excludes them), stay as bound."""
+    listed = ",".join(map(str, cpus))
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:
+        return f"not pinned: pinning to CPUs {listed} failed ({e.strerror})"
+    return f"pinned to CPU{'s' if len(cpus) > 1 else ''} {listed}"
+
+
 def cpu_pool(node: int) -> set[int]:
     """The CPUs a stage on NUMA node `node` may run on: the node's (those this process may use), or
     every CPU this process may use where the machine has no such node."""
@@ -101,7 +111,9 @@ class StageWorker:
 
     def run(self, msg: Run) -> None:
         ops = self.net.ops
-        batch = unpack_batch(msg.batch).on(ops.to_device)
+        batch = unpack_batch(msg.batch)
+        if not ops.host_memory:
+            batch = batch.on(ops.to_device)
         n = len(batch.ids)
         if self.inbox is None:
             x = self.net.embed_tokens(batch)
@@ -142,8 +154,7 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"expected Setup first, got {type(setup).__name__}")
         numa = bind_to_numa_node(setup.numa_node)
         if setup.cpus:
-            os.sched_setaffinity(0, setup.cpus)
-            numa += f"; pinned to CPU{'s' if len(setup.cpus) > 1 else ''} {','.join(map(str, setup.cpus))}"
+            numa += "; " + pin_to_cpus(setup.cpus)
         worker = StageWorker(setup)
     except ChannelClosed:
         return 1

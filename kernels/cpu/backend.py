@@ -14,6 +14,7 @@ from ember.kernels.raw_tensor import RawTensor
 
 class CpuOps(Ops):
     name = "cpu"
+    host_memory = True
 
     def __init__(self) -> None:
         self._last_rows: tuple[Array | None, bool | np.ndarray] = (None, False)
