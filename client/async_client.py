@@ -61,6 +61,9 @@ class AsyncClient:
             return self
         address = daemon_address(self.socket_path)
         self._ctx = zmq.asyncio.Context()
+        # every socket of it, the monitor's too, drops what it has not sent when closed: a client
+        # collected unclosed must not make Context.term() wait on a daemon that is gone
+        self._ctx.setsockopt(zmq.LINGER, 0)
         self._sock = self._ctx.socket(zmq.DEALER)
         configure(self._sock, self.timeout)
         self._monitor = self._sock.get_monitor_socket(MONITOR_EVENTS)

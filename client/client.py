@@ -55,6 +55,9 @@ class Client:
         self._connected = False
         self._reader = ShmRingReader()
         self._ctx = zmq.Context()
+        # every socket of it, the monitor's too, drops what it has not sent when closed: a client
+        # collected unclosed must not make Context.term() wait on a daemon that is gone
+        self._ctx.setsockopt(zmq.LINGER, 0)
         self._sock = self._ctx.socket(zmq.DEALER)
         configure(self._sock, timeout)
         self._sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
