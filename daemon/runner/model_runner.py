@@ -97,7 +97,7 @@ class ModelRunner:
         """The step's metadata on the device, moved once for every layer to read."""
         if self.decode_act == "f32":
             batch = replace(batch, decode_rows=np.zeros_like(batch.decode_rows))
-        return batch if self.ops.host_memory else batch.on(self.ops.to_device)
+        return batch.on(self.ops)
 
     lanes = 1  # steps the engine may keep in flight on this runner (a split's stages: one each)
 

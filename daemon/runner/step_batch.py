@@ -96,10 +96,12 @@ class StepBatch:
                    tables=tables, logit_rows=rows, decode_rows=pos >= prompts,
                    seq_starts=np.arange(n + 1, dtype=np.int64), state_slots=slots)
 
-    def on(self, to_device: Any) -> StepBatch:
-        """The same batch with every array moved by `to_device` (the runner's ops.to_device): done once
-        per step, so no layer moves metadata again."""
-        return StepBatch(*(None if getattr(self, f) is None else to_device(getattr(self, f))
+    def on(self, ops: Any) -> StepBatch:
+        """The same batch with every array moved by the runner's ops.to_device: done once per step, so
+        no layer moves metadata again; this very batch where the kernels read host memory."""
+        if ops.host_memory:
+            return self
+        return StepBatch(*(None if getattr(self, f) is None else ops.to_device(getattr(self, f))
                            for f in self.__dataclass_fields__))
 
 
