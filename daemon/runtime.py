@@ -298,4 +298,3 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     threads = stage_threads_for(stage_threads, len(stages), len(os.sched_getaffinity(0)))
     pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads, shm_owner)
     return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, pipeline)
-

@@ -28,12 +28,19 @@ from ember.daemon.runner.staging import Boundary, LogitsRows, Segment
 NODE_DIR = Path("/sys/devices/system/node")
 
 
+def node_cpulist(node: int) -> str | None:
+    """NUMA node `node`'s CPUs in the kernel's cpulist format, or None where the machine has no such node."""
+    try:
+        return (NODE_DIR / f"node{node}" / "cpulist").read_text().strip()
+    except OSError:
+        return None
+
+
 def bind_to_numa_node(node: int) -> str:
     """Run on node `node`'s CPUs (memory this process touches first is then allocated there by the
     kernel's first-touch policy). A machine without that node leaves the process unbound."""
-    try:
-        cpulist = (NODE_DIR / f"node{node}" / "cpulist").read_text().strip()
-    except OSError:
+    cpulist = node_cpulist(node)
+    if cpulist is None:
         return f"unbound: this machine has no NUMA node {node}"
     cpus = parse_cpulist(cpulist)
     try:
@@ -57,10 +64,8 @@ def cpu_pool(node: int) -> set[int]:
     """The CPUs a stage on NUMA node `node` may run on: the node's (those this process may use), or
     every CPU this process may use where the machine has no such node."""
     allowed = os.sched_getaffinity(0)
-    try:
-        return parse_cpulist((NODE_DIR / f"node{node}" / "cpulist").read_text().strip()) & allowed or allowed
-    except OSError:
-        return allowed
+    cpulist = node_cpulist(node)
+    return allowed if cpulist is None else parse_cpulist(cpulist) & allowed or allowed
 
 
 def stage_cpus(nodes: Sequence[int], threads: int, pool_of: Callable[[int], set[int]] = cpu_pool) -> list[list[int]]:
@@ -111,9 +116,7 @@ class StageWorker:
 
     def run(self, msg: Run) -> None:
         ops = self.net.ops
-        batch = unpack_batch(msg.batch)
-        if not ops.host_memory:
-            batch = batch.on(ops.to_device)
+        batch = unpack_batch(msg.batch).on(ops)
         n = len(batch.ids)
         if self.inbox is None:
             x = self.net.embed_tokens(batch)
