@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numba
 import numpy as np
 from numba import njit
 
@@ -49,12 +48,11 @@ _SWIGLU_SERIAL, _SWIGLU_PARALLEL = _SWIGLU_INT8.serial, _SWIGLU_INT8.parallel
 _NORM_SERIAL, _NORM_PARALLEL = dense._RMSNORM.serial, dense._RMSNORM.parallel
 _ROPE_SERIAL, _ROPE_PARALLEL = dense._QK_NORM_ROPE.serial, dense._QK_NORM_ROPE.parallel
 _ATTENTION_SERIAL, _ATTENTION_PARALLEL = _ATTENTION.serial, _ATTENTION.parallel
-_NONE = np.zeros(0, np.float32)
+_NONE = np.zeros(0, np.float32)  # an absent bias or norm: one compiled signature for every model
 
-# The two functions call parallel kernels, whose code loaded from numba's cache jumps into the thread
-# pool without starting it: in a process that has run no parallel kernel yet, that call crashed
-# (segfault). Asking for the thread count starts the pool.
-numba.get_num_threads()  # an absent bias or norm: one compiled signature for every model
+# The compiled functions below call parallel kernels, whose code loaded from numba's cache jumps into
+# the thread pool without starting it: in a process that had run no parallel kernel yet, that call
+# crashed (segfault). twin.py, imported above, starts the pool when it is imported.
 
 
 @dataclass(frozen=True)
@@ -166,8 +164,8 @@ def _attention_in(x, positions, force, store, k_f32, v_f32, kv_blocks, kv_offset
 @njit(cache=True, nogil=True)
 def _layer_f32_kv(x, positions, force, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables, token_seq, seen,
                   attn_in, attn_out):
-    """The layer over an f32 KV cache in one call (u16, i8, scales: the f32 store's unused arrays):
-    one dispatch and no returned q/k/v between the two halves."""
+    """The layer over an f32 KV cache in one call (u16, i8, scales: the f32 store's unused arrays; an
+    empty lookup table, f32 rows need none): one dispatch and no returned q/k/v between the halves."""
     q, _, _ = _attention_in(x, positions, force, True, k_f32, v_f32, kv_blocks, kv_offsets, *attn_in)
     return _attention_out(x, q, k_f32, u16, i8, scales, v_f32, u16, i8, scales, _KV_F32, attn_in[0][:0], tables,
                           token_seq, seen, force, *attn_out)
