@@ -54,7 +54,6 @@ CASES = {
     "pa._attention": (pa._attention, (a(f32, 3), *KV, *KV, I, a(f32, 1), a(f32, 1), a(i32, 2), a(i32, 1), a(i64, 1),
                                       F, a(f32, 3))),
     "experts._scatter_add": (experts._scatter_add, (a(f32, 2), a(f32, 2), a(i64, 1), a(f32, 1))),
-    "sampling._copy_rows": (sampling._copy_rows, (a(f32, 2), a(i64, 1), a(f32, 2))),
     "sampling._adjust": (sampling._adjust, (a(f32, 2), a(i64, 1), a(i64, 1), a(f32, 1), a(b1, 1), a(f32, 1), a(f64, 1))),
     "sampling._sample": (sampling._sample, (a(f32, 2), a(b1, 1), a(f64, 1), a(i64, 1), a(f64, 1), a(f64, 1), a(f64, 1),
                                             a(f64, 2), a(f64, 2), a(i64, 2), a(i64, 1), a(f32, 1), a(f32, 1), a(f64, 1))),
