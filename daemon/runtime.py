@@ -27,7 +27,8 @@ from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import ModelRunner
 from ember.daemon.runner.pipeline import Pipeline
 from ember.daemon.runner.split_runner import SplitRunner
-from ember.daemon.runner.split_spec import parse_devices, parse_split, plan_stages, stage_budgets, stage_threads_for
+from ember.daemon.runner.split_spec import (cpu_stages, parse_devices, parse_split, plan_stages, stage_budgets,
+                                            stage_threads_for)
 from ember.daemon.config import DEFAULT_CTX
 from ember.daemon.planning.planner import Device, PlanRequest, plan_model, read_model_info
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
@@ -274,7 +275,9 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     counts = parse_split(split)
     if draft is not None and draft_tokens < 1:
         raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
-    backend = backend_for(names[0])  # an unknown device fails before the file is read
+    # the engine's process runs the model (one device), or samples on the host (a split; each stage
+    # prepares its own backend)
+    backend = backend_for(DeviceName("cpu") if staged else names[0])
     policy = resolve_policy([DeviceCaps.of(str(n)) for n in names],
                             flags=PrecisionSettings(act=None if act_dtype == "auto" else act_dtype, feature=feature_dtype))
     mf = open_model_file(path)
@@ -295,6 +298,6 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     if draft_file is not None:
         raise ValueError("a draft model with a layer split is not supported yet: load the target on one device")
     stages = plan_stages(names, counts, mf.config.n_layers, stage_budgets(names))
-    threads = stage_threads_for(stage_threads, len(stages), len(os.sched_getaffinity(0)))
+    threads = stage_threads_for(stage_threads, max(1, cpu_stages(names)), len(os.sched_getaffinity(0)))
     pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads, shm_owner)
     return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, pipeline)

@@ -18,6 +18,7 @@ from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.planning.planner import Device, PlanRequest, plan_model
 from ember.daemon.planning.precision import PrecisionSettings
+from ember.daemon.runner.devices import CudaUnavailable
 from ember.daemon.runner.split_spec import SplitSpecError, stage_threads_for
 from ember.daemon.runner.stage_worker import bind_to_numa_node, parse_cpulist, pin_to_cpus, stage_cpus
 from ember.kernels.sampling import SamplingParams
@@ -167,7 +168,6 @@ def test_narrow_staging_tracks_f32(act_dtype: str) -> None:
 @pytest.mark.parametrize(("devices", "split", "message"), [
     (["cpu:0", "cpu:1", "cpu:2", "cpu:3", "cpu:4", "cpu:5"], None, "6 devices .* 5 layers.*name at most 5 devices"),
     (["cpu:0", "gpu:1"], None, "unknown device in --devices: not a device: 'gpu:1'"),
-    (["cpu:0", "cuda:1"], None, "cuda:1 in a split: stages are cpu:N worker processes in this build"),
     (["cpu:0", "cpu:1"], [3, 3], "split 3,3 adds up to 6 layers; the model has 5: e.g. --split 3,2"),
     (["cpu:0", "cpu:1"], [5], "gives 1 layer counts for 2 devices"),
     (["cpu:0", "cpu:1"], [5, 0], "every stage needs at least one layer"),
@@ -177,6 +177,11 @@ def test_narrow_staging_tracks_f32(act_dtype: str) -> None:
 def test_bad_split_specs_are_refused_with_what_to_change(devices, split, message) -> None:
     with pytest.raises(SplitSpecError, match=message):
         ember.load(DEMO_MODEL, devices=devices, split=split)
+
+
+def test_a_cuda_stage_the_machine_lacks_is_refused_before_any_stage_starts() -> None:
+    with pytest.raises(CudaUnavailable, match="cuda:7: (no such device|no usable CUDA device|CUDA needs numba-cuda)"):
+        ember.load(DEMO_MODEL, devices=["cpu:0", "cuda:7"])
 
 
 def test_stage_threads_share_the_cpus_and_never_oversubscribe_them() -> None:

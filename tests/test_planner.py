@@ -19,7 +19,7 @@ from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.planning.planner import (GiB, MiB, Device, DraftModel, ModelHeaders, PlanDoesNotFit, PlanError,
                                   PlanRequest, SpeculativeSettings, TensorInfo, build_plan, layer_of, parse_device,
-                                  parse_size, plan_model, read_model_info, weight_class, with_request)
+                                  parse_size, plan_model, read_model_info, split_layers, weight_class, with_request)
 from ember.daemon.planning.precision import PrecisionSettings
 from gguf_writer import write_out
 
@@ -124,6 +124,18 @@ def test_moe_widest_buffer_is_expert_width_times_experts_used() -> None:
 
 
 # --- layer split, staging, feature mirror -----------------------------------------------------------------
+def test_split_layers_gives_every_device_a_layer_then_the_rest_by_budget() -> None:
+    def counts(n: int, *budgets: int) -> list[int]:
+        return [b - a for a, b in split_layers(n, [Device(f"d{i}", b) for i, b in enumerate(budgets)])]
+
+    assert counts(2, 128 * GiB, 80 * GiB) == [1, 1]  # proportional rounding alone left the GPU no layer
+    assert counts(5, 1, 1) == [3, 2]  # a tie: the earlier device takes the odd layer
+    assert counts(7, 1, 1, 1) == [3, 2, 2]
+    assert counts(36, 24, 8) == [27, 9]
+    assert counts(3, 1, 1000) == [1, 2]
+    assert counts(10, 0, 0) == [5, 5]  # no budgets: equal shares
+
+
 def test_split_staging_and_kv_per_device() -> None:
     devices = (Device("cuda:0", 24 * GiB, (8, 9)), Device("cuda:1", 24 * GiB, (7, 5)))
     p = plan(QWEN3_8B, devices=devices, ctx=4096)

@@ -46,8 +46,9 @@ def add_daemon_commands(sub: Any) -> None:
                        help="MoE models: cold experts computed exactly (default) or dropped (mask: faster, lossy)")
     serve.add_argument("--threads", type=int, help="kernel threads of the engine (default: one per core but one)")
     serve.add_argument("--devices", metavar="D,D,..",
-                       help="split the layers across stage processes, e.g. cpu:0,cpu:1 (cpu:N: a worker bound to "
-                            "NUMA node N where there is one); see docs/layer_split.md")
+                       help="split the layers across stage processes, e.g. cpu:0,cpu:1 or cuda:0,cpu:0 (cpu:N: a "
+                            "worker bound to NUMA node N where there is one; cuda:N: a worker on GPU N); see "
+                            "docs/layer_split.md")
     serve.add_argument("--split", metavar="N,N,..", help="layers per device of --devices (default: by their memory)")
     serve.add_argument("--act-dtype", metavar="T",
                        help="the split's staged hidden states: f32, f16, bf16 or auto (default: EMBER_ACT_DTYPE, else auto)")

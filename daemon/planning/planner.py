@@ -408,11 +408,17 @@ def split_layers(n_layers: int, devices: Sequence[Device], split: Sequence[int] 
             raise PlanError(f"split {','.join(map(str, split))} does not add up to the model's {n_layers} layers")
         counts = list(split)
     else:
-        total = sum(d.budget for d in devices) or 1
-        # integer ceilings: exact, and a rounding layer goes to the earlier device, leaving the last
-        # (which also holds the output projection and the logits) the lighter share
-        cuts = [0] + [-(-n_layers * sum(d.budget for d in devices[: i + 1]) // total) for i in range(len(devices))]
-        counts = [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
+        # a layer each first (a 2-layer model on 128 GB of RAM and an 80 GB GPU gave the GPU none), the
+        # rest in proportion to the budgets (largest remainders; a tie goes to the earlier device,
+        # leaving the last, which also holds the output projection and the logits, the lighter share)
+        each = 1 if n_layers >= len(devices) else 0
+        rest = n_layers - each * len(devices)
+        budgets = [d.budget for d in devices] if any(d.budget for d in devices) else [1] * len(devices)
+        shares = [divmod(rest * b, sum(budgets)) for b in budgets]
+        counts = [each + whole for whole, _ in shares]
+        left = n_layers - sum(counts)
+        for i in sorted(range(len(devices)), key=lambda i: (-shares[i][1], i))[:left]:
+            counts[i] += 1
     ends = [sum(counts[: i + 1]) for i in range(len(counts))]
     return [(e - c, e) for c, e in zip(counts, ends, strict=True)]
 

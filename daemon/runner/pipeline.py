@@ -1,5 +1,5 @@
-"""Pipeline: a model's layers in stages, each a worker process (`cpu:N`), and the flow of micro-batches
-through them.
+"""Pipeline: a model's layers in stages, each a worker process (`cpu:N`, `cuda:N`), and the flow of
+micro-batches through them.
 
 It owns the stages and the shared memory between them: per boundary a staging segment of two slots
 (runner/staging.py), and the logits segment the last stage writes to (one region per lane). A
@@ -10,8 +10,8 @@ The calling thread only relays: it starts a micro-batch on a stage when the stag
 input is ready, and the slot it will write is free (the stage after has finished m - 2, the slot's
 last user); in between it sleeps on every stage's socket at once (`collect`).
 
-The Stage protocol is what a device must offer to be a stage: `cpu:N` is a ProcessStage; a CUDA
-device plugs in as another implementation over the same Setup / Run / Done messages.
+The Stage protocol is what a device must offer to be a stage: `cpu:N` and `cuda:N` are both a
+ProcessStage (a worker process running that backend's ops over the same Setup / Run / Done messages).
 
 A stage that dies: what is in flight elsewhere is drained, the dead stage is restarted with empty KV
 caches, every micro-batch in flight is lost and every cache is marked lost: the runner that collects
@@ -93,12 +93,16 @@ class Pipeline:
         self.boundaries = [Boundary.create(config.hidden, max_tokens, act_dtype, shm_owner) for _ in stages[1:]]
         self.logits = LogitsRows.create(config.vocab, self.lanes * max_tokens, shm_owner)
         self.stages: list[Stage] = []
-        pins = stage_cpus([s.device.index or 0 for s in stages], threads)
+        on_cpu = [s for s in stages if s.device.kind == "cpu"]
+        pins = dict(zip(on_cpu, stage_cpus([s.device.index or 0 for s in on_cpu], threads), strict=True))
         for i, s in enumerate(stages):
             inbox = self.boundaries[i - 1].segment.name if i else ""
             outbox = self.boundaries[i].segment.name if i < len(stages) - 1 else self.logits.segment.name
-            setup = Setup(model_path, s.first, s.end, s.device.index or 0, threads, act_dtype, max_tokens, inbox, outbox,
-                          pins[i])
+            if s.device.kind == "cpu":
+                setup = Setup(model_path, s.first, s.end, s.device.index or 0, threads, act_dtype, max_tokens, inbox,
+                              outbox, pins[s])
+            else:  # its kernels take no host threads; it sees its GPU alone, as cuda:0 (ProcessStage.spawn)
+                setup = Setup(model_path, s.first, s.end, 0, 1, act_dtype, max_tokens, inbox, outbox, device="cuda:0")
             self.stages.append(_stage_for(s.device, setup))
         self._segments = [b.segment for b in self.boundaries] + [self.logits.segment]
         self._closer = weakref.finalize(self, _close, self.stages, self._segments)
@@ -274,10 +278,10 @@ class Pipeline:
 
 
 def _stage_for(device: DeviceName, setup: Setup) -> Stage:
-    if device.kind == "cpu" and device.index is not None:
+    if device.kind == "cuda" or device.index is not None:
         return ProcessStage(device, setup)
     backend_for(device)  # a kind without a backend says so
-    raise ValueError(f"{device} cannot be a layer-split stage yet: stages are cpu:N worker processes in this build")
+    raise ValueError(f"{device} cannot be a layer-split stage: stages are cpu:N and cuda:N worker processes")
 
 
 def _close(stages: list[Stage], segments: list[Segment]) -> None:

@@ -41,10 +41,6 @@ def parse_devices(devices: str | Sequence[str]) -> list[DeviceName]:
     dupes = sorted({n for n in seen if seen.count(n) > 1})
     if dupes:
         raise SplitSpecError(f"{', '.join(dupes)} named twice in --devices: each stage needs a device of its own")
-    if len(parsed) > 1 and any(n.kind == "cuda" for n in parsed):
-        raise SplitSpecError(f"{', '.join(str(n) for n in parsed if n.kind == 'cuda')} in a split: stages are cpu:N "
-                             "worker processes in this build (a CUDA stage plugs in as a split_runner.Stage); "
-                             "run the model on one CUDA device with --device instead")
     if len(parsed) > 1 and any(n.kind == "cpu" and n.index is None for n in parsed):
         raise SplitSpecError("'cpu' in a split: name CPU stages cpu:N (each a worker process, on NUMA node N where "
                              "there is one); plain 'cpu' is the engine's own process, for a model that is not split")
@@ -88,8 +84,13 @@ def plan_stages(devices: Sequence[DeviceName], split: Sequence[int] | None, n_la
 def stage_budgets(devices: Sequence[DeviceName]) -> list[int]:
     """Each device's memory budget for a split: what its backend offers, CPU stages sharing the host's
     memory equally (the planner's split_layers then gives them equal layer counts)."""
-    cpus = sum(d.kind == "cpu" for d in devices)
+    cpus = cpu_stages(devices)
     return [backend_for(d).available_memory(d) // (cpus if d.kind == "cpu" else 1) for d in devices]
+
+
+def cpu_stages(devices: Sequence[DeviceName]) -> int:
+    """How many of a split's stages share the host's CPUs and memory (a cuda stage takes neither)."""
+    return sum(d.kind == "cpu" for d in devices)
 
 
 def stage_threads_for(asked: int, stages: int, cpus: int) -> int:

@@ -37,6 +37,9 @@ class Setup(_Msg):
     inbox: str  # shared-memory segment of the boundary before this stage ("" for the first)
     outbox: str  # of the boundary after it, or the logits segment for the last stage
     cpus: list[int] = []  # CPUs to pin the worker to, within its node (runner/stage_worker.stage_cpus); []: the node's
+    # "cpu" (the worker binds to numa_node) or "cuda:0": the GPU the engine made the worker's only
+    # visible one (CUDA_VISIBLE_DEVICES), so a stage on cuda:N runs its kernels on cuda:0 of its own
+    device: str = "cpu"
 
 
 class Ready(_Msg):

@@ -1,4 +1,4 @@
-"""ProcessStage: the engine's handle on one `cpu:N` stage worker (stage_worker.py) — starting it,
+"""ProcessStage: the engine's handle on one `cpu:N` or `cuda:N` stage worker (stage_worker.py) — starting it,
 restarting it after it died, and the commands and replies of its control channel.
 
 The worker is a fresh interpreter (`python -m`, not multiprocessing: nothing is pickled, not even its
@@ -33,6 +33,19 @@ class CacheSpec:
     dtype: str
 
 
+def visible_gpu(index: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a worker that must see cuda:`index` of this process alone: that
+    GPU's entry of this process's own CUDA_VISIBLE_DEVICES where it has one (cuda:N counts the GPUs
+    this process sees), else N."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(index)
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if index >= len(entries):
+        raise StageDied(f"cuda:{index}: CUDA_VISIBLE_DEVICES={visible} shows {len(entries)} GPU(s)")
+    return entries[index]
+
+
 class ProcessStage:
     def __init__(self, device: DeviceName, setup: Setup) -> None:
         self.device, self.setup = device, setup
@@ -51,6 +64,8 @@ class ProcessStage:
         """Start the worker and send its Setup; it loads while the caller starts the other stages."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ, NUMBA_NUM_THREADS=str(self.setup.threads))
+        if self.device.kind == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = visible_gpu(self.device.index or 0)
         try:
             self.process = subprocess.Popen([sys.executable, "-m", "ember.daemon.runner.stage_worker", str(theirs.fileno())],
                                             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)

@@ -1,8 +1,8 @@
-"""A layer-split stage worker: the process behind a `cpu:N` device.
+"""A layer-split stage worker: the process behind a `cpu:N` or a `cuda:N` stage.
 
 Started by runner/stage_process.py as `python -m ember.daemon.runner.stage_worker FD`, where FD is its
-end of the control channel (stage_channel.py). It binds itself to NUMA node N's CPUs where the machine
-has that node, maps the model file itself (pages shared with every other process mapping it), loads
+end of the control channel (stage_channel.py). A cpu:N stage binds itself to NUMA node N's CPUs where
+the machine has that node; a cuda:N stage sees GPU N alone (as its cuda:0). It maps the model file itself (pages shared with every other process mapping it), loads
 only its layers' weights (the embedding if it runs the first layer, the output head if the last),
 and keeps one KV cache per engine over those weights. Then it runs micro-batches until told to stop,
 or until the channel closes (the engine's process went away): hidden states in from the inbox slot
@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.kv_cache import PagedKVCache
 from ember.daemon.runner.stage_channel import (Channel, ChannelClosed, Done, DropCache, Failed, NewCache, Ready, Run,
                                                Setup, Stop, unpack_batch)
@@ -83,6 +84,15 @@ def stage_cpus(nodes: Sequence[int], threads: int, pool_of: Callable[[int], set[
     return cpus
 
 
+def gpu_binding() -> str:
+    """Which GPU a cuda stage runs on, in words."""
+    from ember.kernels.cuda.device import SIMULATOR
+
+    if SIMULATOR:
+        return "on numba's CUDA simulator"
+    return f"on GPU {os.environ.get('CUDA_VISIBLE_DEVICES', '0')} (its only visible device, cuda:0 inside the stage)"
+
+
 def parse_cpulist(text: str) -> set[int]:
     """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11} (the kernel's cpulist format)."""
     cpus: set[int] = set()
@@ -98,10 +108,12 @@ class StageWorker:
 
         from ember.daemon.loader.model_file import open_model_file
         from ember.daemon.models.transformer import Transformer
-        from ember.kernels import get_ops
 
         numba.set_num_threads(min(setup.threads, numba.config.NUMBA_NUM_THREADS))
-        self.net = Transformer(open_model_file(setup.model), get_ops("cpu"), range(setup.first, setup.end))
+        device = DeviceName.parse(setup.device)
+        backend = backend_for(device)
+        backend.prepare()
+        self.net = Transformer(open_model_file(setup.model), backend.ops(device), range(setup.first, setup.end))
         cfg = self.net.config
         self.inbox = None if not setup.inbox else Boundary(Segment.attach(setup.inbox), cfg.hidden, setup.max_tokens,
                                                              setup.act_dtype)
@@ -121,7 +133,7 @@ class StageWorker:
         if self.inbox is None:
             x = self.net.embed_tokens(batch)
         else:  # widened to f32 here, before the first norm of this stage's first layer
-            x = self.inbox.read(msg.in_slot, n)
+            x = ops.to_device(self.inbox.read(msg.in_slot, n))
         x = self.net.run_layers(x, batch, self.caches[msg.cache])
         if self.logits is not None:
             logits = self.net.head(x, batch)
@@ -155,9 +167,12 @@ def main(argv: list[str]) -> int:
         setup = channel.recv()
         if not isinstance(setup, Setup):
             raise ValueError(f"expected Setup first, got {type(setup).__name__}")
-        numa = bind_to_numa_node(setup.numa_node)
-        if setup.cpus:
-            numa += "; " + pin_to_cpus(setup.cpus)
+        if setup.device == "cpu":
+            numa = bind_to_numa_node(setup.numa_node)
+            if setup.cpus:
+                numa += "; " + pin_to_cpus(setup.cpus)
+        else:
+            numa = gpu_binding()
         worker = StageWorker(setup)
     except ChannelClosed:
         return 1
