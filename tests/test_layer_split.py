@@ -20,6 +20,7 @@ from ember.daemon.planning.planner import Device, PlanRequest, plan_model
 from ember.daemon.planning.precision import PrecisionSettings
 from ember.daemon.runner.devices import CudaUnavailable
 from ember.daemon.runner.split_spec import SplitSpecError, stage_threads_for
+from ember.daemon.runner.stage_process import StageDied, visible_gpu
 from ember.daemon.runner.stage_worker import bind_to_numa_node, parse_cpulist, pin_to_cpus, stage_cpus
 from ember.kernels.sampling import SamplingParams
 
@@ -182,6 +183,15 @@ def test_bad_split_specs_are_refused_with_what_to_change(devices, split, message
 def test_a_cuda_stage_the_machine_lacks_is_refused_before_any_stage_starts() -> None:
     with pytest.raises(CudaUnavailable, match="cuda:7: (no such device|no usable CUDA device|CUDA needs numba-cuda)"):
         ember.load(DEMO_MODEL, devices=["cpu:0", "cuda:7"])
+
+
+def test_a_cuda_stage_sees_its_gpu_alone(monkeypatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_gpu(1) == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 5")  # cuda:N counts the GPUs the engine sees
+    assert (visible_gpu(0), visible_gpu(1)) == ("2", "5")
+    with pytest.raises(StageDied, match="cuda:2: CUDA_VISIBLE_DEVICES=2, 5 shows 2 GPU"):
+        visible_gpu(2)
 
 
 def test_stage_threads_share_the_cpus_and_never_oversubscribe_them() -> None:
