@@ -290,10 +290,11 @@ class _KUnit:
     quants, kind, <8 x i32> integer sub-block scales of its lanes), the super-block's float scale d,
     and for Q4_K/Q5_K the 8 mins (dmin * m_j) that meet the activation's 32-value sums. The chunks'
     products times their integer scales add up exactly in int32 (the activation has one scale per
-    256 values, convert.quantize_q8_k_split), and become float once per super-block."""
+    256 values, convert.quantize_q8_k_split), and become float once per super-block. scales16: per
+    chunk, its scale as <16 x i16> (unsigned chunks, where _scaled_dots applies it)."""
 
-    def __init__(self, chunks, d, mins=None):
-        self.chunks, self.d, self.mins = chunks, d, mins
+    def __init__(self, chunks, d, mins=None, scales16=None):
+        self.chunks, self.d, self.mins, self.scales16 = chunks, d, mins, scales16
 
 
 def _q8_0_blocks(count):
@@ -325,7 +326,8 @@ def _k4(size, nibbles_at, fifth_bit):
         dmin = _splat(builder, _load_f16(builder, _at(builder, sb, 2)), 8)
         mins = builder.fmul(_pick(builder, builder.uitofp(levels, ir.VectorType(_F32, 16)), range(8, 16)), dmin)
         qh = _load_i8x32(builder, _at(builder, sb, 16)) if fifth_bit else None
-        chunks = []
+        sc16 = builder.zext(levels, ir.VectorType(_I16, 16))
+        chunks, scales16 = [], []
         for g in range(4):
             packed = _load_i8x32(builder, _at(builder, sb, nibbles_at + 32 * g))
             for half in range(2):  # low nibbles: sub-block 2g, high nibbles: 2g + 1
@@ -335,7 +337,8 @@ def _k4(size, nibbles_at, fifth_bit):
                     bit = builder.and_(builder.lshr(qh, _splat_i8(j)), _splat_i8(1))
                     q = builder.or_(q, builder.shl(bit, _splat_i8(4)))
                 chunks.append((j, q, UNSIGNED, _pick(builder, sc, [j] * 8)))
-        return _KUnit(chunks, _load_f16(builder, sb), mins)
+                scales16.append(_pick(builder, sc16, [j] * 16))
+        return _KUnit(chunks, _load_f16(builder, sb), mins, scales16)
 
     return weight_side
 
@@ -391,13 +394,17 @@ def _emit_unit(builder, weight_side, row, tokens, accs, mins, first):
     unit = weight_side(builder, row, first)
     for t, (xq_row, xd, xs, xc) in enumerate(zip(tokens.q, tokens.d, tokens.s, tokens.c)):
         blocks = [builder.add(first, ir.Constant(_I64, k)) for k, *_ in unit.chunks]
-        dots = [_chunk_dot(builder, wq, kind, _load_i8x32(builder, builder.gep(xq_row, [builder.mul(b, ir.Constant(_I64, QK))],
-                                                                                inbounds=True)),
-                           _offsets(builder, xc, b, kind))
-                for b, (k, wq, kind, _) in zip(blocks, unit.chunks)]
-        if isinstance(unit, _KUnit):
+        xqs = [_load_i8x32(builder, builder.gep(xq_row, [builder.mul(b, ir.Constant(_I64, QK))], inbounds=True))
+               for b in blocks]
+        if isinstance(unit, _KUnit) and unit.scales16 is not None and (_VNNI or _AVX2):
+            value = _k_value(builder, unit, _scaled_dots(builder, unit, xqs), xd, first)
+        elif isinstance(unit, _KUnit):
+            dots = [_chunk_dot(builder, wq, kind, x, _offsets(builder, xc, b, kind))
+                    for x, b, (k, wq, kind, _) in zip(xqs, blocks, unit.chunks)]
             value = _k_unit_value(builder, unit, dots, xd, first)
         else:  # Q8_0: each block's exact integer dot times (weight scale x activation scale)
+            dots = [_chunk_dot(builder, wq, kind, x, _offsets(builder, xc, b, kind))
+                    for x, b, (k, wq, kind, _) in zip(xqs, blocks, unit.chunks)]
             scales = builder.fmul(unit.scales, _activation_scales(builder, xd, first, len(unit.chunks)))
             value = builder.fmul(builder.sitofp(_block_sums(builder, dots), scales.type), scales)
         builder.store(builder.fadd(builder.load(accs[t]), value), accs[t])
@@ -422,6 +429,28 @@ def _k_unit_value(builder, unit, dots, xd, first):
     for (k, wq, kind, iscale), dot in zip(unit.chunks, dots):
         part = builder.mul(dot, iscale)
         total = part if total is None else builder.add(total, part)
+    return _k_value(builder, unit, total, xd, first)
+
+
+def _scaled_dots(builder, unit, xqs):
+    """The int32 total of _k_unit_value for unsigned chunks, as llama.cpp forms it: each chunk's
+    pair sums (vpmaddubsw: <= 2 x 31 x 127, no saturation) times its 16-bit scale, pairs summed
+    and accumulated (vpdpwssd with VNNI, vpmaddwd + vpaddd without): two instructions a chunk
+    where the quad sums took three (vpdpbusd, vpmulld, vpaddd), and the same integers."""
+    v8i32, v16i16 = ir.VectorType(_I32, 8), ir.VectorType(_I16, 16)
+    total = ir.Constant(v8i32, [0] * 8)
+    for (k, wq, kind, _), x, s16 in zip(unit.chunks, xqs, unit.scales16):
+        pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, wq, x)
+        if _VNNI:
+            total = _call(builder, "llvm.x86.avx512.vpdpwssd.256", v8i32, total, builder.bitcast(pairs, v8i32),
+                          builder.bitcast(s16, v8i32))
+        else:
+            total = builder.add(total, _call(builder, "llvm.x86.avx2.pmadd.wd", v8i32, pairs, s16))
+    return total
+
+
+def _k_value(builder, unit, total, xd, first):
+    """<8 x float>: a super-block's int32 total times d * the activation's scale."""
     x_scale = builder.load(builder.gep(xd, [builder.udiv(first, ir.Constant(_I64, 8))], inbounds=True))
     return builder.fmul(builder.sitofp(total, _V8F), _splat(builder, builder.fmul(unit.d, x_scale), 8))
 
