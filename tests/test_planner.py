@@ -19,7 +19,8 @@ from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.planning.planner import (GiB, MiB, Device, DraftModel, ModelHeaders, PlanDoesNotFit, PlanError,
                                   PlanRequest, SpeculativeSettings, TensorInfo, build_plan, layer_of, parse_device,
-                                  parse_size, plan_model, read_model_info, split_layers, weight_class, with_request)
+                                  parse_size, plan_model, read_model_info, split_layers, weight_class, with_request,
+                                  LayerWeights)
 from ember.daemon.planning.precision import PrecisionSettings
 from gguf_writer import write_out
 
@@ -134,6 +135,21 @@ def test_split_layers_gives_every_device_a_layer_then_the_rest_by_budget() -> No
     assert counts(36, 24, 8) == [27, 9]
     assert counts(3, 1, 1000) == [1, 2]
     assert counts(10, 0, 0) == [5, 5]  # no budgets: equal shares
+
+
+def test_split_layers_balances_bytes_with_the_head_on_the_last_device() -> None:
+    def counts(weights: LayerWeights, *budgets: int) -> list[int]:
+        bounds = split_layers(len(weights.layers), [Device(f"d{i}", b) for i, b in enumerate(budgets)], None, weights)
+        return [b - a for a, b in bounds]
+
+    qwen3_8b = LayerWeights((200,) * 36, 680)  # a vocab x hidden head as heavy as 3.4 layers
+    assert counts(qwen3_8b, 1, 1) == [20, 16]  # not 18, 18: half of 36 x 200 + 680 is 3940 bytes
+    assert counts(qwen3_8b, 3, 1) == [30, 6]  # 6000 : 1880 bytes, nearest 3 : 1
+    assert counts(LayerWeights((100,) * 4, 100), 1, 1) == [3, 1]  # 300 : 200 or 200 : 300, a tie: the earlier
+    assert counts(LayerWeights((100,) * 2, 10_000), 1, 1) == [1, 1]  # a layer each, whatever the head
+    assert counts(LayerWeights((100,) * 5, 0), 1, 1, 1) == [2, 1, 2]  # cuts nearest 166.7 and 333.3
+    demo = LayerWeights.of(read_model_info(DEMO_MODEL))
+    assert demo.layers == (1674752,) * 5 and demo.head == 3342336  # tied: the embedding's bytes
 
 
 def test_split_staging_and_kv_per_device() -> None:
@@ -454,7 +470,7 @@ def test_cli_table_and_exit_status_when_it_does_not_fit(capsys: pytest.CaptureFi
 
     assert main(["plan", str(DEMO_MODEL), "--device", "cuda:0=200MiB", "--device", "cuda:1=200MiB"]) == 2
     out = capsys.readouterr().out
-    assert re.search(r"layers\s+0-2\s+3-4", out)  # 5 layers over two equal budgets
+    assert re.search(r"layers\s+0-2\s+3-4", out)  # 5 layers over two equal budgets (by bytes, the tied head counted)
     assert "does not fit cuda:0" in out and "CUDA-graph headroom" in out
     assert main(["plan", str(DEMO_MODEL), "--device", "cpu=1GiB"]) == 0
     assert "It fits." in capsys.readouterr().out

@@ -301,7 +301,7 @@ def build_plan(info: ModelHeaders, request: PlanRequest, draft: DraftModel | Non
         raise PlanError(f"a q8_0 KV cache needs head_dim divisible by 32; this model's is {cfg.head_dim}")
     if draft is not None:
         _check_draft(draft, cfg, request)
-    bounds = split_layers(cfg.n_layers, devices, request.split)
+    bounds = split_layers(cfg.n_layers, devices, request.split, LayerWeights.of(info))
     weights = _weights_by_device(info, bounds, devices)
     kv_tokens = -(-ctx // request.kv_block) * request.kv_block * request.seqs
     kv_per_layer = 2 * cfg.n_kv_heads * storage_bytes(kv_dtype, cfg.head_dim) * kv_tokens
@@ -401,12 +401,17 @@ def act_safety_for(cfg: ModelConfig, widest: int) -> float:
     return ACT_MARGIN * (ACT_WIDEST_BUFFERS + ACT_HIDDEN_BUFFERS * cfg.hidden / max(widest, 1))
 
 
-def split_layers(n_layers: int, devices: Sequence[Device], split: Sequence[int] | None = None) -> list[tuple[int, int]]:
-    """[first, end) layer ranges per device: `split` as given, else proportional to the budgets."""
+def split_layers(n_layers: int, devices: Sequence[Device], split: Sequence[int] | None = None,
+                 weights: LayerWeights | None = None) -> list[tuple[int, int]]:
+    """[first, end) layer ranges per device: `split` as given, else proportional to the budgets: in
+    bytes of weights where `weights` gives them (the output projection counted on the last device),
+    else in layers."""
     if split is not None:
         if sum(split) != n_layers or min(split) < 0:
             raise PlanError(f"split {','.join(map(str, split))} does not add up to the model's {n_layers} layers")
         counts = list(split)
+    elif weights is not None and all(weights.layers) and n_layers >= len(devices) > 1:  # (headers with sizes)
+        counts = _split_by_bytes(weights, [d.budget for d in devices])
     else:
         # a layer each first (a 2-layer model on 128 GB of RAM and an 80 GB GPU gave the GPU none), the
         # rest in proportion to the budgets (largest remainders; a tie goes to the earlier device,
@@ -421,6 +426,51 @@ def split_layers(n_layers: int, devices: Sequence[Device], split: Sequence[int] 
             counts[i] += 1
     ends = [sum(counts[: i + 1]) for i in range(len(counts))]
     return [(e - c, e) for c, e in zip(counts, ends, strict=True)]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """Bytes of weights per layer, and of the output projection (which the last device holds and
+    reads every step; the embedding, of which a step reads a row per token, counts nowhere)."""
+    layers: tuple[int, ...]
+    head: int
+
+    @classmethod
+    def of(cls, info: ModelHeaders) -> LayerWeights:
+        layers = [0] * info.config.n_layers
+        head = 0
+        for t in info.tensors:
+            layer = layer_of(t.name)
+            if layer is not None and layer < len(layers):
+                layers[layer] += t.nbytes
+            elif t.name in ("output.weight", "lm_head.weight"):
+                head += t.nbytes
+        if not head:  # tied: the output projection is the embedding
+            head = sum(t.nbytes for t in info.tensors if weight_class(t.name) == "embeddings")
+        return cls(tuple(layers), head)
+
+
+def _split_by_bytes(weights: LayerWeights, budgets: Sequence[int]) -> list[int]:
+    """Layer counts whose bytes (the head's on the last) come nearest each device's share of the
+    budgets, a layer each at least; a tie gives the layer to the earlier device. A stage's time per
+    token follows the bytes it reads, and the head is one matrix of vocab x hidden: Qwen3-8B's
+    (151936 x 4096) weighs as much as 3.4 of its layers, so counting layers alone overloads the last
+    stage."""
+    n, parts = len(weights.layers), len(budgets)
+    if not any(budgets):
+        budgets = [1] * parts
+    cum = [0]
+    for b in weights.layers:
+        cum.append(cum[-1] + b)
+    total = cum[-1] + weights.head
+    cuts, spent = [0], 0
+    for i in range(parts - 1):
+        spent += budgets[i]
+        options = range(cuts[-1] + 1, n - (parts - 1 - i) + 1)  # a layer for this device and each after it
+        # |cum[k] - total * spent / all| in integers: an exact tie stays a tie
+        cuts.append(min(options, key=lambda k: (abs(cum[k] * sum(budgets) - total * spent), -k)))
+    cuts.append(n)
+    return [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
 def _weights_by_device(info: ModelHeaders, bounds: Sequence[tuple[int, int]], devices: Sequence[Device]) -> list[WeightBytes]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ember.daemon.planning.planner import Device, split_layers
+from ember.daemon.planning.planner import Device, LayerWeights, split_layers
 from ember.daemon.runner.devices import DeviceName, backend_for
 
 
@@ -58,9 +58,9 @@ def parse_split(split: str | Sequence[int] | None) -> tuple[int, ...] | None:
 
 
 def plan_stages(devices: Sequence[DeviceName], split: Sequence[int] | None, n_layers: int,
-                budgets: Sequence[int] | None = None) -> list[StageSpec]:
+                budgets: Sequence[int] | None = None, weights: LayerWeights | None = None) -> list[StageSpec]:
     """One StageSpec per device: `split` layer counts as given, else proportional to `budgets` (equal
-    when None)."""
+    when None), in bytes of weights where `weights` gives them (planner.split_layers)."""
     names = ",".join(map(str, devices))
     if len(devices) > n_layers:
         raise SplitSpecError(f"{len(devices)} devices ({names}) for a model of {n_layers} layers: every stage needs "
@@ -75,7 +75,7 @@ def plan_stages(devices: Sequence[DeviceName], split: Sequence[int] | None, n_la
             raise SplitSpecError(f"split {','.join(map(str, split))} adds up to {sum(split)} layers; the model has "
                                  f"{n_layers}: e.g. --split {','.join(map(str, _even(n_layers, len(devices))))}")
     budgets = budgets or [1] * len(devices)
-    bounds = split_layers(n_layers, [Device(str(d), b) for d, b in zip(devices, budgets, strict=True)], split)
+    bounds = split_layers(n_layers, [Device(str(d), b) for d, b in zip(devices, budgets, strict=True)], split, weights)
     if any(end <= first for first, end in bounds):
         raise SplitSpecError(f"the memory budgets leave a stage of {names} without layers: give --split")
     return [StageSpec(d, first, end) for d, (first, end) in zip(devices, bounds, strict=True)]

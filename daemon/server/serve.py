@@ -27,7 +27,8 @@ from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.logging_setup import configure_logging, get_logger
 from ember.daemon.server.notify import Notifier
-from ember.daemon.planning.planner import Device, DraftModel, PlanDoesNotFit, PlanRequest, build_plan, log_plan, read_model_info
+from ember.daemon.planning.planner import (Device, DraftModel, LayerWeights, PlanDoesNotFit, PlanRequest, build_plan,
+                                          log_plan, read_model_info)
 from ember.daemon.planning.precision import ENV_VARS, DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.daemon.engine.defaults import KV_BLOCK
 from ember.daemon.runtime import Model, load
@@ -109,7 +110,8 @@ def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
         info = read_model_info(spec.path)
         split = None
         if config.engine.devices:  # the stages' layers, checked against this model
-            stages = plan_stages(devices, parse_split(config.engine.split), info.config.n_layers, budgets)
+            stages = plan_stages(devices, parse_split(config.engine.split), info.config.n_layers, budgets,
+                                 LayerWeights.of(info))
             split = tuple(s.end - s.first for s in stages)
         request = PlanRequest(devices=tuple(Device(str(d), b) for d, b in zip(devices, budgets, strict=True)),
                               policy=_model_policy(policy, spec), ctx=config.engine.context_for(info.config.context_length),
