@@ -180,10 +180,12 @@ def test_a_decode_rows_result_does_not_depend_on_the_other_rows(ttype: TensorTyp
     np.testing.assert_array_equal(matmul(x, weight, mixed)[mixed], alone[mixed])
 
 
-@pytest.mark.parametrize("ttype", [TensorType.Q8_0, TensorType.Q4_K, TensorType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ttype", [TensorType.Q8_0, TensorType.Q4_K, TensorType.Q6_K, TensorType.F32],
+                         ids=lambda t: t.name)
 def test_a_prompt_rows_result_does_not_depend_on_the_other_rows(ttype: TensorType, monkeypatch) -> None:
     """Prompt rows too: their last bits feed the decode rows' int8 quantization, which would turn a
-    batch-dependent rounding into a visible difference."""
+    batch-dependent rounding into a visible difference. F32 weights too (BLAS's sums followed n on
+    an AVX2 machine: a hybrid model's prompt logits then depended on how steps cut the prompt)."""
     weight, _ = make_weight(ttype, 37, 512)
     x = np.random.default_rng(6).standard_normal((11, 512)).astype(np.float32)
     alone = np.stack([matmul(x[t], weight) for t in range(11)])
@@ -203,7 +205,7 @@ def test_kernels_release_the_gil() -> None:
     """The daemon's event loop runs beside these kernels: every jitted entry point must be nogil."""
     twins = (qm._MATMUL_INT8, qm._MATMUL_INT8_MANY, qm._SWIGLU_INT8)
     twins += (qm._GATHER_ROWS,)
-    for kernel in (qm._matvec_16bit, qm._matmul, *(v for t in twins for v in (t.serial, t.parallel))):
+    for kernel in (qm._matvec_16bit, qm._matmul, qm._matmul_f32, *(v for t in twins for v in (t.serial, t.parallel))):
         assert kernel.targetoptions.get("nogil") is True
 
 

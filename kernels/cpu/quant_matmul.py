@@ -165,8 +165,8 @@ def matmul(x: np.ndarray, w: CpuWeight, decode_rows: Rows = None) -> np.ndarray:
     x2 = _as_rows(x, w.cols)
     rows = decode_flags(decode_rows)
     n = x2.shape[0]
-    if w.f32 is not None:
-        y = x2 @ w.f32.T  # BLAS: already optimal for float32, and it releases the GIL
+    if w.f32 is not None:  # not BLAS: its sums' order follows n (prompt logits then depended on how steps cut them)
+        y = _tiled(w, x2)
     elif not w.int8:
         y = np.empty((n, w.rows), np.float32)
         if n == 1:
@@ -195,7 +195,10 @@ def _tiled(w: CpuWeight, x: np.ndarray) -> np.ndarray:
     if pad:
         x = np.concatenate([x, np.zeros((pad, x.shape[1]), np.float32)])
     y = np.empty((n + pad, w.rows), np.float32)
-    _matmul(w.code, w.u8, w.i8, w.u16, w.u32, x, y)
+    if w.f32 is not None:
+        _matmul_f32(w.f32, x, y)
+    else:
+        _matmul(w.code, w.u8, w.i8, w.u16, w.u32, x, y)
     return y[:n] if pad else y
 
 
@@ -548,6 +551,15 @@ def _matmul(tt, u8, i8, u16, u32, x, out):
         for i in range(nr):  # each block is dequantized once per call, whatever n is
             _dequant_row(tt, u8, i8, u16, u32, r0 + i, wbuf[i])
         _tile_product(wbuf, nr, x, out, r0)
+
+
+@njit(parallel=True, **_JIT)
+def _matmul_f32(w, x, out):
+    """_matmul for float32 weights: the same tiles, straight from the rows."""
+    rows = out.shape[1]
+    for c in prange((rows + _MATMUL_ROWS - 1) // _MATMUL_ROWS):
+        r0 = c * _MATMUL_ROWS
+        _tile_product(w[r0:r0 + _MATMUL_ROWS], min(_MATMUL_ROWS, rows - r0), x, out, r0)
 
 
 def _gather_rows(tt, u8, i8, u16, u32, ids, out):
