@@ -4,9 +4,10 @@ Started by runner/stage_process.py as `python -m ember.daemon.runner.stage_worke
 end of the control channel (stage_channel.py). A cpu:N stage binds itself to NUMA node N's CPUs where
 the machine has that node; a cuda:N stage sees GPU N alone (as its cuda:0). It maps the model file
 itself (pages shared with every other process mapping it), loads only its layers' weights (the
-embedding if it runs the first layer, the output head if the last), and keeps one KV cache per engine over those weights. Then it runs micro-batches until told to stop,
-or until the channel closes (the engine's process went away): hidden states in from the inbox slot
-(or token ids embedded), its layers, hidden states out to the outbox slot (or logits rows out).
+embedding if it runs the first layer, the output head if the last), and keeps one KV cache per
+engine over those weights. Then it runs micro-batches until told to stop, or until the channel
+closes (the engine's process went away): hidden states in from the inbox slot (or token ids
+embedded), its layers, hidden states out to the outbox slot (or logits rows out).
 
 A failure inside a micro-batch is reported as Failed and the worker goes on; a failure to set up
 is reported and the worker exits 1.
