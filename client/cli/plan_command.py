@@ -22,7 +22,9 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--device", action="append", default=None, metavar="SPEC",
                    help="cpu, cpu=16GiB, cuda:0=24GiB or cuda:0=24GiB@8.9 (compute capability); repeat to split "
                         "the layers across devices, in order (default: cpu with the available RAM)")
-    p.add_argument("--split", default=None, metavar="N,N,..", help="layers per device (default: their weights' bytes in proportion to the budgets, the output head counted on the last)")
+    p.add_argument("--split", default=None, metavar="N,N,..",
+                   help="layers per device (default: their weights' bytes in proportion to the budgets, the "
+                        "output head counted on the last)")
     p.add_argument("--kv-dtype", default=None, help="f32, f16, bf16 or q8_0 (also EMBER_KV_DTYPE)")
     p.add_argument("--act-dtype", default=None, help="activation staging: f32, f16 or bf16 (also EMBER_ACT_DTYPE)")
     p.add_argument("--feature-dtype", default=None, help="speculative feature mirror: f32, f16, bf16, q8_0 "
