@@ -291,7 +291,7 @@ class _KUnit:
     and for Q4_K/Q5_K the 8 mins (dmin * m_j) that meet the activation's 32-value sums. The chunks'
     products times their integer scales add up exactly in int32 (the activation has one scale per
     256 values, convert.quantize_q8_k_split), and become float once per super-block. scales16: per
-    chunk, its scale as <16 x i16> (unsigned chunks, where _scaled_dots applies it)."""
+    chunk, its scale as <16 x i16> (unsigned chunks, on the x86 paths where _scaled_dots applies it)."""
 
     def __init__(self, chunks, d, mins=None, scales16=None):
         self.chunks, self.d, self.mins, self.scales16 = chunks, d, mins, scales16
@@ -338,7 +338,7 @@ def _k4(size, nibbles_at, fifth_bit):
                     q = builder.or_(q, builder.shl(bit, _splat_i8(4)))
                 chunks.append((j, q, UNSIGNED, _pick(builder, sc, [j] * 8)))
                 scales16.append(_pick(builder, sc16, [j] * 16))
-        return _KUnit(chunks, _load_f16(builder, sb), mins, scales16)
+        return _KUnit(chunks, _load_f16(builder, sb), mins, scales16 if _VNNI or _AVX2 else None)
 
     return weight_side
 
@@ -396,17 +396,16 @@ def _emit_unit(builder, weight_side, row, tokens, accs, mins, first):
         blocks = [builder.add(first, ir.Constant(_I64, k)) for k, *_ in unit.chunks]
         xqs = [_load_i8x32(builder, builder.gep(xq_row, [builder.mul(b, ir.Constant(_I64, QK))], inbounds=True))
                for b in blocks]
-        if isinstance(unit, _KUnit) and unit.scales16 is not None and (_VNNI or _AVX2):
+        if isinstance(unit, _KUnit) and unit.scales16 is not None:
             value = _k_value(builder, unit, _scaled_dots(builder, unit, xqs), xd, first)
-        elif isinstance(unit, _KUnit):
+        else:
             dots = [_chunk_dot(builder, wq, kind, x, _offsets(builder, xc, b, kind))
                     for x, b, (k, wq, kind, _) in zip(xqs, blocks, unit.chunks)]
-            value = _k_unit_value(builder, unit, dots, xd, first)
-        else:  # Q8_0: each block's exact integer dot times (weight scale x activation scale)
-            dots = [_chunk_dot(builder, wq, kind, x, _offsets(builder, xc, b, kind))
-                    for x, b, (k, wq, kind, _) in zip(xqs, blocks, unit.chunks)]
-            scales = builder.fmul(unit.scales, _activation_scales(builder, xd, first, len(unit.chunks)))
-            value = builder.fmul(builder.sitofp(_block_sums(builder, dots), scales.type), scales)
+            if isinstance(unit, _KUnit):
+                value = _k_unit_value(builder, unit, dots, xd, first)
+            else:  # Q8_0: each block's exact integer dot times (weight scale x activation scale)
+                scales = builder.fmul(unit.scales, _activation_scales(builder, xd, first, len(unit.chunks)))
+                value = builder.fmul(builder.sitofp(_block_sums(builder, dots), scales.type), scales)
         builder.store(builder.fadd(builder.load(accs[t]), value), accs[t])
         if getattr(unit, "mins", None) is not None:
             sums = _load_f32x8(builder, builder.gep(xs, [first], inbounds=True))
