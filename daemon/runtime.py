@@ -30,7 +30,7 @@ from ember.daemon.runner.split_runner import SplitRunner
 from ember.daemon.runner.split_spec import (cpu_stages, parse_devices, parse_split, plan_stages, stage_budgets,
                                             stage_threads_for)
 from ember.daemon.config import DEFAULT_CTX
-from ember.daemon.planning.planner import Device, LayerWeights, PlanRequest, plan_model, read_model_info
+from ember.daemon.planning.planner import Device, LayerWeights, PlanRequest, headers_of, plan_model, read_model_info
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.daemon.speculative.dflash_file import is_dflash
 from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB
@@ -297,7 +297,7 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
                      draft_tokens=draft_tokens, feature_dtype=policy.feature)
     if draft_file is not None:
         raise ValueError("a draft model with a layer split is not supported yet: load the target on one device")
-    stages = plan_stages(names, counts, mf.config.n_layers, stage_budgets(names), LayerWeights.of(read_model_info(path)))
+    stages = plan_stages(names, counts, mf.config.n_layers, stage_budgets(names), LayerWeights.of(headers_of(mf)))
     threads = stage_threads_for(stage_threads, max(1, cpu_stages(names)), len(os.sched_getaffinity(0)))
     pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads, shm_owner)
     return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, pipeline)

@@ -49,7 +49,8 @@ def add_daemon_commands(sub: Any) -> None:
                        help="split the layers across stage processes, e.g. cpu:0,cpu:1 or cuda:0,cpu:0 (cpu:N: a "
                             "worker bound to NUMA node N where there is one; cuda:N: a worker on GPU N); see "
                             "docs/layer_split.md")
-    serve.add_argument("--split", metavar="N,N,..", help="layers per device of --devices (default: their weights' bytes in proportion to the "
+    serve.add_argument("--split", metavar="N,N,..",
+                       help="layers per device of --devices (default: their weights' bytes in proportion to the "
                             "devices' memory, the output head counted on the last)")
     serve.add_argument("--act-dtype", metavar="T",
                        help="the split's staged hidden states: f32, f16, bf16 or auto (default: EMBER_ACT_DTYPE, else auto)")

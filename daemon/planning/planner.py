@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.daemon.loader.model_config import ModelConfig
-from ember.daemon.loader.model_file import open_model_file
+from ember.daemon.loader.model_file import ModelFile, open_model_file
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.kernels.convert import storage_bytes
 from ember.daemon.engine.defaults import KV_BLOCK, PREFILL_CHUNK
@@ -73,7 +73,11 @@ def read_model_info(path: str | Path) -> ModelHeaders:
     """Config and tensor sizes from headers. GGUF: gguf-py parses the header and maps the data without
     touching it (RawTensor.nbytes is arithmetic on shape and type); HF: safetensors headers, read
     again here unrenamed so that MoE expert tensors, which the runtime's renaming drops, count."""
-    mf = open_model_file(path)
+    return headers_of(open_model_file(path))
+
+
+def headers_of(mf: ModelFile) -> ModelHeaders:
+    """read_model_info of a model file already open."""
     if mf.format == "hf":
         from ember.daemon.loader.hf_dir import _read_safetensors, _shards  # the loader's own header parser
 
@@ -410,20 +414,12 @@ def split_layers(n_layers: int, devices: Sequence[Device], split: Sequence[int] 
         if sum(split) != n_layers or min(split) < 0:
             raise PlanError(f"split {','.join(map(str, split))} does not add up to the model's {n_layers} layers")
         counts = list(split)
-    elif weights is not None and all(weights.layers) and n_layers >= len(devices) > 1:  # (headers with sizes)
-        counts = _split_by_bytes(weights, [d.budget for d in devices])
     else:
-        # a layer each first (a 2-layer model on 128 GB of RAM and an 80 GB GPU gave the GPU none), the
-        # rest in proportion to the budgets (largest remainders; a tie goes to the earlier device,
-        # leaving the last, which also holds the output projection and the logits, the lighter share)
-        each = 1 if n_layers >= len(devices) else 0
-        rest = n_layers - each * len(devices)
-        budgets = [d.budget for d in devices] if any(d.budget for d in devices) else [1] * len(devices)
-        shares = [divmod(rest * b, sum(budgets)) for b in budgets]
-        counts = [each + whole for whole, _ in shares]
-        left = n_layers - sum(counts)
-        for i in sorted(range(len(devices)), key=lambda i: (-shares[i][1], i))[:left]:
-            counts[i] += 1
+        budgets = [d.budget for d in devices] if any(d.budget for d in devices) else [1] * len(devices)  # none: equal
+        if weights is not None and all(weights.layers) and n_layers >= len(devices) > 1:  # (headers with sizes)
+            counts = _split_by_bytes(weights, budgets)
+        else:
+            counts = _split_by_count(n_layers, budgets)
     ends = [sum(counts[: i + 1]) for i in range(len(counts))]
     return [(e - c, e) for c, e in zip(counts, ends, strict=True)]
 
@@ -450,6 +446,19 @@ class LayerWeights:
         return cls(tuple(layers), head)
 
 
+def _split_by_count(n_layers: int, budgets: Sequence[int]) -> list[int]:
+    """A layer each first (a 2-layer model on 128 GB of RAM and an 80 GB GPU gave the GPU none), the
+    rest in proportion to the budgets (largest remainders; a tie goes to the earlier device, leaving
+    the last, which also holds the output projection and the logits, the lighter share)."""
+    each = 1 if n_layers >= len(budgets) else 0
+    rest = n_layers - each * len(budgets)
+    shares = [divmod(rest * b, sum(budgets)) for b in budgets]
+    counts = [each + whole for whole, _ in shares]
+    for i in sorted(range(len(budgets)), key=lambda i: (-shares[i][1], i))[:n_layers - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
 def _split_by_bytes(weights: LayerWeights, budgets: Sequence[int]) -> list[int]:
     """Layer counts whose bytes (the head's on the last) come nearest each device's share of the
     budgets, a layer each at least; a tie gives the layer to the earlier device. A stage's time per
@@ -457,8 +466,6 @@ def _split_by_bytes(weights: LayerWeights, budgets: Sequence[int]) -> list[int]:
     (151936 x 4096) weighs as much as 3.4 of its layers, so counting layers alone overloads the last
     stage."""
     n, parts = len(weights.layers), len(budgets)
-    if not any(budgets):
-        budgets = [1] * parts
     cum = [0]
     for b in weights.layers:
         cum.append(cum[-1] + b)
