@@ -171,7 +171,11 @@ class AsyncClient:
             if left <= 0:
                 raise EmberTimeout(f"nothing from the daemon at {self.socket_path} for {timeout:g} s")
             try:
-                reply = await asyncio.wait_for(queue.get(), left)
+                # not asyncio.wait_for: on Python 3.11 it returns a frame that came in the same loop pass
+                # as a cancel and drops the cancel (a gateway handler cancelled by a vanished client
+                # then ran on, its request never cancelled in the daemon)
+                async with asyncio.timeout(left):
+                    reply = await queue.get()
             except TimeoutError:
                 continue  # silence for us, but maybe not from the daemon: re-check against _heard
             if isinstance(reply, Lost):

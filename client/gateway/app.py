@@ -107,7 +107,9 @@ async def _model(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     try:
-        health = await asyncio.wait_for((await _gateway(request).pool.any()).health(), STATS_TIMEOUT)
+        client = await _gateway(request).pool.any()
+        async with asyncio.timeout(STATS_TIMEOUT):  # not wait_for: see AsyncClient._next_for
+            health = await client.health()
     except (EmberError, TimeoutError) as e:
         return web.json_response({"status": "unavailable", "reason": str(e) or "the daemon did not answer"},
                                  status=503)
@@ -119,7 +121,9 @@ async def _metrics(request: web.Request) -> web.Response:
     gateway = _gateway(request)
     report: StatsReport | None
     try:
-        report = await asyncio.wait_for((await gateway.pool.any()).stats(), STATS_TIMEOUT)
+        client = await gateway.pool.any()
+        async with asyncio.timeout(STATS_TIMEOUT):
+            report = await client.stats()
     except (EmberError, TimeoutError):
         report = None
     return web.Response(body=gateway.metrics.render(report), headers={"Content-Type": CONTENT_TYPE})

@@ -228,7 +228,8 @@ class _Writer:
             if transport.get_write_buffer_size() < WRITE_HIGH_WATER:
                 await self.response.write(data)  # cannot wait on the client: no timer needed
             else:
-                await asyncio.wait_for(self.response.write(data), self.stall)
+                async with asyncio.timeout(self.stall):  # not wait_for: see AsyncClient._next_for
+                    await self.response.write(data)
         except TimeoutError:
             transport.abort()  # not close(): that would wait to flush what the client does not read
             raise ClientGone(f"the client read nothing for {self.stall:g} s") from None
@@ -246,7 +247,8 @@ def _settle(carrier: Carrier, lease: Lease, stream: DaemonStream | None) -> None
 
     async def drain() -> None:
         try:
-            await asyncio.wait_for(stream.stream.close(), DRAIN_TIMEOUT)
+            async with asyncio.timeout(DRAIN_TIMEOUT):
+                await stream.stream.close()
         except (EmberError, TimeoutError):
             pass  # gone or silent: its slot is free either way
         finally:

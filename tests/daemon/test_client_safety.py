@@ -403,3 +403,19 @@ def test_cli_generate_with_an_unencodable_prompt_is_one_line(daemon) -> None:  #
     out = subprocess.run([*CLI, "generate", b"\xff", "--socket", str(daemon.socket)], capture_output=True, text=True,
                          timeout=60, env=env)
     _one_line(out, "cannot encode the Generate request")
+
+
+@pytest.mark.asyncio
+async def test_a_reader_cancelled_as_its_frame_comes_stays_cancelled() -> None:
+    # a gateway handler is cancelled when its HTTP client leaves; on Python 3.11 asyncio.wait_for
+    # returned a frame that came in the same loop pass and dropped the cancel, so the handler read on and
+    # its request was never cancelled in the daemon (seen under load in CI)
+    client = AsyncClient("/nonexistent/ember.sock")
+    client._queues[7] = queue = asyncio.Queue()
+    reader = asyncio.create_task(client._next_for(7))
+    await asyncio.sleep(0)  # the reader waits on its queue
+    queue.put_nowait(Tokens(7, (1,), "a"))
+    reader.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reader
+    assert queue.qsize() == 1  # the frame stays for whoever reads next
