@@ -297,7 +297,8 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
                      draft_tokens=draft_tokens, feature_dtype=policy.feature)
     if draft_file is not None:
         raise ValueError("a draft model with a layer split is not supported yet: load the target on one device")
-    stages = plan_stages(names, counts, mf.config.n_layers, stage_budgets(names), LayerWeights.of(headers_of(mf)))
+    weights = None if counts is not None else LayerWeights.of(headers_of(mf))  # (an HF model's headers are read again)
+    stages = plan_stages(names, counts, mf.config.n_layers, stage_budgets(names), weights)
     threads = stage_threads_for(stage_threads, max(1, cpu_stages(names)), len(os.sched_getaffinity(0)))
     pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads, shm_owner)
     return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, pipeline)

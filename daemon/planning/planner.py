@@ -470,12 +470,12 @@ def _split_by_bytes(weights: LayerWeights, budgets: Sequence[int]) -> list[int]:
     for b in weights.layers:
         cum.append(cum[-1] + b)
     total = cum[-1] + weights.head
-    cuts, spent = [0], 0
+    cuts, spent, every = [0], 0, sum(budgets)
     for i in range(parts - 1):
         spent += budgets[i]
         options = range(cuts[-1] + 1, n - (parts - 1 - i) + 1)  # a layer for this device and each after it
-        # |cum[k] - total * spent / all| in integers: an exact tie stays a tie
-        cuts.append(min(options, key=lambda k: (abs(cum[k] * sum(budgets) - total * spent), -k)))
+        # |cum[k] - total * spent / every| in integers: an exact tie stays a tie
+        cuts.append(min(options, key=lambda k: (abs(cum[k] * every - total * spent), -k)))
     cuts.append(n)
     return [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
 

@@ -186,10 +186,11 @@ def matmul(x: np.ndarray, w: CpuWeight, decode_rows: Rows = None) -> np.ndarray:
 
 
 def _tiled(w: CpuWeight, x: np.ndarray) -> np.ndarray:
-    """Prompt rows of a quantized weight: the dequantize-and-tile product with the tokens padded to
-    whole 4-token tiles, so that every token goes through the same tile code wherever it sits in
-    the batch (a leftover token took another code path and rounded differently: decode rows, whose
-    int8 quantization turns a last-bit difference into a visible one, then depended on batching)."""
+    """Prompt rows of a quantized weight, and every row of a float32 one: the dequantize-and-tile
+    product (float32 rows are tiled as they are) with the tokens padded to whole 4-token tiles, so
+    that every token goes through the same tile code wherever it sits in the batch (a leftover token
+    took another code path and rounded differently: decode rows, whose int8 quantization turns a
+    last-bit difference into a visible one, then depended on batching)."""
     n = x.shape[0]
     pad = -n % _FLOAT_TILE_TOKENS
     if pad:
