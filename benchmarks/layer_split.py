@@ -73,12 +73,12 @@ def throughput(args: argparse.Namespace) -> None:
             print(f"  {name:22s} {statistics.median(r):8.1f} tok/s   {statistics.median(r) / base:5.2f}x")
         for lanes in (None, 1):  # what a stage's micro-batch costs, pipelined (stages at once) or not
             p = split.pipeline
-            p.busy_seconds, p.run_seconds, p.runs = [0.0] * len(p.stages), [0.0] * len(p.stages), [0] * len(p.stages)
+            p.run_seconds, p.runs = [0.0] * len(p.stages), [0] * len(p.stages)
             t0, cpu0 = time.perf_counter(), time.thread_time()
             decode_rate(split, streams, args.tokens, lanes)
             wall, engine_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
-            per = ", ".join(f"stage {i}: {1e3 * b / max(n, 1):.2f} ms x {n} ({100 * b / wall:.0f}% busy; its own "
-                            f"{1e3 * r / max(n, 1):.2f} ms)" for i, (b, r, n) in enumerate(zip(p.busy_seconds, p.run_seconds, p.runs)))
+            per = ", ".join(f"stage {i}: {1e3 * r / max(n, 1):.2f} ms x {n} ({100 * r / wall:.0f}% busy)"
+                            for i, (r, n) in enumerate(zip(p.run_seconds, p.runs)))
             print(f"  {'pipelined' if lanes is None else 'not pipelined':14s} micro-batches {per}; the engine's "
                   f"thread {100 * engine_cpu / wall:.0f}% of a core")
     split.close()
@@ -87,7 +87,8 @@ def throughput(args: argparse.Namespace) -> None:
 def staging_table(model_path: str) -> None:
     whole = ember.load(model_path)
     hidden = whole.config.hidden
-    print(f"\nstaging per token per boundary (hidden {hidden}); allocated per boundary for 256-token steps, 2 buffers:")
+    print(f"\nstaging per token per boundary (hidden {hidden}); allocated per boundary for 256-token steps, 2 stages "
+          "(a slot per micro-batch in flight):")
     for dtype in ("f32", "f16", "bf16"):
         print(f"  {dtype:5s} {storage_bytes(dtype, hidden):6d} B/token   {2 * 256 * storage_bytes(dtype, hidden):9d} B")
 

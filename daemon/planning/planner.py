@@ -20,7 +20,7 @@ from ember.daemon.loader.model_file import ModelFile, open_model_file
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.kernels.convert import storage_bytes
 from ember.daemon.engine.defaults import KV_BLOCK, PREFILL_CHUNK
-from ember.daemon.runner.staging import STAGING_BUFFERS, boundary_bytes, logits_rows_bytes  # what the split runner allocates
+from ember.daemon.runner.staging import boundary_bytes, logits_rows_bytes  # what the split runner allocates
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SCHEMA = "ember.plan/1"
@@ -157,13 +157,12 @@ class PlanRequest:
     act_safety: float | None = None  # None: act_safety_for(model), measured; a number overrides it
     act_cap: int | None = None  # None: ACT_CAP of each device's kind
     graph_headroom: int | None = None  # None: GRAPH_HEADROOM of each device's kind
-    staging_buffers: int = STAGING_BUFFERS
     cpu_threads: int | None = None  # None: numba's (NUMBA_NUM_THREADS, else the CPU count)
 
     def __post_init__(self) -> None:
         if not self.devices:
             raise PlanError("no devices")
-        for name in ("seqs", "prefill_chunk", "kv_block", "staging_buffers"):
+        for name in ("seqs", "prefill_chunk", "kv_block"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.ctx is not None and self.ctx < 1:
@@ -320,9 +319,10 @@ def build_plan(info: ModelHeaders, request: PlanRequest, draft: DraftModel | Non
             activations=activation_reservation(cfg, request, dev, ctx, logits_rows=(
                 request.seqs * (1 + (draft.tokens if draft else 0)) if last else 0)),
             graph_headroom=_per_kind(request.graph_headroom, GRAPH_HEADROOM, dev),
-            # a boundary's buffers live on the device that receives the hidden states; a step moves at
-            # most prefill_chunk tokens (engine.max_step_tokens): a long prompt crosses in chunks
-            staging=(boundary_bytes(cfg.hidden, request.prefill_chunk, request.policy.act, request.staging_buffers)
+            # a boundary's buffers live on the device that receives the hidden states, a slot per
+            # micro-batch in flight (one per stage); a step moves at most prefill_chunk tokens
+            # (engine.max_step_tokens): a long prompt crosses in chunks
+            staging=(boundary_bytes(cfg.hidden, request.prefill_chunk, request.policy.act, len(devices))
                      if i > 0 else 0)
             # the last stage hands the step's logits rows back through a segment of its own, one region
             # per micro-batch in flight (one per stage)

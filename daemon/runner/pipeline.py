@@ -1,28 +1,35 @@
 """Pipeline: a model's layers in stages, each a worker process (`cpu:N`, `cuda:N`), and the flow of
 micro-batches through them.
 
-It owns the stages and the shared memory between them: per boundary a staging segment of two slots
-(runner/staging.py), and the logits segment the last stage writes to (one region per lane). A
-micro-batch is one engine step's batch (`submit`); several may be in flight, and they pass every
-stage in the order they were submitted, so while micro-batch m runs on stage 2, micro-batch m+1 runs
-on stage 1 (the engine keeps `lanes` steps in flight, each on its own sequences: engine_core.py).
-The calling thread only relays: it starts a micro-batch on a stage when the stage is idle, its
-input is ready, and the slot it will write is free (the stage after has finished m - 2, the slot's
-last user); in between it sleeps on every stage's socket at once (`collect`).
+It owns the stages and the shared memory between them: per boundary a staging segment with a slot
+per micro-batch in flight (runner/staging.py), and the logits segment the last stage writes to (a
+region each). A micro-batch is one engine step's batch (`submit`); up to `lanes` (one per stage) may
+be in flight, each in a lane of its own, and they pass every stage in the order they were
+submitted, so while micro-batch m runs on stage 2, micro-batch m+1 runs on stage 1 (the engine keeps
+`lanes` steps in flight, each on its own sequences: engine_core.py).
+
+The engine's thread hands a micro-batch to the first stage and hears back from the last; in between,
+each stage hands it straight to the next over a link of their own as it finishes (stage_channel.py),
+so no hop waits for the engine's thread to be scheduled. On a machine whose cores are all running
+stages, relaying every hop through that thread cost a context switch each way and left the next
+stage idle until the engine's Python had run.
 
 The Stage protocol is what a device must offer to be a stage: `cpu:N` and `cuda:N` are both a
 ProcessStage (a worker process running that backend's ops over the same Setup / Run / Done messages).
 
-A stage that dies: what is in flight elsewhere is drained, the dead stage is restarted with empty KV
-caches, every micro-batch in flight is lost and every cache is marked lost: the runner that collects
-(or submits next) gets KVStateLost, once per cache, and its engine fails the sequences it held.
+A stage that dies: every stage is restarted, with empty KV caches, every micro-batch in flight is
+lost and every cache is marked lost: the runner that collects (or submits next) gets KVStateLost,
+once per cache, and its engine fails the sequences it held. The live stages are restarted too
+because their links to the dead one are gone and their queues hold the lost micro-batches; what
+they held in their KV caches is of no use without the dead stage's share.
 """
 from __future__ import annotations
 
 import select
+import socket
 import threading
-import time
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,7 +40,7 @@ from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import KVStateLost
 from ember.daemon.runner.split_spec import StageSpec
-from ember.daemon.runner.stage_channel import Batch, Done, Failed, Message, Run, Setup, pack_batch
+from ember.daemon.runner.stage_channel import Done, Failed, Message, Run, Setup, pack_batch
 from ember.daemon.runner.stage_process import CacheSpec, ProcessStage, StageDied
 from ember.daemon.runner.stage_worker import stage_cpus
 from ember.daemon.runner.staging import Boundary, LogitsRows, Segment
@@ -49,9 +56,9 @@ class Stage(Protocol):
 
     @property
     def name(self) -> str: ...
-    def spawn(self) -> None: ...
+    def spawn(self, upstream: socket.socket | None, downstream: socket.socket | None) -> None: ...
     def wait_ready(self) -> None: ...
-    def restart(self) -> None: ...
+    def kill(self) -> None: ...
     def new_cache(self, cache: int, spec: CacheSpec) -> None: ...
     def drop_cache(self, cache: int) -> None: ...
     def alive(self) -> bool: ...
@@ -65,18 +72,13 @@ class Stage(Protocol):
 @dataclass
 class Ticket:
     """One submitted micro-batch, until collected."""
+    micro_batch: int
     cache: int
     n_logits: int
-    lane: int  # its logits region
+    lane: int  # its staging slots and logits region
     done: bool = False
     failure: str | None = None  # a stage's error
     lost: str | None = None  # a stage died while it was in flight
-
-
-@dataclass
-class _Micro:
-    ticket: Ticket
-    batch: Batch
 
 
 class Pipeline:
@@ -90,7 +92,8 @@ class Pipeline:
         self.config, self.act_dtype, self.max_tokens = config, act_dtype, max_tokens
         self.specs = tuple(stages)
         self.lanes = len(stages)  # micro-batches in flight at most: one per stage keeps every stage busy
-        self.boundaries = [Boundary.create(config.hidden, max_tokens, act_dtype, shm_owner) for _ in stages[1:]]
+        self.boundaries = [Boundary.create(config.hidden, max_tokens, act_dtype, self.lanes, shm_owner)
+                           for _ in stages[1:]]
         self.logits = LogitsRows.create(config.vocab, self.lanes * max_tokens, shm_owner)
         self.stages: list[Stage] = []
         on_cpu = [s for s in stages if s.device.kind == "cpu"]
@@ -107,10 +110,7 @@ class Pipeline:
         self._segments = [b.segment for b in self.boundaries] + [self.logits.segment]
         self._closer = weakref.finalize(self, _close, self.stages, self._segments)
         try:
-            for stage in self.stages:
-                stage.spawn()
-            for stage in self.stages:
-                stage.wait_ready()
+            self._start_stages()
         except BaseException:
             self.close()
             raise
@@ -118,17 +118,12 @@ class Pipeline:
         self._caches = 0
         self._dropped: list[int] = []  # finalized runners' caches, dropped at the next submit
         self._lost: set[int] = set()  # caches a restart emptied whose runner has not been told yet
-        self._micro: dict[int, _Micro] = {}  # in flight, by number (submission order)
+        self._in_flight: deque[Ticket] = deque()  # in submission order: the last stage replies in it
         self._next = 0  # the next micro-batch's number
-        self._started = [0] * len(stages)  # per stage: micro-batches started (all before this number)
-        self._done = [0] * len(stages)  # and finished
         self._free_lanes = list(range(self.lanes))
-        # per stage, as the engine's process sees it (start sent -> reply read), and the stage's own
-        # time on its micro-batches (what it reports): for benchmarks
-        self.busy_seconds = [0.0] * len(stages)
+        # per stage, its own time on its micro-batches (as it reports them) and their count: for benchmarks
         self.run_seconds = [0.0] * len(stages)
         self.runs = [0] * len(stages)
-        self._since = [0.0] * len(stages)
 
     @property
     def staging_bytes(self) -> list[int]:
@@ -167,10 +162,13 @@ class Pipeline:
                 raise KVStateLost("a layer-split stage died and was restarted: this runner's KV cache is lost")
             if not self._free_lanes:
                 raise RuntimeError(f"{self.lanes} micro-batches are in flight already: collect one first")
-            ticket = Ticket(cache, batch.n_logits, self._free_lanes.pop())
-            self._micro[self._next] = _Micro(ticket, pack_batch(batch))
+            ticket = Ticket(self._next, cache, batch.n_logits, self._free_lanes.pop())
             self._next += 1
-            self._flow()
+            self._in_flight.append(ticket)
+            try:
+                self.stages[0].start(Run(ticket.micro_batch, cache, pack_batch(batch), ticket.lane))
+            except StageDied as e:
+                self._recover(e)
             return ticket
 
     def collect(self, ticket: Ticket) -> np.ndarray:
@@ -178,7 +176,6 @@ class Pipeline:
         with self._lock:
             while not ticket.done:
                 self._wait()
-                self._flow()
             if ticket.lost is not None:
                 self._lost.discard(ticket.cache)
                 raise KVStateLost(ticket.lost)
@@ -194,76 +191,54 @@ class Pipeline:
         self._closer()
 
     # --- the flow -----------------------------------------------------------------------------------
-    def _flow(self) -> None:
-        """Start every micro-batch that can start now."""
-        last = len(self.stages) - 1
-        progress = True
-        while progress:
-            progress = False
+    def _start_stages(self) -> None:
+        """Spawn every stage with fresh links between neighbours, then wait for them all (they load in parallel)."""
+        links = [socket.socketpair() for _ in self.stages[1:]]
+        try:
             for s, stage in enumerate(self.stages):
-                m = self._started[s]
-                # idle, something to do, its input ready, and its outbox slot's last user (m - 2) read
-                if self._started[s] != self._done[s] or m >= self._next or (s and self._done[s - 1] <= m) \
-                        or (s < last and self._done[s + 1] < m - 1):
-                    continue
-                micro = self._micro[m]
-                self._started[s] += 1
-                progress = True
-                if micro.ticket.failure is not None:  # failed at an earlier stage: passes through untouched
-                    self._finished(s, m)
-                    continue
-                out = micro.ticket.lane * self.max_tokens if s == last else m % 2
-                try:
-                    stage.start(Run(m, micro.ticket.cache, micro.batch, -1 if s == 0 else (m % 2), out))
-                except StageDied as e:
-                    self._recover(e)
-                    return
-                self._since[s] = time.perf_counter()
+                stage.spawn(links[s - 1][1] if s else None, links[s][0] if s < len(links) else None)
+        finally:
+            for ends in links:  # the workers hold them now: a link closes when a stage at its end dies
+                for end in ends:
+                    end.close()
+        for stage in self.stages:
+            stage.wait_ready()
 
     def _wait(self) -> None:
-        """Sleep until a busy stage answers; account its reply."""
-        busy = [stage for s, stage in enumerate(self.stages) if self._started[s] > self._done[s]]
-        if not busy:
-            raise RuntimeError("the pipeline is stalled: nothing in flight can move (a bug)")
-        ready, _, _ = select.select(busy, [], [])
-        for stage in ready:
-            s = self.stages.index(stage)
+        """Sleep until the last stage replies or a stage dies; account the reply."""
+        if not self._in_flight:
+            raise RuntimeError("the pipeline is stalled: nothing is in flight (a bug)")
+        last = self.stages[-1]
+        ready, _, _ = select.select(self.stages, [], [])
+        for stage in sorted(ready, key=lambda stage: stage is last):  # a death first: a reply after it is void
             try:
                 reply = stage.result()
             except StageDied as e:
                 self._recover(e)
                 return
-            m = self._done[s]
-            self.busy_seconds[s] += time.perf_counter() - self._since[s]
-            self.run_seconds[s] += reply.seconds if isinstance(reply, Done) else 0.0
-            self.runs[s] += 1
-            if isinstance(reply, Failed) and self._micro[m].ticket.failure is None:
-                self._micro[m].ticket.failure = f"{stage.name}: {reply.error}"
-            self._finished(s, m)
-
-    def _finished(self, s: int, m: int) -> None:
-        self._done[s] += 1
-        if s == len(self.stages) - 1:
-            self._micro.pop(m).ticket.done = True
+            ticket = self._in_flight.popleft()
+            if stage is not last or reply.micro_batch != ticket.micro_batch:
+                raise RuntimeError(f"{stage.name} replied for micro-batch {reply.micro_batch} while "
+                                   f"{ticket.micro_batch} was due from {last.name} (a bug)")
+            if isinstance(reply, Failed):
+                at = self.stages[reply.stage] if 0 <= reply.stage < len(self.stages) else last
+                ticket.failure = f"{at.name}: {reply.error}"
+            for s, seconds in enumerate(reply.seconds if isinstance(reply, Done) else []):
+                self.run_seconds[s] += seconds
+                self.runs[s] += 1
+            ticket.done = True
 
     def _recover(self, died: StageDied) -> None:
-        """A stage died: drain the live ones, restart the dead (empty KV caches), lose what was in flight."""
-        for s, stage in enumerate(self.stages):
-            if self._started[s] > self._done[s] and stage.alive():
-                try:
-                    stage.result()
-                except StageDied:
-                    pass
+        """A stage died: restart every stage (empty KV caches), lose what was in flight."""
         for stage in self.stages:
-            if not stage.alive():
-                stage.restart()
+            stage.kill()
+            stage.restarts += 1
+        self._start_stages()
         why = f"{died}; restarted, the sequences it held are lost"
-        for micro in self._micro.values():
-            micro.ticket.done, micro.ticket.lost = True, why
-            self._free_lanes.append(micro.ticket.lane)
-        self._micro.clear()
-        self._started = [self._next] * len(self.stages)
-        self._done = [self._next] * len(self.stages)
+        for ticket in self._in_flight:
+            ticket.done, ticket.lost = True, why
+            self._free_lanes.append(ticket.lane)
+        self._in_flight.clear()
         self._lost = set(range(1, self._caches + 1)) - set(self._dropped)
 
     def _drop_finalized(self) -> None:

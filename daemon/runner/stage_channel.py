@@ -1,11 +1,14 @@
-"""The control channel between the engine's process and a layer-split stage worker: msgspec Structs,
-one length-prefixed msgpack frame each, over a Unix socketpair whose other end the worker inherits.
+"""The channels of a layer split: msgspec Structs, one length-prefixed msgpack frame each, over Unix
+socketpairs. Each stage worker inherits two kinds: its control channel to the engine's process, and
+a link to each neighbouring stage, which a micro-batch's Run travels on from the stage that finished
+it to the one that runs it next (runner/pipeline.py): the engine hands a step to the first stage and
+hears back from the last, and no hop in between waits on it.
 
 Only small things travel here — a step's metadata (token ids, positions, block tables: a few KiB)
 and the names of shared-memory segments; hidden states and logits go through shared memory
 (runner/staging.py). Nothing is pickled: a worker decodes exactly these types and nothing else.
-Blocking reads are the signal (no polling): a worker sleeps in recv until its next command, and
-the engine's process waits on every stage's socket at once (split_runner.py).
+Blocking reads are the signal (no polling): a worker sleeps until its next command or micro-batch,
+and the engine's process waits on every stage's control socket at once.
 """
 from __future__ import annotations
 
@@ -72,21 +75,28 @@ class Batch(_Msg):
 
 
 class Run(_Msg):
+    """A micro-batch, from the engine to the first stage and on from each stage to the next."""
     micro_batch: int  # the engine's number for it, echoed in Done / Failed
     cache: int
     batch: Batch
-    in_slot: int  # staging slot of the inbox to read the hidden states from (-1: embed the ids)
-    out_slot: int  # of the outbox to write them to; for the last stage, the first logits row to write
+    # its lane (Pipeline.lanes): the staging slot it crosses every boundary in, and the last stage's
+    # logits region; a lane is reused only after its micro-batch was collected, so no slot is
+    # written while a stage may still read it
+    lane: int
+    seconds: list[float] = []  # each stage's own time on it so far, in stage order
+    error: str = ""  # a stage failed it: the stages after pass it on untouched
+    failed_at: int = -1  # which stage
 
 
 class Done(_Msg):
     micro_batch: int
-    seconds: float = 0.0  # the worker's own time on the micro-batch (the engine's view adds the relay's waits)
+    seconds: list[float] = []  # per stage, its own time on the micro-batch
 
 
 class Failed(_Msg):
     micro_batch: int  # -1: not about a micro-batch (setup failed)
     error: str
+    stage: int = -1  # the stage that failed the micro-batch (the last one replies for all)
 
 
 class Stop(_Msg):

@@ -1,10 +1,11 @@
 """ProcessStage: the engine's handle on one `cpu:N` or `cuda:N` stage worker (stage_worker.py) — starting it,
-restarting it after it died, and the commands and replies of its control channel.
+killing it, and the commands and replies of its control channel.
 
 The worker is a fresh interpreter (`python -m`, not multiprocessing: nothing is pickled, not even its
-arguments) that inherits one end of a socketpair. It loads in parallel with the other stages: `spawn`
-returns at once and `wait_ready` collects the Ready. A worker that dies shows as a closed channel;
-`restart` starts a new one with the same setup and the KV caches the runners asked for, empty.
+arguments) that inherits one end of its control socketpair and its ends of the links to its
+neighbouring stages (stage_channel.py). It loads in parallel with the other stages: `spawn` returns
+at once and `wait_ready` collects the Ready. A worker that dies shows as a closed channel; spawned
+again (runner/pipeline.py restarts every stage), it holds the KV caches the runners asked for, empty.
 """
 from __future__ import annotations
 
@@ -60,15 +61,18 @@ class ProcessStage:
     def name(self) -> str:
         return f"stage {self.device} (layers {self.setup.first}-{self.setup.end - 1})"
 
-    def spawn(self) -> None:
-        """Start the worker and send its Setup; it loads while the caller starts the other stages."""
+    def spawn(self, upstream: socket.socket | None, downstream: socket.socket | None) -> None:
+        """Start the worker with its ends of the links to the stages before and after it (None: it is
+        the first / the last), and send its Setup; it loads while the caller starts the other stages.
+        The caller closes its copies of the links: a worker's ends then close when it dies."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ, NUMBA_NUM_THREADS=str(self.setup.threads))
         if self.device.kind == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = visible_gpu(self.device.index or 0)
+        fds = [theirs.fileno()] + [-1 if end is None else end.fileno() for end in (upstream, downstream)]
         try:
-            self.process = subprocess.Popen([sys.executable, "-m", "ember.daemon.runner.stage_worker", str(theirs.fileno())],
-                                            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen([sys.executable, "-m", "ember.daemon.runner.stage_worker", *map(str, fds)],
+                                            pass_fds=[fd for fd in fds if fd >= 0], env=env, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
         self.channel = Channel(ours)
@@ -92,13 +96,6 @@ class ProcessStage:
         for cache, spec in self.caches.items():
             self.send(NewCache(cache, spec.blocks, spec.block_size, spec.dtype))
 
-    def restart(self) -> None:
-        """A new worker in place of a dead one, with every KV cache it held, empty."""
-        self.kill()
-        self.restarts += 1
-        self.spawn()
-        self.wait_ready()
-
     def new_cache(self, cache: int, spec: CacheSpec) -> None:
         self.caches[cache] = spec
         self.send(NewCache(cache, spec.blocks, spec.block_size, spec.dtype))
@@ -118,7 +115,7 @@ class ProcessStage:
         self.send(run)
 
     def result(self) -> Done | Failed:
-        """The reply to the oldest Run (blocks until it comes)."""
+        """The reply to the oldest Run (blocks until it comes): only the last stage replies."""
         reply = self._recv()
         if not isinstance(reply, Done | Failed):
             raise StageDied(f"{self.name} answered {type(reply).__name__} to a micro-batch")

@@ -1,25 +1,33 @@
 """A layer-split stage worker: the process behind a `cpu:N` or a `cuda:N` stage.
 
-Started by runner/stage_process.py as `python -m ember.daemon.runner.stage_worker FD`, where FD is its
-end of the control channel (stage_channel.py). A cpu:N stage binds itself to NUMA node N's CPUs where
+Started by runner/stage_process.py as `python -m ember.daemon.runner.stage_worker CONTROL UP DOWN`: its
+ends of the control channel and of the links to the stages before and after it (-1: none), all
+inherited file descriptors (stage_channel.py). A cpu:N stage binds itself to NUMA node N's CPUs where
 the machine has that node; a cuda:N stage sees GPU N alone (as its cuda:0). It maps the model file
 itself (pages shared with every other process mapping it), loads only its layers' weights (the
 embedding if it runs the first layer, the output head if the last), and keeps one KV cache per
-engine over those weights. Then it runs micro-batches until told to stop, or until the channel
-closes (the engine's process went away): hidden states in from the inbox slot (or token ids
-embedded), its layers, hidden states out to the outbox slot (or logits rows out).
+engine over those weights. Then it runs micro-batches until told to stop, or until the control
+channel closes (the engine's process went away): each comes from the engine (the first stage) or
+from the stage before, as that stage finishes it; hidden states in from the inbox slot (or token ids
+embedded), its layers, hidden states out to the outbox slot (or logits rows out); then it goes on to
+the stage after, or, from the last stage, back to the engine as Done.
 
-A failure inside a micro-batch is reported as Failed and the worker goes on; a failure to set up
-is reported and the worker exits 1.
+A failure inside a micro-batch travels on with it to the last stage, which replies Failed, and the
+worker goes on; a failure to set up is reported and the worker exits 1. A link that closes means a
+neighbour died: the worker stops using it and waits to be killed (the engine restarts every stage).
 """
 from __future__ import annotations
 
 import os
+import select
 import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.kv_cache import PagedKVCache
@@ -103,6 +111,15 @@ def parse_cpulist(text: str) -> set[int]:
     return cpus
 
 
+@dataclass
+class Links:
+    """A worker's channels: to the engine, and to the stages before and after it (None: there is none,
+    or it died)."""
+    control: Channel
+    upstream: Channel | None
+    downstream: Channel | None
+
+
 class StageWorker:
     def __init__(self, setup: Setup) -> None:
         import numba
@@ -115,6 +132,7 @@ class StageWorker:
         backend = backend_for(device)
         backend.prepare()
         self.net = Transformer(open_model_file(setup.model), backend.ops(device), range(setup.first, setup.end))
+        self.max_tokens = setup.max_tokens
         cfg = self.net.config
         self.inbox = None if not setup.inbox else Boundary(Segment.attach(setup.inbox), cfg.hidden, setup.max_tokens,
                                                              setup.act_dtype)
@@ -134,36 +152,67 @@ class StageWorker:
         if self.inbox is None:
             x = self.net.embed_tokens(batch)
         else:  # widened to f32 here, before the first norm of this stage's first layer
-            x = ops.to_device(self.inbox.read(msg.in_slot, n))
+            x = ops.to_device(self.inbox.read(msg.lane, n))
         x = self.net.run_layers(x, batch, self.caches[msg.cache])
         if self.logits is not None:
             logits = self.net.head(x, batch)
-            self.logits.rows(msg.out_slot, batch.n_logits)[:] = ops.to_numpy(logits)
+            self.logits.rows(msg.lane * self.max_tokens, batch.n_logits)[:] = ops.to_numpy(logits)
         else:
             assert self.outbox is not None
-            self.outbox.write(msg.out_slot, ops.to_numpy(x))
+            self.outbox.write(msg.lane, ops.to_numpy(x))
 
-    def serve(self, channel: Channel) -> None:
+    def step(self, msg: Run) -> Run:
+        """Run a micro-batch unless a stage before failed it; what goes on to the next stage."""
+        if msg.error:
+            return msg
+        start = time.perf_counter()
+        try:
+            self.run(msg)
+        except Exception as e:  # the micro-batch's failure, not the worker's
+            return msgspec.structs.replace(msg, error=f"{type(e).__name__}: {e}", failed_at=len(msg.seconds))
+        return msgspec.structs.replace(msg, seconds=[*msg.seconds, time.perf_counter() - start])
+
+    def serve(self, links: Links) -> None:
         while True:
-            msg = channel.recv()
+            sources = [links.control] if links.upstream is None else [links.control, links.upstream]
+            ready, _, _ = select.select(sources, [], [])
+            # the control channel first: the engine sends a NewCache to every stage before it submits
+            # a step that uses the cache, so it is here by the time that step comes from upstream
+            if links.control in ready:
+                msg = links.control.recv()
+                if isinstance(msg, Run):  # the first stage's micro-batches come from the engine
+                    self.pass_on(self.step(msg), links)
+                elif isinstance(msg, NewCache):
+                    self.caches[msg.cache] = self.net.new_cache(msg.blocks, msg.block_size, msg.dtype)
+                elif isinstance(msg, DropCache):
+                    self.caches.pop(msg.cache, None)
+                elif isinstance(msg, Stop):
+                    return
+                continue
+            assert links.upstream is not None
+            try:
+                msg = links.upstream.recv()
+            except ChannelClosed:  # the stage before died
+                links.upstream = None
+                continue
             if isinstance(msg, Run):
-                start = time.perf_counter()
-                try:
-                    self.run(msg)
-                except Exception as e:  # the micro-batch's failure, not the worker's
-                    channel.send(Failed(msg.micro_batch, f"{type(e).__name__}: {e}"))
-                    continue
-                channel.send(Done(msg.micro_batch, time.perf_counter() - start))
-            elif isinstance(msg, NewCache):
-                self.caches[msg.cache] = self.net.new_cache(msg.blocks, msg.block_size, msg.dtype)
-            elif isinstance(msg, DropCache):
-                self.caches.pop(msg.cache, None)
-            elif isinstance(msg, Stop):
-                return
+                self.pass_on(self.step(msg), links)
+
+    def pass_on(self, msg: Run, links: Links) -> None:
+        """To the stage after this one, or, from the last, the engine's reply."""
+        if self.logits is not None:
+            links.control.send(Failed(msg.micro_batch, msg.error, msg.failed_at) if msg.error
+                               else Done(msg.micro_batch, msg.seconds))
+        elif links.downstream is not None:
+            try:
+                links.downstream.send(msg)
+            except ChannelClosed:  # the stage after died
+                links.downstream = None
 
 
 def main(argv: list[str]) -> int:
-    channel = Channel(socket.socket(fileno=int(argv[1])))
+    channel, upstream, downstream = (Channel(socket.socket(fileno=fd)) if fd >= 0 else None for fd in map(int, argv[1:4]))
+    assert channel is not None
     try:
         setup = channel.recv()
         if not isinstance(setup, Setup):
@@ -182,7 +231,7 @@ def main(argv: list[str]) -> int:
         return 1
     channel.send(Ready(os.getpid(), numa))
     try:
-        worker.serve(channel)
+        worker.serve(Links(channel, upstream, downstream))
     except ChannelClosed:  # the engine's process is gone: nothing left to serve
         return 0
     return 0

@@ -1,16 +1,16 @@
 """Staging segments: the shared memory a layer split's hidden states cross a boundary in, and the one
 the last stage writes its logits rows to.
 
-A boundary's segment holds STAGING_BUFFERS slots (two: the stage before writes micro-batch m+1
-into one while the stage after still reads micro-batch m from the other), each of `max_tokens` rows
-of `hidden` values in the precision policy's `act_dtype` (f32, or f16 / bf16 bit patterns as
-uint16, kernels/convert.py). Its size is exactly the planner's staging figure for the receiving
+A boundary's segment holds a slot per micro-batch in flight, which is one per stage (two stages:
+double-buffered, the stage before writes micro-batch m+1 into one slot while the stage after still
+reads micro-batch m from the other), each of `max_tokens` rows of `hidden` values in the precision
+policy's `act_dtype` (f32, or f16 / bf16 bit patterns as uint16, kernels/convert.py). Its size is exactly the planner's staging figure for the receiving
 device (`boundary_bytes`, the one formula both use). Rows are widened back to f32 as they are read,
 so the next layer's norm and everything after it compute in f32.
 
 The engine's process creates every segment (mode 0600, named like protocol/shm_ring.py's) and is
-the only one that unlinks them; workers map them by name. Who may write a slot when is the split
-runner's business: it starts a micro-batch on a stage only when its slots are free.
+the only one that unlinks them; workers map them by name. A micro-batch keeps its slot (its lane,
+runner/pipeline.py) from submit to collect, so a slot has one writer and one reader at a time.
 """
 from __future__ import annotations
 
@@ -24,12 +24,11 @@ import numpy as np
 from ember.kernels.convert import decode_rows, encode_rows, storage_bytes
 from ember.protocol.shm_ring import _open_new
 
-STAGING_BUFFERS = 2  # slots per boundary (the planner's default staging_buffers counts the same)
 
-
-def boundary_bytes(hidden: int, max_tokens: int, act_dtype: str, buffers: int = STAGING_BUFFERS) -> int:
-    """Bytes of one boundary's segment: buffers x max_tokens x hidden in act_dtype."""
-    return buffers * max_tokens * storage_bytes(act_dtype, hidden)
+def boundary_bytes(hidden: int, max_tokens: int, act_dtype: str, stages: int) -> int:
+    """Bytes of one boundary's segment: a slot per stage (micro-batch in flight) of max_tokens x hidden
+    in act_dtype."""
+    return stages * max_tokens * storage_bytes(act_dtype, hidden)
 
 
 def logits_rows_bytes(vocab: int, max_tokens: int, lanes: int) -> int:
@@ -90,17 +89,20 @@ class Segment:
 
 
 class Boundary:
-    """The hidden states crossing one boundary: STAGING_BUFFERS slots of max_tokens x hidden rows."""
+    """The hidden states crossing one boundary: slots of max_tokens x hidden rows, as many as the
+    segment holds."""
 
     def __init__(self, segment: Segment, hidden: int, max_tokens: int, act_dtype: str) -> None:
         self.segment, self.hidden, self.max_tokens, self.act_dtype = segment, hidden, max_tokens, act_dtype
         self.row_bytes = storage_bytes(act_dtype, hidden)
         self.slot_bytes = max_tokens * self.row_bytes
+        self.slots = segment.nbytes // self.slot_bytes
         self._storage = np.float32 if act_dtype == "f32" else np.uint16
 
     @classmethod
-    def create(cls, hidden: int, max_tokens: int, act_dtype: str, owner: str | None = None) -> Boundary:
-        return cls(Segment.create(boundary_bytes(hidden, max_tokens, act_dtype), owner), hidden, max_tokens, act_dtype)
+    def create(cls, hidden: int, max_tokens: int, act_dtype: str, stages: int, owner: str | None = None) -> Boundary:
+        segment = Segment.create(boundary_bytes(hidden, max_tokens, act_dtype, stages), owner)
+        return cls(segment, hidden, max_tokens, act_dtype)
 
     def write(self, slot: int, x: np.ndarray) -> None:
         """Rows x [n, hidden] (f32) into `slot`, in the staging dtype."""
@@ -111,8 +113,8 @@ class Boundary:
         return decode_rows(self._slot(slot, n), self.act_dtype, self.hidden)
 
     def _slot(self, slot: int, n: int) -> np.ndarray:
-        if not 0 <= slot < STAGING_BUFFERS or n > self.max_tokens:
-            raise ValueError(f"staging slot {slot} with {n} rows (slots 0-{STAGING_BUFFERS - 1}, {self.max_tokens} rows each)")
+        if not 0 <= slot < self.slots or n > self.max_tokens:
+            raise ValueError(f"staging slot {slot} with {n} rows (slots 0-{self.slots - 1}, {self.max_tokens} rows each)")
         width = self.row_bytes // np.dtype(self._storage).itemsize
         return self.segment.array(self._storage, n * width, slot * self.slot_bytes).reshape(n, width)
 
