@@ -2,10 +2,12 @@
 memory. With f32 staging the split model computes what the unsplit one does — logits equal, greedy and
 seeded sampled tokens identical — on the trained demo model and on a tiny random Llama, alone and
 batched (micro-batches pipelined through the stages); narrow staging stays close; the staging
-allocated is the planner's figure; bad specs are refused with what to change; a stage that dies
-fails the sequences it held and is restarted."""
+allocated is the planner's figure; bad specs are refused with what to change; a micro-batch one stage
+fails passes the others and names that stage; a stage that dies fails the sequences it held, and
+every stage is restarted (two stages and three)."""
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import stat
@@ -20,6 +22,7 @@ from ember.daemon.planning.planner import Device, PlanRequest, plan_model
 from ember.daemon.planning.precision import PrecisionSettings
 from ember.daemon.runner.devices import CudaUnavailable
 from ember.daemon.runner.split_spec import SplitSpecError, stage_threads_for
+from ember.daemon.runner.stage_channel import DropCache
 from ember.daemon.runner.stage_process import StageDied, visible_gpu
 from ember.daemon.runner.stage_worker import bind_to_numa_node, parse_cpulist, pin_to_cpus, stage_cpus
 from ember.kernels.sampling import SamplingParams
@@ -86,16 +89,32 @@ def test_greedy_and_seeded_sampling_identical(unsplit, split) -> None:
     assert got == list(unsplit.generate(ids, 32, ignore_eos=True, **sampling))
 
 
-def test_batched_sequences_pipelined_equal_unsplit(unsplit, split) -> None:
-    def seqs() -> list[Sequence]:
-        params = SamplingParams(temperature=0.8, top_k=20)
-        return [Sequence(unsplit.tokenize(t), 16, params if i % 2 else SamplingParams(), seed=i)
-                for i, t in enumerate(SNIPPETS)]
+def mixed_sequences(model: ember.Model) -> list[Sequence]:
+    """Greedy and seeded sampled ones, alternating."""
+    params = SamplingParams(temperature=0.8, top_k=20)
+    return [Sequence(model.tokenize(t), 16, params if i % 2 else SamplingParams(), seed=i) for i, t in enumerate(SNIPPETS)]
 
-    want, got = seqs(), seqs()
+
+def test_batched_sequences_pipelined_equal_unsplit(unsplit, split) -> None:
+    want, got = mixed_sequences(unsplit), mixed_sequences(unsplit)
     run_batched(unsplit, want)
     run_batched(split, got)
     assert [s.generated for s in got] == [s.generated for s in want]
+
+
+def test_a_micro_batch_a_stage_fails_passes_the_next_and_names_that_stage(unsplit, split) -> None:
+    """The stage after passes it on without running it, the last one replies for it, and the
+    engine ends its sequence with the failing stage's error; the pipeline serves on."""
+    engine = split.engine(256)
+    split.pipeline.stages[0].send(DropCache(engine.runner.cache_id))  # stage 0 alone loses this engine's cache
+    seq = Sequence(unsplit.tokenize(SNIPPETS[0]), 8)
+    engine.add(seq)
+    result = engine.step()
+    assert [s for s, _ in result.failed] == [seq]
+    assert result.failed[0][1] == f"RuntimeError: stage cpu:0 (layers 0-2): KeyError: {engine.runner.cache_id}"
+    assert [stage.restarts for stage in split.pipeline.stages] == [0, 0]
+    ids = unsplit.tokenize(SNIPPETS[1])
+    assert list(split.generate(ids, 12, ignore_eos=True)) == list(unsplit.generate(ids, 12, ignore_eos=True))
 
 
 def test_cancelling_a_sequence_whose_step_is_in_flight(unsplit, split) -> None:
@@ -121,6 +140,22 @@ def test_cancelling_a_sequence_whose_step_is_in_flight(unsplit, split) -> None:
             assert seq.generated == list(unsplit.generate(seq.prompt, 12, ignore_eos=True)), unsplit.detokenize(seq.prompt)
 
 
+def test_an_engine_dropped_with_steps_in_flight_gives_its_lanes_back(unsplit, split) -> None:
+    """Its runner's cache is dropped once those steps are through (not under them), and nobody
+    collects them: their lanes are freed, else two such engines would leave no lane to submit in."""
+    for _ in range(3):
+        engine = split.engine(512, max_running=2)
+        for text in SNIPPETS[:2]:
+            engine.add(Sequence(unsplit.tokenize(text), 20))
+        engine.step()
+        assert engine._in_flight  # a step of it is still in the stages
+        del engine
+        gc.collect()
+    ids = unsplit.tokenize(SNIPPETS[5])
+    assert list(split.generate(ids, 12, ignore_eos=True)) == list(unsplit.generate(ids, 12, ignore_eos=True))
+    assert split.pipeline._free_lanes and not split.pipeline._held
+
+
 def test_tiny_random_llama_split_equals_unsplit(hf_model) -> None:
     path, _ = hf_model("llama", num_hidden_layers=3)
     whole = ember.load(path)
@@ -139,7 +174,7 @@ def test_staging_allocated_is_the_planners_figure_and_private(split) -> None:
     devices = [Device("cpu:0", 1 << 30), Device("cpu:1", 1 << 30)]
     request = PlanRequest.create(devices, flags=PrecisionSettings(act="f32"), split=(3, 2), prefill_chunk=STEP)
     plan = plan_model(DEMO_MODEL, request)
-    # the boundary (2 buffers x hidden 384, f32) and the logits rows (2 lanes x vocab 8192, f32)
+    # the boundary (2 slots, one per stage, x hidden 384, f32) and the logits rows (2 lanes x vocab 8192, f32)
     assert [d.staging for d in plan.devices] == split.pipeline.staging_bytes == [0, 2 * STEP * (384 + 8192) * 4]
     for segment in split.pipeline._segments:
         assert stat.S_IMODE(os.stat(f"/dev/shm/{segment.name}").st_mode) == 0o600
@@ -249,6 +284,41 @@ def test_a_stage_that_dies_fails_its_sequences_and_is_restarted(unsplit) -> None
         lost = other.step()  # another engine over the same stages learns it at its next step
         assert len(lost.failed) == 1 and "KV cache is lost" in lost.failed[0][1]
         ids = unsplit.tokenize(SNIPPETS[4])  # and the model serves on
+        assert list(model.generate(ids, 12, ignore_eos=True)) == list(unsplit.generate(ids, 12, ignore_eos=True))
+    finally:
+        model.close()
+
+
+def test_three_stages_pipeline_three_micro_batches_and_restart_after_a_middle_death(unsplit) -> None:
+    """Three lanes, so a staging slot per micro-batch in flight at each boundary; the middle stage's
+    death is named (not its neighbours', whose links to it closed) and every stage restarts."""
+    model = ember.load(DEMO_MODEL, devices=["cpu:0", "cpu:1", "cpu:2"], split=[2, 2, 1], max_step_tokens=STEP)
+    try:
+        assert model.pipeline.lanes == 3 and all(b.slots == 3 for b in model.pipeline.boundaries)
+        devices = [Device(f"cpu:{i}", 1 << 30) for i in range(3)]
+        plan = plan_model(DEMO_MODEL, PlanRequest.create(devices, flags=PrecisionSettings(act="f32"), split=(2, 2, 1),
+                                                         prefill_chunk=STEP))
+        assert [d.staging for d in plan.devices] == model.pipeline.staging_bytes == \
+            [0, 3 * STEP * 384 * 4, 3 * STEP * (384 + 8192) * 4]
+        want, got = mixed_sequences(unsplit), mixed_sequences(unsplit)
+        run_batched(unsplit, want)
+        run_batched(model, got)
+        assert [s.generated for s in got] == [s.generated for s in want]
+
+        engine = model.engine(512, max_running=3)
+        seqs = [Sequence(unsplit.tokenize(t), 50) for t in SNIPPETS[:3]]
+        for seq in seqs:
+            engine.add(seq)
+        for _ in range(4):
+            engine.step()
+        os.kill(model.pipeline.stages[1].process.pid, signal.SIGKILL)
+        failed = []
+        for _ in range(4):
+            failed += engine.step().failed
+        assert sorted(s.seq_id for s, _ in failed) == sorted(s.seq_id for s in seqs)
+        assert all("stage cpu:1 (layers 2-3) died: killed by signal 9; restarted" in why for _, why in failed)
+        assert [(stage.restarts, stage.alive()) for stage in model.pipeline.stages] == [(1, True)] * 3
+        ids = unsplit.tokenize(SNIPPETS[4])
         assert list(model.generate(ids, 12, ignore_eos=True)) == list(unsplit.generate(ids, 12, ignore_eos=True))
     finally:
         model.close()

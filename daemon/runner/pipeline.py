@@ -121,6 +121,7 @@ class Pipeline:
         self._in_flight: deque[Ticket] = deque()  # in submission order: the last stage replies in it
         self._next = 0  # the next micro-batch's number
         self._free_lanes = list(range(self.lanes))
+        self._held: dict[int, Ticket] = {}  # by lane: submitted, not yet collected (nor lost)
         # per stage, its own time on its micro-batches (as it reports them) and their count: for benchmarks
         self.run_seconds = [0.0] * len(stages)
         self.runs = [0] * len(stages)
@@ -165,6 +166,7 @@ class Pipeline:
             ticket = Ticket(self._next, cache, batch.n_logits, self._free_lanes.pop())
             self._next += 1
             self._in_flight.append(ticket)
+            self._held[ticket.lane] = ticket
             try:
                 self.stages[0].start(Run(ticket.micro_batch, cache, pack_batch(batch), ticket.lane))
             except StageDied as e:
@@ -179,7 +181,7 @@ class Pipeline:
             if ticket.lost is not None:
                 self._lost.discard(ticket.cache)
                 raise KVStateLost(ticket.lost)
-            self._free_lanes.append(ticket.lane)
+            self._release(ticket)
             if ticket.failure is not None:
                 raise RuntimeError(ticket.failure)
             return self.logits.rows(ticket.lane * self.max_tokens, ticket.n_logits).copy()
@@ -237,13 +239,24 @@ class Pipeline:
         why = f"{died}; restarted, the sequences it held are lost"
         for ticket in self._in_flight:
             ticket.done, ticket.lost = True, why
-            self._free_lanes.append(ticket.lane)
+            self._release(ticket)  # no logits to read: the lane is free at once
         self._in_flight.clear()
         self._lost = set(range(1, self._caches + 1)) - set(self._dropped)
 
+    def _release(self, ticket: Ticket) -> None:
+        del self._held[ticket.lane]
+        self._free_lanes.append(ticket.lane)
+
     def _drop_finalized(self) -> None:
+        """Drop the caches of finalized runners. A step of theirs still in flight is waited for first:
+        the stages after the first take the DropCache on their control channel, which may overtake
+        the step coming down the links. Nobody will collect such a step: its lane is freed."""
         while self._dropped:
             cache = self._dropped.pop()
+            while any(t.cache == cache for t in self._in_flight):
+                self._wait()
+            for ticket in [t for t in self._held.values() if t.cache == cache]:
+                self._release(ticket)
             self._lost.discard(cache)
             for stage in self.stages:
                 try:
