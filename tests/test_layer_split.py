@@ -261,8 +261,11 @@ def test_numa_binding_degrades_to_unbound() -> None:
     assert os.sched_getaffinity(0) == before
 
 
-def test_a_stage_that_dies_fails_its_sequences_and_is_restarted(unsplit) -> None:
+def test_a_stage_that_dies_fails_its_sequences_and_is_restarted(unsplit, monkeypatch) -> None:
     model = ember.load(DEMO_MODEL, devices=["cpu:0", "cpu:1"], max_step_tokens=STEP)
+    ticks = []
+    model.pipeline.heartbeat = lambda: ticks.append(1)  # the daemon's watchdog, petted while stages load
+    monkeypatch.setattr("ember.daemon.runner.stage_process.READY_TICK", 0.001)
     try:
         engine, other = model.engine(256, max_running=2), model.engine(256)
         seqs = [Sequence(unsplit.tokenize(t), 50) for t in SNIPPETS[:2]]
@@ -281,6 +284,7 @@ def test_a_stage_that_dies_fails_its_sequences_and_is_restarted(unsplit) -> None
         assert all("stage cpu:1 (layers 3-4) died: killed by signal 9" in why for _, why in result.failed)
         assert all(s.finish_reason == "error" for s in seqs) and not engine.has_work
         assert stage.restarts == 1 and stage.alive()
+        assert ticks  # the restart waited for the stages to load, petting the watchdog meanwhile
         lost = other.step()  # another engine over the same stages learns it at its next step
         assert len(lost.failed) == 1 and "KV cache is lost" in lost.failed[0][1]
         ids = unsplit.tokenize(SNIPPETS[4])  # and the model serves on

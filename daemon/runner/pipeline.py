@@ -30,7 +30,7 @@ import socket
 import threading
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,7 +57,7 @@ class Stage(Protocol):
     @property
     def name(self) -> str: ...
     def spawn(self, upstream: socket.socket | None, downstream: socket.socket | None) -> None: ...
-    def wait_ready(self) -> None: ...
+    def wait_ready(self, tick: Callable[[], None] = ...) -> None: ...
     def kill(self) -> None: ...
     def new_cache(self, cache: int, spec: CacheSpec) -> None: ...
     def drop_cache(self, cache: int) -> None: ...
@@ -109,6 +109,9 @@ class Pipeline:
             self.stages.append(_stage_for(s.device, setup))
         self._segments = [b.segment for b in self.boundaries] + [self.logits.segment]
         self._closer = weakref.finalize(self, _close, self.stages, self._segments)
+        # called every few seconds while stages restart (the step that found a death waits for them):
+        # the daemon pets systemd's watchdog with it
+        self.heartbeat: Callable[[], None] = lambda: None
         try:
             self._start_stages()
         except BaseException:
@@ -204,7 +207,7 @@ class Pipeline:
                 for end in ends:
                     end.close()
         for stage in self.stages:
-            stage.wait_ready()
+            stage.wait_ready(self.heartbeat)
 
     def _wait(self) -> None:
         """Sleep until the last stage replies or a stage dies; account the reply."""

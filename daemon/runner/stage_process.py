@@ -10,9 +10,12 @@ again (runner/pipeline.py restarts every stage), it holds the KV caches the runn
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ember.daemon.runner.devices import DeviceName
@@ -20,6 +23,7 @@ from ember.daemon.runner.stage_channel import (Channel, ChannelClosed, Done, Dro
                                                Ready, Run, Setup, Stop)
 
 READY_TIMEOUT = 600.0  # seconds a worker may take to map the model and load its layers
+READY_TICK = 1.0  # seconds between the `tick` calls of a caller waiting for a worker to load
 STOP_TIMEOUT = 5.0
 
 
@@ -78,10 +82,17 @@ class ProcessStage:
         self.channel = Channel(ours)
         self.channel.send(self.setup)
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, tick: Callable[[], None] = lambda: None) -> None:
+        """Collect the worker's Ready, calling `tick` every READY_TICK seconds meanwhile (the daemon pets
+        systemd's watchdog with it: a big model's stage may load for longer than WatchdogSec)."""
         assert self.channel is not None
-        self.channel.sock.settimeout(READY_TIMEOUT)
+        deadline = time.monotonic() + READY_TIMEOUT
         try:
+            while not select.select([self.channel.sock], [], [], READY_TICK)[0]:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no Ready in {READY_TIMEOUT:g} s")
+                tick()
+            self.channel.sock.settimeout(READY_TIMEOUT)  # the frame follows its first byte at once
             reply = self.channel.recv()
         except (ChannelClosed, TimeoutError) as e:
             raise StageDied(f"{self.name} did not start: {self._exit_status()} ({e})") from None

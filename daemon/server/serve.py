@@ -155,6 +155,7 @@ def _load_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
                      stage_threads=e.stage_threads, shm_owner=shm_owner, draft=spec.draft or None,
                      draft_tokens=spec.draft_tokens, feature_dtype=_model_policy(policy, spec).feature, **spec.experts)
         if model.pipeline is not None:
+            model.pipeline.heartbeat = notifier.watchdog  # while its stages restart, on the engine thread
             for stage in model.pipeline.stages:
                 log.info("layer-split stage ready", model=name, stage=stage.name, pid=stage.pid, binding=stage.binding,
                          act_dtype=model.pipeline.act_dtype)
