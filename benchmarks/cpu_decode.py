@@ -5,11 +5,13 @@ Files: the trained demo model (daemon/assets, Q8_0) and a random-weight ~100M-pa
 F16 and then quantized to Q8_0 and Q4_K_M by llama.cpp itself (`llama_model_quantize`; cached under
 benchmarks/.cache). For each file and engine, in a fresh process each (so load time and memory are
 that engine's alone): load seconds (ember's kernel cache warm), resident memory growth over the
-load and the runs vs the file's size, decode tok/s of a greedy loop of --tokens tokens after a
-16-token prompt (median of --repeats), and prefill tok/s of a --prompt-token prompt (median of
---repeats); for ember also the aggregate decode tok/s of --batch sequences stepped together. The two
-engines alternate --rounds times per file and each figure is the median over the rounds. Decode is also given as GB/s of weights read per token, and as a fraction of this
-machine's memory bandwidth, measured here with the same threads. Prints ember/llama.cpp ratios.
+load, the decode and the prefill runs vs the file's size (ember's batched run after them is reported
+apart: its 8 sequences' KV cache is not part of llama.cpp's figure), decode tok/s of a greedy loop of
+--tokens tokens after a 16-token prompt (median of --repeats), and prefill tok/s of a --prompt-token
+prompt (median of --repeats); for ember also the aggregate decode tok/s of --batch sequences stepped
+together. The two engines alternate --rounds times per file and each figure is the median over the
+rounds. Decode is also given as GB/s of weights read per token, and as a fraction of this machine's
+memory bandwidth, measured here with the same threads. Prints ember/llama.cpp ratios.
 
     python benchmarks/cpu_decode.py [--tokens 128] [--repeats 3] [--rounds 3] [--threads N] [--prompt-tokens 512] [--batch 8]
 """
@@ -145,9 +147,10 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
     model = ember.load(path)
     load_s = time.perf_counter() - t
     step_s, prefill_s = decode_and_prefill(model, args)
+    rss = rss_bytes() - rss0  # the work llama.cpp's figure covers: load, decode, prefill
     batched = statistics.median(batched_decode(model, args.batch, args.tokens) for _ in range(args.repeats))
-    return {"load_s": load_s, "rss": rss_bytes() - rss0, "step_s": step_s, "prefill_s": prefill_s,
-            "batch_tok_s": batched}
+    return {"load_s": load_s, "rss": rss, "step_s": step_s, "prefill_s": prefill_s, "batch_tok_s": batched,
+            "batch_rss": rss_bytes() - rss0 - rss}
 
 
 def decode_and_prefill(model, args: argparse.Namespace) -> tuple[float, float]:  # type: ignore[no-untyped-def]
@@ -260,7 +263,8 @@ def main() -> None:
         e, ll = results["ember"], results["llama.cpp"]
         print(f"{label:16} ratio ember/llama.cpp: decode {ll['step_s'] / e['step_s']:.2f}x, "
               f"prefill {ll['prefill_s'] / e['prefill_s']:.2f}x; ember {args.batch} streams batched: "
-              f"{e['batch_tok_s']:.0f} tok/s = {e['batch_tok_s'] * e['step_s']:.2f}x one stream")
+              f"{e['batch_tok_s']:.0f} tok/s = {e['batch_tok_s'] * e['step_s']:.2f}x one stream (its KV cache and "
+              f"buffers: RSS +{e['batch_rss'] / 1e6:.1f} MB)")
 
 
 if __name__ == "__main__":
