@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import signal
 import stat
 
@@ -324,5 +325,36 @@ def test_three_stages_pipeline_three_micro_batches_and_restart_after_a_middle_de
         assert [(stage.restarts, stage.alive()) for stage in model.pipeline.stages] == [(1, True)] * 3
         ids = unsplit.tokenize(SNIPPETS[4])
         assert list(model.generate(ids, 12, ignore_eos=True)) == list(unsplit.generate(ids, 12, ignore_eos=True))
+    finally:
+        model.close()
+
+
+def test_a_stage_dead_between_steps_is_found_and_a_failed_restart_is_tried_again(unsplit, tmp_path) -> None:
+    """A stage killed while the pipeline idles: the next runner's cache (sent to the dead stage) and
+    step find it, every stage restarts. A restart that fails (the model file gone) leaves the
+    stages down with the reason, and the next step tries again."""
+    path = tmp_path / "demo.gguf"
+    shutil.copy(DEMO_MODEL, path)
+    model = ember.load(path, devices=["cpu:0", "cpu:1"], max_step_tokens=STEP)
+    ids = unsplit.tokenize(SNIPPETS[0])
+    want = list(unsplit.generate(ids, 8, ignore_eos=True))
+    try:
+        stage = model.pipeline.stages[1]
+        os.kill(stage.process.pid, signal.SIGKILL)
+        stage.process.wait()
+        with pytest.raises(RuntimeError, match=r"stage cpu:1 \(layers 3-4\) died: killed by signal 9; restarted"):
+            list(model.generate(ids, 8, ignore_eos=True))
+        assert list(model.generate(ids, 8, ignore_eos=True)) == want
+
+        os.kill(model.pipeline.stages[0].process.pid, signal.SIGKILL)
+        path.rename(tmp_path / "gone.gguf")
+        with pytest.raises(RuntimeError, match=r"stage cpu:0 \(layers 0-2\) died: killed by signal 9; the layer-split "
+                                               r"stages could not be restarted \(StageDied: .*could not load"):
+            list(model.generate(ids, 8, ignore_eos=True))
+        with pytest.raises(RuntimeError, match="could not be restarted"):  # tried again, still no file
+            list(model.generate(ids, 8, ignore_eos=True))
+        (tmp_path / "gone.gguf").rename(path)
+        assert list(model.generate(ids, 8, ignore_eos=True)) == want
+        assert all(stage.alive() for stage in model.pipeline.stages)
     finally:
         model.close()

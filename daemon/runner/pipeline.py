@@ -62,6 +62,7 @@ class Stage(Protocol):
     def new_cache(self, cache: int, spec: CacheSpec) -> None: ...
     def drop_cache(self, cache: int) -> None: ...
     def alive(self) -> bool: ...
+    def check(self) -> None: ...
     def fileno(self) -> int: ...
     def start(self, run: Run) -> None: ...
     def result(self) -> Done | Failed: ...
@@ -125,6 +126,7 @@ class Pipeline:
         self._next = 0  # the next micro-batch's number
         self._free_lanes = list(range(self.lanes))
         self._held: dict[int, Ticket] = {}  # by lane: submitted, not yet collected (nor lost)
+        self._down: str | None = None  # why the stages are down: a restart failed (the next submit tries again)
         # per stage, its own time on its micro-batches (as it reports them) and their count: for benchmarks
         self.run_seconds = [0.0] * len(stages)
         self.runs = [0] * len(stages)
@@ -160,6 +162,8 @@ class Pipeline:
         if len(batch.ids) > self.max_tokens:
             raise ValueError(f"a step of {len(batch.ids)} tokens is over the split's {self.max_tokens} (max_step_tokens)")
         with self._lock:
+            if self._down is not None:
+                self._restart()
             self._drop_finalized()
             if cache in self._lost:
                 self._lost.discard(cache)
@@ -214,6 +218,12 @@ class Pipeline:
         if not self._in_flight:
             raise RuntimeError("the pipeline is stalled: nothing is in flight (a bug)")
         last = self.stages[-1]
+        for stage in self.stages:  # a death found between messages (a failed send) is not one to wait for
+            try:
+                stage.check()
+            except StageDied as e:
+                self._recover(e)
+                return
         ready, _, _ = select.select(self.stages, [], [])
         for stage in sorted(ready, key=lambda stage: stage is last):  # a death first: a reply after it is void
             try:
@@ -234,17 +244,35 @@ class Pipeline:
             ticket.done = True
 
     def _recover(self, died: StageDied) -> None:
-        """A stage died: restart every stage (empty KV caches), lose what was in flight."""
-        for stage in self.stages:
-            stage.kill()
-            stage.restarts += 1
-        self._start_stages()
-        why = f"{died}; restarted, the sequences it held are lost"
-        for ticket in self._in_flight:
+        """A stage died: restart every stage (empty KV caches), lose every step not yet collected
+        (those whose reply came too: their runners' caches are gone, and a runner that learns it at
+        its next submit drops its steps without collecting them)."""
+        try:
+            self._restart()
+            why = f"{died}; restarted, the sequences it held are lost"
+        except KVStateLost as e:
+            why = f"{died}; {e}"
+        for ticket in list(self._held.values()):
             ticket.done, ticket.lost = True, why
             self._release(ticket)  # no logits to read: the lane is free at once
         self._in_flight.clear()
         self._lost = set(range(1, self._caches + 1)) - set(self._dropped)
+
+    def _restart(self) -> None:
+        """Kill every stage and start them again; where that fails, they stay down (KVStateLost says
+        why) and the next submit tries again."""
+        for stage in self.stages:
+            stage.kill()
+            stage.restarts += 1
+        try:
+            self._start_stages()
+        except Exception as e:
+            for stage in self.stages:
+                stage.kill()
+            self._down = f"{type(e).__name__}: {e}"
+            raise KVStateLost(f"the layer-split stages could not be restarted ({self._down}); the next step "
+                              "tries again") from None
+        self._down = None
 
     def _release(self, ticket: Ticket) -> None:
         del self._held[ticket.lane]
@@ -255,7 +283,7 @@ class Pipeline:
         the stages after the first take the DropCache on their control channel, which may overtake
         the step coming down the links. Nobody will collect such a step: its lane is freed."""
         while self._dropped:
-            cache = self._dropped.pop()
+            cache = self._dropped[-1]
             while any(t.cache == cache for t in self._in_flight):
                 self._wait()
             for ticket in [t for t in self._held.values() if t.cache == cache]:
@@ -266,6 +294,7 @@ class Pipeline:
                     stage.drop_cache(cache)
                 except StageDied:
                     pass  # found and restarted at the next step
+            self._dropped.remove(cache)
 
 
 def _stage_for(device: DeviceName, setup: Setup) -> Stage:

@@ -69,18 +69,21 @@ class ProcessStage:
         """Start the worker with its ends of the links to the stages before and after it (None: it is
         the first / the last), and send its Setup; it loads while the caller starts the other stages.
         The caller closes its copies of the links: a worker's ends then close when it dies."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ, NUMBA_NUM_THREADS=str(self.setup.threads))
         if self.device.kind == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = visible_gpu(self.device.index or 0)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds = [theirs.fileno()] + [-1 if end is None else end.fileno() for end in (upstream, downstream)]
         try:
             self.process = subprocess.Popen([sys.executable, "-m", "ember.daemon.runner.stage_worker", *map(str, fds)],
                                             pass_fds=[fd for fd in fds if fd >= 0], env=env, stdin=subprocess.DEVNULL)
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         self.channel = Channel(ours)
-        self.channel.send(self.setup)
+        self.send(self.setup)
 
     def wait_ready(self, tick: Callable[[], None] = lambda: None) -> None:
         """Collect the worker's Ready, calling `tick` every READY_TICK seconds meanwhile (the daemon pets
@@ -133,14 +136,19 @@ class ProcessStage:
         return reply
 
     def send(self, msg: Message) -> None:
+        """The channel stays open when the send fails: the worker's death then also shows where the
+        pipeline waits (its end of the channel reads as closed)."""
         if self.channel is None:
             raise StageDied(f"{self.name} is not running")
         try:
             self.channel.send(msg)
         except ChannelClosed:
-            self.channel.close()
-            self.channel = None
             raise StageDied(f"{self.name} died: {self._exit_status()}") from None
+
+    def check(self) -> None:
+        """StageDied if the worker is gone (a death found between messages: its spawn failed, say)."""
+        if not self.alive():
+            raise StageDied(f"{self.name} died: {self._exit_status()}")
 
     def close(self) -> None:
         """Stop the worker (it finishes nothing: call between steps)."""
