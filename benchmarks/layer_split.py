@@ -27,6 +27,7 @@ import ember
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.runner.devices import backend_for
+from ember.daemon.runner.staging import boundary_bytes
 from ember.kernels.convert import storage_bytes
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
@@ -90,7 +91,7 @@ def staging_table(model_path: str) -> None:
     print(f"\nstaging per token per boundary (hidden {hidden}); allocated per boundary for 256-token steps, 2 stages "
           "(a slot per micro-batch in flight):")
     for dtype in ("f32", "f16", "bf16"):
-        print(f"  {dtype:5s} {storage_bytes(dtype, hidden):6d} B/token   {2 * 256 * storage_bytes(dtype, hidden):9d} B")
+        print(f"  {dtype:5s} {storage_bytes(dtype, hidden):6d} B/token   {boundary_bytes(hidden, 256, dtype, 2):9d} B")
 
 
 def precision(model_path: str, decode_act: str) -> None:

@@ -62,7 +62,6 @@ class Stage(Protocol):
     def new_cache(self, cache: int, spec: CacheSpec) -> None: ...
     def drop_cache(self, cache: int) -> None: ...
     def alive(self) -> bool: ...
-    def check(self) -> None: ...
     def fileno(self) -> int: ...
     def start(self, run: Run) -> None: ...
     def result(self) -> Done | Failed: ...
@@ -124,8 +123,7 @@ class Pipeline:
         self._lost: set[int] = set()  # caches a restart emptied whose runner has not been told yet
         self._in_flight: deque[Ticket] = deque()  # in submission order: the last stage replies in it
         self._next = 0  # the next micro-batch's number
-        self._free_lanes = list(range(self.lanes))
-        self._held: dict[int, Ticket] = {}  # by lane: submitted, not yet collected (nor lost)
+        self._held: dict[int, Ticket] = {}  # by lane: submitted, not yet collected (nor lost); the rest are free
         self._down: str | None = None  # why the stages are down: a restart failed (the next submit tries again)
         # per stage, its own time on its micro-batches (as it reports them) and their count: for benchmarks
         self.run_seconds = [0.0] * len(stages)
@@ -168,12 +166,13 @@ class Pipeline:
             if cache in self._lost:
                 self._lost.discard(cache)
                 raise KVStateLost("a layer-split stage died and was restarted: this runner's KV cache is lost")
-            if not self._free_lanes:
+            lane = next((lane for lane in range(self.lanes) if lane not in self._held), None)
+            if lane is None:
                 raise RuntimeError(f"{self.lanes} micro-batches are in flight already: collect one first")
-            ticket = Ticket(self._next, cache, batch.n_logits, self._free_lanes.pop())
+            ticket = Ticket(self._next, cache, batch.n_logits, lane)
             self._next += 1
             self._in_flight.append(ticket)
-            self._held[ticket.lane] = ticket
+            self._held[lane] = ticket
             try:
                 self.stages[0].start(Run(ticket.micro_batch, cache, pack_batch(batch), ticket.lane))
             except StageDied as e:
@@ -218,12 +217,7 @@ class Pipeline:
         if not self._in_flight:
             raise RuntimeError("the pipeline is stalled: nothing is in flight (a bug)")
         last = self.stages[-1]
-        for stage in self.stages:  # a death found between messages (a failed send) is not one to wait for
-            try:
-                stage.check()
-            except StageDied as e:
-                self._recover(e)
-                return
+        # a dead stage's channel reads as closed: its death wakes this, also one a failed send found
         ready, _, _ = select.select(self.stages, [], [])
         for stage in sorted(ready, key=lambda stage: stage is last):  # a death first: a reply after it is void
             try:
@@ -276,7 +270,6 @@ class Pipeline:
 
     def _release(self, ticket: Ticket) -> None:
         del self._held[ticket.lane]
-        self._free_lanes.append(ticket.lane)
 
     def _drop_finalized(self) -> None:
         """Drop the caches of finalized runners. A step of theirs still in flight is waited for first:

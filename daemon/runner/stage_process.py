@@ -145,11 +145,6 @@ class ProcessStage:
         except ChannelClosed:
             raise StageDied(f"{self.name} died: {self._exit_status()}") from None
 
-    def check(self) -> None:
-        """StageDied if the worker is gone (a death found between messages: its spawn failed, say)."""
-        if not self.alive():
-            raise StageDied(f"{self.name} died: {self._exit_status()}")
-
     def close(self) -> None:
         """Stop the worker (it finishes nothing: call between steps)."""
         if self.process is None:

@@ -4,8 +4,9 @@ the last stage writes its logits rows to.
 A boundary's segment holds a slot per micro-batch in flight, which is one per stage (two stages:
 double-buffered, the stage before writes micro-batch m+1 into one slot while the stage after still
 reads micro-batch m from the other), each of `max_tokens` rows of `hidden` values in the precision
-policy's `act_dtype` (f32, or f16 / bf16 bit patterns as uint16, kernels/convert.py). Its size is exactly the planner's staging figure for the receiving
-device (`boundary_bytes`, the one formula both use). Rows are widened back to f32 as they are read,
+policy's `act_dtype` (f32, or f16 / bf16 bit patterns as uint16, kernels/convert.py). Its size is
+exactly the planner's staging figure for the receiving device (`boundary_bytes`, the one formula
+both use). Rows are widened back to f32 as they are read,
 so the next layer's norm and everything after it compute in f32.
 
 The engine's process creates every segment (mode 0600, named like protocol/shm_ring.py's) and is
