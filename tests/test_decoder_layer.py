@@ -65,6 +65,24 @@ def test_fused_steps_equal_the_ops_in_each_kernel_variant(variant: str, monkeypa
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("members", [1, 2, 3])
+def test_the_thread_team_computes_what_the_ops_do_with_any_number_of_members(members: int, monkeypatch) -> None:
+    """The layer on its thread team (one parallel region, kernels/cpu/team.py) with as many members
+    as threads, fewer, or more than numba has (members then share a thread)."""
+    from ember.kernels.cpu import decoder_layer
+
+    team, runs = decoder_layer._layer_team, []
+    monkeypatch.setattr(decoder_layer, "_layer_team", lambda threads, *args: runs.append(threads) or team(threads, *args))
+    monkeypatch.setattr(twin, "FORCE", "parallel")
+    monkeypatch.setattr(twin, "threads", lambda: members)
+    net = synthetic_model(INT8_TYPES)
+    fused = decode_states(net, "f32")
+    assert runs and set(runs) == {members}
+    without_fusion(net)
+    for a, b in zip(fused, decode_states(net, "f32"), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_decode_row_beside_a_prompt_chunk_runs_op_by_op_and_equals_it_alone() -> None:
     """The step's rows decide: with a prompt chunk beside it the decode row runs op by op, alone it
     runs fused, and its hidden state is the same."""

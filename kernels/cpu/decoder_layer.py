@@ -9,12 +9,17 @@ step. Here the whole layer is two numba functions, `_attention_in` (norm, q/k/v,
 and `_attention_out` (attention, output projection, residual, norm, SwiGLU FFN, residual), with the
 KV write between them through the backend's kv_write (the one home of each KV dtype's conversion).
 Over an f32 KV cache (the CPU's default) a stored row is a plain copy: `_layer_f32_kv` runs both
-halves and the copy in one call.
+halves and the copy in one call, and where the layer's work is worth the threads, `_layer_team`
+runs it in one parallel region instead of one per parallel kernel: its threads share out each
+phase's items (tokens, row groups, attention tasks) and wait for each other only between phases
+(kernels/cpu/team.py). On the demo model that made a decode token ~7% faster (a fork-join costs
+1.5-4 us here, and a layer had four or five).
 
-The numbers are the op-by-op path's, bit for bit: both functions call the very kernels the ops call
+The numbers are the op-by-op path's, bit for bit: the functions call the very kernels the ops call
 (quant_matmul's integer drivers, dense.py's norms and rope, paged_attention's kernel), each in the
-serial or parallel variant the op would pick for the same work (twin.py), and the residual adds
-are the same float32 adds. A decode row therefore gets the same logits whether its step ran fused
+serial or parallel variant the op would pick for the same work (twin.py), or, on the team, the
+compiled row, token and task functions those variants call; the residual adds are the same float32
+adds. A decode row therefore gets the same logits whether its step ran fused
 (every row a decode row) or op by op (a step with prompt rows): batching never changes a token
 (tests/test_decoder_layer.py compares the two on every integer weight type and KV dtype).
 
@@ -28,15 +33,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from ember.kernels.cpu import dense, twin
-from ember.kernels.cpu.paged_attention import BF16_TABLE, F16_TABLE, KVLayerStore
+from ember.kernels.cpu.paged_attention import BF16_TABLE, F16_TABLE, KVLayerStore, attention_task
 from ember.kernels.cpu.paged_attention import _BF16 as _KV_BF16
 from ember.kernels.cpu.paged_attention import _F32 as _KV_F32
 from ember.kernels.cpu.paged_attention import _KERNELS as _ATTENTION
-from ember.kernels.cpu.quant_matmul import (_MATMUL_INT8, _MATMUL_INT8_MANY, _SWIGLU_INT8, INT8_PARALLEL_MIN_WORK,
-                                            CpuWeight)
+from ember.kernels.cpu.quant_matmul import (_MATMUL_INT8, _MATMUL_INT8_MANY, _MATVEC_ROWS, _Q8_0, _SWIGLU_INT8,
+                                            INT8_PARALLEL_MIN_WORK, CpuWeight, _quantize_token, _quantized_tokens,
+                                            _rows_times_activations)
+from ember.kernels.cpu.team import claim, counters_for, fail, failed, finish, wait
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 
 __all__ = ["FusedLayer", "fuse", "run"]
@@ -61,6 +68,7 @@ class FusedLayer:
 
     attn_in: tuple[Any, ...]  # the arguments of _attention_in after x, positions and force
     attn_out: tuple[Any, ...]  # those of _attention_out after the step's arrays
+    work: int  # the weight bytes a token reads: whether the layer runs on the thread team
 
 
 def fuse(attn_norm: np.ndarray, wq: CpuWeight, wk: CpuWeight, wv: CpuWeight, wo: CpuWeight, bq: np.ndarray | None,
@@ -88,7 +96,8 @@ def fuse(attn_norm: np.ndarray, wq: CpuWeight, wk: CpuWeight, wv: CpuWeight, wo:
     mats = (gate, up, down) if ffn else (wo, wo, wo)  # stand-ins the compiled code never reads
     attn_out = (np.float32(head_dim**-0.5), wo.code, wo.u8, ffn, _f32(ffn_norm), float(eps),
                 *(v for w in mats for v in (w.code, w.u8)))
-    return FusedLayer(attn_in, attn_out)
+    work = sum(w.nbytes for w in (wq, wk, wv, wo) + ((gate, up, down) if ffn else ()))
+    return FusedLayer(attn_in, attn_out, work)
 
 
 def _f32(v: np.ndarray | None) -> np.ndarray:
@@ -106,6 +115,9 @@ def run(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, kv_w
     force = twin.force_code()
     x = _f32_rows(x)
     if k.mode == _KV_F32:  # storing an f32 row is a copy: the whole layer in one compiled call
+        if force == 2 or (force == 0 and layer.work * x.shape[0] >= INT8_PARALLEL_MIN_WORK):
+            return _layer_team(twin.threads(), x, positions, k.f32, k.u16, k.i8, k.scales, v.f32, kv_blocks, kv_offsets, tables,
+                               token_seq, seen, layer.attn_in, layer.attn_out)
         return _layer_f32_kv(x, positions, force, k.f32, k.u16, k.i8, k.scales, v.f32, kv_blocks, kv_offsets, tables,
                              token_seq, seen, layer.attn_in, layer.attn_out)
     q, kr, vr = _attention_in(x, positions, force, False, k.f32, v.f32, kv_blocks, kv_offsets, *layer.attn_in)
@@ -218,4 +230,216 @@ def _matmul_int8(code, w, x, out, force):
         _MATMUL_SERIAL(code, w, x, out)
 
 
+# The phases of the team program (team.py) of a layer over an f32 KV cache, in order.
+_NORM_IN, _QKV, _ROPE_STORE, _ATTEND, _QUANTIZE_ATTN, _OUT_PROJ, _NORM_FFN, _GATE_UP, _QUANTIZE_FFN, _DOWN = range(10)
+_PHASES = 10
 
+
+@njit(parallel=True, cache=True, nogil=True)
+def _layer_team(threads, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables, token_seq, seen,
+                attn_in, attn_out):
+    """_layer_f32_kv's layer in one parallel region instead of one a kernel: the threads run
+    _team_member's phases together (team.py), `threads` of them (numba's count, read by the caller:
+    reading it here would keep this function out of the cache). The same compiled row, token and attention-task code
+    as the serial and parallel kernels computes every value, so the results are theirs bit for bit.
+    Nothing but the team's loop is here: numba would make a parallel region of any array expression."""
+    # (flat tuples only: a parallel loop's body takes no tuple of tuples)
+    bufs, h_room, attn_room, h2_room, f_room = _team_buffers(x, attn_in, attn_out)
+    counters = counters_for(_PHASES)
+    for _ in prange(threads):
+        _team_member(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables, token_seq,
+                     seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room)
+    if failed(counters):
+        raise RuntimeError("the fused decoder layer failed in a thread of its team")
+    return bufs[-1] if attn_out[3] else bufs[6]
+
+
+@njit(cache=True, nogil=True)
+def _team_buffers(x, attn_in, attn_out):
+    """_team_member's arrays: every intermediate of the layer, each token's activations quantized
+    in the formats of the weights that read them."""
+    codes, wq, wk, wv = attn_in[1], attn_in[2], attn_in[3], attn_in[4]
+    n_heads, head_dim = attn_in[14], attn_in[16]
+    code_o, ffn, code_g, gate, code_u, code_d = attn_out[1], attn_out[3], attn_out[6], attn_out[7], attn_out[8], \
+        attn_out[10]
+    n, d = x.shape
+    m = n if ffn else 0
+    f_rows = gate.shape[0] if ffn else 0
+    h_room = _room(n, d, (codes == _Q8_0).any(), (codes != _Q8_0).any())
+    attn_room = _room(n, n_heads * head_dim, code_o == _Q8_0, code_o != _Q8_0)
+    h2_room = _room(m, d, code_g == _Q8_0 or code_u == _Q8_0, code_g != _Q8_0 or code_u != _Q8_0)
+    f_room = _room(m, f_rows, code_d == _Q8_0, code_d != _Q8_0)
+    bufs = (np.empty_like(x), np.empty((n, wq.shape[0]), np.float32), np.empty((n, wk.shape[0]), np.float32),
+            np.empty((n, wv.shape[0]), np.float32), np.empty((n, n_heads, head_dim), np.float32),
+            np.empty((n, d), np.float32), np.empty((n, d), np.float32), np.empty((m, d), np.float32),
+            np.empty((m, f_rows), np.float32), np.empty((m, f_rows), np.float32), np.empty((m, f_rows), np.float32),
+            np.empty((n, d), np.float32))
+    return bufs, h_room, attn_room, h2_room, f_room
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _room(n, cols, q8_0, k_quants):
+    """Quantized activations of n tokens in the formats some weights need: quant_matmul's q8_0 arrays,
+    then its q8_K ones, in one flat tuple."""
+    return _quantized_tokens(n if q8_0 else 0, cols, False) + _quantized_tokens(n if k_quants else 0, cols, True)
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _quantize_into(x, t, room):
+    _quantize_token(x, t, room[0].shape[0] > 0, room[0], room[1], room[2], room[3], room[4].shape[0] > 0, room[4],
+                    room[5], room[6], room[7])
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _groups(rows):
+    return (rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _group_rows(tt, w, group, room, out):
+    """Row group `group` of w times the quantized tokens in `room` -> out's columns of those rows."""
+    first = group * _MATVEC_ROWS
+    _rows_times_activations(tt, w, first, min(w.shape[0], first + _MATVEC_ROWS), room[:4], room[4:], out)
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _add_rows(a, b, group, out):
+    """out = a + b on row group `group`'s columns (a residual added where its rows were computed)."""
+    for t in range(out.shape[0]):
+        for r in range(group * _MATVEC_ROWS, min(out.shape[1], (group + 1) * _MATVEC_ROWS)):
+            out[t, r] = a[t, r] + b[t, r]
+
+
+@njit(cache=True, nogil=True)
+def _team_member(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables, token_seq, seen,
+                 attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room):
+    try:
+        _team_phases(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables, token_seq,
+                     seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room)
+    except Exception:  # noqa: BLE001 (numba catches no narrower)
+        fail(counters)
+
+
+@njit(cache=True, nogil=True)
+def _team_phases(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables, token_seq, seen,
+                 attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room):
+    """One thread's run of the layer's phases: in each, it claims items until none is left, then
+    waits for the items others claimed. Each phase's items: tokens, row groups or attention tasks."""
+    (attn_norm, codes, wq, wk, wv, biased, bq, bk, bv, normed, q_norm, k_norm, inv_freq, interleaved, n_heads,
+     n_kv_heads, head_dim, eps) = attn_in
+    scale, code_o, wo, ffn, ffn_norm, ffn_eps, code_g, gate, code_u, up, code_d, down = attn_out
+    h, q, k, v, attn, o, x1, h2, g, u, f, out = bufs
+    n = x.shape[0]
+
+    i = claim(counters, _NORM_IN)
+    while i < n:
+        _NORM_SERIAL(x[i:i + 1], attn_norm, eps, h[i:i + 1])
+        _quantize_into(h, i, h_room)
+        finish(counters, _NORM_IN)
+        i = claim(counters, _NORM_IN)
+    if not wait(counters, _NORM_IN, n):
+        return
+
+    gq, gk, gv = _groups(wq.shape[0]), _groups(wk.shape[0]), _groups(wv.shape[0])
+    c = claim(counters, _QKV)
+    while c < gq + gk + gv:
+        if c < gq:
+            _group_rows(codes[0], wq, c, h_room, q)
+        elif c < gq + gk:
+            _group_rows(codes[1], wk, c - gq, h_room, k)
+        else:
+            _group_rows(codes[2], wv, c - gq - gk, h_room, v)
+        finish(counters, _QKV)
+        c = claim(counters, _QKV)
+    if not wait(counters, _QKV, gq + gk + gv):
+        return
+
+    q3 = q.reshape(n, n_heads, head_dim)
+    k3 = k.reshape(n, n_kv_heads, head_dim)
+    v3 = v.reshape(n, n_kv_heads, head_dim)
+    qn = q_norm if normed else inv_freq[:0]
+    kn = k_norm if normed else inv_freq[:0]
+    i = claim(counters, _ROPE_STORE)
+    while i < n:
+        if biased:
+            _add_bias(q[i], bq)
+            _add_bias(k[i], bk)
+            _add_bias(v[i], bv)
+        _ROPE_SERIAL(q3[i:i + 1], k3[i:i + 1], qn, kn, normed, eps, positions[i:i + 1], inv_freq, interleaved)
+        k_f32[kv_blocks[i], kv_offsets[i]] = k3[i]
+        v_f32[kv_blocks[i], kv_offsets[i]] = v3[i]
+        finish(counters, _ROPE_STORE)
+        i = claim(counters, _ROPE_STORE)
+    if not wait(counters, _ROPE_STORE, n):
+        return
+
+    c = claim(counters, _ATTEND)
+    while c < n * n_kv_heads:
+        attention_task(c, q3, k_f32, u16, i8, scales, v_f32, u16, i8, scales, _KV_F32, inv_freq[:0], tables, token_seq,
+                       seen, scale, attn)
+        finish(counters, _ATTEND)
+        c = claim(counters, _ATTEND)
+    if not wait(counters, _ATTEND, n * n_kv_heads):
+        return
+
+    flat = attn.reshape(n, n_heads * head_dim)
+    i = claim(counters, _QUANTIZE_ATTN)
+    while i < n:
+        _quantize_into(flat, i, attn_room)
+        finish(counters, _QUANTIZE_ATTN)
+        i = claim(counters, _QUANTIZE_ATTN)
+    if not wait(counters, _QUANTIZE_ATTN, n):
+        return
+
+    c = claim(counters, _OUT_PROJ)
+    while c < _groups(wo.shape[0]):
+        _group_rows(code_o, wo, c, attn_room, o)
+        _add_rows(x, o, c, x1)
+        finish(counters, _OUT_PROJ)
+        c = claim(counters, _OUT_PROJ)
+    if not ffn:
+        return
+    if not wait(counters, _OUT_PROJ, _groups(wo.shape[0])):
+        return
+
+    i = claim(counters, _NORM_FFN)
+    while i < n:
+        _NORM_SERIAL(x1[i:i + 1], ffn_norm, ffn_eps, h2[i:i + 1])
+        _quantize_into(h2, i, h2_room)
+        finish(counters, _NORM_FFN)
+        i = claim(counters, _NORM_FFN)
+    if not wait(counters, _NORM_FFN, n):
+        return
+
+    c = claim(counters, _GATE_UP)
+    while c < _groups(gate.shape[0]):
+        _group_rows(code_g, gate, c, h2_room, g)  # the group's gate rows, then its up rows, as _swiglu_int8
+        _group_rows(code_u, up, c, h2_room, u)
+        for t in range(n):
+            for r in range(c * _MATVEC_ROWS, min(f.shape[1], (c + 1) * _MATVEC_ROWS)):
+                f[t, r] = g[t, r] / (np.float32(1) + np.exp(-g[t, r])) * u[t, r]
+        finish(counters, _GATE_UP)
+        c = claim(counters, _GATE_UP)
+    if not wait(counters, _GATE_UP, _groups(gate.shape[0])):
+        return
+
+    i = claim(counters, _QUANTIZE_FFN)
+    while i < n:
+        _quantize_into(f, i, f_room)
+        finish(counters, _QUANTIZE_FFN)
+        i = claim(counters, _QUANTIZE_FFN)
+    if not wait(counters, _QUANTIZE_FFN, n):
+        return
+
+    c = claim(counters, _DOWN)
+    while c < _groups(down.shape[0]):
+        _group_rows(code_d, down, c, f_room, o)
+        _add_rows(x1, o, c, out)
+        finish(counters, _DOWN)
+        c = claim(counters, _DOWN)
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _add_bias(row, bias):
+    for j in range(row.shape[0]):
+        row[j] += bias[j]

@@ -102,43 +102,54 @@ def _paged_attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode
                      tables, token_seq, positions, scale, out):
     # One task per (token, KV head): each key and value row is read (and decoded) once for all the
     # query heads that share it (GQA), and f32 rows are read in place.
+    kv_heads = max(k_f32.shape[2], k_u16.shape[2], k_i8.shape[2])
+    for task in prange(q.shape[0] * kv_heads):
+        attention_task(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq,
+                       positions, scale, out)
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def attention_task(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut,  # type: ignore[no-untyped-def]
+                   tables, token_seq, positions, scale, out):
+    """Task `task` of _paged_attention: token task // kv_heads, KV head task % kv_heads, all the
+    query heads that read it. One compiled function that the serial and the parallel kernel and the
+    fused layer's thread team (decoder_layer.py) all call, so each computes every task alike."""
     n, hq, hd = q.shape
     block_size = max(k_f32.shape[1], k_u16.shape[1], k_i8.shape[1])
     kv_heads = max(k_f32.shape[2], k_u16.shape[2], k_i8.shape[2])
     group = hq // kv_heads
-    for task in prange(n * kv_heads):
-        i, kv = task // kv_heads, task % kv_heads
-        seq, visible = token_seq[i], positions[i] + 1
-        scores = np.empty((group, visible), np.float32)
-        scratch = np.empty(hd, np.float32)
-        for t in range(visible):
-            krow = _row(k_f32, k_u16, k_i8, k_sc, mode, tables[seq, t // block_size], t % block_size, kv, lut, scratch)
-            for g in range(group):
-                qh = q[i, kv * group + g]  # 1-D views: the dot vectorizes (no per-element index checks)
-                s = np.float32(0)
-                for j in range(hd):
-                    s += qh[j] * krow[j]
-                scores[g, t] = s * scale
-        total = np.zeros(group, np.float32)
+    i, kv = task // kv_heads, task % kv_heads
+    seq, visible = token_seq[i], positions[i] + 1
+    scores = np.empty((group, visible), np.float32)
+    scratch = np.empty(hd, np.float32)
+    for t in range(visible):
+        krow = _row(k_f32, k_u16, k_i8, k_sc, mode, tables[seq, t // block_size], t % block_size, kv, lut, scratch)
         for g in range(group):
-            best = scores[g, 0]
-            for t in range(1, visible):
-                best = max(best, scores[g, t])
-            for t in range(visible):
-                e = np.exp(scores[g, t] - best)  # float32 expf (math.exp would go through float64)
-                scores[g, t] = e
-                total[g] += e
-        acc = np.zeros((group, hd), np.float32)
-        for t in range(visible):
-            vrow = _row(v_f32, v_u16, v_i8, v_sc, mode, tables[seq, t // block_size], t % block_size, kv, lut, scratch)
-            for g in range(group):
-                p, a = scores[g, t], acc[g]
-                for j in range(hd):
-                    a[j] += p * vrow[j]
-        for g in range(group):
-            o, a, inv = out[i, kv * group + g], acc[g], np.float32(1) / total[g]
+            qh = q[i, kv * group + g]  # 1-D views: the dot vectorizes (no per-element index checks)
+            s = np.float32(0)
             for j in range(hd):
-                o[j] = a[j] * inv
+                s += qh[j] * krow[j]
+            scores[g, t] = s * scale
+    total = np.zeros(group, np.float32)
+    for g in range(group):
+        best = scores[g, 0]
+        for t in range(1, visible):
+            best = max(best, scores[g, t])
+        for t in range(visible):
+            e = np.exp(scores[g, t] - best)  # float32 expf (math.exp would go through float64)
+            scores[g, t] = e
+            total[g] += e
+    acc = np.zeros((group, hd), np.float32)
+    for t in range(visible):
+        vrow = _row(v_f32, v_u16, v_i8, v_sc, mode, tables[seq, t // block_size], t % block_size, kv, lut, scratch)
+        for g in range(group):
+            p, a = scores[g, t], acc[g]
+            for j in range(hd):
+                a[j] += p * vrow[j]
+    for g in range(group):
+        o, a, inv = out[i, kv * group + g], acc[g], np.float32(1) / total[g]
+        for j in range(hd):
+            o[j] = a[j] * inv
 
 
 _KERNELS = Twin(_paged_attention)

@@ -33,6 +33,11 @@ numba.get_num_threads()
 _threads = getattr(_numba_parallel, "_get_num_threads", numba.get_num_threads)
 
 
+def threads() -> int:
+    """The number of threads the calling thread's parallel kernels run on."""
+    return _threads()
+
+
 def one_thread() -> bool:
     """The calling thread runs kernels on one thread (numba's count is per calling thread: a stage
     worker's, the daemon's on a 2-core machine). The serial variants then run: the parallel ones on one
