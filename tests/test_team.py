@@ -3,6 +3,7 @@ phase's results, with any number of members on any number of threads, and a memb
 the team raise instead of leaving the others waiting for ever."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -67,3 +68,21 @@ def test_a_failed_member_makes_the_team_raise_not_hang(bad: int) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)  # not a hang
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["raised a member failed"] * 60
+
+
+def test_more_threads_than_cores_finish() -> None:
+    """Members on more threads than the machine has cores: one may be preempted holding an item,
+    and the others yield their cores to it instead of spinning through whole scheduler ticks."""
+    code = ("import numba, numpy as np, os, sys, time\n"
+            "sys.path.insert(0, 'tests')\n"
+            "from test_team import _program\n"
+            "a = np.arange(10000.0)\n"
+            "t = time.perf_counter()\n"
+            "for _ in range(200):\n"
+            "    assert np.array_equal(_program(numba.get_num_threads(), a, -1), 2 * a + 2 * a[::-1])\n"
+            "print(numba.get_num_threads(), os.cpu_count(), time.perf_counter() - t)\n")
+    threads = 4 * (os.cpu_count() or 1)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "NUMBA_NUM_THREADS": str(threads)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[0] == str(threads)
