@@ -11,26 +11,27 @@ import numpy as np
 import pytest
 from numba import njit, prange
 
-from ember.kernels.cpu.team import claim, counters_for, fail, failed, finish, wait
+from ember.kernels.cpu.team import claim, counters_for, fail, failed, finish, join, wait
 
 
 @njit(nogil=True)
 def _member(counters, a, doubled, mirrored, bad):  # type: ignore[no-untyped-def]
+    me = join(counters)
     try:
-        i = claim(counters, 0)
+        i = claim(counters, 0, me, a.size)
         while i < a.size:
             if i == bad:
                 raise ValueError("a bad item")
             doubled[i] = 2 * a[i]
             finish(counters, 0)
-            i = claim(counters, 0)
+            i = claim(counters, 0, me, a.size)
         if not wait(counters, 0, a.size):
             return
-        i = claim(counters, 1)
+        i = claim(counters, 1, me, a.size)
         while i < a.size:  # reads items other members may have computed
             mirrored[i] = doubled[i] + doubled[a.size - 1 - i]
             finish(counters, 1)
-            i = claim(counters, 1)
+            i = claim(counters, 1, me, a.size)
     except Exception:  # noqa: BLE001
         fail(counters)
 
@@ -38,7 +39,7 @@ def _member(counters, a, doubled, mirrored, bad):  # type: ignore[no-untyped-def
 @njit(parallel=True, nogil=True)
 def _program(members, a, bad):  # type: ignore[no-untyped-def]
     doubled, mirrored = np.zeros_like(a), np.zeros_like(a)
-    counters = counters_for(2)
+    counters = counters_for(2, members)
     for _ in prange(members):
         _member(counters, a, doubled, mirrored, bad)
     if failed(counters):

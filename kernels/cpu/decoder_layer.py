@@ -12,8 +12,8 @@ Over an f32 KV cache (the CPU's default) a stored row is a plain copy: `_layer_f
 halves and the copy in one call, and where the layer's work is worth the threads, `_layer_team`
 runs it in one parallel region instead of one per parallel kernel: its threads share out each
 phase's items (tokens, row groups, attention tasks) and wait for each other only between phases
-(kernels/cpu/team.py). On the demo model that made a decode token ~7% faster (a fork-join costs
-1.5-4 us here, and a layer had four or five).
+(kernels/cpu/team.py). Decode tokens 2-7% faster on the demo and the 100M Q8_0 and Q4_K_M files
+(a fork-join costs 1.5-4 us here, and a layer had four or five).
 
 The numbers are the op-by-op path's, bit for bit: the functions call the very kernels the ops call
 (quant_matmul's integer drivers, dense.py's norms and rope, paged_attention's kernel), each in the
@@ -43,7 +43,7 @@ from ember.kernels.cpu.paged_attention import _KERNELS as _ATTENTION
 from ember.kernels.cpu.quant_matmul import (_MATMUL_INT8, _MATMUL_INT8_MANY, _MATVEC_ROWS, _Q8_0, _SWIGLU_INT8,
                                             INT8_PARALLEL_MIN_WORK, CpuWeight, _quantize_token, _quantized_tokens,
                                             _rows_times_activations)
-from ember.kernels.cpu.team import claim, counters_for, fail, failed, finish, wait
+from ember.kernels.cpu.team import claim, counters_for, fail, failed, finish, join, wait
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 
 __all__ = ["FusedLayer", "fuse", "run"]
@@ -245,7 +245,7 @@ def _layer_team(threads, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks,
     Nothing but the team's loop is here: numba would make a parallel region of any array expression."""
     # (flat tuples only: a parallel loop's body takes no tuple of tuples)
     bufs, h_room, attn_room, h2_room, f_room = _team_buffers(x, attn_in, attn_out)
-    counters = counters_for(_PHASES)
+    counters = counters_for(_PHASES, threads)
     for _ in prange(threads):
         _team_member(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables, token_seq,
                      seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room)
@@ -330,18 +330,19 @@ def _team_phases(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_block
     scale, code_o, wo, ffn, ffn_norm, ffn_eps, code_g, gate, code_u, up, code_d, down = attn_out
     h, q, k, v, attn, o, x1, h2, g, u, f, out = bufs
     n = x.shape[0]
+    me = join(counters)
 
-    i = claim(counters, _NORM_IN)
+    i = claim(counters, _NORM_IN, me, n)
     while i < n:
         _NORM_SERIAL(x[i:i + 1], attn_norm, eps, h[i:i + 1])
         _quantize_into(h, i, h_room)
         finish(counters, _NORM_IN)
-        i = claim(counters, _NORM_IN)
+        i = claim(counters, _NORM_IN, me, n)
     if not wait(counters, _NORM_IN, n):
         return
 
     gq, gk, gv = _groups(wq.shape[0]), _groups(wk.shape[0]), _groups(wv.shape[0])
-    c = claim(counters, _QKV)
+    c = claim(counters, _QKV, me, gq + gk + gv)
     while c < gq + gk + gv:
         if c < gq:
             _group_rows(codes[0], wq, c, h_room, q)
@@ -350,7 +351,7 @@ def _team_phases(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_block
         else:
             _group_rows(codes[2], wv, c - gq - gk, h_room, v)
         finish(counters, _QKV)
-        c = claim(counters, _QKV)
+        c = claim(counters, _QKV, me, gq + gk + gv)
     if not wait(counters, _QKV, gq + gk + gv):
         return
 
@@ -359,7 +360,7 @@ def _team_phases(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_block
     v3 = v.reshape(n, n_kv_heads, head_dim)
     qn = q_norm if normed else inv_freq[:0]
     kn = k_norm if normed else inv_freq[:0]
-    i = claim(counters, _ROPE_STORE)
+    i = claim(counters, _ROPE_STORE, me, n)
     while i < n:
         if biased:
             _add_bias(q[i], bq)
@@ -369,49 +370,49 @@ def _team_phases(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_block
         k_f32[kv_blocks[i], kv_offsets[i]] = k3[i]
         v_f32[kv_blocks[i], kv_offsets[i]] = v3[i]
         finish(counters, _ROPE_STORE)
-        i = claim(counters, _ROPE_STORE)
+        i = claim(counters, _ROPE_STORE, me, n)
     if not wait(counters, _ROPE_STORE, n):
         return
 
-    c = claim(counters, _ATTEND)
+    c = claim(counters, _ATTEND, me, n * n_kv_heads)
     while c < n * n_kv_heads:
         attention_task(c, q3, k_f32, u16, i8, scales, v_f32, u16, i8, scales, _KV_F32, inv_freq[:0], tables, token_seq,
                        seen, scale, attn)
         finish(counters, _ATTEND)
-        c = claim(counters, _ATTEND)
+        c = claim(counters, _ATTEND, me, n * n_kv_heads)
     if not wait(counters, _ATTEND, n * n_kv_heads):
         return
 
     flat = attn.reshape(n, n_heads * head_dim)
-    i = claim(counters, _QUANTIZE_ATTN)
+    i = claim(counters, _QUANTIZE_ATTN, me, n)
     while i < n:
         _quantize_into(flat, i, attn_room)
         finish(counters, _QUANTIZE_ATTN)
-        i = claim(counters, _QUANTIZE_ATTN)
+        i = claim(counters, _QUANTIZE_ATTN, me, n)
     if not wait(counters, _QUANTIZE_ATTN, n):
         return
 
-    c = claim(counters, _OUT_PROJ)
+    c = claim(counters, _OUT_PROJ, me, _groups(wo.shape[0]))
     while c < _groups(wo.shape[0]):
         _group_rows(code_o, wo, c, attn_room, o)
         _add_rows(x, o, c, x1)
         finish(counters, _OUT_PROJ)
-        c = claim(counters, _OUT_PROJ)
+        c = claim(counters, _OUT_PROJ, me, _groups(wo.shape[0]))
     if not ffn:
         return
     if not wait(counters, _OUT_PROJ, _groups(wo.shape[0])):
         return
 
-    i = claim(counters, _NORM_FFN)
+    i = claim(counters, _NORM_FFN, me, n)
     while i < n:
         _NORM_SERIAL(x1[i:i + 1], ffn_norm, ffn_eps, h2[i:i + 1])
         _quantize_into(h2, i, h2_room)
         finish(counters, _NORM_FFN)
-        i = claim(counters, _NORM_FFN)
+        i = claim(counters, _NORM_FFN, me, n)
     if not wait(counters, _NORM_FFN, n):
         return
 
-    c = claim(counters, _GATE_UP)
+    c = claim(counters, _GATE_UP, me, _groups(gate.shape[0]))
     while c < _groups(gate.shape[0]):
         _group_rows(code_g, gate, c, h2_room, g)  # the group's gate rows, then its up rows, as _swiglu_int8
         _group_rows(code_u, up, c, h2_room, u)
@@ -419,24 +420,24 @@ def _team_phases(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_block
             for r in range(c * _MATVEC_ROWS, min(f.shape[1], (c + 1) * _MATVEC_ROWS)):
                 f[t, r] = g[t, r] / (np.float32(1) + np.exp(-g[t, r])) * u[t, r]
         finish(counters, _GATE_UP)
-        c = claim(counters, _GATE_UP)
+        c = claim(counters, _GATE_UP, me, _groups(gate.shape[0]))
     if not wait(counters, _GATE_UP, _groups(gate.shape[0])):
         return
 
-    i = claim(counters, _QUANTIZE_FFN)
+    i = claim(counters, _QUANTIZE_FFN, me, n)
     while i < n:
         _quantize_into(f, i, f_room)
         finish(counters, _QUANTIZE_FFN)
-        i = claim(counters, _QUANTIZE_FFN)
+        i = claim(counters, _QUANTIZE_FFN, me, n)
     if not wait(counters, _QUANTIZE_FFN, n):
         return
 
-    c = claim(counters, _DOWN)
+    c = claim(counters, _DOWN, me, _groups(down.shape[0]))
     while c < _groups(down.shape[0]):
         _group_rows(code_d, down, c, f_room, o)
         _add_rows(x1, o, c, out)
         finish(counters, _DOWN)
-        c = claim(counters, _DOWN)
+        c = claim(counters, _DOWN, me, _groups(down.shape[0]))
 
 
 @njit(inline="always", cache=True, nogil=True)
