@@ -332,13 +332,7 @@ def _team_phases(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_block
     n = x.shape[0]
     me = join(counters)
 
-    i = claim(counters, _NORM_IN, me, n)
-    while i < n:
-        _NORM_SERIAL(x[i:i + 1], attn_norm, eps, h[i:i + 1])
-        _quantize_into(h, i, h_room)
-        finish(counters, _NORM_IN)
-        i = claim(counters, _NORM_IN, me, n)
-    if not wait(counters, _NORM_IN, n):
+    if not _norm_phase(counters, _NORM_IN, me, x, attn_norm, eps, h, h_room):
         return
 
     gq, gk, gv = _groups(wq.shape[0]), _groups(wk.shape[0]), _groups(wv.shape[0])
@@ -383,33 +377,12 @@ def _team_phases(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_block
     if not wait(counters, _ATTEND, n * n_kv_heads):
         return
 
-    flat = attn.reshape(n, n_heads * head_dim)
-    i = claim(counters, _QUANTIZE_ATTN, me, n)
-    while i < n:
-        _quantize_into(flat, i, attn_room)
-        finish(counters, _QUANTIZE_ATTN)
-        i = claim(counters, _QUANTIZE_ATTN, me, n)
-    if not wait(counters, _QUANTIZE_ATTN, n):
+    if not _quantize_phase(counters, _QUANTIZE_ATTN, me, attn.reshape(n, n_heads * head_dim), attn_room):
         return
-
-    c = claim(counters, _OUT_PROJ, me, _groups(wo.shape[0]))
-    while c < _groups(wo.shape[0]):
-        _group_rows(code_o, wo, c, attn_room, o)
-        _add_rows(x, o, c, x1)
-        finish(counters, _OUT_PROJ)
-        c = claim(counters, _OUT_PROJ, me, _groups(wo.shape[0]))
-    if not ffn:
+    _projection_phase(counters, _OUT_PROJ, me, code_o, wo, attn_room, o, x, x1)
+    if not ffn or not wait(counters, _OUT_PROJ, _groups(wo.shape[0])):
         return
-    if not wait(counters, _OUT_PROJ, _groups(wo.shape[0])):
-        return
-
-    i = claim(counters, _NORM_FFN, me, n)
-    while i < n:
-        _NORM_SERIAL(x1[i:i + 1], ffn_norm, ffn_eps, h2[i:i + 1])
-        _quantize_into(h2, i, h2_room)
-        finish(counters, _NORM_FFN)
-        i = claim(counters, _NORM_FFN, me, n)
-    if not wait(counters, _NORM_FFN, n):
+    if not _norm_phase(counters, _NORM_FFN, me, x1, ffn_norm, ffn_eps, h2, h2_room):
         return
 
     c = claim(counters, _GATE_UP, me, _groups(gate.shape[0]))
@@ -424,20 +397,43 @@ def _team_phases(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_block
     if not wait(counters, _GATE_UP, _groups(gate.shape[0])):
         return
 
-    i = claim(counters, _QUANTIZE_FFN, me, n)
-    while i < n:
-        _quantize_into(f, i, f_room)
-        finish(counters, _QUANTIZE_FFN)
-        i = claim(counters, _QUANTIZE_FFN, me, n)
-    if not wait(counters, _QUANTIZE_FFN, n):
-        return
+    if _quantize_phase(counters, _QUANTIZE_FFN, me, f, f_room):
+        _projection_phase(counters, _DOWN, me, code_d, down, f_room, o, x1, out)
 
-    c = claim(counters, _DOWN, me, _groups(down.shape[0]))
-    while c < _groups(down.shape[0]):
-        _group_rows(code_d, down, c, f_room, o)
-        _add_rows(x1, o, c, out)
-        finish(counters, _DOWN)
-        c = claim(counters, _DOWN, me, _groups(down.shape[0]))
+
+@njit(inline="always", cache=True, nogil=True)
+def _norm_phase(counters, phase, me, x, w, eps, out, room):
+    """Each token of x rmsnormed into out and quantized into room -> False if the team failed."""
+    i = claim(counters, phase, me, x.shape[0])
+    while i < x.shape[0]:
+        _NORM_SERIAL(x[i:i + 1], w, eps, out[i:i + 1])
+        _quantize_into(out, i, room)
+        finish(counters, phase)
+        i = claim(counters, phase, me, x.shape[0])
+    return wait(counters, phase, x.shape[0])
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _quantize_phase(counters, phase, me, x, room):
+    """Each token of x quantized into room -> False if the team failed."""
+    i = claim(counters, phase, me, x.shape[0])
+    while i < x.shape[0]:
+        _quantize_into(x, i, room)
+        finish(counters, phase)
+        i = claim(counters, phase, me, x.shape[0])
+    return wait(counters, phase, x.shape[0])
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _projection_phase(counters, phase, me, code, w, room, product, residual, out):
+    """out = residual + the tokens in room times w, a row group an item (no wait: the caller waits
+    where it reads the result)."""
+    c = claim(counters, phase, me, _groups(w.shape[0]))
+    while c < _groups(w.shape[0]):
+        _group_rows(code, w, c, room, product)
+        _add_rows(residual, product, c, out)
+        finish(counters, phase)
+        c = claim(counters, phase, me, _groups(w.shape[0]))
 
 
 @njit(inline="always", cache=True, nogil=True)
