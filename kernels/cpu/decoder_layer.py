@@ -42,7 +42,7 @@ from ember.kernels.cpu.paged_attention import _F32 as _KV_F32
 from ember.kernels.cpu.paged_attention import _KERNELS as _ATTENTION
 from ember.kernels.cpu.quant_matmul import (_MATMUL_INT8, _MATMUL_INT8_MANY, _MATVEC_ROWS, _Q8_0, _SWIGLU_INT8,
                                             INT8_PARALLEL_MIN_WORK, CpuWeight, _quantize_token, _quantized_tokens,
-                                            _rows_times_activations)
+                                            _rows_times_activations, _silu_times)
 from ember.kernels.cpu.team import claim, counters_for, fail, failed, finish, join, wait
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 
@@ -232,7 +232,7 @@ def _matmul_int8(code, w, x, out, force):
 
 # The phases of the team program (team.py) of a layer over an f32 KV cache, in order.
 _NORM_IN, _QKV, _ROPE_STORE, _ATTEND, _QUANTIZE_ATTN, _OUT_PROJ, _NORM_FFN, _GATE_UP, _QUANTIZE_FFN, _DOWN = range(10)
-_PHASES = 10
+_PHASES = _DOWN + 1
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -240,8 +240,9 @@ def _layer_team(threads, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks,
                 attn_in, attn_out):
     """_layer_f32_kv's layer in one parallel region instead of one a kernel: the threads run
     _team_member's phases together (team.py), `threads` of them (numba's count, read by the caller:
-    reading it here would keep this function out of the cache). The same compiled row, token and attention-task code
-    as the serial and parallel kernels computes every value, so the results are theirs bit for bit.
+    reading it here would keep this function out of the cache). The same compiled row, token and
+    attention-task code as the serial and parallel kernels computes every value, so the results are
+    theirs bit for bit.
     Nothing but the team's loop is here: numba would make a parallel region of any array expression."""
     # (flat tuples only: a parallel loop's body takes no tuple of tuples)
     bufs, h_room, attn_room, h2_room, f_room = _team_buffers(x, attn_in, attn_out)
@@ -389,9 +390,7 @@ def _team_phases(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_block
     while c < _groups(gate.shape[0]):
         _group_rows(code_g, gate, c, h2_room, g)  # the group's gate rows, then its up rows, as _swiglu_int8
         _group_rows(code_u, up, c, h2_room, u)
-        for t in range(n):
-            for r in range(c * _MATVEC_ROWS, min(f.shape[1], (c + 1) * _MATVEC_ROWS)):
-                f[t, r] = g[t, r] / (np.float32(1) + np.exp(-g[t, r])) * u[t, r]
+        _silu_times(g, u, c * _MATVEC_ROWS, min(f.shape[1], (c + 1) * _MATVEC_ROWS), f)
         finish(counters, _GATE_UP)
         c = claim(counters, _GATE_UP, me, _groups(gate.shape[0]))
     if not wait(counters, _GATE_UP, _groups(gate.shape[0])):

@@ -525,9 +525,16 @@ def _swiglu_int8(tt_gate, gate, tt_up, up, x, out):
         # the group's gate rows, then its up rows: one contiguous stream at a time for the prefetcher
         _rows_times_activations(tt_gate, gate, c * _MATVEC_ROWS, end, q8_0, k_quants, g)
         _rows_times_activations(tt_up, up, c * _MATVEC_ROWS, end, q8_0, k_quants, u)
-        for t in range(n):
-            for r in range(c * _MATVEC_ROWS, end):
-                out[t, r] = g[t, r] / (np.float32(1) + np.exp(-g[t, r])) * u[t, r]
+        _silu_times(g, u, c * _MATVEC_ROWS, end, out)
+
+
+@njit(inline="always", **_STRICT)
+def _silu_times(g, u, first, end, out):
+    """out = silu(g) * u on columns first..end-1 of every token: the one SwiGLU of the integer decode
+    path (the fused layer's thread team, decoder_layer.py, calls it too)."""
+    for t in range(out.shape[0]):
+        for r in range(first, end):
+            out[t, r] = g[t, r] / (np.float32(1) + np.exp(-g[t, r])) * u[t, r]
 
 
 # Each integer kernel compiled serial and parallel (twin.py); below INT8_PARALLEL_MIN_WORK weight
