@@ -11,7 +11,10 @@ tiny simulator launch runs exactly the code a GPU runs.
 from __future__ import annotations
 
 import math
+import sys
+import threading
 
+import numpy as np
 from numba import config, cuda
 
 SIMULATOR: bool = bool(config.ENABLE_CUDASIM)
@@ -124,6 +127,42 @@ else:
     def block_broadcast(v, lane, scratch):  # type: ignore[no-untyped-def]
         return cuda.shfl_sync(_FULL_MASK, v, lane)
 
+
+# --- the simulator's shared arrays ----------------------------------------------------------------
+def _serialise_simulated_shared_arrays() -> None:
+    """numba's simulator finds a block's shared array by the (file, line) that asks for it, in a dict it
+    fills without a lock: two simulated threads of one block that reach `cuda.shared.array` at once can
+    each allocate an array of their own, and a reduction through it then reads np.empty garbage. Seen:
+    the daemon test's first token came from the wrong logits row, about one run in twenty (the race needs
+    a thread switch inside the lookup, which other busy threads make likelier). Here the lookup and the
+    allocation are one step under a lock, keyed as numba keys them: by the calling kernel line."""
+    from numba.core import types
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    from numba.np import numpy_support
+
+    if getattr(FakeCUDAShared, "_ember_serialised", False):
+        return
+    original = FakeCUDAShared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):  # type: ignore[no-untyped-def]
+        if shape == 0 or alignment is not None:
+            return original(self, shape, dtype, alignment)  # dynamic shared memory (unused here); numba's refusal
+        frame = sys._getframe(1)
+        caller = frame.f_code.co_filename, frame.f_lineno
+        with lock:
+            found = self._allocations.get(caller)
+            if found is None:
+                found = np.empty(shape, numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else dtype)
+                self._allocations[caller] = found
+        return found
+
+    FakeCUDAShared.array = array
+    FakeCUDAShared._ember_serialised = True
+
+
+if SIMULATOR:
+    _serialise_simulated_shared_arrays()
 
 NEG_INF = -math.inf
 __all__ = ["SIMULATOR", "THREADS", "WARP", "block_argmax", "block_broadcast", "block_max", "block_sum", "flat_grid",

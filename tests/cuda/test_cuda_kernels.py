@@ -192,3 +192,42 @@ def test_paged_attention_decode_and_prefill_with_gqa(ops, dtype: str) -> None:  
     decoded = [[decode_rows(encode_rows(r, dtype), dtype, hd) for r in rows] for rows in (k_all, v_all)]
     want = _reference_attention(q, decoded[0], decoded[1], [n - m for n, m in zip(lengths, new, strict=True)])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_simulated_threads_of_a_block_share_one_shared_array() -> None:
+    """On the simulator, threads that ask for a kernel line's shared array at the same moment all get the
+    same array (numba's own lookup can hand two of them different ones: the reductions then read garbage).
+    Thread switches every microsecond make the race frequent: unserialised, ~10% of these trials split."""
+    from ember.kernels.cuda.device import SIMULATOR
+
+    if not SIMULATOR:
+        pytest.skip("simulator only: a GPU's shared memory is the hardware's")
+    import sys
+    import threading
+
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+    def arrays_given_to_racing_threads() -> int:
+        shared, start, got = FakeCUDAShared(0), threading.Barrier(8), []
+
+        def thread() -> None:
+            start.wait()
+            got.append(id(shared.array(8, np.float32)))
+
+        threads = [threading.Thread(target=thread) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return len(set(got))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        assert [arrays_given_to_racing_threads() for _ in range(200)] == [1] * 200
+    finally:
+        sys.setswitchinterval(interval)
+    shared = FakeCUDAShared(0)
+    a = shared.array(4, np.float32)
+    b = shared.array(4, np.int64)  # another line: another array
+    assert a is not b and a.dtype == np.float32 and b.dtype == np.int64
