@@ -262,6 +262,31 @@ def test_numa_binding_degrades_to_unbound() -> None:
     assert os.sched_getaffinity(0) == before
 
 
+def test_stages_loading_together_share_one_ready_deadline() -> None:
+    """Stages load in parallel: the pipeline gives them all one deadline, READY_TIMEOUT from the start,
+    so N stages that never answer fail in READY_TIMEOUT rather than N times it."""
+    import time
+
+    from ember.daemon.runner.pipeline import Pipeline
+    from ember.daemon.runner.stage_process import READY_TIMEOUT
+
+    class LoadingStage:  # records what the pipeline asks of a stage worker
+        def spawn(self, upstream: object, downstream: object) -> None:
+            self.links = (upstream, downstream)
+
+        def wait_ready(self, deadline: float, tick: object) -> None:
+            self.deadline = deadline
+
+    pipeline = object.__new__(Pipeline)  # only the start of the stages, without processes
+    pipeline.stages, pipeline.heartbeat = [LoadingStage() for _ in range(3)], lambda: None
+    before = time.monotonic()
+    pipeline._start_stages()
+    after = time.monotonic()
+    deadlines = {stage.deadline for stage in pipeline.stages}
+    assert len(deadlines) == 1 and before + READY_TIMEOUT <= deadlines.pop() <= after + READY_TIMEOUT
+    assert [stage.links[0] is None for stage in pipeline.stages] == [True, False, False]
+
+
 def test_a_stage_that_dies_fails_its_sequences_and_is_restarted(unsplit, monkeypatch) -> None:
     model = ember.load(DEMO_MODEL, devices=["cpu:0", "cpu:1"], max_step_tokens=STEP)
     ticks = []

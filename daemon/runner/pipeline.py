@@ -26,6 +26,7 @@ they held in their KV caches is of no use without the dead stage's share.
 from __future__ import annotations
 
 import select
+import time
 import socket
 import threading
 import weakref
@@ -41,7 +42,7 @@ from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import KVStateLost
 from ember.daemon.runner.split_spec import StageSpec
 from ember.daemon.runner.stage_channel import Done, Failed, Message, Run, Setup, pack_batch
-from ember.daemon.runner.stage_process import CacheSpec, ProcessStage, StageDied
+from ember.daemon.runner.stage_process import READY_TIMEOUT, CacheSpec, ProcessStage, StageDied
 from ember.daemon.runner.stage_worker import stage_cpus
 from ember.daemon.runner.staging import Boundary, LogitsRows, Segment
 from ember.daemon.runner.step_batch import StepBatch
@@ -57,7 +58,7 @@ class Stage(Protocol):
     @property
     def name(self) -> str: ...
     def spawn(self, upstream: socket.socket | None, downstream: socket.socket | None) -> None: ...
-    def wait_ready(self, tick: Callable[[], None] = ...) -> None: ...
+    def wait_ready(self, deadline: float, tick: Callable[[], None] = ...) -> None: ...
     def kill(self) -> None: ...
     def new_cache(self, cache: int, spec: CacheSpec) -> None: ...
     def drop_cache(self, cache: int) -> None: ...
@@ -118,7 +119,8 @@ class Pipeline:
             self.close()
             raise
         self._lock = threading.RLock()  # one thread at a time moves the flow
-        self._caches = 0
+        self._caches = 0  # the last cache id handed out
+        self._live: set[int] = set()  # cache ids whose runners have not been finalized
         self._dropped: list[int] = []  # finalized runners' caches, dropped at the next submit
         self._lost: set[int] = set()  # caches a restart emptied whose runner has not been told yet
         self._in_flight: deque[Ticket] = deque()  # in submission order: the last stage replies in it
@@ -144,6 +146,7 @@ class Pipeline:
     def new_cache(self, spec: CacheSpec) -> int:
         with self._lock:
             self._caches += 1
+            self._live.add(self._caches)
             for stage in self.stages:
                 try:
                     stage.new_cache(self._caches, spec)
@@ -209,8 +212,9 @@ class Pipeline:
             for ends in links:  # the workers hold them now: a link closes when a stage at its end dies
                 for end in ends:
                     end.close()
+        deadline = time.monotonic() + READY_TIMEOUT  # for them all: they load at the same time
         for stage in self.stages:
-            stage.wait_ready(self.heartbeat)
+            stage.wait_ready(deadline, self.heartbeat)
 
     def _wait(self) -> None:
         """Sleep until the last stage replies or a stage dies; account the reply."""
@@ -250,7 +254,7 @@ class Pipeline:
             ticket.done, ticket.lost = True, why
             self._release(ticket)  # no logits to read: the lane is free at once
         self._in_flight.clear()
-        self._lost = set(range(1, self._caches + 1)) - set(self._dropped)
+        self._lost = self._live - set(self._dropped)
 
     def _restart(self) -> None:
         """Kill every stage and start them again; where that fails, they stay down (KVStateLost says
@@ -282,6 +286,7 @@ class Pipeline:
             for ticket in [t for t in self._held.values() if t.cache == cache]:
                 self._release(ticket)
             self._lost.discard(cache)
+            self._live.discard(cache)
             for stage in self.stages:
                 try:
                     stage.drop_cache(cache)

@@ -85,17 +85,18 @@ class ProcessStage:
         self.channel = Channel(ours)
         self.send(self.setup)
 
-    def wait_ready(self, tick: Callable[[], None] = lambda: None) -> None:
-        """Collect the worker's Ready, calling `tick` every READY_TICK seconds meanwhile (the daemon pets
-        systemd's watchdog with it: a big model's stage may load for longer than WatchdogSec)."""
+    def wait_ready(self, deadline: float, tick: Callable[[], None] = lambda: None) -> None:
+        """Collect the worker's Ready by `deadline` (time.monotonic(); one deadline for all the stages
+        that load together, so N stages wait READY_TIMEOUT in all, not N times it), calling `tick` every
+        READY_TICK seconds meanwhile (the daemon pets systemd's watchdog with it: a big model's stage
+        may load for longer than WatchdogSec)."""
         assert self.channel is not None
-        deadline = time.monotonic() + READY_TIMEOUT
         try:
             while not select.select([self.channel.sock], [], [], READY_TICK)[0]:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no Ready in {READY_TIMEOUT:g} s")
                 tick()
-            self.channel.sock.settimeout(READY_TIMEOUT)  # the frame follows its first byte at once
+            self.channel.sock.settimeout(max(deadline - time.monotonic(), READY_TICK))  # the frame follows its first byte at once
             reply = self.channel.recv()
         except (ChannelClosed, TimeoutError) as e:
             raise StageDied(f"{self.name} did not start: {self._exit_status()} ({e})") from None
@@ -157,10 +158,15 @@ class ProcessStage:
         self.kill()
 
     def kill(self) -> None:
+        """SIGKILL the worker and reap it; one stuck in the kernel (uninterruptible I/O) is left to
+        Popen's later reaping rather than hanging the engine thread."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
         if self.process is not None:
-            self.process.wait()
+            try:
+                self.process.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                pass
         if self.channel is not None:
             self.channel.close()
             self.channel = None
