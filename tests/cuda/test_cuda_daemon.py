@@ -26,7 +26,7 @@ def test_a_daemon_on_cuda_serves_a_request(tmp_path: Path) -> None:
     try:
         with Client(daemon.socket, timeout=240) as client:
             got = [t for chunk in client.generate(PROMPT, max_tokens=3, ignore_eos=True) for t in chunk.token_ids]
-        assert got == want
+        assert got == want, f"the daemon's tokens differ; its log:\n{daemon.log_path.read_text()[-4000:]}"
         events = daemon.log_events()
         assert any(e.get("device") == "cuda:0" for e in events), "the daemon says where the model runs"
     finally:
