@@ -147,6 +147,23 @@ class Ops(ABC):
         compute one by one, so a row's result never depends on which of the two ran it."""
         raise NotImplementedError(f"{self.name} fuses no layers")
 
+    def run_fused_layers(self, fused: Sequence[Any], x: Array, ks: Sequence[Any], vs: Sequence[Any], decode_rows: Array,
+                         positions: Array, seen: Array, kv_blocks: Array, kv_offsets: Array, tables: Array,
+                         token_seq: Array) -> Array | None:
+        """Layers fused with their FFNs, one after another (layer i's K/V in the stores ks[i] and vs[i]):
+        run_fused_layer on each, asked in one call so that a backend can keep Python off the way
+        between them; None, having done nothing, for a step the fused form does not take. Whether it
+        takes one depends on the step alone, so the first layer decides for all of them."""
+        for i, (layer, k, v) in enumerate(zip(fused, ks, vs, strict=True)):
+            out = self.run_fused_layer(layer, x, k, v, decode_rows, positions, seen, kv_blocks, kv_offsets, tables,
+                                       token_seq)
+            if out is None:
+                if i:
+                    raise RuntimeError(f"fused layer {i} refused a step that layer 0 ran (a bug)")
+                return None
+            x = out
+        return x
+
     @abstractmethod
     def embedding(self, w: Weight, ids: np.ndarray) -> Array:
         """Rows `ids` of w, dequantized -> [len(ids), cols] f32."""

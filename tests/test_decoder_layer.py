@@ -41,6 +41,7 @@ def without_fusion(net):  # type: ignore[no-untyped-def]
     fused = [b.fused for b in net.blocks]
     for b in net.blocks:
         b.fused = None
+    net.fused_layers = None
     return fused
 
 
@@ -53,6 +54,27 @@ def test_fused_decode_steps_equal_the_ops(arch: str, kv_dtype: str) -> None:
     without_fusion(net)
     for a, b in zip(fused, decode_states(net, kv_dtype), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "q8_0"])
+def test_a_decode_step_runs_every_fused_layer_in_one_backend_call(kv_dtype: str, monkeypatch) -> None:
+    """A model whose layers are all fused with their FFNs hands a decode step's layers to the backend
+    at once (no Python between them); what they compute is what each layer's own fused call does."""
+    from ember.kernels.cpu import backend, decoder_layer
+
+    net = synthetic_model(INT8_TYPES)
+    assert net.fused_layers is not None and len(net.fused_layers) == len(net.blocks)
+    stacks, single = [], []
+    stack, run = decoder_layer.run_stack, decoder_layer.run
+    monkeypatch.setattr(decoder_layer, "run_stack", lambda layers, *a: stacks.append(len(layers)) or stack(layers, *a))
+    monkeypatch.setattr(decoder_layer, "run", lambda *a: single.append(1) or run(*a))
+    whole = decode_states(net, kv_dtype)
+    assert stacks == [len(net.blocks)] * 3 and not single  # three decode steps, each one call
+    net.fused_layers = None  # each block's own fused call
+    for a, b in zip(whole, decode_states(net, kv_dtype), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert len(single) == 3 * len(net.blocks)
+    assert isinstance(net.ops, backend.CpuOps)
 
 
 @pytest.mark.parametrize("variant", ["serial", "parallel"])

@@ -98,9 +98,8 @@ class Block:
         out = None
         if self.fused is not None:  # decode steps: the layer in one go, Python off the per-op path
             kv = self.attn.kv_layer
-            seen = batch.positions if batch.attn_end is None else batch.attn_end
             out = ops.run_fused_layer(self.fused, x, cache.k[kv], cache.v[kv], batch.decode_rows, batch.positions,
-                                      seen, batch.kv_blocks, batch.kv_offsets, batch.tables, batch.token_seq)
+                                      batch.attends_to, batch.kv_blocks, batch.kv_offsets, batch.tables, batch.token_seq)
         if out is None:
             x = x + self._mix(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache, batch)
         elif self.fused_ffn:
@@ -134,6 +133,10 @@ class Transformer:
         inv_freq = mf.config.inv_freq(None if factors is None else ops.to_numpy(ops.vector(factors)))
         self.rope = Rope(ops.vector(RawTensor("rope.inv_freq", TensorType.F32, inv_freq.shape, inv_freq)), mf.rope_interleaved)
         self.blocks = [load_block(mf, ops, spec, i, self.layers.start, self.experts, self.rope) for i in self.layers]
+        # every layer fused with its FFN, its K/V in cache layer i: a decode step runs them in one
+        # backend call (ops.run_fused_layers), with no Python between them
+        whole = all(b.fused is not None and b.fused_ffn and b.attn.kv_layer == i for i, b in enumerate(self.blocks))
+        self.fused_layers: list[Any] | None = [b.fused for b in self.blocks] if whole else None
         self.norm = _norm(mf, ops, "output_norm.weight") if self.runs_last else None
         # tied embeddings: the output projection is the embedding matrix, shared, not loaded twice
         self.output = None if not self.runs_last else self.embed if tied else ops.weight(mf.tensors["output.weight"])
@@ -186,6 +189,12 @@ class Transformer:
 
     def run_layers(self, x: Array, batch: StepBatch, cache: PagedKVCache) -> Array:
         """Hidden states through this object's layers (f32 in, f32 out), writing their K/V into `cache`."""
+        if self.fused_layers is not None:
+            out = self.ops.run_fused_layers(self.fused_layers, x, cache.k, cache.v, batch.decode_rows, batch.positions,
+                                            batch.attends_to, batch.kv_blocks, batch.kv_offsets, batch.tables,
+                                            batch.token_seq)
+            if out is not None:
+                return out
         for block in self.blocks:  # x is rebound: a layer's input is freed once the next has run
             x = block(self.ops, self.config, self.rope, x, cache, batch)
         return x

@@ -37,6 +37,11 @@ class StepBatch:
     def n_logits(self) -> int:
         return len(self.logit_rows)
 
+    @property
+    def attends_to(self) -> Any:
+        """[n] the last position each token attends to: attn_end where given, else its own."""
+        return self.positions if self.attn_end is None else self.attn_end
+
     @classmethod
     def build(cls, chunks: Sequence[ChunkSpec], block_size: int, all_logits: bool | Sequence[bool] = False,
               wants_logits: Sequence[bool] | None = None, prompt_lengths: Sequence[int] | None = None,

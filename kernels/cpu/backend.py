@@ -1,7 +1,7 @@
 """CpuOps: the ops API on the CPU, numba kernels over numpy arrays."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -57,6 +57,14 @@ class CpuOps(Ops):
             return None
         return decoder_layer.run(fused, x, k, v, self.kv_write, positions, seen, kv_blocks, kv_offsets, tables,
                                  token_seq)
+
+    def run_fused_layers(self, fused: Sequence[decoder_layer.FusedLayer], x: Array, ks: Sequence[KVLayerStore],
+                         vs: Sequence[KVLayerStore], decode_rows: Array, positions: Array, seen: Array, kv_blocks: Array,
+                         kv_offsets: Array, tables: Array, token_seq: Array) -> np.ndarray | None:
+        if self._flags(decode_rows) is not True:
+            return None
+        return decoder_layer.run_stack(fused, x, ks, vs, self.kv_write, positions, seen, kv_blocks, kv_offsets, tables,
+                                       token_seq)
 
     def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
                    weight: np.ndarray, decode_rows: Array | None = None) -> np.ndarray:

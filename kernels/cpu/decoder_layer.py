@@ -29,6 +29,7 @@ blindly; at one or two calls per layer the dispatcher's check was kept.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,14 +113,34 @@ def run(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, kv_w
     """The layer on x [n, hidden] (every row a decode row, roped at `positions`, token i attending
     to its sequence's keys 0 .. seen[i]), its K/V written by `kv_write(store, blocks, offsets,
     rows)` -> the layer's output [n, hidden]."""
-    force = twin.force_code()
+    return run_stack((layer,), x, (k,), (v,), kv_write, positions, seen, kv_blocks, kv_offsets, tables, token_seq)
+
+
+def run_stack(layers: Sequence[FusedLayer], x: np.ndarray, ks: Sequence[KVLayerStore], vs: Sequence[KVLayerStore],
+              kv_write: Any, positions: np.ndarray, seen: np.ndarray, kv_blocks: np.ndarray, kv_offsets: np.ndarray,
+              tables: np.ndarray, token_seq: np.ndarray) -> np.ndarray:
+    """`layers` one after another on x, layer i's K/V in ks[i] and vs[i], each as `run` runs it. The
+    step's choices are made once, and nothing else runs between the layers' compiled calls: Python
+    right after the kernels runs several times slower than at rest (docs/runtime.md)."""
+    force, threads = twin.force_code(), twin.threads()
     x = _f32_rows(x)
-    if k.mode == _KV_F32:  # storing an f32 row is a copy: the whole layer in one compiled call
-        if force == 2 or (force == 0 and layer.work * x.shape[0] >= INT8_PARALLEL_MIN_WORK):
-            return _layer_team(twin.threads(), x, positions, k.f32, k.u16, k.i8, k.scales, v.f32, kv_blocks, kv_offsets, tables,
-                               token_seq, seen, layer.attn_in, layer.attn_out)
-        return _layer_f32_kv(x, positions, force, k.f32, k.u16, k.i8, k.scales, v.f32, kv_blocks, kv_offsets, tables,
-                             token_seq, seen, layer.attn_in, layer.attn_out)
+    for layer, k, v in zip(layers, ks, vs, strict=True):
+        if k.mode != _KV_F32:
+            x = _layer_quantized_kv(layer, x, k, v, kv_write, positions, seen, kv_blocks, kv_offsets, tables, token_seq,
+                                    force)
+        elif force == 2 or (force == 0 and layer.work * x.shape[0] >= INT8_PARALLEL_MIN_WORK):
+            x = _layer_team(threads, x, positions, k.f32, k.u16, k.i8, k.scales, v.f32, kv_blocks, kv_offsets, tables,
+                            token_seq, seen, layer.attn_in, layer.attn_out)
+        else:  # storing an f32 row is a copy: the whole layer in one compiled call
+            x = _layer_f32_kv(x, positions, force, k.f32, k.u16, k.i8, k.scales, v.f32, kv_blocks, kv_offsets, tables,
+                              token_seq, seen, layer.attn_in, layer.attn_out)
+    return x
+
+
+def _layer_quantized_kv(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, kv_write: Any,
+                        positions: np.ndarray, seen: np.ndarray, kv_blocks: np.ndarray, kv_offsets: np.ndarray,
+                        tables: np.ndarray, token_seq: np.ndarray, force: int) -> np.ndarray:
+    """The layer over a KV cache that stores a converted row: attention in, the K/V store, attention out."""
     q, kr, vr = _attention_in(x, positions, force, False, k.f32, v.f32, kv_blocks, kv_offsets, *layer.attn_in)
     kv_write(k, kv_blocks, kv_offsets, kr)
     kv_write(v, kv_blocks, kv_offsets, vr)
