@@ -63,6 +63,7 @@ def test_a_decode_step_runs_every_fused_layer_in_one_backend_call(kv_dtype: str,
     from ember.kernels.cpu import backend, decoder_layer
 
     net = synthetic_model(INT8_TYPES)
+    assert isinstance(net.ops, backend.CpuOps)
     assert net.fused_layers is not None and len(net.fused_layers) == len(net.blocks)
     stacks, single = [], []
     stack, run = decoder_layer.run_stack, decoder_layer.run
@@ -74,7 +75,6 @@ def test_a_decode_step_runs_every_fused_layer_in_one_backend_call(kv_dtype: str,
     for a, b in zip(whole, decode_states(net, kv_dtype), strict=True):
         np.testing.assert_array_equal(a, b)
     assert len(single) == 3 * len(net.blocks)
-    assert isinstance(net.ops, backend.CpuOps)
 
 
 @pytest.mark.parametrize("variant", ["serial", "parallel"])

@@ -26,9 +26,9 @@ they held in their KV caches is of no use without the dead stage's share.
 from __future__ import annotations
 
 import select
-import time
 import socket
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence

@@ -96,7 +96,8 @@ class ProcessStage:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no Ready in {READY_TIMEOUT:g} s")
                 tick()
-            self.channel.sock.settimeout(max(deadline - time.monotonic(), READY_TICK))  # the frame follows its first byte at once
+            # the frame follows its first byte at once
+            self.channel.sock.settimeout(max(deadline - time.monotonic(), READY_TICK))
             reply = self.channel.recv()
         except (ChannelClosed, TimeoutError) as e:
             raise StageDied(f"{self.name} did not start: {self._exit_status()} ({e})") from None

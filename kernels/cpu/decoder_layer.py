@@ -47,7 +47,7 @@ from ember.kernels.cpu.quant_matmul import (_MATMUL_INT8, _MATMUL_INT8_MANY, _MA
 from ember.kernels.cpu.team import claim, counters_for, fail, failed, finish, join, wait
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 
-__all__ = ["FusedLayer", "fuse", "run"]
+__all__ = ["FusedLayer", "fuse", "run", "run_stack"]
 
 # each twin's variants as globals of their own: compiled code calls a dispatcher, not an attribute
 _QKV_SERIAL, _QKV_PARALLEL = _MATMUL_INT8_MANY.serial, _MATMUL_INT8_MANY.parallel
