@@ -11,7 +11,7 @@
     cold_policy = "exact"         # MoE: "exact" (default) or "mask" (cold experts dropped: lossy)
     [server]   socket, socket_group, drain_timeout, log_format, log_level, probe_interval, logits_slots,
                max_logits_bytes, stall_timeout
-    [engine]   device, kv_dtype, ctx, max_active, max_queued, max_step_tokens, prefix_caching, warmup, threads,
+    [engine]   device, kv_dtype, ctx, max_active, max_queued, max_step_tokens, prefix_caching, decode_burst_ms, warmup, threads,
                decode_act, devices, split, act_dtype, stage_threads (a layer split: docs/layer_split.md)
     [limits]   see protocol/limits.py
 
@@ -32,6 +32,7 @@ from typing import Any
 
 import msgspec
 
+from ember.daemon.engine.decode_burst import DECODE_BURST
 from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES, STORAGE_DTYPES
 from ember.daemon.planning.precision import ACT_DTYPES
 from ember.daemon.runner.devices import DeviceName
@@ -124,6 +125,7 @@ class EngineConfig(_Section):
     max_queued: int = 32  # admitted requests beyond max_active waiting their turn; beyond: Error{code: "busy"}
     max_step_tokens: int = 256  # tokens per forward pass: every running sequence's next token, then prompt chunks
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
+    decode_burst_ms: float = 1000 * DECODE_BURST  # decode steps run in one go for up to this long (EngineCore); 0: one token a step
     warmup: bool = True  # run a short generation before READY (loads the compiled kernels)
     threads: int = 0  # kernel threads of the engine; 0: one per core but one, left to the I/O loop and clients
     decode_act: str = "q8_0"  # activations of generated tokens against quantized weights: q8_0 (fast, llama.cpp's) or f32
@@ -149,6 +151,7 @@ class EngineConfig(_Section):
         _check(self.max_active >= 1, f"max_active must be >= 1, got {self.max_active}")
         _check(self.max_queued >= 0, f"max_queued must be >= 0, got {self.max_queued}")
         _check(self.max_step_tokens >= 1, f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
+        _check(0 <= self.decode_burst_ms <= 1000, f"decode_burst_ms must be 0-1000, got {self.decode_burst_ms}")
 
     def context_for(self, model_context: int) -> int:
         """Tokens per sequence for a model whose own context length is `model_context`."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ember.daemon.engine.decode_burst import DECODE_BURST
 from ember.daemon.engine.defaults import KV_BLOCK, PREFILL_CHUNK
 from ember.daemon.engine.engine_core import EngineCore, StepOutput
 from ember.daemon.engine.sequence import Sequence as EngineSequence
@@ -140,6 +141,7 @@ class Model:
         """An engine core of its own over this model's weights, with KV cache for `capacity` tokens
         (more sequences: EngineCore's options, e.g. max_running, max_context, prefix_caching)."""
         options.setdefault("prefix_caching", False)
+        options.setdefault("decode_burst", DECODE_BURST)
         options.setdefault("max_step_tokens", self.pipeline.max_tokens if self.pipeline else PREFILL_CHUNK)
         blocks = -(-capacity // KV_BLOCK)
         if self.pipeline is None:

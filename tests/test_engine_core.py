@@ -2,6 +2,8 @@
 produces alone, with and without prefix reuse, and under KV exhaustion (preemption)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -72,6 +74,75 @@ def test_batched_greedy_equals_alone(model, n_seqs: int) -> None:
     run(engine, {i * 3: [s] for i, s in enumerate(seqs)})  # staggered arrivals: prefill meets decode
     for seq, prompt in zip(seqs, prompts):
         assert seq.generated == alone(model, prompt, 20), model.detokenize(prompt)
+
+
+def bursting(model, kv_blocks: int, **options) -> tuple[EngineCore, list[int]]:
+    """An engine whose decode steps run in bursts of 4 whenever the scheduler allows, and the size
+    of each burst its runner ran."""
+    engine = engine_of(model, kv_blocks, decode_burst=math.inf, max_burst=4, **options)
+    sizes, real = [], engine.runner.decode
+
+    def counted(batch, samplers, steps):  # type: ignore[no-untyped-def]
+        sizes.append(steps)
+        return real(batch, samplers, steps)
+
+    engine.runner.decode = counted
+    return engine, sizes
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_k": 40, "repetition_penalty": 1.3,
+                                           "presence_penalty": 0.4, "frequency_penalty": 0.2}])
+def test_decode_bursts_give_the_tokens_of_single_steps(model, sampling: dict) -> None:
+    """Decode bursts (several decode steps in one engine step) against one token a step: the same
+    tokens and ends for staggered sequences, seeded sampling with penalties over the tokens the burst
+    sampled before, a stop id in mid-burst, max_tokens inside a burst, and every block back."""
+    prompts = [model.tokenize(s) for s in SNIPPETS[:5]]
+    params = SamplingParams(**sampling)
+
+    def sequences(stop: int | None) -> list[Sequence]:
+        return [Sequence(p, max_tokens=9 + 3 * i, params=params, seed=i,
+                         stop_ids=frozenset() if stop is None or i != 1 else frozenset({stop}))
+                for i, p in enumerate(prompts)]
+
+    single = sequences(None)
+    run(engine_of(model, kv_blocks=64), {0: single[:2], 7: single[2:]})
+    stop = single[1].generated[6]  # the stop falls inside a burst of 4
+    assert stop not in single[1].generated[:6]
+    single = sequences(stop)
+    run(engine_of(model, kv_blocks=64), {0: single[:2], 7: single[2:]})
+    engine, sizes = bursting(model, kv_blocks=64)
+    burst = sequences(stop)
+    run(engine, {0: burst[:2], 7: burst[2:]})
+    assert [s.generated for s in burst] == [s.generated for s in single]
+    assert [s.finish_reason for s in burst] == [s.finish_reason for s in single] == ["length", "stop"] + ["length"] * 3
+    assert sizes and max(sizes) == 4
+    assert engine.stats().kv_blocks_free == 64
+
+
+def test_decode_bursts_under_kv_exhaustion_and_a_failing_sampler(model, monkeypatch) -> None:
+    """Bursts reserve their slots without preempting anyone; when blocks run short the engine
+    preempts and recomputes as it does for single steps, and a sequence whose sampling fails in
+    mid-burst ends alone with the tokens it had before."""
+    from ember.kernels import sampling
+
+    real = sampling.sample
+
+    def flaky(logits, params, rng, prompt, generated, logprob=True):  # type: ignore[no-untyped-def]
+        if params.min_p == 0.5 and len(generated) == 6:
+            raise ValueError("probabilities contain NaN")
+        return real(logits, params, rng, prompt, generated, logprob=logprob)
+
+    monkeypatch.setattr(sampling, "sample", flaky)
+    prompts = [model.tokenize(s) for s in SNIPPETS[:6]]
+    engine, sizes = bursting(model, kv_blocks=12, block_size=4, max_step_tokens=32)
+    good = [Sequence(p, max_tokens=16, params=SamplingParams(temperature=0.8), seed=i) for i, p in enumerate(prompts[:5])]
+    bad = Sequence(prompts[5], 16, SamplingParams(temperature=0.8, min_p=0.5), seed=9)
+    run(engine, {0: good[:2], 1: [bad], 30: good[2:]})
+    assert bad.finish_reason == "error" and len(bad.generated) == 6
+    assert engine.scheduler.preemptions > 0 and max(sizes) == 4
+    for seed, (seq, prompt) in enumerate(zip(good, prompts, strict=False)):
+        assert seq.finish_reason == "length" and seq.generated == alone(model, prompt, 16, temperature=0.8, seed=seed)
+    assert engine.stats().kv_blocks_free == 12
 
 
 def test_prefix_reuse_gives_identical_output_and_hits(model) -> None:

@@ -142,3 +142,37 @@ def run_to_completion_while(sched: Scheduler, more, max_steps: int = 1000) -> li
         sched.update(plan, [Choice(7, 0.0) for c in plan.chunks if c.samples])
         sched.blocks.check_integrity([s.table for s in sched.running + list(sched.waiting)])
     return steps
+
+
+def test_decode_bursts_get_slots_only_when_every_runnable_sequence_decodes_and_none_waits() -> None:
+    """A burst of 4 decode steps: each decode gets 3 slots beyond its token (fewer near max_tokens),
+    none while a prompt is being read or a sequence waits; a block of 4 counts every position run,
+    and a block cut by a stop frees its unused slots with the sequence."""
+    sched = Scheduler(BlockManager(32, 4), max_step_tokens=64)
+    sched.decode_lookahead = 3
+    a = Sequence([1, 2, 3], max_tokens=5)
+    b = Sequence([4, 5], max_tokens=20, stop_ids=frozenset({9}))
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()  # prompts
+    assert [c.lookahead for c in first.chunks] == [0, 0]
+    sched.update(first, [Choice(7, 0.0), Choice(7, 0.0)])
+    late = Sequence(list(range(1, 10)), max_tokens=20)
+    sched.add(late)
+    mixed = sched.schedule()  # a prompt is read in this step: no burst
+    assert [c.lookahead for c in mixed.chunks] == [0, 0, 0]
+    sched.update(mixed, [Choice(7, 0.0)] * 3)
+    burst = sched.schedule()
+    assert [(c.seq, c.length, c.lookahead) for c in burst.chunks] == [(a, 1, 2), (b, 1, 3), (late, 1, 3)]
+    assert len(b.table) == sched.blocks.blocks_for(b.n_tokens + 3)
+    sched.update(burst, [(Choice(8, 0.0),) * 3, (Choice(8, 0.0),) * 4, (Choice(8, 0.0),) * 2])
+    assert a.generated == [7, 7, 8, 8, 8] and a.finish_reason == "length" and a.table == []
+    assert b.generated == [7, 7] + [8] * 4 and b.n_computed == b.n_tokens - 1  # every position the burst ran counts
+    assert len(b.table) == sched.blocks.blocks_for(b.n_tokens)
+    assert late.n_computed == late.n_tokens - 1 and len(late.table) == sched.blocks.blocks_for(late.n_tokens)  # the slots a short block left are freed
+    plan = sched.schedule()
+    assert [c.lookahead for c in plan.chunks] == [3, 3]
+    sched.update(plan, [(Choice(8, 0.0), Choice(9, 0.0), Choice(8, 0.0), Choice(8, 0.0)), (Choice(8, 0.0),) * 4])
+    assert b.generated[-2:] == [8, 9] and b.finish_reason == "stop" and b.table == []  # what follows the stop is dropped
+    assert late.n_computed == late.n_tokens - 1
+    sched.blocks.check_integrity([s.table for s in sched.running + list(sched.waiting)])

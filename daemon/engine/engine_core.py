@@ -10,12 +10,14 @@ the same pass and keeps what verification accepts (so a step may add several tok
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ember.daemon.engine.block_manager import BlockManager
+from ember.daemon.engine.decode_burst import MAX_BURST, BurstClock
 from ember.daemon.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
 from ember.daemon.engine.sequence import Sequence, Status
 from ember.daemon.runner.model_runner import KVStateLost, ModelRunner, PendingStep, StepRun
@@ -65,13 +67,21 @@ class EngineCore:
     def __init__(self, runner: ModelRunner, max_step_tokens: int = 256, max_running: int = 64,
                  prefix_caching: bool = True, max_context: int | None = None,
                  draft: ModelRunner | FeatureProposer | None = None, draft_tokens: int = 4,
-                 spec_stats: SpecStats | None = None, draft_min_prob: float = DRAFT_MIN_PROB) -> None:
+                 spec_stats: SpecStats | None = None, draft_min_prob: float = DRAFT_MIN_PROB,
+                 decode_burst: float = 0.0, max_burst: int = MAX_BURST) -> None:
         """max_context: tokens per sequence at most (default and upper bound: the model's context).
         draft: a runner of the draft model whose KV cache has as many blocks, of the same size, as
         the target's; each sequence then gets up to draft_tokens proposals a step, fewer where the
         draft is unsure (DraftProposer's min_prob = draft_min_prob), counted in spec_stats (a new
         SpecStats if not given). Or a feature-conditioned draft built over `runner`
         (FeatureProposer): at most its block less one proposals a step, all from one pass.
+
+        decode_burst: seconds a step may spend decoding in one go. While every runnable sequence
+        decodes and nobody waits, a step then runs up to max_burst decode steps back to back (a
+        decode burst, ModelRunner.decode), as many as fit in that time at the rate of the steps
+        before: the engine's host work once for them all, the tokens those of single steps. 0: one
+        token a step. Not with a draft (its lookahead is the proposals'), a pipelined layer split
+        (its steps overlap already) or recurrent state.
 
         A hybrid model (runner.stateful) runs without prefix reuse: cached KV blocks would skip the
         tokens whose recurrent state the sequence still needs (docs/hybrid.md); nor with a draft
@@ -102,6 +112,8 @@ class EngineCore:
         align = runner.step_alignment if max_step_tokens >= runner.step_alignment + max_running else 1
         self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context, lookahead, align, feature)
         self._in_flight: deque[_Flight] = deque()  # steps submitted to a pipelined runner, oldest first
+        bursts = draft is None and runner.lanes == 1 and not runner.stateful
+        self._bursts = BurstClock(decode_burst if bursts else 0.0, max_burst)
 
     def add(self, seq: Sequence) -> None:
         seq.params.check_vocab(self.runner.config.vocab)
@@ -124,6 +136,7 @@ class EngineCore:
         sequence with "error" and forgets the cached prefixes; waiting ones run later as usual."""
         if self.runner.lanes > 1 and self.proposer is None:
             return self._step_pipelined()
+        self.scheduler.decode_lookahead = self._bursts.size() - 1
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return StepResult(0)
@@ -182,7 +195,7 @@ class EngineCore:
             return StepResult(max(1, plan.n_tokens), [], plan.started, self._lose_state(str(e)))
 
     def _submit(self, plan: StepPlan) -> _Flight:
-        rows = _LogitRows(plan)
+        rows = _LogitRows(plan, self.proposer is not None)
         before = [len(c.seq.generated) if c.samples else -1 for c in plan.chunks]  # before update() appends
         samplers = [(rows.last[i], c.seq) for i, c in enumerate(plan.chunks) if c.samples]
         pending = self.runner.submit(self._build(plan.chunks, rows, {}), samplers, rows.keep)
@@ -210,9 +223,22 @@ class EngineCore:
         if proposals:  # the draft may stop short of the lookahead: the step verifies what it proposed
             plan = replace(plan, chunks=[replace(c, lookahead=len(proposals[i].tokens)) if i in proposals else c
                                          for i, c in enumerate(plan.chunks)])
-        rows = _LogitRows(plan)
+        rows = _LogitRows(plan, self.proposer is not None)
         before = [len(c.seq.generated) if c.samples else -1 for c in plan.chunks]  # before update() appends
-        return self._account(plan, rows, before, self._run(plan, rows, proposals))
+        if self.proposer is not None or not all(c.samples and c.length == 1 for c in plan.chunks):
+            return self._account(plan, rows, before, self._run(plan, rows, proposals))
+        # a decode step: timed for the burst size; a burst where every chunk has slots for one
+        steps = 1 + min(c.lookahead for c in plan.chunks)
+        start = time.perf_counter()
+        run = self._run(plan, rows, {}) if steps == 1 else self._burst_run(plan, rows, steps)
+        self._bursts.timed(time.perf_counter() - start, steps)
+        return self._account(plan, rows, before, run)
+
+    def _burst_run(self, plan: StepPlan, rows: _LogitRows, steps: int) -> StepRun:
+        """`steps` decode steps of the plan's sequences in one go (their slots reserved by the
+        scheduler): one block of tokens each; update() then drops what follows a stop."""
+        samplers = [(rows.last[i], c.seq) for i, c in enumerate(plan.chunks)]
+        return self.runner.decode(self._build(plan.chunks, rows, {}), samplers, steps)
 
     def _account(self, plan: StepPlan, rows: _LogitRows, before: list[int], run: StepRun
                  ) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
@@ -323,7 +349,9 @@ class _LogitRows:
     chunk one (its last token) and one per proposed token after it, others none; and which rows go
     back to the host: those asked for, and those to verify proposals against."""
 
-    def __init__(self, plan: StepPlan) -> None:
+    def __init__(self, plan: StepPlan, proposing: bool) -> None:
+        """proposing: the plan's lookahead is for proposed tokens, each a logits row (else for a
+        decode burst, whose later steps are batches of their own)."""
         self.first: list[int] = []
         self.last: list[int] = []
         self.count: list[int] = []
@@ -332,7 +360,7 @@ class _LogitRows:
         self.returned: list[bool] = []  # per chunk: its rows go out in StepOutput.logits
         n = 0
         for c in plan.chunks:
-            count = c.length if c.seq.prompt_logits else int(c.samples) * (1 + c.lookahead)
+            count = c.length if c.seq.prompt_logits else int(c.samples) * (1 + (c.lookahead if proposing else 0))
             self.first.append(n)
             self.last.append(n + count - 1)
             self.count.append(count)

@@ -9,8 +9,10 @@ decided (a stop id, max_tokens, the context; cancelling and stop strings end it 
 cannot take more output now) is skipped: it keeps its blocks and its place, and runs again once
 released. With speculative decoding (`lookahead` > 0) a sampling chunk also gets KV slots for up to
 `lookahead` proposed tokens, which the engine verifies in the same pass; `update()` then takes a
-block of tokens for it and rolls the cache back past the first rejected one. Pure Python: testable
-without a model.
+block of tokens for it and rolls the cache back past the first rejected one. Without a draft, a step
+in which every runnable sequence decodes and nobody waits may give each decode `decode_lookahead`
+such slots: the engine then runs that many decode steps more in one go (a decode burst) and
+`update()` takes the block they sampled. Pure Python: testable without a model.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first position run in this step
     length: int
-    lookahead: int = 0  # KV slots reserved after the chunk for proposed tokens (speculative decoding)
+    lookahead: int = 0  # KV slots reserved after the chunk for proposed tokens (speculative decoding; decode bursts)
 
     @property
     def reaches_end(self) -> bool:
@@ -64,6 +66,9 @@ class Scheduler:
         self.feature_draft = feature_draft
         self.align = align
         self.lookahead = lookahead
+        # without a draft: slots for the tokens a decode burst samples after the first (EngineCore
+        # sets it before each schedule; 0: one token a step)
+        self.decode_lookahead = 0
         self.max_step_tokens = max_step_tokens
         self.max_running = max_running
         pool_tokens = blocks.n_blocks * blocks.block_size
@@ -101,6 +106,7 @@ class Scheduler:
         room = max_seqs or self.max_running
         chunks: list[ScheduledChunk] = []
         started: list[Sequence] = []
+        burst = self._bursting()
         # decodes (one pending token) before prompt chunks, oldest first: latency of running streams
         for seq in sorted(self.running, key=lambda s: (s.pending > 1, s.seq_id)):
             if budget == 0 or len(chunks) == room or seq not in self.running or seq.held or seq.in_flight:
@@ -108,7 +114,7 @@ class Scheduler:
             length = self._cut(seq, min(seq.pending, budget))
             if length == 0:
                 continue  # too little budget left for an aligned piece of its prompt
-            extra = self._lookahead(seq, length, budget - length)
+            extra = self._lookahead(seq, length, budget - length, burst)
             if not self._grow(seq, seq.n_computed + length + extra):
                 continue
             chunks.append(ScheduledChunk(seq, seq.n_computed, length, extra))
@@ -161,16 +167,29 @@ class Scheduler:
                 self._roll_back(seq)
         return finished
 
-    # --- speculative decoding ---------------------------------------------------------------------
-    def _lookahead(self, seq: Sequence, length: int, budget: int) -> int:
-        """Slots for proposed tokens after this chunk: none unless it samples; never more than the
-        tokens the sequence may still add after the one it samples (max_tokens, context) nor than
-        free memory allows without preempting anyone."""
-        if not self.lookahead or not seq.can_speculate or seq.n_computed + length != seq.n_tokens:
+    # --- speculative decoding and decode bursts --------------------------------------------------
+    def _bursting(self) -> bool:
+        """Whether this step's decodes may take slots for a burst: only when every runnable sequence
+        decodes (a burst's steps are all decodes) and nobody waits (a burst delays an admission)."""
+        if not self.decode_lookahead or any(not s.held for s in self.waiting):
+            return False
+        return all(s.pending == 1 for s in self.running if not s.held and not s.in_flight)
+
+    def _lookahead(self, seq: Sequence, length: int, budget: int, burst: bool) -> int:
+        """Slots for proposed tokens (or a decode burst's) after this chunk: none unless it samples;
+        never more than the tokens the sequence may still add after the one it samples (max_tokens,
+        context) nor than free memory allows without preempting anyone."""
+        if not seq.can_speculate or seq.n_computed + length != seq.n_tokens:
             return 0
-        if self.feature_draft and length != 1:
+        if self.lookahead:
+            if self.feature_draft and length != 1:
+                return 0
+            wanted = self.lookahead
+        elif burst and length == 1:
+            wanted = self.decode_lookahead
+        else:
             return 0
-        n = min(self.lookahead, budget, seq.max_tokens - len(seq.generated) - 1,
+        n = min(wanted, budget, seq.max_tokens - len(seq.generated) - 1,
                 self.max_context - seq.n_tokens - 1)
         if n > 0 and not self.blocks.can_allocate(self.blocks.blocks_for(seq.n_tokens + n) - len(seq.table)):
             return 0
@@ -181,8 +200,9 @@ class Scheduler:
         all were, the last one's K/V is the target's only (a draft model never ran it), so it is left
         pending and runs again next step: target and draft caches then always hold the same
         positions, and a full block registered for prefix reuse holds both models' K/V. A feature
-        draft took every row the target ran in the same step: all of them count."""
-        return accepted if self.feature_draft else min(accepted, chunk.lookahead - 1)
+        draft took every row the target ran in the same step: all of them count, as do a decode
+        burst's (no draft: the target ran every token the burst kept)."""
+        return accepted if self.feature_draft or not self.lookahead else min(accepted, chunk.lookahead - 1)
 
     def _roll_back(self, seq: Sequence) -> None:
         """Free the blocks only rejected proposals used. Their positions were never counted as

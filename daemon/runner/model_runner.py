@@ -113,6 +113,35 @@ class ModelRunner:
             return PendingStep(logits, batch.n_logits, list(samplers), list(keep), features)
         return PendingStep(self.forward(batch), batch.n_logits, list(samplers), list(keep))
 
+    def decode(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], steps: int) -> StepRun:
+        """`steps` decode steps in a row from `batch` (one token of each sequence, each sampling: row
+        r for each (r, sequence) of `samplers`), each step's sampled tokens the next one's input, in
+        positions the sequences' blocks already hold: the engine's per-step host work once for
+        `steps` tokens (EngineCore's decode bursts). Each StepRun choice is the block of tokens a
+        sequence got, as many as `steps` unless it sampled one of its stop ids first or its sampling
+        failed (the rest of a block would be dropped by the scheduler anyway). A token is the one
+        the same sequence would get from single steps: the same rows, sampler, penalties over
+        everything generated before it, and generator."""
+        blocks: list[list[Choice]] = [[] for _ in samplers]
+        failed: dict[int, str] = {}
+        done = [False] * len(samplers)
+        for step in range(steps):
+            if step:
+                batch = batch.following([block[-1].token if block else seq.tokens[-1]
+                                         for block, (_, seq) in zip(blocks, samplers, strict=True)], self.block_size)
+            choices, bad = self._sample(self.forward(batch), samplers, blocks)
+            for k, choice in enumerate(choices):
+                if done[k]:
+                    continue
+                if choice is None:
+                    failed[k], done[k] = bad[k], True
+                    continue
+                blocks[k].append(choice)
+                done[k] = choice.token in samplers[k][1].stop_ids
+            if all(done):
+                break
+        return StepRun([None if k in failed else tuple(block) for k, block in enumerate(blocks)], {}, failed)
+
     def collect(self, step: PendingStep) -> StepRun:
         """The sampled tokens (and kept logits rows) of a submitted step."""
         logits = self._logits_of(step)
@@ -128,14 +157,19 @@ class ModelRunner:
         """The logits [batch.n_logits, vocab] of the host batch's logit rows, where the runner keeps them."""
         return self.net.forward(self.prepare(batch), self.cache)
 
-    def _sample(self, logits: Array, samplers: Seq[tuple[int, Sequence]]) -> tuple[list[Choice | None], dict[int, str]]:
+    def _sample(self, logits: Array, samplers: Seq[tuple[int, Sequence]], pending: Seq[Seq[Choice]] = ()
+                ) -> tuple[list[Choice | None], dict[int, str]]:
+        """pending: per sampler, tokens sampled for its sequence that it has not appended yet (a decode
+        burst's), which penalties count as generated."""
         if not samplers:
             return [], {}
         if all(not s.wants_logprob and s.params.plain_greedy for _, s in samplers):  # the greedy fast path: one argmax over the rows, no per-row copy
             rows = np.fromiter((r for r, _ in samplers), np.int64, len(samplers))
             best = self.ops.to_numpy(self.ops.argmax_rows(logits, rows))
             return [Choice(int(t), float("nan")) for t in best], {}
-        results = self.ops.sample_rows(logits, [SampleRow(r, s.params, s.rng, s.prompt, s.generated, s.wants_logprob)
-                                                for r, s in samplers])
+        generated = [s.generated + [c.token for c in pending[k]] if pending and pending[k] else s.generated
+                     for k, (_, s) in enumerate(samplers)]
+        results = self.ops.sample_rows(logits, [SampleRow(r, s.params, s.rng, s.prompt, generated[k], s.wants_logprob)
+                                                for k, (r, s) in enumerate(samplers)])
         failed = {k: why for k, why in enumerate(results) if isinstance(why, str)}
         return [None if isinstance(c, str) else c for c in results], failed

@@ -110,6 +110,17 @@ class StepBatch:
                    logit_rows=steps[:n] if every else np.flatnonzero(np.asarray(wants_logits, bool)),
                    decode_rows=pos >= prompts, seq_starts=steps, state_slots=slots)
 
+    def following(self, ids: np.ndarray, block_size: int) -> StepBatch:
+        """The next decode step of this batch's sequences: one token each (`ids`, generated ones), one
+        position further on, in blocks their tables already hold. What a multi-step decode
+        (ModelRunner.decode) runs after sampling from this batch, one logit row per sequence; a
+        host batch only."""
+        pos = self.positions + 1
+        return StepBatch(ids=np.asarray(ids, np.int64), positions=pos, token_seq=self.token_seq,
+                         kv_blocks=self.tables[self.token_seq, pos // block_size].astype(np.int64),
+                         kv_offsets=pos % block_size, tables=self.tables, logit_rows=self.logit_rows,
+                         decode_rows=np.ones(len(pos), bool), seq_starts=self.seq_starts, state_slots=self.state_slots)
+
     def on(self, ops: Any) -> StepBatch:
         """The same batch with every array moved by the runner's ops.to_device: done once per step, so
         no layer moves metadata again; this very batch where the kernels read host memory."""

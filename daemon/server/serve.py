@@ -225,7 +225,8 @@ def _engine_factory(config: Config, models: dict[str, Model], notifier: Notifier
     def core(name: str, model: Model) -> EngineCore:
         # the KV pool the plan counted: max_active sequences of ctx tokens
         return model.engine(e.max_active * _round_up(contexts[name], KV_BLOCK), max_running=e.max_active, max_context=contexts[name],
-                            prefix_caching=e.prefix_caching, max_step_tokens=e.max_step_tokens)
+                            prefix_caching=e.prefix_caching, max_step_tokens=e.max_step_tokens,
+                            decode_burst=e.decode_burst_ms / 1000)
 
     def make(publish: Callable[[list[Output]], None], on_stopped: Callable[[], None]) -> TextWorker:
         return TextWorker(cores={name: core(name, m) for name, m in models.items()}, limits=config.limits,

@@ -146,9 +146,11 @@ async def test_logits_via_shared_memory_equal_model_logits(daemon, demo_model) -
 def test_logprobs_arrive_with_tokens(daemon) -> None:  # type: ignore[no-untyped-def]
     with Client(daemon.socket) as client:
         chunks = list(client.generate(PROMPT, max_tokens=5, logprobs=True, top_logprobs=3))
-    for c in chunks:
-        assert len(c.logprobs) == 1 and c.logprobs[0] <= 0.0
-        assert len(c.top_logprobs[0]) == 3 and c.top_logprobs[0][0][0] == c.token_ids[0]  # greedy: the best
+    assert sum(len(c.token_ids) for c in chunks) == 5
+    for c in chunks:  # a chunk may carry several tokens (a decode burst), each with its own
+        assert len(c.logprobs) == len(c.top_logprobs) == len(c.token_ids) and all(lp <= 0.0 for lp in c.logprobs)
+        for token, top in zip(c.token_ids, c.top_logprobs, strict=True):
+            assert len(top) == 3 and top[0][0] == token  # greedy: the best
 
 
 def test_command_line_generate_and_status(daemon, demo_model) -> None:  # type: ignore[no-untyped-def]
