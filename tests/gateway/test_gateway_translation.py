@@ -2,10 +2,10 @@
 daemon: the rules that decide what a client gets before anything is sent."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
-
 from ember.client.errors import (
     BadRequest,
     Busy,
@@ -15,11 +15,22 @@ from ember.client.errors import (
     ShuttingDown,
     UnknownModel,
 )
-from ember.client.gateway.config import GatewayConfig, GatewayConfigError, is_loopback, parse_listen
+from ember.client.gateway import token_texts
+from ember.client.gateway.config import (
+    GatewayConfig,
+    GatewayConfigError,
+    is_loopback,
+    parse_listen,
+)
 from ember.client.gateway.errors import ApiError, from_ember
 from ember.client.gateway.openai_schema import ChatRequest, CompletionRequest
-from ember.client.gateway.request_translation import decode_body, translate_chat, translate_completion
+from ember.client.gateway.request_translation import (
+    decode_body,
+    translate_chat,
+    translate_completion,
+)
 from ember.client.gateway.response_format import ChatFormat, TextFormat, TokenScore
+from ember.client.gateway.token_texts import TokenTexts
 from ember.protocol.messages import Usage
 
 
@@ -161,3 +172,32 @@ def test_text_completion_logprobs_offsets() -> None:
     whole = json.loads(TextFormat("m").whole("x", None, "length", Usage(1, 1)))
     assert whole["object"] == "text_completion" and whole["usage"]["total_tokens"] == 2
     assert whole["choices"][0] == {"text": "x", "index": 0, "logprobs": None, "finish_reason": "length"}
+
+
+@pytest.mark.asyncio
+async def test_token_texts_wait_out_a_busy_daemon_and_give_up_on_one_that_stays_busy(monkeypatch) -> None:
+    """A daemon that takes 2 tokenizer requests at once answers the rest Busy: the texts of a burst's
+    12 ids still all come (retried), each fetched once; a daemon busy for good fails the request."""
+    in_flight, calls = 0, []
+
+    async def small_daemon(ids: list[int], model: str) -> str:
+        nonlocal in_flight
+        if in_flight >= 2:
+            raise Busy("2 tokenizer requests in flight: retry later")
+        in_flight += 1
+        try:
+            await asyncio.sleep(0.002)
+            calls.append(ids[0])
+            return f"<{ids[0]}>"
+        finally:
+            in_flight -= 1
+
+    texts = await TokenTexts(small_daemon).texts("m", range(12))
+    assert texts == {i: f"<{i}>" for i in range(12)} and sorted(calls) == list(range(12))
+
+    async def always_busy(ids: list[int], model: str) -> str:
+        raise Busy("retry later")
+
+    monkeypatch.setattr(token_texts, "BUSY_PATIENCE", 0.05)
+    with pytest.raises(Busy):
+        await TokenTexts(always_busy).texts("m", [1])
