@@ -18,6 +18,7 @@ import numpy as np
 from ember.daemon.engine.decode_burst import DECODE_BURST
 from ember.daemon.engine.defaults import KV_BLOCK, PREFILL_CHUNK
 from ember.daemon.engine.engine_core import EngineCore, StepOutput
+from ember.daemon.engine.heap import release_free_heap
 from ember.daemon.engine.sequence import Sequence as EngineSequence
 from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions, ExpertStats
 from ember.daemon.loader.model_file import ModelFile, open_model_file
@@ -125,9 +126,7 @@ class Model:
         """Logits of every position, float32 [len(token_ids), vocab]."""
         ids = self._check_ids(token_ids)
         seq = EngineSequence(ids.tolist(), max_tokens=0, prompt_logits=True)
-        engine = self.engine(len(ids))
-        engine.add(seq)
-        rows = [out.logits for out in _drive(engine) if out.logits is not None]
+        rows = [out.logits for out in _drive(self.engine(len(ids)), seq) if out.logits is not None]
         return np.concatenate(rows)
 
     @property
@@ -205,9 +204,7 @@ class Model:
         capacity = min(len(seq.prompt) + seq.max_tokens, self.config.context_length)
         if seq.max_tokens == 0 or len(seq.prompt) >= capacity:
             return  # nothing to generate: the prompt alone fills what was asked for
-        engine = self.engine(capacity)
-        engine.add(seq)
-        for out in _drive(engine):
+        for out in _drive(self.engine(capacity), seq):
             yield from out.new_tokens
 
     def _check_ids(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -221,14 +218,20 @@ class Model:
         return ids
 
 
-def _drive(engine: EngineCore) -> Iterator[StepOutput]:
-    """Step `engine` until it has no work, yielding every output. The engine ends a failing sequence
-    quietly (the daemon reports it as Finished{error}); in process, the caller gets the error."""
-    while engine.has_work:
-        result = engine.step()
-        if result.failed:
-            raise RuntimeError(f"generation failed: {result.failed[0][1]}")
-        yield from result.outputs
+def _drive(engine: EngineCore, seq: EngineSequence) -> Iterator[StepOutput]:
+    """Run `seq` on `engine` (a private one: dropped at the end, its KV cache with it) until it ends,
+    yielding every output. The engine ends a failing sequence quietly (the daemon reports it as
+    Finished{error}); in process, the caller gets the error."""
+    try:
+        engine.add(seq)
+        while engine.has_work:
+            result = engine.step()
+            if result.failed:
+                raise RuntimeError(f"generation failed: {result.failed[0][1]}")
+            yield from result.outputs
+    finally:
+        del engine
+        release_free_heap()  # the engine's KV cache and its prompt buffers go back to the system
 
 
 def _expert_room(path: Path, name: DeviceName, policy: PrecisionPolicy, experts: ExpertOptions) -> int:

@@ -269,3 +269,25 @@ def test_in_process_generation_raises_what_the_engine_reports_as_failed(model, m
     monkeypatch.setattr(sampling, "sample", broken)
     with pytest.raises(RuntimeError, match="probabilities contain NaN"):
         list(model.generate("def f(x):", max_tokens=4, temperature=0.8))
+
+
+def test_in_process_generation_trims_the_heap_after_dropping_its_engine(model, monkeypatch) -> None:
+    """The heap is trimmed once a generation ends, with its private engine (KV cache, prompt
+    buffers) already freed: trimming while the engine lived would keep what it frees after."""
+    import weakref
+
+    from ember.daemon import runtime
+
+    engines, alive_at_trim = [], []
+    make = model.engine
+
+    def tracked(*args, **kwargs):  # type: ignore[no-untyped-def]
+        engine = make(*args, **kwargs)
+        engines.append(weakref.ref(engine))
+        return engine
+
+    monkeypatch.setattr(model, "engine", tracked)
+    monkeypatch.setattr(runtime, "release_free_heap", lambda: alive_at_trim.append(engines[-1]() is not None))
+    assert len(alone(model, model.tokenize(SNIPPETS[0]), 5)) == 5
+    model.logits(model.tokenize(SNIPPETS[1]))
+    assert alive_at_trim == [False, False]

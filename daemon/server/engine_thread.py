@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ember.daemon.engine.engine_core import EngineCore, StepOutput
+from ember.daemon.engine.heap import release_free_heap
 from ember.daemon.engine.sequence import Status
 from ember.daemon.logging_setup import get_logger
 from ember.daemon.server.request import Request
@@ -129,6 +130,7 @@ class EngineThread:
     def _run(self) -> None:
         try:
             self._setup()
+            busy = False  # a step ran since the engine was last idle
             while True:
                 self._apply(block=False)
                 if self._deadline is not None:
@@ -137,7 +139,12 @@ class EngineThread:
                     if not self._live:
                         break
                 if not self._step_next_model():
+                    if busy:
+                        release_free_heap()  # a busy spell's prompt buffers go back to the system
+                    busy = False
                     self._apply(block=True)
+                else:
+                    busy = True
                 self._heartbeat()
         except Exception:  # a bug in the engine itself: say so loudly, then stop (systemd restarts us)
             self.log.exception("engine loop failed")
