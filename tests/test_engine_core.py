@@ -76,6 +76,20 @@ def test_batched_greedy_equals_alone(model, n_seqs: int) -> None:
         assert seq.generated == alone(model, prompt, 20), model.detokenize(prompt)
 
 
+def fail_sampling_of_min_p_half_at(monkeypatch, generated: int) -> None:
+    """Sampling raises for sequences with min_p 0.5 once they have `generated` tokens."""
+    from ember.kernels import sampling  # the host sampler every backend's default sample_rows calls
+
+    real = sampling.sample
+
+    def flaky(logits, params, rng, prompt, history, logprob=True):  # type: ignore[no-untyped-def]
+        if params.min_p == 0.5 and len(history) == generated:
+            raise ValueError("probabilities contain NaN")
+        return real(logits, params, rng, prompt, history, logprob=logprob)
+
+    monkeypatch.setattr(sampling, "sample", flaky)
+
+
 def bursting(model, kv_blocks: int, **options) -> tuple[EngineCore, list[int]]:
     """An engine whose decode steps run in bursts of 4 whenever the scheduler allows, and the size
     of each burst its runner ran."""
@@ -123,16 +137,7 @@ def test_decode_bursts_under_kv_exhaustion_and_a_failing_sampler(model, monkeypa
     """Bursts reserve their slots without preempting anyone; when blocks run short the engine
     preempts and recomputes as it does for single steps, and a sequence whose sampling fails in
     mid-burst ends alone with the tokens it had before."""
-    from ember.kernels import sampling
-
-    real = sampling.sample
-
-    def flaky(logits, params, rng, prompt, generated, logprob=True):  # type: ignore[no-untyped-def]
-        if params.min_p == 0.5 and len(generated) == 6:
-            raise ValueError("probabilities contain NaN")
-        return real(logits, params, rng, prompt, generated, logprob=logprob)
-
-    monkeypatch.setattr(sampling, "sample", flaky)
+    fail_sampling_of_min_p_half_at(monkeypatch, 6)
     prompts = [model.tokenize(s) for s in SNIPPETS[:6]]
     engine, sizes = bursting(model, kv_blocks=12, block_size=4, max_step_tokens=32)
     good = [Sequence(p, max_tokens=16, params=SamplingParams(temperature=0.8), seed=i) for i, p in enumerate(prompts[:5])]
@@ -194,16 +199,7 @@ def test_seeded_sampling_is_independent_of_batch_company(model) -> None:
 
 
 def test_a_sequence_whose_sampling_fails_ends_alone(model, monkeypatch) -> None:
-    from ember.kernels import sampling  # the host sampler every backend's default sample_rows calls
-
-    real = sampling.sample
-
-    def flaky(logits, params, rng, prompt, generated, logprob=True):  # type: ignore[no-untyped-def]
-        if params.min_p == 0.5 and len(generated) == 3:
-            raise ValueError("probabilities contain NaN")
-        return real(logits, params, rng, prompt, generated, logprob=logprob)
-
-    monkeypatch.setattr(sampling, "sample", flaky)
+    fail_sampling_of_min_p_half_at(monkeypatch, 3)
     prompts = [model.tokenize(s) for s in SNIPPETS[:3]]
     good = [Sequence(p, 12, SamplingParams(temperature=0.8), seed=i) for i, p in enumerate(prompts[:2])]
     bad = Sequence(prompts[2], 12, SamplingParams(temperature=0.8, min_p=0.5), seed=9)
