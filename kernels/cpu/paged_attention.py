@@ -18,6 +18,7 @@ from numba.extending import intrinsic
 
 from ember.kernels.convert import (KV_DTYPES, QK8_0, bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits,
                                    f32_to_f16_bits, quantize_q8_0_split)
+from ember.kernels.cpu.quant_matmul import four_dots
 from ember.kernels.cpu.twin import Twin
 
 MODE = {name: i for i, name in enumerate(KV_DTYPES)}
@@ -159,7 +160,7 @@ def _attend_for(in_place: bool):  # type: ignore[no-untyped-def]
         for t in range(0, visible, 4):
             k0, k1, k2, k3 = four_rows(k_f32, k_u16, k_i8, k_sc, mode, tables, seq, t, last, block_size, kv, lut, scratch)
             for g in range(group):
-                s0, s1, s2, s3 = _four_dots(q[i, kv * group + g], k0, k1, k2, k3)
+                s0, s1, s2, s3 = four_dots(q[i, kv * group + g], k0, k1, k2, k3)
                 scores[g, t], scores[g, t + 1] = s0 * scale, s1 * scale
                 scores[g, t + 2], scores[g, t + 3] = s2 * scale, s3 * scale
         for g in range(group):
@@ -188,17 +189,6 @@ def _attend_for(in_place: bool):  # type: ignore[no-untyped-def]
                 o[j] = a[j] * inv
 
     return attend
-
-
-@njit(inline="always", fastmath=True, nogil=True, cache=True)
-def _four_dots(qh, k0, k1, k2, k3):  # type: ignore[no-untyped-def]
-    a0 = a1 = a2 = a3 = np.float32(0)
-    for j in range(qh.shape[0]):
-        a0 += qh[j] * k0[j]
-        a1 += qh[j] * k1[j]
-        a2 += qh[j] * k2[j]
-        a3 += qh[j] * k3[j]
-    return a0, a1, a2, a3
 
 
 _ATTEND_IN_PLACE, _ATTEND_DECODED = _attend_for(True), _attend_for(False)

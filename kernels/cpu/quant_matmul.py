@@ -791,27 +791,27 @@ def _tile_2x4(wbuf, i, x, t, out, r0):
 
 @njit(inline="always", **_JIT)
 def _tile_1x4(wbuf, i, x, t, out, r0):
-    w0 = wbuf[i]
-    x0, x1, x2, x3 = x[t], x[t + 1], x[t + 2], x[t + 3]
-    a0 = a1 = a2 = a3 = np.float32(0)
-    for k in range(x.shape[1]):
-        a0 += w0[k] * x0[k]
-        a1 += w0[k] * x1[k]
-        a2 += w0[k] * x2[k]
-        a3 += w0[k] * x3[k]
+    a0, a1, a2, a3 = four_dots(wbuf[i], x[t], x[t + 1], x[t + 2], x[t + 3])
     out[t, r0 + i], out[t + 1, r0 + i], out[t + 2, r0 + i], out[t + 3, r0 + i] = a0, a1, a2, a3
 
 
 @njit(inline="always", **_JIT)
 def _tile_4x1(wbuf, i, x, t, out, r0):
-    w0, w1, w2, w3, x0 = wbuf[i], wbuf[i + 1], wbuf[i + 2], wbuf[i + 3], x[t]
-    a0 = a1 = a2 = a3 = np.float32(0)
-    for k in range(x.shape[1]):
-        a0 += w0[k] * x0[k]
-        a1 += w1[k] * x0[k]
-        a2 += w2[k] * x0[k]
-        a3 += w3[k] * x0[k]
+    a0, a1, a2, a3 = four_dots(x[t], wbuf[i], wbuf[i + 1], wbuf[i + 2], wbuf[i + 3])
     out[t, r0 + i], out[t, r0 + i + 1], out[t, r0 + i + 2], out[t, r0 + i + 3] = a0, a1, a2, a3
+
+
+@njit(inline="always", **_JIT)
+def four_dots(v, r0, r1, r2, r3):
+    """v . r0, v . r1, v . r2, v . r3 (float32 rows as long as v): four independent vector sums in
+    one pass over v; the loop of the float tiles below and of the attention scores (paged_attention.py)."""
+    a0 = a1 = a2 = a3 = np.float32(0)
+    for k in range(v.shape[0]):
+        a0 += v[k] * r0[k]
+        a1 += v[k] * r1[k]
+        a2 += v[k] * r2[k]
+        a3 += v[k] * r3[k]
+    return a0, a1, a2, a3
 
 
 @njit(inline="always", **_JIT)
