@@ -3,9 +3,10 @@ bytes per token of each act_dtype, and how close f16/bf16 staging stays to f32.
 
     python benchmarks/layer_split.py [--model PATH] [--tokens 64] [--precision]
 
-Two stages (`cpu:0,cpu:1`, one kernel thread each) against the unsplit model in process with the same
-total: two kernel threads (and, for reference, one); and the split without pipelining (the engine
-keeps one step in flight instead of one per stage). Streams run through the engine core as the daemon
+Two stages with one kernel thread each, in two worker processes (`cpu:0,cpu:1`) and in a worker and
+the engine's own thread (`cpu:0,cpu`: the last stage runs where the engine samples), against the
+unsplit model in process with the same total: two kernel threads (and, for reference, one); and each
+split without pipelining (the engine keeps one step in flight instead of one per stage). Streams run through the engine core as the daemon
 runs them (continuous batching, greedy, ignore_eos); a split step is cut into micro-batches that the
 stages pipeline. Each configuration is timed `--repeats` times, alternating, and the medians compared.
 --precision [--decode-act q8_0|f32]: for f16 and bf16 staging, greedy 128 tokens on several prompts
@@ -18,6 +19,7 @@ near-ties among the top logits then go the other way; with f32 decode activation
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -56,14 +58,18 @@ def decode_rate(model: ember.Model, streams: int, tokens: int, lanes: int | None
 def throughput(args: argparse.Namespace) -> None:
     cpu = backend_for("cpu")
     whole = ember.load(args.model)
-    split = ember.load(args.model, devices=["cpu:0", "cpu:1"], split=args.split, act_dtype="f32", stage_threads=1)
+    splits = {devices: ember.load(args.model, devices=devices.split(","), split=args.split, act_dtype="f32",
+                                  stage_threads=1) for devices in ("cpu:0,cpu:1", "cpu:0,cpu")}
     print(f"model {args.model}: {whole.config.n_layers} layers, hidden {whole.config.hidden}")
-    print("stages: " + "; ".join(split.pipeline.describe()))
-    configs = {"unsplit, 2 threads": (whole, 2, None), "unsplit, 1 thread": (whole, 1, None),
-               "2 stages x 1 thread": (split, 1, None), "  not pipelined": (split, 1, 1)}
+    for devices, split in splits.items():
+        print(f"{devices}: " + "; ".join(split.pipeline.describe()))
+    configs = {"unsplit, 2 threads": (whole, 2, None), "unsplit, 1 thread": (whole, 1, None)}
+    for devices, split in splits.items():
+        configs |= {f"{devices} x 1 thread": (split, 1, None), "  not pipelined" + " " * len(devices): (split, 1, 1)}
     for streams in (1, 8):
         rates: dict[str, list[float]] = {name: [] for name in configs}
-        decode_rate(whole, streams, 8), decode_rate(split, streams, 8)  # warm
+        for model in (whole, *splits.values()):
+            decode_rate(model, streams, 8)  # warm
         for _ in range(args.repeats):
             for name, (model, threads, lanes) in configs.items():
                 cpu.use_threads(threads)  # the engine thread's kernels (the split's only sample on it)
@@ -72,17 +78,19 @@ def throughput(args: argparse.Namespace) -> None:
         print(f"\n{streams} stream(s), {args.tokens} tokens each, median of {args.repeats}:")
         for name, r in rates.items():
             print(f"  {name:22s} {statistics.median(r):8.1f} tok/s   {statistics.median(r) / base:5.2f}x")
-        for lanes in (None, 1):  # what a stage's micro-batch costs, pipelined (stages at once) or not
+        for (devices, split), lanes in itertools.product(splits.items(), (None, 1)):
+            # what a stage's micro-batch costs, pipelined (stages at once) or not
             p = split.pipeline
-            p.run_seconds, p.runs = [0.0] * len(p.stages), [0] * len(p.stages)
+            p.run_seconds, p.runs = [0.0] * len(p.run_seconds), [0] * len(p.runs)
             t0, cpu0 = time.perf_counter(), time.thread_time()
             decode_rate(split, streams, args.tokens, lanes)
             wall, engine_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
             per = ", ".join(f"stage {i}: {1e3 * r / max(n, 1):.2f} ms x {n} ({100 * r / wall:.0f}% busy)"
                             for i, (r, n) in enumerate(zip(p.run_seconds, p.runs)))
-            print(f"  {'pipelined' if lanes is None else 'not pipelined':14s} micro-batches {per}; the engine's "
-                  f"thread {100 * engine_cpu / wall:.0f}% of a core")
-    split.close()
+            print(f"  {devices} {'pipelined' if lanes is None else 'not pipelined':14s} micro-batches {per}; the "
+                  f"engine's thread {100 * engine_cpu / wall:.0f}% of a core")
+    for split in splits.values():
+        split.close()
 
 
 def staging_table(model_path: str) -> None:

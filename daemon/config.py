@@ -129,7 +129,7 @@ class EngineConfig(_Section):
     warmup: bool = True  # run a short generation before READY (loads the compiled kernels)
     threads: int = 0  # kernel threads of the engine; 0: one per core but one, left to the I/O loop and clients
     decode_act: str = "q8_0"  # activations of generated tokens against quantized weights: q8_0 (fast, llama.cpp's) or f32
-    devices: str = ""  # a layer split across stage processes, e.g. "cpu:0,cpu:1"; "": the model runs on `device`
+    devices: str = ""  # a layer split across stage processes, e.g. "cpu:0,cpu:1" ("cpu" last: the engine's thread); "": the model runs on `device`
     split: str = ""  # layers per device of `devices`, e.g. "3,2"; "": in proportion to the devices' memory
     act_dtype: str = ""  # the split's staged hidden states: f32, f16, bf16 or auto; "": EMBER_ACT_DTYPE, else auto
     stage_threads: int = 0  # kernel threads per stage process; 0: the CPUs shared out among the stages

@@ -252,7 +252,8 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     cache holds `kv_dtype` (f32, f16, bf16 or q8_0); generated tokens meet quantized weights with
     `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do).
 
-    devices (["cpu:0", "cpu:1"] or "cpu:0,cpu:1") splits the layers across stage processes: `split`
+    devices (["cpu:0", "cpu:1"] or "cpu:0,cpu:1"; plain "cpu" last: that stage on the engine's own
+    thread) splits the layers across stage processes: `split`
     layers each ([3, 2] or "3,2"; default: in proportion to each device's memory), hidden states
     staged between them in `act_dtype` (f32, f16, bf16; auto: the precision policy's, EMBER_ACT_DTYPE
     overrides it), steps of up to `max_step_tokens` tokens, `stage_threads` kernel threads per stage

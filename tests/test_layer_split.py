@@ -1,5 +1,5 @@
-"""Layer split: a model's layers in stage worker processes (`cpu:N`), hidden states staged in shared
-memory. With f32 staging the split model computes what the unsplit one does — logits equal, greedy and
+"""Layer split: a model's layers in stage worker processes (`cpu:N`), or the last stage in the engine's
+own thread (`cpu`), hidden states staged in shared memory. With f32 staging the split model computes what the unsplit one does — logits equal, greedy and
 seeded sampled tokens identical — on the trained demo model and on a tiny random Llama, alone and
 batched (micro-batches pipelined through the stages); narrow staging stays close; the staging
 allocated is the planner's figure; bad specs are refused with what to change; a micro-batch one stage
@@ -38,9 +38,10 @@ def unsplit() -> ember.Model:
     return ember.load(DEMO_MODEL)
 
 
-@pytest.fixture(scope="module")
-def split() -> ember.Model:
-    model = ember.load(DEMO_MODEL, devices=["cpu:0", "cpu:1"], split=[3, 2], act_dtype="f32", max_step_tokens=STEP)
+@pytest.fixture(scope="module", params=["cpu:0,cpu:1", "cpu:0,cpu"], ids=["workers", "engine-last"])
+def split(request) -> ember.Model:
+    """Two worker processes, or a worker and the engine's own thread for the last stage."""
+    model = ember.load(DEMO_MODEL, devices=request.param, split=[3, 2], act_dtype="f32", max_step_tokens=STEP)
     yield model
     model.close()
 
@@ -113,9 +114,47 @@ def test_a_micro_batch_a_stage_fails_passes_the_next_and_names_that_stage(unspli
     result = engine.step()
     assert [s for s, _ in result.failed] == [seq]
     assert result.failed[0][1] == f"RuntimeError: stage cpu:0 (layers 0-2): KeyError: {engine.runner.cache_id}"
-    assert [stage.restarts for stage in split.pipeline.stages] == [0, 0]
+    assert [stage.restarts for stage in split.pipeline.stages] == [0] * len(split.pipeline.stages)
     ids = unsplit.tokenize(SNIPPETS[1])
     assert list(split.generate(ids, 12, ignore_eos=True)) == list(unsplit.generate(ids, 12, ignore_eos=True))
+
+
+def test_the_engines_own_stage_fails_a_micro_batch_by_name_and_empties_its_caches_on_a_restart(unsplit) -> None:
+    """`cpu` last: a micro-batch its stage fails ends that sequence with the stage's name; when the
+    worker before it dies, every sequence in flight fails, the worker restarts and the engine's
+    stage starts its caches afresh as the worker does; the split serves on with the unsplit tokens."""
+    model = ember.load(DEMO_MODEL, devices="cpu:0,cpu", split=[3, 2], max_step_tokens=STEP)
+    try:
+        stage = model.pipeline.engine_stage
+        assert stage is not None and len(model.pipeline.stages) == 1 and model.pipeline.lanes == 2
+        engine = model.engine(256)
+        stage.drop_cache(engine.runner.cache_id)  # this engine's micro-batches then fail in the last stage
+        seq = Sequence(unsplit.tokenize(SNIPPETS[0]), 8)
+        engine.add(seq)
+        result = engine.step()
+        assert result.failed == [(seq, f"RuntimeError: stage cpu (layers 3-4): KeyError: {engine.runner.cache_id}")]
+
+        engine, other = model.engine(256, max_running=2), model.engine(256)
+        seqs = [Sequence(unsplit.tokenize(t), 50) for t in SNIPPETS[:2]]
+        for s in seqs:
+            engine.add(s)
+        other.add(Sequence(unsplit.tokenize(SNIPPETS[3]), 50))
+        for _ in range(3):
+            engine.step(), other.step()
+        before = dict(stage.caches)
+        os.kill(model.pipeline.stages[0].process.pid, signal.SIGKILL)
+        failed = []
+        for _ in range(3):
+            failed += engine.step().failed
+        assert sorted(s.seq_id for s, _ in failed) == sorted(s.seq_id for s in seqs)
+        assert all("stage cpu:0 (layers 0-2) died: killed by signal 9; restarted" in why for _, why in failed)
+        assert before.keys() == stage.caches.keys() and all(stage.caches[c] is not before[c] for c in before)
+        lost = other.step()
+        assert len(lost.failed) == 1 and "KV cache is lost" in lost.failed[0][1]
+        ids = unsplit.tokenize(SNIPPETS[4])
+        assert list(model.generate(ids, 12, ignore_eos=True)) == list(unsplit.generate(ids, 12, ignore_eos=True))
+    finally:
+        model.close()
 
 
 def test_cancelling_a_sequence_whose_step_is_in_flight(unsplit, split) -> None:
@@ -172,11 +211,14 @@ def test_tiny_random_llama_split_equals_unsplit(hf_model) -> None:
 
 
 def test_staging_allocated_is_the_planners_figure_and_private(split) -> None:
-    devices = [Device("cpu:0", 1 << 30), Device("cpu:1", 1 << 30)]
+    names = [str(spec.device) for spec in split.pipeline.specs]
+    devices = [Device(name, 1 << 30) for name in names]
     request = PlanRequest.create(devices, flags=PrecisionSettings(act="f32"), split=(3, 2), prefill_chunk=STEP)
     plan = plan_model(DEMO_MODEL, request)
-    # the boundary (2 slots, one per stage, x hidden 384, f32) and the logits rows (2 lanes x vocab 8192, f32)
-    assert [d.staging for d in plan.devices] == split.pipeline.staging_bytes == [0, 2 * STEP * (384 + 8192) * 4]
+    # the boundary (2 slots, one per stage, x hidden 384, f32) and, from a worker, the logits rows (2
+    # lanes x vocab 8192, f32); the engine's own last stage keeps its logits where it samples them
+    logits = 0 if names[-1] == "cpu" else 8192
+    assert [d.staging for d in plan.devices] == split.pipeline.staging_bytes == [0, 2 * STEP * (384 + logits) * 4]
     for segment in split.pipeline._segments:
         assert stat.S_IMODE(os.stat(f"/dev/shm/{segment.name}").st_mode) == 0o600
 
@@ -208,7 +250,8 @@ def test_narrow_staging_tracks_f32(act_dtype: str) -> None:
     (["cpu:0", "cpu:1"], [3, 3], "split 3,3 adds up to 6 layers; the model has 5: e.g. --split 3,2"),
     (["cpu:0", "cpu:1"], [5], "gives 1 layer counts for 2 devices"),
     (["cpu:0", "cpu:1"], [5, 0], "every stage needs at least one layer"),
-    (["cpu", "cpu:1"], None, "name CPU stages cpu:N"),
+    (["cpu", "cpu:1"], None, "'cpu' before the last stage of a split: .* e.g. cpu:0,cpu"),
+    (["cpu:0", "cpu", "cpu:1"], None, "'cpu' before the last stage of a split"),
     (["cpu:1", "cpu:1"], None, "cpu:1 named twice"),
 ])
 def test_bad_split_specs_are_refused_with_what_to_change(devices, split, message) -> None:

@@ -47,8 +47,8 @@ def add_daemon_commands(sub: Any) -> None:
     serve.add_argument("--threads", type=int, help="kernel threads of the engine (default: one per core but one)")
     serve.add_argument("--devices", metavar="D,D,..",
                        help="split the layers across stage processes, e.g. cpu:0,cpu:1 or cuda:0,cpu:0 (cpu:N: a "
-                            "worker bound to NUMA node N where there is one; cuda:N: a worker on GPU N); see "
-                            "docs/layer_split.md")
+                            "worker bound to NUMA node N where there is one; cuda:N: a worker on GPU N; plain cpu, "
+                            "last only: the engine's own thread runs the last stage); see docs/layer_split.md")
     serve.add_argument("--split", metavar="N,N,..",
                        help="layers per device of --devices (default: their weights' bytes in proportion to the "
                             "devices' memory, the output head counted on the last)")

@@ -324,9 +324,10 @@ def build_plan(info: ModelHeaders, request: PlanRequest, draft: DraftModel | Non
             # (engine.max_step_tokens): a long prompt crosses in chunks
             staging=(boundary_bytes(cfg.hidden, request.prefill_chunk, request.policy.act, len(devices))
                      if i > 0 else 0)
-            # the last stage hands the step's logits rows back through a segment of its own, one region
-            # per micro-batch in flight (one per stage)
-            + (logits_rows_bytes(cfg.vocab, request.prefill_chunk, len(devices)) if last and i > 0 else 0),
+            # a last stage in a worker hands the step's logits rows back through a segment of its own,
+            # one region per micro-batch in flight (one per stage); the engine's own (plain cpu) need not
+            + (logits_rows_bytes(cfg.vocab, request.prefill_chunk, len(devices))
+               if last and i > 0 and dev.name != "cpu" else 0),
             feature_mirror=_feature_mirror(cfg, request, draft, kv_tokens) if last else 0,
             offloads_experts=(request.expert_offload and dev.kind == "cuda") or request.expert_budget is not None,
             expert_bytes=_expert_bytes(info),

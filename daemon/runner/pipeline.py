@@ -16,6 +16,8 @@ stage idle until the engine's Python had run.
 
 The Stage protocol is what a device must offer to be a stage: `cpu:N` and `cuda:N` are both a
 ProcessStage (a worker process running that backend's ops over the same Setup / Run / Done messages).
+Plain `cpu` as the last device is the engine's own thread (runner/engine_stage.py): the last worker
+then replies with hidden states in a staging slot, and collect() runs the last layers and the head.
 
 A stage that dies: every stage is restarted, with empty KV caches, every micro-batch in flight is
 lost and every cache is marked lost: the runner that collects (or submits next) gets KVStateLost,
@@ -39,8 +41,9 @@ import numpy as np
 
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.runner.devices import DeviceName, backend_for
+from ember.daemon.runner.engine_stage import EngineStage
 from ember.daemon.runner.model_runner import KVStateLost
-from ember.daemon.runner.split_spec import StageSpec
+from ember.daemon.runner.split_spec import StageSpec, in_engine
 from ember.daemon.runner.stage_channel import Done, Failed, Message, Run, Setup, pack_batch
 from ember.daemon.runner.stage_process import READY_TIMEOUT, CacheSpec, ProcessStage, StageDied
 from ember.daemon.runner.stage_worker import stage_cpus
@@ -77,6 +80,7 @@ class Ticket:
     cache: int
     n_logits: int
     lane: int  # its staging slots and logits region
+    batch: StepBatch | None = None  # for the engine's own stage to run at collect()
     done: bool = False
     failure: str | None = None  # a stage's error
     lost: str | None = None  # a stage died while it was in flight
@@ -95,25 +99,33 @@ class Pipeline:
         self.lanes = len(stages)  # micro-batches in flight at most: one per stage keeps every stage busy
         self.boundaries = [Boundary.create(config.hidden, max_tokens, act_dtype, self.lanes, shm_owner)
                            for _ in stages[1:]]
-        self.logits = LogitsRows.create(config.vocab, self.lanes * max_tokens, shm_owner)
-        self.stages: list[Stage] = []
+        local = in_engine(stages[-1].device)
+        # the logits rows come back through shared memory from a last stage in a worker process
+        self.logits = None if local else LogitsRows.create(config.vocab, self.lanes * max_tokens, shm_owner)
+        self._segments = [b.segment for b in self.boundaries] + ([] if self.logits is None else [self.logits.segment])
+        self.stages: list[Stage] = []  # the worker processes, in order
+        self.engine_stage: EngineStage | None = None
+        # the engine's own stage counts too: the workers are pinned to CPUs apart from one group it is left
         on_cpu = [s for s in stages if s.device.kind == "cpu"]
         pins = dict(zip(on_cpu, stage_cpus([s.device.index or 0 for s in on_cpu], threads), strict=True))
-        for i, s in enumerate(stages):
+        workers = stages[:-1] if local else stages
+        for i, s in enumerate(workers):
             inbox = self.boundaries[i - 1].segment.name if i else ""
-            outbox = self.boundaries[i].segment.name if i < len(stages) - 1 else self.logits.segment.name
+            outbox = self.boundaries[i].segment.name if self.logits is None or i < len(stages) - 1 \
+                else self.logits.segment.name
             if s.device.kind == "cpu":
                 setup = Setup(model_path, s.first, s.end, s.device.index or 0, threads, act_dtype, max_tokens, inbox,
                               outbox, pins[s])
             else:  # its kernels take no host threads; it sees its GPU alone, as cuda:0 (ProcessStage.spawn)
                 setup = Setup(model_path, s.first, s.end, 0, 1, act_dtype, max_tokens, inbox, outbox, device="cuda:0")
             self.stages.append(_stage_for(s.device, setup))
-        self._segments = [b.segment for b in self.boundaries] + [self.logits.segment]
         self._closer = weakref.finalize(self, _close, self.stages, self._segments)
         # called every few seconds while stages restart (the step that found a death waits for them):
         # the daemon pets systemd's watchdog with it
         self.heartbeat: Callable[[], None] = lambda: None
         try:
+            if local:
+                self.engine_stage = EngineStage(model_path, stages[-1], self.boundaries[-1], threads)
             self._start_stages()
         except BaseException:
             self.close()
@@ -137,11 +149,12 @@ class Pipeline:
         with the logits segment it writes: the planner's DevicePlan.staging for the same split,
         act_dtype and step tokens."""
         sizes = [0] + [b.segment.nbytes for b in self.boundaries]
-        sizes[-1] += self.logits.segment.nbytes
+        sizes[-1] += 0 if self.logits is None else self.logits.segment.nbytes
         return sizes
 
     def describe(self) -> list[str]:
-        return [f"{s.name}: pid {s.pid}, {s.binding}" for s in self.stages]
+        mine = [] if self.engine_stage is None else [f"{self.engine_stage.name}: the engine's own thread"]
+        return [f"{s.name}: pid {s.pid}, {s.binding}" for s in self.stages] + mine
 
     def new_cache(self, spec: CacheSpec) -> int:
         with self._lock:
@@ -152,6 +165,8 @@ class Pipeline:
                     stage.new_cache(self._caches, spec)
                 except StageDied:
                     pass  # recorded: a restart creates it; the dead stage is found at the next step
+            if self.engine_stage is not None:
+                self.engine_stage.new_cache(self._caches, spec)
             return self._caches
 
     def drop_cache(self, cache: int) -> None:
@@ -172,7 +187,7 @@ class Pipeline:
             lane = next((lane for lane in range(self.lanes) if lane not in self._held), None)
             if lane is None:
                 raise RuntimeError(f"{self.lanes} micro-batches are in flight already: collect one first")
-            ticket = Ticket(self._next, cache, batch.n_logits, lane)
+            ticket = Ticket(self._next, cache, batch.n_logits, lane, None if self.engine_stage is None else batch)
             self._next += 1
             self._in_flight.append(ticket)
             self._held[lane] = ticket
@@ -190,10 +205,14 @@ class Pipeline:
             if ticket.lost is not None:
                 self._lost.discard(ticket.cache)
                 raise KVStateLost(ticket.lost)
-            self._release(ticket)
-            if ticket.failure is not None:
-                raise RuntimeError(ticket.failure)
-            return self.logits.rows(ticket.lane * self.max_tokens, ticket.n_logits).copy()
+            try:
+                if ticket.failure is not None:
+                    raise RuntimeError(ticket.failure)
+                if self.logits is not None:
+                    return self.logits.rows(ticket.lane * self.max_tokens, ticket.n_logits).copy()
+                return self._run_engine_stage(ticket)
+            finally:
+                self._release(ticket)
 
     def forward(self, batch: StepBatch, cache: int) -> np.ndarray:
         return self.collect(self.submit(batch, cache))
@@ -202,6 +221,18 @@ class Pipeline:
         self._closer()
 
     # --- the flow -----------------------------------------------------------------------------------
+    def _run_engine_stage(self, ticket: Ticket) -> np.ndarray:
+        """The last stage's layers and head on this thread, from the hidden states the last worker left
+        in the ticket's slot (while the workers run the next micro-batch)."""
+        assert self.engine_stage is not None and ticket.batch is not None
+        try:
+            logits, seconds = self.engine_stage.run(ticket.lane, ticket.batch, ticket.cache)
+        except Exception as e:  # the micro-batch's failure, as a worker stage's would be
+            raise RuntimeError(f"{self.engine_stage.name}: {type(e).__name__}: {e}") from e
+        self.run_seconds[-1] += seconds
+        self.runs[-1] += 1
+        return logits
+
     def _start_stages(self) -> None:
         """Spawn every stage with fresh links between neighbours, then wait for them all (they load in parallel)."""
         links = [socket.socketpair() for _ in self.stages[1:]]
@@ -270,6 +301,9 @@ class Pipeline:
             self._down = f"{type(e).__name__}: {e}"
             raise KVStateLost(f"the layer-split stages could not be restarted ({self._down}); the next step "
                               "tries again") from None
+        finally:
+            if self.engine_stage is not None:
+                self.engine_stage.empty()
         self._down = None
 
     def _release(self, ticket: Ticket) -> None:
@@ -292,6 +326,8 @@ class Pipeline:
                     stage.drop_cache(cache)
                 except StageDied:
                     pass  # found and restarted at the next step
+            if self.engine_stage is not None:
+                self.engine_stage.drop_cache(cache)
             self._dropped.remove(cache)
 
 

@@ -41,10 +41,17 @@ def parse_devices(devices: str | Sequence[str]) -> list[DeviceName]:
     dupes = sorted({n for n in seen if seen.count(n) > 1})
     if dupes:
         raise SplitSpecError(f"{', '.join(dupes)} named twice in --devices: each stage needs a device of its own")
-    if len(parsed) > 1 and any(n.kind == "cpu" and n.index is None for n in parsed):
-        raise SplitSpecError("'cpu' in a split: name CPU stages cpu:N (each a worker process, on NUMA node N where "
-                             "there is one); plain 'cpu' is the engine's own process, for a model that is not split")
+    if len(parsed) > 1 and any(in_engine(n) for n in parsed[:-1]):
+        raise SplitSpecError("'cpu' before the last stage of a split: plain 'cpu' is the engine's own process, which "
+                             "can run the last stage only (it samples what that stage computes); name the other CPU "
+                             "stages cpu:N (each a worker process, on NUMA node N where there is one), e.g. cpu:0,cpu")
     return parsed
+
+
+def in_engine(device: DeviceName) -> bool:
+    """Whether a split's stage on `device` runs in the engine's own process (plain `cpu`, the last
+    stage only) rather than in a worker process of its own (cpu:N, cuda:N)."""
+    return device.kind == "cpu" and device.index is None
 
 
 def parse_split(split: str | Sequence[int] | None) -> tuple[int, ...] | None:

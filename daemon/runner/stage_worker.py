@@ -118,6 +118,9 @@ class Links:
     control: Channel
     upstream: Channel | None
     downstream: Channel | None
+    # whether it hands its micro-batches back to the engine: the last worker (with the logits rows,
+    # or with hidden states for the last stage, which the engine's own process runs: engine_stage.py)
+    replies: bool = False
 
 
 class StageWorker:
@@ -199,8 +202,8 @@ class StageWorker:
                 self.pass_on(self.step(msg), links)
 
     def pass_on(self, msg: Run, links: Links) -> None:
-        """To the stage after this one, or, from the last, the engine's reply."""
-        if self.logits is not None:
+        """To the stage after this one, or, from the last worker, the engine's reply."""
+        if links.replies:
             links.control.send(Failed(msg.micro_batch, msg.error, msg.failed_at) if msg.error
                                else Done(msg.micro_batch, msg.seconds))
         elif links.downstream is not None:
@@ -231,7 +234,7 @@ def main(argv: list[str]) -> int:
         return 1
     channel.send(Ready(os.getpid(), numa))
     try:
-        worker.serve(Links(channel, upstream, downstream))
+        worker.serve(Links(channel, upstream, downstream, replies=downstream is None))
     except ChannelClosed:  # the engine's process is gone: nothing left to serve
         return 0
     return 0

@@ -159,6 +159,9 @@ def _load_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
             for stage in model.pipeline.stages:
                 log.info("layer-split stage ready", model=name, stage=stage.name, pid=stage.pid, binding=stage.binding,
                          act_dtype=model.pipeline.act_dtype)
+            if model.pipeline.engine_stage is not None:
+                log.info("layer-split stage ready", model=name, stage=model.pipeline.engine_stage.name, pid=os.getpid(),
+                         binding="the engine's own thread", act_dtype=model.pipeline.act_dtype)
         if config.engine.warmup:
             notifier.status(f"warming up {name}")
             # a short prompt and a few sampled tokens: every kernel a request uses is loaded, so the

@@ -134,6 +134,39 @@ def test_a_killed_stage_fails_its_requests_and_the_daemon_serves_on(split_daemon
     assert again == list(demo_model.generate(PROMPT, 16))
 
 
+def test_the_last_stage_on_the_daemons_engine_thread(demo_model) -> None:  # type: ignore[no-untyped-def]
+    """`--devices cpu:0,cpu`: sampled tokens with penalties, logprobs and logits rows are the unsplit
+    model's; the worker killed mid-stream fails that request, and the daemon serves on."""
+    d = DaemonProcess(CONFIG, args=("--devices", "cpu:0,cpu", "--split", "3,2")).wait_ready(120)
+    try:
+        stages = {e["stage"]: e["pid"] for e in d.log_events() if e.get("event") == "layer-split stage ready"}
+        assert stages == {"stage cpu:0 (layers 0-2)": stages["stage cpu:0 (layers 0-2)"],
+                          "stage cpu (layers 3-4)": d.proc.pid}
+        options = {"temperature": 0.7, "repetition_penalty": 1.1, "frequency_penalty": 0.5, "seed": 15}
+        want = in_process(demo_model, PROMPT, 24, SamplingParams(**{k: v for k, v in options.items() if k != "seed"}),
+                          options["seed"], logits=True)
+        with Client(d.socket) as client:
+            chunks, rows = [], []
+            for chunk in client.generate(PROMPT, max_tokens=24, logprobs=True, return_logits=True, **options):
+                chunks.append(chunk)
+                rows.append(chunk.logits.copy())  # a view of the daemon's ring until the next chunk
+            assert [t for c in chunks for t in c.token_ids] == want.generated
+            assert np.allclose([lp for c in chunks for lp in c.logprobs], [c.logprob for c in want.choices], rtol=0,
+                               atol=1e-5)
+            got, ref = np.concatenate(rows), np.stack(want.rows)  # type: ignore[attr-defined]
+            assert got.shape == ref.shape and np.abs(got - ref).max() <= 1e-6 * np.abs(ref).max()
+
+            stream = client.generate(PROMPT, max_tokens=4000, ignore_eos=True)
+            next(stream)
+            os.kill(stages["stage cpu:0 (layers 0-2)"], signal.SIGKILL)
+            with pytest.raises(GenerationFailed, match=r"stage cpu:0 \(layers 0-2\) died: killed by signal 9; restarted"):
+                list(stream)
+            again = [t for c in client.generate(PROMPT, max_tokens=16) for t in c.token_ids]
+        assert again == list(demo_model.generate(PROMPT, 16))
+    finally:
+        d.stop()
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (("--devices", "cpu:0,cpu:1", "--split", "3,3"), "split 3,3 adds up to 6 layers; the model has 5: e.g. --split 3,2"),
     (("--devices", ",".join(f"cpu:{i}" for i in range(6))), "6 devices .* 5 layers: every stage needs a layer; name at most 5"),
