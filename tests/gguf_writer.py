@@ -123,17 +123,18 @@ def _add_hparams(writer: gguf.GGUFWriter, arch: str, c: Any) -> None:
 
 
 def _copy_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
-    """The demo model's tokenizer, padded with control tokens up to vocab_size (for model shapes
-    with a bigger vocabulary; the extra ids never come out of tokenization)."""
+    """The demo model's tokenizer, padded up to vocab_size (for model shapes with a bigger vocabulary;
+    the extra ids never come out of tokenization) as llama.cpp's convert_hf_to_gguf.py pads one:
+    `[PAD<id>]` tokens of type UNUSED, which no tokenizer treats as special."""
     reader = gguf.GGUFReader(DEMO_MODEL)
     for field in reader.fields.values():
         if not field.name.startswith("tokenizer."):
             continue
         value = field.contents()
         if field.name == "tokenizer.ggml.tokens":
-            value = value + [f"<|pad_{i}|>" for i in range(len(value), vocab_size)]
+            value = value + [f"[PAD{i}]" for i in range(len(value), vocab_size)]
         elif field.name == "tokenizer.ggml.token_type":
-            value = value + [3] * (vocab_size - len(value))
+            value = value + [int(gguf.TokenType.UNUSED)] * (vocab_size - len(value))
         vtype = gguf.GGUFValueType(field.types[0])
         sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, value, vtype, sub_type=sub)
