@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import ember
+from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.planning.planner import Device, PlanRequest, plan_model
@@ -24,7 +25,7 @@ from ember.daemon.planning.precision import PrecisionSettings
 from ember.daemon.runner.devices import CudaUnavailable
 from ember.daemon.runner.split_spec import SplitSpecError, stage_threads_for
 from ember.daemon.runner.stage_channel import DropCache
-from ember.daemon.runner.stage_process import StageDied, visible_gpu
+from ember.daemon.runner.stage_process import ProcessStage, StageDied, visible_gpu
 from ember.daemon.runner.stage_worker import bind_to_numa_node, parse_cpulist, pin_to_cpus, stage_cpus
 from ember.kernels.sampling import SamplingParams
 
@@ -119,6 +120,28 @@ def test_a_micro_batch_a_stage_fails_passes_the_next_and_names_that_stage(unspli
     assert list(split.generate(ids, 12, ignore_eos=True)) == list(unsplit.generate(ids, 12, ignore_eos=True))
 
 
+def engines_under_way(model: ember.Model, unsplit: ember.Model) -> tuple[EngineCore, EngineCore, list[Sequence]]:
+    """Two engines over the model's stages, three steps into their sequences (two, and one): a stage
+    that dies then fails the first's, and the second learns at its next step that its cache is lost."""
+    engine, other = model.engine(256, max_running=2), model.engine(256)
+    seqs = [Sequence(unsplit.tokenize(t), 50) for t in SNIPPETS[:2]]
+    for seq in seqs:
+        engine.add(seq)
+    other.add(Sequence(unsplit.tokenize(SNIPPETS[3]), 50))
+    for _ in range(3):
+        engine.step(), other.step()
+    return engine, other, seqs
+
+
+def killed_mid_stream(stage: ProcessStage, engine: EngineCore, steps: int) -> list[tuple[Sequence, str]]:
+    """SIGKILL a stage worker, then step the engine `steps` times: the sequences that failed, and why."""
+    os.kill(stage.process.pid, signal.SIGKILL)
+    failed = []
+    for _ in range(steps):
+        failed += engine.step().failed
+    return failed
+
+
 def test_the_engines_own_stage_fails_a_micro_batch_by_name_and_empties_its_caches_on_a_restart(unsplit) -> None:
     """`cpu` last: a micro-batch its stage fails ends that sequence with the stage's name; when the
     worker before it dies, every sequence in flight fails, the worker restarts and the engine's
@@ -134,18 +157,9 @@ def test_the_engines_own_stage_fails_a_micro_batch_by_name_and_empties_its_cache
         result = engine.step()
         assert result.failed == [(seq, f"RuntimeError: stage cpu (layers 3-4): KeyError: {engine.runner.cache_id}")]
 
-        engine, other = model.engine(256, max_running=2), model.engine(256)
-        seqs = [Sequence(unsplit.tokenize(t), 50) for t in SNIPPETS[:2]]
-        for s in seqs:
-            engine.add(s)
-        other.add(Sequence(unsplit.tokenize(SNIPPETS[3]), 50))
-        for _ in range(3):
-            engine.step(), other.step()
+        engine, other, seqs = engines_under_way(model, unsplit)
         before = dict(stage.caches)
-        os.kill(model.pipeline.stages[0].process.pid, signal.SIGKILL)
-        failed = []
-        for _ in range(3):
-            failed += engine.step().failed
+        failed = killed_mid_stream(model.pipeline.stages[0], engine, 3)
         assert sorted(s.seq_id for s, _ in failed) == sorted(s.seq_id for s in seqs)
         assert all("stage cpu:0 (layers 0-2) died: killed by signal 9; restarted" in why for _, why in failed)
         assert before.keys() == stage.caches.keys() and all(stage.caches[c] is not before[c] for c in before)
@@ -336,13 +350,7 @@ def test_a_stage_that_dies_fails_its_sequences_and_is_restarted(unsplit, monkeyp
     model.pipeline.heartbeat = lambda: ticks.append(1)  # the daemon's watchdog, petted while stages load
     monkeypatch.setattr("ember.daemon.runner.stage_process.READY_TICK", 0.001)
     try:
-        engine, other = model.engine(256, max_running=2), model.engine(256)
-        seqs = [Sequence(unsplit.tokenize(t), 50) for t in SNIPPETS[:2]]
-        for seq in seqs:
-            engine.add(seq)
-        other.add(Sequence(unsplit.tokenize(SNIPPETS[3]), 50))
-        for _ in range(3):
-            engine.step(), other.step()
+        engine, other, seqs = engines_under_way(model, unsplit)
         stage = model.pipeline.stages[1]
         os.kill(stage.process.pid, signal.SIGKILL)
         for _ in range(3):  # a step that was done before the kill still comes back
@@ -384,10 +392,7 @@ def test_three_stages_pipeline_three_micro_batches_and_restart_after_a_middle_de
             engine.add(seq)
         for _ in range(4):
             engine.step()
-        os.kill(model.pipeline.stages[1].process.pid, signal.SIGKILL)
-        failed = []
-        for _ in range(4):
-            failed += engine.step().failed
+        failed = killed_mid_stream(model.pipeline.stages[1], engine, 4)
         assert sorted(s.seq_id for s, _ in failed) == sorted(s.seq_id for s in seqs)
         assert all("stage cpu:1 (layers 2-3) died: killed by signal 9; restarted" in why for _, why in failed)
         assert [(stage.restarts, stage.alive()) for stage in model.pipeline.stages] == [(1, True)] * 3
