@@ -146,8 +146,8 @@ class Pipeline:
     @property
     def staging_bytes(self) -> list[int]:
         """Per stage, the staging memory it receives hidden states in (0 for the first), the last one's
-        with the logits segment it writes: the planner's DevicePlan.staging for the same split,
-        act_dtype and step tokens."""
+        with the logits segment it writes if it is a worker: the planner's DevicePlan.staging for the
+        same split, act_dtype and step tokens."""
         sizes = [0] + [b.segment.nbytes for b in self.boundaries]
         sizes[-1] += 0 if self.logits is None else self.logits.segment.nbytes
         return sizes
