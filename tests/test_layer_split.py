@@ -8,6 +8,7 @@ every stage is restarted (two stages and three)."""
 from __future__ import annotations
 
 import gc
+import math
 import os
 import shutil
 import signal
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 import ember
+from ember.daemon.engine.defaults import KV_BLOCK
 from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_MODEL
@@ -103,6 +105,104 @@ def test_batched_sequences_pipelined_equal_unsplit(unsplit, split) -> None:
     run_batched(unsplit, want)
     run_batched(split, got)
     assert [s.generated for s in got] == [s.generated for s in want]
+
+
+def counting_bursts(engine: EngineCore) -> dict[str, int]:
+    """How many steps the engine's scheduler planned and how many its runner ran (more: bursts)."""
+    counts = {"plans": 0, "steps": 0}
+    schedule, submit = engine.scheduler.schedule, engine.runner.submit
+
+    def planned(*args, **kwargs):  # type: ignore[no-untyped-def]
+        plan = schedule(*args, **kwargs)
+        counts["plans"] += bool(plan.chunks)
+        return plan
+
+    def ran(*args, **kwargs):  # type: ignore[no-untyped-def]
+        counts["steps"] += 1
+        return submit(*args, **kwargs)
+
+    engine.scheduler.schedule, engine.runner.submit = planned, ran  # type: ignore[method-assign]
+    return counts
+
+
+@pytest.mark.parametrize("sampling", [{}, {"repetition_penalty": 1.5, "frequency_penalty": 0.5},
+                                      {"temperature": 0.9, "top_k": 40, "repetition_penalty": 1.3,
+                                       "presence_penalty": 0.4, "frequency_penalty": 0.2}],
+                         ids=["greedy", "greedy-penalties", "sampled-penalties"])
+def test_decode_bursts_through_the_pipeline_give_the_tokens_of_single_steps(unsplit, split, sampling) -> None:
+    """Each lane's flight goes round with its next step until its burst is through: the tokens and
+    ends of one step at a time (staggered arrivals, seeded sampling with penalties over the burst's
+    tokens, a stop id inside a burst, max_tokens inside one), every block back, and bursts ran."""
+    prompts = [unsplit.tokenize(t) for t in SNIPPETS[:5]]
+    params = SamplingParams(**sampling)
+
+    def sequences(stop: int | None) -> list[Sequence]:
+        return [Sequence(p, max_tokens=9 + 3 * i, params=params, seed=i,
+                         stop_ids=frozenset() if stop is None or i != 1 else frozenset({stop}))
+                for i, p in enumerate(prompts)]
+
+    def stepped(seqs: list[Sequence], **options: float) -> dict[str, int]:
+        engine = split.engine(1024, max_running=len(seqs), **options)
+        counts = counting_bursts(engine)
+        for step in range(10_000):
+            if step in (0, 5):
+                for seq in seqs[:2] if step == 0 else seqs[2:]:
+                    engine.add(seq)
+            elif not engine.has_work:
+                assert engine.stats().kv_blocks_free == engine.blocks.n_blocks
+                return counts
+            assert not engine.step().failed
+        raise AssertionError("did not finish")
+
+    single = sequences(None)
+    stepped(single, decode_burst=0.0)
+    stop = single[1].generated[6]
+    assert stop not in single[1].generated[:6]
+    single, burst = sequences(stop), sequences(stop)
+    stepped(single, decode_burst=0.0)
+    counts = stepped(burst, decode_burst=math.inf, max_burst=4)
+    assert [s.generated for s in burst] == [s.generated for s in single]
+    assert [s.finish_reason for s in burst] == [s.finish_reason for s in single] == ["length", "stop"] + ["length"] * 3
+    assert counts["steps"] > counts["plans"] + 10  # most decode steps went round without a plan
+
+
+def test_a_sequence_cancelled_in_mid_burst_through_the_pipeline(unsplit, split) -> None:
+    """Its flight stops going round: its blocks are free at once, and a sequence that arrives then
+    gets them (the KV cache holds two blocks a sequence), so a step more of the burst would write into
+    the newcomer's. The cancelled one takes none of the burst's tokens; the others', the newcomer's
+    too, are those they get alone."""
+    engine = split.engine(8 * KV_BLOCK, max_running=4, decode_burst=math.inf, max_burst=4)
+    seqs = [Sequence(unsplit.tokenize(t), 16) for t in SNIPPETS[:5]]
+    for seq in seqs[:4]:
+        engine.add(seq)
+    def early(f) -> bool:  # type: ignore[no-untyped-def]  # a burst of 4 with steps to go
+        return f.burst is not None and f.burst.steps == 4 and f.burst.blocks.steps == 1
+
+    while not any(early(f) for f in engine._in_flight):
+        engine.step()
+    flight = next(f for f in engine._in_flight if early(f))
+    victim = flight.plan.chunks[0].seq
+    taken = len(victim.generated)
+    engine.abort(victim)
+    engine.add(seqs[4])
+    collect, went_on = engine._collect, []
+
+    def collected(f):  # type: ignore[no-untyped-def]
+        run = collect(f)
+        went_on.append(f is flight and run is None)
+        return run
+
+    engine._collect = collected  # type: ignore[method-assign]
+    while engine.has_work:
+        for out in engine.step().outputs:
+            assert out.seq is not victim
+        engine.blocks.check_integrity([s.table for s in engine.scheduler.running + list(engine.scheduler.waiting)])
+    assert victim.finish_reason == "cancelled" and len(victim.generated) == taken
+    assert not any(went_on)  # its burst's next steps were never started
+    for seq in seqs:
+        if seq is not victim:
+            assert seq.generated == list(unsplit.generate(seq.prompt, 16, ignore_eos=True)), unsplit.detokenize(seq.prompt)
+    assert engine.stats().kv_blocks_free == engine.blocks.n_blocks
 
 
 def test_a_micro_batch_a_stage_fails_passes_the_next_and_names_that_stage(unsplit, split) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ember.daemon.engine.block_manager import BlockManager
-from ember.daemon.engine.decode_burst import MAX_BURST, BurstClock
+from ember.daemon.engine.decode_burst import MAX_BURST, BurstBlocks, BurstClock
 from ember.daemon.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
 from ember.daemon.engine.sequence import Sequence, Status
 from ember.daemon.runner.model_runner import KVStateLost, ModelRunner, PendingStep, StepRun
@@ -80,8 +80,9 @@ class EngineCore:
         decodes and nobody waits, a step then runs up to max_burst decode steps back to back (a
         decode burst, ModelRunner.decode), as many as fit in that time at the rate of the steps
         before: the engine's host work once for them all, the tokens those of single steps. 0: one
-        token a step. Not with a draft (its lookahead is the proposals'), a pipelined layer split
-        (its steps overlap already) or recurrent state.
+        token a step. A pipelined layer split runs a burst one step at a time, each step's tokens
+        the next one's input, its lanes' bursts interleaved (_step_pipelined). Not with a draft (its
+        lookahead is the proposals') or recurrent state.
 
         A hybrid model (runner.stateful) runs without prefix reuse: cached KV blocks would skip the
         tokens whose recurrent state the sequence still needs (docs/hybrid.md); nor with a draft
@@ -112,7 +113,7 @@ class EngineCore:
         align = runner.step_alignment if max_step_tokens >= runner.step_alignment + max_running else 1
         self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context, lookahead, align, feature)
         self._in_flight: deque[_Flight] = deque()  # steps submitted to a pipelined runner, oldest first
-        bursts = draft is None and runner.lanes == 1 and not runner.stateful
+        bursts = draft is None and not runner.stateful
         self._bursts = BurstClock(decode_burst if bursts else 0.0, max_burst)
 
     def add(self, seq: Sequence) -> None:
@@ -156,10 +157,13 @@ class EngineCore:
     def _step_pipelined(self) -> StepResult:
         """A runner that takes several steps at once (a layer split: one per stage) gets that many,
         each on sequences of its own, so that while one runs on its last stage the next runs on its
-        first; the oldest is accounted. Every sequence still takes one step at a time."""
+        first; the oldest is collected. A decode burst's flight goes round again with its next step
+        (the tokens just sampled as its input, no scheduling, no accounting) until its burst is
+        through, and is accounted then; every sequence still takes one step at a time."""
         plan = StepPlan([])
         try:
             while len(self._in_flight) < self.runner.lanes:
+                self.scheduler.decode_lookahead = self._bursts.size() - 1
                 share = -(-(len(self.scheduler.running) + len(self.scheduler.waiting)) // self.runner.lanes)
                 plan = self.scheduler.schedule(max_seqs=max(1, share))
                 if not plan.chunks:
@@ -180,7 +184,10 @@ class EngineCore:
             for chunk in plan.chunks:
                 chunk.seq.in_flight = False
             try:
-                outputs, failed = self._account(plan, flight.rows, flight.before, self.runner.collect(flight.pending))
+                run = self._collect(flight)
+                if run is None:  # a burst's next step is in flight
+                    return StepResult(plan.n_tokens)
+                outputs, failed = self._account(plan, flight.rows, flight.before, run)
             except KVStateLost:
                 raise
             except Exception as e:
@@ -198,10 +205,39 @@ class EngineCore:
         rows = _LogitRows(plan, self.proposer is not None)
         before = [len(c.seq.generated) if c.samples else -1 for c in plan.chunks]  # before update() appends
         samplers = [(rows.last[i], c.seq) for i, c in enumerate(plan.chunks) if c.samples]
-        pending = self.runner.submit(self._build(plan.chunks, rows, {}), samplers, rows.keep)
+        batch = self._build(plan.chunks, rows, {})
+        start = time.perf_counter()
+        pending = self.runner.submit(batch, samplers, rows.keep)
         for chunk in plan.chunks:
             chunk.seq.in_flight = True
-        return _Flight(plan, rows, before, pending)
+        decodes = self.proposer is None and all(c.samples and c.length == 1 for c in plan.chunks)
+        steps = 1 + min(c.lookahead for c in plan.chunks) if decodes else 1
+        return _Flight(plan, rows, before, pending, start, decodes,
+                       _PipelinedBurst(steps, batch, BurstBlocks(samplers)) if steps > 1 else None)
+
+    def _collect(self, flight: _Flight) -> StepRun | None:
+        """A pipelined flight's step. A burst's step that is not its last starts the next one (None):
+        the flight goes to the back of the queue, its sequences in flight again."""
+        burst = flight.burst
+        if burst is None:
+            run = self.runner.collect(flight.pending)
+            if flight.decodes:
+                self._bursts.timed(time.perf_counter() - flight.start, 1)
+            return run
+        run = self.runner.collect(flight.pending, burst.blocks.blocks)
+        burst.blocks.take(run.choices, run.failed)
+        # a sequence cancelled meanwhile has given its blocks back: nothing more may be written to them
+        going = all(c.seq.status == Status.RUNNING for c in flight.plan.chunks)
+        if burst.blocks.steps < burst.steps and not burst.blocks.finished and going:
+            burst.batch = burst.batch.following(burst.blocks.last_ids(), self.runner.block_size)
+            flight.pending = self.runner.submit(burst.batch, burst.blocks.samplers)
+            for chunk in flight.plan.chunks:
+                chunk.seq.in_flight = True
+            self._in_flight.append(flight)
+            return None
+        self._bursts.timed(time.perf_counter() - flight.start, burst.blocks.steps)
+        choices, failed = burst.blocks.result()
+        return StepRun(choices, {}, failed)  # type: ignore[arg-type]
 
     def _lose_state(self, why: str) -> list[tuple[Sequence, str]]:
         lost = list(self.scheduler.running)
@@ -335,13 +371,24 @@ class EngineCore:
         return StepRun(choices, run.kept, failed)
 
 
-@dataclass(frozen=True)
+@dataclass
+class _PipelinedBurst:
+    """A pipelined flight's decode burst: its steps in all, its latest step's host batch, the tokens so far."""
+    steps: int
+    batch: StepBatch
+    blocks: BurstBlocks
+
+
+@dataclass
 class _Flight:
-    """A step submitted to a pipelined runner, not yet accounted."""
+    """A step submitted to a pipelined runner (a burst's steps, one after the other), not yet accounted."""
     plan: StepPlan
     rows: _LogitRows
     before: list[int]  # per chunk: its tokens generated before the step (-1: it samples none)
-    pending: PendingStep
+    pending: PendingStep  # its step in the runner now
+    start: float  # perf_counter() at its first submit
+    decodes: bool  # every chunk one token that samples: timed for the burst size
+    burst: _PipelinedBurst | None = None
 
 
 class _LogitRows:

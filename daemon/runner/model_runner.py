@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ember.daemon.engine.decode_burst import BurstBlocks
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.models.transformer import Transformer
 from ember.daemon.runner.kv_cache import PagedKVCache
@@ -122,32 +123,23 @@ class ModelRunner:
         failed (the rest of a block would be dropped by the scheduler anyway). A token is the one
         the same sequence would get from single steps: the same rows, sampler, penalties over
         everything generated before it, and generator."""
-        blocks: list[list[Choice]] = [[] for _ in samplers]
-        failed: dict[int, str] = {}
-        done = [False] * len(samplers)
+        burst = BurstBlocks(samplers)
         for step in range(steps):
             if step:
-                batch = batch.following([block[-1].token if block else seq.tokens[-1]
-                                         for block, (_, seq) in zip(blocks, samplers, strict=True)], self.block_size)
-            choices, bad = self._sample(self.forward(batch), samplers, blocks)
-            for k, choice in enumerate(choices):
-                if done[k]:
-                    continue
-                if choice is None:
-                    failed[k], done[k] = bad[k], True
-                    continue
-                blocks[k].append(choice)
-                done[k] = choice.token in samplers[k][1].stop_ids
-            if all(done):
+                batch = batch.following(burst.last_ids(), self.block_size)
+            burst.take(*self._sample(self.forward(batch), samplers, burst.blocks))
+            if burst.finished:
                 break
-        return StepRun([None if k in failed else tuple(block) for k, block in enumerate(blocks)], {}, failed)
+        choices, failed = burst.result()
+        return StepRun(choices, {}, failed)  # type: ignore[arg-type]
 
-    def collect(self, step: PendingStep) -> StepRun:
-        """The sampled tokens (and kept logits rows) of a submitted step."""
+    def collect(self, step: PendingStep, pending: Seq[Seq[Choice]] = ()) -> StepRun:
+        """The sampled tokens (and kept logits rows) of a submitted step; pending: as _sample's (a
+        pipelined decode burst's tokens so far)."""
         logits = self._logits_of(step)
         if step.n_logits == 0:
             return StepRun([], {}, features=step.features)
-        choices, failed = self._sample(logits, step.samplers)
+        choices, failed = self._sample(logits, step.samplers, pending)
         return StepRun(choices, {r: self.ops.to_numpy(logits[r]) for r in step.keep}, failed, step.features)
 
     def _logits_of(self, step: PendingStep) -> Array:
