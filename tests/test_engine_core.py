@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import ember
+from burst_cases import SAMPLING, SAMPLING_IDS, burst_sequences
 from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.engine.sequence import Sequence, Status
@@ -104,8 +105,7 @@ def bursting(model, kv_blocks: int, **options) -> tuple[EngineCore, list[int]]:
     return engine, sizes
 
 
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_k": 40, "repetition_penalty": 1.3,
-                                           "presence_penalty": 0.4, "frequency_penalty": 0.2}])
+@pytest.mark.parametrize("sampling", SAMPLING, ids=SAMPLING_IDS)
 def test_decode_bursts_give_the_tokens_of_single_steps(model, sampling: dict) -> None:
     """Decode bursts (several decode steps in one engine step) against one token a step: the same
     tokens and ends for staggered sequences, seeded sampling with penalties over the tokens the burst
@@ -114,9 +114,7 @@ def test_decode_bursts_give_the_tokens_of_single_steps(model, sampling: dict) ->
     params = SamplingParams(**sampling)
 
     def sequences(stop: int | None) -> list[Sequence]:
-        return [Sequence(p, max_tokens=9 + 3 * i, params=params, seed=i,
-                         stop_ids=frozenset() if stop is None or i != 1 else frozenset({stop}))
-                for i, p in enumerate(prompts)]
+        return burst_sequences(prompts, params, stop)
 
     single = sequences(None)
     run(engine_of(model, kv_blocks=64), {0: single[:2], 7: single[2:]})

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import ember
+from burst_cases import SAMPLING, SAMPLING_IDS, burst_sequences
 from ember.daemon.engine.defaults import KV_BLOCK
 from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence
@@ -125,10 +126,7 @@ def counting_bursts(engine: EngineCore) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("sampling", [{}, {"repetition_penalty": 1.5, "frequency_penalty": 0.5},
-                                      {"temperature": 0.9, "top_k": 40, "repetition_penalty": 1.3,
-                                       "presence_penalty": 0.4, "frequency_penalty": 0.2}],
-                         ids=["greedy", "greedy-penalties", "sampled-penalties"])
+@pytest.mark.parametrize("sampling", SAMPLING, ids=SAMPLING_IDS)
 def test_decode_bursts_through_the_pipeline_give_the_tokens_of_single_steps(unsplit, split, sampling) -> None:
     """Each lane's flight goes round with its next step until its burst is through: the tokens and
     ends of one step at a time (staggered arrivals, seeded sampling with penalties over the burst's
@@ -137,9 +135,7 @@ def test_decode_bursts_through_the_pipeline_give_the_tokens_of_single_steps(unsp
     params = SamplingParams(**sampling)
 
     def sequences(stop: int | None) -> list[Sequence]:
-        return [Sequence(p, max_tokens=9 + 3 * i, params=params, seed=i,
-                         stop_ids=frozenset() if stop is None or i != 1 else frozenset({stop}))
-                for i, p in enumerate(prompts)]
+        return burst_sequences(prompts, params, stop)
 
     def stepped(seqs: list[Sequence], **options: float) -> dict[str, int]:
         engine = split.engine(1024, max_running=len(seqs), **options)
