@@ -172,7 +172,7 @@ def test_a_sequence_cancelled_in_mid_burst_through_the_pipeline(unsplit, split) 
     for seq in seqs[:4]:
         engine.add(seq)
     def early(f) -> bool:  # type: ignore[no-untyped-def]  # a burst of 4 with steps to go
-        return f.burst is not None and f.burst.steps == 4 and f.burst.blocks.steps == 1
+        return f.burst is not None and f.steps == 4 and f.burst.blocks.steps == 1
 
     while not any(early(f) for f in engine._in_flight):
         engine.step()

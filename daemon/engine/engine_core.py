@@ -210,10 +210,9 @@ class EngineCore:
         pending = self.runner.submit(batch, samplers, rows.keep)
         for chunk in plan.chunks:
             chunk.seq.in_flight = True
-        decodes = self.proposer is None and all(c.samples and c.length == 1 for c in plan.chunks)
-        steps = 1 + min(c.lookahead for c in plan.chunks) if decodes else 1
-        return _Flight(plan, rows, before, pending, start, decodes,
-                       _PipelinedBurst(steps, batch, BurstBlocks(samplers)) if steps > 1 else None)
+        steps = self._decode_steps(plan)
+        return _Flight(plan, rows, before, pending, start, steps,
+                       _PipelinedBurst(batch, BurstBlocks(samplers)) if steps > 1 else None)
 
     def _collect(self, flight: _Flight) -> StepRun | None:
         """A pipelined flight's step. A burst's step that is not its last starts the next one (None):
@@ -221,14 +220,14 @@ class EngineCore:
         burst = flight.burst
         if burst is None:
             run = self.runner.collect(flight.pending)
-            if flight.decodes:
+            if flight.steps:
                 self._bursts.timed(time.perf_counter() - flight.start, 1)
             return run
         run = self.runner.collect(flight.pending, burst.blocks.blocks)
         burst.blocks.take(run.choices, run.failed)
         # a sequence cancelled meanwhile has given its blocks back: nothing more may be written to them
         going = all(c.seq.status == Status.RUNNING for c in flight.plan.chunks)
-        if burst.blocks.steps < burst.steps and not burst.blocks.finished and going:
+        if burst.blocks.steps < flight.steps and not burst.blocks.finished and going:
             burst.batch = burst.batch.following(burst.blocks.last_ids(), self.runner.block_size)
             flight.pending = self.runner.submit(burst.batch, burst.blocks.samplers)
             for chunk in flight.plan.chunks:
@@ -261,14 +260,21 @@ class EngineCore:
                                          for i, c in enumerate(plan.chunks)])
         rows = _LogitRows(plan, self.proposer is not None)
         before = [len(c.seq.generated) if c.samples else -1 for c in plan.chunks]  # before update() appends
-        if self.proposer is not None or not all(c.samples and c.length == 1 for c in plan.chunks):
+        steps = self._decode_steps(plan)
+        if not steps:
             return self._account(plan, rows, before, self._run(plan, rows, proposals))
-        # a decode step: timed for the burst size; a burst where every chunk has slots for one
-        steps = 1 + min(c.lookahead for c in plan.chunks)
         start = time.perf_counter()
         run = self._run(plan, rows, {}) if steps == 1 else self._burst_run(plan, rows, steps)
         self._bursts.timed(time.perf_counter() - start, steps)
         return self._account(plan, rows, before, run)
+
+    def _decode_steps(self, plan: StepPlan) -> int:
+        """How many decode steps the plan runs when it is a decode step (every chunk one token that
+        samples, no draft: timed for the burst size), 0 when it is not: a burst where every chunk
+        has slots for one."""
+        if self.proposer is not None or not all(c.samples and c.length == 1 for c in plan.chunks):
+            return 0
+        return 1 + min(c.lookahead for c in plan.chunks)
 
     def _burst_run(self, plan: StepPlan, rows: _LogitRows, steps: int) -> StepRun:
         """`steps` decode steps of the plan's sequences in one go (their slots reserved by the
@@ -373,8 +379,7 @@ class EngineCore:
 
 @dataclass
 class _PipelinedBurst:
-    """A pipelined flight's decode burst: its steps in all, its latest step's host batch, the tokens so far."""
-    steps: int
+    """A pipelined flight's decode burst: its latest step's host batch, the tokens so far."""
     batch: StepBatch
     blocks: BurstBlocks
 
@@ -387,7 +392,7 @@ class _Flight:
     before: list[int]  # per chunk: its tokens generated before the step (-1: it samples none)
     pending: PendingStep  # its step in the runner now
     start: float  # perf_counter() at its first submit
-    decodes: bool  # every chunk one token that samples: timed for the burst size
+    steps: int  # decode steps it runs (_decode_steps; 0: not a decode step)
     burst: _PipelinedBurst | None = None
 
 

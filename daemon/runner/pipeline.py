@@ -108,11 +108,9 @@ class Pipeline:
         # the engine's own stage counts too: the workers are pinned to CPUs apart from one group it is left
         on_cpu = [s for s in stages if s.device.kind == "cpu"]
         pins = dict(zip(on_cpu, stage_cpus([s.device.index or 0 for s in on_cpu], threads), strict=True))
-        workers = stages[:-1] if local else stages
-        for i, s in enumerate(workers):
-            inbox = self.boundaries[i - 1].segment.name if i else ""
-            outbox = self.boundaries[i].segment.name if self.logits is None or i < len(stages) - 1 \
-                else self.logits.segment.name
+        names = [segment.name for segment in self._segments]  # worker i reads boundary i - 1, writes the next
+        for i, s in enumerate(stages[:-1] if local else stages):
+            inbox, outbox = names[i - 1] if i else "", names[i]
             if s.device.kind == "cpu":
                 setup = Setup(model_path, s.first, s.end, s.device.index or 0, threads, act_dtype, max_tokens, inbox,
                               outbox, pins[s])
