@@ -14,7 +14,7 @@ from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.loader.gguf_file import open_gguf
 from ember.daemon.text.tokenizer import PRE_TOKENIZERS, Tokenizer, TokenizerError
 from tiny_models import DEMO_TOKENIZER
-from tokenizer_fixtures import (FIXED, NORMAL, byte_bpe_vocab, corpus, gguf_metadata, spm_vocab,
+from tokenizer_fixtures import (FIXED, NORMAL, UNUSED, byte_bpe_vocab, corpus, gguf_metadata, spm_vocab,
                                 whole_text_bpe_vocab, write_vocab_gguf)
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -189,6 +189,27 @@ def test_pre_tokenizer_cuts_equal_llama_cpp(tmp_path: Path, pre: str) -> None:
     path = write_vocab_gguf(tmp_path / "v.gguf", "gpt2", tokens, [NORMAL] * len(tokens), merges=merges, pre=pre,
                             add_bos=False)
     assert_ids_equal_llama_cpp(Tokenizer.from_gguf(gguf_metadata(path)), path, texts)
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe"])
+def test_tokens_no_merge_makes_equal_llama_cpp(tmp_path: Path, pre: str) -> None:
+    """A vocabulary padded as llama.cpp's converter pads one ([PAD<id>], unused) and holding a token no
+    merge makes: where only merges make tokens (gpt-2) the BPE leaves them out and the ids are still
+    llama.cpp's; where a word that is a token is taken whole (llama-bpe) the BPE keeps them all."""
+    tokens, types, merges = byte_bpe_vocab()
+    assert "Ġxylophone" not in tokens
+    padded = [*tokens, "Ġxylophone", *(f"[PAD{i}]" for i in range(len(tokens) + 1, 1024))]
+    padded_types = [*types, NORMAL, *[UNUSED] * (len(padded) - len(types) - 1)]
+    path = write_vocab_gguf(tmp_path / "v.gguf", "gpt2", padded, padded_types, merges=merges, pre=pre,
+                            bos=tokens.index("<|begin|>"), add_bos=True)
+    ours = Tokenizer.from_gguf(gguf_metadata(path))
+    texts = corpus(100, seed=9) + ["a xylophone", " xylophone!", "[PAD1000]", "x [PAD700] y", "PAD"]
+    assert_ids_equal_llama_cpp(ours, path, texts)
+    in_bpe = ours.core.get_vocab(with_added_tokens=False)
+    assert ("Ġxylophone" in in_bpe) == ("[PAD1000]" in in_bpe) == (pre == "llama-bpe")
+    assert len(in_bpe) == len(padded) if pre == "llama-bpe" else len(in_bpe) < len(tokens)
+    assert all(in_bpe[t] == padded.index(t) for t in list(in_bpe)[::7])
 
 
 @needs_llama_cpp

@@ -12,7 +12,7 @@ import gguf
 import tokenizers
 
 # token types as GGUF writes them
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 FIXED = [
     "", " ", "  ", "\n", "\t", "hello world", "Hello World", "  multiple   spaces  ", "\t\ttabs\tand\nnewlines\n\n\n",
