@@ -164,6 +164,23 @@ class Ops(ABC):
             x = out
         return x
 
+    # --- a greedy decode burst at once -----------------------------------------------------------
+    def greedy_plan(self, fused: Sequence[Any], embed: Weight, norm: Array, eps: float, output: Weight,
+                    ks: Sequence[Any], vs: Sequence[Any]) -> Any | None:
+        """A backend's compiled form of a whole model's greedy decode step (every layer fused with its
+        FFN, layer i's K/V in ks[i] and vs[i]; the embedding, final norm and output projection), for
+        greedy_burst; None (this default) where it has none: decode bursts then step from Python."""
+        return None
+
+    def greedy_burst(self, plan: Any, steps: int, ids: Array, positions: Array, kv_blocks: Array, kv_offsets: Array,
+                     tables: Array, token_seq: Array, block_size: int, stops: np.ndarray) -> np.ndarray:
+        """Up to `steps` greedy decode steps of one generated token per sequence (the first step's
+        arrays as its StepBatch has them), each row's next input its logits' argmax, until every row
+        has met one of its stop ids (stops [n, m], -1 pads; a row that has keeps its stop token as its
+        input) -> host int64 tokens [steps taken, n]: bit for bit what the fused layers, rmsnorm,
+        matmul and argmax_rows give step by step."""
+        raise NotImplementedError(f"{self.name} has no greedy decode bursts")
+
     @abstractmethod
     def embedding(self, w: Weight, ids: np.ndarray) -> Array:
         """Rows `ids` of w, dequantized -> [len(ids), cols] f32."""

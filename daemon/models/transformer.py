@@ -10,9 +10,12 @@ forward pass is cut in three — `embed`, `run_layers`, `head` — that the whol
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions
 from ember.daemon.experts.moe_ffn import MoEFFN, expert_files, load_moe_ffn
@@ -140,6 +143,8 @@ class Transformer:
         self.norm = _norm(mf, ops, "output_norm.weight") if self.runs_last else None
         # tied embeddings: the output projection is the embedding matrix, shared, not loaded twice
         self.output = None if not self.runs_last else self.embed if tied else ops.weight(mf.tensors["output.weight"])
+        # per KV cache, the backend's greedy decode step over it (ops.greedy_plan; None: it has none)
+        self._greedy_plans: weakref.WeakKeyDictionary[PagedKVCache, Any] = weakref.WeakKeyDictionary()
 
     @property
     def runs_first(self) -> bool:
@@ -198,6 +203,27 @@ class Transformer:
         for block in self.blocks:  # x is rebound: a layer's input is freed once the next has run
             x = block(self.ops, self.config, self.rope, x, cache, batch)
         return x
+
+    def greedy_steps(self, batch: StepBatch, cache: PagedKVCache, steps: int, stops: np.ndarray) -> np.ndarray | None:
+        """Up to `steps` decode steps from `batch` (one generated token a sequence, each row's logits
+        wanted, in order), each row's next token its logits' argmax and the next step's input, until
+        every row has met one of its stop ids (stops [n, m], -1 pads) -> host tokens [steps taken, n],
+        those forward() and argmax would give step by step; None, having done nothing, where the
+        backend has no compiled form of the whole step (ops.greedy_plan) or the batch is not such a step."""
+        n = len(batch.ids)
+        if (self.fused_layers is None or not (self.runs_first and self.runs_last) or batch.attn_end is not None
+                or len(batch.logit_rows) != n or not np.array_equal(batch.logit_rows, np.arange(n))
+                or not np.all(batch.decode_rows)):
+            return None
+        plan = self._greedy_plans.get(cache, False)
+        if plan is False:
+            plan = self.ops.greedy_plan(self.fused_layers, self.embed, self.norm, self.config.norm_eps, self.output,
+                                        cache.k, cache.v)
+            self._greedy_plans[cache] = plan
+        if plan is None:
+            return None
+        return self.ops.greedy_burst(plan, steps, batch.ids, batch.positions, batch.kv_blocks, batch.kv_offsets,
+                                     batch.tables, batch.token_seq, cache.block_size, stops)
 
     def head(self, x: Array, batch: StepBatch) -> Array:
         """The final norm and output projection of the rows whose logits are wanted -> [n_logits, vocab]."""

@@ -95,6 +95,20 @@ def compile_all() -> None:
             net.forward(StepBatch.build([([7], 6, [0, 1]), ([8], 1, [1])], 16, prompt_lengths=[5, 2]), cache)
         _linear_attention_kernels()
         _expert_kernels(net)
+        _greedy_kernels()
+
+
+def _greedy_kernels() -> None:
+    """A greedy decode burst (kernels/cpu/greedy_decode.py) of a model whose every layer is fused: one
+    signature for any depth and weight types (its layers go in a typed List)."""
+    from ember.daemon.runner.step_batch import StepBatch
+    from ember.kernels.tensor_types import TensorType as T
+
+    net = synthetic_model([T.Q8_0, T.Q4_K])
+    cache = net.new_cache(2, 16, "f32")
+    batch = StepBatch.build([([6], 5, [0, 1])], 16, prompt_lengths=[5])
+    if net.greedy_steps(batch, cache, 2, np.full((1, 1), -1, np.int64)) is None:
+        raise RuntimeError("the kernel cache's model takes no greedy decode bursts")
 
 
 def _linear_attention_kernels() -> None:

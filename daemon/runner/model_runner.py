@@ -124,14 +124,31 @@ class ModelRunner:
         the same sequence would get from single steps: the same rows, sampler, penalties over
         everything generated before it, and generator."""
         burst = BurstBlocks(samplers)
-        for step in range(steps):
-            if step:
-                batch = batch.following(burst.last_ids(), self.block_size)
-            burst.take(*self._sample(self.forward(batch), samplers, burst.blocks))
-            if burst.finished:
-                break
+        tokens = self._greedy_burst(batch, samplers, steps)
+        if tokens is not None:  # every step in one backend call
+            for row in tokens:
+                burst.take([Choice(int(t), float("nan")) for t in row], {})
+        else:
+            for step in range(steps):
+                if step:
+                    batch = batch.following(burst.last_ids(), self.block_size)
+                burst.take(*self._sample(self.forward(batch), samplers, burst.blocks))
+                if burst.finished:
+                    break
         choices, failed = burst.result()
         return StepRun(choices, {}, failed)  # type: ignore[arg-type]
+
+    def _greedy_burst(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], steps: int) -> np.ndarray | None:
+        """The burst's tokens [steps taken, n] from the model's compiled greedy steps (Transformer.greedy_steps)
+        where each row is a sequence sampling greedily with nothing else asked (no penalties, no
+        logprobs: what _sample's fast path takes), else None."""
+        if (self.capture or [r for r, _ in samplers] != list(range(len(batch.ids)))
+                or not all(not s.wants_logprob and s.params.plain_greedy for _, s in samplers)):
+            return None
+        stops = np.full((len(samplers), max([1] + [len(s.stop_ids) for _, s in samplers])), -1, np.int64)
+        for k, (_, seq) in enumerate(samplers):
+            stops[k, :len(seq.stop_ids)] = sorted(seq.stop_ids)
+        return self.net.greedy_steps(self.prepare(batch), self.cache, steps, stops)
 
     def collect(self, step: PendingStep, pending: Seq[Seq[Choice]] = ()) -> StepRun:
         """The sampled tokens (and kept logits rows) of a submitted step; pending: as _sample's (a

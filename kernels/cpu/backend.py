@@ -5,7 +5,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ember.kernels.cpu import decoder_layer, dense, expert_ffn, linear_attention, quant_matmul
+from ember.kernels.cpu import decoder_layer, dense, expert_ffn, greedy_decode, linear_attention, quant_matmul
 from ember.kernels.cpu.paged_attention import KVLayerStore, paged_attention
 from ember.kernels.ops import Array, ExpertWeights, LayerShape, LayerWeights, Ops
 from ember.kernels.reference.quant import dequantize
@@ -65,6 +65,17 @@ class CpuOps(Ops):
             return None
         return decoder_layer.run_stack(fused, x, ks, vs, self.kv_write, positions, seen, kv_blocks, kv_offsets, tables,
                                        token_seq)
+
+    def greedy_plan(self, fused: Sequence[decoder_layer.FusedLayer], embed: quant_matmul.CpuWeight, norm: Array,
+                    eps: float, output: quant_matmul.CpuWeight, ks: Sequence[KVLayerStore],
+                    vs: Sequence[KVLayerStore]) -> greedy_decode.GreedyPlan | None:
+        return greedy_decode.plan(fused, embed, np.asarray(norm), eps, output, ks, vs)
+
+    def greedy_burst(self, plan: greedy_decode.GreedyPlan, steps: int, ids: Array, positions: Array, kv_blocks: Array,
+                     kv_offsets: Array, tables: Array, token_seq: Array, block_size: int,
+                     stops: np.ndarray) -> np.ndarray:
+        return greedy_decode.burst(plan, steps, ids, positions, kv_blocks, kv_offsets, tables, token_seq, block_size,
+                                   stops)
 
     def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
                    weight: np.ndarray, decode_rows: Array | None = None) -> np.ndarray:

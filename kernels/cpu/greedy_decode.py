@@ -1,0 +1,163 @@
+"""Greedy decode bursts in one compiled call: the CPU backend's ops.greedy_plan / ops.greedy_burst.
+
+A decode burst (daemon/engine/decode_burst.py) runs several decode steps in a row, each step's
+sampled tokens the next one's input. Run from Python, each step is ~15 calls around the compiled
+layers: the next step's arrays (StepBatch.following), the embedding, the fused layers' dispatch,
+the final norm and output projection, the argmax, the burst's bookkeeping. Right after the kernels
+that Python runs several times slower than at rest (docs/runtime.md): on the 12 MB demo model it was
+~110 us of a ~900 us token. Where every sequence of the burst samples greedily (no penalties, no
+logprobs), nothing in a step needs Python, so here the whole burst is one compiled loop: embedding,
+every layer (decoder_layer's fused layers, in the variant run_stack picks), the final rmsnorm, the
+output projection and each row's argmax, then the next position's KV slot, until every sequence
+has met one of its stop ids or the burst is over.
+
+The numbers are the per-step path's, bit for bit: the loop calls the very compiled functions
+ModelRunner.decode's steps reach through the ops (the embedding's row gather, run_stack's layer
+functions, decoder_layer's rmsnorm and integer matmul, each variant picked by the same rule), so a
+sequence gets the tokens single steps would give it (tests/test_greedy_decode.py compares the
+logits of every step bit for bit).
+
+A plan holds what a model's layers and one KV cache give the loop, as a numba typed List of
+per-layer tuples: a model of any depth is one compiled signature, so the kernel cache holds it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import njit, typed
+
+from ember.kernels.cpu import twin
+from ember.kernels.cpu.decoder_layer import (_KV_F32, FusedLayer, _layer_f32_kv, _layer_team, _matmul_int8, _parallel,
+                                             _rmsnorm)
+from ember.kernels.cpu.paged_attention import KVLayerStore
+from ember.kernels.cpu.quant_matmul import _GATHER_ROWS, INT8_PARALLEL_MIN_WORK, CpuWeight
+from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
+
+__all__ = ["GreedyPlan", "burst", "plan"]
+
+_GATHER_SERIAL, _GATHER_PARALLEL = _GATHER_ROWS.serial, _GATHER_ROWS.parallel
+
+
+@dataclass(frozen=True)
+class GreedyPlan:
+    """A whole model's decode step over one f32 KV cache, as the compiled loop takes it."""
+
+    layers: Any  # typed List of (attn_in, attn_out, work, k f32, k u16, k i8, k scales, v f32), one a layer
+    embed: tuple[Any, ...]  # the embedding's code, u8, i8, u16, u32 and f32 (empty unless F32) views, columns
+    norm: np.ndarray  # the final rmsnorm's weight, float32
+    eps: float
+    head: tuple[int, np.ndarray]  # the output projection's type code and bytes (an integer decode type)
+    vocab: int
+
+
+def plan(fused: Sequence[FusedLayer], embed: CpuWeight, norm: np.ndarray, eps: float, head: CpuWeight,
+         ks: Sequence[KVLayerStore], vs: Sequence[KVLayerStore]) -> GreedyPlan | None:
+    """The plan for these layers over these KV stores, or None where the per-step path computes what
+    this loop does not: a KV cache in a converted dtype (its rows are stored from Python), an output
+    projection without integer decode kernels (F16, BF16, F32)."""
+    if not head.int8 or any(s.mode != _KV_F32 for s in (*ks, *vs)):
+        return None
+    items = [(layer.attn_in, layer.attn_out, layer.work, k.f32, k.u16, k.i8, k.scales, v.f32)
+             for layer, k, v in zip(fused, ks, vs, strict=True)]
+    layers = _new_list(items[0])  # built by cached compiled code: typed.List's own methods compile per process (1.6 s)
+    for item in items[1:]:
+        _append(layers, item)
+    f32 = embed.f32 if embed.f32 is not None else np.empty((0, embed.cols), np.float32)
+    return GreedyPlan(layers, (embed.code, embed.u8, embed.i8, embed.u16, embed.u32, f32, embed.cols),
+                      np.ascontiguousarray(norm, np.float32), float(eps), (head.code, head.u8), head.rows)
+
+
+def burst(p: GreedyPlan, steps: int, ids: np.ndarray, positions: np.ndarray, kv_blocks: np.ndarray,
+          kv_offsets: np.ndarray, tables: np.ndarray, token_seq: np.ndarray, block_size: int, stops: np.ndarray,
+          logits: np.ndarray | None = None) -> np.ndarray:
+    """Up to `steps` greedy decode steps of one token per sequence: ids, positions, kv_blocks and
+    kv_offsets as the first step's StepBatch has them (every row a decode row, token i of sequence
+    token_seq[i]); stops [n, m]: each row's stop ids (-1 pads). -> tokens [steps taken, n]: the burst
+    ends once every row has met a stop id; a row that has keeps its stop token as its input, as
+    BurstBlocks does. logits (float32 [steps, n, vocab]), if given, receives each step's logits."""
+    n = ids.shape[0]
+    tokens = np.empty((steps, n), np.int64)
+    keep = np.empty((0, n, p.vocab), np.float32) if logits is None else logits
+    taken = _burst(steps, twin.threads(), twin.force_code(), np.ascontiguousarray(ids, np.int64),
+                   np.ascontiguousarray(positions, np.int64), np.ascontiguousarray(kv_blocks, np.int64),
+                   np.ascontiguousarray(kv_offsets, np.int64), tables, np.ascontiguousarray(token_seq, np.int64),
+                   block_size, np.ascontiguousarray(stops, np.int64), *p.embed, p.layers, p.norm, p.eps, *p.head,
+                   tokens, keep)
+    return tokens[:taken]
+
+
+@njit(cache=True, nogil=True)
+def _burst(steps, threads, force, ids, positions, kv_blocks, kv_offsets, tables, token_seq, block_size, stops,
+           e_code, e_u8, e_i8, e_u16, e_u32, e_f32, e_cols, layers, norm, eps, h_code, h_u8, tokens, keep):
+    n = ids.shape[0]
+    rows = e_u8.shape[0] if e_f32.shape[0] == 0 else e_f32.shape[0]
+    ids, positions = ids.copy(), positions.copy()
+    kv_blocks, kv_offsets = kv_blocks.copy(), kv_offsets.copy()
+    done = np.zeros(n, np.bool_)
+    for step in range(steps):
+        if step:  # StepBatch.following: one position further on, in the blocks the tables hold
+            for i in range(n):
+                positions[i] += 1
+                kv_blocks[i] = tables[token_seq[i], positions[i] // block_size]
+                kv_offsets[i] = positions[i] % block_size
+        for i in range(n):
+            if ids[i] < 0 or ids[i] >= rows:
+                raise IndexError("token id out of the embedding's range")
+        x = _embedding(ids, e_code, e_u8, e_i8, e_u16, e_u32, e_f32, e_cols, force)
+        for k in range(len(layers)):
+            attn_in, attn_out, work, k_f32, u16, i8, scales, v_f32 = layers[k]
+            if force == 2 or (force == 0 and work * n >= INT8_PARALLEL_MIN_WORK):  # run_stack's choice
+                x = _layer_team(threads, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables,
+                                token_seq, positions, attn_in, attn_out)
+            else:
+                x = _layer_f32_kv(x, positions, force, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables,
+                                  token_seq, positions, attn_in, attn_out)
+        h = np.empty_like(x)
+        _rmsnorm(x, norm, eps, h, force)
+        out = np.empty((n, h_u8.shape[0]), np.float32)
+        _matmul_int8(h_code, h_u8, h, out, force)
+        if keep.shape[0]:
+            keep[step] = out
+        for i in range(n):
+            best = np.argmax(out[i])
+            tokens[step, i] = best
+            if done[i]:
+                continue  # its block has ended: it keeps its stop token as input
+            ids[i] = best
+            for s in range(stops.shape[1]):
+                if stops[i, s] == best:
+                    done[i] = True
+        if done.all():
+            return step + 1
+    return steps
+
+
+@njit(cache=True, nogil=True)
+def _new_list(item):
+    layers = typed.List()
+    layers.append(item)
+    return layers
+
+
+@njit(cache=True, nogil=True)
+def _append(layers, item):
+    layers.append(item)
+
+
+@njit(cache=True, nogil=True)
+def _embedding(ids, code, u8, i8, u16, u32, f32, cols, force):
+    """quant_matmul.embedding: the rows of ids, dequantized, by the variant its pick would take."""
+    if f32.shape[0]:
+        out = np.empty((ids.shape[0], cols), np.float32)
+        for i in range(ids.shape[0]):
+            out[i] = f32[ids[i]]
+        return out
+    out = np.empty((ids.shape[0], cols), np.float32)
+    if _parallel(force, ids.shape[0] * cols, PARALLEL_MIN_WORK):
+        _GATHER_PARALLEL(code, u8, i8, u16, u32, ids, out)
+    else:
+        _GATHER_SERIAL(code, u8, i8, u16, u32, ids, out)
+    return out

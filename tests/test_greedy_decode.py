@@ -1,0 +1,143 @@
+"""A greedy decode burst in one compiled call (kernels/cpu/greedy_decode.py) computes what the per-step
+path computes, bit for bit: every step's logits, over every integer weight type, architecture and
+kernel variant, for sequences at different positions and a stop id inside the burst; it declines the
+steps it would not compute the same way; and the engine's greedy bursts run through it."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from ember.daemon.engine.engine_core import EngineCore
+from ember.daemon.engine.sequence import Sequence
+from ember.daemon.loader.demo_model import DEMO_MODEL
+from ember.daemon.loader.model_file import open_model_file
+from ember.daemon.models.transformer import Transformer
+from ember.daemon.runner.kernel_cache import synthetic_model
+from ember.daemon.runner.model_runner import ModelRunner
+from ember.daemon.runner.step_batch import StepBatch
+from ember.kernels import get_ops
+from ember.kernels.cpu import greedy_decode, twin
+from ember.kernels.cpu.quant_matmul import pack
+from ember.kernels.raw_tensor import RawTensor
+from ember.kernels.sampling import SamplingParams
+from ember.kernels.tensor_types import TensorType as T
+
+INT8_TYPES = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+PROMPTS = ([1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25])
+TABLES = ([0, 1], [2, 3], [4, 5])
+STEPS = 6
+
+
+def first_decode_step(net: Transformer, kv_dtype: str = "f32") -> tuple[object, StepBatch]:
+    """A cache holding three prompts (read op by op), and the decode step of their first generated tokens."""
+    cache = net.new_cache(8, 16, kv_dtype)
+    net.forward(StepBatch.build([(p, 0, t) for p, t in zip(PROMPTS, TABLES, strict=True)], 16), cache)
+    chunks = [([11 + i], len(p), t) for i, (p, t) in enumerate(zip(PROMPTS, TABLES, strict=True))]
+    return cache, StepBatch.build(chunks, 16, prompt_lengths=[len(p) for p in PROMPTS])
+
+
+def step_by_step(net: Transformer, cache, batch: StepBatch, stops: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:  # type: ignore[no-untyped-def]
+    """What ModelRunner.decode's Python loop does: forward, argmax, the next step from the tokens
+    (a row that met a stop id keeps it as its input)."""
+    ids, done, tokens, logits = batch.ids.copy(), np.zeros(len(batch.ids), bool), [], []
+    for step in range(STEPS):
+        if step:
+            batch = batch.following(ids, 16)
+        out = np.array(net.forward(batch, cache))
+        best = np.argmax(out, axis=1)
+        tokens.append(best)
+        logits.append(out)
+        ids = np.where(done, ids, best)
+        done |= [b in row for b, row in zip(best, stops, strict=True)]
+        if done.all():
+            break
+    return np.array(tokens), logits
+
+
+def snapshot(cache):  # type: ignore[no-untyped-def]
+    return [s.f32.copy() for s in (*cache.k, *cache.v)]
+
+
+def restore(cache, saved) -> None:  # type: ignore[no-untyped-def]
+    for store, data in zip((*cache.k, *cache.v), saved, strict=True):
+        store.f32[...] = data
+
+
+def assert_bursts_equal_steps(net: Transformer) -> None:
+    cache, batch = first_decode_step(net)
+    saved = snapshot(cache)
+    free, _ = step_by_step(net, cache, batch, np.full((3, 1), -1))
+    # row 1 stops at its third token, row 0 at its fifth, row 2 runs on: the burst ends with the steps
+    stops = np.array([[free[4, 0], -1], [-1, free[2, 1]], [-1, -1]])
+    for stop_table in (np.full((3, 1), -1), stops):
+        restore(cache, saved)
+        want, want_logits = step_by_step(net, cache, batch, stop_table)
+        restore(cache, saved)
+        plan = greedy_decode.plan(net.fused_layers, net.embed, net.norm, net.config.norm_eps, net.output, cache.k, cache.v)
+        logits = np.zeros((STEPS, 3, net.config.vocab), np.float32)
+        got = greedy_decode.burst(plan, STEPS, batch.ids, batch.positions, batch.kv_blocks, batch.kv_offsets,
+                                  batch.tables, batch.token_seq, 16, stop_table, logits)
+        np.testing.assert_array_equal(got, want)
+        for step, expected in enumerate(want_logits):
+            np.testing.assert_array_equal(logits[step], expected)  # bit for bit
+
+
+@pytest.mark.parametrize("variant", ["serial", "parallel"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_a_greedy_burst_equals_single_steps(arch: str, variant: str, monkeypatch) -> None:
+    monkeypatch.setattr(twin, "FORCE", variant)
+    net = synthetic_model(INT8_TYPES, arch)
+    assert net.fused_layers is not None
+    assert_bursts_equal_steps(net)
+
+
+def test_a_greedy_burst_of_the_trained_demo_model_equals_single_steps() -> None:
+    net = Transformer(open_model_file(DEMO_MODEL), get_ops("cpu"))
+    assert_bursts_equal_steps(net)
+
+
+def test_steps_the_burst_would_compute_otherwise_are_declined() -> None:
+    net = synthetic_model(INT8_TYPES)
+    none = np.full((3, 1), -1)
+    cache, batch = first_decode_step(net, "q8_0")  # a converted KV row is stored from Python
+    assert net.greedy_steps(batch, cache, 2, none) is None
+    cache, batch = first_decode_step(net)
+    prompt_rows = StepBatch.build([([11], len(PROMPTS[0]), TABLES[0])], 16)  # no prompt lengths: not decode rows
+    assert net.greedy_steps(prompt_rows, cache, 2, none[:1]) is None
+    some_logits = StepBatch.build([([11], 5, TABLES[0]), ([12], 3, TABLES[1])], 16, prompt_lengths=[5, 3],
+                                  wants_logits=[False, True])
+    assert net.greedy_steps(some_logits, cache, 2, none[:2]) is None
+    assert net.greedy_steps(batch, cache, 2, none) is not None
+    head = np.random.default_rng(1).standard_normal((net.config.vocab, net.config.hidden)).astype(np.float16)
+    net.output = pack(RawTensor("output.weight", T.F16, head.shape, head))  # no integer decode kernel
+    assert net.greedy_steps(batch, net.new_cache(8, 16, "f32"), 2, none) is None
+
+
+@pytest.mark.parametrize("sampling", [{}, {"repetition_penalty": 1.3}])
+def test_the_engines_greedy_bursts_run_in_one_call(sampling: dict, monkeypatch) -> None:
+    """Plain greedy sequences burst through Transformer.greedy_steps and get the tokens of the Python
+    steps; a penalty (which needs the logits in Python) keeps the per-step path."""
+    net = Transformer(open_model_file(DEMO_MODEL), get_ops("cpu"))
+    greedy_steps, calls = Transformer.greedy_steps, []
+
+    def counted(self, *args):  # type: ignore[no-untyped-def]
+        tokens = greedy_steps(self, *args)
+        calls.append(0 if tokens is None else len(tokens))
+        return tokens
+
+    def generated() -> list[list[int]]:
+        engine = EngineCore(ModelRunner(net, 32, 16), decode_burst=math.inf, max_burst=4)
+        seqs = [Sequence([100 + i, 200, 300 + i], max_tokens=10 + i, params=SamplingParams(**sampling)) for i in range(3)]
+        for seq in seqs:
+            engine.add(seq)
+        while engine.has_work:
+            engine.step()
+        return [s.generated for s in seqs]
+
+    monkeypatch.setattr(Transformer, "greedy_steps", lambda *args: None)
+    python_steps = generated()
+    monkeypatch.setattr(Transformer, "greedy_steps", counted)
+    assert generated() == python_steps and [len(g) for g in python_steps] == [10, 11, 12]
+    assert (max(calls, default=0) == 4) == (not sampling)
