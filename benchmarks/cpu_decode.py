@@ -139,7 +139,7 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
 
     numba.set_num_threads(args.threads)
     first = ember.load(path)  # compiles or loads the kernels: the timed load below finds them ready
-    list(first.generate([100], max_tokens=2, ignore_eos=True))
+    list(first.generate([100], max_tokens=24, ignore_eos=True))  # (a decode burst's code too: ~13 MB, once)
     del first
     gc.collect()
     rss0 = rss_bytes()

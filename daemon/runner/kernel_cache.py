@@ -31,7 +31,7 @@ import llvmlite.binding as llvm
 import numba
 import numpy as np
 
-_CHILD_TIMEOUT = 900.0  # seconds: a cold compile of every kernel takes about 30 s on 2 cores
+_CHILD_TIMEOUT = 1800.0  # seconds: a cold compile of every kernel took 6-7 minutes on the 2-core VM
 
 
 def ensure_kernel_cache(on_compile: Callable[[], None] = lambda: None) -> bool:

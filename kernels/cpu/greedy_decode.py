@@ -7,15 +7,20 @@ the final norm and output projection, the argmax, the burst's bookkeeping. Right
 that Python runs several times slower than at rest (docs/runtime.md): on the 12 MB demo model it was
 ~110 us of a ~900 us token. Where every sequence of the burst samples greedily (no penalties, no
 logprobs), nothing in a step needs Python, so here the whole burst is one compiled loop: embedding,
-every layer (decoder_layer's fused layers, in the variant run_stack picks), the final rmsnorm, the
-output projection and each row's argmax, then the next position's KV slot, until every sequence
-has met one of its stop ids or the burst is over.
+every layer (decoder_layer's thread team), the final rmsnorm, the output projection and each row's
+argmax, then the next position's KV slot, until every sequence has met one of its stop ids or the
+burst is over.
 
-The numbers are the per-step path's, bit for bit: the loop calls the very compiled functions
-ModelRunner.decode's steps reach through the ops (the embedding's row gather, run_stack's layer
-functions, decoder_layer's rmsnorm and integer matmul, each variant picked by the same rule), so a
-sequence gets the tokens single steps would give it (tests/test_greedy_decode.py compares the
-logits of every step bit for bit).
+The numbers are the per-step path's, bit for bit: the loop calls the compiled functions
+ModelRunner.decode's steps reach through the ops (the embedding's row gather, decoder_layer's team,
+rmsnorm and integer matmul, each twin's variant picked by the same rule; the team with one member
+where run_stack would run the serial layer, whose numbers the team's are), so a sequence gets the
+tokens single steps would give it (tests/test_greedy_decode.py compares the logits of every step
+bit for bit).
+
+numba links a copy of every function a compiled function calls into its library and keeps that
+library's LLVM module in memory once loaded: this loop's code costs the process ~10-25 MB the first
+time a burst runs, once, whatever the model.
 
 A plan holds what a model's layers and one KV cache give the loop, as a numba typed List of
 per-layer tuples: a model of any depth is one compiled signature, so the kernel cache holds it.
@@ -30,8 +35,7 @@ import numpy as np
 from numba import njit, typed
 
 from ember.kernels.cpu import twin
-from ember.kernels.cpu.decoder_layer import (_KV_F32, FusedLayer, _layer_f32_kv, _layer_team, _matmul_int8, _parallel,
-                                             _rmsnorm)
+from ember.kernels.cpu.decoder_layer import _KV_F32, FusedLayer, _layer_team, _matmul_int8, _parallel, _rmsnorm
 from ember.kernels.cpu.paged_attention import KVLayerStore
 from ember.kernels.cpu.quant_matmul import _GATHER_ROWS, INT8_PARALLEL_MIN_WORK, CpuWeight
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
@@ -109,12 +113,11 @@ def _burst(steps, threads, force, ids, positions, kv_blocks, kv_offsets, tables,
         x = _embedding(ids, e_code, e_u8, e_i8, e_u16, e_u32, e_f32, e_cols, force)
         for k in range(len(layers)):
             attn_in, attn_out, work, k_f32, u16, i8, scales, v_f32 = layers[k]
-            if force == 2 or (force == 0 and work * n >= INT8_PARALLEL_MIN_WORK):  # run_stack's choice
-                x = _layer_team(threads, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables,
-                                token_seq, positions, attn_in, attn_out)
-            else:
-                x = _layer_f32_kv(x, positions, force, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables,
-                                  token_seq, positions, attn_in, attn_out)
+            # run_stack's choice of threads; one member where it would run the serial _layer_f32_kv, whose
+            # numbers the team's are (calling that too would double this library: +15 MB resident)
+            members = threads if force == 2 or (force == 0 and work * n >= INT8_PARALLEL_MIN_WORK) else 1
+            x = _layer_team(members, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables,
+                            token_seq, positions, attn_in, attn_out)
         h = np.empty_like(x)
         _rmsnorm(x, norm, eps, h, force)
         out = np.empty((n, h_u8.shape[0]), np.float32)
