@@ -7,6 +7,8 @@ DeltaNet linear attention on most layers (linear_attention.py). A Transformer ma
 model's layers only (a stage of a layer split, runner/split_runner.py): it then loads only their
 weights, the embedding if it runs the first layer and the output head if it runs the last, and its
 forward pass is cut in three — `embed`, `run_layers`, `head` — that the whole model runs in a row.
+The whole model also runs greedy decode bursts in one backend call where the backend has one
+(`greedy_steps`: every step's embedding, layers, head and argmax).
 """
 from __future__ import annotations
 

@@ -142,8 +142,7 @@ class ModelRunner:
         """The burst's tokens [steps taken, n] from the model's compiled greedy steps (Transformer.greedy_steps)
         where each row is a sequence sampling greedily with nothing else asked (no penalties, no
         logprobs: what _sample's fast path takes), else None."""
-        if (self.capture or [r for r, _ in samplers] != list(range(len(batch.ids)))
-                or not all(not s.wants_logprob and s.params.plain_greedy for _, s in samplers)):
+        if self.capture or [r for r, _ in samplers] != list(range(len(batch.ids))) or not _plain_greedy(samplers):
             return None
         stops = np.full((len(samplers), max([1] + [len(s.stop_ids) for _, s in samplers])), -1, np.int64)
         for k, (_, seq) in enumerate(samplers):
@@ -172,7 +171,7 @@ class ModelRunner:
         burst's), which penalties count as generated."""
         if not samplers:
             return [], {}
-        if all(not s.wants_logprob and s.params.plain_greedy for _, s in samplers):  # the greedy fast path: one argmax over the rows, no per-row copy
+        if _plain_greedy(samplers):  # the greedy fast path: one argmax over the rows, no per-row copy
             rows = np.fromiter((r for r, _ in samplers), np.int64, len(samplers))
             best = self.ops.to_numpy(self.ops.argmax_rows(logits, rows))
             return [Choice(int(t), float("nan")) for t in best], {}
@@ -182,3 +181,8 @@ class ModelRunner:
                                                 for k, (r, s) in enumerate(samplers)])
         failed = {k: why for k, why in enumerate(results) if isinstance(why, str)}
         return [None if isinstance(c, str) else c for c in results], failed
+
+
+def _plain_greedy(samplers: Seq[tuple[int, Sequence]]) -> bool:
+    """Every sequence takes its logits' argmax and asks for nothing else (no penalties, no logprobs)."""
+    return all(not s.wants_logprob and s.params.plain_greedy for _, s in samplers)
