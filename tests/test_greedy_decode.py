@@ -93,6 +93,14 @@ def test_a_greedy_burst_equals_single_steps(arch: str, variant: str, monkeypatch
     assert_bursts_equal_steps(net)
 
 
+def test_an_f32_embedding_takes_the_same_compiled_burst() -> None:
+    net = synthetic_model(INT8_TYPES)
+    rows = np.random.default_rng(2).standard_normal((net.config.vocab, net.config.hidden)).astype(np.float32)
+    net.embed = pack(RawTensor("token_embd.weight", T.F32, rows.shape, rows))  # the output projection stays Q8_0
+    assert_bursts_equal_steps(net)
+    assert len(greedy_decode._burst.signatures) == 1  # the quantized embeddings' signature: in the kernel cache
+
+
 def test_a_greedy_burst_of_the_trained_demo_model_equals_single_steps() -> None:
     net = Transformer(open_model_file(DEMO_MODEL), get_ops("cpu"))
     assert_bursts_equal_steps(net)

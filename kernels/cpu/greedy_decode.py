@@ -37,7 +37,7 @@ from numba import njit, typed
 from ember.kernels.cpu import twin
 from ember.kernels.cpu.decoder_layer import _KV_F32, FusedLayer, _layer_team, _matmul_int8, _parallel, _rmsnorm
 from ember.kernels.cpu.paged_attention import KVLayerStore
-from ember.kernels.cpu.quant_matmul import _GATHER_ROWS, INT8_PARALLEL_MIN_WORK, CpuWeight
+from ember.kernels.cpu.quant_matmul import _GATHER_ROWS, INT8_PARALLEL_MIN_WORK, CpuWeight, _read_only
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 
 __all__ = ["GreedyPlan", "burst", "plan"]
@@ -69,7 +69,8 @@ def plan(fused: Sequence[FusedLayer], embed: CpuWeight, norm: np.ndarray, eps: f
     layers = _new_list(items[0])  # built by cached compiled code: typed.List's own methods compile per process (1.6 s)
     for item in items[1:]:
         _append(layers, item)
-    f32 = embed.f32 if embed.f32 is not None else np.empty((0, embed.cols), np.float32)
+    # (read-only, as an F32 embedding's rows are: one compiled signature either way)
+    f32 = embed.f32 if embed.f32 is not None else _read_only(np.empty((0, embed.cols), np.float32))
     return GreedyPlan(layers, (embed.code, embed.u8, embed.i8, embed.u16, embed.u32, f32, embed.cols),
                       np.ascontiguousarray(norm, np.float32), float(eps), (head.code, head.u8), head.rows)
 
