@@ -264,7 +264,8 @@ class EngineCore:
         if not steps:
             return self._account(plan, rows, before, self._run(plan, rows, proposals))
         start = time.perf_counter()
-        run = self._run(plan, rows, {}) if steps == 1 else self._burst_run(plan, rows, steps)
+        # (a single step too, unless logits go to clients: the runner's decode may take it in one call)
+        run = self._run(plan, rows, {}) if steps == 1 and rows.keep else self._burst_run(plan, rows, steps)
         self._bursts.timed(time.perf_counter() - start, steps)
         return self._account(plan, rows, before, run)
 
