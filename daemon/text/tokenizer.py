@@ -357,7 +357,7 @@ class _GgufVocab:
         if self.byte_level:  # a byte whose character is no token would be dropped by the BPE
             complete = all(c in known for c in _BYTE_OF_CHAR)
         else:  # SentencePiece falls back on <0xXX> tokens, else on the (fused) unknown token
-            complete = all(f"<0x{b:02X}>" in known for b in range(256))
+            complete = all(t in known for t in _BYTE_TOKENS)
         if not complete:
             return None
         return max(len(self.piece(i, False)) for i in range(len(self.tokens)))
@@ -470,7 +470,7 @@ def _producible(vocab: Mapping[str, int], merges: Sequence[tuple[str, str]],
 def _byte_fallback(char: str, vocab: Mapping[str, int], unk: str | None) -> list[int]:
     """What the BPE's byte_fallback gives a character that is no token: its bytes' <0xXX> tokens if the
     vocabulary has them all (as llama.cpp), else the unknown token."""
-    byte_tokens = [f"<0x{b:02X}>" for b in char.encode()]
+    byte_tokens = [_BYTE_TOKENS[b] for b in char.encode()]
     if all(t in vocab for t in byte_tokens):
         return [vocab[t] for t in byte_tokens]
     return [vocab[unk]] if unk is not None else []
@@ -590,7 +590,7 @@ def _str_or_none(value: Any) -> str | None:
 
 def _has_byte_tokens(core: CoreTokenizer) -> bool:
     vocab = core.get_vocab(with_added_tokens=False)
-    return all(f"<0x{b:02X}>" in vocab for b in range(256))
+    return all(t in vocab for t in _BYTE_TOKENS)
 
 
 # how many times fewer bytes a normalizer can leave of a text (NFKC: "𝐀" 4 bytes -> "A"; NFC: 3 jamo -> 1 syllable)
