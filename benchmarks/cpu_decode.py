@@ -5,11 +5,12 @@ Files: the trained demo model (daemon/assets, Q8_0) and a random-weight ~100M-pa
 F16 and then quantized to Q8_0 and Q4_K_M by llama.cpp itself (`llama_model_quantize`; cached under
 benchmarks/.cache). For each file and engine, in a fresh process each (so load time and memory are
 that engine's alone): load seconds (ember's kernel cache warm), resident memory growth over the
-load, the decode and the prefill runs vs the file's size (ember's batched run after them is reported
-apart: its 8 sequences' KV cache is not part of llama.cpp's figure), decode tok/s of a greedy loop of
---tokens tokens after a 16-token prompt (median of --repeats), and prefill tok/s of a --prompt-token
-prompt (median of --repeats); for ember also the aggregate decode tok/s of --batch sequences stepped
-together. The two engines alternate --rounds times per file and each figure is the median over the
+load, the decode and the prefill runs vs the file's size (measured after the same work has run once on a
+first instance of the model, freed since: the model's memory, not the code each engine brings in on
+first use; ember's batched run after them is reported apart: its 8 sequences' KV cache is not part of
+llama.cpp's figure), decode tok/s of a greedy loop of --tokens tokens after a 16-token prompt (median
+of --repeats), and prefill tok/s of a --prompt-token prompt (median of --repeats); for ember also the
+aggregate decode tok/s of --batch sequences stepped together. The two engines alternate --rounds times per file and each figure is the median over the
 rounds. Decode is also given as GB/s of weights read per token, and as a fraction of this machine's
 memory bandwidth, measured here with the same threads. Prints ember/llama.cpp ratios.
 
@@ -139,7 +140,7 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
 
     numba.set_num_threads(args.threads)
     first = ember.load(path)  # compiles or loads the kernels: the timed load below finds them ready
-    list(first.generate([100], max_tokens=24, ignore_eos=True))  # (a decode burst's code too: ~13 MB, once)
+    warm_up(first.generate, args)  # and the code that runs below is loaded (a decode burst's alone: ~13 MB, once)
     del first
     gc.collect()
     rss0 = rss_bytes()
@@ -151,6 +152,15 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
     batched = statistics.median(batched_decode(model, args.batch, args.tokens) for _ in range(args.repeats))
     return {"load_s": load_s, "rss": rss, "step_s": step_s, "prefill_s": prefill_s, "batch_tok_s": batched,
             "batch_rss": rss_bytes() - rss0 - rss}
+
+
+def warm_up(generate, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
+    """Run the measured work's shapes once on a first instance of the model, so that the RSS figure is
+    the model's own memory and not the code either engine brings in on first use (ember: numba's
+    compiled functions, loaded from its cache per signature, ~4 MB beyond the burst; llama.cpp: its
+    libraries' pages and thread pool)."""
+    for prompt, tokens in (([100], 24), (list(range(100, 116)), 8), (list(range(100, 100 + args.prompt_tokens)), 1)):
+        list(generate(prompt, max_tokens=tokens, ignore_eos=True))
 
 
 def decode_and_prefill(model, args: argparse.Namespace) -> tuple[float, float]:  # type: ignore[no-untyped-def]
@@ -189,10 +199,18 @@ def batched_decode(model, streams: int, tokens: int) -> float:  # type: ignore[n
 def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, float]:
     from llama_cpp import Llama
 
+    def open_llama() -> Llama:
+        return Llama(model_path=str(path), n_ctx=args.prompt_tokens + 64, n_batch=args.prompt_tokens,
+                     n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+
+    first = open_llama()
+    warm_up(lambda prompt, max_tokens, ignore_eos: _llama_generate(first, prompt, max_tokens), args)
+    first.close()
+    del first
+    gc.collect()
     rss0 = rss_bytes()
     t = time.perf_counter()
-    llm = Llama(model_path=str(path), n_ctx=args.prompt_tokens + 64, n_batch=args.prompt_tokens,
-                n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    llm = open_llama()
     load_s = time.perf_counter() - t
     prompt, long_prompt = list(range(100, 116)), list(range(100, 100 + args.prompt_tokens))
     steps = []
@@ -211,6 +229,12 @@ def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, float]:
            "prefill_s": statistics.median(prefill)}
     llm.close()
     return out
+
+
+def _llama_generate(llm, prompt: list[int], max_tokens: int) -> list[int]:  # type: ignore[no-untyped-def]
+    llm.reset()
+    gen = llm.generate(prompt, top_k=1, temp=0.0, reset=True)
+    return [next(gen) for _ in range(max_tokens)]
 
 
 def measure(engine: str, path: Path, args: argparse.Namespace) -> dict[str, float]:

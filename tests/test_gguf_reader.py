@@ -61,6 +61,10 @@ def key(name: str) -> bytes:
     return struct.pack("<Q", len(name)) + name.encode()
 
 
+def strings(*values: bytes) -> bytes:
+    return b"".join(struct.pack("<Q", len(v)) + v for v in values)
+
+
 @pytest.mark.parametrize("data,reason", [
     (b"GGML" + bytes(40), "bad magic"),
     (b"GGUF" + struct.pack("<IQQ", 1, 0, 0), "version 1"),
@@ -69,7 +73,12 @@ def key(name: str) -> bytes:
     (header(key("k"), struct.pack("<IIQ", 9, 6, 1 << 60)), "runs past"),  # 2^60 floats announced
     (header(key("k"), struct.pack("<I", 99)), "unknown metadata value type"),
     (header(key("k"), struct.pack("<I", 8), struct.pack("<Q", 2), b"\xff\xfe"), "not UTF-8"),
-], ids=["magic", "version", "key-length", "string-count", "array-count", "value-type", "utf8"])
+    (header(key("k"), struct.pack("<IIQ", 9, 8, 2), strings(b"ok", b"\xff")), "string at offset 67 is not UTF-8"),
+    # each half of "é" alone is no UTF-8, though the two back to back are
+    (header(key("k"), struct.pack("<IIQ", 9, 8, 2), strings(b"a\xc3", b"\xa9b")), "string at offset 57 is not"),
+    (header(key("k"), struct.pack("<IIQ", 9, 8, 2), strings(b"ok"), struct.pack("<Q", 1 << 40)), "truncated"),
+], ids=["magic", "version", "key-length", "string-count", "array-count", "value-type", "utf8", "utf8-in-array",
+        "utf8-split-char", "array-string-length"])
 def test_damaged_headers_fail_clearly(tmp_path: Path, data: bytes, reason: str) -> None:
     path = tmp_path / "bad.gguf"
     path.write_bytes(data + bytes(64))

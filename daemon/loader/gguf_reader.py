@@ -3,9 +3,10 @@ file in one pass; tensors are zero-copy numpy views of it.
 
 gguf-py's GGUFReader builds a numpy memmap view per field part (several per string): on a 32000-token
 vocabulary that took 1.0-1.7 s, nearly all of a warm load, while llama.cpp opens the same file in
-0.1 s. Here a string is one slice of the mapped bytes, a numeric array one np.frombuffer, and every
-count and length is checked against the bytes that remain before anything is allocated, so a
-truncated or hostile header fails with GGUFError instead of exhausting memory. Layout (little-endian,
+0.1 s. Here a string is one slice of the mapped bytes, an array of strings one packed StringTable (as
+str objects a vocabulary takes ~7x the memory, for the model's lifetime), a numeric array one
+np.frombuffer, and every count and length is checked against the bytes that remain before anything is
+allocated, so a truncated or hostile header fails with GGUFError instead of exhausting memory. Layout (little-endian,
 versions 2 and 3): magic "GGUF", u32 version, u64 tensor count, u64 metadata count; metadata as (string
 key, u32 type, value); tensor infos as (string name, u32 dims, u64 dims (ggml order), u32 type, u64
 offset); tensor data from the next multiple of general.alignment (default 32).
@@ -20,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from .string_table import StringTable
+
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
@@ -30,6 +33,7 @@ _SCALARS: dict[int, tuple[str, str]] = {
     6: ("<f", "<f4"), 7: ("<?", "|b1"), 10: ("<Q", "<u8"), 11: ("<q", "<i8"), 12: ("<d", "<f8"),
 }
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 class GGUFError(ValueError):
@@ -47,7 +51,7 @@ class TensorInfo:
 @dataclass(frozen=True)
 class GGUFContents:
     version: int
-    metadata: dict[str, Any]  # scalars as Python values, arrays as lists
+    metadata: dict[str, Any]  # scalars as Python values, arrays as lists (of strings: a StringTable)
     tensors: list[TensorInfo]
 
 
@@ -60,6 +64,17 @@ def read_gguf(path: str | Path, tensor_bytes: Any) -> GGUFContents:
             raise GGUFError(f"truncated header ({size} bytes)")
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     return _Parser(mapped, tensor_bytes).parse()
+
+
+def _all_utf8(blob: bytes, ends: np.ndarray) -> bool:
+    """Whether each of the strings that end at `ends` in `blob` is UTF-8: the whole is, and no string
+    starts on a continuation byte (10xxxxxx), i.e. inside a character the one before began."""
+    try:
+        blob.decode()
+    except UnicodeDecodeError:
+        return False
+    starts = ends[:-1][ends[:-1] < len(blob)]
+    return not np.any(np.frombuffer(blob, np.uint8)[starts] & 0xC0 == 0x80)
 
 
 class _Parser:
@@ -82,7 +97,33 @@ class _Parser:
 
     def _string(self) -> str:
         n = self._scalar("<Q")
-        start = self._take(n)
+        return self._decoded(self._take(n), n)
+
+    def _strings(self, count: int) -> StringTable:
+        """`count` strings back to back, packed. Each length says where the next string starts, so that
+        walk is a loop; the copy and the UTF-8 check run over all of them at once."""
+        buf, size, pos, first = self.buf, len(self.buf), self.pos, self.pos
+        starts, lengths = [0] * count, [0] * count
+        for i in range(count):
+            if pos + 8 > size:
+                raise GGUFError(f"truncated header: a string length wanted at offset {pos} of {size}")
+            n = _U64.unpack_from(buf, pos)[0]
+            pos += 8
+            if n > size - pos:
+                raise GGUFError(f"truncated header: {n} bytes wanted at offset {pos} of {size}")
+            starts[i], lengths[i] = pos, n
+            pos += n
+        self.pos = pos
+        region = np.frombuffer(buf, np.uint8, pos - first, first)
+        keep = np.ones(len(region), bool)
+        keep[(np.array(starts, np.int64) - (first + 8))[:, None] + np.arange(8)] = False  # the length fields
+        blob, ends = region[keep].tobytes(), np.cumsum(lengths, dtype=np.int64)
+        if not _all_utf8(blob, ends):
+            for start, n in zip(starts, lengths):  # which one, for the message
+                self._decoded(start, n)
+        return StringTable(blob, ends)
+
+    def _decoded(self, start: int, n: int) -> str:
         try:
             return str(self.view[start : start + n], "utf-8")
         except UnicodeDecodeError as e:
@@ -105,7 +146,7 @@ class _Parser:
                 start = self._take(self._count(count, dtype.itemsize) * dtype.itemsize)
                 return np.frombuffer(self.buf, dtype, count, start).tolist()
             if etype == _STRING:
-                return [self._string() for _ in range(self._count(count, 8))]
+                return self._strings(self._count(count, 8))
             if etype == _ARRAY:
                 return [self._value(_ARRAY) for _ in range(self._count(count, 12))]
             raise GGUFError(f"unknown array element type {etype} at offset {self.pos}")

@@ -27,6 +27,8 @@ from typing import Any
 from tokenizers import Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as CoreTokenizer
 
+from ..loader.string_table import StringTable
+
 
 class TokenizerError(ValueError):
     """The file's tokenizer is missing or cannot be built (one line, fit to show as is)."""
@@ -155,7 +157,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, meta: Mapping[str, Any]) -> Tokenizer:
         """From GGUF metadata as `{f.name: f.contents() for f in GGUFReader(path).fields.values()}`."""
-        kind, tokens, types = _read_vocabulary(meta)
+        kind, tokens, table, types = _read_vocabulary(meta)
         if kind == "gpt2":
             pre = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
             core, add_bos, bos, eos = _gpt2_core(tokens, _read_merges(meta), pre), pre.add_bos, None, None
@@ -170,7 +172,7 @@ class Tokenizer:
         space_prefix = kind == "llama" and bool(meta.get("tokenizer.ggml.add_space_prefix", True))
         return cls(core, bos_id=bos, eos_id=eos, eos_ids=eog, add_bos=add_bos, add_eos=add_eos,
                    chat_template=_str_or_none(meta.get("tokenizer.chat_template")), vocab_size=len(tokens),
-                   gguf=_GgufVocab(tokens, types, space_prefix, byte_level=kind == "gpt2", unmerged=unmerged))
+                   gguf=_GgufVocab(table, types, space_prefix, byte_level=kind == "gpt2", unmerged=unmerged))
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
@@ -320,9 +322,10 @@ class _GgufVocab:
     """What encode/decode need beyond the BPE: the special tokens, each token's bytes, and (SentencePiece)
     the byte tokens of the characters that are no token, for when the BPE leaves them unmerged."""
 
-    def __init__(self, tokens: list[str], types: list[int], space_prefix: bool, byte_level: bool,
+    def __init__(self, tokens: StringTable, types: list[int], space_prefix: bool, byte_level: bool,
                  unmerged: Mapping[int, list[int]]) -> None:
-        self.tokens, self.types = tokens, types
+        self.tokens = tokens
+        self.types = bytes(ty if 0 <= ty < 256 else 0 for ty in types)  # a type no token has: as llama.cpp's undefined
         self.space_prefix, self.byte_level = space_prefix, byte_level
         self.unmerged = unmerged  # SentencePiece: the BPE's ids past the vocabulary -> their byte tokens
         special = [i for i, ty in enumerate(types) if ty in (CONTROL, USER_DEFINED, UNKNOWN)]
@@ -477,23 +480,27 @@ def _byte_fallback(char: str, vocab: Mapping[str, int], unk: str | None) -> list
 
 
 # --- reading GGUF metadata --------------------------------------------------------------------------------
-def _read_vocabulary(meta: Mapping[str, Any]) -> tuple[str, list[str], list[int]]:
-    """(tokenizer.ggml.model, tokens, token types as llama.cpp sees them), checked."""
+def _read_vocabulary(meta: Mapping[str, Any]) -> tuple[str, list[str], StringTable, list[int]]:
+    """(tokenizer.ggml.model, tokens, the same packed (what the tokenizer keeps), token types as llama.cpp
+    sees them), checked."""
     kind = meta.get("tokenizer.ggml.model")
     if kind is None or meta.get("tokenizer.ggml.tokens") is None:
         raise TokenizerError("no tokenizer in the file (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
     if kind not in ("gpt2", "llama"):
         raise TokenizerError(f"unsupported tokenizer model {kind!r} (tokenizer.ggml.model; supported: gpt2, llama)")
-    tokens = meta["tokenizer.ggml.tokens"]
-    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+    table = meta["tokenizer.ggml.tokens"]
+    tokens = list(table) if isinstance(table, list | StringTable) else []
+    if not tokens or not all(isinstance(t, str) for t in tokens):
         raise TokenizerError("tokenizer.ggml.tokens is not a list of strings")
-    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # as llama.cpp names empty entries
+    if not all(tokens) or not isinstance(table, StringTable):
+        tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # as llama.cpp names empty entries
+        table = StringTable.of(tokens)
     if len(set(tokens)) != len(tokens):
         seen: set[str] = set()
         duplicate = next(t for t in tokens if t in seen or seen.add(t))  # type: ignore[func-returns-value]
         raise TokenizerError(f"duplicate token in tokenizer.ggml.tokens: {duplicate!r}")
     types = _read_numbers(meta, "tokenizer.ggml.token_type", len(tokens), NORMAL, int)
-    return kind, tokens, _types_as_llama_cpp_sees_them(tokens, types)
+    return kind, tokens, table, _types_as_llama_cpp_sees_them(tokens, types)
 
 
 def _read_numbers(meta: Mapping[str, Any], key: str, n: int, default: Any, kind: type) -> list[Any]:
@@ -509,7 +516,7 @@ def _read_merges(meta: Mapping[str, Any]) -> list[tuple[str, str]]:
     merges = meta.get("tokenizer.ggml.merges")
     if merges is None:
         raise TokenizerError("tokenizer.ggml.merges is missing (a gpt2 tokenizer needs its merges)")
-    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+    if not isinstance(merges, list | StringTable) or not all(isinstance(m, str) for m in merges):
         raise TokenizerError("tokenizer.ggml.merges is not a list of strings")
     pairs = []
     for merge in merges:
@@ -528,7 +535,7 @@ def _pre_tokenizer(name: Any) -> PreTokenizer:
     return PRE_TOKENIZERS[name]
 
 
-def _types_as_llama_cpp_sees_them(tokens: list[str], types: list[int]) -> list[int]:
+def _types_as_llama_cpp_sees_them(tokens: Sequence[str], types: list[int]) -> list[int]:
     """llama.cpp makes tokens named like end-of-turn / fill-in-the-middle tokens control tokens, whatever
     the file says, and the gpt-oss channel tokens user-defined."""
     fim = {name for group in _FIM_EOG_NAMES for name in group}
