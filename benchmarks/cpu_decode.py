@@ -205,8 +205,7 @@ def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, float]:
 
     first = open_llama()
     warm_up(lambda prompt, max_tokens, ignore_eos: _llama_generate(first, prompt, max_tokens), args)
-    first.close()
-    del first
+    first.close()  # frees its model, context and buffers
     gc.collect()
     rss0 = rss_bytes()
     t = time.perf_counter()
