@@ -54,9 +54,12 @@ def rel_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-def run_batched(model: ember.Model, seqs: list[Sequence]) -> None:
-    """Staggered arrivals, so prompt chunks meet decodes and steps hold several sequences."""
+def run_batched(model: ember.Model, seqs: list[Sequence], lanes: int | None = None) -> None:
+    """Staggered arrivals, so prompt chunks meet decodes and steps hold several sequences (lanes: the
+    steps the engine keeps in flight, if not the runner's own)."""
     engine = model.engine(1024, max_running=len(seqs), max_step_tokens=24)
+    if lanes is not None:
+        engine.runner.lanes = lanes
     for step in range(10_000):
         if step < 3 * len(seqs) and step % 3 == 0:
             engine.add(seqs[step // 3])
@@ -106,6 +109,21 @@ def test_batched_sequences_pipelined_equal_unsplit(unsplit, split) -> None:
     run_batched(unsplit, want)
     run_batched(split, got)
     assert [s.generated for s in got] == [s.generated for s in want]
+
+
+@pytest.mark.parametrize("devices", ["cpu:0", "cpu:0,cpu:1"], ids=["one-worker", "two-stages-one-lane"])
+def test_one_step_in_flight_gives_the_unsplit_tokens(unsplit, devices: str) -> None:
+    """A model in a single worker stage (bound to one NUMA node) has one lane, and so has a split that
+    the engine keeps to one step at a time: their decode bursts step through the stages."""
+    model = ember.load(DEMO_MODEL, devices=devices, act_dtype="f32", max_step_tokens=STEP)
+    try:
+        want, got = mixed_sequences(unsplit), mixed_sequences(unsplit)
+        run_batched(unsplit, want)
+        run_batched(model, got, lanes=1)
+        assert [s.generated for s in got] == [s.generated for s in want]
+        assert all(len(s.generated) == 16 for s in got)
+    finally:
+        model.close()
 
 
 def counting_bursts(engine: EngineCore) -> dict[str, int]:

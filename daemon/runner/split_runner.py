@@ -24,6 +24,7 @@ from ember.kernels.ops import Array
 
 class SplitRunner(ModelRunner):
     stateful = False  # Pipeline refuses hybrid models
+    capture: tuple[int, ...] = ()  # no hidden states go to a draft (load refuses a draft with a split)
 
     def __init__(self, pipeline: Pipeline, kv_blocks: int, block_size: int = 16, kv_dtype: str = "f32",
                  decode_act: str = "q8_0") -> None:
@@ -54,6 +55,11 @@ class SplitRunner(ModelRunner):
 
     def forward(self, batch: StepBatch) -> Array:
         return self.pipeline.forward(self._host(batch), self.cache_id)
+
+    def _greedy_burst(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], steps: int) -> None:
+        """None: no compiled loop spans the stages' processes, so a burst (one lane: a single stage, or
+        a split kept to one step in flight) goes through them step by step."""
+        return None
 
     def _logits_of(self, step: PendingStep) -> Array:
         return self.pipeline.collect(step.work)
