@@ -154,12 +154,11 @@ def _append(layers, item):
 @njit(cache=True, nogil=True)
 def _embedding(ids, code, u8, i8, u16, u32, f32, cols, force):
     """quant_matmul.embedding: the rows of ids, dequantized, by the variant its pick would take."""
+    out = np.empty((ids.shape[0], cols), np.float32)
     if f32.shape[0]:
-        out = np.empty((ids.shape[0], cols), np.float32)
         for i in range(ids.shape[0]):
             out[i] = f32[ids[i]]
         return out
-    out = np.empty((ids.shape[0], cols), np.float32)
     if _parallel(force, ids.shape[0] * cols, PARALLEL_MIN_WORK):
         _GATHER_PARALLEL(code, u8, i8, u16, u32, ids, out)
     else:
