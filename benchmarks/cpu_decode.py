@@ -10,11 +10,14 @@ first instance of the model, freed since: the model's memory, not the code each 
 first use; ember's batched run after them is reported apart: its 8 sequences' KV cache is not part of
 llama.cpp's figure), decode tok/s of a greedy loop of --tokens tokens after a 16-token prompt (median
 of --repeats), and prefill tok/s of a --prompt-token prompt (median of --repeats); for ember also the
-aggregate decode tok/s of --batch sequences stepped together. The two engines alternate --rounds times per file and each figure is the median over the
+aggregate decode tok/s of --batch sequences stepped together; and decode tok/s again after a --context
+token prompt (32 tokens; each engine in a context of that size, after the figures above), where each
+token's attention reads the whole context. The two engines alternate --rounds times per file and each figure is the median over the
 rounds. Decode is also given as GB/s of weights read per token, and as a fraction of this machine's
 memory bandwidth, measured here with the same threads. Prints ember/llama.cpp ratios.
 
     python benchmarks/cpu_decode.py [--tokens 128] [--repeats 3] [--rounds 3] [--threads N] [--prompt-tokens 512] [--batch 8]
+                                    [--context 2048] [--files demo Q8_0 Q4_K_M]
 """
 from __future__ import annotations
 
@@ -150,8 +153,10 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
     step_s, prefill_s = decode_and_prefill(model, args)
     rss = rss_bytes() - rss0  # the work llama.cpp's figure covers: load, decode, prefill
     batched = statistics.median(batched_decode(model, args.batch, args.tokens) for _ in range(args.repeats))
+    batch_rss = rss_bytes() - rss0 - rss
+    long_step_s = decode_after(model, long_context_prompt(args), LONG_TOKENS, args.repeats) if args.context else 0.0
     return {"load_s": load_s, "rss": rss, "step_s": step_s, "prefill_s": prefill_s, "batch_tok_s": batched,
-            "batch_rss": rss_bytes() - rss0 - rss}
+            "batch_rss": batch_rss, "long_step_s": long_step_s}
 
 
 def warm_up(generate, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
@@ -168,16 +173,29 @@ def decode_and_prefill(model, args: argparse.Namespace) -> tuple[float, float]: 
     args.prompt_tokens (and sample one token), over args.repeats runs each."""
     prompt, long_prompt = list(range(100, 116)), list(range(100, 100 + args.prompt_tokens))
     list(model.generate(prompt, max_tokens=4, ignore_eos=True))  # warm up
+    step = decode_after(model, prompt, args.tokens, args.repeats)
+    prefill = [_timed(lambda: list(model.generate(long_prompt, max_tokens=1, ignore_eos=True)))
+               for _ in range(args.repeats)]
+    return step, statistics.median(prefill)
+
+
+def decode_after(model, prompt: list[int], tokens: int, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    """Median seconds per decoded token of `tokens` greedy tokens after `prompt`, over `repeats` runs."""
     steps = []
-    for _ in range(args.repeats):
-        gen = model.generate(prompt, max_tokens=args.tokens + 1, ignore_eos=True)
+    for _ in range(repeats):
+        gen = model.generate(prompt, max_tokens=tokens + 1, ignore_eos=True)
         next(gen)  # the prompt is read and the first token sampled: decode starts here
         t = time.perf_counter()
         n = sum(1 for _ in gen)
         steps.append((time.perf_counter() - t) / n)
-    prefill = [_timed(lambda: list(model.generate(long_prompt, max_tokens=1, ignore_eos=True)))
-               for _ in range(args.repeats)]
-    return statistics.median(steps), statistics.median(prefill)
+    return statistics.median(steps)
+
+
+LONG_TOKENS = 32  # tokens decoded after the --context prompt
+
+
+def long_context_prompt(args: argparse.Namespace) -> list[int]:
+    return [100 + i % 5000 for i in range(args.context)]  # ids every file's vocabulary holds
 
 
 def batched_decode(model, streams: int, tokens: int) -> float:  # type: ignore[no-untyped-def]
@@ -212,22 +230,32 @@ def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, float]:
     llm = open_llama()
     load_s = time.perf_counter() - t
     prompt, long_prompt = list(range(100, 116)), list(range(100, 100 + args.prompt_tokens))
-    steps = []
-    for _ in range(args.repeats + 1):  # the first run warms up
-        gen = llm.generate(prompt, top_k=1, temp=0.0, reset=True)
-        next(gen)
-        t = time.perf_counter()
-        for _ in range(args.tokens):
-            next(gen)
-        steps.append((time.perf_counter() - t) / args.tokens)
+    step_s = _llama_decode_after(llm, prompt, args.tokens, args.repeats)
     prefill = []
     for _ in range(args.repeats):
         llm.reset()
         prefill.append(_timed(lambda: llm.eval(long_prompt)))
-    out = {"load_s": load_s, "rss": rss_bytes() - rss0, "step_s": statistics.median(steps[1:]),
-           "prefill_s": statistics.median(prefill)}
+    out = {"load_s": load_s, "rss": rss_bytes() - rss0, "step_s": step_s, "prefill_s": statistics.median(prefill)}
     llm.close()
+    if getattr(args, "context", 0):  # a context of its own: its KV cache for that length stays out of the RSS above
+        llm = Llama(model_path=str(path), n_ctx=args.context + LONG_TOKENS + 64, n_batch=512, n_threads=args.threads,
+                    n_threads_batch=args.threads, verbose=False)
+        out["long_step_s"] = _llama_decode_after(llm, long_context_prompt(args), LONG_TOKENS, args.repeats)
+        llm.close()
     return out
+
+
+def _llama_decode_after(llm, prompt: list[int], tokens: int, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    """decode_after for llama.cpp (a first run warms up)."""
+    steps = []
+    for _ in range(repeats + 1):
+        gen = llm.generate(prompt, top_k=1, temp=0.0, reset=True)
+        next(gen)
+        t = time.perf_counter()
+        for _ in range(tokens):
+            next(gen)
+        steps.append((time.perf_counter() - t) / tokens)
+    return statistics.median(steps[1:])
 
 
 def _llama_generate(llm, prompt: list[int], max_tokens: int) -> list[int]:  # type: ignore[no-untyped-def]
@@ -237,7 +265,7 @@ def _llama_generate(llm, prompt: list[int], max_tokens: int) -> list[int]:  # ty
 
 
 def measure(engine: str, path: Path, args: argparse.Namespace) -> dict[str, float]:
-    return run_worker(__file__, engine, path, args, ["--batch", str(args.batch)])
+    return run_worker(__file__, engine, path, args, ["--batch", str(args.batch), "--context", str(args.context)])
 
 
 def run_worker(script: str, engine: str, path: Path, args: argparse.Namespace, extra: list[str]) -> dict[str, float]:
@@ -257,6 +285,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8, help="sequences of ember's batched decode figure")
+    ap.add_argument("--context", type=int, default=1536,
+                    help=f"prompt tokens before a second decode figure ({LONG_TOKENS} tokens; 0: none)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="engines alternated this many times per file, medians reported (this VM drifts 10-20%%)")
     ap.add_argument("--files", nargs="+", default=["demo", "Q8_0", "Q4_K_M"], choices=["demo", "Q8_0", "Q4_K_M"])
@@ -288,6 +318,9 @@ def main() -> None:
               f"prefill {ll['prefill_s'] / e['prefill_s']:.2f}x; ember {args.batch} streams batched: "
               f"{e['batch_tok_s']:.0f} tok/s = {e['batch_tok_s'] * e['step_s']:.2f}x one stream (its KV cache and "
               f"buffers: RSS +{e['batch_rss'] / 1e6:.1f} MB)")
+        if args.context:
+            print(f"{label:16} decode after a {args.context}-token prompt: ember {1 / e['long_step_s']:.1f} tok/s, "
+                  f"llama.cpp {1 / ll['long_step_s']:.1f} tok/s, ratio {ll['long_step_s'] / e['long_step_s']:.2f}x")
 
 
 if __name__ == "__main__":
