@@ -7,6 +7,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+from numba import njit
 
 from ember.kernels.reference import dense as reference
 from ember.kernels.cpu import paged_attention as pa
@@ -202,6 +203,29 @@ def test_lookup_tables_decode_every_pattern() -> None:
     f16_values = bits.view(np.float16).astype(np.float32)
     np.testing.assert_array_equal(pa.F16_TABLE.view(np.uint32), f16_values.view(np.uint32))
     np.testing.assert_array_equal(pa.BF16_TABLE.view(np.uint32), bits.astype(np.uint32) << 16)
+
+
+@njit
+def _decoded_row(bits: np.ndarray, mode: int, lut: np.ndarray) -> np.ndarray:
+    """One stored row of 16-bit patterns [1, 1, 1, n] as the attention kernel decodes it."""
+    out = np.empty(bits.shape[3], np.float32)
+    unused_f32, unused_i8 = np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1, 1, 1), np.int8)
+    pa._load_row(unused_f32, bits, unused_i8, bits, mode, 0, 0, 0, lut, out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_rows_widened_as_the_tables_decode(dtype: str) -> None:
+    """The kernel widens f16/bf16 rows eight values at a time, the rest through the table: every bit
+    pattern (a row of 65536 + 5: the last five take the table) decodes to the table's value, bit for
+    bit; NaNs stay NaN (a signaling one may come back quieted, as the CPU converts it)."""
+    patterns = np.concatenate([np.arange(1 << 16), [0x3C00, 0x7C01, 0x0001, 0x8000, 0xFFFF]]).astype(np.uint16)
+    lut = pa.BF16_TABLE if dtype == "bf16" else pa.F16_TABLE
+    got = _decoded_row(patterns.reshape(1, 1, 1, -1), pa.MODE[dtype], lut)
+    want = lut[patterns]
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
 def test_unknown_dtype_and_bad_head_dim() -> None:

@@ -4,8 +4,12 @@ A layer's cache is `n_blocks` blocks of `block_size` token rows, each row [kv_he
 as f32, f16 or bf16 bits (uint16), or q8_0 (int8 values plus one f16 scale per 32 values, ggml's
 block_q8_0 split into two arrays). Writes convert with kernels/convert.py, the one implementation of
 each conversion (numpy: a step writes a few rows); the attention kernel dequantizes key/value rows as it
-reads them, through lookup tables built from those same conversions, so no f32 copy of the cache ever
-exists.
+reads them, so no f32 copy of the cache ever exists: f16 and bf16 rows eight values at a time by the
+CPU's own exact widening (`fpext` of `<8 x half>`: F16C's vcvtph2ps on x86; bf16: the bits moved up
+16), the same values as the lookup tables built from those conversions, which take a row's last
+values when head_dim is no multiple of 8 (a value at a time through the table made an f16 cache's
+attention 2.9x slower than an f32 one's at 2048 positions; widened, it is 1.3x faster, half the bytes
+read), and q8_0 through the f16 table for its scales.
 """
 from __future__ import annotations
 
@@ -76,6 +80,37 @@ class KVLayerStore:
             self.scales[blocks, offsets] = scales
 
 
+def _widen8(bf16: bool):  # type: ignore[no-untyped-def]
+    """An intrinsic (bits, i, out, j): out[j:j+8] = the f16 (or bf16) values of bits[i:i+8], exactly."""
+    def typer(typingctx, bits, i, out, j):  # type: ignore[no-untyped-def]
+        if not (bits == types.Array(types.uint16, 1, "C") and out == types.Array(types.float32, 1, "C")
+                and isinstance(i, types.Integer) and isinstance(j, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+            src, dst = (context.make_array(sig.args[k])(context, builder, args[k]) for k in (0, 2))
+            i, j = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 3))
+            v8i16, v8f = ir.VectorType(ir.IntType(16), 8), ir.VectorType(ir.FloatType(), 8)
+            ptr = builder.gep(builder.bitcast(src.data, ir.IntType(16).as_pointer()), [i])
+            v = builder.load(builder.bitcast(ptr, v8i16.as_pointer()), align=2)
+            if bf16:  # a bf16 is the top half of a float32
+                v8i32 = ir.VectorType(ir.IntType(32), 8)
+                wide = builder.bitcast(builder.shl(builder.zext(v, v8i32), ir.Constant(v8i32, [16] * 8)), v8f)
+            else:
+                wide = builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 8)), v8f)
+            out = builder.gep(builder.bitcast(dst.data, ir.FloatType().as_pointer()), [j])
+            builder.store(wide, builder.bitcast(out, v8f.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(bits, i, out, j), codegen
+
+    typer.__name__ = "_widen_bf16x8" if bf16 else "_widen_f16x8"
+    return intrinsic(typer)
+
+
+_WIDEN_F16, _WIDEN_BF16 = _widen8(False), _widen8(True)
+
+
 @njit(inline="always", fastmath=True, nogil=True, cache=True)
 def _load_row(s_f32, s_u16, s_i8, s_scales, mode, blk, off, h, lut, out):  # type: ignore[no-untyped-def]
     hd = out.size
@@ -88,8 +123,14 @@ def _load_row(s_f32, s_u16, s_i8, s_scales, mode, blk, off, h, lut, out):  # typ
             for j in range(QK8_0):
                 out[g * QK8_0 + j] = s_i8[blk, off, h, g * QK8_0 + j] * d
     else:
-        for j in range(hd):
-            out[j] = lut[s_u16[blk, off, h, j]]
+        bits, whole = s_u16[blk, off, h], hd - hd % 8
+        for j in range(0, whole, 8):
+            if mode == _BF16:
+                _WIDEN_BF16(bits, j, out, j)
+            else:
+                _WIDEN_F16(bits, j, out, j)
+        for j in range(whole, hd):
+            out[j] = lut[bits[j]]
 
 
 def _paged_attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut,  # type: ignore[no-untyped-def]
