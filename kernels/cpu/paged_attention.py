@@ -124,10 +124,11 @@ def _load_row(s_f32, s_u16, s_i8, s_scales, mode, blk, off, h, lut, out):  # typ
                 out[g * QK8_0 + j] = s_i8[blk, off, h, g * QK8_0 + j] * d
     else:
         bits, whole = s_u16[blk, off, h], hd - hd % 8
-        for j in range(0, whole, 8):
-            if mode == _BF16:
+        if mode == _BF16:
+            for j in range(0, whole, 8):
                 _WIDEN_BF16(bits, j, out, j)
-            else:
+        else:
+            for j in range(0, whole, 8):
                 _WIDEN_F16(bits, j, out, j)
         for j in range(whole, hd):
             out[j] = lut[bits[j]]
