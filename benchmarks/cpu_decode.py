@@ -12,12 +12,12 @@ llama.cpp's figure), decode tok/s of a greedy loop of --tokens tokens after a 16
 of --repeats), and prefill tok/s of a --prompt-token prompt (median of --repeats); for ember also the
 aggregate decode tok/s of --batch sequences stepped together; and decode tok/s again after a --context
 token prompt (32 tokens; each engine in a context of that size, after the figures above), where each
-token's attention reads the whole context. The two engines alternate --rounds times per file and each figure is the median over the
-rounds. Decode is also given as GB/s of weights read per token, and as a fraction of this machine's
+token's attention reads the whole context. The two engines alternate --rounds times per file and each
+figure is the median over the rounds. Decode is also given as GB/s of weights read per token, and as a fraction of this machine's
 memory bandwidth, measured here with the same threads. Prints ember/llama.cpp ratios.
 
     python benchmarks/cpu_decode.py [--tokens 128] [--repeats 3] [--rounds 3] [--threads N] [--prompt-tokens 512] [--batch 8]
-                                    [--context 2048] [--files demo Q8_0 Q4_K_M]
+                                    [--context 1536] [--files demo Q8_0 Q4_K_M]
 """
 from __future__ import annotations
 
@@ -217,9 +217,9 @@ def batched_decode(model, streams: int, tokens: int) -> float:  # type: ignore[n
 def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, float]:
     from llama_cpp import Llama
 
-    def open_llama() -> Llama:
-        return Llama(model_path=str(path), n_ctx=args.prompt_tokens + 64, n_batch=args.prompt_tokens,
-                     n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    def open_llama(n_ctx: int = args.prompt_tokens + 64, n_batch: int = args.prompt_tokens) -> Llama:
+        return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_threads=args.threads,
+                     n_threads_batch=args.threads, verbose=False)
 
     first = open_llama()
     warm_up(lambda prompt, max_tokens, ignore_eos: _llama_generate(first, prompt, max_tokens), args)
@@ -238,8 +238,7 @@ def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, float]:
     out = {"load_s": load_s, "rss": rss_bytes() - rss0, "step_s": step_s, "prefill_s": statistics.median(prefill)}
     llm.close()
     if getattr(args, "context", 0):  # a context of its own: its KV cache for that length stays out of the RSS above
-        llm = Llama(model_path=str(path), n_ctx=args.context + LONG_TOKENS + 64, n_batch=512, n_threads=args.threads,
-                    n_threads_batch=args.threads, verbose=False)
+        llm = open_llama(args.context + LONG_TOKENS + 64, 512)
         out["long_step_s"] = _llama_decode_after(llm, long_context_prompt(args), LONG_TOKENS, args.repeats)
         llm.close()
     return out

@@ -6,10 +6,11 @@ vocabulary that took 1.0-1.7 s, nearly all of a warm load, while llama.cpp opens
 0.1 s. Here a string is one slice of the mapped bytes, an array of strings one packed StringTable (as
 str objects a vocabulary takes ~7x the memory, for the model's lifetime), a numeric array one
 np.frombuffer, and every count and length is checked against the bytes that remain before anything is
-allocated, so a truncated or hostile header fails with GGUFError instead of exhausting memory. Layout (little-endian,
-versions 2 and 3): magic "GGUF", u32 version, u64 tensor count, u64 metadata count; metadata as (string
-key, u32 type, value); tensor infos as (string name, u32 dims, u64 dims (ggml order), u32 type, u64
-offset); tensor data from the next multiple of general.alignment (default 32).
+allocated, so a truncated or hostile header fails with GGUFError instead of exhausting memory.
+Layout (little-endian, versions 2 and 3): magic "GGUF", u32 version, u64 tensor count, u64 metadata
+count; metadata as (string key, u32 type, value); tensor infos as (string name, u32 dims, u64 dims
+(ggml order), u32 type, u64 offset); tensor data from the next multiple of general.alignment
+(default 32).
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ reads them, so no f32 copy of the cache ever exists: f16 and bf16 rows eight val
 CPU's own exact widening (`fpext` of `<8 x half>`: F16C's vcvtph2ps on x86; bf16: the bits moved up
 16), the same values as the lookup tables built from those conversions, which take a row's last
 values when head_dim is no multiple of 8 (a value at a time through the table made an f16 cache's
-attention 2.9x slower than an f32 one's at 2048 positions; widened, it is 1.3x faster, half the bytes
-read), and q8_0 through the f16 table for its scales.
+attention 2.9x slower than an f32 one's at 2048 positions; widened, it runs about as fast, reading
+half the bytes), and q8_0 through the f16 table for its scales.
 """
 from __future__ import annotations
 
