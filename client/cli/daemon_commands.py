@@ -98,15 +98,21 @@ def _connect(args: argparse.Namespace, timeout: float = 30.0) -> Any:
     from ember.client.client import Client
     from ember.client.errors import DaemonUnavailable, UntrustedSocket
 
-    deadline = time.monotonic() + args.wait
+    start = time.monotonic()
+    said = False
     while True:
         try:
             return Client(args.socket, timeout=timeout)
         except UntrustedSocket:
             raise  # waiting will not make it anyone else's
         except DaemonUnavailable:
-            if time.monotonic() >= deadline:
+            waited = time.monotonic() - start
+            if waited >= args.wait:
                 raise
+            if waited >= 5.0 and not said:  # a daemon's first start compiles its kernels: say why nothing happens
+                print(f"ember: waiting up to {args.wait:.0f} s for the daemon to start (its first start compiles "
+                      "the CPU kernels: minutes)", file=sys.stderr)
+                said = True
             time.sleep(0.25)
 
 

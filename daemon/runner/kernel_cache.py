@@ -13,7 +13,15 @@ a child process compiles every kernel signature the runtime uses (a forward pass
 model with every weight type and KV dtype, through both variants of each twin kernel) and leaves a
 stamp; this process then only ever loads. A lock keeps concurrent starts from compiling twice.
 
-Before that child compiles, every cached kernel is removed. numba checks a cache entry against its own
+The compile is cut into parts (PARTS) that children compile side by side, as many at once as this
+process has cores: numba compiles on one thread, and a part's kernels are mostly other functions than
+another part's. numba's cache writes are not safe between processes (a save reads a function's index,
+picks a free data file and writes the index back: two at once can lose an entry or share a file), so
+the children take a lock around each save. A last child then runs every part once more: it loads
+what the parts wrote and compiles whatever they missed, so the cache is complete however the parts
+were cut.
+
+Before the children compile, every cached kernel is removed. numba checks a cache entry against its own
 source file only: a fused kernel in decoder_layer.py that inlined quant_matmul.py's matvec kept the
 old matvec's code after quant_matmul.py changed (seen: a 1.75x faster matvec that the fused layers
 did not get). The stamp names every kernel source, so a change to any of them recompiles them all.
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -31,7 +40,7 @@ import llvmlite.binding as llvm
 import numba
 import numpy as np
 
-_CHILD_TIMEOUT = 1800.0  # seconds: a cold compile of every kernel took 6-7 minutes on the 2-core VM
+_CHILD_TIMEOUT = 1800.0  # seconds: a cold compile of every kernel took 6-7 minutes on one core of the 2-core VM
 
 
 def ensure_kernel_cache(on_compile: Callable[[], None] = lambda: None) -> bool:
@@ -47,12 +56,37 @@ def ensure_kernel_cache(on_compile: Callable[[], None] = lambda: None) -> bool:
             return False
         on_compile()
         _remove_cached_kernels(stamp.parent)
-        done = subprocess.run([sys.executable, "-m", "ember.daemon.runner.kernel_cache"], capture_output=True, text=True,
-                              timeout=_CHILD_TIMEOUT)
-        if done.returncode != 0:
-            raise RuntimeError(f"compiling the CPU kernels failed:\n{done.stdout}{done.stderr}")
-        stamp.write_text("compiled by a child process; see ember/daemon/kernel_cache.py\n")
+        report = _compile_in_children(len(os.sched_getaffinity(0)))
+        stamp.write_text(f"compiled by child processes (ember/daemon/runner/kernel_cache.py); {report}\n")
     return True
+
+
+def _compile_in_children(cores: int) -> str:
+    """The parts in children, `cores` at a time, then one child that runs them all (loading, and
+    compiling what is missing) -> that child's report. RuntimeError with a failed child's output."""
+    waiting = [[part] for part in PARTS] if cores > 1 else []
+    running: list[subprocess.Popen[str]] = []
+    while waiting or running:
+        while waiting and len(running) < cores:
+            running.append(_start_child(waiting.pop(0)))
+        _finish_child(running.pop(0))
+    return _finish_child(_start_child([_LAST, *PARTS])).strip().splitlines()[-1]
+
+
+def _start_child(parts: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "ember.daemon.runner.kernel_cache", *parts],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish_child(child: subprocess.Popen[str]) -> str:
+    try:
+        output, _ = child.communicate(timeout=_CHILD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        output, _ = child.communicate()
+    if child.returncode != 0:
+        raise RuntimeError(f"compiling the CPU kernels failed ({' '.join(child.args[3:])}):\n{output}")
+    return output
 
 
 def _stamp_path() -> Path:
@@ -76,26 +110,45 @@ def _remove_cached_kernels(cache_dir: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-def compile_all() -> None:
-    """Run every kernel signature the runtime uses: a small model whose layers cover every weight
-    type, a prompt and a decode step in every KV dtype, once with the serial and once with the
-    parallel variant of each twin kernel."""
+def compile_all(parts: Sequence[str] = ()) -> None:
+    """Run every kernel signature the runtime uses (or those of `parts`): a small model whose layers
+    cover every weight type, a prompt and a decode step in every KV dtype, once with the serial and
+    once with the parallel variant of each twin kernel."""
+    for part in parts or PARTS:
+        _PARTS[part]()
+
+
+def _serial_kernels() -> None:
+    """Every twin's serial variant, the fused layers' serial kernel, the MoE layers' decode kernel (one
+    signature for both variants: it picks them itself), the hybrid models' serial kernels."""
+    net = _forward_passes("serial")
+    _linear_attention_kernels()
+    _expert_kernels(net)
+
+
+def _parallel_kernels() -> None:
+    """Every twin's parallel variant, the fused layers' thread team and the greedy burst (which runs
+    that team), the hybrid models' parallel kernels."""
+    _forward_passes("parallel")
+    _linear_attention_kernels()
+    _greedy_kernels()
+
+
+def _forward_passes(variant: str):  # type: ignore[no-untyped-def]
+    """The synthetic model's prompt and decode steps in every KV dtype, every twin taking `variant`."""
     from ember.daemon.runner.step_batch import StepBatch
     from ember.kernels.cpu import twin
     from ember.kernels.convert import KV_DTYPES
 
+    twin.FORCE = variant
     net = synthetic_model()
-    for variant in ("serial", "parallel"):  # every twin serial, then every twin parallel
-        twin.FORCE = variant
-        for dtype in KV_DTYPES:
-            cache = net.new_cache(2, 16, dtype)
-            net.forward(StepBatch.build([([1, 2, 3, 4, 5], 0, [0, 1])], 16, all_logits=True), cache)
-            net.forward(StepBatch.build([([6], 5, [0, 1])], 16, prompt_lengths=[5]), cache)  # one generated token
-            net.forward(StepBatch.build([([7], 6, [0, 1]), ([8, 9], 0, [1])], 16, prompt_lengths=[5, 2]), cache)
-            net.forward(StepBatch.build([([7], 6, [0, 1]), ([8], 1, [1])], 16, prompt_lengths=[5, 2]), cache)
-        _linear_attention_kernels()
-        _expert_kernels(net)
-        _greedy_kernels()
+    for dtype in KV_DTYPES:
+        cache = net.new_cache(2, 16, dtype)
+        net.forward(StepBatch.build([([1, 2, 3, 4, 5], 0, [0, 1])], 16, all_logits=True), cache)
+        net.forward(StepBatch.build([([6], 5, [0, 1])], 16, prompt_lengths=[5]), cache)  # one generated token
+        net.forward(StepBatch.build([([7], 6, [0, 1]), ([8, 9], 0, [1])], 16, prompt_lengths=[5, 2]), cache)
+        net.forward(StepBatch.build([([7], 6, [0, 1]), ([8], 1, [1])], 16, prompt_lengths=[5, 2]), cache)
+    return net
 
 
 def _greedy_kernels() -> None:
@@ -183,5 +236,51 @@ def synthetic_model(types: Sequence[int] | None = None, arch: str = "qwen3"):  #
     return Transformer(ModelFile(Path("<kernel cache>"), "gguf", cfg, tensors), get_ops("cpu"))
 
 
+_PARTS: dict[str, Callable[[], None]] = {"serial": _serial_kernels, "parallel": _parallel_kernels}
+PARTS = tuple(_PARTS)
+
+
+def _lock_cache_writes() -> None:
+    """Make each of numba's cache saves whole with respect to other processes' (see the module
+    docstring): an exclusive lock on the cache directory around it."""
+    from numba.core.caching import IndexDataCacheFile
+
+    save = IndexDataCacheFile.save
+
+    def locked_save(self, key, data):  # type: ignore[no-untyped-def]
+        with open(os.path.join(self._cache_path, "ember-kernels-save.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            save(self, key, data)
+
+    IndexDataCacheFile.save = locked_save
+
+
+_LAST = "--last"  # the child after the parts: it reports what it had to compile itself
+
+
+def _report_compiles() -> Callable[[], str]:
+    """Start counting the kernels this process compiles (rather than loads) -> a function that says which."""
+    from numba.core import event
+
+    compiled: set[str] = set()
+
+    class Listener(event.Listener):
+        def on_start(self, ev: event.Event) -> None:
+            fn = ev.data["dispatcher"].py_func
+            if fn.__module__.startswith("ember."):
+                compiled.add(f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__qualname__}")
+
+        def on_end(self, ev: event.Event) -> None:
+            pass
+
+    event.register("numba:compile", Listener())
+    return lambda: f"the last child compiled: {', '.join(sorted(compiled)) or 'nothing'}"
+
+
 if __name__ == "__main__":
-    compile_all()
+    _lock_cache_writes()
+    parts = sys.argv[1:]
+    report = _report_compiles() if parts[:1] == [_LAST] else None
+    compile_all([p for p in parts if p != _LAST])
+    if report:
+        print(report())

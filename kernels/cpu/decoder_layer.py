@@ -392,8 +392,9 @@ def _team_phases(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_block
 
     c = claim(counters, _ATTEND, me, n * n_kv_heads)
     while c < n * n_kv_heads:
-        attention_task(c, q3, k_f32, u16, i8, scales, v_f32, u16, i8, scales, _KV_F32, inv_freq[:0], tables, token_seq,
-                       seen, scale, attn)
+        # np.int64: a constant argument would be typed Literal[int](0), a signature (and compile) of its own
+        attention_task(c, q3, k_f32, u16, i8, scales, v_f32, u16, i8, scales, np.int64(_KV_F32), inv_freq[:0], tables,
+                       token_seq, seen, scale, attn)
         finish(counters, _ATTEND)
         c = claim(counters, _ATTEND, me, n * n_kv_heads)
     if not wait(counters, _ATTEND, n * n_kv_heads):

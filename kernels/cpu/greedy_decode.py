@@ -88,7 +88,7 @@ def burst(p: GreedyPlan, steps: int, ids: np.ndarray, positions: np.ndarray, kv_
     keep = np.empty((0, n, p.vocab), np.float32) if logits is None else logits
     taken = _burst(steps, twin.threads(), twin.force_code(), np.ascontiguousarray(ids, np.int64),
                    np.ascontiguousarray(positions, np.int64), np.ascontiguousarray(kv_blocks, np.int64),
-                   np.ascontiguousarray(kv_offsets, np.int64), tables, np.ascontiguousarray(token_seq, np.int64),
+                   np.ascontiguousarray(kv_offsets, np.int64), tables, np.ascontiguousarray(token_seq, np.int32),
                    block_size, np.ascontiguousarray(stops, np.int64), *p.embed, p.layers, p.norm, p.eps, *p.head,
                    tokens, keep)
     return tokens[:taken]

@@ -139,8 +139,8 @@ def _paged_attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode
     # One task per (token, KV head): each key and value row is read (and decoded) once for all the
     # query heads that share it (GQA), and f32 rows are read in place.
     kv_heads = max(k_f32.shape[2], k_u16.shape[2], k_i8.shape[2])
-    for task in prange(q.shape[0] * kv_heads):
-        attention_task(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq,
+    for task in prange(q.shape[0] * kv_heads):  # int64: prange's index is unsigned, a second signature
+        attention_task(np.int64(task), q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq,
                        positions, scale, out)
 
 
