@@ -66,3 +66,12 @@ def test_cache_saves_wait_for_the_cache_directorys_lock(tmp_path: Path) -> None:
         assert not index.exists()
     assert child.wait(timeout=60) == 0
     assert index.exists()
+
+
+def test_a_failing_part_fails_the_compile_with_its_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember.daemon.runner import kernel_cache
+
+    monkeypatch.setattr(kernel_cache, "PARTS", ("no-such-part",))
+    with pytest.raises(RuntimeError, match="no-such-part") as failed:
+        kernel_cache._compile_in_children(2)
+    assert "KeyError" in str(failed.value)  # the child's own traceback

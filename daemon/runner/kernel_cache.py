@@ -1,4 +1,4 @@
-"""The CPU kernels' compile cache, filled by a child process so that every process runs cached code.
+"""The CPU kernels' compile cache, filled by child processes so that every process runs cached code.
 
 numba does not run the same machine code for a kernel that this process compiled and for one it loaded
 from its on-disk cache: a cached library carries its own copies of the functions it calls (the
@@ -9,8 +9,8 @@ last bits — the first process after an install or a kernel change computed dif
 slowly, than every later one.
 
 `ensure_kernel_cache()` makes every process a "later one": when the cache is not known to be complete,
-a child process compiles every kernel signature the runtime uses (a forward pass of a small synthetic
-model with every weight type and KV dtype, through both variants of each twin kernel) and leaves a
+child processes compile every kernel signature the runtime uses (a forward pass of a small synthetic
+model with every weight type and KV dtype, through both variants of each twin kernel) and leave a
 stamp; this process then only ever loads. A lock keeps concurrent starts from compiling twice.
 
 The compile is cut into parts (PARTS) that children compile side by side, as many at once as this
@@ -33,6 +33,8 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -40,12 +42,12 @@ import llvmlite.binding as llvm
 import numba
 import numpy as np
 
-_CHILD_TIMEOUT = 1800.0  # seconds: a cold compile of every kernel took 6-7 minutes on one core of the 2-core VM
+_CHILD_TIMEOUT = 1800.0  # seconds: one child compiling everything took 6-9 minutes on the 2-core VM, once
 
 
 def ensure_kernel_cache(on_compile: Callable[[], None] = lambda: None) -> bool:
-    """Fill numba's cache for the CPU kernels in a child process unless it is known to be complete.
-    Calls `on_compile` first when it compiles; returns whether it did. A failure to compile in the
+    """Fill numba's cache for the CPU kernels in child processes unless it is known to be complete.
+    Calls `on_compile` first when it compiles; returns whether it did. A failure to compile in a
     child raises RuntimeError (with the child's output); this process would fail the same way."""
     stamp = _stamp_path()
     if stamp.exists():
@@ -63,30 +65,54 @@ def ensure_kernel_cache(on_compile: Callable[[], None] = lambda: None) -> bool:
 
 def _compile_in_children(cores: int) -> str:
     """The parts in children, `cores` at a time, then one child that runs them all (loading, and
-    compiling what is missing) -> that child's report. RuntimeError with a failed child's output."""
+    compiling what is missing) -> that child's report. RuntimeError with a failed child's output
+    (the other children are stopped)."""
     waiting = [[part] for part in PARTS] if cores > 1 else []
-    running: list[subprocess.Popen[str]] = []
-    while waiting or running:
-        while waiting and len(running) < cores:
-            running.append(_start_child(waiting.pop(0)))
-        _finish_child(running.pop(0))
-    return _finish_child(_start_child([_LAST, *PARTS])).strip().splitlines()[-1]
-
-
-def _start_child(parts: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "ember.daemon.runner.kernel_cache", *parts],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _finish_child(child: subprocess.Popen[str]) -> str:
+    running: list[_Child] = []
     try:
-        output, _ = child.communicate(timeout=_CHILD_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        output, _ = child.communicate()
-    if child.returncode != 0:
-        raise RuntimeError(f"compiling the CPU kernels failed ({' '.join(child.args[3:])}):\n{output}")
-    return output
+        while waiting or running:
+            while waiting and len(running) < cores:
+                running.append(_Child(waiting.pop(0)))
+            done = next((child for child in running if child.process.poll() is not None or child.overdue()), None)
+            if done is None:
+                time.sleep(0.1)
+                continue
+            running.remove(done)
+            done.finish()
+        return _Child([_LAST, *PARTS]).finish().strip().splitlines()[-1]
+    finally:
+        for child in running:
+            child.process.kill()
+            child.process.wait()
+
+
+class _Child:
+    """A child compiling `parts`; its output goes to a file, not a pipe that could fill while this
+    process waits on another child."""
+
+    def __init__(self, parts: list[str]) -> None:
+        self.parts = parts
+        self.output = tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen([sys.executable, "-m", "ember.daemon.runner.kernel_cache", *parts],
+                                        stdout=self.output, stderr=subprocess.STDOUT, text=True)
+        self.deadline = time.monotonic() + _CHILD_TIMEOUT
+
+    def overdue(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def finish(self) -> str:
+        """Wait for it -> its output; RuntimeError if it failed or outran _CHILD_TIMEOUT."""
+        try:
+            self.process.wait(timeout=max(self.deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        with self.output:
+            self.output.seek(0)
+            output = self.output.read()
+        if self.process.returncode != 0:
+            raise RuntimeError(f"compiling the CPU kernels failed ({' '.join(self.parts)}):\n{output}")
+        return output
 
 
 def _stamp_path() -> Path:
