@@ -3,7 +3,7 @@
 # Run from the repository root with the wheels of ../shared/notes/ENVIRONMENT.md in .whl/:
 #   ../shared/tools/gpu-wheels msgspec pyzmq structlog gguf pytest-asyncio numpy==2.4.6
 #   device run (carry .whl):  bash tests/cuda/on_gpu.sh
-# Logs go to $OUT (or ./gpu-out where OUT is unset).
+# Logs go to $OUT (or ./gpu-out where OUT is unset). LAYER_SPLIT_TIMEOUT=S also runs benchmarks/layer_split.py.
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -31,3 +31,9 @@ for device in ("cuda:0",):
     n = len(list(model.generate(prompt, max_tokens=64, ignore_eos=True)))
     print(f"{device}: {n / (time.perf_counter() - t):.1f} tok/s eager decode, demo 12 MB Q8_0, batch 1")
 EOF
+# issue 13's measurement where cores are plenty (the 2-core VM cannot give the engine a core of its own):
+# LAYER_SPLIT_TIMEOUT=240 bash tests/cuda/on_gpu.sh
+if [ "${LAYER_SPLIT_TIMEOUT:-0}" -gt 0 ]; then
+    nproc
+    timeout "$LAYER_SPLIT_TIMEOUT" python3 benchmarks/layer_split.py 2>&1 | tee "$out/layer_split.log"
+fi
