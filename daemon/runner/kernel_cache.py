@@ -79,7 +79,8 @@ def _compile_in_children(cores: int) -> str:
                 continue
             running.remove(done)
             done.finish()
-        return _Child([_LAST, *PARTS]).finish().strip().splitlines()[-1]
+        lines = _Child([_LAST, *PARTS]).finish().splitlines()
+        return next((line for line in reversed(lines) if line.startswith(_REPORT)), "no report from the last child")
     finally:
         for child in running:
             child.process.kill()
@@ -282,6 +283,7 @@ def _lock_cache_writes() -> None:
 
 
 _LAST = "--last"  # the child after the parts: it reports what it had to compile itself
+_REPORT = "the last child compiled:"
 
 
 def _report_compiles() -> Callable[[], str]:
@@ -300,7 +302,7 @@ def _report_compiles() -> Callable[[], str]:
             pass
 
     event.register("numba:compile", Listener())
-    return lambda: f"the last child compiled: {', '.join(sorted(compiled)) or 'nothing'}"
+    return lambda: f"{_REPORT} {', '.join(sorted(compiled)) or 'nothing'}"
 
 
 if __name__ == "__main__":
