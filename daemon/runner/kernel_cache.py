@@ -282,33 +282,24 @@ def _lock_cache_writes() -> None:
     IndexDataCacheFile.save = locked_save
 
 
-_LAST = "--last"  # the child after the parts: it reports what it had to compile itself
+_LAST = "--last"  # the child after the parts: it reports what it had to compile itself (_compiled_report)
 _REPORT = "the last child compiled:"
 
 
-def _report_compiles() -> Callable[[], str]:
-    """Start counting the kernels this process compiles (rather than loads) -> a function that says which."""
-    from numba.core import event
-
-    compiled: set[str] = set()
-
-    class Listener(event.Listener):
-        def on_start(self, ev: event.Event) -> None:
-            fn = ev.data["dispatcher"].py_func
-            if fn.__module__.startswith("ember."):
-                compiled.add(f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__qualname__}")
-
-        def on_end(self, ev: event.Event) -> None:
-            pass
-
-    event.register("numba:compile", Listener())
-    return lambda: f"{_REPORT} {', '.join(sorted(compiled)) or 'nothing'}"
+def _compiled_report(events: list) -> str:  # type: ignore[type-arg]
+    """What numba compiled (rather than loaded) of ember's kernels, from its recorded compile events."""
+    fns = {ev.data["dispatcher"].py_func for _, ev in events}
+    names = sorted(f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__qualname__}" for fn in fns
+                   if fn.__module__.startswith("ember."))
+    return f"{_REPORT} {', '.join(names) or 'nothing'}"
 
 
 if __name__ == "__main__":
+    from numba.core import event
+
     _lock_cache_writes()
     parts = sys.argv[1:]
-    report = _report_compiles() if parts[:1] == [_LAST] else None
-    compile_all([p for p in parts if p != _LAST])
-    if report:
-        print(report())
+    with event.install_recorder("numba:compile") as compiles:
+        compile_all([p for p in parts if p != _LAST])
+    if parts[:1] == [_LAST]:
+        print(_compiled_report(compiles.buffer))
