@@ -8,7 +8,8 @@ that engine's alone): load seconds (ember's kernel cache warm), resident memory 
 load, the decode and the prefill runs vs the file's size (measured after the same work has run once on a
 first instance of the model, freed since: the model's memory, not the code each engine brings in on
 first use; ember's batched run after them is reported apart: its 8 sequences' KV cache is not part of
-llama.cpp's figure), decode tok/s of a greedy loop of --tokens tokens after a 16-token prompt (median
+llama.cpp's figure; so is its tokenizer's BPE, which ember builds on the first text encode and the
+token ids the benchmark feeds never need, while llama.cpp builds its vocabulary at load), decode tok/s of a greedy loop of --tokens tokens after a 16-token prompt (median
 of --repeats), and prefill tok/s of a --prompt-token prompt (median of --repeats); for ember also the
 aggregate decode tok/s of --batch sequences stepped together; and decode tok/s again after a --context
 token prompt (32 tokens; each engine in a context of that size, after the figures above), where each
@@ -155,8 +156,10 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
     batched = statistics.median(batched_decode(model, args.batch, args.tokens) for _ in range(args.repeats))
     batch_rss = rss_bytes() - rss0 - rss
     long_step_s = decode_after(model, long_context_prompt(args), LONG_TOKENS, args.repeats) if args.context else 0.0
+    before = rss_bytes()
+    model.tokenize("Hello")  # the first text encode builds the tokenizer's BPE (token ids alone never need it)
     return {"load_s": load_s, "rss": rss, "step_s": step_s, "prefill_s": prefill_s, "batch_tok_s": batched,
-            "batch_rss": batch_rss, "long_step_s": long_step_s}
+            "batch_rss": batch_rss, "long_step_s": long_step_s, "bpe_rss": rss_bytes() - before}
 
 
 def warm_up(generate, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
@@ -316,7 +319,8 @@ def main() -> None:
         print(f"{label:16} ratio ember/llama.cpp: decode {ll['step_s'] / e['step_s']:.2f}x, "
               f"prefill {ll['prefill_s'] / e['prefill_s']:.2f}x; ember {args.batch} streams batched: "
               f"{e['batch_tok_s']:.0f} tok/s = {e['batch_tok_s'] * e['step_s']:.2f}x one stream (its KV cache and "
-              f"buffers: RSS +{e['batch_rss'] / 1e6:.1f} MB)")
+              f"buffers: RSS +{e['batch_rss'] / 1e6:.1f} MB); its tokenizer's BPE, built by the first text encode: "
+              f"RSS +{e['bpe_rss'] / 1e6:.1f} MB")
         if args.context:
             print(f"{label:16} decode after a {args.context}-token prompt: ember {1 / e['long_step_s']:.1f} tok/s, "
                   f"llama.cpp {1 / ll['long_step_s']:.1f} tok/s, ratio {ll['long_step_s'] / e['long_step_s']:.2f}x")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,18 @@ def assert_stream_equals_decode(tok: Tokenizer, ids: list[int], context: list[in
 @pytest.fixture(scope="module")
 def demo() -> Tokenizer:
     return Tokenizer.from_gguf(open_gguf(DEMO_MODEL).metadata)
+
+
+def test_the_bpe_is_built_once_by_the_first_encode(demo: Tokenizer) -> None:
+    """Decoding, and a model fed token ids, never need the BPE (~2.7 MB for the demo's vocabulary): the
+    first encode builds it, once, whichever of several threads starting together gets there first, and
+    every thread gets the ids of a tokenizer built long before."""
+    fresh = Tokenizer.from_gguf(open_gguf(DEMO_MODEL).metadata)
+    ids = demo.encode(corpus(1)[0])
+    assert fresh.decode(ids) == demo.decode(ids) and fresh._gguf is not None and fresh._gguf._bpe is None
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: (fresh.encode(corpus(1)[0]), id(fresh.core)), range(8)))
+    assert [r[0] for r in results] == [ids] * 8 and len({r[1] for r in results}) == 1
 
 
 @needs_llama_cpp

@@ -167,6 +167,7 @@ def _load_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
             # a short prompt and a few sampled tokens: every kernel a request uses is loaded, so the
             # first client does not pay for it and READY means ready
             list(model.generate(list(range(1, 9)), max_tokens=3, temperature=0.5, top_k=5, seed=0, ignore_eos=True))
+            model.tokenize("warm up")  # and a GGUF tokenizer's BPE, built by the first encode, is built
         models[name] = model
         log.info("model ready", model=name, path=spec.path, seconds=round(time.perf_counter() - t0, 2))
     return models

@@ -18,7 +18,9 @@ included), so ids and text equal transformers'.
 from __future__ import annotations
 
 import functools
+import gc
 import json
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ from typing import Any
 from tokenizers import Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as CoreTokenizer
 
+from ..engine.heap import release_free_heap
 from ..loader.string_table import StringTable
 
 
@@ -141,10 +144,10 @@ _ALWAYS_USER_DEFINED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|
 class Tokenizer:
     """Encode/decode for one model. Build it with from_gguf or from_hf_dir."""
 
-    def __init__(self, core: CoreTokenizer, *, bos_id: int | None, eos_id: int | None, eos_ids: Iterable[int],
+    def __init__(self, core: CoreTokenizer | None, *, bos_id: int | None, eos_id: int | None, eos_ids: Iterable[int],
                  add_bos: bool, add_eos: bool, chat_template: str | None, vocab_size: int,
                  gguf: _GgufVocab | None = None) -> None:
-        self.core = core  # GGUF: the BPE alone (special tokens are cut out first); HF: tokenizer.json
+        self._hf_core = core  # HF: tokenizer.json (GGUF: None, the vocabulary builds its BPE)
         self.bos_id, self.eos_id = bos_id, eos_id
         self.eos_ids = frozenset(eos_ids)  # EOS plus every end-of-turn token the file names
         self.add_bos, self.add_eos = add_bos, add_eos
@@ -158,21 +161,20 @@ class Tokenizer:
     def from_gguf(cls, meta: Mapping[str, Any]) -> Tokenizer:
         """From GGUF metadata as `{f.name: f.contents() for f in GGUFReader(path).fields.values()}`."""
         kind, tokens, table, types = _read_vocabulary(meta)
-        if kind == "gpt2":
-            pre = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-            core, add_bos, bos, eos = _gpt2_core(tokens, _read_merges(meta), pre), pre.add_bos, None, None
-            unmerged: dict[int, list[int]] = {}
+        if kind == "gpt2":  # what the BPE is built from is checked here, the BPE built on the first encode
+            add_bos, bos, eos = _pre_tokenizer(meta.get("tokenizer.ggml.pre")).add_bos, None, None
+            _merge_list(meta)
         else:  # with llama.cpp's defaults for SentencePiece files
-            scores = _read_numbers(meta, "tokenizer.ggml.scores", len(tokens), 0.0, float)
-            (core, unmerged), add_bos, bos, eos = _spm_core(tokens, scores, types), True, 1, 2
+            _read_numbers(meta, "tokenizer.ggml.scores", len(tokens), 0.0, float)
+            add_bos, bos, eos = True, 1, 2
         bos, eos = _token_id(meta, "bos", len(tokens), bos), _token_id(meta, "eos", len(tokens), eos)
         add_bos, add_eos = _add_flags(meta, add_bos, bos, eos)
         eog = _end_of_generation_ids(meta, tokens, eos)
         _drop_message_ends(tokens, types, eog)
         space_prefix = kind == "llama" and bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-        return cls(core, bos_id=bos, eos_id=eos, eos_ids=eog, add_bos=add_bos, add_eos=add_eos,
+        return cls(None, bos_id=bos, eos_id=eos, eos_ids=eog, add_bos=add_bos, add_eos=add_eos,
                    chat_template=_str_or_none(meta.get("tokenizer.chat_template")), vocab_size=len(tokens),
-                   gguf=_GgufVocab(table, types, space_prefix, byte_level=kind == "gpt2", unmerged=unmerged))
+                   gguf=_GgufVocab(table, types, space_prefix, byte_level=kind == "gpt2", meta=meta))
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
@@ -200,6 +202,12 @@ class Tokenizer:
                    chat_template=_hf_chat_template(path, config),
                    vocab_size=core.get_vocab_size(with_added_tokens=True))
 
+    @property
+    def core(self) -> CoreTokenizer:
+        """The `tokenizers` model: HF, tokenizer.json's; GGUF, the BPE alone (special tokens are cut out
+        first), built on first use."""
+        return self._hf_core if self._gguf is None else self._gguf.bpe()
+
     # --- text -> ids ----------------------------------------------------------------------------------
     def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of `text`. add_special: BOS/EOS as the model's config says. parse_special: special
@@ -219,7 +227,7 @@ class Tokenizer:
                 continue
             if self._gguf.space_prefix and after_special:
                 piece = " " + piece
-            ids.extend(self._gguf.resolve(self.core.encode(piece, add_special_tokens=False).ids))
+            ids.extend(self._gguf.resolve(self._gguf.bpe().encode(piece, add_special_tokens=False).ids))
             after_special = False
         if add_special and self.add_eos:
             ids.append(self.eos_id)  # type: ignore[arg-type]
@@ -319,19 +327,34 @@ class StreamDecoder:
 
 # --- GGUF vocabularies ---------------------------------------------------------------------------------
 class _GgufVocab:
-    """What encode/decode need beyond the BPE: the special tokens, each token's bytes, and (SentencePiece)
-    the byte tokens of the characters that are no token, for when the BPE leaves them unmerged."""
+    """A GGUF vocabulary: the special tokens, each token's bytes, and the BPE, built from the metadata on
+    the first encode (the demo's 8192-token BPE holds ~2.7 MB that decoding and models fed token ids
+    never need), with (SentencePiece) the byte tokens of the characters that are no token, for when the BPE
+    leaves them unmerged."""
 
     def __init__(self, tokens: StringTable, types: list[int], space_prefix: bool, byte_level: bool,
-                 unmerged: Mapping[int, list[int]]) -> None:
+                 meta: Mapping[str, Any]) -> None:
         self.tokens = tokens
         self.types = bytes(ty if 0 <= ty < 256 else 0 for ty in types)  # a type no token has: as llama.cpp's undefined
         self.space_prefix, self.byte_level = space_prefix, byte_level
-        self.unmerged = unmerged  # SentencePiece: the BPE's ids past the vocabulary -> their byte tokens
+        self._meta, self._lock = {k: meta[k] for k in _BPE_KEYS if k in meta}, threading.Lock()
+        self._bpe: CoreTokenizer | None = None
+        self.unmerged: Mapping[int, list[int]] = {}  # SentencePiece: the BPE's ids past the vocabulary -> byte tokens
         special = [i for i, ty in enumerate(types) if ty in (CONTROL, USER_DEFINED, UNKNOWN)]
         special.sort(key=lambda i: len(tokens[i].encode()), reverse=True)  # llama.cpp: longest first, in bytes
         self.specials = [(tokens[i], i, types[i] == USER_DEFINED) for i in special]
         self._pieces: dict[int, bytes] = {}
+
+    def bpe(self) -> CoreTokenizer:
+        """The BPE of the file's tokens and merges (gpt2) or scores (llama), built once, on first use."""
+        with self._lock:  # encodes may start in several threads at once
+            if self._bpe is None:
+                self._bpe, self.unmerged = _gguf_bpe(self._meta)
+                self._meta = {}
+                # the build's garbage (Python cycles, malloc's free pages) held another 2.5-3 MB
+                gc.collect()
+                release_free_heap()
+            return self._bpe
 
     def split_specials(self, text: str, parse_special: bool) -> list[str | int]:
         """`text` as plain-text fragments and special token ids, cut as llama.cpp's
@@ -411,6 +434,14 @@ def _bytes_to_unicode() -> dict[int, str]:
 _BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
 
 
+def _gguf_bpe(meta: Mapping[str, Any]) -> tuple[CoreTokenizer, dict[int, list[int]]]:
+    """A GGUF vocabulary's BPE and (SentencePiece) the byte tokens of its ids past the vocabulary."""
+    kind, tokens, _, types = _read_vocabulary(meta)  # the types before _drop_message_ends: only UNKNOWN counts
+    if kind == "gpt2":
+        return _gpt2_core(tokens, _read_merges(meta), _pre_tokenizer(meta.get("tokenizer.ggml.pre"))), {}
+    return _spm_core(tokens, _read_numbers(meta, "tokenizer.ggml.scores", len(tokens), 0.0, float), types)
+
+
 def _gpt2_core(tokens: list[str], merges: list[tuple[str, str]], pre: PreTokenizer) -> CoreTokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     # a merge that names a piece missing from the vocabulary can never produce a token: leave it out
@@ -455,6 +486,9 @@ def _spm_core(tokens: list[str], scores: list[float],
     return core, {symbols[c]: _byte_fallback(c, vocab, unk) for c in loose}
 
 
+# the metadata a GGUF vocabulary's BPE is built from (_GgufVocab keeps them until it has built it)
+_BPE_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+             "tokenizer.ggml.pre", "tokenizer.ggml.scores")
 _BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]  # SentencePiece's byte_fallback pieces
 
 
@@ -512,14 +546,19 @@ def _read_numbers(meta: Mapping[str, Any], key: str, n: int, default: Any, kind:
     return [kind(v) for v in values[:n]]
 
 
-def _read_merges(meta: Mapping[str, Any]) -> list[tuple[str, str]]:
+def _merge_list(meta: Mapping[str, Any]) -> Sequence[str]:
+    """tokenizer.ggml.merges, checked."""
     merges = meta.get("tokenizer.ggml.merges")
     if merges is None:
         raise TokenizerError("tokenizer.ggml.merges is missing (a gpt2 tokenizer needs its merges)")
-    if not isinstance(merges, list | StringTable) or not all(isinstance(m, str) for m in merges):
+    if not isinstance(merges, StringTable) and not (isinstance(merges, list) and all(isinstance(m, str) for m in merges)):
         raise TokenizerError("tokenizer.ggml.merges is not a list of strings")
+    return merges
+
+
+def _read_merges(meta: Mapping[str, Any]) -> list[tuple[str, str]]:
     pairs = []
-    for merge in merges:
+    for merge in _merge_list(meta):
         cut = merge.find(" ", 1)  # as llama.cpp: the first space after the first character
         if cut > 0:
             pairs.append((merge[:cut], merge[cut + 1 :]))
