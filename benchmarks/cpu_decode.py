@@ -18,7 +18,10 @@ figure is the median over the rounds. Decode is also given as GB/s of weights re
 memory bandwidth, measured here with the same threads. Prints ember/llama.cpp ratios.
 
     python benchmarks/cpu_decode.py [--tokens 128] [--repeats 3] [--rounds 3] [--threads N] [--prompt-tokens 512] [--batch 8]
-                                    [--context 1536] [--files demo Q8_0 Q4_K_M]
+                                    [--context 1536] [--kv-dtype f32] [--files demo Q8_0 Q4_K_M]
+
+--kv-dtype: ember's KV cache (its default, f32; llama.cpp keeps its own default, f16, which reads half
+the bytes of f32 in the long-context figure).
 """
 from __future__ import annotations
 
@@ -143,13 +146,13 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
     import ember
 
     numba.set_num_threads(args.threads)
-    first = ember.load(path)  # compiles or loads the kernels: the timed load below finds them ready
+    first = ember.load(path, kv_dtype=args.kv_dtype)  # compiles or loads the kernels: the timed load below finds them ready
     warm_up(first.generate, args)  # and the code that runs below is loaded (a decode burst's alone: ~13 MB, once)
     del first
     gc.collect()
     rss0 = rss_bytes()
     t = time.perf_counter()
-    model = ember.load(path)
+    model = ember.load(path, kv_dtype=args.kv_dtype)
     load_s = time.perf_counter() - t
     step_s, prefill_s = decode_and_prefill(model, args)
     rss = rss_bytes() - rss0  # the work llama.cpp's figure covers: load, decode, prefill
@@ -267,7 +270,8 @@ def _llama_generate(llm, prompt: list[int], max_tokens: int) -> list[int]:  # ty
 
 
 def measure(engine: str, path: Path, args: argparse.Namespace) -> dict[str, float]:
-    return run_worker(__file__, engine, path, args, ["--batch", str(args.batch), "--context", str(args.context)])
+    return run_worker(__file__, engine, path, args, ["--batch", str(args.batch), "--context", str(args.context),
+                                                   "--kv-dtype", args.kv_dtype])
 
 
 def run_worker(script: str, engine: str, path: Path, args: argparse.Namespace, extra: list[str]) -> dict[str, float]:
@@ -289,6 +293,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="sequences of ember's batched decode figure")
     ap.add_argument("--context", type=int, default=1536,
                     help=f"prompt tokens before a second decode figure ({LONG_TOKENS} tokens; 0: none)")
+    ap.add_argument("--kv-dtype", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
+                    help="ember's KV cache (llama.cpp's is its default, f16)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="engines alternated this many times per file, medians reported (this VM drifts 10-20%%)")
     ap.add_argument("--files", nargs="+", default=["demo", "Q8_0", "Q4_K_M"], choices=["demo", "Q8_0", "Q4_K_M"])
@@ -301,7 +307,7 @@ def main() -> None:
     bandwidth = memory_bandwidth(args.threads)
     print(f"machine: {os.cpu_count()} cpus, threads={args.threads}, measured read bandwidth {bandwidth:.1f} GB/s; "
           f"decode {args.tokens} tokens after 16, prefill {args.prompt_tokens}; medians of {args.rounds} alternating "
-          f"rounds of {args.repeats} runs")
+          f"rounds of {args.repeats} runs; KV cache ember {args.kv_dtype}, llama.cpp f16")
     print(f"{'file':16} {'engine':9} {'MB':>6} {'load s':>7} {'RSS/file':>8} {'decode tok/s':>12} {'GB/s':>5} "
           f"{'of bw':>5} {'prefill tok/s':>13}")
     for name in args.files:
