@@ -57,16 +57,17 @@ def step_by_step(net: Transformer, cache, batch: StepBatch, stops: np.ndarray) -
 
 
 def snapshot(cache):  # type: ignore[no-untyped-def]
-    return [s.f32.copy() for s in (*cache.k, *cache.v)]
+    return [a.copy() for s in (*cache.k, *cache.v) for a in (s.f32, s.u16, s.i8, s.scales)]
 
 
 def restore(cache, saved) -> None:  # type: ignore[no-untyped-def]
-    for store, data in zip((*cache.k, *cache.v), saved, strict=True):
-        store.f32[...] = data
+    arrays = [a for s in (*cache.k, *cache.v) for a in (s.f32, s.u16, s.i8, s.scales)]
+    for array, data in zip(arrays, saved, strict=True):
+        array[...] = data
 
 
-def assert_bursts_equal_steps(net: Transformer) -> None:
-    cache, batch = first_decode_step(net)
+def assert_bursts_equal_steps(net: Transformer, kv_dtype: str = "f32") -> None:
+    cache, batch = first_decode_step(net, kv_dtype)
     saved = snapshot(cache)
     free, _ = step_by_step(net, cache, batch, np.full((3, 1), -1))
     # row 1 stops at its third token, row 0 at its fifth, row 2 runs on: the burst ends with the steps
@@ -91,6 +92,15 @@ def test_a_greedy_burst_equals_single_steps(arch: str, variant: str, monkeypatch
     net = synthetic_model(INT8_TYPES, arch)
     assert net.fused_layers is not None
     assert_bursts_equal_steps(net)
+
+
+@pytest.mark.parametrize("variant", ["serial", "parallel"])
+@pytest.mark.parametrize("kv_dtype", ["f16", "bf16"])
+def test_a_greedy_burst_over_a_16_bit_kv_cache_equals_single_steps(kv_dtype: str, variant: str, monkeypatch) -> None:
+    """The burst stores f16 and bf16 rows in compiled code, as the per-step path's fused layers do."""
+    monkeypatch.setattr(twin, "FORCE", variant)
+    assert_bursts_equal_steps(synthetic_model(INT8_TYPES), kv_dtype)
+    assert_bursts_equal_steps(Transformer(open_model_file(DEMO_MODEL), get_ops("cpu")), kv_dtype)
 
 
 def test_an_f32_embedding_takes_the_same_compiled_burst() -> None:

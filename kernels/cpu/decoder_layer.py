@@ -7,11 +7,11 @@ decode rows. Run op by op, such a layer costs ~110 Python calls (wrappers, numba
 for each kernel, array allocations): on the 12 MB demo model that host work was a third of a decode
 step. Here the whole layer is two numba functions, `_attention_in` (norm, q/k/v, q/k norm and rope)
 and `_attention_out` (attention, output projection, residual, norm, SwiGLU FFN, residual), with the
-KV write between them through the backend's kv_write (the one home of each KV dtype's conversion).
-Over an f32 KV cache (the CPU's default) a stored row is a plain copy: `_layer_f32_kv` runs both
-halves and the copy in one call, and where the layer's work is worth the threads, `_layer_team`
-runs it in one parallel region instead of one per parallel kernel: its threads share out each
-phase's items (tokens, row groups, attention tasks) and wait for each other only between phases
+KV write between them through the backend's kv_write (q8_0 rows). Over an f32, f16 or bf16 KV cache
+a row is stored in compiled code (paged_attention.store_row, bit for bit the conversions of
+kernels/convert.py): `_layer_stored_kv` runs both halves and the store in one call, and where the
+layer's work is worth the threads, `_layer_team` runs it in one parallel region instead of one per
+parallel kernel: its threads share out each phase's items (tokens, row groups, attention tasks) and wait for each other only between phases
 (kernels/cpu/team.py). Decode tokens 2-7% faster on the demo and the 100M Q8_0 and Q4_K_M files
 (a fork-join costs 1.5-4 us here, and a layer had four or five).
 
@@ -37,9 +37,9 @@ import numpy as np
 from numba import njit, prange
 
 from ember.kernels.cpu import dense, twin
-from ember.kernels.cpu.paged_attention import BF16_TABLE, F16_TABLE, KVLayerStore, attention_task
+from ember.kernels.cpu.paged_attention import BF16_TABLE, F16_TABLE, KVLayerStore, attention_task, store_row
 from ember.kernels.cpu.paged_attention import _BF16 as _KV_BF16
-from ember.kernels.cpu.paged_attention import _F32 as _KV_F32
+from ember.kernels.cpu.paged_attention import _Q8_0 as _KV_Q8_0
 from ember.kernels.cpu.paged_attention import _KERNELS as _ATTENTION
 from ember.kernels.cpu.quant_matmul import (_MATMUL_INT8, _MATMUL_INT8_MANY, _MATVEC_ROWS, _Q8_0, _SWIGLU_INT8,
                                             INT8_PARALLEL_MIN_WORK, CpuWeight, _quantize_token, _quantized_tokens,
@@ -125,28 +125,34 @@ def run_stack(layers: Sequence[FusedLayer], x: np.ndarray, ks: Sequence[KVLayerS
     force, threads = twin.force_code(), twin.threads()
     x = _f32_rows(x)
     for layer, k, v in zip(layers, ks, vs, strict=True):
-        if k.mode != _KV_F32:
+        if k.mode == _KV_Q8_0:
             x = _layer_quantized_kv(layer, x, k, v, kv_write, positions, seen, kv_blocks, kv_offsets, tables, token_seq,
                                     force)
         elif force == 2 or (force == 0 and layer.work * x.shape[0] >= INT8_PARALLEL_MIN_WORK):
-            x = _layer_team(threads, x, positions, k.f32, k.u16, k.i8, k.scales, v.f32, kv_blocks, kv_offsets, tables,
-                            token_seq, seen, layer.attn_in, layer.attn_out)
-        else:  # storing an f32 row is a copy: the whole layer in one compiled call
-            x = _layer_f32_kv(x, positions, force, k.f32, k.u16, k.i8, k.scales, v.f32, kv_blocks, kv_offsets, tables,
-                              token_seq, seen, layer.attn_in, layer.attn_out)
+            x = _layer_team(threads, x, positions, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, lut_of(k.mode),
+                            kv_blocks, kv_offsets, tables, token_seq, seen, layer.attn_in, layer.attn_out)
+        else:  # an f32, f16 or bf16 row is stored in compiled code: the whole layer in one call
+            x = _layer_stored_kv(x, positions, force, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16,
+                                 lut_of(k.mode), kv_blocks, kv_offsets, tables, token_seq, seen, layer.attn_in,
+                                 layer.attn_out)
     return x
+
+
+def lut_of(mode: int) -> np.ndarray:
+    """The lookup table of a store's 16-bit values (bf16 or f16: q8_0's scales are f16; f32 reads none)."""
+    return BF16_TABLE if mode == _KV_BF16 else F16_TABLE
 
 
 def _layer_quantized_kv(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, kv_write: Any,
                         positions: np.ndarray, seen: np.ndarray, kv_blocks: np.ndarray, kv_offsets: np.ndarray,
                         tables: np.ndarray, token_seq: np.ndarray, force: int) -> np.ndarray:
-    """The layer over a KV cache that stores a converted row: attention in, the K/V store, attention out."""
-    q, kr, vr = _attention_in(x, positions, force, False, k.f32, v.f32, kv_blocks, kv_offsets, *layer.attn_in)
+    """The layer over a q8_0 KV cache, whose rows Python stores: attention in, the K/V store, attention out."""
+    q, kr, vr = _attention_in(x, positions, force, False, k.mode, k.f32, k.u16, v.f32, v.u16, kv_blocks, kv_offsets,
+                              *layer.attn_in)
     kv_write(k, kv_blocks, kv_offsets, kr)
     kv_write(v, kv_blocks, kv_offsets, vr)
-    lut = BF16_TABLE if k.mode == _KV_BF16 else F16_TABLE
-    return _attention_out(x, q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, lut, tables,
-                          token_seq, seen, force, *layer.attn_out)
+    return _attention_out(x, q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, lut_of(k.mode),
+                          tables, token_seq, seen, force, *layer.attn_out)
 
 
 def _f32_rows(x: np.ndarray) -> np.ndarray:
@@ -160,12 +166,13 @@ def _parallel(force, work, threshold):
 
 
 @njit(cache=True, nogil=True)
-def _attention_in(x, positions, force, store, k_f32, v_f32, kv_blocks, kv_offsets, attn_norm, codes, wq, wk, wv, biased,
-                  bq, bk, bv, normed, q_norm, k_norm, inv_freq, interleaved, n_heads, n_kv_heads, head_dim, eps):
+def _attention_in(x, positions, force, store, mode, k_f32, k_u16, v_f32, v_u16, kv_blocks, kv_offsets, attn_norm, codes,
+                  wq, wk, wv, biased, bq, bk, bv, normed, q_norm, k_norm, inv_freq, interleaved, n_heads, n_kv_heads,
+                  head_dim, eps):
     """rmsnorm, then q, k, v (one integer kernel), biases, q/k head norms and rope -> q [n, heads, hd],
     k, v [n, kv_heads, hd]: Block's attention up to the KV write, with the ops' kernels; with `store`,
-    k and v written to the f32 cache arrays too (what an f32 store's write does: two Python calls
-    fewer per layer, ~8 us on the demo)."""
+    k and v written to the cache's f32, f16 or bf16 arrays too (what the store's write does: two
+    Python calls fewer per layer, ~8 us on the demo)."""
     n = x.shape[0]
     h = np.empty_like(x)
     _rmsnorm(x, attn_norm, eps, h, force)
@@ -189,19 +196,20 @@ def _attention_in(x, positions, force, store, k_f32, v_f32, kv_blocks, kv_offset
         _ROPE_SERIAL(q3, k3, qn, kn, normed, eps, positions, inv_freq, interleaved)
     if store:
         for i in range(n):
-            k_f32[kv_blocks[i], kv_offsets[i]] = k3[i]
-            v_f32[kv_blocks[i], kv_offsets[i]] = v3[i]
+            store_row(mode, k3[i], k_f32, k_u16, kv_blocks[i], kv_offsets[i])
+            store_row(mode, v3[i], v_f32, v_u16, kv_blocks[i], kv_offsets[i])
     return q3, k3, v3
 
 
 @njit(cache=True, nogil=True)
-def _layer_f32_kv(x, positions, force, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables, token_seq, seen,
-                  attn_in, attn_out):
-    """The layer over an f32 KV cache in one call (u16, i8, scales: the f32 store's unused arrays; an
-    empty lookup table, f32 rows need none): one dispatch and no returned q/k/v between the halves."""
-    q, _, _ = _attention_in(x, positions, force, True, k_f32, v_f32, kv_blocks, kv_offsets, *attn_in)
-    return _attention_out(x, q, k_f32, u16, i8, scales, v_f32, u16, i8, scales, _KV_F32, attn_in[0][:0], tables,
-                          token_seq, seen, force, *attn_out)
+def _layer_stored_kv(x, positions, force, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets,
+                     tables, token_seq, seen, attn_in, attn_out):
+    """The layer over an f32, f16 or bf16 KV cache in one call (i8, scales: the store's unused q8_0
+    arrays, as are the f32 ones of a 16-bit store and the u16 ones of an f32 store): one dispatch and
+    no returned q/k/v between the halves."""
+    q, _, _ = _attention_in(x, positions, force, True, mode, k_f32, k_u16, v_f32, v_u16, kv_blocks, kv_offsets, *attn_in)
+    return _attention_out(x, q, k_f32, k_u16, i8, scales, v_f32, v_u16, i8, scales, mode, lut, tables, token_seq, seen,
+                          force, *attn_out)
 
 
 @njit(cache=True, nogil=True)
@@ -251,15 +259,15 @@ def _matmul_int8(code, w, x, out, force):
         _MATMUL_SERIAL(code, w, x, out)
 
 
-# The phases of the team program (team.py) of a layer over an f32 KV cache, in order.
+# The phases of the team program (team.py) of a layer over an f32, f16 or bf16 KV cache, in order.
 _NORM_IN, _QKV, _ROPE_STORE, _ATTEND, _QUANTIZE_ATTN, _OUT_PROJ, _NORM_FFN, _GATE_UP, _QUANTIZE_FFN, _DOWN = range(10)
 _PHASES = _DOWN + 1
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _layer_team(threads, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables, token_seq, seen,
-                attn_in, attn_out):
-    """_layer_f32_kv's layer in one parallel region instead of one a kernel: the threads run
+def _layer_team(threads, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets, tables,
+                token_seq, seen, attn_in, attn_out):
+    """_layer_stored_kv's layer in one parallel region instead of one a kernel: the threads run
     _team_member's phases together (team.py), `threads` of them (numba's count, read by the caller:
     reading it here would keep this function out of the cache). The same compiled row, token and
     attention-task code as the serial and parallel kernels computes every value, so the results are
@@ -269,8 +277,8 @@ def _layer_team(threads, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks,
     bufs, h_room, attn_room, h2_room, f_room = _team_buffers(x, attn_in, attn_out)
     counters = counters_for(_PHASES, threads)
     for _ in prange(threads):
-        _team_member(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables, token_seq,
-                     seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room)
+        _team_member(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets,
+                     tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room)
     if failed(counters):
         raise RuntimeError("the fused decoder layer failed in a thread of its team")
     return bufs[-1] if attn_out[3] else bufs[6]
@@ -333,18 +341,18 @@ def _add_rows(a, b, group, out):
 
 
 @njit(cache=True, nogil=True)
-def _team_member(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables, token_seq, seen,
-                 attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room):
+def _team_member(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets, tables,
+                 token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room):
     try:
-        _team_phases(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables, token_seq,
-                     seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room)
+        _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets,
+                     tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room)
     except Exception:  # noqa: BLE001 (numba catches no narrower)
         fail(counters)
 
 
 @njit(cache=True, nogil=True)
-def _team_phases(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables, token_seq, seen,
-                 attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room):
+def _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets, tables,
+                 token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room):
     """One thread's run of the layer's phases: in each, it claims items until none is left, then
     waits for the items others claimed. Each phase's items: tokens, row groups or attention tasks."""
     (attn_norm, codes, wq, wk, wv, biased, bq, bk, bv, normed, q_norm, k_norm, inv_freq, interleaved, n_heads,
@@ -383,8 +391,8 @@ def _team_phases(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_block
             _add_bias(k[i], bk)
             _add_bias(v[i], bv)
         _ROPE_SERIAL(q3[i:i + 1], k3[i:i + 1], qn, kn, normed, eps, positions[i:i + 1], inv_freq, interleaved)
-        k_f32[kv_blocks[i], kv_offsets[i]] = k3[i]
-        v_f32[kv_blocks[i], kv_offsets[i]] = v3[i]
+        store_row(mode, k3[i], k_f32, k_u16, kv_blocks[i], kv_offsets[i])
+        store_row(mode, v3[i], v_f32, v_u16, kv_blocks[i], kv_offsets[i])
         finish(counters, _ROPE_STORE)
         i = claim(counters, _ROPE_STORE, me, n)
     if not wait(counters, _ROPE_STORE, n):
@@ -392,9 +400,8 @@ def _team_phases(counters, x, positions, k_f32, u16, i8, scales, v_f32, kv_block
 
     c = claim(counters, _ATTEND, me, n * n_kv_heads)
     while c < n * n_kv_heads:
-        # np.int64: a constant argument would be typed Literal[int](0), a signature (and compile) of its own
-        attention_task(c, q3, k_f32, u16, i8, scales, v_f32, u16, i8, scales, np.int64(_KV_F32), inv_freq[:0], tables,
-                       token_seq, seen, scale, attn)
+        attention_task(c, q3, k_f32, k_u16, i8, scales, v_f32, v_u16, i8, scales, mode, lut, tables, token_seq, seen,
+                       scale, attn)
         finish(counters, _ATTEND)
         c = claim(counters, _ATTEND, me, n * n_kv_heads)
     if not wait(counters, _ATTEND, n * n_kv_heads):

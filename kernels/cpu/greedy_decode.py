@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit, typed
 
 from ember.kernels.cpu import twin
-from ember.kernels.cpu.decoder_layer import _KV_F32, FusedLayer, _layer_team, _matmul_int8, _parallel, _rmsnorm
+from ember.kernels.cpu.decoder_layer import _KV_Q8_0, FusedLayer, _layer_team, _matmul_int8, _parallel, _rmsnorm, lut_of
 from ember.kernels.cpu.paged_attention import KVLayerStore
 from ember.kernels.cpu.quant_matmul import _GATHER_ROWS, INT8_PARALLEL_MIN_WORK, CpuWeight, _read_only
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
@@ -47,9 +47,9 @@ _GATHER_SERIAL, _GATHER_PARALLEL = _GATHER_ROWS.serial, _GATHER_ROWS.parallel
 
 @dataclass(frozen=True)
 class GreedyPlan:
-    """A whole model's decode step over one f32 KV cache, as the compiled loop takes it."""
+    """A whole model's decode step over one f32, f16 or bf16 KV cache, as the compiled loop takes it."""
 
-    layers: Any  # typed List of (attn_in, attn_out, work, k f32, k u16, k i8, k scales, v f32), one a layer
+    layers: Any  # typed List of (attn_in, attn_out, work, KV mode, k f32, k u16, k i8, k scales, v f32, v u16, lut)
     embed: tuple[Any, ...]  # the embedding's code, u8, i8, u16, u32 and f32 (empty unless F32) views, columns
     norm: np.ndarray  # the final rmsnorm's weight, float32
     eps: float
@@ -60,12 +60,12 @@ class GreedyPlan:
 def plan(fused: Sequence[FusedLayer], embed: CpuWeight, norm: np.ndarray, eps: float, head: CpuWeight,
          ks: Sequence[KVLayerStore], vs: Sequence[KVLayerStore]) -> GreedyPlan | None:
     """The plan for these layers over these KV stores, or None where the per-step path computes what
-    this loop does not: a KV cache in a converted dtype (its rows are stored from Python), an output
-    projection without integer decode kernels (F16, BF16, F32)."""
-    if not head.int8 or any(s.mode != _KV_F32 for s in (*ks, *vs)):
+    this loop does not: a q8_0 KV cache (its rows are stored from Python), an output projection without
+    integer decode kernels (F16, BF16, F32)."""
+    if not head.int8 or any(s.mode == _KV_Q8_0 for s in (*ks, *vs)):
         return None
-    items = [(layer.attn_in, layer.attn_out, layer.work, k.f32, k.u16, k.i8, k.scales, v.f32)
-             for layer, k, v in zip(fused, ks, vs, strict=True)]
+    items = [(layer.attn_in, layer.attn_out, layer.work, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16,
+              lut_of(k.mode)) for layer, k, v in zip(fused, ks, vs, strict=True)]
     layers = _new_list(items[0])  # built by cached compiled code: typed.List's own methods compile per process (1.6 s)
     for item in items[1:]:
         _append(layers, item)
@@ -113,12 +113,12 @@ def _burst(steps, threads, force, ids, positions, kv_blocks, kv_offsets, tables,
                 raise IndexError("token id out of the embedding's range")
         x = _embedding(ids, e_code, e_u8, e_i8, e_u16, e_u32, e_f32, e_cols, force)
         for k in range(len(layers)):
-            attn_in, attn_out, work, k_f32, u16, i8, scales, v_f32 = layers[k]
-            # run_stack's choice of threads; one member where it would run the serial _layer_f32_kv, whose
+            attn_in, attn_out, work, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut = layers[k]
+            # run_stack's choice of threads; one member where it would run the serial _layer_stored_kv, whose
             # numbers the team's are (calling that too would double this library: +15 MB resident)
             members = threads if force == 2 or (force == 0 and work * n >= INT8_PARALLEL_MIN_WORK) else 1
-            x = _layer_team(members, x, positions, k_f32, u16, i8, scales, v_f32, kv_blocks, kv_offsets, tables,
-                            token_seq, positions, attn_in, attn_out)
+            x = _layer_team(members, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks,
+                            kv_offsets, tables, token_seq, positions, attn_in, attn_out)
         h = np.empty_like(x)
         _rmsnorm(x, norm, eps, h, force)
         out = np.empty((n, h_u8.shape[0]), np.float32)

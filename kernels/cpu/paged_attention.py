@@ -80,6 +80,53 @@ class KVLayerStore:
             self.scales[blocks, offsets] = scales
 
 
+@intrinsic
+def _f16_bits(typingctx, v):  # type: ignore[no-untyped-def]
+    """float32 -> the bits of the nearest IEEE half, ties to even (LLVM's fptrunc: vcvtps2ph with F16C),
+    as convert.f32_to_f16_bits (numpy's astype) rounds: out of range is infinity, a NaN stays NaN."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(v), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, v):  # type: ignore[no-untyped-def]
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(v), codegen
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _bf16_bits(v):  # type: ignore[no-untyped-def]
+    """convert.f32_to_bf16_bits of one float32 (in int64: no wraparound, as there)."""
+    u = np.int64(_f32_bits(v))
+    if (u & 0x7FFFFFFF) > 0x7F800000:  # NaN: its top bits, quiet
+        return np.uint16((u >> 16) | 0x0040)
+    return np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+
+
+@njit(inline="always", cache=True, nogil=True)
+def store_row(mode, row, f32, u16, blk, off):  # type: ignore[no-untyped-def]
+    """A K or V row (float32 [kv_heads, head_dim]) into an f32, f16 or bf16 store at (blk, off), in
+    compiled code, converted bit for bit as KVLayerStore.write converts it (kernels/convert.py; the
+    fused layers store their rows with it; q8_0 rows are stored by write alone)."""
+    if mode == _F32:
+        f32[blk, off] = row
+        return
+    dst = u16[blk, off]
+    for h in range(row.shape[0]):
+        for j in range(row.shape[1]):
+            dst[h, j] = _f16_bits(row[h, j]) if mode == _F16 else _bf16_bits(row[h, j])
+
+
 def _widen8(bf16: bool):  # type: ignore[no-untyped-def]
     """An intrinsic (bits, i, out, j): out[j:j+8] = the f16 (or bf16) values of bits[i:i+8], exactly."""
     def typer(typingctx, bits, i, out, j):  # type: ignore[no-untyped-def]
