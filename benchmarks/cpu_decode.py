@@ -1,20 +1,21 @@
 """CPU speed, ember vs llama.cpp (llama-cpp-python) on the same GGUF files, same threads, one run.
 
 Files: the trained demo model (daemon/assets, Q8_0) and a random-weight ~100M-parameter qwen3 shape
-(hidden 768, 12 layers, 12 heads on 4 KV heads, FFN 2048, vocab 32000, tied embeddings), written as
-F16 and then quantized to Q8_0 and Q4_K_M by llama.cpp itself (`llama_model_quantize`; cached under
-benchmarks/.cache). For each file and engine, in a fresh process each (so load time and memory are
-that engine's alone): load seconds (ember's kernel cache warm), resident memory growth over the
-load, the decode and the prefill runs vs the file's size (measured after the same work has run once on a
-first instance of the model, freed since: the model's memory, not the code each engine brings in on
-first use; ember's batched run after them is reported apart: its 8 sequences' KV cache is not part of
-llama.cpp's figure; so is its tokenizer's BPE, which ember builds on the first text encode and the
-token ids the benchmark feeds never need, while llama.cpp builds its vocabulary at load), decode tok/s of a greedy loop of --tokens tokens after a 16-token prompt (median
-of --repeats), and prefill tok/s of a --prompt-token prompt (median of --repeats); for ember also the
-aggregate decode tok/s of --batch sequences stepped together; and decode tok/s again after a --context
-token prompt (32 tokens; each engine in a context of that size, after the figures above), where each
-token's attention reads the whole context. The two engines alternate --rounds times per file and each
-figure is the median over the rounds. Decode is also given as GB/s of weights read per token, and as a fraction of this machine's
+(hidden 768, 12 layers, 12 heads on 4 KV heads, FFN 2048, vocab 32000, tied embeddings), written as F16
+and then quantized to Q8_0 and Q4_K_M by llama.cpp itself (`llama_model_quantize`; cached under
+benchmarks/.cache). For each file and engine, in a fresh process each (so load time and memory are that
+engine's alone): load seconds (ember's kernel cache warm), resident memory growth over the load, the
+decode and the prefill runs vs the file's size (measured after the same work has run once on a first
+instance of the model, freed since: the model's memory, not the code each engine brings in on first use;
+ember's batched run after them is reported apart: its 8 sequences' KV cache is not part of llama.cpp's
+figure; so is its tokenizer's BPE, which ember builds on the first text encode and the token ids the
+benchmark feeds never need, while llama.cpp builds its vocabulary at load), decode tok/s of a greedy
+loop of --tokens tokens after a 16-token prompt (median of --repeats), and prefill tok/s of a
+--prompt-token prompt (median of --repeats); for ember also the aggregate decode tok/s of --batch
+sequences stepped together; and decode tok/s again after a --context token prompt (32 tokens; each
+engine in a context of that size, after the figures above), where each token's attention reads the whole
+context. The two engines alternate --rounds times per file and each figure is the median over the
+rounds. Decode is also given as GB/s of weights read per token, and as a fraction of this machine's
 memory bandwidth, measured here with the same threads. Prints ember/llama.cpp ratios.
 
     python benchmarks/cpu_decode.py [--tokens 128] [--repeats 3] [--rounds 3] [--threads N] [--prompt-tokens 512] [--batch 8]
@@ -146,7 +147,7 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
     import ember
 
     numba.set_num_threads(args.threads)
-    first = ember.load(path, kv_dtype=args.kv_dtype)  # compiles or loads the kernels: the timed load below finds them ready
+    first = ember.load(path, kv_dtype=args.kv_dtype)  # compiles or loads the kernels: the timed load finds them ready
     warm_up(first.generate, args)  # and the code that runs below is loaded (a decode burst's alone: ~13 MB, once)
     del first
     gc.collect()
@@ -293,6 +294,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="sequences of ember's batched decode figure")
     ap.add_argument("--context", type=int, default=1536,
                     help=f"prompt tokens before a second decode figure ({LONG_TOKENS} tokens; 0: none)")
+    # ember.kernels.convert.KV_DTYPES, written out: importing ember.kernels loads numba in the llama.cpp worker too
     ap.add_argument("--kv-dtype", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
                     help="ember's KV cache (llama.cpp's is its default, f16)")
     ap.add_argument("--rounds", type=int, default=3,

@@ -551,7 +551,8 @@ def _merge_list(meta: Mapping[str, Any]) -> Sequence[str]:
     merges = meta.get("tokenizer.ggml.merges")
     if merges is None:
         raise TokenizerError("tokenizer.ggml.merges is missing (a gpt2 tokenizer needs its merges)")
-    if not isinstance(merges, StringTable) and not (isinstance(merges, list) and all(isinstance(m, str) for m in merges)):
+    listed = isinstance(merges, list) and all(isinstance(m, str) for m in merges)
+    if not (isinstance(merges, StringTable) or listed):
         raise TokenizerError("tokenizer.ggml.merges is not a list of strings")
     return merges
 

@@ -11,9 +11,9 @@ KV write between them through the backend's kv_write (q8_0 rows). Over an f32, f
 a row is stored in compiled code (paged_attention.store_row, bit for bit the conversions of
 kernels/convert.py): `_layer_stored_kv` runs both halves and the store in one call, and where the
 layer's work is worth the threads, `_layer_team` runs it in one parallel region instead of one per
-parallel kernel: its threads share out each phase's items (tokens, row groups, attention tasks) and wait for each other only between phases
-(kernels/cpu/team.py). Decode tokens 2-7% faster on the demo and the 100M Q8_0 and Q4_K_M files
-(a fork-join costs 1.5-4 us here, and a layer had four or five).
+parallel kernel: its threads share out each phase's items (tokens, row groups, attention tasks) and
+wait for each other only between phases (kernels/cpu/team.py). Decode tokens 2-7% faster on the demo
+and the 100M Q8_0 and Q4_K_M files (a fork-join costs 1.5-4 us here, and a layer had four or five).
 
 The numbers are the op-by-op path's, bit for bit: the functions call the very kernels the ops call
 (quant_matmul's integer drivers, dense.py's norms and rope, paged_attention's kernel), each in the
@@ -37,8 +37,7 @@ import numpy as np
 from numba import njit, prange
 
 from ember.kernels.cpu import dense, twin
-from ember.kernels.cpu.paged_attention import BF16_TABLE, F16_TABLE, KVLayerStore, attention_task, store_row
-from ember.kernels.cpu.paged_attention import _BF16 as _KV_BF16
+from ember.kernels.cpu.paged_attention import KVLayerStore, attention_task, store_row
 from ember.kernels.cpu.paged_attention import _Q8_0 as _KV_Q8_0
 from ember.kernels.cpu.paged_attention import _KERNELS as _ATTENTION
 from ember.kernels.cpu.quant_matmul import (_MATMUL_INT8, _MATMUL_INT8_MANY, _MATVEC_ROWS, _Q8_0, _SWIGLU_INT8,
@@ -129,18 +128,12 @@ def run_stack(layers: Sequence[FusedLayer], x: np.ndarray, ks: Sequence[KVLayerS
             x = _layer_quantized_kv(layer, x, k, v, kv_write, positions, seen, kv_blocks, kv_offsets, tables, token_seq,
                                     force)
         elif force == 2 or (force == 0 and layer.work * x.shape[0] >= INT8_PARALLEL_MIN_WORK):
-            x = _layer_team(threads, x, positions, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, lut_of(k.mode),
-                            kv_blocks, kv_offsets, tables, token_seq, seen, layer.attn_in, layer.attn_out)
+            x = _layer_team(threads, x, positions, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, k.lut, kv_blocks,
+                            kv_offsets, tables, token_seq, seen, layer.attn_in, layer.attn_out)
         else:  # an f32, f16 or bf16 row is stored in compiled code: the whole layer in one call
-            x = _layer_stored_kv(x, positions, force, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16,
-                                 lut_of(k.mode), kv_blocks, kv_offsets, tables, token_seq, seen, layer.attn_in,
-                                 layer.attn_out)
+            x = _layer_stored_kv(x, positions, force, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, k.lut,
+                                 kv_blocks, kv_offsets, tables, token_seq, seen, layer.attn_in, layer.attn_out)
     return x
-
-
-def lut_of(mode: int) -> np.ndarray:
-    """The lookup table of a store's 16-bit values (bf16 or f16: q8_0's scales are f16; f32 reads none)."""
-    return BF16_TABLE if mode == _KV_BF16 else F16_TABLE
 
 
 def _layer_quantized_kv(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, kv_write: Any,
@@ -151,8 +144,8 @@ def _layer_quantized_kv(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KV
                               *layer.attn_in)
     kv_write(k, kv_blocks, kv_offsets, kr)
     kv_write(v, kv_blocks, kv_offsets, vr)
-    return _attention_out(x, q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, lut_of(k.mode),
-                          tables, token_seq, seen, force, *layer.attn_out)
+    return _attention_out(x, q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, k.lut, tables,
+                          token_seq, seen, force, *layer.attn_out)
 
 
 def _f32_rows(x: np.ndarray) -> np.ndarray:
@@ -207,7 +200,8 @@ def _layer_stored_kv(x, positions, force, mode, k_f32, k_u16, i8, scales, v_f32,
     """The layer over an f32, f16 or bf16 KV cache in one call (i8, scales: the store's unused q8_0
     arrays, as are the f32 ones of a 16-bit store and the u16 ones of an f32 store): one dispatch and
     no returned q/k/v between the halves."""
-    q, _, _ = _attention_in(x, positions, force, True, mode, k_f32, k_u16, v_f32, v_u16, kv_blocks, kv_offsets, *attn_in)
+    q, _, _ = _attention_in(x, positions, force, True, mode, k_f32, k_u16, v_f32, v_u16, kv_blocks, kv_offsets,
+                            *attn_in)
     return _attention_out(x, q, k_f32, k_u16, i8, scales, v_f32, v_u16, i8, scales, mode, lut, tables, token_seq, seen,
                           force, *attn_out)
 
@@ -341,8 +335,8 @@ def _add_rows(a, b, group, out):
 
 
 @njit(cache=True, nogil=True)
-def _team_member(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets, tables,
-                 token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room):
+def _team_member(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets,
+                 tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room):
     try:
         _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets,
                      tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room)
@@ -351,8 +345,8 @@ def _team_member(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, 
 
 
 @njit(cache=True, nogil=True)
-def _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets, tables,
-                 token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room):
+def _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets,
+                 tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room):
     """One thread's run of the layer's phases: in each, it claims items until none is left, then
     waits for the items others claimed. Each phase's items: tokens, row groups or attention tasks."""
     (attn_norm, codes, wq, wk, wv, biased, bq, bk, bv, normed, q_norm, k_norm, inv_freq, interleaved, n_heads,

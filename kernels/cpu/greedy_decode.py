@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit, typed
 
 from ember.kernels.cpu import twin
-from ember.kernels.cpu.decoder_layer import _KV_Q8_0, FusedLayer, _layer_team, _matmul_int8, _parallel, _rmsnorm, lut_of
+from ember.kernels.cpu.decoder_layer import _KV_Q8_0, FusedLayer, _layer_team, _matmul_int8, _parallel, _rmsnorm
 from ember.kernels.cpu.paged_attention import KVLayerStore
 from ember.kernels.cpu.quant_matmul import _GATHER_ROWS, INT8_PARALLEL_MIN_WORK, CpuWeight, _read_only
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
@@ -64,8 +64,8 @@ def plan(fused: Sequence[FusedLayer], embed: CpuWeight, norm: np.ndarray, eps: f
     integer decode kernels (F16, BF16, F32)."""
     if not head.int8 or any(s.mode == _KV_Q8_0 for s in (*ks, *vs)):
         return None
-    items = [(layer.attn_in, layer.attn_out, layer.work, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16,
-              lut_of(k.mode)) for layer, k, v in zip(fused, ks, vs, strict=True)]
+    items = [(layer.attn_in, layer.attn_out, layer.work, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, k.lut)
+             for layer, k, v in zip(fused, ks, vs, strict=True)]
     layers = _new_list(items[0])  # built by cached compiled code: typed.List's own methods compile per process (1.6 s)
     for item in items[1:]:
         _append(layers, item)

@@ -20,7 +20,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ember.kernels.convert import (KV_DTYPES, QK8_0, bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits,
+from ember.kernels.convert import (_BF16_QUIET, KV_DTYPES, QK8_0, bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits,
                                    f32_to_f16_bits, quantize_q8_0_split)
 from ember.kernels.cpu.quant_matmul import four_dots
 from ember.kernels.cpu.twin import Twin
@@ -61,6 +61,12 @@ class KVLayerStore:
             i8=np.zeros(shape if dtype == "q8_0" else tiny, np.int8),
             scales=np.zeros(shape[:3] + (head_dim // QK8_0,) if dtype == "q8_0" else tiny, np.uint16),
         )
+
+    @property
+    def lut(self) -> np.ndarray:
+        """The float32 values of this store's 16-bit patterns (bf16, else f16: q8_0's scales are f16s;
+        an f32 store reads none), as the attention kernel takes them."""
+        return BF16_TABLE if self.mode == _BF16 else F16_TABLE
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +115,7 @@ def _bf16_bits(v):  # type: ignore[no-untyped-def]
     """convert.f32_to_bf16_bits of one float32 (in int64: no wraparound, as there)."""
     u = np.int64(_f32_bits(v))
     if (u & 0x7FFFFFFF) > 0x7F800000:  # NaN: its top bits, quiet
-        return np.uint16((u >> 16) | 0x0040)
+        return np.uint16((u >> 16) | _BF16_QUIET)
     return np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
 
 
@@ -336,8 +342,7 @@ def paged_attention(q: np.ndarray, k: KVLayerStore, v: KVLayerStore, tables: np.
     positions[i] and sees that sequence's keys 0..positions[i], found through tables[seq] (block ids).
     """
     out = np.empty_like(q)
-    lut = BF16_TABLE if k.mode == _BF16 else F16_TABLE
     work = q.size * 2 * (int(positions[-1]) + 1)  # the last token's context stands for the step's (cheap)
-    _KERNELS.pick(work)(q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, lut,
+    _KERNELS.pick(work)(q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, k.lut,
                         tables, token_seq, positions, np.float32(scale), out)
     return out
