@@ -6,9 +6,13 @@ bytes per token of each act_dtype, and how close f16/bf16 staging stays to f32.
 Two stages with one kernel thread each, in two worker processes (`cpu:0,cpu:1`) and in a worker and
 the engine's own thread (`cpu:0,cpu`: the last stage runs where the engine samples), against the
 unsplit model in process with the same total: two kernel threads (and, for reference, one); and each
-split without pipelining (the engine keeps one step in flight instead of one per stage). Streams run through the engine core as the daemon
-runs them (continuous batching, greedy, ignore_eos); a split step is cut into micro-batches that the
-stages pipeline. Each configuration is timed `--repeats` times, alternating, and the medians compared.
+split without pipelining (the engine keeps one step in flight instead of one per stage). Streams run
+through the engine core as the daemon runs them (continuous batching, greedy, ignore_eos); a split
+step is cut into micro-batches that the stages pipeline. Each configuration is timed `--repeats`
+times, alternating, and the medians compared. Then, per split, a decode's micro-batches: each stage's
+own time per micro-batch, the engine thread's share of a core, and the most any pipelining could give
+the split: no faster than its busiest thread (a worker stage, or the engine's, which also runs the
+last stage in `cpu:0,cpu`), nor than its CPU time spread over this machine's cores.
 --precision [--decode-act q8_0|f32]: for f16 and bf16 staging, greedy 128 tokens on several prompts
 against the unsplit model (identical or not, and where they first differ), and teacher-forced on the
 unsplit tokens: top-1 agreement and the largest logit error relative to each row's logit range. With
@@ -20,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,9 +43,24 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n   
            "    @property\n    def name(self) -> str:\n        "]
 
 
-def decode_rate(model: ember.Model, streams: int, tokens: int, lanes: int | None = None) -> float:
-    """Generated tokens per second of `streams` sequences decoded together (prompts first, untimed);
-    lanes=1 keeps a split model's engine to one step at a time (no pipelining)."""
+@dataclass
+class Decoded:
+    """A timed decode: the tokens generated after the prompts, the seconds they took, and the CPU
+    seconds of the thread that drove the engine (for a split with a last stage in the engine, that
+    stage's work too) over the same time."""
+    tokens: int
+    seconds: float
+    engine_cpu: float
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+def decode(model: ember.Model, streams: int, tokens: int, lanes: int | None = None) -> Decoded:
+    """`streams` sequences decoded together (prompts first, untimed; a split's per-stage counters
+    start over after them, so they count decode micro-batches only); lanes=1 keeps a split model's
+    engine to one step at a time (no pipelining)."""
     engine = model.engine(streams * 256, max_running=streams)
     if lanes is not None:
         engine.runner.lanes = lanes
@@ -48,11 +69,39 @@ def decode_rate(model: ember.Model, streams: int, tokens: int, lanes: int | None
         engine.add(seq)
     while any(not s.generated for s in seqs):  # the prompts' steps
         engine.step()
+    if model.pipeline is not None:
+        p = model.pipeline
+        p.run_seconds, p.runs = [0.0] * len(p.run_seconds), [0] * len(p.runs)
     done = sum(len(s.generated) for s in seqs)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     while engine.has_work:
         engine.step()
-    return (sum(len(s.generated) for s in seqs) - done) / (time.perf_counter() - t0)
+    seconds, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+    return Decoded(sum(len(s.generated) for s in seqs) - done, seconds, cpu)
+
+
+def decode_rate(model: ember.Model, streams: int, tokens: int, lanes: int | None = None) -> float:
+    """Generated tokens per second (decode())."""
+    return decode(model, streams, tokens, lanes).rate
+
+
+def stage_report(devices: str, split: ember.Model, run: Decoded, base: float, pipelined: bool) -> str:
+    """What a stage's micro-batch costs, pipelined or not, and the rate the split's CPU time allows:
+    each worker stage is a thread, the engine's is another (with the last stage's work where it runs
+    it), and no pipelining beats the busiest of them, nor their CPU time spread over this machine's
+    cores. Where that bound is below 0.9x of the unsplit model, the goal is out of reach on these cores."""
+    p = split.pipeline
+    per = ", ".join(f"stage {i}: {1e3 * r / max(n, 1):.2f} ms x {n} ({100 * r / run.seconds:.0f}% busy)"
+                    for i, (r, n) in enumerate(zip(p.run_seconds, p.runs)))
+    threads = [*p.run_seconds[:len(p.stages)], run.engine_cpu]  # an engine-thread stage is in the last
+    cores = len(os.sched_getaffinity(0))
+    spread, busiest = sum(threads) / cores, max(threads)
+    bound = run.tokens / max(spread, busiest)
+    why = f"its CPU time over {cores} cores" if spread >= busiest else "its busiest thread"
+    return (f"  {devices} {'pipelined' if pipelined else 'not pipelined':14s} micro-batches {per}; the engine's "
+            f"thread {100 * run.engine_cpu / run.seconds:.0f}% of a core\n"
+            f"  {' ' * len(devices)} {'':14s} CPU per token {1e3 * sum(threads) / run.tokens:.3f} ms; at most "
+            f"{bound:.0f} tok/s ({bound / base:.2f}x unsplit; bound by {why}), measured {run.rate:.0f}")
 
 
 def throughput(args: argparse.Namespace) -> None:
@@ -79,16 +128,7 @@ def throughput(args: argparse.Namespace) -> None:
         for name, r in rates.items():
             print(f"  {name:22s} {statistics.median(r):8.1f} tok/s   {statistics.median(r) / base:5.2f}x")
         for (devices, split), lanes in itertools.product(splits.items(), (None, 1)):
-            # what a stage's micro-batch costs, pipelined (stages at once) or not
-            p = split.pipeline
-            p.run_seconds, p.runs = [0.0] * len(p.run_seconds), [0] * len(p.runs)
-            t0, cpu0 = time.perf_counter(), time.thread_time()
-            decode_rate(split, streams, args.tokens, lanes)
-            wall, engine_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
-            per = ", ".join(f"stage {i}: {1e3 * r / max(n, 1):.2f} ms x {n} ({100 * r / wall:.0f}% busy)"
-                            for i, (r, n) in enumerate(zip(p.run_seconds, p.runs)))
-            print(f"  {devices} {'pipelined' if lanes is None else 'not pipelined':14s} micro-batches {per}; the "
-                  f"engine's thread {100 * engine_cpu / wall:.0f}% of a core")
+            print(stage_report(devices, split, decode(split, streams, args.tokens, lanes), base, lanes is None))
     for split in splits.values():
         split.close()
 
