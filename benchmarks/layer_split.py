@@ -93,7 +93,8 @@ def stage_report(devices: str, split: ember.Model, run: Decoded, base: float, pi
     p = split.pipeline
     per = ", ".join(f"stage {i}: {1e3 * r / max(n, 1):.2f} ms x {n} ({100 * r / run.seconds:.0f}% busy)"
                     for i, (r, n) in enumerate(zip(p.run_seconds, p.runs)))
-    threads = [*p.run_seconds[:len(p.stages)], run.engine_cpu]  # an engine-thread stage is in the last
+    # each worker stage's own time, then the engine thread's CPU (which holds its own stage's time, if any)
+    threads = [*p.run_seconds[:len(p.stages)], run.engine_cpu]
     cores = len(os.sched_getaffinity(0))
     spread, busiest = sum(threads) / cores, max(threads)
     bound = run.tokens / max(spread, busiest)
