@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="the daemon's engine.threads (0: its default)")
     args = parser.parse_args()
     path = args.model or str(DEMO_MODEL)
-    threads = args.threads or max(1, len(os.sched_getaffinity(0)) - 1)  # the daemon's default engine.threads
+    threads = args.threads or len(os.sched_getaffinity(0))  # the daemon's default engine.threads
     config = (f"[engine]\nmax_active = {max(8, args.streams)}\nctx = 2048\nthreads = {threads}\n"
               "[limits]\nmax_requests_per_client = 64\n")
     daemon = DaemonProcess(config, args=("--model", path)).wait_ready(timeout=900)

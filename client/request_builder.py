@@ -8,6 +8,7 @@ from __future__ import annotations
 import grp
 import os
 import stat
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,9 @@ def encode(codec: Codec, message: Wire, limit: int) -> bytes:
     return payload
 
 
+_LISTENER_GRACE = 0.3  # seconds a dying daemon's listening socket may outlive a connection of it
+
+
 @dataclass(frozen=True)
 class Lost:
     """Stands in a request's queue, after the frames that came before, for a request that a broken
@@ -116,8 +120,12 @@ class Lost:
 
 def lost_connection(socket_path: Path) -> Lost:
     """Why the connection broke while requests were in flight: the daemon is gone, or it still listens
-    and has dropped this connection (and cancelled its requests)."""
-    why = listener_problem(socket_path)
+    and has dropped this connection (and cancelled its requests). A daemon that is being killed may
+    close this connection a moment before its listening socket (its exit competes for the cores with
+    its engine process), so a listener is asked again over _LISTENER_GRACE before it counts."""
+    deadline = time.monotonic() + _LISTENER_GRACE
+    while (why := listener_problem(socket_path)) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
     if why is not None:
         return Lost(DaemonUnavailable, f"the ember daemon at {socket_path} went away ({why}): it stopped or was "
                                        "killed while this request was in flight")

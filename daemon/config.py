@@ -127,7 +127,7 @@ class EngineConfig(_Section):
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
     decode_burst_ms: float = 1000 * DECODE_BURST  # decode steps run in one go for up to this long (EngineCore); 0: one token a step
     warmup: bool = True  # run a short generation before READY (loads the compiled kernels)
-    threads: int = 0  # kernel threads of the engine; 0: one per core but one, left to the I/O loop and clients
+    threads: int = 0  # kernel threads of the engine process; 0: one per core
     decode_act: str = "q8_0"  # activations of generated tokens against quantized weights: q8_0 (fast, llama.cpp's) or f32
     devices: str = ""  # a layer split across stage processes, e.g. "cpu:0,cpu:1" ("cpu" last: the engine's thread); "": the model runs on `device`
     split: str = ""  # layers per device of `devices`, e.g. "3,2"; "": in proportion to the devices' memory

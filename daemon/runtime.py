@@ -8,7 +8,7 @@ devices=["cpu:0", "cpu:1"], split=[3, 2])` splits the model's layers across stag
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -38,8 +38,8 @@ from ember.daemon.speculative.dflash_file import is_dflash
 from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB
 from ember.daemon.speculative.feature_proposer import FeatureProposer
 from ember.daemon.speculative.spec_stats import SpecStats
-from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
-from ember.daemon.text.tokenizer import Tokenizer, TokenizerError
+from ember.daemon.text.text_model import TextModel, tokenizer_of
+from ember.daemon.text.tokenizer import Tokenizer
 from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES
 from ember.kernels.sampling import SamplingParams
 
@@ -47,7 +47,7 @@ __all__ = ["Model", "ModelFileError", "load"]
 
 
 
-class Model:
+class Model(TextModel):
     def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str = "cpu", kv_dtype: str = "f32",
                  decode_act: str = "q8_0", pipeline: Pipeline | None = None,
                  experts: ExpertOptions | None = None, draft: ModelFile | None = None, draft_tokens: int = 4,
@@ -55,13 +55,10 @@ class Model:
         """On `device`, or split across `pipeline`'s stages (its workers already loaded); a MoE
         model's experts placed by `experts`; `draft` proposes `draft_tokens` tokens a step (a DFlash
         draft reads the target's features, mirrored in `feature_dtype`)."""
-        self.path = mf.path
-        self.config = mf.config
-        self.tokenizer = tokenizer
+        super().__init__(mf.path, mf.config, tokenizer)
         name = DeviceName.parse(device)
         self.kv_dtype = kv_dtype
         self.decode_act = decode_act
-        self._chat: ChatTemplate | None = None
         self.file_bytes = mf.file_bytes
         self.pipeline = pipeline
         self.device = ",".join(str(s.device) for s in pipeline.specs) if pipeline else str(name)
@@ -98,28 +95,6 @@ class Model:
     @property
     def _experts(self) -> ExpertManager | None:
         return None if self._net is None else self._net.experts
-
-    # --- text <-> tokens ------------------------------------------------------------------------
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special=add_special)
-
-    def detokenize(self, ids: Iterable[int]) -> str:
-        return self.tokenizer.decode(list(ids))
-
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for chat `messages`, by the model's own chat template."""
-        if self._chat is None:
-            source = self.tokenizer.chat_template
-            if source is None:
-                raise ChatTemplateError(f"{self.path}: the model has no chat template")
-            t = self.tokenizer
-            name = lambda i: "" if i is None else t.decode([i])  # noqa: E731
-            self._chat = ChatTemplate(source, name(t.bos_id), name(t.eos_id))
-        return self._chat.render(messages, add_generation_prompt)
-
-    def chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Token ids of the rendered chat (the template writes BOS itself where the model wants it)."""
-        return self.tokenizer.encode(self.render_chat(messages), add_special=False)
 
     # --- the model ------------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -292,10 +267,7 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
         raise ModelFileError(str(draft_file.path), f"the draft's vocabulary ({draft_file.config.vocab} tokens) "
                              f"differs from the model's ({mf.config.vocab}): a draft must share the tokenizer")
     backend.prepare()
-    try:
-        tokenizer = Tokenizer.from_gguf(mf.metadata) if mf.format == "gguf" else Tokenizer.from_hf_dir(mf.path)
-    except TokenizerError as e:
-        raise ModelFileError(str(mf.path), str(e)) from None
+    tokenizer = tokenizer_of(mf)
     if not staged:
         if experts.budget is not None and mf.config.n_experts:
             experts = replace(experts, device_room=_expert_room(mf.path, names[0], replace(policy, kv=kv_dtype), experts))

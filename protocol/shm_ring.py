@@ -172,7 +172,17 @@ def _alive(pid: int) -> bool:
         return True
     except OverflowError:  # not a pid this system can have: leave the segment alone
         return True
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """It has exited and waits to be reaped (an engine whose daemon was killed waits for an init that
+    may never reap it): its segments are garbage too."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):  # no /proc (not Linux), or it is gone meanwhile
+        return False
 
 
 def _aligned(slot_bytes: int) -> int:

@@ -44,7 +44,7 @@ def add_daemon_commands(sub: Any) -> None:
                        help="MoE models: CPU worker processes for the cold experts (default 2 when some are cold)")
     serve.add_argument("--cold-policy", choices=("exact", "mask"),
                        help="MoE models: cold experts computed exactly (default) or dropped (mask: faster, lossy)")
-    serve.add_argument("--threads", type=int, help="kernel threads of the engine (default: one per core but one)")
+    serve.add_argument("--threads", type=int, help="kernel threads of the engine process (default: one per core)")
     serve.add_argument("--devices", metavar="D,D,..",
                        help="split the layers across stage processes, e.g. cpu:0,cpu:1 or cuda:0,cpu:0 (cpu:N: a "
                             "worker bound to NUMA node N where there is one; cuda:N: a worker on GPU N; plain cpu, "
@@ -119,6 +119,7 @@ def _connect(args: argparse.Namespace, timeout: float = 30.0) -> Any:
 def _serve(args: argparse.Namespace) -> int:
     from ember.daemon.config import load_config
     from ember.daemon.loader.model_file_error import ModelFileError
+    from ember.daemon.server.engine_host import EngineStartFailed
     from ember.daemon.server.serve import serve
     from ember.daemon.server.socket_dir import SocketInUse
 
@@ -133,7 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
     gateway = _start_gateway(args.http, config) if args.http else None
     try:
         return serve(config)
-    except SocketInUse as e:
+    except (SocketInUse, EngineStartFailed) as e:
         print(f"ember: error: {e}", file=sys.stderr)
         return 1
     except ModelFileError as e:  # not an OSError: main() would print its traceback

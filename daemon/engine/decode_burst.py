@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ember.kernels.sampling import Choice
 
 DECODE_BURST = 0.008  # seconds of decode one burst may take
-MAX_BURST = 8  # decode steps in one burst at most
+MAX_BURST = 32  # decode steps in one burst at most
 
 
 class BurstClock:

@@ -76,14 +76,14 @@ class CpuBackend:
         return available_ram()
 
     def use_threads(self, threads: int) -> None:
-        # numba's thread count is per calling thread: the engine thread sets its own. Serving leaves a
-        # core to the I/O loop and the clients: on the 2-core dev VM the 2-thread kernels' fork-join
-        # barriers, interrupted by the daemon's other threads and a local client, ran a stream at 170
-        # tok/s where one kernel thread ran it at 310 (docs/daemon.md, "Kernel threads").
+        # numba's thread count is per calling thread: the engine sets its own. The engine has a process
+        # of its own, so no I/O or text thread takes its GIL between kernels: one thread per core
+        # serves a stream faster than leaving a core to the front and the clients (docs/daemon.md,
+        # "Kernel threads").
         import numba
 
         cores = len(os.sched_getaffinity(0))
-        numba.set_num_threads(min(threads or max(1, cores - 1), numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(min(threads or cores, numba.config.NUMBA_NUM_THREADS))
 
 
 class CudaUnavailable(OSError):

@@ -20,12 +20,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from ember.daemon.engine.engine_core import EngineCore, StepOutput
 from ember.daemon.engine.heap import release_free_heap
 from ember.daemon.engine.sequence import Status
+from ember.daemon.engine.sequence import Sequence
 from ember.daemon.logging_setup import get_logger
-from ember.daemon.server.request import Request
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.kernels.sampling import Choice
 from ember.protocol.limits import LimitExceeded
@@ -38,10 +39,37 @@ _IDLE_WAKE = 1.0  # seconds an idle engine sleeps between watchdog pings when sy
 _RATE_WINDOW = 10.0  # seconds of recent steps behind EngineStats.tokens_per_s
 
 
+class EngineRequest(Protocol):
+    """What the engine loop knows of a request: the front's Request (daemon/server/request.py) in
+    process, the engine process's own record of it (engine_main.py) there."""
+    client: bytes
+    model_name: str
+    return_logits: bool
+    max_tokens: int
+    log: Any
+
+    @property
+    def seq(self) -> Sequence | None: ...
+
+    @property
+    def key(self) -> tuple[bytes, int]: ...
+
+
+class Inbox(Protocol):
+    """Where commands wait for the engine loop: a thread-safe queue in process; in the engine process,
+    its command socket (engine_main.py)."""
+
+    def put(self, command: Command) -> None: ...
+
+    def get(self, timeout: float) -> Command: ...  # queue.Empty after `timeout` seconds without one
+
+    def get_nowait(self) -> Command: ...  # queue.Empty when none is waiting
+
+
 @dataclass(frozen=True, slots=True)
 class Progress:
     """What happened to one request: new tokens, and its end if it ended (reason, or an error code)."""
-    request: Request
+    request: Any  # an EngineRequest; the front's Request once the news reaches the text worker
     tokens: list[int] = field(default_factory=list)
     choices: list[Choice] = field(default_factory=list)
     logits: tuple[ShmSlot, ...] | None = None
@@ -61,15 +89,29 @@ class EngineStats:
     preemptions: int = 0
     tokens_per_s: float = 0.0  # generated tokens over the last _RATE_WINDOW seconds
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding, all models together
+    experts: ExpertTotals = field(default_factory=lambda: ExpertTotals())  # MoE models, all together
+
+
+@dataclass(frozen=True)
+class ExpertTotals:
+    """The MoE models' expert counters, summed (zeros without one)."""
+    hot_experts: int = 0
+    total_experts: int = 0
+    cold_share: float = 0.0  # of (token, expert) slots routed, the share computed cold
+    swaps: int = 0
+    worker_restarts: int = 0
 
 
 class EngineThread:
     def __init__(self, *, cores: Mapping[str, EngineCore], progress: Callable[[list[Progress]], None],
                  on_stopped: Callable[[], None], new_ring: Callable[[], ShmRing],
                  heartbeat: Callable[[], None] = lambda: None, heartbeat_interval: float | None = None,
-                 setup: Callable[[], None] = lambda: None, stall_timeout: float = 300.0) -> None:
+                 setup: Callable[[], None] = lambda: None, stall_timeout: float = 300.0,
+                 inbox: Inbox | None = None, on_idle: Callable[[], None] = lambda: None) -> None:
         """setup: run first on the engine thread (its kernel threads, say). stall_timeout: seconds a
-        request may stay held because its client does not read before it ends with an error."""
+        request may stay held because its client does not read before it ends with an error. inbox:
+        where commands come from (default: a queue the methods below fill, from any thread). on_idle:
+        run before the loop waits for a command with nothing to step."""
         self._cores = dict(cores)  # model name -> its engine core
         self._order = deque(self._cores)  # round robin over models with work
         self._progress = progress
@@ -77,9 +119,10 @@ class EngineThread:
         self._setup = setup
         self._new_ring = new_ring
         self._heartbeat = heartbeat
+        self._on_idle = on_idle
         self._idle_wake = heartbeat_interval / 2 if heartbeat_interval else _IDLE_WAKE
-        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._live: dict[int, Request] = {}  # seq_id -> request, for every request with a sequence
+        self._inbox: Inbox = inbox if inbox is not None else queue.SimpleQueue()
+        self._live: dict[int, EngineRequest] = {}  # seq_id -> request, for every request with a sequence
         self._paused: set[bytes] = set()
         self._holding = False  # some sequence is held now
         self._held_since: dict[int, float] = {}  # seq_id -> when it became held
@@ -87,7 +130,7 @@ class EngineThread:
         self._rings: dict[bytes, ShmRing] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
         self._deadline: float | None = None  # set by shutdown(): cancel what is left at this time
-        self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="ember-engine", daemon=True)
         self.log = get_logger()
         self.stats = EngineStats()
         self.crashed = False  # the loop ended on an internal error
@@ -96,16 +139,21 @@ class EngineThread:
     def start(self) -> None:
         self._thread.start()
 
-    def add(self, request: Request) -> None:
+    def add(self, request: EngineRequest) -> None:
         """A request whose prompt is tokenized and checked (request.seq is set): schedule it."""
         self._inbox.put(lambda: self._add(request))
 
     def cancel(self, client: bytes, request_id: int) -> None:
         self._inbox.put(lambda: self._end(lambda r: r.key == (client, request_id)))
 
-    def finish(self, request: Request, reason: str) -> None:
+    def finish(self, request: EngineRequest, reason: str) -> None:
         """The text worker saw the request end (a stop string): free its sequence, report nothing."""
-        self._inbox.put(lambda: self._abort(request, reason))
+        assert request.seq is not None
+        self.finish_sequence(request.seq.seq_id, reason)
+
+    def finish_sequence(self, seq_id: int, reason: str) -> None:
+        """finish(), by the request's sequence id."""
+        self._inbox.put(lambda: self._abort_id(seq_id, reason))
 
     def drop_client(self, client: bytes) -> None:
         """The client is gone: cancel its requests and free its ring."""
@@ -127,7 +175,8 @@ class EngineThread:
         self._thread.join(timeout)
 
     # --- the loop (engine thread) ------------------------------------------------------------------
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The loop, on the calling thread (start() runs it on a thread of its own)."""
         try:
             self._setup()
             busy = False  # a step ran since the engine was last idle
@@ -142,6 +191,7 @@ class EngineThread:
                     if busy:
                         release_free_heap()  # a busy spell's prompt buffers go back to the system
                     busy = False
+                    self._on_idle()
                     self._apply(block=True)
                 else:
                     busy = True
@@ -241,7 +291,7 @@ class EngineThread:
                       f"the client read nothing of this stream for {self._stall_timeout:g} s")
 
     # --- request lifecycle (engine thread) --------------------------------------------------------
-    def _add(self, r: Request) -> None:
+    def _add(self, r: EngineRequest) -> None:
         assert r.seq is not None
         if r.return_logits:
             try:
@@ -255,7 +305,12 @@ class EngineThread:
         self._cores[r.model_name].add(r.seq)
         self._live[r.seq.seq_id] = r
 
-    def _abort(self, r: Request, reason: str) -> None:
+    def _abort_id(self, seq_id: int, reason: str) -> None:
+        r = self._live.get(seq_id)
+        if r is not None:
+            self._abort(r, reason)
+
+    def _abort(self, r: EngineRequest, reason: str) -> None:
         """End a request's sequence (waiting or running) and free its KV blocks."""
         seq = r.seq
         if seq is not None:
@@ -263,7 +318,7 @@ class EngineThread:
         if seq is not None and self._live.pop(seq.seq_id, None) is not None and seq.status != Status.FINISHED:
             self._cores[r.model_name].abort(seq, reason)
 
-    def _end(self, which: Callable[[Request], bool], reason: str = FinishReason.CANCELLED, message: str = "") -> None:
+    def _end(self, which: Callable[[EngineRequest], bool], reason: str = FinishReason.CANCELLED, message: str = "") -> None:
         ended = [r for r in self._live.values() if which(r)]
         for r in ended:
             self._abort(r, reason)

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ember.daemon.logging_setup import get_logger
-from ember.daemon.runtime import Model
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.text.stop_strings import StopStrings
+from ember.daemon.text.text_model import TextModel
 from ember.daemon.text.tokenizer import StreamDecoder
 from ember.kernels.sampling import SamplingParams
 from ember.protocol.limits import Limits, LimitExceeded
@@ -32,7 +32,7 @@ class RequestError(ValueError):
 class Request:
     client: bytes  # the ZMQ identity of the connection that sent it
     id: int  # the client's id for it
-    model: Model
+    model: TextModel
     model_name: str
     prompt_text: str | None
     prompt_ids: list[int] | None
@@ -67,7 +67,7 @@ class Request:
         self.log = get_logger(req=self.rid, model=self.model_name)
 
 
-def resolve_model(name: str, models: Mapping[str, Model]) -> tuple[str, Model]:
+def resolve_model(name: str, models: Mapping[str, TextModel]) -> tuple[str, TextModel]:
     if name:
         if name not in models:
             raise RequestError(ErrorCode.UNKNOWN_MODEL, f"no model named {name!r} (loaded: {', '.join(models)})")
@@ -77,7 +77,7 @@ def resolve_model(name: str, models: Mapping[str, Model]) -> tuple[str, Model]:
     return next(iter(models.items()))
 
 
-def request_from_generate(client: bytes, msg: Generate, models: Mapping[str, Model], limits: Limits) -> Request:
+def request_from_generate(client: bytes, msg: Generate, models: Mapping[str, TextModel], limits: Limits) -> Request:
     """Validate `msg` and build its Request; RequestError says what is wrong."""
     try:
         limits.check_generate(msg)

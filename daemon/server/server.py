@@ -39,8 +39,8 @@ from ember.daemon.server.outbox import Outbox
 from ember.daemon.server.peers import Peer, Peers
 from ember.daemon.server.request import RequestError, request_from_generate, resolve_model
 from ember.daemon.text.text_worker import Output, TextWorker
+from ember.daemon.text.text_model import TextModel
 from ember.daemon.text.tokenize_pool import fingerprint
-from ember.daemon.runtime import Model
 from ember.protocol.codec import Codec, ProtocolError
 from ember.protocol.limits import LimitExceeded
 from ember.protocol.endpoint import ipc_address
@@ -54,7 +54,7 @@ _LINGER_MS = 1000
 
 
 class Server:
-    def __init__(self, config: Config, models: Mapping[str, Model], socket_path: Path, notifier: Notifier,
+    def __init__(self, config: Config, models: Mapping[str, TextModel], socket_path: Path, notifier: Notifier,
                  make_engine: Callable[[Callable[[list[Output]], None], Callable[[], None]], TextWorker]) -> None:
         self._config, self._models, self._path, self._notifier = config, models, socket_path, notifier
         self._limits = config.limits
@@ -278,7 +278,7 @@ class Server:
             start = lambda: self._in_thread(lambda: model.detokenize(msg.token_ids))
         self._helper(identity, msg.id, start, lambda text: Text(msg.id, text))
 
-    def _model_for(self, identity: bytes, request_id: int, name: str) -> tuple[str, Model] | None:
+    def _model_for(self, identity: bytes, request_id: int, name: str) -> tuple[str, TextModel] | None:
         """The named model, or None after answering the Error (at once: only the tokenizer's work is
         worth a helper thread)."""
         try:
@@ -351,13 +351,10 @@ class Server:
             spec_mean_accepted_length=round(e.spec.mean_accepted_length, 3)))
 
     def _expert_stats(self) -> dict[str, Any]:
-        """The MoE models' expert counters, summed (read while the engine runs: a snapshot of ints)."""
-        stats = [s for m in self._models.values() if (s := m.expert_stats()) is not None]
-        routed = sum(s.routed_slots for s in stats)
-        return dict(hot_experts=sum(s.hot_experts for s in stats), total_experts=sum(s.total_experts for s in stats),
-                    cold_share=round(sum(s.cold_slots for s in stats) / routed, 4) if routed else 0.0,
-                    expert_swaps=sum(s.swaps for s in stats),
-                    cold_worker_restarts=sum(s.worker_restarts for s in stats))
+        """The MoE models' expert counters, summed by the engine."""
+        x = self._engine.stats.experts
+        return dict(hot_experts=x.hot_experts, total_experts=x.total_experts, cold_share=x.cold_share,
+                    expert_swaps=x.swaps, cold_worker_restarts=x.worker_restarts)
 
     # --- engine output and peers -------------------------------------------------------------------
     def _on_outputs(self, outputs: list[Output]) -> None:
@@ -405,7 +402,7 @@ class Server:
         return round(time.monotonic() - self._started, 3)
 
 
-def _model_info(name: str, model: Model) -> ModelInfo:
+def _model_info(name: str, model: TextModel) -> ModelInfo:
     c = model.config
     return ModelInfo(name, c.arch, c.vocab, c.context_length, model.tokenizer.chat_template is not None)
 

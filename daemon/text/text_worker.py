@@ -27,6 +27,7 @@ from typing import Any
 from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.logging_setup import get_logger
+from ember.daemon.server.engine_host import EngineHost
 from ember.daemon.server.engine_thread import EngineStats, EngineThread, Progress
 from ember.daemon.server.request import Request
 from ember.daemon.text.chat_template import ChatTemplateError
@@ -42,13 +43,15 @@ _Item = Callable[[], None]
 
 
 class TextWorker:
-    def __init__(self, *, cores: Mapping[str, EngineCore], limits: Limits, publish: Callable[[list[Output]], None],
-                 on_stopped: Callable[[], None], **engine_options: Any) -> None:
-        """cores: each model's engine core, stepped by an EngineThread made here (engine_options: its
-        new_ring, heartbeat, heartbeat_interval, setup); frames go to `publish`; `on_stopped` runs
-        once the engine has stopped and its last frames are published."""
+    def __init__(self, *, limits: Limits, publish: Callable[[list[Output]], None], on_stopped: Callable[[], None],
+                 engine: EngineHost | None = None, contexts: Mapping[str, int] | None = None,
+                 cores: Mapping[str, EngineCore] | None = None, **engine_options: Any) -> None:
+        """The engine: `engine`, the daemon's engine process, whose models take prompts of up to
+        `contexts` tokens (per model name); or, in process, an EngineThread made here over `cores`,
+        each model's engine core (engine_options: its new_ring, heartbeat, heartbeat_interval,
+        setup). Frames go to `publish`; `on_stopped` runs once the engine has stopped and its last
+        frames are published."""
         self._limits = limits
-        self._contexts = {name: core.scheduler.max_context for name, core in cores.items()}
         self._publish = publish
         self._on_stopped = on_stopped
         self._crashed = False
@@ -57,7 +60,17 @@ class TextWorker:
         self._tokenizing: dict[tuple[bytes, int], Request] = {}  # prompts in the pool's workers
         self._stopping: float | None = None  # the shutdown's deadline, until it is forwarded to the engine
         self._thread = threading.Thread(target=self._run, name="ember-text", daemon=True)
-        self.engine = EngineThread(cores=cores, progress=self.progress, on_stopped=self.engine_stopped, **engine_options)
+        self.engine: EngineThread | EngineHost
+        if engine is not None:
+            assert contexts is not None
+            self._contexts = dict(contexts)
+            engine.bind(self.progress, self.engine_stopped)
+            self.engine = engine
+        else:
+            assert cores is not None
+            self._contexts = {name: core.scheduler.max_context for name, core in cores.items()}
+            self.engine = EngineThread(cores=cores, progress=self.progress, on_stopped=self.engine_stopped,
+                                       **engine_options)
         self.log = get_logger()
 
     # --- the I/O loop's commands (any thread) --------------------------------------------------------
@@ -94,7 +107,7 @@ class TextWorker:
 
     @property
     def crashed(self) -> bool:
-        """The text thread or the engine thread ended on an internal error, not on a shutdown."""
+        """The text thread or the engine ended on an internal error, not on a shutdown."""
         return self._crashed or self.engine.crashed
 
     @property

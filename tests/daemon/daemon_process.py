@@ -77,6 +77,15 @@ class DaemonProcess:
                 pass
         return out
 
+    def engine_pids(self) -> list[int]:
+        """The pid of every engine process the daemon started, in order (a killed one is restarted)."""
+        return [e["pid"] for e in self.log_events() if e.get("event") in ("engine process ready", "engine restarted")]
+
+    @property
+    def engine_pid(self) -> int:
+        """The engine process serving now: it runs the models and makes the logits segments."""
+        return self.engine_pids()[-1]
+
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -72,7 +72,7 @@ def test_second_daemon_on_the_same_socket_fails_clearly(daemon) -> None:  # type
 
 
 def test_killed_client_is_cancelled_and_freed_within_2s(daemon) -> None:  # type: ignore[no-untyped-def]
-    rings = f"/dev/shm/ember-{daemon.proc.pid}-*"
+    rings = f"/dev/shm/ember-{daemon.engine_pid}-*"
     with Client(daemon.socket) as observer:
         cancelled = observer.stats().cancelled_total
         proc = client_process(STREAMING_CLIENT, daemon.socket, "streaming")
@@ -125,7 +125,7 @@ async def test_sigterm_during_streaming_ends_every_stream_and_exits_0() -> None:
         rc = await asyncio.to_thread(d.proc.wait, 30)
         assert rc == 0
         assert not d.socket.exists()
-        assert not glob.glob(f"/dev/shm/ember-{d.proc.pid}-*")
+        assert not any(glob.glob(f"/dev/shm/ember-{pid}-*") for pid in (d.proc.pid, *d.engine_pids()))
     finally:
         d.stop()
 

@@ -116,7 +116,7 @@ def test_staging_segments_are_the_daemons_and_private(split_daemon) -> None:  # 
 
     from ember.protocol.shm_ring import owner_id
 
-    segments = list(Path("/dev/shm").glob(f"ember-{split_daemon.proc.pid}-{owner_id(split_daemon.socket)}*"))
+    segments = list(Path("/dev/shm").glob(f"ember-{split_daemon.engine_pid}-{owner_id(split_daemon.socket)}*"))
     assert len(segments) >= 2  # the boundary's staging and the logits rows
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in segments)
 
@@ -141,7 +141,7 @@ def test_the_last_stage_on_the_daemons_engine_thread(demo_model) -> None:  # typ
     try:
         stages = {e["stage"]: e["pid"] for e in d.log_events() if e.get("event") == "layer-split stage ready"}
         assert stages == {"stage cpu:0 (layers 0-2)": stages["stage cpu:0 (layers 0-2)"],
-                          "stage cpu (layers 3-4)": d.proc.pid}
+                          "stage cpu (layers 3-4)": d.engine_pid}
         options = {"temperature": 0.7, "repetition_penalty": 1.1, "frequency_penalty": 0.5, "seed": 15}
         want = in_process(demo_model, PROMPT, 24, SamplingParams(**{k: v for k, v in options.items() if k != "seed"}),
                           options["seed"], logits=True)

@@ -66,7 +66,7 @@ def test_cold_experts_through_the_daemon_equal_all_hot_and_survive_a_killed_work
         stats = client.stats()
         assert (stats.hot_experts, stats.total_experts) == (24, 96) and 0 < stats.cold_share < 1
 
-        workers = cold_workers(moe_daemon.proc.pid)
+        workers = cold_workers(moe_daemon.engine_pid)
         assert len(workers) == 2
         os.kill(workers[0], signal.SIGKILL)
         with pytest.raises(GenerationFailed, match=r"cold expert worker 0 \(pid \d+, exit code -9\) died"):
@@ -77,4 +77,4 @@ def test_cold_experts_through_the_daemon_equal_all_hot_and_survive_a_killed_work
         for got, want in zip(rows, expected):
             assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
         assert client.stats().cold_worker_restarts == 1
-        assert len(cold_workers(moe_daemon.proc.pid)) == 2 and workers[0] not in cold_workers(moe_daemon.proc.pid)
+        assert len(cold_workers(moe_daemon.engine_pid)) == 2 and workers[0] not in cold_workers(moe_daemon.engine_pid)

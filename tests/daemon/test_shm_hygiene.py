@@ -19,7 +19,7 @@ from daemon_process import DaemonProcess
 from ember.client import Client
 from ember.client.errors import LimitExceeded
 from ember.daemon.config import ConfigError, load_config
-from ember.daemon.server.serve import RingBudget
+from ember.daemon.server.ring_budget import RingBudget
 from ember.protocol import limits
 from ember.protocol.messages import ShmSlot
 from ember.protocol.shm_ring import SHM_DIR, ShmRing, ShmRingReader, owner_id, remove_dead_segments
@@ -151,18 +151,18 @@ def test_max_logits_bytes_is_configurable_and_checked() -> None:
 def test_segments_of_a_killed_daemon_are_removed_by_the_next_one(daemon: DaemonProcess) -> None:
     with Client(daemon.socket) as bystander:  # a live daemon on another socket: its ring must survive
         take_ring(bystander)
-        (theirs,) = segments(daemon.proc.pid, daemon.socket)
+        (theirs,) = segments(daemon.engine_pid, daemon.socket)
         first = DaemonProcess(BOUNDED).wait_ready()
         try:
             with Client(first.socket, timeout=5.0) as client:
                 take_ring(client)
-                assert len(segments(first.proc.pid, first.socket)) == 1
+                assert len(segments(first.engine_pid, first.socket)) == 1
                 first.proc.kill()
                 first.proc.wait()
         finally:
             first.stop()
         try:
-            left = segments(first.proc.pid, first.socket)
+            left = segments(first.engine_pid, first.socket)
             assert len(left) == 1 and first.socket.is_socket()  # what a SIGKILL leaves: nobody could unlink
             second = DaemonProcess(BOUNDED, args=("--socket", str(first.socket))).wait_ready()
             try:
@@ -171,11 +171,11 @@ def test_segments_of_a_killed_daemon_are_removed_by_the_next_one(daemon: DaemonP
                            for e in second.log_events())
                 with Client(first.socket) as client:  # the stale socket file was replaced: it serves
                     take_ring(client)
-                    assert len(segments(second.proc.pid, first.socket)) == 1
+                    assert len(segments(second.engine_pid, first.socket)) == 1
                 assert bystander.health().status == "ok"
             finally:
                 assert second.stop() == 0
-            assert segments(second.proc.pid, first.socket) == []  # a clean exit unlinks its own
+            assert segments(second.engine_pid, first.socket) == []  # a clean exit unlinks its own
         finally:
             remove_dead_segments(owner_id(first.socket))  # leave /dev/shm clean even if this test failed
 
@@ -196,7 +196,7 @@ def test_logits_rings_are_bounded_and_a_disconnect_frees_room() -> None:
             next(stream)
             holders[0].close()  # the daemon finds it gone and closes its ring
             assert wait_until(lambda: _ring_granted(late), 30.0)
-            assert len(segments(d.proc.pid, d.socket)) == 2
+            assert len(segments(d.engine_pid, d.socket)) == 2
             next(stream)
             stream.close()
             assert stream.finished is not None and stream.finished.reason == "cancelled"
@@ -230,7 +230,7 @@ def test_thirty_idle_connections_hold_no_more_than_the_bound() -> None:
                     refused += 1
                 next(stream)
             assert (granted, refused) == (2, 28)
-            assert len(segments(d.proc.pid, d.socket)) == 2
+            assert len(segments(d.engine_pid, d.socket)) == 2
             stream.close()
     finally:
         assert d.stop() == 0
