@@ -152,7 +152,7 @@ class EngineHost:
                 if sock is not None:
                     sock.close(linger=0)
             self._commands = self._reports = None
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # --- commands (any thread) -----------------------------------------------------------------------
