@@ -14,7 +14,7 @@ import argparse
 import ember
 from ember.daemon.loader.demo_model import DEMO_DFLASH, DEMO_MODEL
 from ember.daemon.loader.model_file import open_model_file
-from ember.daemon.speculative.dflash_file import read_dflash
+from ember.daemon.loader.dflash_file import read_dflash
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.kernels.convert import STORAGE_DTYPES, storage_bytes
 

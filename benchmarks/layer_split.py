@@ -35,7 +35,7 @@ import ember
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.runner.devices import backend_for
-from ember.daemon.runner.staging import boundary_bytes
+from ember.daemon.planning.staging_bytes import boundary_bytes
 from ember.kernels.convert import storage_bytes
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",

@@ -113,7 +113,7 @@ def measure_step(path: str, tokens: int, seqs: int) -> dict[str, int]:
     sequences runs (forward + sampling). Runs in this process: call it in a fresh one."""
     from ember.daemon.loader.model_file import open_model_file
     from ember.daemon.models.transformer import Transformer
-    from ember.daemon.runner.step_batch import StepBatch
+    from ember.daemon.step.step_batch import StepBatch
     from ember.kernels import get_ops
     from ember.kernels.sampling import SamplingParams, sample
 

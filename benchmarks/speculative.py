@@ -32,7 +32,7 @@ import ember
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_DFLASH, DEMO_DRAFT, DEMO_MODEL
 from ember.daemon.runner.model_runner import ModelRunner
-from ember.daemon.runner.step_batch import StepBatch
+from ember.daemon.step.step_batch import StepBatch
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.speculative.verification import Proposal, draft_choice, verify
 from ember.kernels.sampling import SamplingParams

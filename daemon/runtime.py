@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from ember.daemon.engine.decode_burst import DECODE_BURST
-from ember.daemon.engine.defaults import KV_BLOCK, PREFILL_CHUNK
+from ember.daemon.step.defaults import KV_BLOCK, PREFILL_CHUNK
 from ember.daemon.engine.engine_core import EngineCore, StepOutput
-from ember.daemon.engine.heap import release_free_heap
+from ember.daemon.heap import release_free_heap
 from ember.daemon.engine.sequence import Sequence as EngineSequence
 from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions, ExpertStats
 from ember.daemon.loader.model_file import ModelFile, open_model_file
@@ -34,7 +34,7 @@ from ember.daemon.runner.split_spec import (cpu_stages, parse_devices, parse_spl
 from ember.daemon.config import DEFAULT_CTX
 from ember.daemon.planning.planner import Device, LayerWeights, PlanRequest, headers_of, plan_model, read_model_info
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
-from ember.daemon.speculative.dflash_file import is_dflash
+from ember.daemon.loader.dflash_file import is_dflash
 from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB
 from ember.daemon.speculative.feature_proposer import FeatureProposer
 from ember.daemon.speculative.spec_stats import SpecStats

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ember.daemon.runner.kernel_cache import synthetic_model
-from ember.daemon.runner.step_batch import StepBatch
+from ember.daemon.step.step_batch import StepBatch
 from ember.kernels.cpu import twin
 from ember.kernels.tensor_types import TensorType as T
 
@@ -128,7 +128,7 @@ def test_a_fresh_process_can_start_with_a_fused_step() -> None:
     kernel was one of them crashed until the module started the thread pool itself."""
     code = ("import numpy as np\n"
             "from ember.daemon.runner.kernel_cache import synthetic_model\n"
-            "from ember.daemon.runner.step_batch import StepBatch\n"
+            "from ember.daemon.step.step_batch import StepBatch\n"
             "from ember.kernels.cpu import twin\n"
             "net = synthetic_model([8, 8])\n"  # Q8_0 layers
             "batch = StepBatch.build([([3], 0, [0])], 16, prompt_lengths=[0])\n"

@@ -16,7 +16,7 @@ import pytest
 
 import ember
 from dflash_files import reference_draft, write_dflash
-from ember.daemon.engine.defaults import KV_BLOCK
+from ember.daemon.step.defaults import KV_BLOCK
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.loader.model_file import open_model_file
@@ -24,8 +24,8 @@ from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.dflash import DFlashDraft
 from ember.daemon.planning.planner import Device, PlanRequest, SpeculativeSettings, plan_model
 from ember.daemon.planning.precision import resolve_policy, DeviceCaps, PrecisionSettings
-from ember.daemon.runner.step_batch import StepBatch
-from ember.daemon.speculative.dflash_file import check_fits, read_dflash
+from ember.daemon.step.step_batch import StepBatch
+from ember.daemon.loader.dflash_file import check_fits, read_dflash
 from ember.daemon.speculative.feature_mirror import FeatureMirror
 from ember.kernels.convert import STORAGE_DTYPES, decode_rows, encode_rows, storage_bytes
 from ember.kernels.reference import dflash as reference

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ember
-from ember.daemon.runner.step_batch import StepBatch
+from ember.daemon.step.step_batch import StepBatch
 from ember.kernels.cpu import expert_ffn, twin
 from ember.kernels.ops import Ops
 

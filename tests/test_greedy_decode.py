@@ -16,7 +16,7 @@ from ember.daemon.loader.model_file import open_model_file
 from ember.daemon.models.transformer import Transformer
 from ember.daemon.runner.kernel_cache import synthetic_model
 from ember.daemon.runner.model_runner import ModelRunner
-from ember.daemon.runner.step_batch import StepBatch
+from ember.daemon.step.step_batch import StepBatch
 from ember.kernels import get_ops
 from ember.kernels.cpu import greedy_decode, twin
 from ember.kernels.cpu.quant_matmul import pack

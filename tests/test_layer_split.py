@@ -19,7 +19,7 @@ import pytest
 
 import ember
 from burst_cases import SAMPLING, SAMPLING_IDS, burst_sequences
-from ember.daemon.engine.defaults import KV_BLOCK
+from ember.daemon.step.defaults import KV_BLOCK
 from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_MODEL

@@ -407,7 +407,7 @@ def test_demo_model_step_peak_within_the_plan() -> None:
     comparison over many shapes."""
     from ember.daemon.loader.model_file import open_model_file
     from ember.daemon.models.transformer import Transformer
-    from ember.daemon.runner.step_batch import StepBatch
+    from ember.daemon.step.step_batch import StepBatch
     from ember.kernels import get_ops
     from ember.kernels.sampling import SamplingParams, sample
 

@@ -22,7 +22,7 @@ def open_gguf(path: Path) -> ModelFile:
     except GGUFError as e:
         raise ModelFileError(source, f"not a readable GGUF file ({e})") from None
     if contents.metadata.get("general.architecture") == "dflash":  # its variants, refused by name first
-        from ember.daemon.speculative.dflash_file import refuse_variants
+        from ember.daemon.loader.dflash_file import refuse_variants
 
         refuse_variants(source, contents.metadata, [t.name for t in contents.tensors])
     tensors = {t.name: _raw_tensor(t, source) for t in contents.tensors}

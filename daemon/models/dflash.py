@@ -20,9 +20,9 @@ from ember.daemon.loader.model_file import ModelFile
 from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.architectures import ArchSpec
 from ember.daemon.models.transformer import Attention, Block, Rope, Transformer, load_block
-from ember.daemon.runner.kv_cache import PagedKVCache
-from ember.daemon.runner.step_batch import StepBatch
-from ember.daemon.speculative.dflash_file import DFlashSpec, check_fits, read_dflash
+from ember.daemon.models.kv_cache import PagedKVCache
+from ember.daemon.step.step_batch import StepBatch
+from ember.daemon.loader.dflash_file import DFlashSpec, check_fits, read_dflash
 from ember.kernels.ops import Array
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType

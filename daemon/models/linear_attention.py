@@ -3,7 +3,7 @@
 In projections give the q/k/v channels (through a causal conv1d), the output gate z, and per value
 head the decay input a and the write strength b; the gated delta rule updates each sequence's state
 and reads it; a gated RMSNorm (rmsnorm(o) * silu(z)) and the out projection follow. The state lives in
-the cache (runner/recurrent_state.py) at the sequence's slot.
+the cache (models/recurrent_state.py) at the sequence's slot.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import numpy as np
 
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile
-from ember.daemon.runner.kv_cache import PagedKVCache
-from ember.daemon.runner.step_batch import StepBatch
+from ember.daemon.models.kv_cache import PagedKVCache
+from ember.daemon.step.step_batch import StepBatch
 from ember.kernels.ops import Array, Ops, Weight
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType

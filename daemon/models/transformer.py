@@ -22,14 +22,14 @@ import numpy as np
 from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions
 from ember.daemon.experts.moe_ffn import MoEFFN, expert_files, load_moe_ffn
 from ember.daemon.experts.shared_expert import SharedExpertMoE, has_shared_expert, with_shared_expert
-from ember.daemon.runner.kv_cache import PagedKVCache
+from ember.daemon.models.kv_cache import PagedKVCache
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile
 from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.architectures import ArchSpec, architecture
 from ember.daemon.models.linear_attention import GatedDeltaNet, load_gated_delta_net
-from ember.daemon.runner.recurrent_state import RecurrentState
-from ember.daemon.runner.step_batch import StepBatch
+from ember.daemon.models.recurrent_state import RecurrentState
+from ember.daemon.step.step_batch import StepBatch
 from ember.kernels.ops import Array, LayerShape, LayerWeights, Ops, Weight
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType

@@ -19,8 +19,8 @@ from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile, open_model_file
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.kernels.convert import storage_bytes
-from ember.daemon.engine.defaults import KV_BLOCK, PREFILL_CHUNK
-from ember.daemon.runner.staging import boundary_bytes, logits_rows_bytes  # what the split runner allocates
+from ember.daemon.step.defaults import KV_BLOCK, PREFILL_CHUNK
+from ember.daemon.planning.staging_bytes import boundary_bytes, logits_rows_bytes  # what the split runner allocates
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SCHEMA = "ember.plan/1"

@@ -22,11 +22,11 @@ import numpy as np
 from ember.daemon.loader.model_file import open_model_file
 from ember.daemon.models.transformer import Transformer
 from ember.daemon.runner.devices import backend_for
-from ember.daemon.runner.kv_cache import PagedKVCache
+from ember.daemon.models.kv_cache import PagedKVCache
 from ember.daemon.runner.split_spec import StageSpec
 from ember.daemon.runner.stage_process import CacheSpec
 from ember.daemon.runner.staging import Boundary
-from ember.daemon.runner.step_batch import StepBatch
+from ember.daemon.step.step_batch import StepBatch
 
 
 class EngineStage:

@@ -163,7 +163,7 @@ def _parallel_kernels() -> None:
 
 def _forward_passes(variant: str):  # type: ignore[no-untyped-def]
     """The synthetic model's prompt and decode steps in every KV dtype, every twin taking `variant`."""
-    from ember.daemon.runner.step_batch import StepBatch
+    from ember.daemon.step.step_batch import StepBatch
     from ember.kernels.cpu import twin
     from ember.kernels.convert import KV_DTYPES
 
@@ -181,7 +181,7 @@ def _forward_passes(variant: str):  # type: ignore[no-untyped-def]
 def _greedy_kernels() -> None:
     """A greedy decode burst (kernels/cpu/greedy_decode.py) of a model whose every layer is fused: one
     signature for any depth and weight types (its layers go in a typed List)."""
-    from ember.daemon.runner.step_batch import StepBatch
+    from ember.daemon.step.step_batch import StepBatch
     from ember.kernels.tensor_types import TensorType as T
 
     net = synthetic_model([T.Q8_0, T.Q4_K])

@@ -19,8 +19,8 @@ import numpy as np
 from ember.daemon.engine.decode_burst import BurstBlocks
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.models.transformer import Transformer
-from ember.daemon.runner.kv_cache import PagedKVCache
-from ember.daemon.runner.step_batch import StepBatch
+from ember.daemon.models.kv_cache import PagedKVCache
+from ember.daemon.step.step_batch import StepBatch
 from ember.kernels.convert import DECODE_ACTIVATIONS
 from ember.kernels.ops import Array
 from ember.kernels.sampling import Choice, SampleRow

@@ -48,7 +48,7 @@ from ember.daemon.runner.stage_channel import Done, Failed, Message, Run, Setup,
 from ember.daemon.runner.stage_process import READY_TIMEOUT, CacheSpec, ProcessStage, StageDied
 from ember.daemon.runner.stage_worker import stage_cpus
 from ember.daemon.runner.staging import Boundary, LogitsRows, Segment
-from ember.daemon.runner.step_batch import StepBatch
+from ember.daemon.step.step_batch import StepBatch
 
 
 class Stage(Protocol):

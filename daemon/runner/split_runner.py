@@ -18,7 +18,7 @@ from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import ModelRunner, PendingStep, check_decode_act
 from ember.daemon.runner.pipeline import Pipeline
 from ember.daemon.runner.stage_process import CacheSpec
-from ember.daemon.runner.step_batch import StepBatch
+from ember.daemon.step.step_batch import StepBatch
 from ember.kernels.ops import Array
 
 

@@ -18,7 +18,7 @@ import struct
 import msgspec
 import numpy as np
 
-from ember.daemon.runner.step_batch import StepBatch
+from ember.daemon.step.step_batch import StepBatch
 
 _LENGTH = struct.Struct("<I")
 MAX_FRAME = 64 << 20  # a step's metadata is KiBs; anything near this is a bug, not a message

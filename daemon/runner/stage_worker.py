@@ -30,7 +30,7 @@ from pathlib import Path
 import msgspec
 
 from ember.daemon.runner.devices import DeviceName, backend_for
-from ember.daemon.runner.kv_cache import PagedKVCache
+from ember.daemon.models.kv_cache import PagedKVCache
 from ember.daemon.runner.stage_channel import (Channel, ChannelClosed, Done, DropCache, Failed, NewCache, Ready, Run,
                                                Setup, Stop, unpack_batch)
 from ember.daemon.runner.staging import Boundary, LogitsRows, Segment

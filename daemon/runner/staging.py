@@ -5,8 +5,8 @@ A boundary's segment holds a slot per micro-batch in flight, which is one per st
 double-buffered, the stage before writes micro-batch m+1 into one slot while the stage after still
 reads micro-batch m from the other), each of `max_tokens` rows of `hidden` values in the precision
 policy's `act_dtype` (f32, or f16 / bf16 bit patterns as uint16, kernels/convert.py). Its size is
-exactly the planner's staging figure for the receiving device (`boundary_bytes`, the one formula
-both use). Rows are widened back to f32 as they are read,
+exactly the planner's staging figure for the receiving device (`boundary_bytes`,
+planning/staging_bytes.py: the one formula both use). Rows are widened back to f32 as they are read,
 so the next layer's norm and everything after it compute in f32.
 
 The engine's process creates every segment (mode 0600, named like protocol/shm_ring.py's) and is
@@ -22,19 +22,9 @@ import secrets
 import _posixshmem
 import numpy as np
 
+from ember.daemon.planning.staging_bytes import boundary_bytes
 from ember.kernels.convert import decode_rows, encode_rows, storage_bytes
 from ember.protocol.shm_ring import _open_new
-
-
-def boundary_bytes(hidden: int, max_tokens: int, act_dtype: str, stages: int) -> int:
-    """Bytes of one boundary's segment: a slot per stage (micro-batch in flight) of max_tokens x hidden
-    in act_dtype."""
-    return stages * max_tokens * storage_bytes(act_dtype, hidden)
-
-
-def logits_rows_bytes(vocab: int, max_tokens: int, lanes: int) -> int:
-    """Bytes of the logits segment: a region of max_tokens f32 rows per lane (micro-batch in flight)."""
-    return lanes * max_tokens * vocab * 4
 
 
 class Segment:

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from ember.daemon.engine.defaults import KV_BLOCK
+from ember.daemon.step.defaults import KV_BLOCK
 from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.model_file_error import ModelFileError

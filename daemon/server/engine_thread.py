@@ -1,5 +1,5 @@
 """EngineThread: the one worker thread that runs models. It never awaits; the I/O loop never runs model
-code, and it does no text work either (daemon/text/text_worker.py does, in its own thread).
+code, and it does no text work either (daemon/server/text_worker.py does, in its own thread).
 
 Commands reach it through its inbox (a thread-safe queue: add a tokenized request, cancel, finish one
 that hit a stop string, drop a client, pause a client, release logits slots, shut down). Each turn:
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ember.daemon.engine.engine_core import EngineCore, StepOutput
-from ember.daemon.engine.heap import release_free_heap
+from ember.daemon.heap import release_free_heap
 from ember.daemon.engine.sequence import Status
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.logging_setup import get_logger

@@ -35,7 +35,7 @@ from ember.daemon.server.engine_wire import EngineLaunch
 from ember.daemon.server.server import Server
 from ember.daemon.server.socket_dir import SocketLock, prepare_socket_dir
 from ember.daemon.text.text_model import TextModel, open_text_model
-from ember.daemon.text.text_worker import Output, TextWorker
+from ember.daemon.server.text_worker import Output, TextWorker
 from ember.protocol.endpoint import daemon_socket_path, ipc_address
 from ember.protocol.shm_ring import owner_id, remove_dead_segments
 

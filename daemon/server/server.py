@@ -38,7 +38,7 @@ from ember.daemon.server.notify import Notifier
 from ember.daemon.server.outbox import Outbox
 from ember.daemon.server.peers import Peer, Peers
 from ember.daemon.server.request import RequestError, request_from_generate, resolve_model
-from ember.daemon.text.text_worker import Output, TextWorker
+from ember.daemon.server.text_worker import Output, TextWorker
 from ember.daemon.text.text_model import TextModel
 from ember.daemon.text.tokenize_pool import fingerprint
 from ember.protocol.codec import Codec, ProtocolError

@@ -21,7 +21,7 @@ import numpy as np
 
 from ember.daemon.engine.scheduler import ScheduledChunk
 from ember.daemon.runner.model_runner import ModelRunner
-from ember.daemon.runner.step_batch import ChunkSpec, StepBatch
+from ember.daemon.step.step_batch import ChunkSpec, StepBatch
 from ember.daemon.speculative.verification import Proposal, draft_choice, draft_confidence
 
 # the stopping rule's threshold, from the demo pair's acceptance by draft confidence (docs/speculative.md):

@@ -21,7 +21,7 @@ import numpy as np
 from ember.daemon.engine.scheduler import ScheduledChunk
 from ember.daemon.models.dflash import DFlashDraft
 from ember.daemon.runner.model_runner import ModelRunner, StepRun
-from ember.daemon.runner.step_batch import StepBatch
+from ember.daemon.step.step_batch import StepBatch
 from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB
 from ember.daemon.speculative.feature_mirror import FeatureMirror
 from ember.daemon.speculative.verification import Proposal, draft_choice, draft_confidence

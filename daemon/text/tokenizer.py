@@ -29,7 +29,7 @@ from typing import Any
 from tokenizers import Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as CoreTokenizer
 
-from ..engine.heap import release_free_heap
+from ember.daemon.heap import release_free_heap
 from ..loader.string_table import StringTable
 
 

@@ -11,7 +11,7 @@ import pytest
 from ember.client import AsyncClient, Client
 from ember.client.errors import BadRequest, Busy, LimitExceeded, UnknownModel
 from ember.daemon.engine.sequence import Sequence
-from ember.daemon.engine.defaults import KV_BLOCK
+from ember.daemon.step.defaults import KV_BLOCK
 
 PROMPT = "def fibonacci(n):"
 

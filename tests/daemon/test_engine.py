@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ember.daemon.engine.defaults import KV_BLOCK
-from ember.daemon.text.text_worker import Output, TextWorker
+from ember.daemon.step.defaults import KV_BLOCK
+from ember.daemon.server.text_worker import Output, TextWorker
 from ember.daemon.server.request import Request, RequestError, request_from_generate
 from ember.protocol.limits import Limits
 from ember.protocol.messages import Error, Finished, Generate, Tokens

@@ -18,7 +18,7 @@ import pytest
 from daemon_process import DaemonProcess
 from ember.client import Client
 from ember.client.errors import GenerationFailed
-from ember.daemon.engine.defaults import KV_BLOCK
+from ember.daemon.step.defaults import KV_BLOCK
 from ember.daemon.engine.sequence import Sequence
 from ember.kernels.sampling import SamplingParams
 

@@ -13,7 +13,7 @@ import pytest
 import ember
 from ember.client import Client
 from ember.client.errors import GenerationFailed
-from ember.daemon.engine.defaults import KV_BLOCK
+from ember.daemon.step.defaults import KV_BLOCK
 from ember.daemon.engine.sequence import Sequence
 
 from daemon_process import DaemonProcess

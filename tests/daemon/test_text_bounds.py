@@ -16,11 +16,11 @@ import zmq
 from daemon_process import DaemonProcess
 
 from ember.client import Client
-from ember.daemon.engine.defaults import KV_BLOCK
+from ember.daemon.step.defaults import KV_BLOCK
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.server.request import request_from_generate
 from ember.daemon.text import tokenize_pool
-from ember.daemon.text.text_worker import Output, TextWorker
+from ember.daemon.server.text_worker import Output, TextWorker
 from ember.daemon.text.tokenize_pool import TokenizePool, TokenizerChanged
 from ember.daemon.text.tokenizer import Tokenizer
 from ember.protocol import messages as m

@@ -5,7 +5,7 @@ linear-attention layers beside it. Which block belongs to whom is the BlockManag
 """
 from __future__ import annotations
 
-from ember.daemon.runner.recurrent_state import RecurrentState
+from ember.daemon.models.recurrent_state import RecurrentState
 from ember.kernels.ops import Array, Ops
 
 
