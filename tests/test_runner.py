@@ -79,7 +79,7 @@ def test_runner_sampling_equals_the_sampler_on_the_same_logits(model: ember.Mode
     seqs = [Sequence(p, 4, params, seed=i) for i, p in enumerate(prompts)]
     twins = [Sequence(p, 4, params, seed=i) for i, p in enumerate(prompts)]  # same generators, for the reference
     runner = ModelRunner(model.net, 3, 16)
-    run = runner.execute(batch, list(enumerate(seqs)), keep=[0, 1, 2])
+    run = runner.execute(batch, [(r, s.sampling) for r, s in enumerate(seqs)], keep=[0, 1, 2])
     assert sorted(run.kept) == [0, 1, 2]
     for r, (choice, twin) in enumerate(zip(run.choices, twins, strict=True)):
         want = sample(run.kept[r], params, twin.rng, twin.prompt, twin.generated)

@@ -44,13 +44,13 @@ def speculated(seed: int, params: SamplingParams, second: Second = always) -> tu
     (processed from the draft's logits row2), is proposed when second(row2, q2, d2) says so. When verification yields only t1, t2 comes from the
     next step, which samples the target after t1."""
     seq = Sequence(PROMPT, 10, params, seed=seed)
-    d1, q1 = draft_choice(DRAFT[0], seq, [])
-    d2, q2 = draft_choice(DRAFT[1][d1], seq, [d1])
+    d1, q1 = draft_choice(DRAFT[0], seq.sampling, [])
+    d2, q2 = draft_choice(DRAFT[1][d1], seq.sampling, [d1])
     if second(DRAFT[1][d1], q2, d2):
         rows = np.stack([TARGET[0], TARGET[1][d1], TARGET[2][d1, d2]]).astype(np.float32)
-        block = verify(rows, Proposal([d1, d2], [q1, q2]), seq)
+        block = verify(rows, Proposal([d1, d2], [q1, q2]), seq.sampling)
     else:
-        block = verify(np.stack([TARGET[0], TARGET[1][d1]]).astype(np.float32), Proposal([d1], [q1]), seq)
+        block = verify(np.stack([TARGET[0], TARGET[1][d1]]).astype(np.float32), Proposal([d1], [q1]), seq.sampling)
     t1 = block[0].token
     t2 = block[1].token if len(block) > 1 else sample(TARGET[1][t1], params, seq.rng, PROMPT, [t1]).token
     return t1, t2
@@ -113,6 +113,6 @@ def test_greedy_keeps_exactly_the_argmax_prefix() -> None:
     seq = Sequence(PROMPT, 10, params)
     rows = np.stack([TARGET[0], TARGET[1][0], TARGET[2][0, 0]]).astype(np.float32)
     best = [int(np.argmax(penalized_logits(TARGET[0], params, PROMPT, [])))]
-    block = verify(rows, Proposal([best[0], (best[0] + 1) % V], []), seq)
+    block = verify(rows, Proposal([best[0], (best[0] + 1) % V], []), seq.sampling)
     assert [c.token for c in block][0] == best[0] and len(block) == 2
     assert block[1].token == int(np.argmax(penalized_logits(TARGET[1][0], params, PROMPT, best)))

@@ -7,18 +7,9 @@ the next one's input: the tokens are those of single steps, they only reach a cl
 time. This module sizes a burst by time, so that a stream's tokens never arrive more than
 `seconds` apart for the burst's sake: on the 12 MB demo model (~1.2 ms a token on the 2-core VM,
 ~0.2 ms of it that host work) a burst is the most, MAX_BURST; a 100 MB model's ~10 ms steps stay
-single. It also keeps the tokens a burst has sampled so far (BurstBlocks), for the runner that runs
-the burst in one call (ModelRunner.decode) and for the engine that runs it through a pipelined
-layer split one step at a time.
+single. The tokens a burst has sampled so far are step/burst_blocks.py's.
 """
 from __future__ import annotations
-
-from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ember.daemon.engine.sequence import Sequence
-    from ember.kernels.sampling import Choice
 
 DECODE_BURST = 0.008  # seconds of decode one burst may take
 MAX_BURST = 32  # decode steps in one burst at most
@@ -44,41 +35,3 @@ class BurstClock:
         """A burst of `steps` decode steps (or a single one) took `seconds`."""
         step_s = seconds / steps
         self._step_s = step_s if self._step_s is None else 0.75 * self._step_s + 0.25 * step_s
-
-
-class BurstBlocks:
-    """The tokens each sequence of a decode burst got so far: a block each, which ends at its stop id,
-    where its sampling failed, or with the burst."""
-
-    def __init__(self, samplers: Seq[tuple[int, Sequence]]) -> None:
-        self.samplers = samplers  # (logits row, sequence) of each sampling sequence, in the step's order
-        self.blocks: list[list[Choice]] = [[] for _ in samplers]
-        self.failed: dict[int, str] = {}  # sampler index -> why its sampling failed
-        self.done = [False] * len(samplers)
-        self.steps = 0  # steps taken
-
-    def take(self, choices: Seq[Choice | None], failed: dict[int, str]) -> None:
-        """One step's choices, one per sampler (None where its sampling failed, why in `failed`); a
-        sequence whose block has ended takes no more."""
-        self.steps += 1
-        for k, choice in enumerate(choices):
-            if self.done[k]:
-                continue
-            if choice is None:
-                self.failed[k], self.done[k] = failed[k], True
-                continue
-            self.blocks[k].append(choice)
-            self.done[k] = choice.token in self.samplers[k][1].stop_ids
-
-    @property
-    def finished(self) -> bool:
-        return all(self.done)
-
-    def last_ids(self) -> list[int]:
-        """Each sequence's newest token: the next step's input."""
-        return [block[-1].token if block else seq.tokens[-1] for block, (_, seq) in zip(self.blocks, self.samplers,
-                                                                                          strict=True)]
-
-    def result(self) -> tuple[list[tuple[Choice, ...] | None], dict[int, str]]:
-        """Per sampler its block (None where its sampling failed), and the failures."""
-        return [None if k in self.failed else tuple(block) for k, block in enumerate(self.blocks)], self.failed

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ember.daemon.engine.block_manager import BlockManager
-from ember.daemon.engine.decode_burst import MAX_BURST, BurstBlocks, BurstClock
+from ember.daemon.engine.decode_burst import MAX_BURST, BurstClock
 from ember.daemon.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
 from ember.daemon.engine.sequence import Sequence, Status
 from ember.daemon.runner.model_runner import KVStateLost, ModelRunner, PendingStep, StepRun
+from ember.daemon.step.burst_blocks import BurstBlocks
 from ember.daemon.step.step_batch import StepBatch
 from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB, DraftProposer
 from ember.daemon.speculative.feature_proposer import FeatureProposer
@@ -204,7 +205,7 @@ class EngineCore:
     def _submit(self, plan: StepPlan) -> _Flight:
         rows = _LogitRows(plan, self.proposer is not None)
         before = [len(c.seq.generated) if c.samples else -1 for c in plan.chunks]  # before update() appends
-        samplers = [(rows.last[i], c.seq) for i, c in enumerate(plan.chunks) if c.samples]
+        samplers = [(rows.last[i], c.seq.sampling) for i, c in enumerate(plan.chunks) if c.samples]
         batch = self._build(plan.chunks, rows, {})
         start = time.perf_counter()
         pending = self.runner.submit(batch, samplers, rows.keep)
@@ -280,7 +281,7 @@ class EngineCore:
     def _burst_run(self, plan: StepPlan, rows: _LogitRows, steps: int) -> StepRun:
         """`steps` decode steps of the plan's sequences in one go (their slots reserved by the
         scheduler): one block of tokens each; update() then drops what follows a stop."""
-        samplers = [(rows.last[i], c.seq) for i, c in enumerate(plan.chunks)]
+        samplers = [(rows.last[i], c.seq.sampling) for i, c in enumerate(plan.chunks)]
         return self.runner.decode(self._build(plan.chunks, rows, {}), samplers, steps)
 
     def _account(self, plan: StepPlan, rows: _LogitRows, before: list[int], run: StepRun
@@ -351,7 +352,7 @@ class EngineCore:
         chunks = plan.chunks
         batch = self._build(chunks, rows, proposals)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
-        samplers = [(rows.last[i], chunks[i].seq) for i in sampling if i not in proposals]
+        samplers = [(rows.last[i], chunks[i].seq.sampling) for i in sampling if i not in proposals]
         run = self.runner.execute(batch, samplers, rows.keep + rows.verified)
         if isinstance(self.proposer, FeatureProposer):
             self.proposer.absorb(batch, run)  # every row's features, before any position counts as computed
@@ -369,7 +370,7 @@ class EngineCore:
             first = rows.last[i] - len(proposals[i].tokens)
             try:
                 block: tuple[Choice, ...] | None = verify(
-                    np.stack([run.kept[r] for r in range(first, rows.last[i] + 1)]), proposals[i], chunks[i].seq)
+                    np.stack([run.kept[r] for r in range(first, rows.last[i] + 1)]), proposals[i], chunks[i].seq.sampling)
             except (ValueError, FloatingPointError, ArithmeticError) as e:
                 block, failed[k] = None, f"sampling failed: {type(e).__name__}: {e}"
             else:

@@ -7,6 +7,7 @@ from enum import Enum
 
 import numpy as np
 
+from ember.daemon.step.row_sampling import RowSampling
 from ember.kernels.sampling import Choice, SamplingParams
 
 _ids = itertools.count()
@@ -45,6 +46,8 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
+        # what a runner samples its rows by: the same generator and token lists as this sequence's
+        self.sampling = RowSampling(self.params, self.rng, self.prompt, self.generated, self.stop_ids, self.wants_logprob)
         self.tokens: list[int] = list(self.prompt) + self.generated  # prompt + generated, kept, not rebuilt per step
         self.registered: tuple[int, bytes] | None = None  # prefix-cache progress: (full blocks, last digest)
 

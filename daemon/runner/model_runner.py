@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from ember.daemon.engine.decode_burst import BurstBlocks
-from ember.daemon.engine.sequence import Sequence
 from ember.daemon.models.transformer import Transformer
 from ember.daemon.models.kv_cache import PagedKVCache
+from ember.daemon.step.burst_blocks import BurstBlocks
+from ember.daemon.step.row_sampling import RowSampling
 from ember.daemon.step.step_batch import StepBatch
 from ember.kernels.convert import DECODE_ACTIVATIONS
 from ember.kernels.ops import Array
@@ -39,7 +39,7 @@ class StepRun:
 class PendingStep:
     work: Any  # the logits (this class), or what a pipelined runner collects them by
     n_logits: int
-    samplers: list[tuple[int, Sequence]]
+    samplers: list[tuple[int, RowSampling]]
     keep: list[int]
     features: list[Any] = field(default_factory=list)  # ModelRunner.capture's hidden states
 
@@ -102,19 +102,19 @@ class ModelRunner:
 
     lanes = 1  # steps the engine may keep in flight on this runner (a split's stages: one each)
 
-    def execute(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], keep: Seq[int] = ()) -> StepRun:
+    def execute(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], keep: Seq[int] = ()) -> StepRun:
         """Run `batch`; sample row r for each (r, sequence) of `samplers` with that sequence's
         parameters and generator; bring the rows in `keep` to the host."""
         return self.collect(self.submit(batch, samplers, keep))
 
-    def submit(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], keep: Seq[int] = ()) -> PendingStep:
+    def submit(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], keep: Seq[int] = ()) -> PendingStep:
         """Start `batch` (here: run it); collect() samples it. A runner with lanes > 1 returns at once."""
         if self.capture:
             logits, features = self.net.forward_with_features(self.prepare(batch), self.cache, self.capture)
             return PendingStep(logits, batch.n_logits, list(samplers), list(keep), features)
         return PendingStep(self.forward(batch), batch.n_logits, list(samplers), list(keep))
 
-    def decode(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], steps: int) -> StepRun:
+    def decode(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], steps: int) -> StepRun:
         """`steps` decode steps in a row from `batch` (one token of each sequence, each sampling: row
         r for each (r, sequence) of `samplers`), each step's sampled tokens the next one's input, in
         positions the sequences' blocks already hold: the engine's per-step host work once for
@@ -138,15 +138,15 @@ class ModelRunner:
         choices, failed = burst.result()
         return StepRun(choices, {}, failed)  # type: ignore[arg-type]
 
-    def _greedy_burst(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], steps: int) -> np.ndarray | None:
+    def _greedy_burst(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], steps: int) -> np.ndarray | None:
         """The burst's tokens [steps taken, n] from the model's compiled greedy steps (Transformer.greedy_steps)
         where each row is a sequence sampling greedily with nothing else asked (no penalties, no
         logprobs: what _sample's fast path takes), else None."""
         if self.capture or [r for r, _ in samplers] != list(range(len(batch.ids))) or not _plain_greedy(samplers):
             return None
         stops = np.full((len(samplers), max([1] + [len(s.stop_ids) for _, s in samplers])), -1, np.int64)
-        for k, (_, seq) in enumerate(samplers):
-            stops[k, :len(seq.stop_ids)] = sorted(seq.stop_ids)
+        for k, (_, s) in enumerate(samplers):
+            stops[k, :len(s.stop_ids)] = sorted(s.stop_ids)
         return self.net.greedy_steps(self.prepare(batch), self.cache, steps, stops)
 
     def collect(self, step: PendingStep, pending: Seq[Seq[Choice]] = ()) -> StepRun:
@@ -165,7 +165,7 @@ class ModelRunner:
         """The logits [batch.n_logits, vocab] of the host batch's logit rows, where the runner keeps them."""
         return self.net.forward(self.prepare(batch), self.cache)
 
-    def _sample(self, logits: Array, samplers: Seq[tuple[int, Sequence]], pending: Seq[Seq[Choice]] = ()
+    def _sample(self, logits: Array, samplers: Seq[tuple[int, RowSampling]], pending: Seq[Seq[Choice]] = ()
                 ) -> tuple[list[Choice | None], dict[int, str]]:
         """pending: per sampler, tokens sampled for its sequence that it has not appended yet (a decode
         burst's), which penalties count as generated."""
@@ -183,6 +183,6 @@ class ModelRunner:
         return [None if isinstance(c, str) else c for c in results], failed
 
 
-def _plain_greedy(samplers: Seq[tuple[int, Sequence]]) -> bool:
+def _plain_greedy(samplers: Seq[tuple[int, RowSampling]]) -> bool:
     """Every sequence takes its logits' argmax and asks for nothing else (no penalties, no logprobs)."""
-    return all(not s.wants_logprob and s.params.plain_greedy for _, s in samplers)
+    return all(s.plain_greedy for _, s in samplers)

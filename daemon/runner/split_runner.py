@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from ember.daemon.engine.sequence import Sequence
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import ModelRunner, PendingStep, check_decode_act
 from ember.daemon.runner.pipeline import Pipeline
 from ember.daemon.runner.stage_process import CacheSpec
+from ember.daemon.step.row_sampling import RowSampling
 from ember.daemon.step.step_batch import StepBatch
 from ember.kernels.ops import Array
 
@@ -48,7 +48,7 @@ class SplitRunner(ModelRunner):
     def between_requests(self) -> None:
         """Nothing to do: a split model's stages keep every MoE expert hot."""
 
-    def submit(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], keep: Seq[int] = ()) -> PendingStep:
+    def submit(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], keep: Seq[int] = ()) -> PendingStep:
         """Start the step in the stages and return at once: the pipeline's ticket is what collect() waits on."""
         return PendingStep(self.pipeline.submit(self._host(batch), self.cache_id), batch.n_logits, list(samplers),
                            list(keep))
@@ -56,7 +56,7 @@ class SplitRunner(ModelRunner):
     def forward(self, batch: StepBatch) -> Array:
         return self.pipeline.forward(self._host(batch), self.cache_id)
 
-    def _greedy_burst(self, batch: StepBatch, samplers: Seq[tuple[int, Sequence]], steps: int) -> None:
+    def _greedy_burst(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], steps: int) -> None:
         """None: no compiled loop spans the stages' processes, so a burst (one lane: a single stage, or
         a split kept to one step in flight) goes through them step by step."""
         return None

@@ -53,8 +53,8 @@ class DraftProposer:
             drafting = [i for i, w in zip(active, wants) if w]
             unsure = set()
             for row, i in enumerate(drafting):
-                seq, p = chunks[i].seq, proposals[i]
-                token, probs = draft_choice(logits[row], seq, p.tokens)
+                p = proposals[i]
+                token, probs = draft_choice(logits[row], chunks[i].seq.sampling, p.tokens)
                 p.tokens.append(token)
                 if probs is not None:
                     p.probs.append(probs)

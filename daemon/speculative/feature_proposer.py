@@ -67,7 +67,7 @@ class FeatureProposer:
         for i, c in zip(spec, blocks, strict=True):
             p = proposals[i] = Proposal([], [])
             for row in range(first, first + c.lookahead):
-                token, probs = draft_choice(logits[row], c.seq, p.tokens)
+                token, probs = draft_choice(logits[row], c.seq.sampling, p.tokens)
                 p.tokens.append(token)
                 if probs is not None:
                     p.probs.append(probs)

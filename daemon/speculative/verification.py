@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ember.daemon.engine.sequence import Sequence
+from ember.daemon.step.row_sampling import RowSampling
 from ember.kernels.sampling import Choice, SamplingParams, choice_of, final_distribution, penalized_logits
 
 
@@ -50,8 +50,8 @@ class Proposal:
     probs: list[Distribution]  # the draft's distribution each was drawn from (sampled requests only)
 
 
-def verify(rows: np.ndarray, proposal: Proposal, seq: Sequence) -> tuple[Choice, ...]:
-    """The tokens seq gets from one verification: `rows` are the target's logits [k + 1, vocab] after
+def verify(rows: np.ndarray, proposal: Proposal, seq: RowSampling) -> tuple[Choice, ...]:
+    """The tokens a sequence (`seq`, its sampling) gets from one verification: `rows` are the target's logits [k + 1, vocab] after
     its last known token and after each of the k proposals. Draws use seq's own generator."""
     params = seq.params
     if params.plain_greedy:  # one argmax over the rows: no per-row copy
@@ -82,7 +82,7 @@ def verify(rows: np.ndarray, proposal: Proposal, seq: Sequence) -> tuple[Choice,
     return tuple(out)
 
 
-def draft_choice(logits: np.ndarray, seq: Sequence, proposed: Seq[int]) -> tuple[int, Distribution | None]:
+def draft_choice(logits: np.ndarray, seq: RowSampling, proposed: Seq[int]) -> tuple[int, Distribution | None]:
     """The draft's token after `proposed` ones, processed exactly as the target's row will be, and
     the distribution it was drawn from (None for greedy requests: the argmax needs none)."""
     if seq.params.plain_greedy:
@@ -130,7 +130,7 @@ def _residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return r / total if total > 0 else p
 
 
-def _draw(weights: np.ndarray, seq: Sequence) -> int:
+def _draw(weights: np.ndarray, seq: RowSampling) -> int:
     """A draw from the distribution proportional to `weights` by its inverse CDF: Generator.choice's
     algorithm without its checks of p, which cost as much again on a large vocabulary (a step here
     draws up to 2k + 1 times a sequence). The first entry whose cumulative sum passes u has a nonzero
@@ -139,7 +139,7 @@ def _draw(weights: np.ndarray, seq: Sequence) -> int:
     return int(np.searchsorted(cdf, seq.rng.random() * cdf[-1], side="right"))
 
 
-def _choice(penalized: np.ndarray, token: int, seq: Sequence) -> Choice:
-    if not seq.wants_logprob and not seq.params.logprobs:  # nobody reads it (Sequence.wants_logprob)
+def _choice(penalized: np.ndarray, token: int, seq: RowSampling) -> Choice:
+    if not seq.wants_logprob and not seq.params.logprobs:  # nobody reads it (RowSampling.wants_logprob)
         return Choice(token, math.nan)
     return choice_of(penalized, token, seq.params.logprobs)
