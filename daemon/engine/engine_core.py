@@ -22,6 +22,7 @@ from ember.daemon.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
 from ember.daemon.engine.sequence import Sequence, Status
 from ember.daemon.runner.model_runner import KVStateLost, ModelRunner, PendingStep, StepRun
 from ember.daemon.step.burst_blocks import BurstBlocks
+from ember.daemon.step.draft_chunk import DraftChunk
 from ember.daemon.step.step_batch import StepBatch
 from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB, DraftProposer
 from ember.daemon.speculative.feature_proposer import FeatureProposer
@@ -255,7 +256,7 @@ class EngineCore:
         )
 
     def _step(self, plan: StepPlan) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
-        proposals = self.proposer.propose(plan.chunks) if self.proposer else {}
+        proposals = self.proposer.propose(_draft_chunks(plan)) if self.proposer else {}
         if proposals:  # the draft may stop short of the lookahead: the step verifies what it proposed
             plan = replace(plan, chunks=[replace(c, lookahead=len(proposals[i].tokens)) if i in proposals else c
                                          for i, c in enumerate(plan.chunks)])
@@ -377,6 +378,12 @@ class EngineCore:
                 self.spec_stats.add(len(proposals[i].tokens), len(block) - 1)
             choices.append(block)
         return StepRun(choices, run.kept, failed)
+
+
+def _draft_chunks(plan: StepPlan) -> list[DraftChunk]:
+    """The plan's chunks as a proposer reads them."""
+    return [DraftChunk(c.seq.tokens[c.start : c.start + c.length], c.start, c.seq.table, c.lookahead,
+                       len(c.seq.prompt), c.seq.sampling) for c in plan.chunks]
 
 
 @dataclass

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.daemon.engine.scheduler import ScheduledChunk
 from ember.daemon.runner.model_runner import ModelRunner
+from ember.daemon.step.draft_chunk import DraftChunk
 from ember.daemon.step.step_batch import ChunkSpec, StepBatch
 from ember.daemon.speculative.verification import Proposal, draft_choice, draft_confidence
 
@@ -40,13 +40,13 @@ class DraftProposer:
         self.runner = runner
         self.min_prob = min_prob
 
-    def propose(self, chunks: list[ScheduledChunk]) -> dict[int, Proposal]:
+    def propose(self, chunks: list[DraftChunk]) -> dict[int, Proposal]:
         """Run `chunks` (a step's plan) through the draft; for each chunk with lookahead n, 1 to n
         proposed tokens, keyed by the chunk's index. The first pass runs every chunk and drafts one
         token for each speculating one; each further pass runs one token for each still drafting."""
         spec = [i for i, c in enumerate(chunks) if c.lookahead]
         proposals = {i: Proposal([], []) for i in spec}
-        specs = [(c.seq.tokens[c.start : c.start + c.length], c.start, c.seq.table) for c in chunks]
+        specs = [(c.tokens, c.start, c.table) for c in chunks]
         active, wants = list(range(len(chunks))), [bool(c.lookahead) for c in chunks]
         for r in range(max((c.lookahead for c in chunks), default=0) or 1):  # once at least: the K/V
             logits = self._forward(specs, [chunks[i] for i in active], wants)
@@ -54,7 +54,7 @@ class DraftProposer:
             unsure = set()
             for row, i in enumerate(drafting):
                 p = proposals[i]
-                token, probs = draft_choice(logits[row], chunks[i].seq.sampling, p.tokens)
+                token, probs = draft_choice(logits[row], chunks[i].sampling, p.tokens)
                 p.tokens.append(token)
                 if probs is not None:
                     p.probs.append(probs)
@@ -63,13 +63,13 @@ class DraftProposer:
             active = [i for i in drafting if chunks[i].lookahead > r + 1 and i not in unsure]
             if not active:
                 break
-            specs = [([proposals[i].tokens[-1]], chunks[i].start + chunks[i].length + r, chunks[i].seq.table)
+            specs = [([proposals[i].tokens[-1]], chunks[i].start + len(chunks[i].tokens) + r, chunks[i].table)
                      for i in active]
             wants = [True] * len(active)
         return proposals
 
-    def _forward(self, specs: list[ChunkSpec], chunks: list[ScheduledChunk], wants: list[bool]) -> np.ndarray:
+    def _forward(self, specs: list[ChunkSpec], chunks: list[DraftChunk], wants: list[bool]) -> np.ndarray:
         batch = StepBatch.build(specs, self.runner.block_size, wants_logits=wants,
-                                prompt_lengths=[len(c.seq.prompt) for c in chunks])
+                                prompt_lengths=[c.prompt_length for c in chunks])
         logits = self.runner.net.forward(self.runner.prepare(batch), self.runner.cache)
         return self.runner.net.ops.to_numpy(logits)

@@ -18,9 +18,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from ember.daemon.engine.scheduler import ScheduledChunk
 from ember.daemon.models.dflash import DFlashDraft
 from ember.daemon.runner.model_runner import ModelRunner, StepRun
+from ember.daemon.step.draft_chunk import DraftChunk
 from ember.daemon.step.step_batch import StepBatch
 from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB
 from ember.daemon.speculative.feature_mirror import FeatureMirror
@@ -49,7 +49,7 @@ class FeatureProposer:
         """Tokens one block proposes at most: the trained block less its first (known) token."""
         return self.draft.spec.max_proposals
 
-    def propose(self, chunks: list[ScheduledChunk]) -> dict[int, Proposal]:
+    def propose(self, chunks: list[DraftChunk]) -> dict[int, Proposal]:
         """For each chunk with lookahead k (one token: the last sampled), k proposed tokens, keyed by
         the chunk's index: one draft pass over all their noise blocks."""
         spec = [i for i, c in enumerate(chunks) if c.lookahead]
@@ -57,8 +57,8 @@ class FeatureProposer:
             return {}
         mask = self.draft.spec.mask_id
         blocks = [chunks[i] for i in spec]
-        batch = StepBatch.build([([c.seq.tokens[c.start]] + [mask] * c.lookahead, c.start, c.seq.table) for c in blocks],
-                                self.block_size, prompt_lengths=[len(c.seq.prompt) for c in blocks],
+        batch = StepBatch.build([([c.tokens[0]] + [mask] * c.lookahead, c.start, c.table) for c in blocks],
+                                self.block_size, prompt_lengths=[c.prompt_length for c in blocks],
                                 logit_tails=[c.lookahead for c in blocks])
         ends = np.repeat([c.start + c.lookahead for c in blocks], [1 + c.lookahead for c in blocks])
         batch = replace(batch, attn_end=ends)  # the block is not causal: each token sees all of it
@@ -67,7 +67,7 @@ class FeatureProposer:
         for i, c in zip(spec, blocks, strict=True):
             p = proposals[i] = Proposal([], [])
             for row in range(first, first + c.lookahead):
-                token, probs = draft_choice(logits[row], c.seq.sampling, p.tokens)
+                token, probs = draft_choice(logits[row], c.sampling, p.tokens)
                 p.tokens.append(token)
                 if probs is not None:
                     p.probs.append(probs)
