@@ -11,8 +11,19 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
+
+
+def wait_until(condition, timeout: float, every: float = 0.02) -> bool:  # type: ignore[no-untyped-def]
+    """Poll another process's state (there is no event to await across processes)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(every)
+    return condition()
 
 
 class NotifyListener:

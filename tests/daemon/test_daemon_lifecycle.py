@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_process import DaemonProcess
+from daemon_process import DaemonProcess, wait_until
 from ember.client import AsyncClient, Client
 from ember.client.errors import ShuttingDown
 
@@ -50,15 +50,6 @@ def client_process(script: str, socket: Path, ready: str) -> subprocess.Popen[st
     assert proc.stdout is not None and proc.stdout.readline().strip() == ready
     return proc
 
-
-def wait_until(condition, timeout: float) -> bool:  # type: ignore[no-untyped-def]
-    """Poll another process's state (there is no event to await across processes)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def test_second_daemon_on_the_same_socket_fails_clearly(daemon) -> None:  # type: ignore[no-untyped-def]

@@ -17,7 +17,7 @@ from ember.client import Client
 from ember.client.errors import GenerationFailed
 from ember.protocol.shm_ring import SHM_DIR, owner_id
 
-from daemon_process import DaemonProcess
+from daemon_process import DaemonProcess, wait_until
 
 PROMPT = "def fibonacci(n):"
 CONFIG = """
@@ -52,14 +52,6 @@ def children(pid: int) -> list[int]:
 def segments(pid: int, socket: Path) -> list[str]:
     return glob.glob(f"{SHM_DIR}/ember-{pid}-{owner_id(socket)}*")
 
-
-def wait_until(condition, timeout: float) -> bool:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def test_a_killed_engine_fails_every_stream_within_2s_and_the_next_request_is_served(demo_model) -> None:  # type: ignore[no-untyped-def]

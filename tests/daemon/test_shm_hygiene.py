@@ -7,7 +7,6 @@ import glob
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import _posixshmem
 import pytest
 
-from daemon_process import DaemonProcess
+from daemon_process import DaemonProcess, wait_until
 from ember.client import Client
 from ember.client.errors import LimitExceeded
 from ember.daemon.config import ConfigError, load_config
@@ -34,15 +33,6 @@ max_logits_bytes = 300000
 warmup = false
 """
 
-
-def wait_until(condition, timeout: float) -> bool:  # type: ignore[no-untyped-def]
-    """Poll another process's state (there is no event to await across processes)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def segments(pid: int, socket: Path) -> list[str]:
@@ -195,7 +185,7 @@ def test_logits_rings_are_bounded_and_a_disconnect_frees_room() -> None:
                 take_ring(late)
             next(stream)
             holders[0].close()  # the daemon finds it gone and closes its ring
-            assert wait_until(lambda: _ring_granted(late), 30.0)
+            assert wait_until(lambda: _ring_granted(late), 30.0, every=0.05)
             assert len(segments(d.engine_pid, d.socket)) == 2
             next(stream)
             stream.close()
