@@ -26,6 +26,24 @@ def wait_until(condition, timeout: float, every: float = 0.02) -> bool:  # type:
     return condition()
 
 
+def alive(pid: int) -> bool:
+    """The process runs: it exists and is no zombie (one that exited and nobody has reaped yet, as
+    happens to a killed daemon's engine where init does not reap)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (every thread's children)."""
+    try:
+        return [int(p) for task in Path(f"/proc/{pid}/task").iterdir() for p in (task / "children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
 class NotifyListener:
     """A datagram socket playing systemd's part of sd_notify: collects messages, lets tests wait."""
 

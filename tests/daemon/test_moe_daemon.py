@@ -16,16 +16,14 @@ from ember.client.errors import GenerationFailed
 from ember.daemon.step.defaults import KV_BLOCK
 from ember.daemon.engine.sequence import Sequence
 
-from daemon_process import DaemonProcess
+from daemon_process import DaemonProcess, alive, children, wait_until
 
 TRAINED_MOE = Path(__file__).parents[1] / "fixtures" / "ember-demo-moe-q8_0.gguf"
 PROMPT = "import os\n\ndef main():\n"
 
 
-def cold_workers(daemon_pid: int) -> list[int]:
-    # each thread lists the children it started (restarts come from the engine thread)
-    children = [p for task in Path(f"/proc/{daemon_pid}/task").iterdir() for p in (task / "children").read_text().split()]
-    return [int(p) for p in children if b"cold_worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
+def cold_workers(engine_pid: int) -> list[int]:
+    return [p for p in children(engine_pid) if b"cold_worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +76,19 @@ def test_cold_experts_through_the_daemon_equal_all_hot_and_survive_a_killed_work
             assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
         assert client.stats().cold_worker_restarts == 1
         assert len(cold_workers(moe_daemon.engine_pid)) == 2 and workers[0] not in cold_workers(moe_daemon.engine_pid)
+
+
+def test_a_killed_engines_cold_expert_workers_go_with_it(moe_daemon) -> None:  # type: ignore[no-untyped-def]
+    """The engine process's children die with it; the restarted engine starts its own."""
+    first = moe_daemon.engine_pid
+    workers = cold_workers(first)
+    assert len(workers) == 2 and all(alive(w) for w in workers)
+    os.kill(first, signal.SIGKILL)
+    assert wait_until(lambda: not any(alive(w) for w in workers), 10.0)
+    with Client(moe_daemon.socket, timeout=300) as client:
+        stream = client.generate(PROMPT, max_tokens=8, ignore_eos=True)
+        assert len([t for c in stream for t in c.token_ids]) == 8
+        assert client.stats().total_experts == 96
+    again = cold_workers(moe_daemon.engine_pid)
+    assert len(again) == 2 and not set(again) & set(workers)
+
