@@ -66,6 +66,7 @@ class EngineHost:
         self._reports: zmq.Socket | None = None
         self._pending: list[bytes] = []  # commands for the next engine, while none is up
         self._live: dict[int, Request] = {}  # seq_id -> request, for every request the engine holds
+        self._paused: set[bytes] = set()  # clients paused now: a new engine is told again
         self._process: subprocess.Popen[bytes] | None = None
         self._generation = 0
         self._stopping = False
@@ -109,6 +110,8 @@ class EngineHost:
         self._process, self._reports = process, reports
         with self._lock:
             self._commands = commands
+            for client in self._paused if self._generation > 1 else ():
+                commands.send(command_encoder.encode(PauseClient(client, True)))
             for frame in self._pending:
                 commands.send(frame)
             self._pending.clear()
@@ -173,9 +176,13 @@ class EngineHost:
         self._send(FinishSequence(r.seq.seq_id, reason))
 
     def drop_client(self, client: bytes) -> None:
+        with self._lock:
+            self._paused.discard(client)
         self._send(DropClient(client))
 
     def set_paused(self, client: bytes, paused: bool) -> None:
+        with self._lock:
+            (self._paused.add if paused else self._paused.discard)(client)
         self._send(PauseClient(client, paused))
 
     def release(self, client: bytes, slots: Iterable[int]) -> None:
