@@ -1,12 +1,14 @@
-"""EngineThread: the one worker thread that runs models. It never awaits; the I/O loop never runs model
-code, and it does no text work either (daemon/server/text_worker.py does, in its own thread).
+"""EngineThread: the engine loop that runs models — on the engine process's main thread in the daemon
+(engine_main.py), or on a thread of its own in process (start()). It never awaits, and it does no
+text work (daemon/server/text_worker.py does, in the front).
 
-Commands reach it through its inbox (a thread-safe queue: add a tokenized request, cancel, finish one
-that hit a stop string, drop a client, pause a client, release logits slots, shut down). Each turn:
-apply every command that arrived, then run one continuous-batching step (engine/engine_core.py) of
-the next model with runnable work — every running sequence of that model advances together, prompts
-are read in chunks beside them — and hand the step's progress, all requests at once, to the text
-worker. Commands are applied between steps, so a Cancel stops a request within one step.
+Commands reach it through its inbox (in process a thread-safe queue; in the engine process its
+command socket: add a tokenized request, cancel, finish one that hit a stop string, drop a client,
+pause a client, release logits slots, shut down). Each turn: apply every command that arrived, then
+run one continuous-batching step (engine/engine_core.py) of the next model with runnable work —
+every running sequence of that model advances together, prompts are read in chunks beside them —
+and hand the step's progress, all requests at once, to the front. Commands are applied between
+steps, so a Cancel stops a request within one step.
 
 A sequence is held (not scheduled, keeping its KV blocks and its place) while its client is paused
 (its socket backlog is full) or, asking for logits, while its client's logits ring has no free slot
