@@ -9,7 +9,8 @@
 - host time per step at batch 1: the in-process engine's decode steps timed whole, and the time spent
   inside kernels (every ops call timed), the difference being the Python around them;
 - aggregate tokens/s of 8 concurrent streams over one stream (AsyncClient, one process).
-Medians of `--repeats` runs, the two single-stream paths alternating so drift hits both alike.
+Medians of `--repeats` runs, the single-stream paths alternating so drift hits them alike, each
+after SETTLE seconds of quiet.
 
     python benchmarks/engine_overhead.py [--model PATH] [--tokens 256] [--repeats 3] [--streams 8] [--threads N]
 
@@ -40,6 +41,7 @@ from ember.client import AsyncClient, Client  # noqa: E402
 from ember.daemon.loader.demo_model import DEMO_MODEL  # noqa: E402
 
 PROMPT = "def fibonacci(n):"
+SETTLE = 0.2  # seconds of quiet before each timed run
 
 
 def in_process(model: ember.Model, tokens: int, threads: int | None = None) -> float:
@@ -47,6 +49,11 @@ def in_process(model: ember.Model, tokens: int, threads: int | None = None) -> f
     t0 = time.perf_counter()
     n = sum(1 for _ in model.generate(PROMPT, max_tokens=tokens, ignore_eos=True))
     return n / (time.perf_counter() - t0)
+
+
+def settled(run: Any, *args: Any) -> float:
+    time.sleep(SETTLE)
+    return run(*args)
 
 
 def via_daemon(socket: Path, tokens: int) -> float:
@@ -124,9 +131,11 @@ def main() -> None:
         in_process(model, 16), via_daemon(daemon.socket, 16)  # warm both paths
         inproc, same, served = [], [], []
         for _ in range(args.repeats):
-            inproc.append(in_process(model, args.tokens))
-            same.append(in_process(model, args.tokens, threads))
-            served.append(via_daemon(daemon.socket, args.tokens))
+            # each run starts on a quiet machine: the run before it may leave spinning kernel threads
+            # and, in the daemon, the engine's heap trim 50 ms after it goes idle
+            inproc.append(settled(in_process, model, args.tokens))
+            same.append(settled(in_process, model, args.tokens, threads))
+            served.append(settled(via_daemon, daemon.socket, args.tokens))
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
         step_ms, host_ms = host_time_per_step(model, args.tokens)
         one = statistics.median(asyncio.run(concurrent(daemon.socket, 1, args.tokens)) for _ in range(args.repeats))

@@ -224,6 +224,8 @@ class EngineHost:
         """Handle one report; True when the engine has stopped serving."""
         self._notifier.watchdog()  # it turns
         if isinstance(report, StepNews):
+            if report.stats is not None:
+                self.stats = report.stats
             self._news(report)
         elif isinstance(report, StatsUpdate):
             self.stats = report.stats

@@ -30,7 +30,7 @@ from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.logging_setup import configure_logging, get_logger
 from ember.daemon.runner.devices import backend_for
 from ember.daemon.runtime import Model, load
-from ember.daemon.server.engine_thread import Command, EngineThread, ExpertTotals, Progress
+from ember.daemon.server.engine_thread import Command, EngineStats, EngineThread, ExpertTotals, Progress
 from ember.daemon.server.engine_wire import (AddSequence, CancelRequest, DropClient, EngineCommand, EngineLaunch,
                                              FinishSequence, Heartbeat, PauseClient, Ready, ReleaseSlots, SeqProgress,
                                              Shutdown, StartFailed, StartStatus, StatsUpdate, StepNews, Stopped,
@@ -79,27 +79,36 @@ class Reports:
         self.send(StartStatus(text))
 
     def progress(self, news: list[Progress]) -> None:
-        self.send(StepNews([_wire_progress(p) for p in news]))
+        """A step's news, and the stats after it when they are due: one message, one wake-up of the
+        front (a step's second message would cost the kernels a second preemption of their cores)."""
+        self.send(StepNews([_wire_progress(p) for p in news], self._due_stats()))
 
     def heartbeat(self) -> None:
-        """After every turn of the loop: the stats when they changed, and a heartbeat now and then."""
+        """After every turn of the loop: stats that are due and went out with no news, and a
+        heartbeat now and then."""
         now = time.monotonic()
-        stats = self.engine.stats if self.engine is not None else None
-        if stats is not self._sent_stats and (now - self._last_stats >= _STATS_EVERY or _counts(stats) != self._counts):
-            self.stats()
+        if (stats := self._due_stats()) is not None:
+            self.send(StatsUpdate(stats))
         if self._beat_every is not None and now - self._last_beat >= self._beat_every:
             self._last_beat = now
             self.send(Heartbeat())
 
     def stats(self) -> None:
-        """The engine's stats snapshot, if it changed since the last one sent."""
+        """The engine's stats, if they changed since the last ones sent (the engine goes idle)."""
+        if (stats := self._due_stats(force=True)) is not None:
+            self.send(StatsUpdate(stats))
+
+    def _due_stats(self, force: bool = False) -> EngineStats | None:
+        """The stats to send now, if any: changed, and either what a client must see at once
+        (_counts) changed or _STATS_EVERY passed."""
         assert self.engine is not None
-        self._last_stats = time.monotonic()
-        stats = self.engine.stats
+        stats, now = self.engine.stats, time.monotonic()
         if stats is self._sent_stats:
-            return
-        self._sent_stats, self._counts = stats, _counts(stats)
-        self.send(StatsUpdate(replace(stats, experts=_expert_totals(self.models))))
+            return None
+        if not force and now - self._last_stats < _STATS_EVERY and _counts(stats) == self._counts:
+            return None
+        self._sent_stats, self._counts, self._last_stats = stats, _counts(stats), now
+        return replace(stats, experts=_expert_totals(self.models))
 
     def stopped(self) -> None:
         assert self.engine is not None

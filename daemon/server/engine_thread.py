@@ -38,6 +38,9 @@ from ember.protocol.shm_ring import ShmRing
 Command = Callable[[], None]
 
 _IDLE_WAKE = 1.0  # seconds an idle engine sleeps between watchdog pings when systemd sets none
+# seconds the engine stays idle before it trims the heap (~3 ms of malloc_trim): not at once, when the
+# front is delivering the spell's last tokens and a client's next request may be on its way
+_TRIM_AFTER = 0.05
 _RATE_WINDOW = 10.0  # seconds of recent steps behind EngineStats.tokens_per_s
 
 
@@ -181,7 +184,7 @@ class EngineThread:
         """The loop, on the calling thread (start() runs it on a thread of its own)."""
         try:
             self._setup()
-            busy = False  # a step ran since the engine was last idle
+            trim_at: float | None = None  # when to give a busy spell's prompt buffers back to the system
             while True:
                 self._apply(block=False)
                 if self._deadline is not None:
@@ -189,14 +192,17 @@ class EngineThread:
                         self._end(lambda r: True)
                     if not self._live:
                         break
-                if not self._step_next_model():
-                    if busy:
-                        release_free_heap()  # a busy spell's prompt buffers go back to the system
-                    busy = False
-                    self._on_idle()
-                    self._apply(block=True)
+                if self._step_next_model():
+                    trim_at = -1.0  # due once the engine has been idle for _TRIM_AFTER
                 else:
-                    busy = True
+                    now = time.monotonic()
+                    if trim_at == -1.0:
+                        trim_at = now + _TRIM_AFTER
+                    elif trim_at is not None and now >= trim_at:
+                        release_free_heap()
+                        trim_at = None
+                    self._on_idle()
+                    self._apply(block=True, until=trim_at)
                 self._heartbeat()
         except Exception:  # a bug in the engine itself: say so loudly, then stop (systemd restarts us)
             self.log.exception("engine loop failed")
@@ -207,12 +213,14 @@ class EngineThread:
             self._rings.clear()
             self._on_stopped()
 
-    def _apply(self, block: bool) -> None:
-        """Run queued commands; when `block`, first wait for one (bounded, to keep petting the watchdog)."""
+    def _apply(self, block: bool, until: float | None = None) -> None:
+        """Run queued commands; when `block`, first wait for one (bounded, to keep petting the watchdog,
+        and by `until`, a monotonic time)."""
         if block:
             timeout = self._idle_wake
-            if self._deadline is not None:
-                timeout = max(0.0, min(timeout, self._deadline - time.monotonic()))
+            for end in (self._deadline, until):
+                if end is not None:
+                    timeout = max(0.0, min(timeout, end - time.monotonic()))
             try:
                 self._inbox.get(timeout=timeout)()
             except queue.Empty:
@@ -249,8 +257,8 @@ class EngineThread:
                 r = self._live.pop(seq.seq_id)
                 r.log.warning("request failed", error=why)
                 news.append(Progress(r, finish=FinishReason.ERROR, message=why))
+            self._account(sum(len(o.new_tokens) for o in result.outputs))  # first: the news may carry the stats
             self._progress(news)
-            self._account(sum(len(o.new_tokens) for o in result.outputs))
             return True
         self._account(0)
         return False

@@ -86,6 +86,7 @@ class SeqProgress(EngineWire):
 
 class StepNews(EngineWire):
     progress: list[SeqProgress]
+    stats: EngineStats | None = None  # the stats after the step, when a client should see them now
 
 
 class StatsUpdate(EngineWire):

@@ -8,9 +8,13 @@ In, through one queue (so that a Cancel never overtakes the Generate it cancels)
   build the sequence, hand it to the engine thread (or answer an Error);
 - cancels, dropped clients and the shutdown, forwarded to the engine in that order (a request still
   being tokenized is ended here: Finished{cancelled}; the shutdown waits for those being tokenized);
-- after each engine step, its progress: detokenize, find stop strings, build the Tokens / Finished
-  frames of every request the step touched, and publish them together (one wake-up of the I/O loop
-  per step, not per request).
+- after each engine step of an engine in process, its progress: detokenize, find stop strings, build
+  the Tokens / Finished frames of every request the step touched, and publish them together (one
+  wake-up of the I/O loop per step, not per request).
+The daemon's engine process hands its steps' progress to the front's link thread (EngineHost), which
+turns it into frames itself (`_frames`, the same work): one thread fewer wakes per step, and nothing
+the engine waits for. `_frames` touches only requests the engine holds, which nothing else here
+touches once they are handed over.
 A stop string is found here: the request's Finished goes out at once and the engine is told to free
 the sequence (engine/scheduler.py decides every other end). Pause and logits-slot releases go straight
 to the engine: they carry no order with admissions.
@@ -64,7 +68,7 @@ class TextWorker:
         if engine is not None:
             assert contexts is not None
             self._contexts = dict(contexts)
-            engine.bind(self.progress, self.engine_stopped)
+            engine.bind(self._frames, self.engine_stopped)
             self.engine = engine
         else:
             assert cores is not None
