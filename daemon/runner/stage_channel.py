@@ -12,17 +12,10 @@ and the engine's process waits on every stage's control socket at once.
 """
 from __future__ import annotations
 
-import socket
-import struct
-
 import msgspec
 import numpy as np
 
 from ember.daemon.step.step_batch import StepBatch
-
-_LENGTH = struct.Struct("<I")
-MAX_FRAME = 64 << 20  # a step's metadata is KiBs; anything near this is a bug, not a message
-
 
 class _Msg(msgspec.Struct, frozen=True, array_like=True, tag=True):
     pass
@@ -104,8 +97,7 @@ class Stop(_Msg):
 
 
 Message = Setup | Ready | NewCache | DropCache | Run | Done | Failed | Stop
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
+DECODER = msgspec.msgpack.Decoder(Message)  # what a stage channel carries (ember.daemon.channel.Channel)
 
 BATCH_DTYPES = {"ids": np.int64, "positions": np.int64, "token_seq": np.int32, "kv_blocks": np.int64,
                 "kv_offsets": np.int64, "tables": np.int32, "logit_rows": np.int64, "decode_rows": np.bool_}
@@ -120,45 +112,3 @@ def unpack_batch(b: Batch) -> StepBatch:
     arrays = {name: np.frombuffer(getattr(b, name), dtype) for name, dtype in BATCH_DTYPES.items()}
     arrays["tables"] = arrays["tables"].reshape(-1, b.table_width)
     return StepBatch(**arrays)
-
-
-class ChannelClosed(ConnectionError):
-    """The other end went away (a worker died, or the engine's process did)."""
-
-
-class Channel:
-    """One end of a socketpair carrying Messages."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def send(self, msg: Message) -> None:
-        data = _encoder.encode(msg)
-        try:
-            self.sock.sendall(_LENGTH.pack(len(data)) + data)  # one call: a frame is never interleaved
-        except OSError as e:
-            raise ChannelClosed(f"send failed: {e}") from None
-
-    def recv(self) -> Message:
-        (n,) = _LENGTH.unpack(self._exactly(_LENGTH.size))
-        if n > MAX_FRAME:
-            raise ChannelClosed(f"a frame of {n} bytes is over the channel's limit")
-        return _decoder.decode(self._exactly(n))
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def _exactly(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            try:
-                part = self.sock.recv(n - len(buf))
-            except OSError as e:
-                raise ChannelClosed(f"receive failed: {e}") from None
-            if not part:
-                raise ChannelClosed("the other end closed the channel")
-            buf += part
-        return bytes(buf)

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ember.daemon.runner.devices import DeviceName
-from ember.daemon.runner.stage_channel import (Channel, ChannelClosed, Done, DropCache, Failed, Message, NewCache,
-                                               Ready, Run, Setup, Stop)
+from ember.daemon.channel import Channel, ChannelClosed
+from ember.daemon.runner.stage_channel import (DECODER, Done, DropCache, Failed, Message, NewCache, Ready, Run, Setup,
+                                               Stop)
 
 READY_TIMEOUT = 600.0  # seconds a worker may take to map the model and load its layers
 READY_TICK = 1.0  # seconds between the `tick` calls of a caller waiting for a worker to load
@@ -82,7 +83,7 @@ class ProcessStage:
             raise
         finally:
             theirs.close()
-        self.channel = Channel(ours)
+        self.channel = Channel(ours, DECODER)
         self.send(self.setup)
 
     def wait_ready(self, deadline: float, tick: Callable[[], None] = lambda: None) -> None:

@@ -31,8 +31,9 @@ import msgspec
 
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.models.kv_cache import PagedKVCache
-from ember.daemon.runner.stage_channel import (Channel, ChannelClosed, Done, DropCache, Failed, NewCache, Ready, Run,
-                                               Setup, Stop, unpack_batch)
+from ember.daemon.channel import Channel, ChannelClosed
+from ember.daemon.runner.stage_channel import (DECODER, Done, DropCache, Failed, NewCache, Ready, Run, Setup, Stop,
+                                               unpack_batch)
 from ember.daemon.runner.staging import Boundary, LogitsRows, Segment
 
 NODE_DIR = Path("/sys/devices/system/node")
@@ -214,7 +215,7 @@ class StageWorker:
 
 
 def main(argv: list[str]) -> int:
-    channel, upstream, downstream = (Channel(socket.socket(fileno=fd)) if fd >= 0 else None for fd in map(int, argv[1:4]))
+    channel, upstream, downstream = (Channel(socket.socket(fileno=fd), DECODER) if fd >= 0 else None for fd in map(int, argv[1:4]))
     assert channel is not None
     try:
         setup = channel.recv()

@@ -2,11 +2,13 @@
 sending it commands, reading its reports, and starting it again when it dies.
 
 It has the engine loop's interface (add, cancel, finish, drop_client, set_paused, release, shutdown,
-stats), so the text worker drives it as it would drive the loop in process. Commands may come from
-any thread (a lock keeps the command socket to one at a time); the reports are read by a thread of
-its own, which turns each step's news back into Progress for the front's own Request objects.
+stats), so the text worker drives it as it would drive the loop in process. They talk over a Unix
+socketpair (ember.daemon.channel): commands may come from any thread (a lock keeps them whole, one
+at a time); the reports are read by a thread of its own, which turns each step's news back into
+Progress for the front's own Request objects.
 
-An engine that dies (killed, out of memory, a crash) is seen at once: every request it held ends
+An engine that dies (killed, out of memory, a crash) is seen at once, its end of the socketpair
+closing: every request it held ends
 with Finished{error} saying so, its logits segments are unlinked, and a new engine is started while
 the daemon keeps its socket; requests admitted meanwhile wait for it. An engine that cannot start
 again after a few tries ends serving (`crashed`: the daemon exits 1, systemd restarts it).
@@ -14,27 +16,25 @@ again after a few tries ends serving (`crashed`: the daemon exits 1, systemd res
 from __future__ import annotations
 
 import os
-import shutil
 import signal
+import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import zmq
+
+from ember.daemon.channel import Channel, ChannelClosed
 
 from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.logging_setup import get_logger
 from ember.daemon.server.engine_thread import EngineStats, Progress
 from ember.daemon.server.engine_wire import (AddSequence, CancelRequest, DropClient, EngineLaunch, EngineReport,
                                              FinishSequence, Heartbeat, PauseClient, Ready, ReleaseSlots, Shutdown,
-                                             StartFailed, StartStatus, StatsUpdate, StepNews, Stopped, command_encoder,
-                                             report_decoder)
+                                             StartFailed, StartStatus, StatsUpdate, StepNews, Stopped, report_decoder)
 from ember.daemon.server.notify import Notifier
 from ember.protocol.messages import FinishReason
 from ember.protocol.shm_ring import remove_dead_segments
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 START_TIMEOUT = 1800.0  # seconds an engine may take to compile its kernels, load and warm up its models
 RESTART_TRIES = 3  # engines in a row that may fail to start after a death before serving ends
-_POLL_MS = 50  # how often the report reader looks at the process between reports
+_TICK = 0.05  # seconds between looks at a starting engine (and pets of the watchdog)
 _STOP_TIMEOUT = 10.0  # seconds a stopping engine gets to exit before it is killed
 
 
@@ -54,17 +54,13 @@ class EngineStartFailed(RuntimeError):
 
 class EngineHost:
     def __init__(self, launch: EngineLaunch, notifier: Notifier, start_timeout: float = START_TIMEOUT) -> None:
-        """launch: what every engine is started with; its `commands` / `reports` addresses are
-        replaced by fresh ones in a private directory for each engine started."""
+        """launch: what every engine is started with."""
         self._launch = launch
         self._notifier = notifier
         self._start_timeout = start_timeout
-        self._dir = Path(tempfile.mkdtemp(prefix="ember-engine-"))  # 0700: only this user reaches the sockets
-        self._ctx = zmq.Context()
-        self._lock = threading.Lock()  # the command socket, _live and _pending
-        self._commands: zmq.Socket | None = None  # None while no engine is up
-        self._reports: zmq.Socket | None = None
-        self._pending: list[bytes] = []  # commands for the next engine, while none is up
+        self._lock = threading.Lock()  # sending on the channel, _live and _pending
+        self._channel: Channel | None = None  # to the engine serving now; None while none is
+        self._pending: list[Any] = []  # commands for the next engine, while none is up
         self._live: dict[int, Request] = {}  # seq_id -> request, for every request the engine holds
         self._paused: set[bytes] = set()  # clients paused now: a new engine is told again
         self._process: subprocess.Popen[bytes] | None = None
@@ -84,44 +80,45 @@ class EngineHost:
         """Start an engine and wait until its models are loaded and warm; EngineStartFailed (or the
         ModelFileError it reported) if it cannot."""
         self._generation += 1
-        prefix = self._dir / str(self._generation)
-        launch = msgspec.structs.replace(self._launch, commands=f"ipc://{prefix}.cmd", reports=f"ipc://{prefix}.out")
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
-        process = subprocess.Popen([sys.executable, "-m", "ember.daemon.server.engine_main"], stdin=subprocess.PIPE,
-                                   env=env)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            process = subprocess.Popen([sys.executable, "-m", "ember.daemon.server.engine_main", str(theirs.fileno())],
+                                       stdin=subprocess.PIPE, pass_fds=[theirs.fileno()], env=env)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()  # the engine's end: when the engine dies, ours reads the end of the stream
+        channel = Channel(ours, report_decoder)
         try:
             assert process.stdin is not None
-            process.stdin.write(msgspec.json.encode(launch))
+            process.stdin.write(msgspec.json.encode(self._launch))
             process.stdin.close()
-            reports = self._ctx.socket(zmq.PULL)
-            reports.connect(launch.reports)
-            commands = self._ctx.socket(zmq.PUSH)
-            commands.setsockopt(zmq.SNDHWM, 0)  # commands are few, bounded by admission: never block on them
-            commands.connect(launch.commands)
-            try:
-                self.pid = self._wait_ready(process, reports)
-            except BaseException:
-                reports.close(linger=0)
-                commands.close(linger=0)
-                raise
+            self.pid = self._wait_ready(process, channel)
         except BaseException:
+            channel.close()
             _kill(process)
             raise
-        self._process, self._reports = process, reports
+        self._process = process
         with self._lock:
-            self._commands = commands
+            self._channel = channel
             for client in self._paused if self._generation > 1 else ():
-                commands.send(command_encoder.encode(PauseClient(client, True)))
-            for frame in self._pending:
-                commands.send(frame)
+                channel.send(PauseClient(client, True))
+            for message in self._pending:
+                channel.send(message)
             self._pending.clear()
 
-    def _wait_ready(self, process: subprocess.Popen[bytes], reports: zmq.Socket) -> int:
+    def _wait_ready(self, process: subprocess.Popen[bytes], channel: Channel) -> int:
         deadline = time.monotonic() + self._start_timeout
         while time.monotonic() < deadline:
             self._notifier.watchdog()  # loading is progress
-            if reports.poll(_POLL_MS):
-                report = report_decoder.decode(reports.recv())
+            if channel.readable(_TICK):
+                try:
+                    report = channel.recv()
+                except ChannelClosed:  # it died: its exit status says how
+                    process.wait(_STOP_TIMEOUT)
+                    raise EngineStartFailed(f"the engine process {_ended(process.returncode)} while starting") from None
                 if isinstance(report, Ready):
                     return report.pid
                 if isinstance(report, StartStatus):
@@ -131,8 +128,6 @@ class EngineHost:
                     if report.path:
                         raise ModelFileError(report.path, report.reason)
                     raise EngineStartFailed(report.message)
-            elif process.poll() is not None:
-                raise EngineStartFailed(f"the engine process {_ended(process.returncode)} while starting")
         raise EngineStartFailed(f"the engine process did not become ready within {self._start_timeout:g} s")
 
     def bind(self, progress: Callable[[list[Progress]], None], on_stopped: Callable[[], None]) -> None:
@@ -147,16 +142,17 @@ class EngineHost:
         self._thread.join(timeout)
 
     def close(self) -> None:
-        """Stop the engine if it still runs (the daemon is exiting) and remove the sockets' directory."""
+        """Stop the engine if it still runs (the daemon is exiting)."""
         if self._process is not None and self._process.poll() is None:
             _kill(self._process)
         with self._lock:
-            for sock in (self._commands, self._reports):
-                if sock is not None:
-                    sock.close(linger=0)
-            self._commands = self._reports = None
-        self._ctx.destroy(linger=0)
-        shutil.rmtree(self._dir, ignore_errors=True)
+            if self._channel is not None:
+                try:
+                    self._channel.sock.shutdown(socket.SHUT_RDWR)  # wakes a link thread still reading it
+                except OSError:
+                    pass
+                self._channel.close()
+            self._channel = None
 
     # --- commands (any thread) -----------------------------------------------------------------------
     def add(self, r: Request) -> None:
@@ -193,26 +189,32 @@ class EngineHost:
         self._send(Shutdown(drain_timeout))
 
     def _send(self, message: Any, add: Request | None = None) -> None:
-        frame = command_encoder.encode(message)
         with self._lock:
             if add is not None:
                 assert add.seq is not None
                 self._live[add.seq.seq_id] = add
-            if self._commands is None:
-                self._pending.append(frame)
-            else:
-                self._commands.send(frame)
+            if self._channel is None:
+                self._pending.append(message)
+                return
+            try:
+                self._channel.send(message)
+            except ChannelClosed:  # the engine just died: the link thread ends what it held, `add` too
+                pass
 
     # --- the reports (the link thread) ---------------------------------------------------------------
     def _read(self) -> None:
         try:
             while True:
-                assert self._process is not None and self._reports is not None
-                if self._reports.poll(_POLL_MS):
-                    if self._report(report_decoder.decode(self._reports.recv())):
-                        self._process.wait(_STOP_TIMEOUT)
+                assert self._process is not None and self._channel is not None
+                try:
+                    report = self._channel.recv()
+                except ChannelClosed:  # the engine died (or closed its end: it is exiting)
+                    self._process.wait(_STOP_TIMEOUT)
+                    if not self._engine_died():
                         return
-                elif self._process.poll() is not None and not self._engine_died():
+                    continue
+                if self._report(report):
+                    self._process.wait(_STOP_TIMEOUT)
                     return
         except Exception:
             self.log.exception("engine link failed")
@@ -259,12 +261,9 @@ class EngineHost:
         why = f"the engine process {_ended(self._process.returncode)}"
         with self._lock:
             lost, self._live = list(self._live.values()), {}
-            if self._commands is not None:
-                self._commands.close(linger=0)
-            self._commands = None
-        if self._reports is not None:
-            self._reports.close(linger=0)
-            self._reports = None
+            if self._channel is not None:
+                self._channel.close()
+            self._channel = None
         self.log.error("engine process died", pid=self.pid, why=why, requests=len(lost))
         self._progress([Progress(r, finish=FinishReason.ERROR, message=f"{why}; the daemon is restarting it")
                         for r in lost])

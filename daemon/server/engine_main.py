@@ -1,9 +1,10 @@
-"""The engine process: `python -m ember.daemon.server.engine_main`, started by the daemon's front
-(engine_host.py), which writes its EngineLaunch to its standard input.
+"""The engine process: `python -m ember.daemon.server.engine_main FD`, started by the daemon's front
+(engine_host.py), which writes its EngineLaunch to its standard input; FD is its end of the
+socketpair they talk over (ember.daemon.channel).
 
 It loads and warms the models, then runs the engine loop (engine_thread.py) on its main thread: no
-other Python thread shares its GIL. Commands come in on one ZMQ socket and are read between steps;
-each step's news, the stats, heartbeats and its end go out on another. Logits rows go straight into
+other Python thread shares its GIL. Commands come in on the channel and are read between steps; each
+step's news, the stats, heartbeats and its end go out on it. Logits rows go straight into
 the clients' shared-memory rings, made here. Cold-expert workers and layer-split stages are this
 process's children. It ignores SIGINT and SIGTERM (the front drains it with a Shutdown message) and
 dies with the front (PR_SET_PDEATHSIG).
@@ -14,6 +15,7 @@ import ctypes
 import os
 import queue
 import signal
+import socket
 import sys
 import time
 from collections import deque
@@ -21,8 +23,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
-import zmq
 
+from ember.daemon.channel import Channel, ChannelClosed
 from ember.daemon.step.defaults import KV_BLOCK
 from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence
@@ -61,40 +63,65 @@ class Admitted:
 class Reports:
     """The engine's side of its report socket: every message the front reads."""
 
-    def __init__(self, sock: zmq.Socket, heartbeat_interval: float | None) -> None:
-        self._sock = sock
-        self._encode = msgspec.msgpack.Encoder().encode
+    def __init__(self, channel: Channel, heartbeat_interval: float | None, news_every: float) -> None:
+        """news_every: seconds a step's news may wait for the next steps' (engine.decode_burst_ms: a
+        decode burst's tokens wait as long)."""
+        self._channel = channel
+        self._news_every = news_every
         self._beat_every = heartbeat_interval / 4 if heartbeat_interval else None
         self._last_beat = 0.0
         self._last_stats = 0.0
         self._sent_stats: object = None
         self._counts: tuple[int, ...] = ()
+        self._news: list[SeqProgress] = []  # steps' news not sent yet
+        self._last_news = 0.0
         self.engine: EngineThread | None = None
         self.models: dict[str, Model] = {}
 
     def send(self, message: Any) -> None:
-        self._sock.send(self._encode(message), copy=False)
+        try:
+            self._channel.send(message)
+        except ChannelClosed:  # the front is gone: the inbox sees it too, and the loop ends
+            pass
 
     def status(self, text: str) -> None:
         self.send(StartStatus(text))
 
     def progress(self, news: list[Progress]) -> None:
-        """A step's news, and the stats after it when they are due: one message, one wake-up of the
-        front (a step's second message would cost the kernels a second preemption of their cores)."""
-        self.send(StepNews([_wire_progress(p) for p in news], self._due_stats()))
+        """A step's news. It goes out with the next steps' for up to news_every (as a decode burst's
+        tokens do: every message wakes the front, whose threads then take the kernels' cores), at
+        once when it starts or ends a request."""
+        self._news += (_wire_progress(p) for p in news)
+        if any(p.finish is not None or p.error is not None or _first(p) for p in news):
+            self.flush()
+
+    def end(self, seq_id: int, reason: str) -> None:
+        """The front ended the sequence: its end goes out after any news of it."""
+        self._news.append(SeqProgress(seq_id, finish=reason))
+        self.flush()
+
+    def flush(self) -> None:
+        """The news so far, with the stats when they are due: one message, one wake-up of the front."""
+        if self._news:
+            self._last_news = time.monotonic()
+            self.send(StepNews(self._news, self._due_stats()))
+            self._news = []
 
     def heartbeat(self) -> None:
-        """After every turn of the loop: stats that are due and went out with no news, and a
-        heartbeat now and then."""
+        """After every turn of the loop: news that waited long enough, stats that are due and went out
+        with no news, and a heartbeat now and then."""
         now = time.monotonic()
+        if self._news and now - self._last_news >= self._news_every:
+            self.flush()
         if (stats := self._due_stats()) is not None:
             self.send(StatsUpdate(stats))
         if self._beat_every is not None and now - self._last_beat >= self._beat_every:
             self._last_beat = now
             self.send(Heartbeat())
 
-    def stats(self) -> None:
-        """The engine's stats, if they changed since the last ones sent (the engine goes idle)."""
+    def idle(self) -> None:
+        """The engine has nothing to step: what waited goes out, and the stats if they changed."""
+        self.flush()
         if (stats := self._due_stats(force=True)) is not None:
             self.send(StatsUpdate(stats))
 
@@ -112,16 +139,17 @@ class Reports:
 
     def stopped(self) -> None:
         assert self.engine is not None
+        self.flush()
         self.send(Stopped(self.engine.crashed))
 
 
 class CommandInbox:
     """The engine loop's inbox (engine_thread.Inbox) in this process: the front's commands from the
-    command socket, each turned into a call of the engine's own command methods, whose work then
-    waits here, in order, for the loop to run it."""
+    channel, each turned into a call of the engine's own command methods, whose work then waits
+    here, in order, for the loop to run it. A closed channel (the front died) is a shutdown now."""
 
-    def __init__(self, sock: zmq.Socket, reports: Reports) -> None:
-        self._sock = sock
+    def __init__(self, channel: Channel, reports: Reports) -> None:
+        self._channel = channel
         self._reports = reports
         self._local: deque[Command] = deque()
         self.engine: EngineThread | None = None
@@ -132,13 +160,16 @@ class CommandInbox:
     def get_nowait(self) -> Command:
         if self._local:
             return self._local.popleft()
-        if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not self._channel.readable():
             raise queue.Empty
-        message = command_decoder.decode(self._sock.recv(copy=False).buffer)
+        try:
+            message = self._channel.recv()
+        except ChannelClosed:
+            return lambda: self._dispatch(Shutdown(0.0))
         return lambda: self._dispatch(message)
 
     def get(self, timeout: float) -> Command:
-        if not self._local and not self._sock.poll(max(0, int(timeout * 1000))):
+        if not self._local and not self._channel.readable(timeout):
             raise queue.Empty
         return self.get_nowait()
 
@@ -154,7 +185,7 @@ class CommandInbox:
             engine.cancel(m.client, m.request_id)
         elif isinstance(m, FinishSequence):  # its end, after any news of it sent before: the front forgets it
             engine.finish_sequence(m.seq_id, m.reason)
-            self._reports.send(StepNews([SeqProgress(m.seq_id, finish=m.reason)]))
+            self._reports.end(m.seq_id, m.reason)
         elif isinstance(m, DropClient):
             engine.drop_client(m.client)
         elif isinstance(m, PauseClient):
@@ -168,6 +199,11 @@ class CommandInbox:
 def _counts(stats: Any) -> tuple[int, ...]:
     """What a client reading the stats must see at once: the rate alone may wait _STATS_EVERY."""
     return (stats.running, stats.waiting, stats.kv_blocks_used, stats.preemptions)
+
+
+def _first(p: Progress) -> bool:
+    """The request's first tokens (its time to first token waits for no other step)."""
+    return bool(p.tokens) and len(p.request.seq.generated) == len(p.tokens)
 
 
 def _wire_progress(p: Progress) -> SeqProgress:
@@ -269,15 +305,11 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def serve_engine(launch: EngineLaunch) -> int:
+def serve_engine(launch: EngineLaunch, channel: Channel) -> int:
     config = launch.config
     configure_logging(config.server.log_format, config.server.log_level)
     log = get_logger(process="engine")
-    ctx = zmq.Context()
-    commands, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    commands.bind(launch.commands)
-    out.bind(launch.reports)
-    reports = Reports(out, launch.heartbeat_interval)
+    reports = Reports(channel, launch.heartbeat_interval, config.engine.decode_burst_ms / 1000)
     models: dict[str, Model] = {}
     try:
         try:
@@ -297,12 +329,12 @@ def serve_engine(launch: EngineLaunch) -> int:
             reports.send(StartFailed(f"loading the models failed: {type(err).__name__}: {err}"))
             return 1
         cores = engine_cores(launch, models)
-        inbox = CommandInbox(commands, reports)
+        inbox = CommandInbox(channel, reports)
         engine = EngineThread(cores=cores, progress=reports.progress, on_stopped=reports.stopped,
                               new_ring=ring_maker(launch, max(m.config.vocab for m in models.values())),
                               heartbeat=reports.heartbeat, heartbeat_interval=launch.heartbeat_interval,
                               setup=lambda: backend.use_threads(e.threads), stall_timeout=config.server.stall_timeout,
-                              inbox=inbox, on_idle=reports.stats)
+                              inbox=inbox, on_idle=reports.idle)
         inbox.engine = reports.engine = engine
         reports.models = models
         reports.send(Ready(os.getpid()))
@@ -312,9 +344,7 @@ def serve_engine(launch: EngineLaunch) -> int:
     finally:
         for model in models.values():  # stage and cold-expert workers; MoE routing statistics saved
             model.close()
-        out.close(linger=2000)  # the last reports (Stopped) reach the front
-        commands.close(linger=0)
-        ctx.term()
+        channel.close()
 
 
 def main() -> int:
@@ -322,7 +352,7 @@ def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # the front decides when serving ends
         signal.signal(sig, signal.SIG_IGN)
     launch = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineLaunch)
-    return serve_engine(launch)
+    return serve_engine(launch, Channel(socket.socket(fileno=int(sys.argv[1])), command_decoder))
 
 
 if __name__ == "__main__":

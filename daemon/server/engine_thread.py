@@ -134,6 +134,7 @@ class EngineThread:
         self._stall_timeout = stall_timeout
         self._rings: dict[bytes, ShmRing] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
+        self._recent_tokens = 0  # their tokens, less the oldest step's (the rate counts from its time on)
         self._deadline: float | None = None  # set by shutdown(): cancel what is left at this time
         self._thread = threading.Thread(target=self.run, name="ember-engine", daemon=True)
         self.log = get_logger()
@@ -357,9 +358,11 @@ class EngineThread:
         """Refresh the stats snapshot after a step that generated `generated` tokens."""
         now = time.monotonic()
         if generated:
+            self._recent_tokens += generated if self._recent else 0
             self._recent.append((now, generated))
         while self._recent and self._recent[0][0] < now - _RATE_WINDOW:
             self._recent.popleft()
+            self._recent_tokens -= self._recent[0][1] if self._recent else self._recent_tokens
         parts = [c.stats() for c in self._cores.values()]
         queries = sum(p.prefix_queries for p in parts)
         span = now - self._recent[0][0] if len(self._recent) > 1 else 0.0
@@ -368,7 +371,7 @@ class EngineThread:
             kv_blocks_used=sum(p.kv_blocks_used for p in parts), kv_blocks_free=sum(p.kv_blocks_free for p in parts),
             prefix_hit_rate=sum(p.prefix_hits for p in parts) / queries if queries else 0.0,
             preemptions=sum(p.preemptions for p in parts),
-            tokens_per_s=sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0,
+            tokens_per_s=self._recent_tokens / span if span > 0 else 0.0,
             spec=SpecStats(sum(p.spec.proposed for p in parts), sum(p.spec.accepted for p in parts),
                            sum(p.spec.steps for p in parts)),
         )

@@ -1,6 +1,6 @@
 """The messages between the daemon's front process and its engine process (engine_host.py,
-engine_main.py): msgspec Structs, msgpack-encoded, one per ZMQ frame over ipc sockets in a directory
-only the daemon's user can enter. Never pickled; never seen by clients (protocol/ is theirs).
+engine_main.py): msgspec Structs, one msgpack frame each over the socketpair the engine inherits
+(ember.daemon.channel). Never pickled; never seen by clients (protocol/ is theirs).
 
 A request crosses once, as AddSequence (its prompt already tokenized and checked by the front); what
 comes back per step is token ids, the chosen tokens' logprobs and the descriptors of logits rows the
@@ -123,20 +123,17 @@ EngineReport = Union[StepNews, StatsUpdate, Heartbeat, StartStatus, Ready, Start
 
 class EngineLaunch(msgspec.Struct, frozen=True):
     """Everything the engine process is started with, resolved once by the front (it reads no
-    environment of its own for these): the configuration, the precision the plan used, where its
-    sockets go, and how its logits rings are made."""
+    environment of its own for these): the configuration, the precision the plan used, and how its
+    logits rings are made."""
     config: Config
     kv_dtype: str
     act_dtype: str
     feature_dtypes: dict[str, str]  # model name -> its feature mirror's dtype
-    commands: str  # ipc address the engine binds and the front sends commands to
-    reports: str  # ipc address the engine binds and the front reads reports from
     shm_owner: str  # names the logits segments after the daemon's socket (protocol/shm_ring.py)
     ring_mode: int = 0o600
     ring_group: int | None = None
     heartbeat_interval: float | None = None  # seconds between Heartbeats (systemd's watchdog), None: none
 
 
-command_encoder = msgspec.msgpack.Encoder()
-command_decoder = msgspec.msgpack.Decoder(EngineCommand)
-report_decoder = msgspec.msgpack.Decoder(EngineReport)
+command_decoder = msgspec.msgpack.Decoder(EngineCommand)  # what the engine takes
+report_decoder = msgspec.msgpack.Decoder(EngineReport)  # what the front takes

@@ -151,7 +151,7 @@ def _launch(config: Config, policy: PrecisionPolicy, socket_path: Path, watchdog
     group = grp.getgrnam(config.server.socket_group).gr_gid if config.server.socket_group else None
     return EngineLaunch(config=config, kv_dtype=policy.kv, act_dtype=policy.act,
                         feature_dtypes={m.display_name: _model_policy(policy, m).feature for m in config.models},
-                        commands="", reports="", shm_owner=owner_id(socket_path),
+                        shm_owner=owner_id(socket_path),
                         ring_mode=0o640 if group is not None else 0o600,  # readable by those who may connect, no more
                         ring_group=group, heartbeat_interval=watchdog)
 
