@@ -58,7 +58,11 @@ class EngineHost:
         self._launch = launch
         self._notifier = notifier
         self._start_timeout = start_timeout
-        self._lock = threading.Lock()  # sending on the channel, _live and _pending
+        self._lock = threading.Lock()  # _channel, _live, _pending and _paused: held briefly, never to send
+        # one sender at a time, so frames stay whole; nobody holding _lock waits for it, so the link
+        # thread reads reports while a big command waits for room (else both ends could block on
+        # full buffers)
+        self._send_lock = threading.Lock()
         self._channel: Channel | None = None  # to the engine serving now; None while none is
         self._pending: list[Any] = []  # commands for the next engine, while none is up
         self._live: dict[int, Request] = {}  # seq_id -> request, for every request the engine holds
@@ -101,13 +105,16 @@ class EngineHost:
             _kill(process)
             raise
         self._process = process
-        with self._lock:
-            self._channel = channel
-            for client in self._paused if self._generation > 1 else ():
-                channel.send(PauseClient(client, True))
-            for message in self._pending:
-                channel.send(message)
-            self._pending.clear()
+        with self._send_lock:  # what waited goes first: a command sent from now on queues behind it
+            with self._lock:
+                self._channel = channel
+                resend = [PauseClient(client, True) for client in self._paused] if self._generation > 1 else []
+                waiting, self._pending = resend + self._pending, []
+            try:
+                for message in waiting:
+                    channel.send(message)
+            except ChannelClosed:  # it died at once: the link thread sees its end and fails what it held
+                pass
 
     def _wait_ready(self, process: subprocess.Popen[bytes], channel: Channel) -> int:
         deadline = time.monotonic() + self._start_timeout
@@ -145,14 +152,17 @@ class EngineHost:
         """Stop the engine if it still runs (the daemon is exiting)."""
         if self._process is not None and self._process.poll() is None:
             _kill(self._process)
+        self._drop_channel()
+
+    def _drop_channel(self) -> None:
         with self._lock:
-            if self._channel is not None:
-                try:
-                    self._channel.sock.shutdown(socket.SHUT_RDWR)  # wakes a link thread still reading it
-                except OSError:
-                    pass
-                self._channel.close()
-            self._channel = None
+            channel, self._channel = self._channel, None
+        if channel is not None:
+            try:
+                channel.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread still reading or writing it
+            except OSError:
+                pass
+            channel.close()
 
     # --- commands (any thread) -----------------------------------------------------------------------
     def add(self, r: Request) -> None:
@@ -193,11 +203,13 @@ class EngineHost:
             if add is not None:
                 assert add.seq is not None
                 self._live[add.seq.seq_id] = add
-            if self._channel is None:
+            channel = self._channel
+            if channel is None:
                 self._pending.append(message)
                 return
+        with self._send_lock:
             try:
-                self._channel.send(message)
+                channel.send(message)
             except ChannelClosed:  # the engine just died: the link thread ends what it held, `add` too
                 pass
 
@@ -259,11 +271,9 @@ class EngineHost:
         serving ends instead (a shutdown was under way, or no engine would start)."""
         assert self._process is not None
         why = f"the engine process {_ended(self._process.returncode)}"
+        self._drop_channel()
         with self._lock:
             lost, self._live = list(self._live.values()), {}
-            if self._channel is not None:
-                self._channel.close()
-            self._channel = None
         self.log.error("engine process died", pid=self.pid, why=why, requests=len(lost))
         self._progress([Progress(r, finish=FinishReason.ERROR, message=f"{why}; the daemon is restarting it")
                         for r in lost])
