@@ -115,6 +115,11 @@ class Reports:
             self.flush()
         if (stats := self._due_stats()) is not None:
             self.send(StatsUpdate(stats))
+        self.beat()
+
+    def beat(self) -> None:
+        """A heartbeat, if one is due: the front pets systemd's watchdog on it."""
+        now = time.monotonic()
         if self._beat_every is not None and now - self._last_beat >= self._beat_every:
             self._last_beat = now
             self.send(Heartbeat())
@@ -221,9 +226,10 @@ def _expert_totals(models: dict[str, Model]) -> ExpertTotals:
                         swaps=sum(s.swaps for s in stats), worker_restarts=sum(s.worker_restarts for s in stats))
 
 
-def load_models(launch: EngineLaunch, status: Any) -> dict[str, Model]:
-    """Every model of the configuration, loaded and (engine.warmup) warmed up; `status(text)` says how
-    far it got."""
+def load_models(launch: EngineLaunch, reports: Reports) -> dict[str, Model]:
+    """Every model of the configuration, loaded and (engine.warmup) warmed up; the reports say how far
+    it got."""
+    status = reports.status
     config, log = launch.config, get_logger()
     e = config.engine
     models: dict[str, Model] = {}
@@ -237,6 +243,8 @@ def load_models(launch: EngineLaunch, status: Any) -> dict[str, Model]:
                      draft=spec.draft or None, draft_tokens=spec.draft_tokens,
                      feature_dtype=launch.feature_dtypes[name], **spec.experts)
         models[name] = model
+        if model.pipeline is not None:
+            model.pipeline.heartbeat = reports.beat  # while its stages restart, on the engine's thread
         _log_stages(name, model)
         if e.warmup:
             status(f"warming up {name}")
@@ -246,6 +254,11 @@ def load_models(launch: EngineLaunch, status: Any) -> dict[str, Model]:
             list(model.generate(list(range(1, 9)), max_tokens=4, ignore_eos=True))
         log.info("model ready", model=name, path=spec.path, seconds=round(time.perf_counter() - t0, 2))
     return models
+
+
+def _compiling(reports: Reports) -> None:
+    reports.status("compiling the CPU kernels (first start; later starts load them)")
+    get_logger().info("compiling the CPU kernels in a child process (first start after an install or upgrade)")
 
 
 def _log_stages(name: str, model: Model) -> None:
@@ -315,9 +328,8 @@ def serve_engine(launch: EngineLaunch, channel: Channel) -> int:
         try:
             e = config.engine
             backend = backend_for(e.device)
-            backend.prepare(on_compile=lambda: reports.status(
-                "compiling the CPU kernels (first start; later starts load them)"))
-            models = load_models(launch, reports.status)
+            backend.prepare(on_compile=lambda: _compiling(reports))
+            models = load_models(launch, reports)
         except ModelFileError as err:
             reports.send(StartFailed(str(err), err.path, err.reason))
             return 1
