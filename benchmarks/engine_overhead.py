@@ -6,6 +6,9 @@
 - daemon: the same request streamed from a real `ember serve` through the sync `Client`, tokens/s from
   the request to its Finished frame (the client shares the machine's cores with the daemon, as a local
   client does);
+- the engine process alone: the daemon's engine process (engine_main) started by one thread that
+  sends it the request and reads its reports, no front and no client: what the engine's own process
+  costs, apart from the streaming path (front, socket, client) beside it;
 - host time per step at batch 1: the in-process engine's decode steps timed whole, and the time spent
   inside kernels (every ops call timed), the difference being the Python around them;
 - aggregate tokens/s of 8 concurrent streams over one stream (AsyncClient, one process).
@@ -23,13 +26,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numba
+import msgspec
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "daemon"))  # the test suite's daemon launcher
@@ -38,7 +44,12 @@ from daemon_process import DaemonProcess  # noqa: E402
 
 import ember  # noqa: E402
 from ember.client import AsyncClient, Client  # noqa: E402
+from ember.daemon.channel import Channel  # noqa: E402
+from ember.daemon.config import Config, EngineConfig, ModelSpec  # noqa: E402
 from ember.daemon.loader.demo_model import DEMO_MODEL  # noqa: E402
+from ember.daemon.server.engine_wire import (AddSequence, EngineLaunch, Ready, Shutdown, StepNews,  # noqa: E402
+                                             report_decoder)
+from ember.kernels.sampling import SamplingParams  # noqa: E402
 
 PROMPT = "def fibonacci(n):"
 SETTLE = 0.2  # seconds of quiet before each timed run
@@ -72,6 +83,43 @@ async def concurrent(socket: Path, n: int, tokens: int) -> float:
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(_stream(socket, f"{PROMPT}{' ' * i}", tokens) for i in range(n)))
     return sum(counts) / (time.perf_counter() - t0)
+
+
+class EngineAlone:
+    """The daemon's engine process with nothing beside it but this thread, which starts it over a
+    socketpair, sends each request and reads the reports until the request's end."""
+
+    def __init__(self, path: str, threads: int, max_active: int) -> None:
+        config = Config(models=(ModelSpec(path, "m"),), engine=EngineConfig(max_active=max_active, ctx=2048,
+                                                                             threads=threads))
+        launch = EngineLaunch(config=config, kv_dtype="f32", act_dtype="f32", feature_dtypes={"m": "f32"},
+                              shm_owner="00000000")
+        ours, theirs = socket.socketpair()
+        self.process = subprocess.Popen([sys.executable, "-m", "ember.daemon.server.engine_main", str(theirs.fileno())],
+                                        stdin=subprocess.PIPE, pass_fds=[theirs.fileno()], stderr=subprocess.DEVNULL)
+        theirs.close()
+        assert self.process.stdin is not None
+        self.process.stdin.write(msgspec.json.encode(launch))
+        self.process.stdin.close()
+        self.channel = Channel(ours, report_decoder)
+        while not isinstance(self.channel.recv(), Ready):
+            pass
+        self._ids = 0
+
+    def rate(self, prompt: list[int], tokens: int) -> float:
+        self._ids += 1
+        self.channel.send(AddSequence(self._ids, b"bench", self._ids, "m", prompt, tokens, SamplingParams(), None, []))
+        t0, done = time.perf_counter(), False
+        while not done:
+            report = self.channel.recv()
+            if isinstance(report, StepNews):
+                done = any(p.seq_id == self._ids and p.finish is not None for p in report.progress)
+        return tokens / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.channel.send(Shutdown(0.0))
+        self.process.wait(30)
+        self.channel.close()
 
 
 class KernelClock:
@@ -126,24 +174,28 @@ def main() -> None:
     config = (f"[engine]\nmax_active = {max(8, args.streams)}\nctx = 2048\nthreads = {threads}\n"
               "[limits]\nmax_requests_per_client = 64\n")
     daemon = DaemonProcess(config, args=("--model", path)).wait_ready(timeout=900)
+    alone = EngineAlone(path, threads, max(8, args.streams))
     try:
         model = ember.load(path)
-        in_process(model, 16), via_daemon(daemon.socket, 16)  # warm both paths
-        inproc, same, served = [], [], []
+        prompt = model.tokenize(PROMPT)
+        in_process(model, 16), via_daemon(daemon.socket, 16), alone.rate(prompt, 16)  # warm every path
+        inproc, same, served, bare = [], [], [], []
         for _ in range(args.repeats):
             # each run starts on a quiet machine: the run before it may leave spinning kernel threads
             # and, in the daemon, the engine's heap trim 50 ms after it goes idle
             inproc.append(settled(in_process, model, args.tokens))
             same.append(settled(in_process, model, args.tokens, threads))
             served.append(settled(via_daemon, daemon.socket, args.tokens))
+            bare.append(settled(alone.rate, prompt, args.tokens))
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
         step_ms, host_ms = host_time_per_step(model, args.tokens)
         one = statistics.median(asyncio.run(concurrent(daemon.socket, 1, args.tokens)) for _ in range(args.repeats))
         many = statistics.median(asyncio.run(concurrent(daemon.socket, args.streams, args.tokens))
                                  for _ in range(args.repeats))
     finally:
+        alone.close()
         daemon.stop()
-    a, s, b = statistics.median(inproc), statistics.median(same), statistics.median(served)
+    a, s, b, e = (statistics.median(x) for x in (inproc, same, served, bare))
     print(f"{Path(path).name}, {os.cpu_count()} CPUs, greedy, {args.tokens} tokens, medians of {args.repeats}")
     print(f"in-process, {numba.config.NUMBA_NUM_THREADS} threads  {a:8.1f} tok/s   (runs: {_runs(inproc)})")
     print(f"in-process, {threads} threads  {s:8.1f} tok/s   (runs: {_runs(same)})")
@@ -151,6 +203,8 @@ def main() -> None:
     print(f"daemon / in-process   {b / a:8.3f}     (goal >= 0.95), {1e3 * (1 / b - 1 / a):.3f} ms more per token "
           f"(goal <= 0.1)")
     print(f"daemon / in-process at the daemon's threads {b / s:.3f}   (what serving costs)")
+    print(f"engine process alone  {e:8.1f} tok/s   (runs: {_runs(bare)}): {e / a:.3f} of in-process; the streaming "
+          f"path beside it costs the rest")
     print(f"decode step, batch 1: {step_ms:.3f} ms, of which {host_ms:.3f} ms outside kernels "
           f"({100 * host_ms / step_ms:.0f}%)")
     print(f"1 stream {one:.1f} tok/s, {args.streams} streams {many:.1f} tok/s: {many / one:.2f}x (goal >= 4x)")
