@@ -68,7 +68,6 @@ class EngineHost:
         self._live: dict[int, Request] = {}  # seq_id -> request, for every request the engine holds
         self._paused: set[bytes] = set()  # clients paused now: a new engine is told again
         self._process: subprocess.Popen[bytes] | None = None
-        self._generation = 0
         self._stopping = False
         self._progress: Callable[[list[Progress]], None] = lambda news: None
         self._on_stopped: Callable[[], None] = lambda: None
@@ -83,7 +82,6 @@ class EngineHost:
     def start_engine(self) -> None:
         """Start an engine and wait until its models are loaded and warm; EngineStartFailed (or the
         ModelFileError it reported) if it cannot."""
-        self._generation += 1
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -108,7 +106,8 @@ class EngineHost:
         with self._send_lock:  # what waited goes first: a command sent from now on queues behind it
             with self._lock:
                 self._channel = channel
-                resend = [PauseClient(client, True) for client in self._paused] if self._generation > 1 else []
+                # (none on the first start: no client is paused before serving begins)
+                resend = [PauseClient(client, True) for client in self._paused]
                 waiting, self._pending = resend + self._pending, []
             try:
                 for message in waiting:
@@ -144,9 +143,6 @@ class EngineHost:
     def start(self) -> None:
         """Start reading the engine's reports (start_engine() first)."""
         self._thread.start()
-
-    def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
 
     def close(self) -> None:
         """Stop the engine if it still runs (the daemon is exiting)."""

@@ -84,6 +84,16 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class ExpertTotals:
+    """The MoE models' expert counters, summed (zeros without one)."""
+    hot_experts: int = 0
+    total_experts: int = 0
+    cold_share: float = 0.0  # of (token, expert) slots routed, the share computed cold
+    swaps: int = 0
+    worker_restarts: int = 0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot for the Stats reply, replaced whole after each step (the I/O loop only reads it)."""
     running: int = 0  # sequences being generated (prompt or tokens)
@@ -94,17 +104,7 @@ class EngineStats:
     preemptions: int = 0
     tokens_per_s: float = 0.0  # generated tokens over the last _RATE_WINDOW seconds
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding, all models together
-    experts: ExpertTotals = field(default_factory=lambda: ExpertTotals())  # MoE models, all together
-
-
-@dataclass(frozen=True)
-class ExpertTotals:
-    """The MoE models' expert counters, summed (zeros without one)."""
-    hot_experts: int = 0
-    total_experts: int = 0
-    cold_share: float = 0.0  # of (token, expert) slots routed, the share computed cold
-    swaps: int = 0
-    worker_restarts: int = 0
+    experts: ExpertTotals = field(default_factory=ExpertTotals)  # MoE models, all together
 
 
 class EngineThread:
