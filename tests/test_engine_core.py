@@ -92,16 +92,16 @@ def fail_sampling_of_min_p_half_at(monkeypatch, generated: int) -> None:
 
 
 def bursting(model, kv_blocks: int, **options) -> tuple[EngineCore, list[int]]:
-    """An engine whose decode steps run in bursts of 4 whenever the scheduler allows, and the size
-    of each burst its runner ran."""
+    """An engine whose decode steps run in bursts of 4 whenever the scheduler allows, and the decode
+    steps of each step its executor took."""
     engine = engine_of(model, kv_blocks, decode_burst=math.inf, max_burst=4, **options)
-    sizes, real = [], engine.runner.decode
+    sizes, real = [], engine.executor.submit
 
-    def counted(batch, samplers, steps):  # type: ignore[no-untyped-def]
-        sizes.append(steps)
-        return real(batch, samplers, steps)
+    def counted(work):  # type: ignore[no-untyped-def]
+        sizes.append(work.steps)
+        return real(work)
 
-    engine.runner.decode = counted
+    engine.executor.submit = counted  # type: ignore[method-assign]
     return engine, sizes
 
 

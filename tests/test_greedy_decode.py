@@ -39,7 +39,7 @@ def first_decode_step(net: Transformer, kv_dtype: str = "f32") -> tuple[object, 
 
 
 def step_by_step(net: Transformer, cache, batch: StepBatch, stops: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:  # type: ignore[no-untyped-def]
-    """What ModelRunner.decode's Python loop does: forward, argmax, the next step from the tokens
+    """What a burst's Python loop does (executor/burst.py): forward, argmax, the next step from the tokens
     (a row that met a stop id keeps it as its input)."""
     ids, done, tokens, logits = batch.ids.copy(), np.zeros(len(batch.ids), bool), [], []
     for step in range(STEPS):

@@ -42,7 +42,7 @@ import numpy as np
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.engine_stage import EngineStage
-from ember.daemon.runner.model_runner import KVStateLost
+from ember.daemon.runner.step_run import KVStateLost
 from ember.daemon.runner.split_spec import StageSpec, in_engine
 from ember.daemon.runner.stage_channel import Done, Failed, Message, Run, Setup, pack_batch
 from ember.daemon.runner.stage_process import READY_TIMEOUT, CacheSpec, ProcessStage, StageDied

@@ -1,9 +1,10 @@
 """SplitRunner: the runner the engine drives over a layer split (runner/pipeline.py).
 
-It is a ModelRunner whose forward pass runs in the pipeline's stages, with a KV cache of its own in
-each: the last stage returns the logits rows, and sampling is the single-device path's own code, run
-where the single-device path runs it (the engine's process, on the host). Its `lanes` let the
-engine keep a step in flight per stage (engine_core.py): that is what keeps every stage busy.
+It has ModelRunner's step API (submit, collect, execute) over the pipeline's stages, with a KV cache
+of its own in each: the last stage returns the logits rows, and sampling is the single-device path's
+own RowSampler, run where the single-device path runs it (the engine's process, on the host). Its
+`lanes` let the engine's executor keep a step in flight per stage (executor/pipeline_executor.py):
+that is what keeps every stage busy.
 """
 from __future__ import annotations
 
@@ -13,26 +14,32 @@ from dataclasses import replace
 
 import numpy as np
 
+from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.runner.devices import DeviceName, backend_for
-from ember.daemon.runner.model_runner import ModelRunner, PendingStep, check_decode_act
+from ember.daemon.runner.model_runner import check_decode_act
 from ember.daemon.runner.pipeline import Pipeline
+from ember.daemon.runner.row_sampler import RowSampler
 from ember.daemon.runner.stage_process import CacheSpec
+from ember.daemon.runner.step_run import PendingStep, StepRun
 from ember.daemon.step.row_sampling import RowSampling
 from ember.daemon.step.step_batch import StepBatch
-from ember.kernels.ops import Array
+from ember.kernels.sampling import Choice
 
 
-class SplitRunner(ModelRunner):
+class SplitRunner:
     stateful = False  # Pipeline refuses hybrid models
-    capture: tuple[int, ...] = ()  # no hidden states go to a draft (load refuses a draft with a split)
+    step_alignment = 1
+    capture: tuple[int, ...] = ()  # hidden states stay in the stages: no feature-conditioned draft reads them
 
     def __init__(self, pipeline: Pipeline, kv_blocks: int, block_size: int = 16, kv_dtype: str = "f32",
                  decode_act: str = "q8_0") -> None:
         check_decode_act(decode_act)
-        self.pipeline, self.config, self.decode_act = pipeline, pipeline.config, decode_act
+        self.pipeline, self.decode_act = pipeline, decode_act
+        self.config: ModelConfig = pipeline.config
         self.lanes = pipeline.lanes
+        self.max_sequences = 1 << 30  # no recurrent state slots to run out of
         host = DeviceName("cpu")
-        self.ops = backend_for(host).ops(host)  # sampling runs on the host, as on the CPU path
+        self.sampler = RowSampler(backend_for(host).ops(host))  # on the host, as on the CPU path
         self.spec = CacheSpec(kv_blocks, block_size, kv_dtype)
         self.cache_id = pipeline.new_cache(self.spec)
         weakref.finalize(self, pipeline.drop_cache, self.cache_id)
@@ -48,21 +55,20 @@ class SplitRunner(ModelRunner):
     def between_requests(self) -> None:
         """Nothing to do: a split model's stages keep every MoE expert hot."""
 
+    def execute(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], keep: Seq[int] = ()) -> StepRun:
+        return self.collect(self.submit(batch, samplers, keep))
+
     def submit(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], keep: Seq[int] = ()) -> PendingStep:
         """Start the step in the stages and return at once: the pipeline's ticket is what collect() waits on."""
         return PendingStep(self.pipeline.submit(self._host(batch), self.cache_id), batch.n_logits, list(samplers),
                            list(keep))
 
-    def forward(self, batch: StepBatch) -> Array:
-        return self.pipeline.forward(self._host(batch), self.cache_id)
+    def collect(self, step: PendingStep, pending: Seq[Seq[Choice]] = ()) -> StepRun:
+        return self.sampler.finish(self.pipeline.collect(step.work), step, pending)
 
-    def _greedy_burst(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], steps: int) -> None:
-        """None: no compiled loop spans the stages' processes, so a burst (one lane: a single stage, or
-        a split kept to one step in flight) goes through them step by step."""
+    def greedy_steps(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], steps: int) -> None:
+        """None: no compiled loop spans the stages' processes, so a burst goes through them step by step."""
         return None
-
-    def _logits_of(self, step: PendingStep) -> Array:
-        return self.pipeline.collect(step.work)
 
     def _host(self, batch: StepBatch) -> StepBatch:
         if self.decode_act == "f32":  # as ModelRunner.prepare: generated tokens computed like prompt ones

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ember.daemon.runner.model_runner import ModelRunner
-from ember.daemon.step.draft_chunk import DraftChunk
+from ember.daemon.step.step_work import WorkChunk
 from ember.daemon.step.step_batch import ChunkSpec, StepBatch
 from ember.daemon.speculative.verification import Proposal, draft_choice, draft_confidence
 
@@ -40,7 +40,7 @@ class DraftProposer:
         self.runner = runner
         self.min_prob = min_prob
 
-    def propose(self, chunks: list[DraftChunk]) -> dict[int, Proposal]:
+    def propose(self, chunks: list[WorkChunk]) -> dict[int, Proposal]:
         """Run `chunks` (a step's plan) through the draft; for each chunk with lookahead n, 1 to n
         proposed tokens, keyed by the chunk's index. The first pass runs every chunk and drafts one
         token for each speculating one; each further pass runs one token for each still drafting."""
@@ -68,8 +68,7 @@ class DraftProposer:
             wants = [True] * len(active)
         return proposals
 
-    def _forward(self, specs: list[ChunkSpec], chunks: list[DraftChunk], wants: list[bool]) -> np.ndarray:
+    def _forward(self, specs: list[ChunkSpec], chunks: list[WorkChunk], wants: list[bool]) -> np.ndarray:
         batch = StepBatch.build(specs, self.runner.block_size, wants_logits=wants,
                                 prompt_lengths=[c.prompt_length for c in chunks])
-        logits = self.runner.net.forward(self.runner.prepare(batch), self.runner.cache)
-        return self.runner.net.ops.to_numpy(logits)
+        return self.runner.ops.to_numpy(self.runner.forward(batch))

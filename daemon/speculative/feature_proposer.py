@@ -19,8 +19,9 @@ from dataclasses import replace
 import numpy as np
 
 from ember.daemon.models.dflash import DFlashDraft
-from ember.daemon.runner.model_runner import ModelRunner, StepRun
-from ember.daemon.step.draft_chunk import DraftChunk
+from ember.daemon.runner.model_runner import ModelRunner
+from ember.daemon.runner.step_run import StepRun
+from ember.daemon.step.step_work import WorkChunk
 from ember.daemon.step.step_batch import StepBatch
 from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB
 from ember.daemon.speculative.feature_mirror import FeatureMirror
@@ -49,7 +50,7 @@ class FeatureProposer:
         """Tokens one block proposes at most: the trained block less its first (known) token."""
         return self.draft.spec.max_proposals
 
-    def propose(self, chunks: list[DraftChunk]) -> dict[int, Proposal]:
+    def propose(self, chunks: list[WorkChunk]) -> dict[int, Proposal]:
         """For each chunk with lookahead k (one token: the last sampled), k proposed tokens, keyed by
         the chunk's index: one draft pass over all their noise blocks."""
         spec = [i for i, c in enumerate(chunks) if c.lookahead]
@@ -72,7 +73,7 @@ class FeatureProposer:
                 if probs is not None:
                     p.probs.append(probs)
                 if self.min_prob and draft_confidence(logits[row]) < self.min_prob:
-                    break  # the engine verifies the shorter proposal (EngineCore._step)
+                    break  # the step verifies the shorter proposal (LocalExecutor.run)
             first += c.lookahead
         return proposals
 

@@ -1,0 +1,49 @@
+"""RowSampler: sampling where a step's logits are — one component every runner uses, so that a
+token is drawn by the same code whether the model ran on this device or in a layer split's stages.
+Only token ids leave the device, and the logits rows a step asks to keep."""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import numpy as np
+
+from ember.daemon.runner.step_run import PendingStep, StepRun
+from ember.daemon.step.row_sampling import RowSampling
+from ember.kernels.ops import Array
+from ember.kernels.sampling import Choice, SampleRow
+
+
+class RowSampler:
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops  # the backend the logits live on
+
+    def finish(self, logits: Array, step: PendingStep, pending: Seq[Seq[Choice]] = ()) -> StepRun:
+        """A step's sampled tokens and kept logits rows, from its logits; pending: as sample()'s."""
+        if step.n_logits == 0:
+            return StepRun([], {}, features=step.features)
+        choices, failed = self.sample(logits, step.samplers, pending)
+        return StepRun(choices, {r: self.ops.to_numpy(logits[r]) for r in step.keep}, failed, step.features)
+
+    def sample(self, logits: Array, samplers: Seq[tuple[int, RowSampling]], pending: Seq[Seq[Choice]] = ()
+               ) -> tuple[list[Choice | None], dict[int, str]]:
+        """Row r for each (r, sequence) of `samplers`, with that sequence's parameters and generator.
+        pending: per sampler, tokens sampled for its sequence that it has not appended yet (a decode
+        burst's), which penalties count as generated."""
+        if not samplers:
+            return [], {}
+        if plain_greedy(samplers):  # the greedy fast path: one argmax over the rows, no per-row copy
+            rows = np.fromiter((r for r, _ in samplers), np.int64, len(samplers))
+            best = self.ops.to_numpy(self.ops.argmax_rows(logits, rows))
+            return [Choice(int(t), float("nan")) for t in best], {}
+        generated = [s.generated + [c.token for c in pending[k]] if pending and pending[k] else s.generated
+                     for k, (_, s) in enumerate(samplers)]
+        results = self.ops.sample_rows(logits, [SampleRow(r, s.params, s.rng, s.prompt, generated[k], s.wants_logprob)
+                                                for k, (r, s) in enumerate(samplers)])
+        failed = {k: why for k, why in enumerate(results) if isinstance(why, str)}
+        return [None if isinstance(c, str) else c for c in results], failed
+
+
+def plain_greedy(samplers: Seq[tuple[int, RowSampling]]) -> bool:
+    """Every sequence takes its logits' argmax and asks for nothing else (no penalties, no logprobs)."""
+    return all(s.plain_greedy for _, s in samplers)

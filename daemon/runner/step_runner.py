@@ -1,0 +1,43 @@
+"""StepRunner: what an executor needs of a runner — ModelRunner on one device, SplitRunner over a
+layer split's stages. Step data in (StepBatch, each sampled row's RowSampling), StepRun out."""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Protocol
+
+import numpy as np
+
+from ember.daemon.loader.model_config import ModelConfig
+from ember.daemon.runner.step_run import PendingStep, StepRun
+from ember.daemon.step.row_sampling import RowSampling
+from ember.daemon.step.step_batch import StepBatch
+from ember.kernels.sampling import Choice
+
+
+class StepRunner(Protocol):
+    config: ModelConfig
+    lanes: int  # steps it may hold in flight at once
+    max_sequences: int
+    capture: tuple[int, ...]
+
+    @property
+    def stateful(self) -> bool: ...
+
+    @property
+    def step_alignment(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def kv_blocks(self) -> int: ...
+
+    def between_requests(self) -> None: ...
+
+    def execute(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], keep: Seq[int] = ()) -> StepRun: ...
+
+    def submit(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], keep: Seq[int] = ()) -> PendingStep: ...
+
+    def collect(self, step: PendingStep, pending: Seq[Seq[Choice]] = ()) -> StepRun: ...
+
+    def greedy_steps(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], steps: int) -> np.ndarray | None: ...
