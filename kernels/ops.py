@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ember.kernels.layer_stack import LayerShape, LayerStack, LayerWeights, StackLayer, StepArrays
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.sampling import Choice, SampleRow, sample_host_rows
 
@@ -26,37 +27,6 @@ class ExpertWeights(NamedTuple):
     gate: Weight
     up: Weight
     down: Weight
-
-
-class LayerWeights(NamedTuple):
-    """A standard decoder layer (ops.fuse_layer): h = x + attention(rmsnorm(x)), then h + ffn(rmsnorm(h)),
-    the attention with q/k/v (and optional biases), q/k head norms (optional) and rope, the FFN
-    down(swiglu(gate x, up x)); gate, up and down None: a layer whose FFN is not fused (MoE), which
-    the fused form takes up to h."""
-
-    attn_norm: Array
-    wq: Weight
-    wk: Weight
-    wv: Weight
-    wo: Weight
-    bq: Array | None
-    bk: Array | None
-    bv: Array | None
-    q_norm: Array | None
-    k_norm: Array | None
-    ffn_norm: Array
-    gate: Weight | None
-    up: Weight | None
-    down: Weight | None
-
-
-class LayerShape(NamedTuple):
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    eps: float
-    inv_freq: Array
-    interleaved: bool
 
 
 class Ops(ABC):
@@ -130,33 +100,35 @@ class Ops(ABC):
             out[self.to_device(t)] += y * self.to_device(weight[group])[:, None]
         return out
 
-    # --- a whole layer at once ------------------------------------------------------------------
+    # --- the layer stack ---------------------------------------------------------------------------
+    def compile_stack(self, layers: Sequence[StackLayer]) -> LayerStack:
+        """A model's layers as this backend runs them: each standard layer in its compiled form
+        (fuse_layer) where the backend has one, the rest op by op (kernels/layer_stack.py)."""
+        return LayerStack(self, layers, [None if layer.weights is None or layer.shape is None
+                                         else self.fuse_layer(layer.weights, layer.shape) for layer in layers])
+
     def fuse_layer(self, w: LayerWeights, shape: LayerShape) -> Any | None:
         """A backend's compiled form of a standard layer, for run_fused_layer; None (this default)
-        where it has none: the model then always runs the layer op by op."""
+        where it has none: the layer then always runs op by op."""
         return None
 
-    def run_fused_layer(self, fused: Any, x: Array, k: Any, v: Any, decode_rows: Array, positions: Array,
-                        seen: Array, kv_blocks: Array, kv_offsets: Array, tables: Array, token_seq: Array
-                        ) -> Array | None:
+    def run_fused_layer(self, fused: Any, x: Array, k: Any, v: Any, step: StepArrays) -> Array | None:
         """The layer `fused` on x [n, d] -> its output [n, d] (h, after the attention, if it was fused
-        without its FFN), its K/V written to the stores k and v as
-        kv_write does and read as paged_attention does (rope at `positions`, each token seeing its
-        sequence's keys 0 .. seen[i]); or None, having done nothing, for a step the
-        fused form does not take (the model then runs the layer op by op). Bit for bit what the ops
-        compute one by one, so a row's result never depends on which of the two ran it."""
+        without its FFN), its K/V written to the stores k and v as kv_write does and read as
+        paged_attention does (rope at step.positions, each token seeing its sequence's keys 0 ..
+        step.attends_to[i]); or None, having done nothing, for a step the fused form does not take
+        (the stack then runs the layer op by op). Bit for bit what the ops compute one by one, so a
+        row's result never depends on which of the two ran it."""
         raise NotImplementedError(f"{self.name} fuses no layers")
 
-    def run_fused_layers(self, fused: Sequence[Any], x: Array, ks: Sequence[Any], vs: Sequence[Any], decode_rows: Array,
-                         positions: Array, seen: Array, kv_blocks: Array, kv_offsets: Array, tables: Array,
-                         token_seq: Array) -> Array | None:
+    def run_fused_layers(self, fused: Sequence[Any], x: Array, ks: Sequence[Any], vs: Sequence[Any],
+                         step: StepArrays) -> Array | None:
         """Layers fused with their FFNs, one after another (layer i's K/V in the stores ks[i] and vs[i]):
         run_fused_layer on each, asked in one call so that a backend can keep Python off the way
         between them; None, having done nothing, for a step the fused form does not take. Whether it
         takes one depends on the step alone, so the first layer decides for all of them."""
         for i, (layer, k, v) in enumerate(zip(fused, ks, vs, strict=True)):
-            out = self.run_fused_layer(layer, x, k, v, decode_rows, positions, seen, kv_blocks, kv_offsets, tables,
-                                       token_seq)
+            out = self.run_fused_layer(layer, x, k, v, step)
             if out is None:
                 if i:
                     raise RuntimeError(f"fused layer {i} refused a step that layer 0 ran (a bug)")
@@ -165,20 +137,20 @@ class Ops(ABC):
         return x
 
     # --- a greedy decode burst at once -----------------------------------------------------------
-    def greedy_plan(self, fused: Sequence[Any], embed: Weight, norm: Array, eps: float, output: Weight,
+    def greedy_plan(self, stack: LayerStack, embed: Weight, norm: Array, eps: float, output: Weight,
                     ks: Sequence[Any], vs: Sequence[Any]) -> Any | None:
-        """A backend's compiled form of a whole model's greedy decode step (every layer fused with its
-        FFN, layer i's K/V in ks[i] and vs[i]; the embedding, final norm and output projection), for
-        greedy_burst; None (this default) where it has none: decode bursts then step from Python."""
+        """A backend's compiled form of a whole model's greedy decode step (a stack whose layers are
+        all compiled with their FFNs, layer i's K/V in ks[i] and vs[i]; the embedding, final norm and
+        output projection), for greedy_burst; None (this default) where it has none: decode bursts
+        then step from Python."""
         return None
 
-    def greedy_burst(self, plan: Any, steps: int, ids: Array, positions: Array, kv_blocks: Array, kv_offsets: Array,
-                     tables: Array, token_seq: Array, block_size: int, stops: np.ndarray) -> np.ndarray:
-        """Up to `steps` greedy decode steps of one generated token per sequence (the first step's
-        arrays as its StepBatch has them), each row's next input its logits' argmax, until every row
-        has met one of its stop ids (stops [n, m], -1 pads; a row that has keeps its stop token as its
-        input) -> host int64 tokens [steps taken, n]: bit for bit what the fused layers, rmsnorm,
-        matmul and argmax_rows give step by step."""
+    def greedy_burst(self, plan: Any, steps: int, step: StepArrays, block_size: int, stops: np.ndarray) -> np.ndarray:
+        """Up to `steps` greedy decode steps of one generated token per sequence (`step` the first of
+        them), each row's next input its logits' argmax, until every row has met one of its stop ids
+        (stops [n, m], -1 pads; a row that has keeps its stop token as its input) -> host int64
+        tokens [steps taken, n]: bit for bit what the fused layers, rmsnorm, matmul and argmax_rows
+        give step by step."""
         raise NotImplementedError(f"{self.name} has no greedy decode bursts")
 
     @abstractmethod

@@ -13,6 +13,7 @@ import pytest
 from ember.daemon.runner.kernel_cache import synthetic_model
 from ember.daemon.step.step_batch import StepBatch
 from ember.kernels.cpu import twin
+from ember.kernels.layer_stack import LayerStack
 from ember.kernels.tensor_types import TensorType as T
 
 INT8_TYPES = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -38,10 +39,9 @@ def decode_states(net, kv_dtype: str, steps: int = 3) -> list[np.ndarray]:
 
 
 def without_fusion(net):  # type: ignore[no-untyped-def]
-    fused = [b.fused for b in net.blocks]
-    for b in net.blocks:
-        b.fused = None
-    net.fused_layers = None
+    """Every layer op by op: the stack of a backend without compiled layers."""
+    fused = net.stack.fused
+    net.stack = LayerStack(net.ops, net.stack.layers, [None] * len(fused))
     return fused
 
 
@@ -49,7 +49,7 @@ def without_fusion(net):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "bf16", "q8_0"])
 def test_fused_decode_steps_equal_the_ops(arch: str, kv_dtype: str) -> None:
     net = synthetic_model(INT8_TYPES, arch)
-    assert all(b.fused is not None for b in net.blocks)
+    assert all(f is not None for f in net.stack.fused)
     fused = decode_states(net, kv_dtype)
     without_fusion(net)
     for a, b in zip(fused, decode_states(net, kv_dtype), strict=True):
@@ -64,14 +64,14 @@ def test_a_decode_step_runs_every_fused_layer_in_one_backend_call(kv_dtype: str,
 
     net = synthetic_model(INT8_TYPES)
     assert isinstance(net.ops, backend.CpuOps)
-    assert net.fused_layers is not None and len(net.fused_layers) == len(net.blocks)
+    assert net.stack.whole is not None and len(net.stack.whole) == len(net.blocks)
     stacks, single = [], []
     stack, run = decoder_layer.run_stack, decoder_layer.run
     monkeypatch.setattr(decoder_layer, "run_stack", lambda layers, *a: stacks.append(len(layers)) or stack(layers, *a))
     monkeypatch.setattr(decoder_layer, "run", lambda *a: single.append(1) or run(*a))
     whole = decode_states(net, kv_dtype)
     assert stacks == [len(net.blocks)] * 3 and not single  # three decode steps, each one call
-    net.fused_layers = None  # each block's own fused call
+    net.stack.whole = None  # each layer's own fused call
     for a, b in zip(whole, decode_states(net, kv_dtype), strict=True):
         np.testing.assert_array_equal(a, b)
     assert len(single) == 3 * len(net.blocks)
@@ -120,7 +120,7 @@ def test_a_decode_row_beside_a_prompt_chunk_runs_op_by_op_and_equals_it_alone() 
 
 def test_layers_without_integer_kernels_are_not_fused() -> None:
     net = synthetic_model([T.Q8_0, T.F16, T.BF16, T.F32])
-    assert [b.fused is not None for b in net.blocks] == [True, False, False, False]
+    assert [f is not None for f in net.stack.fused] == [True, False, False, False]
 
 
 def test_a_fresh_process_can_start_with_a_fused_step() -> None:

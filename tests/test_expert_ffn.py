@@ -44,14 +44,13 @@ def test_decode_steps_equal_the_default_expert_ffn(net, variant: str | None, mon
     got = decode_states(net)
     assert len(calls) == 3 * net.config.n_layers  # every MoE layer of every step ran fused
     monkeypatch.setattr(expert_ffn, "expert_ffn", lambda *a: None)  # the backend falls back to the default
-    for block in net.blocks:  # and the attention runs op by op
-        monkeypatch.setattr(block, "fused", None)
+    monkeypatch.setattr(net.stack, "fused", [None] * len(net.blocks))  # and the attention runs op by op
     for a, b in zip(got, decode_states(net), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
 def test_a_moe_layers_attention_is_fused_without_its_ffn(net) -> None:
-    assert all(b.fused is not None and not b.fused_ffn for b in net.blocks)
+    assert all(f is not None and layer.weights.gate is None for f, layer in zip(net.stack.fused, net.stack.layers))
 
 
 def test_one_call_equals_the_default_on_the_same_pairs(net) -> None:

@@ -76,7 +76,7 @@ def assert_bursts_equal_steps(net: Transformer, kv_dtype: str = "f32") -> None:
         restore(cache, saved)
         want, want_logits = step_by_step(net, cache, batch, stop_table)
         restore(cache, saved)
-        plan = greedy_decode.plan(net.fused_layers, net.embed, net.norm, net.config.norm_eps, net.output, cache.k, cache.v)
+        plan = greedy_decode.plan(net.stack.whole, net.embed, net.norm, net.config.norm_eps, net.output, cache.k, cache.v)
         logits = np.zeros((STEPS, 3, net.config.vocab), np.float32)
         got = greedy_decode.burst(plan, STEPS, batch.ids, batch.positions, batch.kv_blocks, batch.kv_offsets,
                                   batch.tables, batch.token_seq, 16, stop_table, logits)
@@ -90,7 +90,7 @@ def assert_bursts_equal_steps(net: Transformer, kv_dtype: str = "f32") -> None:
 def test_a_greedy_burst_equals_single_steps(arch: str, variant: str, monkeypatch) -> None:
     monkeypatch.setattr(twin, "FORCE", variant)
     net = synthetic_model(INT8_TYPES, arch)
-    assert net.fused_layers is not None
+    assert net.stack.whole is not None
     assert_bursts_equal_steps(net)
 
 

@@ -2,12 +2,12 @@
 
 A decode step's host work (scheduling, the step's arrays, sampling bookkeeping, accounting) is paid
 once per engine step. While every running sequence decodes and nobody waits, the engine may run
-several decode steps in a row inside one engine step (ModelRunner.decode), each step's sampled tokens
+several decode steps in a row inside one engine step (executor/burst.py), each step's sampled tokens
 the next one's input: the tokens are those of single steps, they only reach a client a few at a
 time. This module sizes a burst by time, so that a stream's tokens never arrive more than
 `seconds` apart for the burst's sake: on the 12 MB demo model (~1.2 ms a token on the 2-core VM,
 ~0.2 ms of it that host work) a burst is the most, MAX_BURST; a 100 MB model's ~10 ms steps stay
-single. The tokens a burst has sampled so far are step/burst_blocks.py's.
+single.
 """
 from __future__ import annotations
 

@@ -7,8 +7,11 @@ DeltaNet linear attention on most layers (linear_attention.py). A Transformer ma
 model's layers only (a stage of a layer split, runner/split_runner.py): it then loads only their
 weights, the embedding if it runs the first layer and the output head if it runs the last, and its
 forward pass is cut in three — `embed`, `run_layers`, `head` — that the whole model runs in a row.
-The whole model also runs greedy decode bursts in one backend call where the backend has one
-(`greedy_steps`: every step's embedding, layers, head and argmax).
+The layers run through the backend's layer stack (ops.compile_stack, kernels/layer_stack.py): it
+compiles the standard ones where it can and runs the rest, and any step they do not suit, through
+these blocks op by op; the model itself has no backend paths. The whole model also runs greedy
+decode bursts in one backend call where the backend has one (`greedy_steps`: every step's
+embedding, layers, head and argmax).
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from ember.daemon.models.architectures import ArchSpec, architecture
 from ember.daemon.models.linear_attention import GatedDeltaNet, load_gated_delta_net
 from ember.daemon.models.recurrent_state import RecurrentState
 from ember.daemon.step.step_batch import StepBatch
-from ember.kernels.ops import Array, LayerShape, LayerWeights, Ops, Weight
+from ember.kernels.layer_stack import LayerShape, LayerWeights, StackLayer
+from ember.kernels.ops import Array, Ops, Weight
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType
 
@@ -95,23 +99,15 @@ class Block:
     attn: Attention | GatedDeltaNet
     ffn_norm: Array
     ffn: DenseFFN | MoEFFN | SharedExpertMoE
-    fused: Any = None  # the backend's compiled form of the layer (ops.fuse_layer), if it has one
-    fused_ffn: bool = False  # whether `fused` includes the FFN (a dense one) or stops at the attention residual
 
     def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: PagedKVCache,
                  batch: StepBatch) -> Array:
-        out = None
-        if self.fused is not None:  # decode steps: the layer in one go, Python off the per-op path
-            kv = self.attn.kv_layer
-            out = ops.run_fused_layer(self.fused, x, cache.k[kv], cache.v[kv], batch.decode_rows, batch.positions,
-                                      batch.attends_to, batch.kv_blocks, batch.kv_offsets, batch.tables, batch.token_seq)
-        if out is None:
-            x = x + self._mix(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache, batch)
-        elif self.fused_ffn:
-            return out
-        else:
-            x = out
-        return x + self.ffn(ops, ops.rmsnorm(x, self.ffn_norm, cfg.norm_eps), batch.decode_rows)
+        return self.finish(ops, cfg, x + self._mix(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache,
+                                                   batch), batch)
+
+    def finish(self, ops: Ops, cfg: ModelConfig, h: Array, batch: StepBatch) -> Array:
+        """The layer after its mixer's residual: h + ffn(rmsnorm(h))."""
+        return h + self.ffn(ops, ops.rmsnorm(h, self.ffn_norm, cfg.norm_eps), batch.decode_rows)
 
     def _mix(self, ops: Ops, cfg: ModelConfig, rope: Rope, h: Array, cache: PagedKVCache, batch: StepBatch) -> Array:
         # a call of its own, so the normed input is freed before the FFN runs
@@ -137,11 +133,9 @@ class Transformer:
         factors = mf.tensors.get("rope_freqs.weight")
         inv_freq = mf.config.inv_freq(None if factors is None else ops.to_numpy(ops.vector(factors)))
         self.rope = Rope(ops.vector(RawTensor("rope.inv_freq", TensorType.F32, inv_freq.shape, inv_freq)), mf.rope_interleaved)
-        self.blocks = [load_block(mf, ops, spec, i, self.layers.start, self.experts, self.rope) for i in self.layers]
-        # every layer fused with its FFN, its K/V in cache layer i: a decode step runs them in one
-        # backend call (ops.run_fused_layers), with no Python between them
-        whole = all(b.fused is not None and b.fused_ffn and b.attn.kv_layer == i for i, b in enumerate(self.blocks))
-        self.fused_layers: list[Any] | None = [b.fused for b in self.blocks] if whole else None
+        self.blocks = [load_block(mf, ops, spec, i, self.layers.start, self.experts) for i in self.layers]
+        # the layers as the backend runs them: compiled where it can, these blocks op by op where not
+        self.stack = ops.compile_stack([stack_layer(b, ops, mf.config, self.rope) for b in self.blocks])
         self.norm = _norm(mf, ops, "output_norm.weight") if self.runs_last else None
         # tied embeddings: the output projection is the embedding matrix, shared, not loaded twice
         self.output = None if not self.runs_last else self.embed if tied else ops.weight(mf.tensors["output.weight"])
@@ -186,25 +180,19 @@ class Transformer:
         """forward(), and the hidden states entering each of `layers` (model layer indices; n_layers
         is the last layer's output), every row: f32 [n, hidden] each — llama.cpp's layer inputs (the
         un-normed residual stream), which a DFlash draft reads (its target_layers)."""
-        x, taps = self.embed_tokens(batch), {}
-        for i, block in zip(self.layers, self.blocks, strict=True):
-            if i in layers:
-                taps[i] = x  # a block returns a new array: this one stays as it is
-            x = block(self.ops, self.config, self.rope, x, cache, batch)
+        taps: dict[int, Array] = {}
+
+        def tap(i: int, x: Array) -> None:
+            if self.layers.start + i in layers:
+                taps[self.layers.start + i] = x  # a layer returns a new array: this one stays as it is
+
+        x = self.stack.run(self.embed_tokens(batch), batch, cache, tap)
         taps[self.layers.stop] = x
         return self.head(x, batch), [taps[i] for i in layers]
 
     def run_layers(self, x: Array, batch: StepBatch, cache: PagedKVCache) -> Array:
         """Hidden states through this object's layers (f32 in, f32 out), writing their K/V into `cache`."""
-        if self.fused_layers is not None:
-            out = self.ops.run_fused_layers(self.fused_layers, x, cache.k, cache.v, batch.decode_rows, batch.positions,
-                                            batch.attends_to, batch.kv_blocks, batch.kv_offsets, batch.tables,
-                                            batch.token_seq)
-            if out is not None:
-                return out
-        for block in self.blocks:  # x is rebound: a layer's input is freed once the next has run
-            x = block(self.ops, self.config, self.rope, x, cache, batch)
-        return x
+        return self.stack.run(x, batch, cache)
 
     def greedy_steps(self, batch: StepBatch, cache: PagedKVCache, steps: int, stops: np.ndarray) -> np.ndarray | None:
         """Up to `steps` decode steps from `batch` (one generated token a sequence, each row's logits
@@ -213,19 +201,18 @@ class Transformer:
         those forward() and argmax would give step by step; None, having done nothing, where the
         backend has no compiled form of the whole step (ops.greedy_plan) or the batch is not such a step."""
         n = len(batch.ids)
-        if (self.fused_layers is None or not (self.runs_first and self.runs_last) or batch.attn_end is not None
+        if (not (self.runs_first and self.runs_last) or batch.attn_end is not None
                 or len(batch.logit_rows) != n or not np.array_equal(batch.logit_rows, np.arange(n))
                 or not np.all(batch.decode_rows)):
             return None
         plan = self._greedy_plans.get(cache, False)
         if plan is False:
-            plan = self.ops.greedy_plan(self.fused_layers, self.embed, self.norm, self.config.norm_eps, self.output,
+            plan = self.ops.greedy_plan(self.stack, self.embed, self.norm, self.config.norm_eps, self.output,
                                         cache.k, cache.v)
             self._greedy_plans[cache] = plan
         if plan is None:
             return None
-        return self.ops.greedy_burst(plan, steps, batch.ids, batch.positions, batch.kv_blocks, batch.kv_offsets,
-                                     batch.tables, batch.token_seq, cache.block_size, stops)
+        return self.ops.greedy_burst(plan, steps, batch, cache.block_size, stops)
 
     def head(self, x: Array, batch: StepBatch) -> Array:
         """The final norm and output projection of the rows whose logits are wanted -> [n_logits, vocab]."""
@@ -249,10 +236,8 @@ def _expert_manager(mf: ModelFile, options: ExpertOptions) -> ExpertManager | No
     return ExpertManager(mf.path, mf.config.hidden, mf.config.n_experts_used, sizes, mf.config.n_experts, options)
 
 
-def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, experts: ExpertManager | None,
-               rope: Rope | None = None) -> Block:
-    """Layer i of a Transformer whose first layer is `first` (its cache's layers count from there);
-    with `rope`, also in the backend's fused form (ops.fuse_layer) where it has one."""
+def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, experts: ExpertManager | None) -> Block:
+    """Layer i of a Transformer whose first layer is `first` (its cache's layers count from there)."""
     def w(name: str) -> Weight:
         return ops.weight(mf.tensor(f"blk.{i}.{name}.weight"))
 
@@ -284,17 +269,26 @@ def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, expe
         k_norm=vec("attn_k_norm.weight") if spec.qk_norm else None,
         kv_layer=i - first,
     )
-    block = Block(vec("attn_norm.weight"), attn, vec("ffn_norm.weight"), ffn)
-    if rope is None:
-        return block
-    dense = isinstance(ffn, DenseFFN)  # a MoE layer's attention is fused, its experts run as ops.expert_ffn
-    cfg = mf.config
-    block.fused = ops.fuse_layer(
-        LayerWeights(block.attn_norm, attn.wq, attn.wk, attn.wv, attn.wo, attn.bq, attn.bk, attn.bv, attn.q_norm,
-                     attn.k_norm, block.ffn_norm, *((ffn.gate, ffn.up, ffn.down) if dense else (None,) * 3)),
-        LayerShape(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, rope.inv_freq, rope.interleaved))
-    block.fused_ffn = dense
-    return block
+    return Block(vec("attn_norm.weight"), attn, vec("ffn_norm.weight"), ffn)
+
+
+def stack_layer(block: Block, ops: Ops, cfg: ModelConfig, rope: Rope) -> StackLayer:
+    """The block as the backend's layer stack takes it: its op-by-op run, and where it is a standard
+    decoder layer (plain attention) its weights, which the backend may compile — with the FFN where
+    it is a dense one (a MoE layer's experts run as ops.expert_ffn, after the compiled attention)."""
+    def run(x: Array, step: StepBatch, cache: PagedKVCache) -> Array:
+        return block(ops, cfg, rope, x, cache, step)
+
+    attn = block.attn
+    if not isinstance(attn, Attention) or attn.gated:
+        return StackLayer(run)
+    ffn = block.ffn
+    dense = isinstance(ffn, DenseFFN)
+    weights = LayerWeights(block.attn_norm, attn.wq, attn.wk, attn.wv, attn.wo, attn.bq, attn.bk, attn.bv,
+                           attn.q_norm, attn.k_norm, block.ffn_norm,
+                           *((ffn.gate, ffn.up, ffn.down) if dense else (None,) * 3))  # type: ignore[union-attr]
+    shape = LayerShape(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, rope.inv_freq, rope.interleaved)
+    return StackLayer(run, weights, shape, attn.kv_layer, lambda h, step: block.finish(ops, cfg, h, step))
 
 
 def _norm(mf: ModelFile, ops: Ops, name: str) -> Array:

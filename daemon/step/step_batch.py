@@ -113,7 +113,7 @@ class StepBatch:
     def following(self, ids: np.ndarray, block_size: int) -> StepBatch:
         """The next decode step of this batch's sequences: one token each (`ids`, generated ones), one
         position further on, in blocks their tables already hold. What a multi-step decode
-        (ModelRunner.decode) runs after sampling from this batch, one logit row per sequence; a
+        (executor/burst.py) runs after sampling from this batch, one logit row per sequence; a
         host batch only."""
         pos = self.positions + 1
         return StepBatch(ids=np.asarray(ids, np.int64), positions=pos, token_seq=self.token_seq,

@@ -7,7 +7,8 @@ import numpy as np
 
 from ember.kernels.cpu import decoder_layer, dense, expert_ffn, greedy_decode, linear_attention, quant_matmul
 from ember.kernels.cpu.paged_attention import KVLayerStore, paged_attention
-from ember.kernels.ops import Array, ExpertWeights, LayerShape, LayerWeights, Ops
+from ember.kernels.layer_stack import LayerShape, LayerStack, LayerWeights, StepArrays
+from ember.kernels.ops import Array, ExpertWeights, Ops
 from ember.kernels.reference.quant import dequantize
 from ember.kernels.raw_tensor import RawTensor
 
@@ -51,31 +52,30 @@ class CpuOps(Ops):
         return decoder_layer.fuse(*w, *shape)
 
     def run_fused_layer(self, fused: decoder_layer.FusedLayer, x: Array, k: KVLayerStore, v: KVLayerStore,
-                        decode_rows: Array, positions: Array, seen: Array, kv_blocks: Array, kv_offsets: Array,
-                        tables: Array, token_seq: Array) -> np.ndarray | None:
-        if self._flags(decode_rows) is not True:  # prompt rows take the float kernels: op by op
+                        step: StepArrays) -> np.ndarray | None:
+        if self._flags(step.decode_rows) is not True:  # prompt rows take the float kernels: op by op
             return None
-        return decoder_layer.run(fused, x, k, v, self.kv_write, positions, seen, kv_blocks, kv_offsets, tables,
-                                 token_seq)
+        return decoder_layer.run(fused, x, k, v, self.kv_write, step.positions, step.attends_to, step.kv_blocks,
+                                 step.kv_offsets, step.tables, step.token_seq)
 
     def run_fused_layers(self, fused: Sequence[decoder_layer.FusedLayer], x: Array, ks: Sequence[KVLayerStore],
-                         vs: Sequence[KVLayerStore], decode_rows: Array, positions: Array, seen: Array, kv_blocks: Array,
-                         kv_offsets: Array, tables: Array, token_seq: Array) -> np.ndarray | None:
-        if self._flags(decode_rows) is not True:
+                         vs: Sequence[KVLayerStore], step: StepArrays) -> np.ndarray | None:
+        if self._flags(step.decode_rows) is not True:
             return None
-        return decoder_layer.run_stack(fused, x, ks, vs, self.kv_write, positions, seen, kv_blocks, kv_offsets, tables,
-                                       token_seq)
+        return decoder_layer.run_stack(fused, x, ks, vs, self.kv_write, step.positions, step.attends_to,
+                                       step.kv_blocks, step.kv_offsets, step.tables, step.token_seq)
 
-    def greedy_plan(self, fused: Sequence[decoder_layer.FusedLayer], embed: quant_matmul.CpuWeight, norm: Array,
-                    eps: float, output: quant_matmul.CpuWeight, ks: Sequence[KVLayerStore],
+    def greedy_plan(self, stack: LayerStack, embed: quant_matmul.CpuWeight, norm: Array, eps: float,
+                    output: quant_matmul.CpuWeight, ks: Sequence[KVLayerStore],
                     vs: Sequence[KVLayerStore]) -> greedy_decode.GreedyPlan | None:
-        return greedy_decode.plan(fused, embed, np.asarray(norm), eps, output, ks, vs)
+        if stack.whole is None:
+            return None
+        return greedy_decode.plan(stack.whole, embed, np.asarray(norm), eps, output, ks, vs)
 
-    def greedy_burst(self, plan: greedy_decode.GreedyPlan, steps: int, ids: Array, positions: Array, kv_blocks: Array,
-                     kv_offsets: Array, tables: Array, token_seq: Array, block_size: int,
+    def greedy_burst(self, plan: greedy_decode.GreedyPlan, steps: int, step: StepArrays, block_size: int,
                      stops: np.ndarray) -> np.ndarray:
-        return greedy_decode.burst(plan, steps, ids, positions, kv_blocks, kv_offsets, tables, token_seq, block_size,
-                                   stops)
+        return greedy_decode.burst(plan, steps, step.ids, step.positions, step.kv_blocks, step.kv_offsets, step.tables,
+                                   step.token_seq, block_size, stops)
 
     def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
                    weight: np.ndarray, decode_rows: Array | None = None) -> np.ndarray:

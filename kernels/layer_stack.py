@@ -1,0 +1,118 @@
+"""LayerStack: a model's layers as its backend runs them (ops.compile_stack) — compiled where the
+backend has a compiled form of a layer and the step suits it, op by op (the model's own code) where
+not. The model hands over its layers once and runs every step through the stack, so it holds no
+backend paths of its own.
+
+A layer comes as a StackLayer: its op-by-op run, and where it is a standard decoder layer its
+weights (LayerWeights), which a backend may compile (ops.fuse_layer). A compiled layer without its
+FFN (a MoE layer: the experts run as ops.expert_ffn) stops at the attention's residual, and the
+layer's own `finish` does the rest. When every layer is compiled with its FFN, a step that suits
+them runs the whole stack in one backend call (ops.run_fused_layers: no Python between layers).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    from ember.kernels.ops import Ops
+
+Array = Any  # numpy.ndarray on cpu, cupy.ndarray on cuda
+Weight = Any  # a backend's packed matrix
+
+
+class StepArrays(Protocol):
+    """What a stack reads of one step (the daemon's StepBatch, its arrays on the device): [n] rows."""
+    ids: Array
+    positions: Array
+    kv_blocks: Array
+    kv_offsets: Array
+    tables: Array
+    token_seq: Array
+    decode_rows: Array
+
+    @property
+    def attends_to(self) -> Array: ...
+
+
+class KVStores(Protocol):
+    """A paged KV cache's stores, one per attention layer."""
+    k: Sequence[Any]
+    v: Sequence[Any]
+
+
+class LayerWeights(NamedTuple):
+    """A standard decoder layer (ops.fuse_layer): h = x + attention(rmsnorm(x)), then h + ffn(rmsnorm(h)),
+    the attention with q/k/v (and optional biases), q/k head norms (optional) and rope, the FFN
+    down(swiglu(gate x, up x)); gate, up and down None: a layer whose FFN is not fused (MoE), which
+    the fused form takes up to h."""
+
+    attn_norm: Array
+    wq: Weight
+    wk: Weight
+    wv: Weight
+    wo: Weight
+    bq: Array | None
+    bk: Array | None
+    bv: Array | None
+    q_norm: Array | None
+    k_norm: Array | None
+    ffn_norm: Array
+    gate: Weight | None
+    up: Weight | None
+    down: Weight | None
+
+
+class LayerShape(NamedTuple):
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    eps: float
+    inv_freq: Array
+    interleaved: bool
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    run: Callable[[Array, StepArrays, KVStores], Array]  # the whole layer, op by op
+    # a standard decoder layer's parts, for a backend to compile (None: it always runs op by op)
+    weights: LayerWeights | None = None
+    shape: LayerShape | None = None
+    kv_layer: int = 0  # its keys and values' layer in the cache
+    finish: Callable[[Array, StepArrays], Array] | None = None  # h -> h + ffn(rmsnorm(h)), op by op
+
+
+class LayerStack:
+    def __init__(self, ops: Ops, layers: Sequence[StackLayer], fused: Sequence[Any | None]) -> None:
+        """fused: per layer, the backend's compiled form (None: op by op only)."""
+        self.ops, self.layers = ops, list(layers)
+        self.fused = list(fused)
+        # every layer compiled with its FFN, layer i's K/V in cache layer i: the stack in one backend call
+        whole = all(f is not None and layer.weights is not None and layer.weights.gate is not None
+                    and layer.kv_layer == i for i, (f, layer) in enumerate(zip(self.fused, self.layers, strict=True)))
+        self.whole: list[Any] | None = list(self.fused) if whole and self.fused else None
+
+    def run(self, x: Array, step: StepArrays, cache: KVStores, tap: Callable[[int, Array], None] | None = None) -> Array:
+        """Hidden states x [n, d] through every layer (f32 in, f32 out), their K/V written to `cache`;
+        tap(i, x) sees the input of each layer i first (then no layer runs with the next)."""
+        if tap is None and self.whole is not None:
+            out = self.ops.run_fused_layers(self.whole, x, cache.k, cache.v, step)
+            if out is not None:
+                return out
+        for i in range(len(self.layers)):  # x is rebound: a layer's input is freed once the next has run
+            if tap is not None:
+                tap(i, x)
+            x = self._layer(i, x, step, cache)
+        return x
+
+    def _layer(self, i: int, x: Array, step: StepArrays, cache: KVStores) -> Array:
+        layer, fused = self.layers[i], self.fused[i]
+        if fused is not None:
+            out = self.ops.run_fused_layer(fused, x, cache.k[layer.kv_layer], cache.v[layer.kv_layer], step)
+            if out is not None:
+                if layer.weights is not None and layer.weights.gate is not None:
+                    return out
+                assert layer.finish is not None, "a layer compiled without its FFN needs its finish"
+                return layer.finish(out, step)
+        return layer.run(x, step, cache)
