@@ -8,7 +8,7 @@ devices=["cpu:0", "cpu:1"], split=[3, 2])` splits the model's layers across stag
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from ember.daemon.engine.engine_core import EngineCore, StepOutput
 from ember.daemon.heap import release_free_heap
 from ember.daemon.engine.sequence import Sequence as EngineSequence
 from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions, ExpertStats
+from ember.daemon.experts.routing_stats import cache_root
 from ember.daemon.loader.model_file import ModelFile, open_model_file
 from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.dflash import DFlashDraft
@@ -222,7 +223,8 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
          devices: str | Sequence[str] | None = None, split: str | Sequence[int] | None = None,
          act_dtype: str = "auto", max_step_tokens: int = PREFILL_CHUNK, stage_threads: int = 0, shm_owner: str | None = None,
          expert_budget: int | str | None = None, cold_workers: int | None = None, cold_policy: str = "exact",
-         draft: str | Path | None = None, draft_tokens: int = 4, feature_dtype: str | None = None) -> Model:
+         draft: str | Path | None = None, draft_tokens: int = 4, feature_dtype: str | None = None,
+         env: Mapping[str, str] | None = None) -> Model:
     """Open a GGUF file or Hugging Face directory and place the model on `device` ("cpu"); its KV
     cache holds `kv_dtype` (f32, f16, bf16 or q8_0); generated tokens meet quantized weights with
     `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do).
@@ -244,8 +246,12 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     when sampled; docs/speculative.md). The draft runs on `device`, beside the target. A draft in
     llama.cpp's `dflash` format (a feature-conditioned draft) is recognised by its architecture: it
     reads the target's hidden states, kept per position in `feature_dtype` (f32, f16, bf16 or q8_0;
-    None: EMBER_FEATURE_DTYPE, else f32), and proposes up to min(draft_tokens, its block - 1) a step."""
-    experts = ExpertOptions(expert_budget, cold_workers, cold_policy)
+    None: EMBER_FEATURE_DTYPE, else f32), and proposes up to min(draft_tokens, its block - 1) a step.
+
+    `env`: where the EMBER_* variables (EMBER_ACT_DTYPE, EMBER_FEATURE_DTYPE, EMBER_CACHE_DIR for
+    routing statistics) are read, once, here (None: this process's environment)."""
+    env = os.environ if env is None else env  # read here once: nothing below looks at the environment
+    experts = ExpertOptions(expert_budget, cold_workers, cold_policy, cache_dir=cache_root(env))
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
     if decode_act not in DECODE_ACTIVATIONS:
@@ -259,7 +265,7 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     # the engine's process runs the model (one device), or samples on the host (a split; each stage
     # prepares its own backend)
     backend = backend_for(DeviceName("cpu") if staged else names[0])
-    policy = resolve_policy([DeviceCaps.of(str(n)) for n in names],
+    policy = resolve_policy([DeviceCaps.of(str(n)) for n in names], env=env,
                             flags=PrecisionSettings(act=None if act_dtype == "auto" else act_dtype, feature=feature_dtype))
     mf = open_model_file(path)
     draft_file = None if draft is None else open_model_file(draft)

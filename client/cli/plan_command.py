@@ -161,7 +161,7 @@ def _placement_lines(plan: Any) -> list[str]:
     """Hot and cold experts per MoE layer (ids where there are few enough to read)."""
     from ember.daemon.experts.placement import planned_placement
 
-    placed = planned_placement(plan)
+    placed = planned_placement(plan, _cache_dir())
     if placed is None or not any(d.offloads_experts for d in plan.devices):
         return []
     hot, moe = placed
@@ -198,11 +198,18 @@ def plan_dict(plan: Any) -> dict[str, Any]:
     }
 
 
+def _cache_dir() -> Any:
+    """ember's cache directory, where routing statistics are saved (this command's environment)."""
+    from ember.daemon.experts.routing_stats import cache_root
+
+    return cache_root(os.environ)
+
+
 def _hot_ids(plan: Any) -> list[list[int]] | None:
     """Per layer, the ids of the hot experts (docs/experts.md); None for a dense model."""
     from ember.daemon.experts.placement import planned_placement
 
-    placed = planned_placement(plan)
+    placed = planned_placement(plan, _cache_dir())
     return None if placed is None else [[int(e) for e in row.nonzero()[0]] for row in placed[0]]
 
 

@@ -38,7 +38,10 @@ class ExpertOptions:
     cold_workers: int | None = None  # None: 2 when some experts are cold under the exact policy
     cold_policy: str = "exact"
     swap_bytes: int | None = None  # bytes one swap may move; None: an eighth of the budget (one expert at least)
-    stats_file: Path | None = None  # None: in ember's cache directory (routing_stats.stats_path)
+    # where the routing statistics persist: this file, else under this cache directory (routing_stats.stats_path,
+    # the top's cache_root); neither: in memory only, for this run
+    stats_file: Path | None = None
+    cache_dir: Path | None = None
     device_room: int | None = None  # the most hot-expert bytes the device has room for (the memory plan's)
 
     def __post_init__(self) -> None:
@@ -82,8 +85,8 @@ class ExpertManager:
             budget = min(budget, options.device_room)
         self.budget = None if budget is None or budget >= total else budget
         self.stats = RoutingStats(len(expert_bytes), n_experts)
-        self.stats_file = options.stats_file or stats_path(self.model)
-        if self.stats.load(self.stats_file):
+        self.stats_file = options.stats_file or (stats_path(self.model, options.cache_dir) if options.cache_dir else None)
+        if self.stats_file is not None and self.stats.load(self.stats_file):
             log.info("routing statistics from %s", self.stats_file)
         self.hot = place(self.stats.counts, expert_bytes, self.budget, self.floor)
         self.ffns: dict[int, MoEFFN] = {}
@@ -182,6 +185,8 @@ class ExpertManager:
                            self.cold_busy, self.cold_wait)
 
     def save_stats(self) -> None:
+        if self.stats_file is None:
+            return
         try:
             self.stats.save(self.stats_file)
         except OSError as e:

@@ -8,6 +8,8 @@ without statistics, even.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 
@@ -42,12 +44,11 @@ def _by_hotness(row: np.ndarray) -> list[int]:
     return sorted(range(row.size), key=lambda e: (-row[e], e))
 
 
-def planned_placement(plan) -> tuple[np.ndarray, list[bool]] | None:  # plan: planner.Plan
+def planned_placement(plan, cache_dir: Path) -> tuple[np.ndarray, list[bool]] | None:  # plan: planner.Plan
     """The hot experts [layers, experts] a memory plan gives a MoE model, placed from the routing
-    statistics saved for its file (none yet: by expert id), and which layers are MoE ones; None for a
-    dense model. What `ember plan` shows, and the runtime's first placement under the same budget."""
-    from pathlib import Path
-
+    statistics saved for its file under ember's cache directory (none yet: by expert id), and which
+    layers are MoE ones; None for a dense model. What `ember plan` shows, and the runtime's first
+    placement under the same budget."""
     from ember.daemon.experts.routing_stats import RoutingStats, stats_path
     from ember.daemon.planning.planner import layer_of, weight_class
 
@@ -57,6 +58,6 @@ def planned_placement(plan) -> tuple[np.ndarray, list[bool]] | None:  # plan: pl
     moe = {layer_of(t.name) for t in plan.model.tensors if weight_class(t.name) == "experts"}
     sizes = [plan.devices[0].expert_bytes if layer in moe else 0 for layer in range(cfg.n_layers)]
     stats = RoutingStats(cfg.n_layers, cfg.n_experts)
-    stats.load(stats_path(Path(plan.model.path)))
+    stats.load(stats_path(Path(plan.model.path), cache_dir))
     budget = sum(d.experts_hot for d in plan.devices) if any(d.offloads_experts for d in plan.devices) else None
     return place(stats.counts, sizes, budget, cfg.n_experts_used), [bool(b) for b in sizes]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -15,19 +16,21 @@ log = logging.getLogger("ember.experts")
 HALF_LIFE_TOKENS = 16384  # a layer's counts halve every this many tokens routed through it
 
 
-def cache_root() -> Path:
-    """EMBER_CACHE_DIR, else $XDG_CACHE_HOME/ember, else ~/.cache/ember."""
-    if os.environ.get("EMBER_CACHE_DIR"):
-        return Path(os.environ["EMBER_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ember"
+def cache_root(env: Mapping[str, str]) -> Path:
+    """ember's cache directory under the environment `env` (the caller's, read once at the top):
+    EMBER_CACHE_DIR, else $XDG_CACHE_HOME/ember, else ~/.cache/ember."""
+    if env.get("EMBER_CACHE_DIR"):
+        return Path(env["EMBER_CACHE_DIR"])
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ember"
 
 
-def stats_path(model: Path) -> Path:
-    """Where a model's routing statistics live: keyed by its resolved path and size."""
+def stats_path(model: Path, root: Path) -> Path:
+    """Where a model's routing statistics live under the cache directory `root`: keyed by its
+    resolved path and size."""
     p = Path(model).resolve()
     size = sum(f.stat().st_size for f in sorted(p.glob("*.safetensors"))) if p.is_dir() else p.stat().st_size
     key = hashlib.sha256(f"{p}\0{size}".encode()).hexdigest()[:16]
-    return cache_root() / "routing" / f"{p.name}-{key}.npy"
+    return root / "routing" / f"{p.name}-{key}.npy"
 
 
 class RoutingStats:

@@ -167,7 +167,8 @@ class Transformer:
     def forward(self, batch: StepBatch, cache: PagedKVCache) -> Array:
         """Run one step's tokens (from any number of sequences) through the model, writing their K/V
         into `cache`. Returns logits [len(batch.logit_rows), vocab]."""
-        return self.head(self.run_layers(self.embed_tokens(batch), batch, cache), batch)
+        # the stack takes the embedding itself: no frame of ours keeps it alive through the layers
+        return self.head(self.stack.run(self.embed_tokens(batch), batch, cache), batch)
 
     def embed_tokens(self, batch: StepBatch) -> Array:
         """The hidden states [n, hidden] the first layer reads."""

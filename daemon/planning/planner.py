@@ -157,7 +157,7 @@ class PlanRequest:
     act_safety: float | None = None  # None: act_safety_for(model), measured; a number overrides it
     act_cap: int | None = None  # None: ACT_CAP of each device's kind
     graph_headroom: int | None = None  # None: GRAPH_HEADROOM of each device's kind
-    cpu_threads: int | None = None  # None: numba's (NUMBA_NUM_THREADS, else the CPU count)
+    cpu_threads: int | None = None  # the engine's kernel threads; None: one per core
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -572,9 +572,7 @@ def _dflash_layers(draft: DraftModel | None, cfg: ModelConfig) -> int:
 
 
 def _cpu_threads(request: PlanRequest) -> int:
-    if request.cpu_threads is not None:
-        return request.cpu_threads
-    return int(os.environ.get("NUMBA_NUM_THREADS") or os.cpu_count() or 1)
+    return request.cpu_threads or os.cpu_count() or 1
 
 
 def _per_kind(override: int | None, defaults: Mapping[str, int], device: Device) -> int:

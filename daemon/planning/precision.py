@@ -14,7 +14,6 @@ narrow; compute is float32: `StagedRows.to_compute()` widens rows back to f32 be
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -80,8 +79,9 @@ class PrecisionPolicy:
 
 def resolve_policy(devices: Sequence[DeviceCaps], config: PrecisionSettings | None = None,
                    env: Mapping[str, str] | None = None, flags: PrecisionSettings | None = None) -> PrecisionPolicy:
-    """The policy for a model placed on `devices`: defaults < config < environment < flags."""
-    env = os.environ if env is None else env
+    """The policy for a model placed on `devices`: defaults < config < environment < flags. `env`: the
+    EMBER_*_DTYPE variables, read by the caller at the top (None: no environment layer)."""
+    env = {} if env is None else env
     if not devices:
         raise PrecisionError("no devices to choose a precision for")
     chosen = {"act": auto_act_dtype(devices), **DEFAULTS}

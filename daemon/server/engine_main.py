@@ -241,7 +241,7 @@ def load_models(launch: EngineLaunch, reports: Reports) -> dict[str, Model]:
                      devices=e.devices or None, split=e.split or None, act_dtype=launch.act_dtype,
                      max_step_tokens=e.max_step_tokens, stage_threads=e.stage_threads, shm_owner=launch.shm_owner,
                      draft=spec.draft or None, draft_tokens=spec.draft_tokens,
-                     feature_dtype=launch.feature_dtypes[name], **spec.experts)
+                     feature_dtype=launch.feature_dtypes[name], env=_cache_env(launch), **spec.experts)
         models[name] = model
         if model.pipeline is not None:
             model.pipeline.heartbeat = reports.beat  # while its stages restart, on the engine's thread
@@ -254,6 +254,12 @@ def load_models(launch: EngineLaunch, reports: Reports) -> dict[str, Model]:
             list(model.generate(list(range(1, 9)), max_tokens=4, ignore_eos=True))
         log.info("model ready", model=name, path=spec.path, seconds=round(time.perf_counter() - t0, 2))
     return models
+
+
+def _cache_env(launch: EngineLaunch) -> dict[str, str]:
+    """The one variable load() would read for the engine: the cache directory the front resolved
+    (the precision came resolved too, as arguments)."""
+    return {"EMBER_CACHE_DIR": launch.cache_dir} if launch.cache_dir else {}
 
 
 def _compiling(reports: Reports) -> None:

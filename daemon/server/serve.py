@@ -37,6 +37,7 @@ from ember.daemon.server.socket_dir import SocketLock, prepare_socket_dir
 from ember.daemon.text.text_model import TextModel, open_text_model
 from ember.daemon.server.text_worker import Output, TextWorker
 from ember.protocol.endpoint import daemon_socket_path, ipc_address
+from ember.daemon.experts.routing_stats import cache_root
 from ember.protocol.shm_ring import owner_id, remove_dead_segments
 
 DEMO_NAME = "ember-demo"
@@ -116,7 +117,7 @@ def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
         request = PlanRequest(devices=tuple(Device(str(d), b) for d, b in zip(devices, budgets, strict=True)),
                               policy=_model_policy(policy, spec), ctx=config.engine.context_for(info.config.context_length),
                               seqs=config.engine.max_active, prefill_chunk=config.engine.max_step_tokens, split=split,
-                              expert_budget=spec.experts["expert_budget"])
+                              expert_budget=spec.experts["expert_budget"], cpu_threads=config.engine.threads or None)
         draft = DraftModel(read_model_info(spec.draft), spec.draft_tokens) if spec.draft else None
         plan = build_plan(info, request, draft)
         log_plan(plan, get_logger())
@@ -153,7 +154,7 @@ def _launch(config: Config, policy: PrecisionPolicy, socket_path: Path, watchdog
                         feature_dtypes={m.display_name: _model_policy(policy, m).feature for m in config.models},
                         shm_owner=owner_id(socket_path),
                         ring_mode=0o640 if group is not None else 0o600,  # readable by those who may connect, no more
-                        ring_group=group, heartbeat_interval=watchdog)
+                        ring_group=group, heartbeat_interval=watchdog, cache_dir=str(cache_root(os.environ)))
 
 
 def _text_worker_factory(config: Config, models: dict[str, TextModel], engine: EngineHost
