@@ -46,6 +46,9 @@ from ember.kernels.sampling import SamplingParams
 
 __all__ = ["Model", "ModelFileError", "load"]
 
+_DFLASH_BESIDE_SPLIT = ("a feature-conditioned (DFlash) draft reads the target's hidden states at its layers, which a "
+                        "layer split keeps in its stage processes: load the target on one device, or use a draft model")
+
 
 
 class Model(TextModel):
@@ -69,8 +72,12 @@ class Model(TextModel):
         self.draft_min_prob = DRAFT_MIN_PROB  # the draft stops after a proposal it is less sure of (0: never)
         self.feature_dtype = feature_dtype
         self._draft: Transformer | DFlashDraft | None = None
+        if draft is not None and pipeline is not None and is_dflash(draft):
+            raise ValueError(_DFLASH_BESIDE_SPLIT)
         if draft is not None:
-            self._draft = DFlashDraft(draft, self.net) if is_dflash(draft) else Transformer(draft, backend_for(name).ops(name))
+            # beside a split the draft runs where sampling does: the engine's process, on the host CPU
+            at = DeviceName("cpu") if pipeline is not None else name
+            self._draft = DFlashDraft(draft, self.net) if is_dflash(draft) else Transformer(draft, backend_for(at).ops(at))
         self._spec_stats = SpecStats()
 
     def __repr__(self) -> str:
@@ -243,7 +250,8 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
 
     `draft`: a smaller model with the same vocabulary that proposes `draft_tokens` tokens a step for
     the target to verify (speculative decoding: the same tokens when greedy, the same distribution
-    when sampled; docs/speculative.md). The draft runs on `device`, beside the target. A draft in
+    when sampled; docs/speculative.md). The draft runs on `device`, beside the target (beside a layer
+    split: in this process on the host CPU, and the split then runs one step at a time). A draft in
     llama.cpp's `dflash` format (a feature-conditioned draft) is recognised by its architecture: it
     reads the target's hidden states, kept per position in `feature_dtype` (f32, f16, bf16 or q8_0;
     None: EMBER_FEATURE_DTYPE, else f32), and proposes up to min(draft_tokens, its block - 1) a step.
@@ -279,10 +287,11 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
             experts = replace(experts, device_room=_expert_room(mf.path, names[0], replace(policy, kv=kv_dtype), experts))
         return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, experts=experts, draft=draft_file,
                      draft_tokens=draft_tokens, feature_dtype=policy.feature)
-    if draft_file is not None:
-        raise ValueError("a draft model with a layer split is not supported yet: load the target on one device")
+    if draft_file is not None and is_dflash(draft_file):
+        raise ValueError(_DFLASH_BESIDE_SPLIT)
     weights = None if counts is not None else LayerWeights.of(headers_of(mf))  # (an HF model's headers are read again)
     stages = plan_stages(names, counts, mf.config.n_layers, stage_budgets(names), weights)
     threads = stage_threads_for(stage_threads, max(1, cpu_stages(names)), len(os.sched_getaffinity(0)))
     pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads, shm_owner)
-    return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, pipeline)
+    return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, pipeline, draft=draft_file,
+                 draft_tokens=draft_tokens)

@@ -22,7 +22,7 @@ from burst_cases import SAMPLING, SAMPLING_IDS, burst_sequences
 from ember.daemon.step.defaults import KV_BLOCK
 from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence
-from ember.daemon.loader.demo_model import DEMO_MODEL
+from ember.daemon.loader.demo_model import DEMO_DFLASH, DEMO_DRAFT, DEMO_MODEL
 from ember.daemon.planning.planner import Device, PlanRequest, plan_model
 from ember.daemon.planning.precision import PrecisionSettings
 from ember.daemon.runner.devices import CudaUnavailable
@@ -315,6 +315,33 @@ def test_an_engine_dropped_with_steps_in_flight_gives_its_lanes_back(unsplit, sp
     ids = unsplit.tokenize(SNIPPETS[5])
     assert list(split.generate(ids, 12, ignore_eos=True)) == list(unsplit.generate(ids, 12, ignore_eos=True))
     assert not split.pipeline._held  # every lane free
+
+
+def test_a_draft_beside_the_split_gives_the_targets_tokens(unsplit) -> None:
+    """A draft model beside a split runs in the engine's process; its proposals are verified against the
+    stages' logits, one step at a time (the local executor), so greedy decoding gives the unsplit
+    target's tokens, alone and batched, and proposals are accepted. A DFlash draft is refused: the
+    hidden states it reads stay in the stages."""
+    model = ember.load(DEMO_MODEL, devices="cpu:0,cpu:1", split=[3, 2], act_dtype="f32", max_step_tokens=STEP,
+                       draft=DEMO_DRAFT, draft_tokens=4)
+    try:
+        ids = unsplit.tokenize(SNIPPETS[0])
+        assert list(model.generate(ids, 24, ignore_eos=True)) == list(unsplit.generate(ids, 24, ignore_eos=True))
+        seqs = [Sequence(unsplit.tokenize(t), 16) for t in SNIPPETS[1:5]]
+        engine = model.engine(1024, max_running=len(seqs), max_step_tokens=STEP)
+        assert engine.executor.depth == 1 and engine.proposer is not None
+        for seq in seqs:
+            engine.add(seq)
+        while engine.has_work:
+            assert not engine.step().failed
+        for seq in seqs:
+            assert seq.generated == list(unsplit.generate(seq.prompt, 16, ignore_eos=True))
+        stats = model.spec_stats()
+        assert stats.steps > 0 and stats.accepted > 0
+    finally:
+        model.close()
+    with pytest.raises(ValueError, match="hidden states"):
+        ember.load(DEMO_MODEL, devices="cpu:0,cpu:1", draft=DEMO_DFLASH)
 
 
 def test_tiny_random_llama_split_equals_unsplit(hf_model) -> None:

@@ -514,10 +514,26 @@ def test_a_draft_that_does_not_fit_is_named() -> None:
         tight = replace(request, devices=(Device("cpu", budget),))
         with pytest.raises(PlanDoesNotFit, match=r"draft model 1\d\d.\d\d MiB\..*\n.*" + fix):
             plan_model(DEMO_MODEL, tight, DEMO_DRAFT, 4).check()
-    with pytest.raises(PlanError, match="layer split"):
-        plan_model(DEMO_MODEL, PlanRequest.create([CPU, CPU], env={}), DEMO_DRAFT)
     with pytest.raises(PlanError, match="draft's vocabulary"):
         build_plan(read_model_info(DEMO_MODEL), PlanRequest.create([CPU], env={}), DraftModel(shape_only(QWEN3_8B)))
+
+
+def test_a_draft_beside_a_split_is_counted_on_its_last_cpu_stage() -> None:
+    """The draft runs in the engine's process, where the split's logits are sampled: its bytes go to the
+    last stage, which must be a CPU one; a DFlash draft, which reads the target's hidden states, is refused."""
+    from ember.daemon.loader.demo_model import DEMO_DFLASH, DEMO_DRAFT
+
+    stages = [Device("cpu:0", 8 * GiB), Device("cpu:1", 8 * GiB)]
+    request = PlanRequest.create(stages, env={}, ctx=1024, seqs=2, split=(3, 2))
+    alone = plan_model(DEMO_MODEL, request).devices
+    first, last = plan_model(DEMO_MODEL, request, DEMO_DRAFT, 4).devices
+    assert first.draft == 0 and first.required == alone[0].required
+    one = plan_model(DEMO_MODEL, PlanRequest.create([CPU], env={}, ctx=1024, seqs=2), DEMO_DRAFT, 4).devices[0]
+    assert last.draft == one.draft > 0
+    with pytest.raises(PlanError, match="last stage.*must be a CPU one, not cuda:0"):
+        plan_model(DEMO_MODEL, PlanRequest.create([stages[0], Device("cuda:0", 8 * GiB)], env={}), DEMO_DRAFT)
+    with pytest.raises(PlanError, match="hidden states.*split"):
+        plan_model(DEMO_MODEL, request, DEMO_DFLASH)
 
 
 def test_cli_counts_the_draft(capsys: pytest.CaptureFixture[str]) -> None:

@@ -332,7 +332,8 @@ def build_plan(info: ModelHeaders, request: PlanRequest, draft: DraftModel | Non
             offloads_experts=(request.expert_offload and dev.kind == "cuda") or request.expert_budget is not None,
             expert_bytes=_expert_bytes(info),
             expert_cap=_expert_cap(request.expert_budget, weights[i].experts, sum(w.experts for w in weights)),
-            **(_draft_bytes(draft, request, kv_tokens, dev) if draft is not None else {}),
+            # the draft sits where the logits are sampled: the one device, or beside a split's last (CPU) stage
+            **(_draft_bytes(draft, request, kv_tokens, dev) if draft is not None and last else {}),
         ))
     return Plan(info, request, ctx, tuple(plans), draft)
 
@@ -340,7 +341,12 @@ def build_plan(info: ModelHeaders, request: PlanRequest, draft: DraftModel | Non
 def _check_draft(draft: DraftModel, cfg: ModelConfig, request: PlanRequest) -> None:
     d = draft.headers.config
     if len(request.devices) > 1:
-        raise PlanError("a draft model with a layer split is not supported: plan the target on one device")
+        if d.arch == "dflash":
+            raise PlanError("a feature-conditioned (DFlash) draft reads the target's hidden states, which a layer "
+                            "split keeps in its stage processes: plan the target on one device, or use a draft model")
+        if request.devices[-1].kind != "cpu":
+            raise PlanError(f"a draft beside a layer split runs in the engine's process on the host CPU, counted "
+                            f"in the last stage's memory: that stage must be a CPU one, not {request.devices[-1].name}")
     if d.vocab != cfg.vocab:
         raise PlanError(f"the draft's vocabulary ({d.vocab} tokens) differs from the model's ({cfg.vocab})")
     if draft.tokens < 1:
