@@ -4,7 +4,7 @@ not. The model hands over its layers once and runs every step through the stack,
 backend paths of its own.
 
 A layer comes as a StackLayer: its op-by-op run, and where it is a standard decoder layer its
-weights (LayerWeights), which a backend may compile (ops.fuse_layer). A compiled layer without its
+weights (ops.LayerWeights), which a backend may compile (ops.fuse_layer). A compiled layer without its
 FFN (a MoE layer: the experts run as ops.expert_ffn) stops at the attention's residual, and the
 layer's own `finish` does the rest. When every layer is compiled with its FFN, a step that suits
 them runs the whole stack in one backend call (ops.run_fused_layers: no Python between layers).
@@ -13,13 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from ember.kernels.ops import Ops
+    from ember.kernels.ops import LayerShape, LayerWeights, Ops
 
 Array = Any  # numpy.ndarray on cpu, cupy.ndarray on cuda
-Weight = Any  # a backend's packed matrix
 
 
 class StepArrays(Protocol):
@@ -40,37 +39,6 @@ class KVStores(Protocol):
     """A paged KV cache's stores, one per attention layer."""
     k: Sequence[Any]
     v: Sequence[Any]
-
-
-class LayerWeights(NamedTuple):
-    """A standard decoder layer (ops.fuse_layer): h = x + attention(rmsnorm(x)), then h + ffn(rmsnorm(h)),
-    the attention with q/k/v (and optional biases), q/k head norms (optional) and rope, the FFN
-    down(swiglu(gate x, up x)); gate, up and down None: a layer whose FFN is not fused (MoE), which
-    the fused form takes up to h."""
-
-    attn_norm: Array
-    wq: Weight
-    wk: Weight
-    wv: Weight
-    wo: Weight
-    bq: Array | None
-    bk: Array | None
-    bv: Array | None
-    q_norm: Array | None
-    k_norm: Array | None
-    ffn_norm: Array
-    gate: Weight | None
-    up: Weight | None
-    down: Weight | None
-
-
-class LayerShape(NamedTuple):
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    eps: float
-    inv_freq: Array
-    interleaved: bool
 
 
 @dataclass(frozen=True)

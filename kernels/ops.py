@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ember.kernels.layer_stack import LayerShape, LayerStack, LayerWeights, StackLayer, StepArrays
+from ember.kernels.layer_stack import LayerStack, StackLayer, StepArrays
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.sampling import Choice, SampleRow, sample_host_rows
 
@@ -27,6 +27,37 @@ class ExpertWeights(NamedTuple):
     gate: Weight
     up: Weight
     down: Weight
+
+
+class LayerWeights(NamedTuple):
+    """A standard decoder layer (ops.fuse_layer): h = x + attention(rmsnorm(x)), then h + ffn(rmsnorm(h)),
+    the attention with q/k/v (and optional biases), q/k head norms (optional) and rope, the FFN
+    down(swiglu(gate x, up x)); gate, up and down None: a layer whose FFN is not fused (MoE), which
+    the fused form takes up to h."""
+
+    attn_norm: Array
+    wq: Weight
+    wk: Weight
+    wv: Weight
+    wo: Weight
+    bq: Array | None
+    bk: Array | None
+    bv: Array | None
+    q_norm: Array | None
+    k_norm: Array | None
+    ffn_norm: Array
+    gate: Weight | None
+    up: Weight | None
+    down: Weight | None
+
+
+class LayerShape(NamedTuple):
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    eps: float
+    inv_freq: Array
+    interleaved: bool
 
 
 class Ops(ABC):

@@ -33,8 +33,8 @@ from ember.daemon.models.architectures import ArchSpec, architecture
 from ember.daemon.models.linear_attention import GatedDeltaNet, load_gated_delta_net
 from ember.daemon.models.recurrent_state import RecurrentState
 from ember.daemon.step.step_batch import StepBatch
-from ember.kernels.layer_stack import LayerShape, LayerWeights, StackLayer
-from ember.kernels.ops import Array, Ops, Weight
+from ember.kernels.layer_stack import StackLayer
+from ember.kernels.ops import Array, LayerShape, LayerWeights, Ops, Weight
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType
 

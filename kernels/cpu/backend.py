@@ -7,8 +7,8 @@ import numpy as np
 
 from ember.kernels.cpu import decoder_layer, dense, expert_ffn, greedy_decode, linear_attention, quant_matmul
 from ember.kernels.cpu.paged_attention import KVLayerStore, paged_attention
-from ember.kernels.layer_stack import LayerShape, LayerStack, LayerWeights, StepArrays
-from ember.kernels.ops import Array, ExpertWeights, Ops
+from ember.kernels.layer_stack import LayerStack, StepArrays
+from ember.kernels.ops import Array, ExpertWeights, LayerShape, LayerWeights, Ops
 from ember.kernels.reference.quant import dequantize
 from ember.kernels.raw_tensor import RawTensor
 
