@@ -30,6 +30,14 @@ def test_earliest_of_several_stops_wins() -> None:
     assert stream(["a b c d"], ["c", " b"]) == ("a", True)
 
 
+def test_a_found_stop_waits_for_a_longer_one_that_starts_before_it() -> None:
+    """In "\na" the stop "a" is found, but "\naa" starts earlier and may still complete: the next
+    delta decides (hypothesis found this one)."""
+    assert stream(["\na", "a"], ["a", "\naa"]) == ("", True)
+    assert stream(["\na", "b"], ["a", "\naa"]) == ("\n", True)
+    assert stream(["\na"], ["a", "\naa"]) == ("\n", True)  # the end decides: no more text comes
+
+
 @given(st.text(alphabet="ab\n", max_size=30), st.lists(st.integers(0, 30), max_size=6),
        st.lists(st.text(alphabet="ab\n", min_size=1, max_size=3), min_size=1, max_size=2))
 def test_any_split_equals_whole_text(text: str, cuts: list[int], stops: list[str]) -> None:

@@ -19,19 +19,26 @@ class StopStrings:
         """Add a text delta; return the text that is now safe to emit."""
         if self.stopped:
             return ""
-        text = self._held + delta
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped, self._held = True, ""
-            return text[: min(hits)]
-        keep = self._partial_suffix(text)
-        self._held = text[len(text) - keep :] if keep else ""
-        return text[: len(text) - keep]
+        return self._release(self._held + delta, final=False)
 
     def flush(self) -> str:
-        """At the end of generation: whatever was held back is not a stop string after all."""
+        """At the end of generation: no stop string can complete any more; what was held back is
+        released up to the first stop string in it (then `stopped`), or whole."""
         text, self._held = self._held, ""
-        return "" if self.stopped else text
+        return "" if self.stopped else self._release(text, final=True)
+
+    def _release(self, text: str, final: bool) -> str:
+        """The text cut at the stop string that starts first, as in the whole text: a stop found here
+        waits while a longer one that starts before it could still complete ("\naa" over "a" in
+        "\na", one delta before the second "a")."""
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        first = min(hits, default=len(text))
+        pending = len(text) if final else len(text) - self._partial_suffix(text)  # where a partial one starts
+        if hits and first <= pending:
+            self.stopped, self._held = True, ""
+            return text[:first]
+        self._held = text[pending:]
+        return text[:pending]
 
     def _partial_suffix(self, text: str) -> int:
         """Length of the longest suffix of text that is a proper prefix of a stop string."""
