@@ -123,6 +123,7 @@ def test_layers_without_integer_kernels_are_not_fused() -> None:
     assert [f is not None for f in net.stack.fused] == [True, False, False, False]
 
 
+@pytest.mark.slow
 def test_a_fresh_process_can_start_with_a_fused_step() -> None:
     """The fused functions loaded from numba's cache call parallel kernels; a process whose first
     kernel was one of them crashed until the module started the thread pool itself."""

@@ -97,6 +97,7 @@ def test_a_draft_that_does_not_fit_the_target_is_refused(tmp_path, variant: dict
         ember.load(DEMO_MODEL, draft=path)
 
 
+@pytest.mark.oracle
 def test_llama_cpp_loads_the_test_drafts(draft_path, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The format check: llama.cpp's own loader takes the files these tests write (both with the
     target's embedding shared and with one of the draft's own)."""
@@ -108,6 +109,7 @@ def test_llama_cpp_loads_the_test_drafts(draft_path, tmp_path) -> None:  # type:
 
 
 # --- the draft's forward pass ---------------------------------------------------------------------
+@pytest.mark.oracle
 def test_draft_against_llama_cpp_and_the_numpy_reference(target, draft_path) -> None:  # type: ignore[no-untyped-def]
     """llama.cpp decodes a context with the target, injects its features into the draft and runs a
     noise block: ember's captured features and the draft's logits agree with it (to its q8_0
@@ -176,6 +178,7 @@ def test_a_prompt_run_in_pieces_speculates_from_its_last_token(target, spec) -> 
 
 
 # --- sampled: the target's distribution -----------------------------------------------------------
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_target_distribution(target, spec) -> None:  # type: ignore[no-untyped-def]
     """test_speculative.py's statistic (its power is shown on a small vocabulary in
     test_speculative_verification.py). Here the draft's q is far from p (random weights), so almost
@@ -250,6 +253,7 @@ def test_prefix_reuse_carries_the_mirror_in_its_dtype(target, spec, dtype: str) 
 
 
 # --- the trained demo draft -----------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_trained_demo_draft_keeps_greedy_tokens_and_stops_when_unsure(target) -> None:  # type: ignore[no-untyped-def]
     """daemon/assets' DFlash draft for the demo model: greedy tokens are the target's with whole blocks
     and with the confidence stop (Model.draft_min_prob), which keeps the accepted length and verifies

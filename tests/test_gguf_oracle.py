@@ -13,24 +13,13 @@ from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.kernels.reference.quant import quantize
 from ember.kernels.tensor_types import TensorType
 from gguf_writer import MIXED, Q4_K_M, write_gguf
+from references import hf_logits, llama_cpp_logits, state_dict
 from tiny_models import LLAMA3
-
-torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.oracle
 
 # K-quants need rows of whole 256-value super-blocks
 KQ = dict(hidden_size=256, intermediate_size=512, head_dim=64)
 CASES = {"llama": ("llama", {}), "llama3-rope": ("llama", LLAMA3), "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {})}
 F32_ONLY = {"*": TensorType.F32}
-
-
-def state_dict(model) -> dict[str, np.ndarray]:
-    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
-
-
-def hf_logits(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()
 
 
 def prompts(vocab: int, lengths=(1, 5, 40)) -> list[list[int]]:
@@ -55,6 +44,7 @@ def dequantized_copy(model, types) -> None:
     from gguf_writer import _type_for
     from ember.daemon.loader.hf_dir import gguf_name
 
+    torch = pytest.importorskip("torch")
     with torch.no_grad():
         for name, p in model.named_parameters():
             g = gguf_name(name, model.config.model_type, model.config.num_hidden_layers)
@@ -82,16 +72,6 @@ def test_quantized_gguf_equals_transformers_on_dequantized_weights(hf_model, tmp
         assert np.abs(model.logits(ids) - expected).max() <= 1e-4 * (expected.max() - expected.min())
 
 
-def llama_cpp_logits(path: Path, ids: list[int]) -> np.ndarray:
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, type_k=0, type_v=0,
-                          n_threads=2, verbose=False)
-    llm.eval(ids)
-    out = np.array(llm.scores[: len(ids)], dtype=np.float32)
-    llm.close()
-    return out
-
-
 # llama.cpp multiplies quantized weights with activations it has itself quantized (to Q8_0 or Q8_K,
 # 8 bits per value), each dot product carrying ~0.4% relative error that ember, with f32 activations,
 # does not have. Through the layers this reaches, measured over 9 files (3 architectures x Q8_0 / Q4_K_M
@@ -114,6 +94,7 @@ def assert_close_to_llama_cpp(ours: np.ndarray, theirs: np.ndarray) -> float:
     return float(agree.mean())
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("types_name", ["Q8_0", "Q4_K_M", "MIXED"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_logits_match_llama_cpp_on_same_file(hf_model, tmp_path: Path, arch: str, types_name: str) -> None:
@@ -128,6 +109,7 @@ def test_logits_match_llama_cpp_on_same_file(hf_model, tmp_path: Path, arch: str
     assert_close_to_llama_cpp(model.logits(short), llama_cpp_logits(path, short))
 
 
+@pytest.mark.oracle
 def test_trained_demo_model_matches_llama_cpp() -> None:
     """The trained demo model (converted by llama.cpp's own converter) on real Python text: top-1 must
     agree on nearly every position."""

@@ -8,10 +8,9 @@ from gguf import MODEL_ARCH_NAMES, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
 import ember
 from ember.daemon.loader.hf_dir import gguf_name
 from ember.daemon.loader.model_file import open_model_file
+from references import hf_greedy, hf_logits
 from tiny_models import LLAMA3
 
-torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.oracle
 
 ARCH_CASES = {
     "llama": ("llama", {}),
@@ -19,17 +18,6 @@ ARCH_CASES = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"tie_word_embeddings": True}),
 }
-
-
-def hf_logits(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.mark.parametrize("case", ARCH_CASES)

@@ -13,10 +13,9 @@ from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence, Status
 from ember.daemon.runner.model_runner import ModelRunner
 from test_engine_core import run
+from references import hf_greedy, hf_logits
 from tiny_models import QWEN35, build_hf_model
 
-torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.oracle
 
 rng = np.random.default_rng(7)
 
@@ -30,10 +29,6 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
 def model(hybrid) -> ember.Model:
     return ember.load(hybrid[0])
 
-
-def hf_logits(ref, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return ref(torch.tensor([ids])).logits[0].float().numpy()
 
 
 def rel_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -74,9 +69,7 @@ def test_logits_and_greedy_match_transformers_past_a_prefill_chunk(hybrid) -> No
     assert rel_error(model.logits(prompt), hf_logits(ref, prompt)) <= 1e-4
     rows, tokens = decode_logits(model, prompt, 8)
     assert rel_error(rows, hf_logits(ref, prompt + tokens[:-1])[len(prompt) - 1:]) <= 1e-4
-    with torch.no_grad():
-        theirs = ref.generate(torch.tensor([prompt[:40]]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    assert alone(model, prompt[:40], 16) == theirs[0, 40:].tolist()
+    assert alone(model, prompt[:40], 16) == hf_greedy(ref, prompt[:40], 16)
 
 
 QWEN35_MOE = dict(QWEN35, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
@@ -93,9 +86,7 @@ def test_moe_variant_matches_transformers(tmp_path: Path) -> None:
     assert rel_error(model.logits(prompt), hf_logits(ref, prompt)) <= 1e-4
     rows, tokens = decode_logits(model, prompt, 6)
     assert rel_error(rows, hf_logits(ref, prompt + tokens[:-1])[len(prompt) - 1:]) <= 1e-4
-    with torch.no_grad():
-        theirs = ref.generate(torch.tensor([prompt[:30]]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-    assert alone(model, prompt[:30], 12) == theirs[0, 30:].tolist()
+    assert alone(model, prompt[:30], 12) == hf_greedy(ref, prompt[:30], 12)
 
 
 def test_prompt_logits_do_not_depend_on_how_steps_cut_the_prompt(model) -> None:

@@ -11,11 +11,10 @@ import pytest
 
 import ember
 from llama_cpp_tools import convert, quantize
-from test_gguf_oracle import llama_cpp_logits
+from references import hf_logits, llama_cpp_logits
 from test_hybrid import decode_logits
 from tiny_models import FIXTURES, QWEN35, build_hf_model
 
-torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.oracle
 
 FIXTURE = FIXTURES / "qwen35-tiny-q8_0.gguf"
@@ -29,10 +28,6 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, P
     f32 = convert(hf_dir, tmp / "f32.gguf")
     return f32, ref, quantize(f32, tmp / "q8_0.gguf")
 
-
-def hf_logits(ref, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return ref(torch.tensor([ids])).logits[0].float().numpy()
 
 
 def test_converted_file_equals_transformers(converted) -> None:

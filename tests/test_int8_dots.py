@@ -17,6 +17,8 @@ from ember.kernels.cpu import int8_dots
 from ember.kernels.reference.quant import dequantize, quantize
 from ember.kernels.tensor_types import TensorType
 
+pytestmark = pytest.mark.slow
+
 
 def quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     xq = np.empty(x.size, np.int8)

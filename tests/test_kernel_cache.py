@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 LOGITS_DIGEST = """
 import hashlib, ember
 from ember.daemon.loader.demo_model import DEMO_MODEL

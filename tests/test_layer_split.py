@@ -32,6 +32,8 @@ from ember.daemon.runner.stage_process import ProcessStage, StageDied, visible_g
 from ember.daemon.runner.stage_worker import bind_to_numa_node, parse_cpulist, pin_to_cpus, stage_cpus
 from ember.kernels.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow
+
 SNIPPETS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
             "for i in range(10):\n    print(", "# read the config file\nwith open(", "x = ["]
 STEP = 64  # max_step_tokens of the split models here (their staging holds this many rows)

@@ -22,10 +22,7 @@ from ember.kernels.reference import moe as ref_moe
 from ember.kernels.reference.quant import dequantize, quantize
 from ember.kernels.tensor_types import TensorType, row_bytes
 from gguf_writer import write_gguf
-from test_gguf_oracle import llama_cpp_logits, state_dict
-from test_hf_oracle import hf_greedy, hf_logits
-
-torch = pytest.importorskip("torch")
+from references import hf_greedy, hf_logits, llama_cpp_logits, state_dict
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TRAINED_MOE = FIXTURES / "ember-demo-moe-q8_0.gguf"
@@ -100,7 +97,6 @@ def test_grouped_expert_matmul_matches_reference(ttype: TensorType) -> None:
 
 
 # --- models against transformers and llama.cpp ------------------------------------------------
-@pytest.mark.oracle
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_hf_moe_matches_transformers(hf_model, arch: str) -> None:
     path, ref = hf_model(arch)
@@ -129,6 +125,7 @@ def test_moe_gguf_matches_llama_cpp(hf_model, tmp_path: Path, arch: str) -> None
     assert_moe_close_to_llama_cpp(model.logits(ids), llama_cpp_logits(path, ids), 0.85)
 
 
+@pytest.mark.oracle
 def test_trained_moe_matches_llama_cpp() -> None:
     model = ember.load(TRAINED_MOE)
     ids = model.tokenize((Path(ember.__file__).parent / "daemon" / "loader" / "gguf_file.py").read_text())[:160]
@@ -151,7 +148,8 @@ def assert_moe_close_to_llama_cpp(ours: np.ndarray, theirs: np.ndarray, top1: fl
 
 def hf_from_gguf(path: Path):
     """transformers' Qwen3MoE with the GGUF file's weights, dequantized by gguf-py (not ember)."""
-    import transformers
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
 
     reader = gguf.GGUFReader(path)
     t = {x.name: np.asarray(gguf.quants.dequantize(x.data, x.tensor_type), np.float32) for x in reader.tensors}
@@ -180,7 +178,6 @@ def hf_from_gguf(path: Path):
     return model
 
 
-@pytest.mark.oracle
 def test_trained_moe_greedy_tokens_equal_transformers() -> None:
     """The trained MoE model (qwen3_moe, 16 experts, top-2, skewed routing; Q8_0 GGUF from llama.cpp's
     converter): ember's greedy tokens equal transformers' on the same (dequantized) weights."""
@@ -218,6 +215,7 @@ def tiny_moe_gguf(tmp_path_factory) -> Path:
     return write_gguf(out / "tiny-moe.gguf", ref.config, state_dict(ref), {"*": TensorType.Q8_0})
 
 
+@pytest.mark.slow
 def test_cold_workers_compute_exactly_what_hot_experts_do(tiny_moe_gguf: Path) -> None:
     """25% of the experts hot, 2 cold workers: the logits equal all-hot ones; a killed worker fails
     its step clearly, is restarted, and the model keeps working."""

@@ -187,6 +187,7 @@ def plain_later_tokens(target) -> list[Counter]:
     return later_tokens(target)[0]
 
 
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_target_distribution(spec, plain_later_tokens) -> None:
     """The statistic's power is checked on a small vocabulary in test_speculative_verification.py. On
     this model, when this test was written, 1500 seeds gave z = -0.94, -0.26, 0.60 for tokens 2-4, and

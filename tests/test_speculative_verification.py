@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.speculative import verification
@@ -92,6 +93,7 @@ def test_untruncated_distributions_follow_the_target_law(monkeypatch) -> None:
 MIN_PROB = 0.55
 
 
+@pytest.mark.slow
 def test_stopping_by_the_drafts_confidence_keeps_the_law() -> None:
     """DraftProposer's rule: whether to propose at a position depends on the draft's logits there (a
     function of the tokens before it), never on the token drawn; here draft_confidence itself, and

@@ -13,6 +13,8 @@ from numba import njit, prange
 
 from ember.kernels.cpu.team import claim, counters_for, fail, failed, finish, join, wait
 
+pytestmark = pytest.mark.slow
+
 
 @njit(nogil=True)
 def _member(counters, a, doubled, mirrored, bad):  # type: ignore[no-untyped-def]

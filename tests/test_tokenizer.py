@@ -23,7 +23,12 @@ try:
     import llama_cpp
 except ImportError:  # the oracle: a guard only for the tests that compare with it (CI installs it)
     llama_cpp = None
-needs_llama_cpp = pytest.mark.skipif(llama_cpp is None, reason="llama-cpp-python (the oracle) is not installed")
+_skip_without_llama_cpp = pytest.mark.skipif(llama_cpp is None, reason="llama-cpp-python (the oracle) is not installed")
+
+
+def needs_llama_cpp(test: Any) -> Any:
+    """An `oracle` test: against llama.cpp, skipped where it is not installed."""
+    return pytest.mark.oracle(_skip_without_llama_cpp(test))
 
 
 def llama(path: Path) -> Any:

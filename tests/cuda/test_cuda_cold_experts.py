@@ -3,8 +3,11 @@ the all-hot model's on the device (the activations cross to the workers' shared 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import ember
+
+pytestmark = pytest.mark.cuda
 
 PROMPT = [1, 17, 300, 45, 9]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 import ember
 from ember.client import Client
 
@@ -13,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "daemon"))
 
 from daemon_process import DaemonProcess  # noqa: E402
 from micro_model import write_micro_model  # noqa: E402
+
+pytestmark = pytest.mark.cuda
 
 PROMPT = [1, 17, 300]
 

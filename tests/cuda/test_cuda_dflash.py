@@ -14,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from dflash_files import write_dflash  # noqa: E402
 from micro_model import write_micro_model  # noqa: E402
 
+pytestmark = pytest.mark.cuda
+
 
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]

@@ -11,6 +11,8 @@ from ember.kernels.reference import moe as ref_moe
 from ember.kernels.reference.quant import dequantize, quantize
 from ember.kernels.tensor_types import TensorType as T
 
+pytestmark = pytest.mark.cuda
+
 
 @pytest.mark.parametrize(("ttype", "d"), [(T.F16, 64), (T.Q4_K, 256)], ids=["F16", "Q4_K"])
 def test_expert_ffn_matches_the_reference(ttype: T, d: int) -> None:

@@ -13,6 +13,8 @@ from ember.kernels.reference import dense as ref
 from ember.kernels.reference.quant import dequantize, quantize
 from ember.kernels.tensor_types import TensorType as T
 
+pytestmark = pytest.mark.cuda
+
 
 @pytest.fixture(scope="module")
 def ops():  # type: ignore[no-untyped-def]

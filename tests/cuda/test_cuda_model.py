@@ -14,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from micro_model import WEIGHT_TYPES, write_micro_model  # noqa: E402
 
+pytestmark = pytest.mark.cuda
+
 PROMPT = [1, 17, 300, 45, 9]
 
 

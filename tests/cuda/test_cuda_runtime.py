@@ -12,6 +12,8 @@ from ember.client.cli.main import main
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.runner.devices import CudaUnavailable, DeviceName, backend_for
 
+pytestmark = pytest.mark.cuda
+
 NEEDS_DEVICE = False  # these run on any machine (conftest.py): most are about not having a GPU
 
 

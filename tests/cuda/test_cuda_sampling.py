@@ -7,6 +7,8 @@ import pytest
 
 from ember.kernels.sampling import SampleRow, SamplingParams, sample
 
+pytestmark = pytest.mark.cuda
+
 CASES = [
     SamplingParams(logprobs=3),  # greedy, logprob and alternatives
     SamplingParams(repetition_penalty=1.7, frequency_penalty=0.5, presence_penalty=0.3, logit_bias={5: 4.0, 9: -2.5}),

@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from micro_model import write_micro_model  # noqa: E402
 
+pytestmark = pytest.mark.cuda
+
 PROMPT = [1, 17, 300, 45, 9]
 
 

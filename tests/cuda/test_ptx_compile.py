@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cuda
+
 NEEDS_DEVICE = False  # conftest.py: this compiles, it runs nothing
 
 _PROBE = ("from numba import cuda, float32\n"

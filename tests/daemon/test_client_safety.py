@@ -26,6 +26,8 @@ from ember.client.errors import (BadRequest, ConnectionLost, DaemonUnavailable, 
 from ember.protocol.codec import Codec
 from ember.protocol.messages import PROTOCOL_VERSION, Generate, Hello, Tokens, Welcome
 
+pytestmark = pytest.mark.slow
+
 NOBODY = 65534
 CLI = [sys.executable, "-m", "ember.client.cli"]
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another user")

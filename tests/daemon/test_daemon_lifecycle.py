@@ -16,6 +16,8 @@ from daemon_process import DaemonProcess, wait_until
 from ember.client import AsyncClient, Client
 from ember.client.errors import ShuttingDown
 
+pytestmark = pytest.mark.slow
+
 # A client in its own process, so it can be SIGKILLed. It prints "streaming" once tokens flow.
 STREAMING_CLIENT = """
 import sys, time

@@ -17,6 +17,8 @@ from ember.client.errors import BadRequest
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from tiny_models import DEMO_TOKENIZER
 
+pytestmark = pytest.mark.slow
+
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."},
         {"role": "assistant", "content": "sorted(xs)"}, {"role": "user", "content": "In place?"}]
 RENDERED = ("<|im_start|>system\nYou write Python.<|im_end|>\n<|im_start|>user\nSort a list.<|im_end|>\n"

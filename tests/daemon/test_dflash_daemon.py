@@ -14,6 +14,8 @@ from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.planning.planner import fmt_bytes
 from ember.kernels.convert import storage_bytes
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n"]
 
 

@@ -16,6 +16,8 @@ from ember.protocol.limits import Limits
 from ember.protocol.messages import Error, Finished, Generate, Tokens
 from ember.protocol.shm_ring import ShmRing, ShmRingReader
 
+pytestmark = pytest.mark.slow
+
 WAIT = 30.0  # seconds: a bound for a hung engine, never a pacing
 
 

@@ -15,6 +15,8 @@ from ember.client import Client
 from ember.protocol import messages as m
 from ember.protocol.codec import Codec, ProtocolError
 
+pytestmark = pytest.mark.slow
+
 codec = Codec()
 PROBE_ID = 2**62  # the id of the Health request that follows each hostile message
 WAIT_MS = 10_000  # a bound for a hung daemon, never a pacing

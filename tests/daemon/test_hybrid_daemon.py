@@ -13,6 +13,8 @@ import ember
 from ember.client import AsyncClient
 from daemon_process import DaemonProcess
 
+pytestmark = pytest.mark.slow
+
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "qwen35-tiny-q8_0.gguf"
 JOBS = [(f"def f{i}(x):\n    return x *", {"max_tokens": 20, "ignore_eos": True, **({"temperature": 0.8, "seed": i} if i % 2 else {})})
         for i in range(6)]

@@ -9,6 +9,8 @@ import pytest
 from ember.client import Client
 from ember.client.errors import BadRequest
 
+pytestmark = pytest.mark.slow
+
 PROMPT = "def fibonacci(n):"
 
 ACCEPTED = [dict(temperature=1e-310), dict(temperature=4e-312, min_p=7e-322), dict(temperature=5e-324, top_p=5e-324),

@@ -22,6 +22,8 @@ from ember.daemon.step.defaults import KV_BLOCK
 from ember.daemon.engine.sequence import Sequence
 from ember.kernels.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow
+
 PROMPT = "def fibonacci(n):"
 CONFIG = """
 [engine]

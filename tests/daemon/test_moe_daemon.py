@@ -18,6 +18,8 @@ from ember.daemon.engine.sequence import Sequence
 
 from daemon_process import DaemonProcess, alive, children, wait_until
 
+pytestmark = pytest.mark.slow
+
 TRAINED_MOE = Path(__file__).parents[1] / "fixtures" / "ember-demo-moe-q8_0.gguf"
 PROMPT = "import os\n\ndef main():\n"
 

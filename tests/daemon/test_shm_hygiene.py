@@ -23,6 +23,8 @@ from ember.protocol import limits
 from ember.protocol.messages import ShmSlot
 from ember.protocol.shm_ring import SHM_DIR, ShmRing, ShmRingReader, owner_id, remove_dead_segments
 
+pytestmark = pytest.mark.slow
+
 # 4 slots of the demo's 8192 floats: 128 KiB a ring; the bound holds two rings, not three
 BOUNDED = """
 [server]

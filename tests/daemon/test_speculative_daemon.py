@@ -13,6 +13,8 @@ from ember.client import Client
 from ember.daemon.config import ConfigError, load_config
 from ember.daemon.loader.demo_model import DEMO_DRAFT, DEMO_MODEL
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):"]
 
 

@@ -30,6 +30,8 @@ from ember.protocol.limits import LimitExceeded, Limits
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from tokenizer_fixtures import byte_bpe_vocab, corpus, gguf_metadata, spm_vocab, write_vocab_gguf  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 codec = Codec()
 WAIT = 60.0  # seconds: a bound for a hung daemon, never a pacing
 MAX_GAP = 0.5  # seconds between a bystander's frames while another client attacks

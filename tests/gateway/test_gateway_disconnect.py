@@ -14,6 +14,8 @@ import pytest
 from gateway_setup import MODEL
 from gateway_thread import GatewayThread
 
+pytestmark = pytest.mark.slow
+
 LONG = {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
 

@@ -13,6 +13,8 @@ from gateway_setup import MODEL
 from gateway_thread import GatewayThread
 from prometheus_client.parser import text_string_to_metric_families
 
+pytestmark = pytest.mark.slow
+
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     with urllib.request.urlopen(f"{url}/metrics") as r:

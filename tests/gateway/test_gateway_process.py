@@ -20,6 +20,8 @@ import pytest
 from daemon_process import DaemonProcess
 from gateway_setup import MODEL
 
+pytestmark = pytest.mark.slow
+
 SYSTEMD = Path(__file__).parents[2] / "systemd"
 ENV = {k: v for k, v in os.environ.items() if k != "EMBER_API_KEY"}
 
