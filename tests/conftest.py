@@ -1,4 +1,6 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the CPU kernel cache made complete before the first test (a fresh machine
+compiles it once, here, in parallel child processes: ~2.5 minutes on 2 cores; later runs only load
+it), so that no test's timeout — a daemon's start above all — pays for the compile."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -8,6 +10,13 @@ from typing import Any
 import pytest
 
 from tiny_models import build_hf_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_cache() -> None:
+    from ember.daemon.runner.kernel_cache import ensure_kernel_cache
+
+    ensure_kernel_cache()
 
 
 @pytest.fixture
