@@ -17,7 +17,7 @@ python3 -c "import numpy, numba, numba.cuda; print('numpy', numpy.__version__, '
 timeout "${COMPILE_TIMEOUT:-400}" python3 -c "import time; t = time.perf_counter()
 from ember.daemon.runner.kernel_cache import ensure_kernel_cache
 print('CPU kernel cache:', 'compiled' if ensure_kernel_cache() else 'warm', f'in {time.perf_counter() - t:.0f} s')"
-timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest tests/cuda -v -p no:cacheprovider --durations=15 \
+timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest tests/cuda -m cuda -v -p no:cacheprovider --durations=15 \
     --junitxml "$out/junit.xml" "$@" 2>&1 | tee "$out/tests.log" | grep -E "PASS|FAIL|ERROR|SKIP|passed|failed|Error|error" | tail -60
 timeout "${TIMING_TIMEOUT:-120}" python3 - <<'EOF' 2>&1 | tee "$out/timing.log"
 import time
