@@ -303,6 +303,30 @@ def test_cancelling_a_sequence_whose_step_is_in_flight(unsplit, split) -> None:
             assert seq.generated == list(unsplit.generate(seq.prompt, 12, ignore_eos=True)), unsplit.detokenize(seq.prompt)
 
 
+def test_a_sequence_cancelled_while_its_failing_step_is_in_flight_is_not_failed(unsplit, split, monkeypatch) -> None:
+    """Its sampling fails in the step that comes back after the cancel: it ended as cancelled, and the
+    engine reports no failure of it (the daemon's engine loop no longer knows it)."""
+    from test_engine_core import fail_sampling_of_min_p_half_at
+
+    fail_sampling_of_min_p_half_at(monkeypatch, 3)  # its fourth token's sampling fails
+    engine = split.engine(1024, max_running=2)
+    victim = Sequence(unsplit.tokenize(SNIPPETS[0]), 12, SamplingParams(temperature=0.8, min_p=0.5), seed=1)
+    other = Sequence(unsplit.tokenize(SNIPPETS[1]), 12)
+    engine.add(victim)
+    engine.add(other)
+    for _ in range(200):
+        if victim.in_flight and len(victim.generated) == 3:
+            break
+        engine.step()
+    assert victim.in_flight and len(victim.generated) == 3
+    engine.abort(victim)
+    failed = []
+    while engine.has_work:
+        failed += [seq for seq, _ in engine.step().failed]
+    assert victim not in failed and victim.finish_reason == "cancelled"
+    assert other.generated == list(unsplit.generate(other.prompt, 12, ignore_eos=True))
+
+
 def test_an_engine_dropped_with_steps_in_flight_gives_its_lanes_back(unsplit, split) -> None:
     """Its runner's cache is dropped once those steps are through (not under them), and nobody
     collects them: their lanes are freed, else two such engines would leave no lane to submit in."""
@@ -502,6 +526,37 @@ def test_a_stage_that_dies_fails_its_sequences_and_is_restarted(unsplit, monkeyp
         assert len(lost.failed) == 1 and "KV cache is lost" in lost.failed[0][1]
         ids = unsplit.tokenize(SNIPPETS[4])  # and the model serves on
         assert list(model.generate(ids, 12, ignore_eos=True)) == list(unsplit.generate(ids, 12, ignore_eos=True))
+    finally:
+        model.close()
+
+
+def test_a_stage_dead_before_a_pipelined_fill_takes_only_the_steps_it_held(unsplit) -> None:
+    """Stage 0 killed while idle: the engine's first submit finds it (the stages restart, that step is
+    lost) and the next submit of the same fill learns that the cache is gone. Every step in flight goes
+    with it, none is collected later: those sequences end with an error, the next ones are served,
+    and so is Model.generate, with every lane free (a stale step once wedged the pipeline for good)."""
+    model = ember.load(DEMO_MODEL, devices=["cpu:0", "cpu:1"], max_step_tokens=STEP)
+    try:
+        engine = model.engine(1024, max_running=4)
+        stage = model.pipeline.stages[0]
+        os.kill(stage.process.pid, signal.SIGKILL)
+        stage.process.wait()
+        lost = [Sequence(unsplit.tokenize(t), 10) for t in SNIPPETS[:4]]
+        for seq in lost:
+            engine.add(seq)
+        while engine.has_work:
+            engine.step()
+        assert [s.finish_reason for s in lost] == ["error"] * 4 and stage.alive()
+        served = [Sequence(unsplit.tokenize(t), 10) for t in SNIPPETS[:4]]
+        for seq in served:
+            engine.add(seq)
+        while engine.has_work:
+            assert not engine.step().failed
+        for seq in served:
+            assert seq.generated == list(unsplit.generate(seq.prompt, 10, ignore_eos=True))
+        ids = unsplit.tokenize(SNIPPETS[5])
+        assert list(model.generate(ids, 6, ignore_eos=True)) == list(unsplit.generate(ids, 6, ignore_eos=True))
+        assert not model.pipeline._held
     finally:
         model.close()
 

@@ -79,7 +79,9 @@ def _request(args: argparse.Namespace) -> Any:
     if args.act_cap is not None:
         options["act_cap"] = parse_size(args.act_cap)
     flags = PrecisionSettings(act=args.act_dtype, feature=args.feature_dtype, kv=args.kv_dtype)
-    return PlanRequest.create(devices, flags=flags, env=os.environ, **options)
+    # the kernel threads a process started from this shell would run (numba's variable, else one per core)
+    threads = int(os.environ.get("NUMBA_NUM_THREADS") or 0) or None
+    return PlanRequest.create(devices, flags=flags, env=os.environ, cpu_threads=threads, **options)
 
 
 def render_table(plan: Any) -> str:

@@ -262,7 +262,9 @@ class EngineCore:
             plan = replace(plan, chunks=[replace(c, lookahead=outcome.proposed[i]) if i in outcome.proposed else c
                                          for i, c in enumerate(plan.chunks)])
         sampling = [c.seq for c in plan.chunks if c.samples]
-        failed = [(sampling[k], message) for k, message in outcome.failed.items()]
+        # (one cancelled while its step ran has ended already: it fails no more)
+        failed = [(sampling[k], message) for k, message in outcome.failed.items()
+                  if sampling[k].status != Status.FINISHED]
         for seq, _ in failed:
             self.scheduler.abort(seq, "error")  # update() skips it, and its choice is not passed on
         # a sequence ended meanwhile (sampling failed; cancelled while a pipelined step ran) takes no token
@@ -286,8 +288,10 @@ class EngineCore:
 
     def _isolate(self, plan: StepPlan, error: Exception) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
         """The step failed as a whole: run each chunk alone to find whose it was."""
-        if len(plan.chunks) == 1:  # nobody else to spare: it was this one's
+        if len(plan.chunks) == 1:  # nobody else to spare: it was this one's (unless it was cancelled meanwhile)
             seq = plan.chunks[0].seq
+            if seq.status == Status.FINISHED:
+                return [], []
             self.scheduler.abort(seq, "error")
             return [], [(seq, f"{type(error).__name__}: {error}")]
         outputs: list[StepOutput] = []

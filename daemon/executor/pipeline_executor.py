@@ -8,6 +8,7 @@ engine cut (one of its sequences ended: its blocks may be someone else's now) ta
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ember.daemon.executor.burst import Burst
@@ -15,6 +16,8 @@ from ember.daemon.executor.logit_rows import LogitRows
 from ember.daemon.executor.step_failed import StepFailed
 from ember.daemon.runner.step_run import KVStateLost, PendingStep, StepRun
 from ember.daemon.runner.step_runner import StepRunner
+from ember.daemon.step.row_sampling import RowSampling
+from ember.daemon.step.step_batch import StepBatch
 from ember.daemon.step.step_work import StepOutcome, StepWork
 
 
@@ -40,7 +43,7 @@ class PipelineExecutor:
         rows = LogitRows(work.chunks, proposing=False)
         batch = rows.batch(work.chunks, self.runner.block_size, {})
         samplers = rows.samplers(work.chunks)
-        pending = self.runner.submit(batch, samplers, rows.keep)
+        pending = self._submit(batch, samplers, rows.keep)
         burst = Burst(batch, samplers, work.steps, self.runner.block_size) if work.steps > 1 else None
         self._running.append(_Flight(work, rows, pending, burst))
 
@@ -80,17 +83,27 @@ class PipelineExecutor:
         try:
             run = self.runner.collect(flight.pending, burst.blocks if burst is not None else ())
             if burst is not None and burst.took(run):
-                flight.pending = self.runner.submit(burst.batch, burst.samplers)
+                flight.pending = self._submit(burst.batch, burst.samplers)
                 self._running.append(flight)
                 return
+            self._done.append((flight.work, self._outcome(flight, run)))
         except KVStateLost:
-            self._running.clear()  # the stages lost every step they held
-            self._done.clear()
+            self._drop_all()
             raise
         except Exception as e:
             self._done.append((flight.work, e))
-            return
-        self._done.append((flight.work, self._outcome(flight, run)))
+
+    def _submit(self, batch: StepBatch, samplers: Sequence[tuple[int, RowSampling]], keep: Sequence[int] = ()) -> PendingStep:
+        try:
+            return self.runner.submit(batch, samplers, keep)
+        except KVStateLost:  # found at a submit: the steps in flight were lost with the cache too
+            self._drop_all()
+            raise
+
+    def _drop_all(self) -> None:
+        """The stages lost every step they held (the engine ends their sequences): none is collected."""
+        self._running.clear()
+        self._done.clear()
 
     def _outcome(self, flight: _Flight, run: StepRun) -> StepOutcome:
         if flight.burst is None:

@@ -133,7 +133,7 @@ class EngineLaunch(msgspec.Struct, frozen=True):
     ring_mode: int = 0o600
     ring_group: int | None = None
     heartbeat_interval: float | None = None  # seconds between Heartbeats (systemd's watchdog), None: none
-    cache_dir: str = ""  # ember's cache directory (routing statistics); "": none, statistics stay in memory
+    cache_dir: str = ""  # ember's cache directory (routing statistics), as the front resolved it; "": the default
 
 
 command_decoder = msgspec.msgpack.Decoder(EngineCommand)  # what the engine takes

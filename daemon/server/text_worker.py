@@ -254,7 +254,8 @@ class TextWorker:
         finish = FinishReason.STOP if r.stops.stopped else p.finish
         if finish is not None:
             text += r.stops.feed(r.text.flush()) + r.stops.flush()  # text held back for a partial character
-            finish = FinishReason.STOP if r.stops.stopped else finish  # a stop string the held text ended in
+            if r.stops.stopped and finish == FinishReason.LENGTH:  # the held text ended in a stop string
+                finish = FinishReason.STOP
         frames: list[Output] = []
         if p.tokens or text:
             frames.append((r.client, self._tokens(r, p, text)))
