@@ -160,24 +160,32 @@ class Chunk:
 
 def generate_message(request_id: int, prompt: str | Sequence[int] | None = None, *,
                      messages: Sequence[Mapping[str, str] | ChatMessage] | None = None, model: str | None = None,
-                     max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                     min_p: float = 0.0, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
+                     max_tokens: int = 256, temperature: float | None = 0.0, top_k: int | None = 0,
+                     top_p: float | None = 1.0, min_p: float | None = 0.0, repetition_penalty: float | None = 1.0,
+                     frequency_penalty: float = 0.0,
                      presence_penalty: float = 0.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                      stop_ids: Sequence[int] | None = None, ignore_eos: bool = False, return_logits: bool = False,
                      logprobs: bool = False, top_logprobs: int = 0,
                      logit_bias: Mapping[int, float] | None = None) -> Generate:
+    """The Generate message of these options. Sampling defaults to greedy; None for temperature, top_k,
+    top_p, min_p or repetition_penalty leaves that parameter to the model's recommendation."""
     try:
         text = prompt if isinstance(prompt, str) else None
         ids = tuple(int(t) for t in prompt) if prompt is not None and not isinstance(prompt, str) else None
         chat = tuple(_chat_message(m) for m in messages) if messages is not None else None
         return Generate(
-            request_id, model or "", text, ids, chat, max_tokens, float(temperature), top_k, float(top_p),
-            float(min_p), float(repetition_penalty), float(frequency_penalty), float(presence_penalty), seed,
+            request_id, model or "", text, ids, chat, max_tokens, _float(temperature),
+            None if top_k is None else int(top_k), _float(top_p), _float(min_p), _float(repetition_penalty),
+            float(frequency_penalty), float(presence_penalty), seed,
             (stop,) if isinstance(stop, str) else tuple(stop or ()), tuple(stop_ids or ()), ignore_eos, return_logits,
             logprobs, top_logprobs, {int(k): float(v) for k, v in (logit_bias or {}).items()},
         )
     except (TypeError, ValueError, KeyError) as e:  # an option of the wrong type: the caller's mistake
         raise BadRequest(f"bad Generate options: {e!r}") from e
+
+
+def _float(value: float | None) -> float | None:
+    return None if value is None else float(value)
 
 
 def _chat_message(m: Mapping[str, str] | ChatMessage) -> ChatMessage:

@@ -39,7 +39,7 @@ from ember.daemon.loader.dflash_file import is_dflash
 from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB
 from ember.daemon.speculative.feature_proposer import FeatureProposer
 from ember.daemon.speculative.spec_stats import SpecStats
-from ember.daemon.text.text_model import TextModel, tokenizer_of
+from ember.daemon.text.text_model import TextModel, sampling_of, tokenizer_of
 from ember.daemon.text.tokenizer import Tokenizer
 from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES
 from ember.kernels.sampling import SamplingParams
@@ -59,7 +59,7 @@ class Model(TextModel):
         """On `device`, or split across `pipeline`'s stages (its workers already loaded); a MoE
         model's experts placed by `experts`; `draft` proposes `draft_tokens` tokens a step (a DFlash
         draft reads the target's features, mirrored in `feature_dtype`)."""
-        super().__init__(mf.path, mf.config, tokenizer)
+        super().__init__(mf.path, mf.config, tokenizer, sampling_of(mf))
         name = DeviceName.parse(device)
         self.kv_dtype = kv_dtype
         self.decode_act = decode_act

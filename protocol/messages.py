@@ -109,11 +109,12 @@ class Generate(Wire, tag="generate"):
     token_ids: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None  # rendered with the model's chat template
     max_tokens: int = 256
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    # None: the model's recommended value (its file's, else llama.cpp's: daemon/text/sampling_defaults.py)
+    temperature: float | None = 0.0  # 0 = greedy
+    top_k: int | None = 0
+    top_p: float | None = 1.0
+    min_p: float | None = 0.0
+    repetition_penalty: float | None = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int | None = None

@@ -129,7 +129,7 @@ def test_cli_error_is_one_line_without_traceback(tmp_path: Path) -> None:
 
 
 def test_cli_streams_demo_model_text() -> None:
-    result = run_cli("run", "def fibonacci(n):", "--max-tokens", "24")
+    result = run_cli("run", "def fibonacci(n):", "--max-tokens", "24", "--temperature", "0")  # greedy: one flag away
     assert result.returncode == 0, result.stderr
     model = ember.load(DEMO_MODEL)
     expected = model.detokenize(model.generate("def fibonacci(n):", max_tokens=24))

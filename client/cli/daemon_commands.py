@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any
 
+from ember.client.cli.sampling_options import add_sampling_options
+
 
 def add_daemon_commands(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the daemon: load models, serve clients on a Unix socket",
@@ -70,11 +72,7 @@ def add_daemon_commands(sub: Any) -> None:
         p.add_argument("--model", help="model name (default: the only one loaded)")
         p.add_argument("--socket", metavar="PATH", help="the daemon's socket (default: the usual places)")
         p.add_argument("--max-tokens", type=int, default=256)
-        p.add_argument("--temperature", type=float, default=0.0 if name == "generate" else 0.7)
-        p.add_argument("--top-k", type=int, default=0)
-        p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--min-p", type=float, default=0.0)
-        p.add_argument("--repetition-penalty", type=float, default=1.0, help="llama.cpp-style multiplicative (1 = off)")
+        add_sampling_options(p)
         p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI additive penalty per repeat (-2..2)")
         p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI additive penalty once seen (-2..2)")
         p.add_argument("--seed", type=int)

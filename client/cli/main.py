@@ -21,11 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Load MODEL (default: the built-in demo model) and stream a completion of PROMPT.")
     run.add_argument("args", nargs="+", metavar="[MODEL] PROMPT", help="model path (optional) and prompt text")
     run.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    run.add_argument("--top-k", type=int, default=0, help="sample among the k best tokens (0 = all)")
-    run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
-    run.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the best probability")
-    run.add_argument("--repetition-penalty", type=float, default=1.0, help="llama.cpp-style multiplicative penalty (1 = off)")
+    from ember.client.cli.sampling_options import add_sampling_options
+
+    add_sampling_options(run)
     run.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI additive penalty per repeat (-2..2)")
     run.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI additive penalty once seen (-2..2)")
     run.add_argument("--seed", type=int, default=None, help="random seed for sampling")
@@ -69,9 +67,11 @@ def _run(args: argparse.Namespace) -> int:
     decoder = model.tokenizer.stream_decoder()
     out = sys.stdout
     out.write(prompt)
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                    repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                    presence_penalty=args.presence_penalty)
+    recommended = model.sampling.as_dict()  # what the options left to the model
+    sampling = {name: recommended[name] if value is None else value for name, value in dict(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty).items()}
+    sampling.update(frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
     for token in model.generate(prompt, max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos, **sampling):
         out.write(decoder.feed(token))
         out.flush()

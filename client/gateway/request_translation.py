@@ -5,8 +5,10 @@ strings, content parts, one prompt, n=1, which fields ember cannot honour) is ch
 the sampling values and every size limit are the daemon's (its Error{bad_request | limit} comes back as a
 400 with its message), so the gateway and the daemon can never disagree on them.
 
-OpenAI's defaults, not ember's: temperature 1 (ember's SDK defaults to greedy), max_tokens up to the
-context (bounded by the gateway's default_max_tokens).
+A sampling field the request leaves out goes to the daemon as None: the model's recommended sampling
+(its file's, else llama.cpp's defaults; daemon/text/sampling_defaults.py), as Ollama does, rather than
+OpenAI's temperature 1 or ember's SDK's greedy. max_tokens: up to the context (bounded by the
+gateway's default_max_tokens).
 """
 from __future__ import annotations
 
@@ -87,16 +89,16 @@ def _translated(req: SamplingBody, prompt: str | list[int] | None, messages: lis
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     options: dict[str, Any] = {
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
         "frequency_penalty": req.frequency_penalty or 0.0,
         "presence_penalty": req.presence_penalty or 0.0,
         "seed": req.seed % SEED_RANGE if req.seed is not None else None,
         "stop": _stop(req.stop),
         "logit_bias": _logit_bias(req.logit_bias),
-        "top_k": req.top_k or 0,
-        "min_p": req.min_p or 0.0,
-        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "repetition_penalty": req.repetition_penalty,
         "ignore_eos": bool(req.ignore_eos),
         "logprobs": logprobs is not None,
         "top_logprobs": logprobs or 0,

@@ -1,5 +1,5 @@
-"""TextModel: the text side of one model file — its config, tokenizer and chat template, without its
-weights. The daemon's front process serves tokenizing, chat rendering and validation from it while
+"""TextModel: the text side of one model file — its config, tokenizer, chat template and recommended
+sampling, without its weights. The daemon's front process serves tokenizing, chat rendering and validation from it while
 the engine process holds the weights; `Model` (daemon/runtime.py) is a TextModel with weights."""
 from __future__ import annotations
 
@@ -11,14 +11,17 @@ from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile, open_model_file
 from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
+from ember.daemon.text.sampling_defaults import SamplingDefaults, from_gguf, from_hf_dir
 from ember.daemon.text.tokenizer import Tokenizer, TokenizerError
 
 
 class TextModel:
-    def __init__(self, path: Path, config: ModelConfig, tokenizer: Tokenizer) -> None:
+    def __init__(self, path: Path, config: ModelConfig, tokenizer: Tokenizer,
+                 sampling: SamplingDefaults | None = None) -> None:
         self.path = path
         self.config = config
         self.tokenizer = tokenizer
+        self.sampling = sampling or SamplingDefaults()  # what a request that names no sampling gets
         self._chat: ChatTemplate | None = None
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -51,8 +54,13 @@ def tokenizer_of(mf: ModelFile) -> Tokenizer:
         raise ModelFileError(str(mf.path), str(e)) from None
 
 
+def sampling_of(mf: ModelFile) -> SamplingDefaults:
+    """The file's recommended sampling (daemon/text/sampling_defaults.py)."""
+    return from_gguf(mf.metadata) if mf.format == "gguf" else from_hf_dir(mf.path)
+
+
 def open_text_model(path: str | Path) -> TextModel:
     """The text side of the model at `path` (a GGUF file or HF directory): its header and tokenizer
     are read, its weights stay on disk."""
     mf = open_model_file(path)
-    return TextModel(mf.path, mf.config, tokenizer_of(mf))
+    return TextModel(mf.path, mf.config, tokenizer_of(mf), sampling_of(mf))

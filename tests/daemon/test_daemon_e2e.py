@@ -154,7 +154,7 @@ def test_logprobs_arrive_with_tokens(daemon) -> None:  # type: ignore[no-untyped
 
 
 def test_command_line_generate_and_status(daemon, demo_model) -> None:  # type: ignore[no-untyped-def]
-    out = subprocess.run([sys.executable, "-m", "ember.client.cli", "generate", PROMPT, "--max-tokens", "12",
+    out = subprocess.run([sys.executable, "-m", "ember.client.cli", "generate", PROMPT, "--max-tokens", "12", "--temperature", "0",
                           "--socket", str(daemon.socket)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout == PROMPT + demo_model.detokenize(expected_tokens(demo_model, PROMPT, max_tokens=12)) + "\n"

@@ -8,13 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import gguf
 import pytest
 
 from daemon_process import DaemonProcess
 from ember.client import Client
 from ember.client.errors import BadRequest
 from ember.daemon.loader.demo_model import DEMO_MODEL
+from gguf_copy import copy_gguf
 from tiny_models import DEMO_TOKENIZER
 
 pytestmark = pytest.mark.slow
@@ -61,23 +61,7 @@ def test_ember_chat_command_answers(daemon) -> None:  # type: ignore[no-untyped-
 
 def without_template(path: Path) -> Path:
     """A copy of the demo model without its chat template (every other key and tensor as they are)."""
-    reader = gguf.GGUFReader(DEMO_MODEL)
-    writer = gguf.GGUFWriter(str(path), "qwen3")
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "tokenizer.chat_template"):
-            continue
-        vtype = gguf.GGUFValueType(field.types[0])
-        sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
-    for t in reader.tensors:
-        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for t in reader.tensors:
-        writer.write_tensor_data(t.data)
-    writer.close()
-    return path
+    return copy_gguf(DEMO_MODEL, path, drop=["tokenizer.chat_template"])
 
 
 def test_chat_with_a_model_without_template_is_a_bad_request(tmp_path: Path) -> None:

@@ -53,9 +53,10 @@ def refused(call, param: str | None = None, **body: object) -> ApiError:  # type
     return e.value
 
 
-def test_openai_defaults_not_embers() -> None:
+def test_sampling_left_out_is_left_to_the_model() -> None:
     t = chat()
-    assert t.options["temperature"] == 1.0 and t.options["top_p"] == 1.0  # OpenAI's, where ember's SDK is greedy
+    o = t.options  # None: the daemon fills in the model's recommended sampling, not OpenAI's temperature 1
+    assert (o["temperature"], o["top_p"], o["top_k"], o["min_p"], o["repetition_penalty"]) == (None,) * 5
     assert t.max_tokens is None and t.logprobs is None and not t.stream and not t.include_usage
     assert t.messages is not None and t.messages[0].role == "user" and t.prompt is None
 
