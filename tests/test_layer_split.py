@@ -102,6 +102,16 @@ def test_greedy_and_seeded_sampling_identical(unsplit, split) -> None:
     assert got == list(unsplit.generate(ids, 32, ignore_eos=True, **sampling))
 
 
+def assert_served_as_unsplit(engine: EngineCore, seqs: list[Sequence], unsplit: ember.Model) -> None:
+    """`seqs` run together to their ends on `engine`, none failing, each with the unsplit model's greedy tokens."""
+    for seq in seqs:
+        engine.add(seq)
+    while engine.has_work:
+        assert not engine.step().failed
+    for seq in seqs:
+        assert seq.generated == list(unsplit.generate(seq.prompt, seq.max_tokens, ignore_eos=True))
+
+
 def mixed_sequences(model: ember.Model) -> list[Sequence]:
     """Greedy and seeded sampled ones, alternating."""
     params = SamplingParams(temperature=0.8, top_k=20)
@@ -358,12 +368,7 @@ def test_a_draft_beside_the_split_gives_the_targets_tokens(unsplit) -> None:
         seqs = [Sequence(unsplit.tokenize(t), 16) for t in SNIPPETS[1:5]]
         engine = model.engine(1024, max_running=len(seqs), max_step_tokens=STEP)
         assert engine.executor.depth == 1 and engine.proposer is not None
-        for seq in seqs:
-            engine.add(seq)
-        while engine.has_work:
-            assert not engine.step().failed
-        for seq in seqs:
-            assert seq.generated == list(unsplit.generate(seq.prompt, 16, ignore_eos=True))
+        assert_served_as_unsplit(engine, seqs, unsplit)
         stats = model.spec_stats()
         assert stats.steps > 0 and stats.accepted > 0
     finally:
@@ -549,13 +554,7 @@ def test_a_stage_dead_before_a_pipelined_fill_takes_only_the_steps_it_held(unspl
         while engine.has_work:
             engine.step()
         assert [s.finish_reason for s in lost] == ["error"] * 4 and stage.alive()
-        served = [Sequence(unsplit.tokenize(t), 10) for t in SNIPPETS[:4]]
-        for seq in served:
-            engine.add(seq)
-        while engine.has_work:
-            assert not engine.step().failed
-        for seq in served:
-            assert seq.generated == list(unsplit.generate(seq.prompt, 10, ignore_eos=True))
+        assert_served_as_unsplit(engine, [Sequence(unsplit.tokenize(t), 10) for t in SNIPPETS[:4]], unsplit)
         ids = unsplit.tokenize(SNIPPETS[5])
         assert list(model.generate(ids, 6, ignore_eos=True)) == list(unsplit.generate(ids, 6, ignore_eos=True))
         assert not model.pipeline._held
