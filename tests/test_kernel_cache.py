@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -75,5 +76,31 @@ def test_a_failing_part_fails_the_compile_with_its_output(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(kernel_cache, "PARTS", ("no-such-part",))
     with pytest.raises(RuntimeError, match="no-such-part") as failed:
-        kernel_cache._compile_in_children(2)
+        kernel_cache._compile_in_children(2, lambda done, total: None)
     assert "KeyError" in str(failed.value)  # the child's own traceback
+
+
+def test_the_compile_reports_each_child_as_it_finishes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first start shows how far its compile got: (0, n) before the first child, then one report
+    per child that finished, the last child (which runs every part) counted last."""
+    from ember.daemon.runner import kernel_cache
+
+    class Finished:
+        def __init__(self, parts: list[str]) -> None:
+            self.parts = parts
+            self.process = types.SimpleNamespace(poll=lambda: 0)
+
+        def overdue(self) -> bool:
+            return False
+
+        def finish(self) -> str:
+            return f"{kernel_cache._REPORT} nothing"
+
+    monkeypatch.setattr(kernel_cache, "_Child", Finished)
+    monkeypatch.setattr(kernel_cache, "PARTS", ("a", "b", "c"))
+    seen: list[tuple[int, int]] = []
+    report = kernel_cache._compile_in_children(2, lambda done, total: seen.append((done, total)))
+    assert seen == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)] and report.endswith("nothing")
+    seen.clear()
+    kernel_cache._compile_in_children(1, lambda done, total: seen.append((done, total)))  # one core: the last child alone
+    assert seen == [(0, 1), (1, 1)]

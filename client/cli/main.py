@@ -54,11 +54,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from ember.daemon.loader.demo_model import DEMO_MODEL
     from ember.daemon.loader.model_file_error import ModelFileError
+    from ember.daemon.runner.devices import DeviceName, backend_for
     from ember.daemon.runtime import load
 
     if len(args.args) > 2:
         raise ValueError("expected [MODEL] PROMPT: quote the prompt")
     model_path, prompt = (args.args if len(args.args) == 2 else (DEMO_MODEL, args.args[0]))
+    backend_for(DeviceName.parse(args.device)).prepare(on_compile=_show_compile)  # a first run compiles: say so
     try:
         model = load(model_path, device=args.device)
     except ModelFileError as e:
@@ -77,6 +79,16 @@ def _run(args: argparse.Namespace) -> int:
         out.flush()
     out.write(decoder.flush() + "\n")
     return 0
+
+
+def _show_compile(done: int, total: int) -> None:
+    """A first run's kernel compile on stderr: one line that counts up on a terminal, a line per part else."""
+    if done == 0:
+        print("ember: compiling the CPU kernels (the first run after an install; later runs load them)",
+              file=sys.stderr)
+    last = done == total or not sys.stderr.isatty()
+    print(f"ember: compiling the CPU kernels: {done} of {total} parts", end="\n" if last else "\r", file=sys.stderr,
+          flush=True)
 
 
 def _version() -> str:

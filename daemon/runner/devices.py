@@ -48,9 +48,9 @@ class Backend(Protocol):
     def ops(self, device: DeviceName) -> Ops:
         """The kernels for `device`, one instance per loaded model."""
 
-    def prepare(self, on_compile: Callable[[], None] = lambda: None) -> None:
+    def prepare(self, on_compile: Callable[[int, int], None] = lambda done, total: None) -> None:
         """Whatever a process must do once before loading models on this kind (compile kernels...);
-        calls on_compile first if that will take long."""
+        reports a long compile's progress as on_compile(parts done, parts in all), (0, n) first."""
 
     def available_memory(self, device: DeviceName) -> int:
         """Bytes a plan may use on `device` when the user gives no budget."""
@@ -65,7 +65,7 @@ class CpuBackend:
     def ops(self, device: DeviceName) -> Ops:
         return get_ops("cpu")
 
-    def prepare(self, on_compile: Callable[[], None] = lambda: None) -> None:
+    def prepare(self, on_compile: Callable[[int, int], None] = lambda done, total: None) -> None:
         from ember.daemon.runner.kernel_cache import ensure_kernel_cache
 
         ensure_kernel_cache(on_compile)
@@ -106,7 +106,7 @@ class CudaBackend:
 
         return CudaOps(device.index or 0)
 
-    def prepare(self, on_compile: Callable[[], None] = lambda: None) -> None:
+    def prepare(self, on_compile: Callable[[int, int], None] = lambda done, total: None) -> None:
         self._check(DeviceName("cuda", 0))
         from ember.kernels.cuda.device import SIMULATOR
 

@@ -45,10 +45,12 @@ import numpy as np
 _CHILD_TIMEOUT = 1800.0  # seconds: one child compiling everything took 6-9 minutes on the 2-core VM, once
 
 
-def ensure_kernel_cache(on_compile: Callable[[], None] = lambda: None) -> bool:
+def ensure_kernel_cache(on_compile: Callable[[int, int], None] = lambda done, total: None) -> bool:
     """Fill numba's cache for the CPU kernels in child processes unless it is known to be complete.
-    Calls `on_compile` first when it compiles; returns whether it did. A failure to compile in a
-    child raises RuntimeError (with the child's output); this process would fail the same way."""
+    When it compiles, it reports its progress as on_compile(children done, children in all): (0,
+    total) first, then as each child finishes (a long first start shows how far it got). Returns
+    whether it compiled. A failure to compile in a child raises RuntimeError (with the child's
+    output); this process would fail the same way."""
     stamp = _stamp_path()
     if stamp.exists():
         return False
@@ -56,19 +58,20 @@ def ensure_kernel_cache(on_compile: Callable[[], None] = lambda: None) -> bool:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be compiling: wait for it
         if stamp.exists():
             return False
-        on_compile()
         _remove_cached_kernels(stamp.parent)
-        report = _compile_in_children(len(os.sched_getaffinity(0)))
+        report = _compile_in_children(len(os.sched_getaffinity(0)), on_compile)
         stamp.write_text(f"compiled by child processes (ember/daemon/runner/kernel_cache.py); {report}\n")
     return True
 
 
-def _compile_in_children(cores: int) -> str:
+def _compile_in_children(cores: int, progress: Callable[[int, int], None]) -> str:
     """The parts in children, `cores` at a time, then one child that runs them all (loading, and
-    compiling what is missing) -> that child's report. RuntimeError with a failed child's output
-    (the other children are stopped)."""
+    compiling what is missing) -> that child's report; progress(done, total) as they finish.
+    RuntimeError with a failed child's output (the other children are stopped)."""
     waiting = [[part] for part in PARTS] if cores > 1 else []
     running: list[_Child] = []
+    total = len(waiting) + 1
+    progress(0, total)
     try:
         while waiting or running:
             while waiting and len(running) < cores:
@@ -79,7 +82,9 @@ def _compile_in_children(cores: int) -> str:
                 continue
             running.remove(done)
             done.finish()
+            progress(total - 1 - len(waiting) - len(running), total)
         lines = _Child([_LAST, *PARTS]).finish().splitlines()
+        progress(total, total)
         return next((line for line in reversed(lines) if line.startswith(_REPORT)), "no report from the last child")
     finally:
         for child in running:

@@ -262,9 +262,14 @@ def _cache_env(launch: EngineLaunch) -> dict[str, str]:
     return {"EMBER_CACHE_DIR": launch.cache_dir} if launch.cache_dir else {}
 
 
-def _compiling(reports: Reports) -> None:
-    reports.status("compiling the CPU kernels (first start; later starts load them)")
-    get_logger().info("compiling the CPU kernels in a child process (first start after an install or upgrade)")
+def _compiling(reports: Reports, done: int, total: int) -> None:
+    """The first start's compile, as it goes: a status line (`ember status`, systemd) and a log line per part."""
+    reports.status(f"compiling the CPU kernels: {done} of {total} parts (first start; later starts load them)")
+    if done == 0:
+        get_logger().info("compiling the CPU kernels in child processes (first start after an install or upgrade)",
+                          parts=total)
+    else:
+        get_logger().info("compiled CPU kernels", parts_done=done, parts=total)
 
 
 def _log_stages(name: str, model: Model) -> None:
@@ -334,7 +339,7 @@ def serve_engine(launch: EngineLaunch, channel: Channel) -> int:
         try:
             e = config.engine
             backend = backend_for(e.device)
-            backend.prepare(on_compile=lambda: _compiling(reports))
+            backend.prepare(on_compile=lambda done, total: _compiling(reports, done, total))
             models = load_models(launch, reports)
         except ModelFileError as err:
             reports.send(StartFailed(str(err), err.path, err.reason))
