@@ -72,6 +72,7 @@ class EngineStats:
 class _Flight:
     """A step handed to the executor, not yet accounted."""
     plan: StepPlan
+    work: StepWork  # the plan as the executor took it
     before: list[int]  # per chunk: its tokens generated before the step (-1: it samples none)
     start: float  # perf_counter() at its submit
 
@@ -127,7 +128,6 @@ class EngineCore:
         align = runner.step_alignment if max_step_tokens >= runner.step_alignment + max_running else 1
         self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context, lookahead, align, feature)
         self._flights: dict[int, _Flight] = {}  # id(work) -> its step, while the executor has it
-        self._works: dict[int, StepWork] = {}
         bursts = draft is None and not runner.stateful
         self._bursts = BurstClock(decode_burst if bursts else 0.0, max_burst)
 
@@ -137,9 +137,9 @@ class EngineCore:
 
     def abort(self, seq: Sequence, reason: str = "cancelled") -> None:
         if seq.in_flight:  # its blocks go back now: a burst of its step must not write to them again
-            for key, flight in self._flights.items():
+            for flight in self._flights.values():
                 if any(c.seq is seq for c in flight.plan.chunks):
-                    self.executor.cut(self._works[key])
+                    self.executor.cut(flight.work)
         self.scheduler.abort(seq, reason)
 
     @property
@@ -172,7 +172,7 @@ class EngineCore:
                 except Exception as e:  # refused before it ran: find whose it was, in step
                     outputs, failed = self._isolate(plan, e)
                     return StepResult(plan.n_tokens, outputs, plan.started, failed)
-                self._flights[id(work)], self._works[id(work)] = self._flight(plan), work
+                self._flights[id(work)] = self._flight(plan, work)
             if not self._flights:
                 return StepResult(0)
             try:
@@ -197,7 +197,6 @@ class EngineCore:
                 for chunk in flight.plan.chunks:
                     chunk.seq.in_flight = False
             self._flights.clear()
-            self._works.clear()
             # tokens: the step that found the loss (0 would read as "nothing ran" to the daemon)
             return StepResult(max(1, plan.n_tokens), [], plan.started, self._lose_state(str(e)))
 
@@ -215,16 +214,15 @@ class EngineCore:
                             c.seq.wants_logits) for c in plan.chunks]
         return StepWork(chunks, self._decode_steps(plan))
 
-    def _flight(self, plan: StepPlan) -> _Flight:
+    def _flight(self, plan: StepPlan, work: StepWork) -> _Flight:
         for chunk in plan.chunks:
             chunk.seq.in_flight = True
         before = [len(c.seq.generated) if c.samples else -1 for c in plan.chunks]  # before update() appends
-        return _Flight(plan, before, time.perf_counter())
+        return _Flight(plan, work, before, time.perf_counter())
 
     def _landed(self, work: StepWork) -> _Flight:
         """The flight of a step the executor gave back: its sequences may be scheduled again."""
         flight = self._flights.pop(id(work))
-        del self._works[id(work)]
         for chunk in flight.plan.chunks:
             chunk.seq.in_flight = False
         return flight
