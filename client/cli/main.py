@@ -69,10 +69,8 @@ def _run(args: argparse.Namespace) -> int:
     decoder = model.tokenizer.stream_decoder()
     out = sys.stdout
     out.write(prompt)
-    recommended = model.sampling.as_dict()  # what the options left to the model
-    sampling = {name: recommended[name] if value is None else value for name, value in dict(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty).items()}
+    sampling = model.sampling.filled(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                     min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     sampling.update(frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
     for token in model.generate(prompt, max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos, **sampling):
         out.write(decoder.feed(token))

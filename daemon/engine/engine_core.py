@@ -217,8 +217,7 @@ class EngineCore:
     def _flight(self, plan: StepPlan, work: StepWork) -> _Flight:
         for chunk in plan.chunks:
             chunk.seq.in_flight = True
-        before = [len(c.seq.generated) if c.samples else -1 for c in plan.chunks]  # before update() appends
-        return _Flight(plan, work, before, time.perf_counter())
+        return _Flight(plan, work, _generated_before(plan), time.perf_counter())
 
     def _landed(self, work: StepWork) -> _Flight:
         """The flight of a step the executor gave back: its sequences may be scheduled again."""
@@ -236,8 +235,7 @@ class EngineCore:
         return 1 + min(c.lookahead for c in plan.chunks)
 
     def _run_alone(self, plan: StepPlan) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
-        before = [len(c.seq.generated) if c.samples else -1 for c in plan.chunks]
-        return self._account(plan, before, self.executor.run(self._work(plan)))
+        return self._account(plan, _generated_before(plan), self.executor.run(self._work(plan)))
 
     def _lose_state(self, why: str) -> list[tuple[Sequence, str]]:
         lost = list(self.scheduler.running)
@@ -318,3 +316,9 @@ class EngineCore:
         end, size, align = chunk.start + chunk.length, self.scheduler.max_step_tokens, self.scheduler.align
         size = max(align, size - size % align)  # runs cut where the scheduler would cut them
         return [ScheduledChunk(chunk.seq, s, min(size, end - s)) for s in range(0, end, size)]
+
+
+def _generated_before(plan: StepPlan) -> list[int]:
+    """Per chunk, its sequence's generated tokens before the step (-1: it samples none): what the
+    step's outputs are cut from after update() appends."""
+    return [len(c.seq.generated) if c.samples else -1 for c in plan.chunks]

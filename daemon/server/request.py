@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from ember.daemon.logging_setup import get_logger
 from ember.daemon.engine.sequence import Sequence
@@ -98,12 +97,10 @@ def request_from_generate(client: bytes, msg: Generate, models: Mapping[str, Tex
             raise RequestError(ErrorCode.BAD_REQUEST, f"{what}: token ids must be in [0, {vocab})")
     if msg.seed is not None and not 0 <= msg.seed < 2**64:
         raise RequestError(ErrorCode.BAD_REQUEST, f"seed must be in [0, 2**64), got {msg.seed}")
-    recommended = model.sampling  # for each parameter the request leaves to the model (None)
     try:
         params = SamplingParams(
-            temperature=_or(msg.temperature, recommended.temperature), top_k=_or(msg.top_k, recommended.top_k),
-            top_p=_or(msg.top_p, recommended.top_p), min_p=_or(msg.min_p, recommended.min_p),
-            repetition_penalty=_or(msg.repetition_penalty, recommended.repetition_penalty),
+            **model.sampling.filled(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
+                                    repetition_penalty=msg.repetition_penalty),  # None: the model's recommendation
             frequency_penalty=msg.frequency_penalty,
             presence_penalty=msg.presence_penalty, logit_bias=dict(msg.logit_bias),
             logprobs=msg.top_logprobs,
@@ -117,7 +114,3 @@ def request_from_generate(client: bytes, msg: Generate, models: Mapping[str, Tex
         max_tokens=msg.max_tokens, params=params, seed=msg.seed, stop=msg.stop, stop_ids=msg.stop_ids,
         ignore_eos=msg.ignore_eos, return_logits=msg.return_logits, logprobs=msg.logprobs or msg.top_logprobs > 0,
     )
-
-
-def _or(value: Any, recommended: Any) -> Any:
-    return recommended if value is None else value

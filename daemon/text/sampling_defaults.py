@@ -35,6 +35,10 @@ class SamplingDefaults:
     def as_dict(self) -> dict[str, float | int]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
 
+    def filled(self, **given: float | int | None) -> dict[str, float | int]:
+        """The parameters `given`, each one left to the model (None) replaced by its recommendation."""
+        return {name: getattr(self, name) if value is None else value for name, value in given.items()}
+
 
 def from_gguf(metadata: Mapping[str, Any]) -> SamplingDefaults:
     """The file's general.sampling.* keys over llama.cpp's defaults."""
