@@ -176,12 +176,14 @@ class Ops(ABC):
         then step from Python."""
         return None
 
-    def greedy_burst(self, plan: Any, steps: int, step: StepArrays, block_size: int, stops: np.ndarray) -> np.ndarray:
+    def greedy_burst(self, plan: Any, steps: int, step: StepArrays, block_size: int,
+                     stops: np.ndarray) -> np.ndarray | None:
         """Up to `steps` greedy decode steps of one generated token per sequence (`step` the first of
         them), each row's next input its logits' argmax, until every row has met one of its stop ids
         (stops [n, m], -1 pads; a row that has keeps its stop token as its input) -> host int64
         tokens [steps taken, n]: bit for bit what the fused layers, rmsnorm, matmul and argmax_rows
-        give step by step."""
+        give step by step; None, having done nothing, where the backend cannot run it now (its
+        compiled loop not yet compiled: kernels/cpu/kernel_tiers.py)."""
         raise NotImplementedError(f"{self.name} has no greedy decode bursts")
 
     @abstractmethod

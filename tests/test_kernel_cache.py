@@ -21,25 +21,80 @@ print(hashlib.sha256(m.logits(ids).tobytes() + m.logits(ids[:1]).tobytes()).hexd
 """
 
 
+STAGED_START = """
+import hashlib, json, time
+from numba.core import event
+import ember
+from ember.daemon.loader.demo_model import DEMO_MODEL
+from ember.kernels.cpu import decoder_layer, greedy_decode, kernel_tiers
+
+fused = []  # the second tier's calls: fused layers, greedy bursts
+run_stack, burst = decoder_layer.run_stack, greedy_decode.burst
+decoder_layer.run_stack = lambda *args: fused.append(1) or run_stack(*args)
+greedy_decode.burst = lambda *args: fused.append(1) or burst(*args)
+
+def run(m):
+    ids = m.tokenize("def fibonacci(n):\\n    " * 20)  # long enough for the parallel kernels
+    return (hashlib.sha256(m.logits(ids).tobytes()).hexdigest(),
+            list(m.generate("def fibonacci(n):", max_tokens=24, temperature=0, ignore_eos=True)))
+
+with event.install_recorder("numba:compile") as compiles:
+    m = ember.load(DEMO_MODEL)  # a first start: it returns once the first tier is cached
+    staged = kernel_tiers.first_tier_only()
+    first = run(m)
+    first_fused = len(fused)
+    deadline = time.monotonic() + 1500
+    while kernel_tiers.first_tier_only() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    complete = not kernel_tiers.first_tier_only()
+    second = run(m)
+compiled = sorted({ev.data["dispatcher"].py_func.__qualname__ for _, ev in compiles.buffer
+                   if ev.data["dispatcher"].py_func.__module__.startswith("ember.")})
+print(json.dumps(dict(staged=staged, first=first, first_fused=first_fused, complete=complete, second=second,
+                      fused=len(fused) - first_fused, compiled=compiled)))
+"""
+
+
+@pytest.mark.slow
+def test_a_first_start_serves_from_the_first_tier_then_runs_every_kernel_with_the_same_tokens(tmp_path: Path) -> None:
+    """kernels/cpu/kernel_tiers.py: on an empty cache ember.load returns once the first tier is compiled
+    and serves op by op; the second tier compiles in the background; every logit and token is the same
+    before and after the switch, and this process compiles nothing itself."""
+    import json
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", STAGED_START], env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["staged"] and seen["complete"]
+    assert seen["first_fused"] == 0 and seen["fused"] > 0  # op by op first, the fused layers once compiled
+    assert seen["first"] == seen["second"]
+    assert seen["compiled"] == []  # every kernel came from the cache the children filled
+    assert len(list(tmp_path.rglob("ember-kernels-*.first-tier.stamp"))) == 1
+
+
 @pytest.mark.slow
 def test_a_cold_cache_and_a_warm_one_give_the_same_logits(tmp_path: Path) -> None:
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}  # empty: the first process finds nothing compiled
+    complete = [sys.executable, "-c", "from ember.daemon.runner.kernel_cache import ensure_kernel_cache as e; e()"]
 
     def digest() -> str:
         done = subprocess.run([sys.executable, "-c", LOGITS_DIGEST], env=env, capture_output=True, text=True,
-                              timeout=1800)  # a cold compile: about 4 minutes on 2 cores
+                              timeout=1800)
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
+    subprocess.run(complete, env=env, check=True, timeout=1800)  # a cold compile: about 3 minutes on 2 cores
     cold = digest()
-    stamps = list(tmp_path.rglob("ember-kernels-*.stamp"))
+    stamps = [p for p in tmp_path.rglob("ember-kernels-*.stamp") if not p.name.endswith(".first-tier.stamp")]
     assert stamps, "the first process left no stamp"
     if len(os.sched_getaffinity(0)) > 1:  # the parts, compiled side by side, left the last child nothing to do
         assert stamps[0].read_text().strip().endswith("the last child compiled: nothing"), stamps[0].read_text()
     assert digest() == cold
 
-    # a kernel source changed (its stamp is gone): every cached kernel is compiled anew, none reused
-    stamps[0].unlink()
+    # a kernel source changed (its stamps are gone): every cached kernel is compiled anew, none reused
+    for stamp in tmp_path.rglob("ember-kernels-*.stamp"):
+        stamp.unlink()
     stale = stamps[0].parent / "decoder_layer._attention_in-1.py311.nbi"
     stale.write_bytes(b"an index of kernels compiled from older sources")
     assert digest() == cold
@@ -74,9 +129,8 @@ def test_cache_saves_wait_for_the_cache_directorys_lock(tmp_path: Path) -> None:
 def test_a_failing_part_fails_the_compile_with_its_output(monkeypatch: pytest.MonkeyPatch) -> None:
     from ember.daemon.runner import kernel_cache
 
-    monkeypatch.setattr(kernel_cache, "PARTS", ("no-such-part",))
     with pytest.raises(RuntimeError, match="no-such-part") as failed:
-        kernel_cache._compile_in_children(2, lambda done, total: None)
+        kernel_cache._compile_in_children(2, ("no-such-part",), lambda done, total: None)
     assert "KeyError" in str(failed.value)  # the child's own traceback
 
 
@@ -86,7 +140,7 @@ def test_the_compile_reports_each_child_as_it_finishes(monkeypatch: pytest.Monke
     from ember.daemon.runner import kernel_cache
 
     class Finished:
-        def __init__(self, parts: list[str]) -> None:
+        def __init__(self, parts: list[str], background: bool = False) -> None:
             self.parts = parts
             self.process = types.SimpleNamespace(poll=lambda: 0)
 
@@ -97,10 +151,9 @@ def test_the_compile_reports_each_child_as_it_finishes(monkeypatch: pytest.Monke
             return f"{kernel_cache._REPORT} nothing"
 
     monkeypatch.setattr(kernel_cache, "_Child", Finished)
-    monkeypatch.setattr(kernel_cache, "PARTS", ("a", "b", "c"))
     seen: list[tuple[int, int]] = []
-    report = kernel_cache._compile_in_children(2, lambda done, total: seen.append((done, total)))
+    report = kernel_cache._compile_in_children(2, ("a", "b", "c"), lambda done, total: seen.append((done, total)))
     assert seen == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)] and report.endswith("nothing")
     seen.clear()
-    kernel_cache._compile_in_children(1, lambda done, total: seen.append((done, total)))  # one core: the last child alone
+    kernel_cache._compile_in_children(1, ("a", "b", "c"), lambda done, total: seen.append((done, total)))  # one core: the last child alone
     assert seen == [(0, 1), (1, 1)]

@@ -48,9 +48,12 @@ class Backend(Protocol):
     def ops(self, device: DeviceName) -> Ops:
         """The kernels for `device`, one instance per loaded model."""
 
-    def prepare(self, on_compile: Callable[[int, int], None] = lambda done, total: None) -> None:
+    def prepare(self, on_compile: Callable[[int, int], None] = lambda done, total: None,
+                on_background: Callable[[str], None] = lambda line: None) -> None:
         """Whatever a process must do once before loading models on this kind (compile kernels...);
-        reports a long compile's progress as on_compile(parts done, parts in all), (0, n) first."""
+        reports a long compile's progress as on_compile(parts done, parts in all), (0, n) first. Work
+        it leaves to the background (the CPU kernels' second tier) says how it went in lines for the
+        log: on_background(line), from another thread."""
 
     def available_memory(self, device: DeviceName) -> int:
         """Bytes a plan may use on `device` when the user gives no budget."""
@@ -65,10 +68,26 @@ class CpuBackend:
     def ops(self, device: DeviceName) -> Ops:
         return get_ops("cpu")
 
-    def prepare(self, on_compile: Callable[[int, int], None] = lambda done, total: None) -> None:
-        from ember.daemon.runner.kernel_cache import ensure_kernel_cache
+    def prepare(self, on_compile: Callable[[int, int], None] = lambda done, total: None,
+                on_background: Callable[[str], None] = lambda line: None) -> None:
+        # A first start serves once the first tier of kernels is cached: op by op, serial, the same
+        # bits as every kernel gives (kernels/cpu/kernel_tiers.py); the rest follows in the background.
+        from ember.daemon.runner.kernel_cache import complete_in_background, ensure_kernel_cache, kernel_cache_complete
+        from ember.kernels.cpu import kernel_tiers
 
-        ensure_kernel_cache(on_compile)
+        ensure_kernel_cache(on_compile, whole=False)
+        if kernel_cache_complete() or kernel_tiers.first_tier_only():  # complete, or being completed
+            return
+        kernel_tiers.use_first_tier()
+        on_background("serving with the first tier of CPU kernels (op by op, serial) while the rest compiles "
+                      "in the background, at the lowest CPU priority")
+
+        def done() -> None:
+            kernel_tiers.use_all()
+            on_background("the CPU kernels are all compiled: fused layers and parallel kernels from the next step")
+
+        complete_in_background(done, lambda error: on_background(f"compiling the rest of the CPU kernels failed "
+                                                                 f"(serving on with the first tier): {error}"))
 
     def available_memory(self, device: DeviceName) -> int:
         from ember.daemon.planning.planner import available_ram
@@ -106,7 +125,8 @@ class CudaBackend:
 
         return CudaOps(device.index or 0)
 
-    def prepare(self, on_compile: Callable[[int, int], None] = lambda done, total: None) -> None:
+    def prepare(self, on_compile: Callable[[int, int], None] = lambda done, total: None,
+                on_background: Callable[[str], None] = lambda line: None) -> None:
         self._check(DeviceName("cuda", 0))
         from ember.kernels.cuda.device import SIMULATOR
 

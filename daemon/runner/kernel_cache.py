@@ -13,7 +13,15 @@ child processes compile every kernel signature the runtime uses (a forward pass 
 model with every weight type and KV dtype, through both variants of each twin kernel) and leave a
 stamp; this process then only ever loads. A lock keeps concurrent starts from compiling twice.
 
-The compile is cut into parts (PARTS) that children compile side by side, as many at once as this
+The compile comes in two tiers (kernels/cpu/kernel_tiers.py). The first (FIRST_TIER) is every op run
+op by op, each twin in its serial variant: about 30 s of the 2-core VM's 2-3 minutes. A daemon
+(`whole=False`) serves once it is cached, with those kernels alone, while a thread of its own
+(complete_in_background) has the second tier (PARTS: the parallel variants, the fused layers, the
+greedy bursts) compiled by children at the lowest CPU priority, and then runs every kernel. The tiers
+compute the same bits, so the switch changes the speed of a step, never a token. A stamp marks each
+tier done.
+
+Each tier is cut into parts that children compile side by side, as many at once as this
 process has cores: numba compiles on one thread, and a part's kernels are mostly other functions than
 another part's. numba's cache writes are not safe between processes (a save reads a function's index,
 picks a free data file and writes the index back: two at once can lose an entry or share a file), so
@@ -21,7 +29,7 @@ the children take a lock around each save. A last child then runs every part onc
 what the parts wrote and compiles whatever they missed, so the cache is complete however the parts
 were cut.
 
-Before the children compile, every cached kernel is removed. numba checks a cache entry against its own
+Before the first tier compiles, every cached kernel is removed. numba checks a cache entry against its own
 source file only: a fused kernel in decoder_layer.py that inlined quant_matmul.py's matvec kept the
 old matvec's code after quant_matmul.py changed (seen: a 1.75x faster matvec that the fused layers
 did not get). The stamp names every kernel source, so a change to any of them recompiles them all.
@@ -34,6 +42,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,37 +54,79 @@ import numpy as np
 _CHILD_TIMEOUT = 1800.0  # seconds: one child compiling everything took 6-9 minutes on the 2-core VM, once
 
 
-def ensure_kernel_cache(on_compile: Callable[[int, int], None] = lambda done, total: None) -> bool:
-    """Fill numba's cache for the CPU kernels in child processes unless it is known to be complete.
-    When it compiles, it reports its progress as on_compile(children done, children in all): (0,
-    total) first, then as each child finishes (a long first start shows how far it got). Returns
-    whether it compiled. A failure to compile in a child raises RuntimeError (with the child's
-    output); this process would fail the same way."""
+def ensure_kernel_cache(on_compile: Callable[[int, int], None] = lambda done, total: None, *,
+                        whole: bool = True, background: bool = False) -> bool:
+    """Fill numba's cache for the CPU kernels in child processes unless it is known to be complete
+    (whole=False: unless its first tier is; kernels/cpu/kernel_tiers.py). When it compiles, it reports
+    its progress as on_compile(children done, children in all): (0, total) first, then as each child
+    finishes (a long first start shows how far it got). Returns whether it compiled. background:
+    the children run at the lowest CPU priority (a daemon serving beside them keeps the cores).
+    A failure to compile in a child raises RuntimeError (with the child's output); this process
+    would fail the same way."""
     stamp = _stamp_path()
-    if stamp.exists():
+    first = _first_tier_stamp(stamp)
+    if stamp.exists() or (not whole and first.exists()):
         return False
     with open(stamp.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be compiling: wait for it
-        if stamp.exists():
+        if stamp.exists() or (not whole and first.exists()):
             return False
-        _remove_cached_kernels(stamp.parent)
-        report = _compile_in_children(len(os.sched_getaffinity(0)), on_compile)
-        stamp.write_text(f"compiled by child processes (ember/daemon/runner/kernel_cache.py); {report}\n")
+        tiers = ([] if first.exists() else [FIRST_TIER]) + ([PARTS] if whole else [])
+        cores = len(os.sched_getaffinity(0))
+        total = sum(_children(parts, cores) for parts in tiers)
+        on_compile(0, total)
+        done = 0
+        for parts in tiers:
+            if parts is FIRST_TIER:
+                _remove_cached_kernels(stamp.parent)
+            report = _compile_in_children(cores, parts, lambda n, _: on_compile(done + n, total), background)
+            done += _children(parts, cores)
+            (first if parts is FIRST_TIER else stamp).write_text(
+                f"compiled by child processes (ember/daemon/runner/kernel_cache.py); {report}\n")
     return True
 
 
-def _compile_in_children(cores: int, progress: Callable[[int, int], None]) -> str:
-    """The parts in children, `cores` at a time, then one child that runs them all (loading, and
+def kernel_cache_complete() -> bool:
+    """Both tiers are in the cache: a process may run every kernel."""
+    return _stamp_path().exists()
+
+
+def complete_in_background(on_done: Callable[[], None], on_failed: Callable[[str], None]) -> threading.Thread:
+    """The cache completed (its second tier compiled, or waited for where another process compiles
+    it) by a thread of this process, its children at the lowest CPU priority, then on_done(); or
+    on_failed(the error) if a child failed, this process then keeping to the first tier. The children
+    die with this process (a daemon stopped mid-compile leaves the rest to its next start)."""
+    def complete() -> None:
+        try:
+            ensure_kernel_cache(background=True)
+        except Exception as err:  # noqa: BLE001 (a thread: its caller hears of any failure)
+            on_failed(f"{type(err).__name__}: {err}")
+            return
+        on_done()
+
+    thread = threading.Thread(target=complete, name="ember-kernel-cache", daemon=True)
+    thread.start()
+    return thread
+
+
+def _children(parts: Sequence[str], cores: int) -> int:
+    """How many children compile `parts`: one a part, side by side, then the last; the last alone on one core."""
+    return len(parts) + 1 if cores > 1 else 1
+
+
+def _compile_in_children(cores: int, parts: Sequence[str], progress: Callable[[int, int], None],
+                         background: bool = False) -> str:
+    """`parts` in children, `cores` at a time, then one child that runs them all (loading, and
     compiling what is missing) -> that child's report; progress(done, total) as they finish.
     RuntimeError with a failed child's output (the other children are stopped)."""
-    waiting = [[part] for part in PARTS] if cores > 1 else []
+    waiting = [[part] for part in parts] if cores > 1 else []
     running: list[_Child] = []
-    total = len(waiting) + 1
+    total = _children(parts, cores)
     progress(0, total)
     try:
         while waiting or running:
             while waiting and len(running) < cores:
-                running.append(_Child(waiting.pop(0)))
+                running.append(_Child(waiting.pop(0), background))
             done = next((child for child in running if child.process.poll() is not None or child.overdue()), None)
             if done is None:
                 time.sleep(0.1)
@@ -83,7 +134,7 @@ def _compile_in_children(cores: int, progress: Callable[[int, int], None]) -> st
             running.remove(done)
             done.finish()
             progress(total - 1 - len(waiting) - len(running), total)
-        lines = _Child([_LAST, *PARTS]).finish().splitlines()
+        lines = _Child([_LAST, *parts], background).finish().splitlines()
         progress(total, total)
         return next((line for line in reversed(lines) if line.startswith(_REPORT)), "no report from the last child")
     finally:
@@ -96,11 +147,14 @@ class _Child:
     """A child compiling `parts`; its output goes to a file, not a pipe that could fill while this
     process waits on another child."""
 
-    def __init__(self, parts: list[str]) -> None:
+    def __init__(self, parts: list[str], background: bool = False) -> None:
         self.parts = parts
         self.output = tempfile.TemporaryFile("w+")
-        self.process = subprocess.Popen([sys.executable, "-m", "ember.daemon.runner.kernel_cache", *parts],
-                                        stdout=self.output, stderr=subprocess.STDOUT, text=True)
+        # its stdin is a pipe that only this process writes to: it ends when this process does, however
+        # it ends, and the child then exits (_exit_with_parent)
+        self.process = subprocess.Popen([sys.executable, "-m", "ember.daemon.runner.kernel_cache",
+                                         *([_NICE] if background else []), *parts],
+                                        stdin=subprocess.PIPE, stdout=self.output, stderr=subprocess.STDOUT, text=True)
         self.deadline = time.monotonic() + _CHILD_TIMEOUT
 
     def overdue(self) -> bool:
@@ -113,6 +167,7 @@ class _Child:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        self.process.stdin.close()
         with self.output:
             self.output.seek(0)
             output = self.output.read()
@@ -135,6 +190,10 @@ def _stamp_path() -> Path:
     return cache_dir / f"ember-kernels-{digest.hexdigest()[:16]}.stamp"
 
 
+def _first_tier_stamp(stamp: Path) -> Path:
+    return stamp.with_suffix(".first-tier.stamp")
+
+
 def _remove_cached_kernels(cache_dir: Path) -> None:
     """numba's index and data files and the stamps of earlier kernel sources: compiled anew from here."""
     for pattern in ("*.nbi", "*.nbc", "ember-kernels-*.stamp"):
@@ -146,8 +205,26 @@ def compile_all(parts: Sequence[str] = ()) -> None:
     """Run every kernel signature the runtime uses (or those of `parts`): a small model whose layers
     cover every weight type, a prompt and a decode step in every KV dtype, once with the serial and
     once with the parallel variant of each twin kernel."""
-    for part in parts or PARTS:
+    for part in parts or _PARTS:
         _PARTS[part]()
+
+
+def _first_tier_layers() -> None:
+    """The first tier's layers (kernel_tiers.py): the synthetic model's prompt and decode steps in
+    every KV dtype, op by op, every twin serial (the fused layers' data is made, never run)."""
+    from ember.kernels.cpu import kernel_tiers
+
+    kernel_tiers.use_first_tier()
+    _forward_passes(None)
+
+
+def _first_tier_others() -> None:
+    """The first tier's other kernels: the hybrid models' and the MoE layers' decode kernel, serial."""
+    from ember.kernels.cpu import kernel_tiers
+
+    kernel_tiers.use_first_tier()
+    _linear_attention_kernels()
+    _expert_kernels(synthetic_model())
 
 
 def _serial_kernels() -> None:
@@ -166,8 +243,9 @@ def _parallel_kernels() -> None:
     _greedy_kernels()
 
 
-def _forward_passes(variant: str):  # type: ignore[no-untyped-def]
-    """The synthetic model's prompt and decode steps in every KV dtype, every twin taking `variant`."""
+def _forward_passes(variant: str | None):  # type: ignore[no-untyped-def]
+    """The synthetic model's prompt and decode steps in every KV dtype, every twin taking `variant`
+    (None: as each picks)."""
     from ember.daemon.step.step_batch import StepBatch
     from ember.kernels.cpu import twin
     from ember.kernels.convert import KV_DTYPES
@@ -268,8 +346,10 @@ def synthetic_model(types: Sequence[int] | None = None, arch: str = "qwen3"):  #
     return Transformer(ModelFile(Path("<kernel cache>"), "gguf", cfg, tensors), get_ops("cpu"))
 
 
-_PARTS: dict[str, Callable[[], None]] = {"serial": _serial_kernels, "parallel": _parallel_kernels}
-PARTS = tuple(_PARTS)
+_PARTS: dict[str, Callable[[], None]] = {"first-layers": _first_tier_layers, "first-others": _first_tier_others,
+                                         "serial": _serial_kernels, "parallel": _parallel_kernels}
+FIRST_TIER = ("first-layers", "first-others")  # what a process runs until the second tier is cached too
+PARTS = ("serial", "parallel")  # the second tier: the rest (and, loaded, the first)
 
 
 def _lock_cache_writes() -> None:
@@ -299,11 +379,28 @@ def _compiled_report(events: list) -> str:  # type: ignore[type-arg]
     return f"{_REPORT} {', '.join(names) or 'nothing'}"
 
 
+_NICE = "--nice"  # a child of a background compile: the lowest CPU priority
+
+
+def _exit_with_parent() -> None:
+    """In a child: exit once stdin ends, which is when the process that started it ends (_Child)."""
+    def watch() -> None:
+        while os.read(0, 4096):  # the raw descriptor: a buffered reader's lock fails interpreter shutdown
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 if __name__ == "__main__":
     from numba.core import event
 
-    _lock_cache_writes()
+    _exit_with_parent()
     parts = sys.argv[1:]
+    if parts[:1] == [_NICE]:
+        os.nice(19)
+        parts = parts[1:]
+    _lock_cache_writes()
     with event.install_recorder("numba:compile") as compiles:
         compile_all([p for p in parts if p != _LAST])
     if parts[:1] == [_LAST]:

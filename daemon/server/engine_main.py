@@ -339,7 +339,8 @@ def serve_engine(launch: EngineLaunch, channel: Channel) -> int:
         try:
             e = config.engine
             backend = backend_for(e.device)
-            backend.prepare(on_compile=lambda done, total: _compiling(reports, done, total))
+            backend.prepare(on_compile=lambda done, total: _compiling(reports, done, total),
+                            on_background=lambda line: log.info(line))
             models = load_models(launch, reports)
         except ModelFileError as err:
             reports.send(StartFailed(str(err), err.path, err.reason))

@@ -5,7 +5,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ember.kernels.cpu import decoder_layer, dense, expert_ffn, greedy_decode, linear_attention, quant_matmul
+from ember.kernels.cpu import decoder_layer, dense, expert_ffn, greedy_decode, kernel_tiers, linear_attention, quant_matmul
 from ember.kernels.cpu.paged_attention import KVLayerStore, paged_attention
 from ember.kernels.layer_stack import LayerStack, StepArrays
 from ember.kernels.ops import Array, ExpertWeights, LayerShape, LayerWeights, Ops
@@ -53,14 +53,15 @@ class CpuOps(Ops):
 
     def run_fused_layer(self, fused: decoder_layer.FusedLayer, x: Array, k: KVLayerStore, v: KVLayerStore,
                         step: StepArrays) -> np.ndarray | None:
-        if self._flags(step.decode_rows) is not True:  # prompt rows take the float kernels: op by op
+        # prompt rows take the float kernels: op by op; so does every row while the fused layers compile
+        if kernel_tiers.first_tier_only() or self._flags(step.decode_rows) is not True:
             return None
         return decoder_layer.run(fused, x, k, v, self.kv_write, step.positions, step.attends_to, step.kv_blocks,
                                  step.kv_offsets, step.tables, step.token_seq)
 
     def run_fused_layers(self, fused: Sequence[decoder_layer.FusedLayer], x: Array, ks: Sequence[KVLayerStore],
                          vs: Sequence[KVLayerStore], step: StepArrays) -> np.ndarray | None:
-        if self._flags(step.decode_rows) is not True:
+        if kernel_tiers.first_tier_only() or self._flags(step.decode_rows) is not True:
             return None
         return decoder_layer.run_stack(fused, x, ks, vs, self.kv_write, step.positions, step.attends_to,
                                        step.kv_blocks, step.kv_offsets, step.tables, step.token_seq)
@@ -73,7 +74,9 @@ class CpuOps(Ops):
         return greedy_decode.plan(stack.whole, embed, np.asarray(norm), eps, output, ks, vs)
 
     def greedy_burst(self, plan: greedy_decode.GreedyPlan, steps: int, step: StepArrays, block_size: int,
-                     stops: np.ndarray) -> np.ndarray:
+                     stops: np.ndarray) -> np.ndarray | None:
+        if kernel_tiers.first_tier_only():  # the burst's loop is compiled in the second tier
+            return None
         return greedy_decode.burst(plan, steps, step.ids, step.positions, step.kv_blocks, step.kv_offsets, step.tables,
                                    step.token_seq, block_size, stops)
 

@@ -27,6 +27,7 @@ per-layer tuples: a model of any depth is one compiled signature, so the kernel 
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,12 +50,22 @@ _GATHER_SERIAL, _GATHER_PARALLEL = _GATHER_ROWS.serial, _GATHER_ROWS.parallel
 class GreedyPlan:
     """A whole model's decode step over one f32, f16 or bf16 KV cache, as the compiled loop takes it."""
 
-    layers: Any  # typed List of (attn_in, attn_out, work, KV mode, k f32, k u16, k i8, k scales, v f32, v u16, lut)
+    items: list[tuple[Any, ...]]  # per layer: attn_in, attn_out, work, KV mode, k f32, k u16, k i8, k scales, v f32, v u16, lut
     embed: tuple[Any, ...]  # the embedding's code, u8, i8, u16, u32 and f32 (empty unless F32) views, columns
     norm: np.ndarray  # the final rmsnorm's weight, float32
     eps: float
     head: tuple[int, np.ndarray]  # the output projection's type code and bytes (an integer decode type)
     vocab: int
+
+    @functools.cached_property
+    def layers(self) -> Any:
+        """items as the numba typed List the loop takes, built by cached compiled code at the first
+        burst (typed.List's own methods compile per process: 1.6 s), not by plan(): a plan is made
+        where the first tier of kernels alone may run (kernel_tiers.py), which has no such code."""
+        layers = _new_list(self.items[0])
+        for item in self.items[1:]:
+            _append(layers, item)
+        return layers
 
 
 def plan(fused: Sequence[FusedLayer], embed: CpuWeight, norm: np.ndarray, eps: float, head: CpuWeight,
@@ -66,12 +77,9 @@ def plan(fused: Sequence[FusedLayer], embed: CpuWeight, norm: np.ndarray, eps: f
         return None
     items = [(layer.attn_in, layer.attn_out, layer.work, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, k.lut)
              for layer, k, v in zip(fused, ks, vs, strict=True)]
-    layers = _new_list(items[0])  # built by cached compiled code: typed.List's own methods compile per process (1.6 s)
-    for item in items[1:]:
-        _append(layers, item)
     # (read-only, as an F32 embedding's rows are: one compiled signature either way)
     f32 = embed.f32 if embed.f32 is not None else _read_only(np.empty((0, embed.cols), np.float32))
-    return GreedyPlan(layers, (embed.code, embed.u8, embed.i8, embed.u16, embed.u32, f32, embed.cols),
+    return GreedyPlan(items, (embed.code, embed.u8, embed.i8, embed.u16, embed.u32, f32, embed.cols),
                       np.ascontiguousarray(norm, np.float32), float(eps), (head.code, head.u8), head.rows)
 
 

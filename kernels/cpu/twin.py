@@ -16,6 +16,8 @@ import numba
 from numba import njit
 from numba.np.ufunc import parallel as _numba_parallel
 
+from ember.kernels.cpu import kernel_tiers
+
 JIT = dict(fastmath=True, cache=True, nogil=True)
 
 # Below this many multiply-adds a kernel runs on the calling thread: waking the thread pool costs
@@ -48,9 +50,9 @@ def one_thread() -> bool:
 
 def force_code() -> int:
     """FORCE as compiled code that picks variants itself takes it: 0 by the work, 1 serial, 2 parallel
-    (1 also when this thread runs kernels on one thread)."""
+    (1 also when this thread runs kernels on one thread, or the process the first tier alone)."""
     if FORCE is None:
-        return 1 if one_thread() else 0
+        return 1 if one_thread() or kernel_tiers.first_tier_only() else 0
     return 1 if FORCE == "serial" else 2
 
 
@@ -67,7 +69,8 @@ class Twin:
         """The variant for `work` multiply-adds (or a comparable count)."""
         if FORCE is not None:
             return self.parallel if FORCE == "parallel" else self.serial
-        if work < (PARALLEL_MIN_WORK if self.min_work is None else self.min_work) or one_thread():
+        if (work < (PARALLEL_MIN_WORK if self.min_work is None else self.min_work) or one_thread()
+                or kernel_tiers.first_tier_only()):
             return self.serial
         return self.parallel
 
