@@ -79,7 +79,7 @@ def ensure_kernel_cache(on_compile: Callable[[int, int], None] = lambda done, to
         for parts in tiers:
             if parts is FIRST_TIER:
                 _remove_cached_kernels(stamp.parent)
-            report = _compile_in_children(cores, parts, lambda n, _: on_compile(done + n, total), background)
+            report = _compile_in_children(cores, parts, lambda n, _: n and on_compile(done + n, total), background)
             done += _children(parts, cores)
             (first if parts is FIRST_TIER else stamp).write_text(
                 f"compiled by child processes (ember/daemon/runner/kernel_cache.py); {report}\n")
