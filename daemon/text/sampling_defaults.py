@@ -1,8 +1,8 @@
 """SamplingDefaults: how a model's authors recommend sampling it — what a request that names no
 sampling parameter gets (`ember generate`, `ember chat`, `ember run` and the OpenAI gateway send none
 unless asked). Per parameter, from the first source that has it: the GGUF file's `general.sampling.*`
-keys, or a Hugging Face directory's generation_config.json; else llama.cpp's own defaults, which make
-even the tiny demo model write code rather than loop. Greedy stays one flag away (temperature 0)."""
+keys, or a Hugging Face directory's generation_config.json; else llama.cpp's own defaults. Greedy stays
+one flag away (temperature 0)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 # llama.cpp's common_params_sampling defaults (common/common.h): temp 0.8, top_k 40, top_p 0.95, min_p
 # 0.05, repeat_penalty 1 (off)
@@ -41,8 +43,16 @@ class SamplingDefaults:
 
 
 def from_gguf(metadata: Mapping[str, Any]) -> SamplingDefaults:
-    """The file's general.sampling.* keys over llama.cpp's defaults."""
-    return _over_llama_cpp({name: (metadata.get(key), key) for name, key in _GGUF_KEYS.items()})
+    """The file's general.sampling.* keys over llama.cpp's defaults (a float32 key as the decimal it
+    was written as: 0.8, not 0.800000011920929)."""
+    return _over_llama_cpp({name: (_shortest(metadata.get(key)), key) for name, key in _GGUF_KEYS.items()})
+
+
+def _shortest(value: Any) -> Any:
+    """A float as the shortest decimal that is the same float32 (GGUF stores float32)."""
+    if isinstance(value, float):
+        return float(str(np.float32(value)))
+    return value
 
 
 def from_hf_dir(path: str | Path) -> SamplingDefaults:
