@@ -88,7 +88,14 @@ class ModelSpec(_Section):
 
     @property
     def display_name(self) -> str:
-        return self.name or Path(self.path).name.split(".")[0]
+        """Its name; else a hub name as given (Qwen/Qwen3-8B-GGUF:Q4_K_M), a file's stem, a directory's name."""
+        from ember.daemon.loader.hub import HubName
+
+        if self.name:
+            return self.name
+        if HubName.parse(self.path) is not None and not Path(self.path).expanduser().exists():
+            return self.path
+        return Path(self.path).name.split(".")[0]
 
 
 class ServerConfig(_Section):

@@ -22,6 +22,7 @@ from ember.daemon.heap import release_free_heap
 from ember.daemon.engine.sequence import Sequence as EngineSequence
 from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions, ExpertStats
 from ember.daemon.experts.routing_stats import cache_root
+from ember.daemon.loader.hub import Hub, resolve_model
 from ember.daemon.loader.model_file import ModelFile, open_model_file
 from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.dflash import DFlashDraft
@@ -232,7 +233,9 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
          expert_budget: int | str | None = None, cold_workers: int | None = None, cold_policy: str = "exact",
          draft: str | Path | None = None, draft_tokens: int = 4, feature_dtype: str | None = None,
          env: Mapping[str, str] | None = None) -> Model:
-    """Open a GGUF file or Hugging Face directory and place the model on `device` ("cpu"); its KV
+    """Open a GGUF file or Hugging Face directory (or a model named on the Hugging Face hub, owner/repo
+    or owner/repo:QUANT: fetched into its cache first, daemon/loader/hub.py) and place the model on
+    `device` ("cpu"); its KV
     cache holds `kv_dtype` (f32, f16, bf16 or q8_0); generated tokens meet quantized weights with
     `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do).
 
@@ -257,8 +260,12 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     None: EMBER_FEATURE_DTYPE, else f32), and proposes up to min(draft_tokens, its block - 1) a step.
 
     `env`: where the EMBER_* variables (EMBER_ACT_DTYPE, EMBER_FEATURE_DTYPE, EMBER_CACHE_DIR for
-    routing statistics) are read, once, here (None: this process's environment)."""
+    routing statistics) and the hub's (HF_ENDPOINT, HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE) are read,
+    once, here (None: this process's environment)."""
     env = os.environ if env is None else env  # read here once: nothing below looks at the environment
+    hub = Hub.from_env(env)  # a model (or draft) named owner/repo[:QUANT] comes from the hub's cache
+    path = resolve_model(str(path), hub)
+    draft = None if draft is None else resolve_model(str(draft), hub)
     experts = ExpertOptions(expert_budget, cold_workers, cold_policy, cache_dir=cache_root(env))
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")

@@ -25,7 +25,9 @@ from ember.client.cli.sampling_options import add_sampling_options
 def add_daemon_commands(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the daemon: load models, serve clients on a Unix socket",
                            description="Run the ember daemon (no --model: the built-in demo model).")
-    serve.add_argument("--model", action="append", metavar="PATH", help="a model to serve (repeatable)")
+    serve.add_argument("--model", action="append", metavar="PATH|NAME",
+                       help="a model to serve (repeatable): a GGUF file, a Hugging Face directory, or a hub name "
+                            "owner/repo[:QUANT], fetched into the Hugging Face cache (docs/models.md)")
     serve.add_argument("--config", metavar="FILE", help="TOML configuration (default: $EMBER_CONFIG, /etc/ember/ember.toml)")
     serve.add_argument("--socket", metavar="PATH", help="Unix socket to serve on")
     serve.add_argument("--device", help="cpu or cuda:N")

@@ -2,13 +2,16 @@
 
 Subcommands:
   ember run [MODEL] PROMPT   load a model in this process and stream a completion to stdout
-                             (MODEL: a GGUF file or Hugging Face directory; omitted: the built-in demo)
+                             (MODEL: a GGUF file, a Hugging Face directory or a hub name owner/repo[:QUANT];
+                             omitted: the built-in demo)
+  ember pull NAME, list      models by name in the Hugging Face cache (client/cli/hub_commands.py)
   ember serve, generate, chat, status    the daemon and its clients (client/cli/daemon_commands.py)
   ember gateway              the OpenAI-compatible HTTP API in front of the daemon (client/cli/gateway_command.py)
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -19,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="generate a completion in this process and stream it to stdout",
                          description="Load MODEL (default: the built-in demo model) and stream a completion of PROMPT.")
-    run.add_argument("args", nargs="+", metavar="[MODEL] PROMPT", help="model path (optional) and prompt text")
+    run.add_argument("args", nargs="+", metavar="[MODEL] PROMPT",
+                     help="model (optional: a path, or a hub name owner/repo[:QUANT]) and prompt text")
     run.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     from ember.client.cli.sampling_options import add_sampling_options
 
@@ -32,9 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_run)
     from ember.client.cli.daemon_commands import add_daemon_commands
     from ember.client.cli.gateway_command import add_gateway_parser
+    from ember.client.cli.hub_commands import add_hub_commands
     from ember.client.cli.plan_command import add_plan_parser
 
     add_daemon_commands(sub)
+    add_hub_commands(sub)
     add_gateway_parser(sub)
     add_plan_parser(sub)
     return parser
@@ -52,7 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ember.client.cli.hub_commands import progress_for_stderr
     from ember.daemon.loader.demo_model import DEMO_MODEL
+    from ember.daemon.loader.hub import Hub, resolve_model
     from ember.daemon.loader.model_file_error import ModelFileError
     from ember.daemon.runner.devices import DeviceName, backend_for
     from ember.daemon.runtime import load
@@ -62,7 +70,7 @@ def _run(args: argparse.Namespace) -> int:
     model_path, prompt = (args.args if len(args.args) == 2 else (DEMO_MODEL, args.args[0]))
     backend_for(DeviceName.parse(args.device)).prepare(on_compile=_show_compile)  # a first run compiles: say so
     try:
-        model = load(model_path, device=args.device)
+        model = load(resolve_model(model_path, Hub.from_env(os.environ), progress_for_stderr()), device=args.device)
     except ModelFileError as e:
         print(f"ember: error: cannot load model: {e}", file=sys.stderr)
         return 1

@@ -16,7 +16,8 @@ def add_plan_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="compute a model's memory plan from its metadata (no weights read)",
                        description="Print how much memory MODEL needs per device, and whether it fits. "
                                    "Exit status: 0 fits, 2 does not fit, 1 error.")
-    p.add_argument("model", metavar="MODEL", help="GGUF file or Hugging Face model directory")
+    p.add_argument("model", metavar="MODEL", help="GGUF file, Hugging Face model directory, or a hub name "
+                                                  "owner/repo[:QUANT] (fetched into the hub's cache first)")
     p.add_argument("--ctx", type=int, default=None, help="tokens per sequence (default: the model's context length)")
     p.add_argument("--seqs", type=int, default=1, help="sequences resident at once (default 1)")
     p.add_argument("--device", action="append", default=None, metavar="SPEC",
@@ -46,11 +47,16 @@ def add_plan_parser(sub: Any) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from ember.client.cli.hub_commands import progress_for_stderr
+    from ember.daemon.loader.hub import Hub, resolve_model
     from ember.daemon.loader.model_file_error import ModelFileError
     from ember.daemon.planning.planner import plan_model
 
+    hub, progress = Hub.from_env(os.environ), progress_for_stderr()  # a model by name is fetched first
+    model = resolve_model(args.model, hub, progress)
+    draft = None if args.draft is None else resolve_model(args.draft, hub, progress)
     try:
-        plan = plan_model(args.model, _request(args), args.draft, args.draft_tokens)
+        plan = plan_model(model, _request(args), draft, args.draft_tokens)
     except ModelFileError as e:
         print(f"ember: error: cannot read model: {e}", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import grp
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +24,7 @@ import uvloop
 
 from ember.daemon.config import Config, ModelSpec
 from ember.daemon.loader.demo_model import DEMO_MODEL
+from ember.daemon.loader.hub import DownloadLines, Hub, resolve_model
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.logging_setup import configure_logging, get_logger
 from ember.daemon.server.notify import Notifier
@@ -59,6 +61,7 @@ def serve(config: Config) -> int:
     try:
         _remove_dead_segments(path)
         config = msgspec.structs.replace(config, models=config.models or (ModelSpec(str(DEMO_MODEL), DEMO_NAME),))
+        config = _with_local_paths(config, notifier)
         e = config.engine
         device = DeviceName.parse(e.device)
         devices = parse_devices(e.devices) if e.devices else [device]
@@ -89,6 +92,29 @@ def serve(config: Config) -> int:
         return 1
     log.info("exit")
     return 0
+
+
+def _with_local_paths(config: Config, notifier: Notifier) -> Config:
+    """Each model (and draft) named on the hub (daemon/loader/hub.py) replaced by its file in the hub's
+    cache, downloaded first where it is not there (huggingface_hub's bar on a terminal, else a log line
+    and a status line every tenth); the model keeps the name it was given. ModelNameError (one line)
+    for a name that cannot be had."""
+    hub = Hub.from_env(os.environ)
+    lines = None
+    if not sys.stderr.isatty():
+        def show(line: str) -> None:
+            get_logger().info(line)
+            notifier.status(line)
+
+        lines = DownloadLines(show)
+    specs = []
+    for spec in config.models:
+        path = resolve_model(spec.path, hub, lines)
+        draft = str(resolve_model(spec.draft, hub, lines)) if spec.draft else ""
+        if str(path) != spec.path:
+            get_logger().info("model by name", name=spec.path, path=str(path))
+        specs.append(msgspec.structs.replace(spec, path=str(path), draft=draft, name=spec.display_name))
+    return msgspec.structs.replace(config, models=tuple(specs))
 
 
 def _remove_dead_segments(socket_path: Path) -> None:
