@@ -13,10 +13,15 @@ owned by the client's user, root or the system service's user, and writable by i
 another local user who made the directory first (/tmp/ember-<uid> can be made by anyone) would get the
 prompts and forge the replies. `socket_dir_problem` says why a directory fails; `listener_problem`
 whether anything still listens on a socket file (a killed daemon leaves its file behind).
+
+Beside the socket, `<socket>.lock` is the daemon's: it holds an flock on it from its first moment and
+writes its pid and what it is doing there (compiling kernels, downloading, loading), so that a client
+finds a daemon that does not serve yet, and says what it waits for (`starting_daemon`).
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import pwd
 import socket
@@ -45,6 +50,34 @@ def client_socket_path(env: Mapping[str, str] | None = None) -> Path:
         if wanted in found:
             return candidates[found.index(wanted)]
     return candidates[0]
+
+
+def lock_path(socket_path: Path | str) -> Path:
+    """The daemon's lock and status file beside its socket."""
+    path = Path(socket_path)
+    return path.with_name(path.name + ".lock")
+
+
+def starting_daemon(socket_path: Path | str) -> tuple[int, str] | None:
+    """(pid, what it is doing) of a daemon that holds the socket's lock, as its lock file says; None
+    where no daemon holds it, or the directory is not one a client trusts (socket_dir_problem)."""
+    if socket_dir_problem(socket_path) is not None:
+        return None
+    try:
+        fd = os.open(lock_path(socket_path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None  # nobody holds it: no daemon (a dead one's file)
+        except BlockingIOError:
+            pass
+        lines = os.pread(fd, 4096, 0).decode(errors="replace").splitlines()
+    finally:
+        os.close(fd)
+    pid = int(lines[0]) if lines and lines[0].strip().isdigit() else 0
+    return pid, (lines[1].strip() if len(lines) > 1 and lines[1].strip() else "starting")
 
 
 def socket_dir_problem(path: Path | str) -> str | None:

@@ -132,7 +132,6 @@ def test_download_lines_say_each_tenth_once() -> None:
     assert lines[-1].endswith("(100%)")
 
 
-@pytest.mark.slow
 def test_a_cut_download_resumes_where_it_stopped_and_list_names_it(tmp_path: Path) -> None:
     """`ember pull` killed mid-file (a stalled transfer) leaves a partial file in the cache; the next
     pull asks the hub for the rest only (a Range request) and ends with the whole file. Under a
@@ -176,11 +175,23 @@ def test_the_daemon_serves_a_model_by_name_under_that_name(tmp_path: Path) -> No
 
     from ember.client import Client
 
+    from daemon_process import wait_until
+
     name = f"{GGUF_REPO}:Q8_0"
-    with HubServer({GGUF_REPO: gguf_repo()}) as server:
+    with HubServer({GGUF_REPO: gguf_repo()}, stall_after=11_000_000) as server:
         daemon = DaemonProcess(env={"HF_ENDPOINT": server.url, "HF_HUB_CACHE": str(tmp_path / "hub")},
-                               args=("--model", name)).wait_ready(timeout=300)
+                               args=("--model", name))
         try:
+            # while it downloads, `ember status` says so (exit 3: starting), from the socket's lock file
+            status = ["status", "--socket", str(daemon.socket)]
+            assert wait_until(lambda: "downloading" in cli(*status, env=dict(os.environ)).stdout, 60, every=0.5)
+            starting = cli(*status, env=dict(os.environ))
+            assert starting.returncode == 3, starting
+            assert starting.stdout.startswith(f"ember daemon (pid {daemon.proc.pid}) at {daemon.socket}: starting: "
+                                              "downloading ember-demo-Q8_0.gguf: "), starting.stdout
+            server.release()
+            daemon.wait_ready(timeout=300)
+            assert cli(*status, env=dict(os.environ)).returncode == 0
             with Client(daemon.socket) as client:
                 assert [m.name for m in client.models()] == [name]
                 tokens = [t for c in client.generate("def f(x):", model=name, max_tokens=4) for t in c.token_ids]

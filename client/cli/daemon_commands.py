@@ -82,7 +82,8 @@ def add_daemon_commands(sub: Any) -> None:
         _add_wait(p)
         p.set_defaults(func=_generate if name == "generate" else _chat)
 
-    status = sub.add_parser("status", help="ask a running daemon how it is")
+    status = sub.add_parser("status", help="ask a running daemon how it is (exit 0; 3: still starting, and what it "
+                                           "is doing; 1: no daemon)")
     status.add_argument("--socket", metavar="PATH")
     _add_wait(status)
     status.set_defaults(func=_status)
@@ -110,10 +111,18 @@ def _connect(args: argparse.Namespace, timeout: float = 30.0) -> Any:
             if waited >= args.wait:
                 raise
             if waited >= 5.0 and not said:  # a daemon's first start compiles its kernels: say why nothing happens
-                print(f"ember: waiting up to {args.wait:.0f} s for the daemon to start (its first start compiles "
-                      "the CPU kernels: minutes)", file=sys.stderr)
+                starting = _starting(args)
+                doing = f" ({starting[1]})" if starting else ""
+                print(f"ember: waiting up to {args.wait:.0f} s for the daemon to start{doing}", file=sys.stderr)
                 said = True
             time.sleep(0.25)
+
+
+def _starting(args: argparse.Namespace) -> tuple[int, str] | None:
+    """(pid, what it is doing) of a daemon on this command's socket that does not serve yet."""
+    from ember.protocol.endpoint import client_socket_path, starting_daemon
+
+    return starting_daemon(args.socket or client_socket_path())
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -240,15 +249,24 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+STARTING = 3  # `ember status`'s exit status for a daemon that does not serve yet (0: serving, 1: none)
+
+
 def _status(args: argparse.Namespace) -> int:
     from ember.client.errors import EmberError
+    from ember.protocol.endpoint import client_socket_path
 
     try:
         with _connect(args, timeout=5.0) as client:
             health, stats, models = client.health(), client.stats(), client.models()
     except EmberError as e:
-        print(f"ember: error: {e}", file=sys.stderr)
-        return 1
+        starting = _starting(args)
+        if starting is None:
+            print(f"ember: error: {e}", file=sys.stderr)
+            return 1
+        pid, doing = starting
+        print(f"ember daemon (pid {pid}) at {args.socket or client_socket_path()}: starting: {doing}")
+        return STARTING
     print(f"{client.server} at {client.socket_path}: {health.status}, up {health.uptime_s:.0f} s")
     for m in models:
         print(f"  model {m.name}: {m.arch}, vocab {m.vocab}, context {m.context_length}")

@@ -9,7 +9,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 
 class Notifier:
@@ -22,16 +22,24 @@ class Notifier:
         self.watchdog_interval = _watchdog_interval(env)
         self._last_watchdog = 0.0
         self._lock = threading.Lock()  # the engine thread and the I/O loop both notify
+        self.on_status: Callable[[str], None] | None = None  # also told every status line (the socket's lock file)
 
     @property
     def enabled(self) -> bool:
         return self._socket is not None
 
     def ready(self, status: str = "") -> None:
+        self._tell(status or "serving")
         self._send("READY=1" + (f"\nSTATUS={status}" if status else ""))
 
     def status(self, text: str) -> None:
+        self._tell(text)
         self._send(f"STATUS={text}")
+
+    def _tell(self, text: str) -> None:
+        with self._lock:
+            if self.on_status is not None:
+                self.on_status(text)
 
     def stopping(self, status: str = "") -> None:
         self._send("STOPPING=1" + (f"\nSTATUS={status}" if status else ""))

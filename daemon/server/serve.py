@@ -57,6 +57,8 @@ def serve(config: Config) -> int:
     prepare_socket_dir(path, config.server.socket_group)
     lock = SocketLock(path)
     lock.acquire()
+    notifier.on_status = lock.note  # `ember status` reads what a daemon that does not serve yet is doing
+    notifier.status("starting")
     engine: EngineHost | None = None
     try:
         _remove_dead_segments(path)
@@ -85,6 +87,7 @@ def serve(config: Config) -> int:
     finally:
         if engine is not None:
             engine.close()
+        notifier.on_status = None
         lock.release()
         notifier.close()
     if server.failed:  # exit 1: systemd's Restart=on-failure starts a fresh daemon

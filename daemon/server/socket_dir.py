@@ -18,6 +18,8 @@ import os
 import stat
 from pathlib import Path
 
+from ember.protocol.endpoint import lock_path
+
 
 class SocketInUse(RuntimeError):
     """Another daemon holds the socket's lock."""
@@ -51,7 +53,7 @@ class SocketLock:
 
     def __init__(self, socket_path: Path) -> None:
         self.socket_path = socket_path
-        self.path = socket_path.with_name(socket_path.name + ".lock")
+        self.path = lock_path(socket_path)
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -67,6 +69,15 @@ class SocketLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
         self._remove_stale_socket()
+
+    def note(self, line: str) -> None:
+        """What the daemon is doing, after its pid, for a client that finds it not serving yet
+        (protocol/endpoint.py's starting_daemon): one line of at most 300 characters."""
+        if self._fd is None:
+            return
+        text = f"{os.getpid()}\n{' '.join(line.split())[:300]}\n".encode()
+        os.pwrite(self._fd, text, 0)
+        os.ftruncate(self._fd, len(text))
 
     def release(self) -> None:
         if self._fd is not None:
