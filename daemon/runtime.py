@@ -8,7 +8,7 @@ devices=["cpu:0", "cpu:1"], split=[3, 2])` splits the model's layers across stag
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -56,10 +56,11 @@ class Model(TextModel):
     def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str = "cpu", kv_dtype: str = "f32",
                  decode_act: str = "q8_0", pipeline: Pipeline | None = None,
                  experts: ExpertOptions | None = None, draft: ModelFile | None = None, draft_tokens: int = 4,
-                 feature_dtype: str = "f32") -> None:
+                 feature_dtype: str = "f32", on_layer: Callable[[int, int], None] | None = None) -> None:
         """On `device`, or split across `pipeline`'s stages (its workers already loaded); a MoE
         model's experts placed by `experts`; `draft` proposes `draft_tokens` tokens a step (a DFlash
-        draft reads the target's features, mirrored in `feature_dtype`)."""
+        draft reads the target's features, mirrored in `feature_dtype`); on_layer(placed, in all) as
+        each of its layers is placed."""
         super().__init__(mf.path, mf.config, tokenizer, sampling_of(mf))
         name = DeviceName.parse(device)
         self.kv_dtype = kv_dtype
@@ -67,7 +68,7 @@ class Model(TextModel):
         self.file_bytes = mf.file_bytes
         self.pipeline = pipeline
         self.device = ",".join(str(s.device) for s in pipeline.specs) if pipeline else str(name)
-        self._net = None if pipeline else Transformer(mf, backend_for(name).ops(name), experts=experts)
+        self._net = None if pipeline else Transformer(mf, backend_for(name).ops(name), experts=experts, on_layer=on_layer)
         self.draft_path = None if draft is None else draft.path
         self.draft_tokens = draft_tokens
         self.draft_min_prob = DRAFT_MIN_PROB  # the draft stops after a proposal it is less sure of (0: never)
@@ -232,7 +233,7 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
          act_dtype: str = "auto", max_step_tokens: int = PREFILL_CHUNK, stage_threads: int = 0, shm_owner: str | None = None,
          expert_budget: int | str | None = None, cold_workers: int | None = None, cold_policy: str = "exact",
          draft: str | Path | None = None, draft_tokens: int = 4, feature_dtype: str | None = None,
-         env: Mapping[str, str] | None = None) -> Model:
+         env: Mapping[str, str] | None = None, on_layer: Callable[[int, int], None] | None = None) -> Model:
     """Open a GGUF file or Hugging Face directory (or a model named on the Hugging Face hub, owner/repo
     or owner/repo:QUANT: fetched into its cache first, daemon/loader/hub.py) and place the model on
     `device` ("cpu"); its KV
@@ -261,7 +262,8 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
 
     `env`: where the EMBER_* variables (EMBER_ACT_DTYPE, EMBER_FEATURE_DTYPE, EMBER_CACHE_DIR for
     routing statistics) and the hub's (HF_ENDPOINT, HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE) are read,
-    once, here (None: this process's environment)."""
+    once, here (None: this process's environment). `on_layer(placed, in all)`: the load's progress, as
+    each layer is placed on its device (not with a layer split: its stages load side by side)."""
     env = os.environ if env is None else env  # read here once: nothing below looks at the environment
     hub = Hub.from_env(env)  # a model (or draft) named owner/repo[:QUANT] comes from the hub's cache
     path = resolve_model(str(path), hub)
@@ -293,7 +295,7 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
         if experts.budget is not None and mf.config.n_experts:
             experts = replace(experts, device_room=_expert_room(mf.path, names[0], replace(policy, kv=kv_dtype), experts))
         return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, experts=experts, draft=draft_file,
-                     draft_tokens=draft_tokens, feature_dtype=policy.feature)
+                     draft_tokens=draft_tokens, feature_dtype=policy.feature, on_layer=on_layer)
     if draft_file is not None and is_dflash(draft_file):
         raise ValueError(_DFLASH_BESIDE_SPLIT)
     weights = None if counts is not None else LayerWeights.of(headers_of(mf))  # (an HF model's headers are read again)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 
@@ -70,7 +71,8 @@ def _run(args: argparse.Namespace) -> int:
     model_path, prompt = (args.args if len(args.args) == 2 else (DEMO_MODEL, args.args[0]))
     backend_for(DeviceName.parse(args.device)).prepare(on_compile=_show_compile)  # a first run compiles: say so
     try:
-        model = load(resolve_model(model_path, Hub.from_env(os.environ), progress_for_stderr()), device=args.device)
+        model = load(resolve_model(model_path, Hub.from_env(os.environ), progress_for_stderr()), device=args.device,
+                     on_layer=_LoadLine())
     except ModelFileError as e:
         print(f"ember: error: cannot load model: {e}", file=sys.stderr)
         return 1
@@ -85,6 +87,26 @@ def _run(args: argparse.Namespace) -> int:
         out.flush()
     out.write(decoder.flush() + "\n")
     return 0
+
+
+class _LoadLine:
+    """A slow load's progress on stderr (a GPU's upload of a big model): once it has taken a second,
+    one line that counts up on a terminal, else a line every 5 s and the last."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.monotonic()
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.start < 1.0 and not self.shown:
+            return
+        tty = sys.stderr.isatty()
+        if not tty and now - self.last < 5.0 and done < total:
+            return
+        self.shown, self.last = True, now
+        print(f"ember: loading the model: {done} of {total} layers", end="\r" if tty and done < total else "\n",
+              file=sys.stderr, flush=True)
 
 
 def _show_compile(done: int, total: int) -> None:

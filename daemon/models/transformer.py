@@ -16,7 +16,7 @@ embedding, layers, head and argmax).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,9 +117,11 @@ class Block:
 
 
 class Transformer:
-    def __init__(self, mf: ModelFile, ops: Ops, layers: range | None = None, experts: ExpertOptions | None = None) -> None:
+    def __init__(self, mf: ModelFile, ops: Ops, layers: range | None = None, experts: ExpertOptions | None = None,
+                 on_layer: Callable[[int, int], None] | None = None) -> None:
         """The model's layers `layers` (default: all of them) on `ops`' device; a MoE model's experts
-        placed by `experts` (default: every expert hot)."""
+        placed by `experts` (default: every expert hot); on_layer(layers placed, layers in all) as
+        each is (a GPU's upload takes a while: its progress)."""
         self.ops, self.config = ops, mf.config
         self.layers = range(mf.config.n_layers) if layers is None else layers
         if not 0 <= self.layers.start < self.layers.stop <= mf.config.n_layers or self.layers.step != 1:
@@ -133,7 +135,11 @@ class Transformer:
         factors = mf.tensors.get("rope_freqs.weight")
         inv_freq = mf.config.inv_freq(None if factors is None else ops.to_numpy(ops.vector(factors)))
         self.rope = Rope(ops.vector(RawTensor("rope.inv_freq", TensorType.F32, inv_freq.shape, inv_freq)), mf.rope_interleaved)
-        self.blocks = [load_block(mf, ops, spec, i, self.layers.start, self.experts) for i in self.layers]
+        self.blocks = []
+        for i in self.layers:
+            self.blocks.append(load_block(mf, ops, spec, i, self.layers.start, self.experts))
+            if on_layer is not None:
+                on_layer(len(self.blocks), len(self.layers))
         # the layers as the backend runs them: compiled where it can, these blocks op by op where not
         self.stack = ops.compile_stack([stack_layer(b, ops, mf.config, self.rope) for b in self.blocks])
         self.norm = _norm(mf, ops, "output_norm.weight") if self.runs_last else None

@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -241,7 +242,8 @@ def load_models(launch: EngineLaunch, reports: Reports) -> dict[str, Model]:
                      devices=e.devices or None, split=e.split or None, act_dtype=launch.act_dtype,
                      max_step_tokens=e.max_step_tokens, stage_threads=e.stage_threads, shm_owner=launch.shm_owner,
                      draft=spec.draft or None, draft_tokens=spec.draft_tokens,
-                     feature_dtype=launch.feature_dtypes[name], env=_cache_env(launch), **spec.experts)
+                     feature_dtype=launch.feature_dtypes[name], env=_cache_env(launch),
+                     on_layer=_loading(reports, name), **spec.experts)
         models[name] = model
         if model.pipeline is not None:
             model.pipeline.heartbeat = reports.beat  # while its stages restart, on the engine's thread
@@ -260,6 +262,21 @@ def _cache_env(launch: EngineLaunch) -> dict[str, str]:
     """The one variable load() would read for the engine: the cache directory the front resolved
     (the precision came resolved too, as arguments)."""
     return {"EMBER_CACHE_DIR": launch.cache_dir} if launch.cache_dir else {}
+
+
+def _loading(reports: Reports, name: str) -> Callable[[int, int], None]:
+    """A model's load as it goes: the status line per layer placed (`ember status`, systemd), a log line
+    at most every 5 s (a big model's upload to a GPU)."""
+    last = time.monotonic()
+
+    def on_layer(done: int, total: int) -> None:
+        nonlocal last
+        reports.status(f"loading {name}: {done} of {total} layers")
+        if time.monotonic() - last >= 5.0:
+            last = time.monotonic()
+            get_logger().info("loading", model=name, layers_done=done, layers=total)
+
+    return on_layer
 
 
 def _compiling(reports: Reports, done: int, total: int) -> None:
