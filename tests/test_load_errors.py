@@ -132,5 +132,7 @@ def test_cli_streams_demo_model_text() -> None:
     result = run_cli("run", "def fibonacci(n):", "--max-tokens", "24", "--temperature", "0")  # greedy: one flag away
     assert result.returncode == 0, result.stderr
     model = ember.load(DEMO_MODEL)
-    expected = model.detokenize(model.generate("def fibonacci(n):", max_tokens=24))
+    # greedy over the penalty the demo recommends (1.2), as llama.cpp applies a file's penalty_repeat at --temp 0
+    penalty = model.sampling.repetition_penalty
+    expected = model.detokenize(model.generate("def fibonacci(n):", max_tokens=24, repetition_penalty=penalty))
     assert result.stdout == "def fibonacci(n):" + expected + "\n"
