@@ -82,7 +82,10 @@ def _run(args: argparse.Namespace) -> int:
     sampling = model.sampling.filled(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                      min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     sampling.update(frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
+    ends = frozenset() if args.ignore_eos else frozenset(model.tokenizer.eos_ids)
     for token in model.generate(prompt, max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos, **sampling):
+        if token in ends:
+            break  # the end token's text (<|endoftext|>) is not the model's output
         out.write(decoder.feed(token))
         out.flush()
     out.write(decoder.flush() + "\n")

@@ -249,7 +249,10 @@ class TextWorker:
         assert r.text is not None and r.stops is not None
         if p.tokens and r.first_token is None:
             r.first_token = time.perf_counter()
-        text = "".join(r.stops.feed(r.text.feed(t)) for t in p.tokens)
+        shown = p.tokens
+        if p.finish == FinishReason.STOP and shown and r.seq is not None and shown[-1] in r.seq.stop_ids:
+            shown = shown[:-1]  # an end token's text (<|endoftext|>) never reaches the user; its id does
+        text = "".join(r.stops.feed(r.text.feed(t)) for t in shown)
         r.completion_tokens += len(p.tokens)
         finish = FinishReason.STOP if r.stops.stopped else p.finish
         if finish is not None:

@@ -143,6 +143,19 @@ async def test_logits_via_shared_memory_equal_model_logits(daemon, demo_model) -
     assert (np.abs(np.stack(rows) - reference).max(axis=1) <= 0.02 * span).all()
 
 
+def test_an_end_tokens_text_never_reaches_the_user(daemon, demo_model) -> None:  # type: ignore[no-untyped-def]
+    """A completion that ends by itself carries the end token's id, not its text (<|endoftext|>), in
+    every request of a batch."""
+    eos = demo_model.tokenizer.eos_id
+    with Client(daemon.socket) as client:
+        streams = [client.generate(PROMPT, max_tokens=8, logit_bias={eos: bias}, seed=i)
+                   for i, bias in enumerate((100.0, 100.0, 0.0))]
+        results = [list(s) for s in streams]
+    for chunks in results[:2]:
+        assert [t for c in chunks for t in c.token_ids] == [eos] and "".join(c.text for c in chunks) == ""
+    assert "<|endoftext|>" not in "".join(c.text for c in results[2])
+
+
 def test_logprobs_arrive_with_tokens(daemon) -> None:  # type: ignore[no-untyped-def]
     with Client(daemon.socket) as client:
         chunks = list(client.generate(PROMPT, max_tokens=5, logprobs=True, top_logprobs=3))

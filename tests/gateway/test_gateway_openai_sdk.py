@@ -13,11 +13,20 @@ import pytest
 from gateway_setup import MODEL
 from gateway_thread import GatewayThread
 
+from ember.daemon.loader.demo_model import DEMO_MODEL
+from ember.daemon.text.text_model import open_text_model
+
 PROMPT = "def fibonacci(n):"
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
 
 
+# what the gateway leaves to the model when a request names no repetition penalty (OpenAI has none):
+# the demo file's recommendation, which the native SDK's greedy requests must name to match
+PENALTY = open_text_model(DEMO_MODEL).sampling.repetition_penalty
+
+
 def native_text(native: Any, *, messages: Any = None, prompt: Any = None, **options: Any) -> tuple[str, Any]:
+    options.setdefault("repetition_penalty", PENALTY)
     stream = native.chat(messages, **options) if messages is not None else native.generate(prompt, **options)
     text = "".join(chunk.text for chunk in stream)
     return text, stream.finished
@@ -99,7 +108,7 @@ def test_seed_reproducibility(client: openai.OpenAI) -> None:
 def test_ember_extras_and_logit_bias(client: openai.OpenAI, native: Any) -> None:
     greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
     top1 = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=3,
-                                     extra_body={"top_k": 1, "min_p": 0.0, "repetition_penalty": 1.0})
+                                     extra_body={"top_k": 1, "min_p": 0.0})
     assert top1.choices[0].text == greedy  # top_k=1 reached the sampler: greedy whatever the temperature
     token = native.tokenize(" banana", add_special=False)[0]
     forced = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
@@ -118,7 +127,8 @@ def test_chat_logprobs(client: openai.OpenAI, native: Any) -> None:
         assert len(alternatives) == 3 and alternatives == sorted(alternatives, reverse=True)
         assert t.top_logprobs[0].token == t.token and t.logprob == pytest.approx(alternatives[0])  # greedy: the best
         assert t.logprob <= 0 and bytes(t.bytes or []) == t.token.encode()
-    reference = [lp for chunk in native.chat(CHAT, max_tokens=12, temperature=0.0, logprobs=True) for lp in chunk.logprobs]
+    reference = [lp for chunk in native.chat(CHAT, max_tokens=12, temperature=0.0, logprobs=True, repetition_penalty=PENALTY)
+                 for lp in chunk.logprobs]
     assert [t.logprob for t in content] == pytest.approx(reference, abs=1e-4)
     streamed = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0,  # type: ignore[arg-type]
                                               logprobs=True, stream=True)
