@@ -53,6 +53,12 @@ class LimitExceeded(EmberError, ValueError):
     code = ErrorCode.LIMIT
 
 
+class ContextLengthExceeded(LimitExceeded):
+    """A prompt longer than the model's context."""
+
+    code = ErrorCode.CONTEXT_LENGTH
+
+
 class Busy(EmberError):
     """The daemon's queue is full; retrying later may succeed."""
 
@@ -86,7 +92,7 @@ class GenerationFailed(EmberError):
 
 
 _BY_CODE: dict[str, type[EmberError]] = {
-    cls.code: cls for cls in (BadMessage, BadRequest, LimitExceeded, Busy, UnknownModel, DuplicateId,
+    cls.code: cls for cls in (BadMessage, BadRequest, LimitExceeded, ContextLengthExceeded, Busy, UnknownModel, DuplicateId,
                               VersionMismatch, ShuttingDown, InternalError)
 }
 

@@ -11,11 +11,25 @@ from __future__ import annotations
 
 import msgspec
 
-from ember.protocol.messages import Generate
+from ember.protocol.messages import ErrorCode, Generate
 
 
 class LimitExceeded(ValueError):
     """A request over a hard limit (answered with Error{code: "limit"})."""
+
+    code = ErrorCode.LIMIT
+
+
+class ContextLengthExceeded(LimitExceeded):
+    """A prompt longer than the model's context, said as OpenAI says it ("This model's maximum context
+    length is ..."): the wording and code tools such as litellm and LangChain look for."""
+
+    code = ErrorCode.CONTEXT_LENGTH
+
+    def __init__(self, context_length: int, tokens: str) -> None:
+        super().__init__(f"This model's maximum context length is {context_length + 1} tokens. However, your "
+                         f"prompt resulted in {tokens} tokens (at most {context_length}, to leave one to "
+                         "generate). Please reduce the length of the prompt or messages.")
 
 
 class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -53,7 +67,10 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _within("chat messages", len(msg.messages), self.max_chat_messages)
 
     def check_prompt(self, n_tokens: int, context_length: int) -> None:
-        _within("prompt tokens", n_tokens, min(self.max_prompt_tokens, context_length))
+        """context_length: the prompt tokens the model's context leaves room for."""
+        if context_length < self.max_prompt_tokens and n_tokens > context_length:
+            raise ContextLengthExceeded(context_length, str(n_tokens))
+        _within("prompt tokens", n_tokens, self.max_prompt_tokens)
 
     def check_prompt_bytes(self, n_bytes: int, max_token_bytes: int | None, context_length: int) -> None:
         """Refuse, before it is tokenized, a text too long to be a prompt: no token stands for more than
@@ -62,6 +79,8 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         limit = min(self.max_prompt_tokens, context_length)
         if max_token_bytes is not None and n_bytes > limit * max_token_bytes:
             at_least = -(-n_bytes // max_token_bytes)
+            if context_length < self.max_prompt_tokens:
+                raise ContextLengthExceeded(context_length, f"at least {at_least}")
             raise LimitExceeded(f"prompt tokens: a text of {n_bytes} bytes is at least {at_least} tokens (at most "
                                 f"{max_token_bytes} bytes per token), over the limit of {limit}")
 

@@ -37,6 +37,7 @@ class ErrorCode:
     BAD_MESSAGE = "bad_message"  # not decodable: bytes, msgpack, types, unknown tag, extra frames
     BAD_REQUEST = "bad_request"  # decodable but meaningless: no prompt, bad sampling value, token id out of range
     LIMIT = "limit"  # over a hard limit: prompt length, max_tokens, stop strings, requests per client
+    CONTEXT_LENGTH = "context_length_exceeded"  # a prompt longer than the model's context (OpenAI's code)
     BUSY = "busy"  # the daemon's queue is full: retry later
     UNKNOWN_MODEL = "unknown_model"  # no such model loaded (or several loaded and none named)
     DUPLICATE_ID = "duplicate_id"  # a Generate reused the id of this client's request still running

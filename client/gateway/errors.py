@@ -12,6 +12,7 @@ from ember.client.errors import (
     BadMessage,
     BadRequest,
     Busy,
+    ContextLengthExceeded,
     DaemonUnavailable,
     EmberError,
     EmberTimeout,
@@ -50,6 +51,7 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 # "come back later", Busy is "slow down")
 _BY_ERROR: tuple[tuple[type[EmberError], int, str, str], ...] = (
     (UnknownModel, 404, INVALID_REQUEST, "model_not_found"),
+    (ContextLengthExceeded, 400, INVALID_REQUEST, "context_length_exceeded"),  # litellm, LangChain look for it
     (LimitExceeded, 400, INVALID_REQUEST, "limit_exceeded"),
     (BadRequest, 400, INVALID_REQUEST, "invalid_value"),
     (BadMessage, 400, INVALID_REQUEST, "invalid_value"),

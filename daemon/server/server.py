@@ -252,7 +252,7 @@ class Server:
         try:  # bounded like a prompt: a text too long for one is refused by its size, untokenized
             size = self._engine.check_text_size(name, model.tokenizer, msg.text)
         except LimitExceeded as e:
-            return self._reply(identity, Error(msg.id, ErrorCode.LIMIT, str(e)))
+            return self._reply(identity, Error(msg.id, e.code, str(e)))
         pool = self._engine.tokenize_pool
         if size > pool.inline_bytes:  # in a worker process: a big encode holds the GIL throughout
             start = lambda: asyncio.wrap_future(pool.encode(model.path, model.tokenizer, msg.text, msg.add_special))

@@ -149,7 +149,7 @@ class TextWorker:
                 # a chat template writes its own special tokens (Model.chat_ids)
                 r.prompt_ids = r.model.tokenize(text, add_special=r.messages is None)
         except LimitExceeded as e:
-            return self._reject(r, ErrorCode.LIMIT, str(e))
+            return self._reject(r, e.code, str(e))
         except (ValueError, ChatTemplateError) as e:  # TokenizerError is a ValueError
             return self._reject(r, ErrorCode.BAD_REQUEST, str(e))
         self._start(r)
@@ -186,7 +186,7 @@ class TextWorker:
                 raise ValueError("the prompt is empty")
             self._limits.check_prompt(len(r.prompt_ids), self._contexts[r.model_name] - 1)
         except LimitExceeded as e:
-            return self._reject(r, ErrorCode.LIMIT, str(e))
+            return self._reject(r, e.code, str(e))
         except ValueError as e:
             return self._reject(r, ErrorCode.BAD_REQUEST, str(e))
         if r.max_tokens == 0:  # nothing to generate: the usage is known without running the prompt

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from ember.protocol import messages as m
 from ember.protocol.codec import Codec, ProtocolError
-from ember.protocol.limits import LimitExceeded, Limits
+from ember.protocol.limits import ContextLengthExceeded, LimitExceeded, Limits
 
 codec = Codec()
 
@@ -121,8 +121,10 @@ def test_limits_check_each_count() -> None:
             limits.check_generate(msg)
     with pytest.raises(LimitExceeded, match="prompt tokens"):
         limits.check_prompt(5, context_length=100)
-    with pytest.raises(LimitExceeded):
+    with pytest.raises(ContextLengthExceeded, match="maximum context length is 101 tokens. However, your prompt "
+                                                    "resulted in 200 tokens") as err:
         Limits().check_prompt(200, context_length=100)
+    assert err.value.code == "context_length_exceeded"  # OpenAI's code, which litellm and LangChain look for
 
 
 def test_limits_refuse_nonsense_values() -> None:

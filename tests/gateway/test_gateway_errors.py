@@ -40,6 +40,19 @@ def test_bad_values_are_bad_request_with_the_reason(client: openai.OpenAI, body:
     still_serves(client)
 
 
+def test_a_prompt_over_the_context_is_context_length_exceeded(client: openai.OpenAI) -> None:
+    """OpenAI's code and wording, which litellm (ContextWindowExceededError) and LangChain look for; by
+    the text's size before tokenizing, and by its tokens after."""
+    for prompt in ("x" * 300_000, list(range(1, 3000)) * 2):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)  # type: ignore[arg-type]
+        assert e.value.code == "context_length_exceeded" and "maximum context length is" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "def f(x): " * 3000}])
+    assert e.value.code == "context_length_exceeded" and "However, your prompt resulted in" in e.value.message
+    still_serves(client)
+
+
 def test_unknown_model_and_path_are_not_found(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
