@@ -63,6 +63,9 @@ def add_daemon_commands(sub: Any) -> None:
     serve.add_argument("--http", metavar="HOST:PORT",
                        help="also serve the OpenAI-compatible HTTP API there (`ember gateway` as a child process; "
                             "not loopback: set EMBER_API_KEY)")
+    from ember.client.cli.gateway_command import add_cors_option
+
+    add_cors_option(serve)
     serve.set_defaults(func=_serve)
 
     for name, helptext in (("generate", "stream a completion from the daemon"), ("chat", "chat with a model through the daemon")):
@@ -140,7 +143,9 @@ def _serve(args: argparse.Namespace) -> int:
              "model.expert_budget": args.expert_budget, "model.cold_workers": args.cold_workers,
              "model.cold_policy": args.cold_policy}
     config = load_config(args.config, flags=flags)
-    gateway = _start_gateway(args.http, config) if args.http else None
+    if args.cors_origin and not args.http:
+        raise SystemExit("ember: error: --cors-origin needs --http")
+    gateway = _start_gateway(args.http, config, tuple(args.cors_origin or ())) if args.http else None
     try:
         return serve(config)
     except (SocketInUse, EngineStartFailed) as e:
@@ -170,7 +175,7 @@ def _models(args: argparse.Namespace) -> list[Any] | None:
     return [{**m, "draft": d, **extra} for m, d in zip(models, args.draft)]
 
 
-def _start_gateway(listen: str, config: Any) -> Any:
+def _start_gateway(listen: str, config: Any, cors_origins: tuple[str, ...]) -> Any:
     """The gateway as a child process, on an address bound here (GatewayConfigError: refused, nothing runs)."""
     from pathlib import Path
 
@@ -178,7 +183,7 @@ def _start_gateway(listen: str, config: Any) -> Any:
     from ember.protocol.endpoint import daemon_socket_path
 
     socket_path = Path(config.server.socket) if config.server.socket else daemon_socket_path()
-    return GatewayChild(listen, socket_path, config.server.log_format)
+    return GatewayChild(listen, socket_path, config.server.log_format, cors_origins)
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:

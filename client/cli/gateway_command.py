@@ -35,6 +35,7 @@ def add_gateway_parser(sub: Any) -> None:
     p.add_argument("--requests-per-connection", type=int, default=_DEFAULTS.per_connection, metavar="N",
                    help="streams per daemon connection: at most the daemon's limits.max_requests_per_client "
                         f"(default {_DEFAULTS.per_connection})")
+    add_cors_option(p)
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     p.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)  # ember serve --http: a socket bound for us
     p.set_defaults(func=_gateway)
@@ -45,7 +46,13 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(host=host, port=port, socket=Path(args.socket) if args.socket else None,
                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          max_body_bytes=args.max_body_bytes, max_requests=args.max_requests,
-                         per_connection=args.requests_per_connection)
+                         per_connection=args.requests_per_connection, cors_origins=tuple(args.cors_origin or ()))
+
+
+def add_cors_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                   help="let a browser page from ORIGIN (e.g. http://localhost:3000, or * for any) call the API "
+                        "(repeatable; default: none)")
 
 
 def _gateway(args: argparse.Namespace) -> int:

@@ -6,8 +6,11 @@ in OpenAI's format, and the request counter.
     POST /v1/completions                text completion, whole or streamed
     GET  /health                        200 when the daemon serves, 503 when it drains or is gone (no key)
     GET  /metrics                       Prometheus text format (metrics.py)
+    OPTIONS any of them                 204 with `Allow` (a CORS preflight: no key)
 
-Every error, aiohttp's own included (404 path, 405 method, 413 body), leaves as OpenAI's error object.
+A trailing slash is the same path. Every error, aiohttp's own included (404 path, 405 method with its
+`Allow`, 413 body), leaves as OpenAI's error object. With `cors_origins` (--cors-origin), responses to
+those browser origins carry CORS headers.
 """
 from __future__ import annotations
 
@@ -65,14 +68,17 @@ GATEWAY = web.AppKey("gateway", Gateway)
 
 def build_app(gateway: Gateway) -> web.Application:
     app = web.Application(client_max_size=gateway.config.max_body_bytes,
-                          middlewares=[_errors_middleware(gateway), _auth_middleware(gateway.config.api_key)])
+                          middlewares=[_errors_middleware(gateway), _options_middleware,
+                                       _auth_middleware(gateway.config.api_key)])
     app[GATEWAY] = gateway
-    app.router.add_get("/v1/models", _models)
+    for path, method, handler in (("/v1/models", "GET", _models), ("/v1/chat/completions", "POST", _chat),
+                                  ("/v1/completions", "POST", _completions), ("/health", "GET", _health),
+                                  ("/metrics", "GET", _metrics)):
+        app.router.add_route(method, path, handler)
+        app.router.add_route(method, path + "/", handler)  # a trailing slash is the same path
     app.router.add_get("/v1/models/{model:.+}", _model)  # names may hold slashes (org/model)
-    app.router.add_post("/v1/chat/completions", _chat)
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/metrics", _metrics)
+    if gateway.config.cors_origins:
+        app.on_response_prepare.append(_cors_headers(gateway.config.cors_origins))
     return app
 
 
@@ -159,6 +165,39 @@ def _json(value: msgspec.Struct, status: int = 200) -> web.Response:
 
 
 # --- middlewares -----------------------------------------------------------------------------------
+@web.middleware
+async def _options_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """OPTIONS (a browser's CORS preflight, which carries no API key): 204 with the path's methods in
+    `Allow`; the CORS headers, where origins are allowed, come with every response (_cors_headers)."""
+    if request.method != "OPTIONS":
+        return await handler(request)
+    refused = getattr(request.match_info, "http_exception", None)
+    if not isinstance(refused, web.HTTPMethodNotAllowed):
+        return await handler(request)  # an unknown path: its 404
+    return web.Response(status=204, headers={"Allow": ", ".join(sorted({*refused.allowed_methods, "OPTIONS"}))})
+
+
+def _cors_headers(origins: tuple[str, ...]) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
+    """Each response (a stream's too, before its headers go) allows an allowed Origin to read it, and a
+    preflight names the methods and headers the browser asked for."""
+    any_origin = "*" in origins
+
+    async def add(request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if origin is None or not (any_origin or origin in origins):
+            return
+        response.headers["Access-Control-Allow-Origin"] = "*" if any_origin else origin
+        if not any_origin:
+            response.headers["Vary"] = "Origin"
+        if request.method == "OPTIONS":
+            response.headers["Access-Control-Allow-Methods"] = response.headers.get("Allow", "GET, POST, OPTIONS")
+            response.headers["Access-Control-Allow-Headers"] = request.headers.get(
+                "Access-Control-Request-Headers", "Authorization, Content-Type")
+            response.headers["Access-Control-Max-Age"] = "600"
+
+    return add
+
+
 def _auth_middleware(api_key: str | None) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
     expected = f"Bearer {api_key}".encode() if api_key is not None else None
 
@@ -197,7 +236,10 @@ def _errors_middleware(gateway: Gateway) -> Callable[[web.Request, Handler], Awa
             else:
                 error = ApiError(e.status, f"{request.method} {request.path}: {e.reason}",
                                  code="not_found" if e.status == 404 else None)
-            return _json(error.body(), e.status)
+            response = _json(error.body(), e.status)
+            if "Allow" in e.headers:  # 405 names the methods the path takes
+                response.headers["Allow"] = e.headers["Allow"]
+            return response
         except (asyncio.CancelledError, ConnectionError):
             raise  # the client left: nothing to answer
         except Exception:  # noqa: BLE001 -- a bug in the gateway: say so in OpenAI's format, keep serving

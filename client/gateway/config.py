@@ -30,6 +30,7 @@ class GatewayConfig:
     default_max_tokens: int = 4096  # a request that sets no max_tokens (also bounded by the model's context)
     stall_timeout: float = 60.0  # seconds a stream may wait on an HTTP client that reads nothing
     shutdown_timeout: float = 30.0  # seconds requests in flight may finish after SIGTERM
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none: no CORS
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, f"the port must be in [0, 65535], got {self.port}")

@@ -50,6 +50,8 @@ def decode_body(body: bytes, kind: type[ChatRequest | CompletionRequest]) -> Cha
         raise bad_request(f"invalid request body: {text}", param) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:  # msgspec raises it for a string that is not UTF-8
+        raise bad_request(f"the request body is not valid UTF-8: {e.reason} at byte {e.start} of a string") from None
 
 
 def translate_chat(req: ChatRequest) -> Translated:

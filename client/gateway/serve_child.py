@@ -31,7 +31,7 @@ STOP_GRACE = 35.0  # seconds: the gateway's shutdown_timeout (30) and its last f
 
 
 class GatewayChild:
-    def __init__(self, listen: str, socket_path: Path, log_format: str = "auto") -> None:
+    def __init__(self, listen: str, socket_path: Path, log_format: str = "auto", cors_origins: tuple[str, ...] = ()) -> None:
         """Bind `listen` and start the gateway on it (GatewayConfigError, OSError: nothing started)."""
         host, port = parse_listen(listen)
         GatewayConfig(host=host, port=port, api_key=os.environ.get(API_KEY_ENV) or None)  # refuses exposure
@@ -39,7 +39,8 @@ class GatewayChild:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ember.client.cli", "gateway", "--listen", listen, "--socket", str(socket_path),
-                 "--listen-fd", str(sock.fileno()), "--log-format", log_format],
+                 "--listen-fd", str(sock.fileno()), "--log-format", log_format,
+                 *(arg for origin in cors_origins for arg in ("--cors-origin", origin))],
                 pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL,
                 preexec_fn=_exit_with_parent)  # noqa: PLW1509 -- `ember serve` has started no thread yet
         finally:

@@ -134,3 +134,50 @@ def test_no_daemon_is_503(tmp_path: Any) -> None:
                 client.models.list()
     finally:
         gateway.stop()
+
+
+def http(url: str, method: str = "GET", body: bytes | None = None, headers: dict[str, str] | None = None
+         ) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def test_http_manners_slash_405_options_and_utf8(gateway: GatewayThread) -> None:
+    """A trailing slash is the same path; a wrong method is 405 with `Allow`; OPTIONS answers `Allow`
+    (no CORS headers unless origins are allowed); a body that is not UTF-8 is 400, not 500."""
+    status, _, body = http(f"{gateway.url}/v1/models/")
+    assert status == 200 and MODEL.encode() in body
+    status, headers, body = http(f"{gateway.url}/v1/chat/completions")
+    assert status == 405 and headers["Allow"] == "POST" and b'"error"' in body
+    status, headers, _ = http(f"{gateway.url}/v1/chat/completions", "OPTIONS", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+    assert status == 204 and headers["Allow"] == "OPTIONS, POST" and "Access-Control-Allow-Origin" not in headers
+    bad = b'{"model": "ember-demo", "prompt": "\xff\xfe", "max_tokens": 2}'
+    status, _, body = http(f"{gateway.url}/v1/completions", "POST", bad, {"Content-Type": "application/json"})
+    assert status == 400 and b"not valid UTF-8" in body
+
+
+def test_cors_for_allowed_origins_streams_included(daemon: Any) -> None:
+    """--cors-origin: the preflight (without the API key) and every response to that origin, a stream's
+    too, carry the CORS headers; another origin gets none."""
+    gateway = GatewayThread(socket=daemon.socket, api_key=API_KEY, cors_origins=("http://localhost:3000",))
+    try:
+        page = {"Origin": "http://localhost:3000"}
+        status, headers, _ = http(f"{gateway.url}/v1/chat/completions", "OPTIONS", headers={
+            **page, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"})
+        assert status == 204 and headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+        assert headers["Access-Control-Allow-Methods"] == "OPTIONS, POST"
+        assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        body = b'{"model": "ember-demo", "prompt": "def f(x):", "max_tokens": 2, "stream": true}'
+        status, headers, data = http(f"{gateway.url}/v1/completions", "POST", body, {
+            **page, "Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+        assert data.rstrip().endswith(b"data: [DONE]")
+        status, headers, _ = http(f"{gateway.url}/v1/models", headers={"Origin": "http://evil.example"})
+        assert status == 401 and "Access-Control-Allow-Origin" not in headers
+    finally:
+        gateway.stop()
