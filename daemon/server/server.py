@@ -366,7 +366,7 @@ class Server:
                     peer.has_ring = True
             elif isinstance(message, (Finished, Error)):
                 self._in_flight -= 1
-                if isinstance(message, Error):
+                if isinstance(message, Error) or message.reason == FinishReason.ERROR:  # refused, or failed running
                     self._counters["errors"] += 1
                 elif message.reason == FinishReason.CANCELLED:
                     self._counters["cancelled"] += 1

@@ -73,6 +73,7 @@ def test_a_killed_engine_fails_every_stream_within_2s_and_the_next_request_is_se
             assert when - killed < 2.0
         with Client(d.socket, timeout=120) as client:  # the same socket, a new engine
             assert client.health().status == "ok"
+            assert client.stats().errors_total == 4  # the failed generations are counted (ember status, /metrics)
             tokens = [t for c in client.generate(PROMPT, max_tokens=16) for t in c.token_ids]
         assert tokens == list(demo_model.generate(PROMPT, max_tokens=16))
         assert d.engine_pid != first and not alive(first)
