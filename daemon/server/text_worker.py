@@ -21,12 +21,15 @@ to the engine: they carry no order with admissions.
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
+
+import msgspec
 
 from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence
@@ -252,7 +255,13 @@ class TextWorker:
         shown = p.tokens
         if p.finish == FinishReason.STOP and shown and r.seq is not None and shown[-1] in r.seq.stop_ids:
             shown = shown[:-1]  # an end token's text (<|endoftext|>) never reaches the user; its id does
-        text = "".join(r.stops.feed(r.text.feed(t)) for t in shown)
+        pieces = []
+        for i, t in enumerate(shown):
+            pieces.append(r.stops.feed(r.text.feed(t)))
+            if r.stops.stopped and i + 1 < len(p.tokens):
+                p = _cut(p, i + 1)  # the ids (and usage) end with the token that completed the stop string
+                break
+        text = "".join(pieces)
         r.completion_tokens += len(p.tokens)
         finish = FinishReason.STOP if r.stops.stopped else p.finish
         if finish is not None:
@@ -305,6 +314,14 @@ class TextWorker:
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
+
+
+def _cut(p: Progress, n: int) -> Progress:
+    """p's first n tokens: the engine ran on past a stop string within its step or burst, and how far
+    depends on the batch, not on the request."""
+    logits = None if p.logits is None else tuple(  # the slot's first n rows (the client still releases it)
+        msgspec.structs.replace(s, shape=(min(n, s.shape[0]), *s.shape[1:])) for s in p.logits)
+    return dataclasses.replace(p, tokens=p.tokens[:n], choices=p.choices[:n], logits=logits)
 
 
 def _utf8_len(text: str) -> int:

@@ -155,6 +155,37 @@ def test_stop_string_cuts_text_and_finishes(harness: Harness, demo_model) -> Non
     assert len(t.logprobs) == 1 and len(t.top_logprobs[0]) == 2 and t.top_logprobs[0][0].token == t.token_ids[0]
 
 
+def test_ids_and_usage_end_where_a_stop_string_ends_the_text(demo_model) -> None:  # type: ignore[no-untyped-def]
+    """The engine runs on past a stop string within a step's burst, as far as the batch takes it; the
+    ids, their logprobs and usage still end with the token that completed the stop string, whatever ran
+    beside the request (it once gave 16, 17 or 18 ids)."""
+    options = dict(max_tokens=40, temperature=0.9, seed=7, repetition_penalty=1.1, presence_penalty=0.5)
+    free = list(demo_model.generate("def fibonacci(n):", **options))
+    text = demo_model.detokenize(free)
+    for k in (10, 11, 12):  # bursts grow 1, 1, 2, 2, 3, 4 ...: some of these ends fall inside one
+        stop = demo_model.detokenize(free[:k])[-3:]
+        end = next(k for k in range(1, len(free) + 1) if stop in demo_model.detokenize(free[:k]))
+        _check_stop(demo_model, options, stop, text, free[:end])
+
+
+def _check_stop(demo_model, options, stop: str, text: str, want: list[int]) -> None:  # type: ignore[no-untyped-def]
+    runs = []
+    for beside in (0, 3):  # alone, and in a batch of four
+        h = Harness(demo_model, slots=64)
+        for j in range(beside):
+            h.request(b"o", Generate(j, prompt="import os\n", max_tokens=40, ignore_eos=True))
+        h.request(b"s", Generate(9, prompt="def fibonacci(n):", stop=(stop,), logprobs=True, **options))
+        frames = h.until_finished(1 + beside)[(b"s", 9)]
+        h.stop()
+        tokens = [f for f in frames if isinstance(f, Tokens)]
+        ids = [t for f in tokens for t in f.token_ids]
+        assert len(ids) == sum(len(f.logprobs) for f in tokens)
+        assert frames[-1].reason == "stop" and frames[-1].usage.completion_tokens == len(ids)
+        assert "".join(f.text for f in tokens) == text[: text.index(stop)]
+        runs.append(ids)
+    assert runs[0] == runs[1] == want
+
+
 def test_shutdown_drains_then_cancels_at_the_deadline(demo_model) -> None:  # type: ignore[no-untyped-def]
     h = Harness(demo_model)
     h.request(b"d", Generate(1, prompt="x", max_tokens=3))
