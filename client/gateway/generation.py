@@ -3,7 +3,7 @@ turned into OpenAI's answer (whole, or as server-sent events), and its end — i
 
 - Errors before the first token (busy, unknown model, a bad value, no daemon) are HTTP errors: the
   gateway waits for the stream's first frame before it sends a status line.
-- After that, a failure becomes the stream's last event, `data: {"error": ...}` (no [DONE]).
+- After that, a failure becomes the stream's last event (OpenAI's `data: {"error": ...}`, no [DONE]).
 - A client that goes away (aiohttp cancels the handler: handler_cancellation) or reads nothing for
   `stall_timeout` seconds has its request cancelled in the daemon at once; the pool slot comes back
   when the daemon confirms (a background drain), so the daemon's per-connection count stays right.
@@ -25,12 +25,11 @@ from ember.client.gateway.connection_pool import ConnectionPool, Lease
 from ember.client.gateway.errors import UNAVAILABLE, ApiError, from_ember
 from ember.client.gateway.metrics import GatewayMetrics
 from ember.client.gateway.request_translation import Translated
-from ember.client.gateway.response_format import DONE, AnswerFormat, TokenScore, error_event
+from ember.client.gateway.response_format import AnswerFormat, TokenScore
 from ember.client.gateway.token_texts import TokenTexts
 from ember.client.request_builder import Chunk
 from ember.protocol.messages import Finished, FinishReason
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # bytes queued in the kernel and the transport beyond which the next write may wait on the client
 WRITE_HIGH_WATER = 64 * 1024
 DRAIN_TIMEOUT = 30.0  # seconds a cancelled request's last frame may take to come (then the slot is freed)
@@ -138,13 +137,12 @@ async def _whole(carrier: Carrier, t: Translated, fmt: AnswerFormat, stream: Dae
     except EmberError as e:
         raise from_ember(e) from None
     carrier.metrics.prompt_tokens.inc(finished.usage.prompt_tokens)
-    return web.Response(body=fmt.whole("".join(texts), scores, finished.reason, finished.usage),
-                        content_type="application/json")
+    return web.Response(body=fmt.whole("".join(texts), scores, finished), content_type="application/json")
 
 
 async def _stream(request: web.Request, carrier: Carrier, t: Translated, fmt: AnswerFormat, stream: DaemonStream,
                   chunk: Chunk | None) -> web.StreamResponse:
-    response = web.StreamResponse(headers=SSE_HEADERS)
+    response = web.StreamResponse(headers=fmt.stream_headers)
     await response.prepare(request)
     write = _Writer(request, response, carrier.stall_timeout)
     try:
@@ -153,7 +151,7 @@ async def _stream(request: web.Request, carrier: Carrier, t: Translated, fmt: An
         except (EmberError, ApiError) as e:
             error = e if isinstance(e, ApiError) else from_ember(e)
             STREAM_STATUS.set(error.status)  # for the metrics: it failed, though its status line said 200
-            await write(error_event(error.body()))
+            await write(fmt.error(error.body()))
         await response.write_eof()
     except ClientGone:
         STREAM_STATUS.set(CLIENT_GONE)  # _settle cancels the request in the daemon
@@ -175,10 +173,10 @@ async def _events(carrier: Carrier, t: Translated, fmt: AnswerFormat, stream: Da
         last = _observe_gap(carrier.metrics, last, chunk)
     finished = _finished(stream.stream.finished)
     carrier.metrics.prompt_tokens.inc(finished.usage.prompt_tokens)
-    await write(fmt.closing(finished.reason))
+    await write(fmt.closing(finished))
     if t.include_usage:
         await write(fmt.usage(finished.usage))
-    await write(DONE)
+    await write(fmt.end())
 
 
 def _observe_gap(metrics: GatewayMetrics, last: float, chunk: Chunk | None) -> float:

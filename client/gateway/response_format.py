@@ -1,9 +1,11 @@
 """The shape of an answer: OpenAI's chat or text completion, whole or as server-sent events.
 
-`ChatFormat` and `TextFormat` have the same methods, so the generation loop (generation.py) is written
-once: `opening()` (chat's first chunk names the role), `delta()` for each piece of text, `closing()` with
-the finish_reason, `usage()` for stream_options.include_usage, `whole()` for a non-streamed answer. Each
-returns bytes ready to send, JSON encoded once by msgspec: this runs for every streamed token.
+`ChatFormat` and `TextFormat` (and Ollama's, ollama_api.py) have the same methods, so the generation loop
+(generation.py) is written once: `opening()` (chat's first chunk names the role), `delta()` for each piece
+of text, `closing()` with how it finished, `usage()` for stream_options.include_usage, `end()` after the
+last, `error()` for a failure after the stream started, `whole()` for a non-streamed answer, and the
+stream's `stream_headers`. Each returns bytes ready to send, JSON encoded once by msgspec: this runs for
+every streamed token.
 """
 from __future__ import annotations
 
@@ -31,10 +33,11 @@ from ember.client.gateway.openai_schema import (
     UsageOut,
 )
 from ember.client.gateway.token_texts import token_bytes
-from ember.protocol.messages import Usage
+from ember.protocol.messages import Finished, Usage
 
 _encode = msgspec.json.Encoder().encode
 DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +63,19 @@ def usage_out(usage: Usage) -> UsageOut:
                     total_tokens=usage.prompt_tokens + usage.completion_tokens)
 
 
-class ChatFormat:
+class _ServerSentEvents:
+    """OpenAI's streams: server-sent events, `data: [DONE]` last, a failure as an error event."""
+
+    stream_headers = SSE_HEADERS
+
+    def end(self) -> bytes:
+        return DONE
+
+    def error(self, body: ErrorBody) -> bytes:
+        return error_event(body)
+
+
+class ChatFormat(_ServerSentEvents):
     endpoint = "/v1/chat/completions"
 
     def __init__(self, model: str, include_usage: bool = False) -> None:
@@ -74,25 +89,25 @@ class ChatFormat:
     def delta(self, text: str, scores: list[TokenScore] | None) -> bytes:
         return self._chunk(ChunkChoice(delta=Delta(content=text), logprobs=_chat_logprobs(scores)))
 
-    def closing(self, finish_reason: str) -> bytes:
-        return self._chunk(ChunkChoice(delta=Delta(), finish_reason=finish_reason))
+    def closing(self, finished: Finished) -> bytes:
+        return self._chunk(ChunkChoice(delta=Delta(), finish_reason=finished.reason))
 
     def usage(self, usage: Usage) -> bytes:
         return sse(_encode(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
                                                usage=usage_out(usage))))
 
-    def whole(self, text: str, scores: list[TokenScore] | None, finish_reason: str, usage: Usage) -> bytes:
+    def whole(self, text: str, scores: list[TokenScore] | None, finished: Finished) -> bytes:
         choice = ChatChoice(message=ChatMessageOut(content=text), logprobs=_chat_logprobs(scores),
-                            finish_reason=finish_reason)
+                            finish_reason=finished.reason)
         return _encode(ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                      usage=usage_out(usage)))
+                                      usage=usage_out(finished.usage)))
 
     def _chunk(self, choice: ChunkChoice) -> bytes:
         return sse(_encode(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice],
                                                usage=self._usage)))
 
 
-class TextFormat:
+class TextFormat(_ServerSentEvents):
     endpoint = "/v1/completions"
 
     def __init__(self, model: str, include_usage: bool = False) -> None:
@@ -106,17 +121,17 @@ class TextFormat:
     def delta(self, text: str, scores: list[TokenScore] | None) -> bytes:
         return self._chunk(CompletionChoice(text=text, logprobs=self._logprobs(scores), finish_reason=None))
 
-    def closing(self, finish_reason: str) -> bytes:
-        return self._chunk(CompletionChoice(text="", logprobs=None, finish_reason=finish_reason))
+    def closing(self, finished: Finished) -> bytes:
+        return self._chunk(CompletionChoice(text="", logprobs=None, finish_reason=finished.reason))
 
     def usage(self, usage: Usage) -> bytes:
         return sse(_encode(Completion(id=self.id, created=self.created, model=self.model, choices=[],
                                       usage=usage_out(usage))))
 
-    def whole(self, text: str, scores: list[TokenScore] | None, finish_reason: str, usage: Usage) -> bytes:
-        choice = CompletionChoice(text=text, logprobs=self._logprobs(scores), finish_reason=finish_reason)
+    def whole(self, text: str, scores: list[TokenScore] | None, finished: Finished) -> bytes:
+        choice = CompletionChoice(text=text, logprobs=self._logprobs(scores), finish_reason=finished.reason)
         return _encode(Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                  usage=usage_out(usage)))
+                                  usage=usage_out(finished.usage)))
 
     def _chunk(self, choice: CompletionChoice) -> bytes:
         return sse(_encode(Completion(id=self.id, created=self.created, model=self.model, choices=[choice],

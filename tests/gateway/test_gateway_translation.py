@@ -31,7 +31,7 @@ from ember.client.gateway.request_translation import (
 )
 from ember.client.gateway.response_format import ChatFormat, TextFormat, TokenScore
 from ember.client.gateway.token_texts import TokenTexts
-from ember.protocol.messages import Usage
+from ember.protocol.messages import Finished, Usage
 
 
 def chat(**body: object):  # type: ignore[no-untyped-def]
@@ -157,7 +157,7 @@ def test_chat_chunks_carry_usage_only_when_asked() -> None:
                                                            "finish_reason": None}
     assert json.loads(counted.delta("x", None)[6:])["usage"] is None
     assert json.loads(plain.opening()[6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert json.loads(plain.closing("stop")[6:])["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+    assert json.loads(plain.closing(Finished(1, "stop", Usage(3, 4)))[6:])["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
                                                                   "finish_reason": "stop"}
     last = json.loads(counted.usage(Usage(3, 4))[6:])
     assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
@@ -170,7 +170,7 @@ def test_text_completion_logprobs_offsets() -> None:
     assert first["choices"][0]["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [-1.0, -0.5],
                                                "top_logprobs": [{"a": -1.0, "c": -2.0}, {}], "text_offset": [0, 1]}
     assert second["choices"][0]["logprobs"]["text_offset"] == [2]  # offsets run on across chunks
-    whole = json.loads(TextFormat("m").whole("x", None, "length", Usage(1, 1)))
+    whole = json.loads(TextFormat("m").whole("x", None, Finished(1, "length", Usage(1, 1))))
     assert whole["object"] == "text_completion" and whole["usage"]["total_tokens"] == 2
     assert whole["choices"][0] == {"text": "x", "index": 0, "logprobs": None, "finish_reason": "length"}
 
