@@ -7,6 +7,7 @@ in OpenAI's format, and the request counter.
     GET  /health                        200 when the daemon serves, 503 when it drains or is gone (no key)
     GET  /metrics                       Prometheus text format (metrics.py)
     OPTIONS any of them                 204 with `Allow` (a CORS preflight: no key)
+    /, /api/...                         Ollama's API (ollama_api.py)
 
 A trailing slash is the same path. Every error, aiohttp's own included (404 path, 405 method with its
 `Allow`, 413 body), leaves as OpenAI's error object. With `cors_origins` (--cors-origin), responses to
@@ -28,17 +29,20 @@ from ember.client.gateway.connection_pool import ConnectionPool
 from ember.client.gateway.errors import AUTHENTICATION, SERVER_ERROR, ApiError, from_ember
 from ember.client.gateway.generation import CLIENT_GONE, STREAM_STATUS, Carrier, carry
 from ember.client.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from ember.client.gateway.ollama_api import (PROBE_TEXT, OllamaChatRequest, OllamaFormat, OllamaGenerateRequest,
+                                             OllamaShowRequest, decode_ollama, error_response, model_entry, show,
+                                             translate_ollama_chat, translate_ollama_generate)
 from ember.client.gateway.openai_schema import ChatRequest, CompletionRequest, ModelCard, ModelList
 from ember.client.gateway.request_translation import decode_body, translate_chat, translate_completion
 from ember.client.gateway.response_format import ChatFormat, TextFormat
 from ember.client.gateway.token_texts import TokenTexts
 from ember.daemon.logging_setup import get_logger
-from ember.protocol.messages import StatsReport
+from ember.protocol.messages import ModelInfo, StatsReport
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _encode = msgspec.json.Encoder().encode
 STATS_TIMEOUT = 2.0  # seconds /metrics and /health wait for the daemon before saying it is down
-OPEN_PATHS = frozenset({"/health"})  # answered without the API key: liveness probes carry none
+OPEN_PATHS = frozenset({"/health", "/", "/api/version"})  # answered without the API key: probes carry none
 
 
 class Gateway:
@@ -77,6 +81,11 @@ def build_app(gateway: Gateway) -> web.Application:
         app.router.add_route(method, path, handler)
         app.router.add_route(method, path + "/", handler)  # a trailing slash is the same path
     app.router.add_get("/v1/models/{model:.+}", _model)  # names may hold slashes (org/model)
+    for path, method, handler in (("/", "GET", _ollama_probe), ("/api/version", "GET", _ollama_version),
+                                  ("/api/tags", "GET", _ollama_tags), ("/api/ps", "GET", _ollama_ps),
+                                  ("/api/show", "POST", _ollama_show), ("/api/chat", "POST", _ollama_chat),
+                                  ("/api/generate", "POST", _ollama_generate)):
+        app.router.add_route(method, path, handler)
     if gateway.config.cors_origins:
         app.on_response_prepare.append(_cors_headers(gateway.config.cors_origins))
     return app
@@ -97,6 +106,81 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     arrived = time.perf_counter()
     t = translate_completion(decode_body(await _body(request), CompletionRequest))  # type: ignore[arg-type]
     return await carry(request, _gateway(request).carrier, t, TextFormat(t.model, t.include_usage), arrived)
+
+
+# --- Ollama's API (ollama_api.py) ---------------------------------------------------------------------
+async def _ollama_probe(request: web.Request) -> web.Response:
+    return web.Response(text=PROBE_TEXT)
+
+
+async def _ollama_version(request: web.Request) -> web.Response:
+    return web.json_response({"version": _version()})
+
+
+async def _ollama_tags(request: web.Request) -> web.Response:
+    gateway = _gateway(request)
+    return web.json_response({"models": [model_entry(m, gateway.started) for m in await _model_infos(gateway)]})
+
+
+async def _ollama_ps(request: web.Request) -> web.Response:
+    gateway = _gateway(request)
+    return web.json_response({"models": [
+        {**model_entry(m, gateway.started), "expires_at": "2999-01-01T00:00:00Z", "size_vram": 0,
+         "context_length": m.context_length} for m in await _model_infos(gateway)]})
+
+
+async def _ollama_show(request: web.Request) -> web.Response:
+    req = decode_ollama(await _body(request), OllamaShowRequest)
+    return web.json_response(show(await _ollama_model(_gateway(request), req.model or req.name)))
+
+
+async def _ollama_chat(request: web.Request) -> web.StreamResponse:
+    arrived = time.perf_counter()
+    gateway = _gateway(request)
+    req = decode_ollama(await _body(request), OllamaChatRequest)
+    req.model = (await _ollama_model(gateway, req.model)).name
+    fmt = OllamaFormat(req.model, True, arrived)
+    if not req.messages:  # Ollama's "load the model": every model is loaded
+        return web.Response(body=fmt.loaded(), content_type="application/json")
+    return await carry(request, gateway.carrier, translate_ollama_chat(req), fmt, arrived)
+
+
+async def _ollama_generate(request: web.Request) -> web.StreamResponse:
+    arrived = time.perf_counter()
+    gateway = _gateway(request)
+    req = decode_ollama(await _body(request), OllamaGenerateRequest)
+    model = await _ollama_model(gateway, req.model)
+    req.model = model.name
+    fmt = OllamaFormat(req.model, False, arrived)
+    if not req.prompt and not req.system:
+        return web.Response(body=fmt.loaded(), content_type="application/json")
+    return await carry(request, gateway.carrier, translate_ollama_generate(req, model.chat_template), fmt, arrived)
+
+
+async def _model_infos(gateway: Gateway) -> list[ModelInfo]:
+    try:
+        return list(await (await gateway.pool.any()).models())
+    except EmberError as e:
+        raise from_ember(e) from None
+
+
+async def _ollama_model(gateway: Gateway, name: str) -> ModelInfo:
+    """The model an Ollama name means: the name itself, or without Ollama's default tag ":latest"."""
+    models = await _model_infos(gateway)
+    for m in models:
+        if name in (m.name, f"{m.name}:latest"):
+            return m
+    raise ApiError(404, f"model {name!r} not found (loaded: {', '.join(m.name for m in models)})",
+                   code="model_not_found")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ember")
+    except PackageNotFoundError:
+        return "0.0.0"
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -158,6 +242,11 @@ def _too_large(size: int | None, limit: int) -> ApiError:
     what = f"{size} bytes" if size is not None else "over the limit"
     return ApiError(413, f"the request body is {what}: the gateway takes at most {limit} bytes (--max-body-bytes)",
                     code="request_too_large")
+
+
+def _error(request: web.Request, error: ApiError) -> web.Response:
+    """OpenAI's error object, or Ollama's {"error": "..."} on its paths."""
+    return error_response(error) if request.path.startswith("/api/") else _json(error.body(), error.status)
 
 
 def _json(value: msgspec.Struct, status: int = 200) -> web.Response:
@@ -228,7 +317,7 @@ def _errors_middleware(gateway: Gateway) -> Callable[[web.Request, Handler], Awa
             return response
         except ApiError as e:
             status = e.status
-            return _json(e.body(), e.status)
+            return _error(request, e)
         except web.HTTPException as e:  # aiohttp's own: unknown path, wrong method, body too large
             status = e.status
             if e.status == 413:
@@ -236,7 +325,7 @@ def _errors_middleware(gateway: Gateway) -> Callable[[web.Request, Handler], Awa
             else:
                 error = ApiError(e.status, f"{request.method} {request.path}: {e.reason}",
                                  code="not_found" if e.status == 404 else None)
-            response = _json(error.body(), e.status)
+            response = _error(request, error)
             if "Allow" in e.headers:  # 405 names the methods the path takes
                 response.headers["Allow"] = e.headers["Allow"]
             return response
@@ -246,7 +335,7 @@ def _errors_middleware(gateway: Gateway) -> Callable[[web.Request, Handler], Awa
             status = 500
             get_logger().exception("gateway error", method=request.method, path=request.path)
             error = ApiError(500, "internal error in the ember gateway (its log has the traceback)", SERVER_ERROR)
-            return _json(error.body(), 500)
+            return _error(request, error)
         finally:
             STREAM_STATUS.reset(reset)
             counter.labels(endpoint, str(status)).inc()

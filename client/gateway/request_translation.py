@@ -96,7 +96,7 @@ def _translated(req: SamplingBody, prompt: str | list[int] | None, messages: lis
         "frequency_penalty": req.frequency_penalty or 0.0,
         "presence_penalty": req.presence_penalty or 0.0,
         "seed": req.seed % SEED_RANGE if req.seed is not None else None,
-        "stop": _stop(req.stop),
+        "stop": stop_strings(req.stop),
         "logit_bias": _logit_bias(req.logit_bias),
         "top_k": req.top_k,
         "min_p": req.min_p,
@@ -148,7 +148,7 @@ def _prompt(prompt: str | list[str | int | list[int]]) -> str | list[int]:
                       "completes one prompt per request", "prompt")
 
 
-def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if any(not s for s in stops):
         raise bad_request("stop strings must not be empty", "stop")
