@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import time
 from contextvars import ContextVar
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -25,7 +27,7 @@ from ember.client.gateway.connection_pool import ConnectionPool, Lease
 from ember.client.gateway.errors import UNAVAILABLE, ApiError, from_ember
 from ember.client.gateway.metrics import GatewayMetrics
 from ember.client.gateway.request_translation import Translated
-from ember.client.gateway.response_format import AnswerFormat, TokenScore
+from ember.client.gateway.response_format import AnswerFormat, Choice, TokenScore, total_usage
 from ember.client.gateway.token_texts import TokenTexts
 from ember.client.request_builder import Chunk
 from ember.protocol.messages import Finished, FinishReason
@@ -37,6 +39,9 @@ CLIENT_GONE = 499  # the metrics' status for a request whose client left first (
 # how a streamed request really ended, when its status line (200) no longer can say: read by the request
 # counter (app.py), which runs in the same task (each request's handler has a context of its own)
 STREAM_STATUS: ContextVar[int | None] = ContextVar("ember_gateway_stream_status", default=None)
+
+
+T = TypeVar("T")
 
 
 class ClientGone(Exception):
@@ -76,19 +81,23 @@ class DaemonStream:
 
 async def carry(request: web.Request, carrier: Carrier, t: Translated, fmt: AnswerFormat,
                 arrived: float) -> web.StreamResponse:
-    """Answer one generation request (raises ApiError for an HTTP error before anything was sent)."""
-    lease = await _acquire(carrier.pool)
-    stream: DaemonStream | None = None
+    """Answer one generation request, its t.n choices each a Generate of its own (raises ApiError for an
+    HTTP error before anything was sent: any choice's refusal refuses the request)."""
+    leases: list[Lease] = []
+    streams: list[DaemonStream] = []
     try:
-        stream = DaemonStream(_start(lease.client, t, carrier.default_max_tokens))
-        first = await _first(stream)
-        if first is not None:
+        for i in range(t.n):
+            leases.append(await _acquire(carrier.pool))
+            streams.append(DaemonStream(_start(leases[-1].client, t, i, carrier.default_max_tokens)))
+        firsts = [await _first(stream) for stream in streams]
+        if any(first is not None for first in firsts):
             carrier.metrics.ttft.observe(time.perf_counter() - arrived)
         if t.stream:
-            return await _stream(request, carrier, t, fmt, stream, first)
-        return await _whole(carrier, t, fmt, stream, first)
+            return await _stream(request, carrier, t, fmt, streams, firsts)
+        return await _whole(carrier, t, fmt, streams, firsts)
     finally:
-        _settle(carrier, lease, stream)
+        for i, lease in enumerate(leases):
+            _settle(carrier, lease, streams[i] if i < len(streams) else None)
         carrier.metrics.duration.observe(time.perf_counter() - arrived)
 
 
@@ -99,16 +108,17 @@ async def _acquire(pool: ConnectionPool) -> Lease:
         raise from_ember(e) from None
 
 
-def _start(client: AsyncClient, t: Translated, default_max_tokens: int) -> AsyncStream:
+def _start(client: AsyncClient, t: Translated, i: int, default_max_tokens: int) -> AsyncStream:
+    """Choice i's Generate."""
     max_tokens = t.max_tokens
     if max_tokens is None:  # OpenAI's default: as many as fit; the daemon ends at the context ("length")
         contexts = [m.context_length for m in client.welcome_models if m.name == t.model]
         max_tokens = min([default_max_tokens, *contexts])
     try:
         if t.messages is not None:
-            return client.chat(t.messages, model=t.model, max_tokens=max_tokens, **t.options)
+            return client.chat(t.messages, model=t.model, max_tokens=max_tokens, **t.choice(i))
         return client.generate(t.prompt if t.prompt is not None else "", model=t.model, max_tokens=max_tokens,
-                               **t.options)
+                               **t.choice(i))
     except EmberError as e:  # refused before sending: cannot encode, over the message size
         raise from_ember(e) from None
 
@@ -120,47 +130,58 @@ async def _first(stream: DaemonStream) -> Chunk | None:
         raise from_ember(e) from None
 
 
-async def _whole(carrier: Carrier, t: Translated, fmt: AnswerFormat, stream: DaemonStream,
-                 chunk: Chunk | None) -> web.Response:
+async def _whole(carrier: Carrier, t: Translated, fmt: AnswerFormat, streams: list[DaemonStream],
+                 firsts: list[Chunk | None]) -> web.Response:
+    try:
+        choices = await _together([_collect(carrier, t, stream, first) for stream, first in zip(streams, firsts)])
+    except EmberError as e:
+        raise from_ember(e) from None
+    carrier.metrics.prompt_tokens.inc(choices[0][2].usage.prompt_tokens)
+    return web.Response(body=fmt.whole(choices), content_type="application/json")
+
+
+async def _collect(carrier: Carrier, t: Translated, stream: DaemonStream, chunk: Chunk | None) -> Choice:
+    """One choice whole: its text, its tokens' scores (if asked), how it finished."""
     texts: list[str] = []
     scores: list[TokenScore] | None = [] if t.logprobs is not None else None
     last = time.perf_counter()
-    try:
-        while chunk is not None:
-            carrier.metrics.generation_tokens.inc(len(chunk.token_ids))
-            texts.append(chunk.text)
-            if scores is not None:
-                scores.extend(await _scores(carrier.texts, t.model, chunk))
-            chunk = await stream.next()
-            last = _observe_gap(carrier.metrics, last, chunk)
-        finished = _finished(stream.stream.finished)
-    except EmberError as e:
-        raise from_ember(e) from None
-    carrier.metrics.prompt_tokens.inc(finished.usage.prompt_tokens)
-    return web.Response(body=fmt.whole("".join(texts), scores, finished), content_type="application/json")
+    while chunk is not None:
+        carrier.metrics.generation_tokens.inc(len(chunk.token_ids))
+        texts.append(chunk.text)
+        if scores is not None:
+            scores.extend(await _scores(carrier.texts, t.model, chunk))
+        chunk = await stream.next()
+        last = _observe_gap(carrier.metrics, last, chunk)
+    return "".join(texts), scores, _finished(stream.stream.finished)
 
 
-async def _stream(request: web.Request, carrier: Carrier, t: Translated, fmt: AnswerFormat, stream: DaemonStream,
-                  chunk: Chunk | None) -> web.StreamResponse:
+async def _stream(request: web.Request, carrier: Carrier, t: Translated, fmt: AnswerFormat,
+                  streams: list[DaemonStream], firsts: list[Chunk | None]) -> web.StreamResponse:
     response = web.StreamResponse(headers=fmt.stream_headers)
     await response.prepare(request)
     write = _Writer(request, response, carrier.stall_timeout)
     try:
         try:
-            await _events(carrier, t, fmt, stream, chunk, write)
+            finished = await _together([_events(carrier, t, fmt, i, stream, first, write)
+                                        for i, (stream, first) in enumerate(zip(streams, firsts))])
+            carrier.metrics.prompt_tokens.inc(finished[0].usage.prompt_tokens)
+            if t.include_usage:
+                await write(fmt.usage(total_usage(finished)))
+            await write(fmt.end())
         except (EmberError, ApiError) as e:
             error = e if isinstance(e, ApiError) else from_ember(e)
             STREAM_STATUS.set(error.status)  # for the metrics: it failed, though its status line said 200
             await write(fmt.error(error.body()))
         await response.write_eof()
     except ClientGone:
-        STREAM_STATUS.set(CLIENT_GONE)  # _settle cancels the request in the daemon
+        STREAM_STATUS.set(CLIENT_GONE)  # _settle cancels the requests in the daemon
     return response
 
 
-async def _events(carrier: Carrier, t: Translated, fmt: AnswerFormat, stream: DaemonStream, chunk: Chunk | None,
-                  write: _Writer) -> None:
-    opening = fmt.opening()
+async def _events(carrier: Carrier, t: Translated, fmt: AnswerFormat, index: int, stream: DaemonStream,
+                  chunk: Chunk | None, write: _Writer) -> Finished:
+    """Choice `index` as it comes, to the end of its own events -> how it finished."""
+    opening = fmt.opening(index)
     if opening:
         await write(opening)
     last = time.perf_counter()
@@ -168,15 +189,30 @@ async def _events(carrier: Carrier, t: Translated, fmt: AnswerFormat, stream: Da
         carrier.metrics.generation_tokens.inc(len(chunk.token_ids))
         if chunk.text or t.logprobs is not None:  # a frame whose text is held back and no logprobs: nothing
             scores = await _scores(carrier.texts, t.model, chunk) if t.logprobs is not None else None
-            await write(fmt.delta(chunk.text, scores))
+            await write(fmt.delta(chunk.text, scores, index))
         chunk = await stream.next()
         last = _observe_gap(carrier.metrics, last, chunk)
     finished = _finished(stream.stream.finished)
-    carrier.metrics.prompt_tokens.inc(finished.usage.prompt_tokens)
-    await write(fmt.closing(finished))
-    if t.include_usage:
-        await write(fmt.usage(finished.usage))
-    await write(fmt.end())
+    await write(fmt.closing(finished, index))
+    return finished
+
+
+async def _together(work: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """The choices' coroutines side by side -> their results in order; the first to fail cancels the
+    others and its exception is raised (one choice alone runs in this task)."""
+    if len(work) == 1:
+        return [await work[0]]
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task in done and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _observe_gap(metrics: GatewayMetrics, last: float, chunk: Chunk | None) -> float:
@@ -217,8 +253,13 @@ class _Writer:
 
     def __init__(self, request: web.Request, response: web.StreamResponse, stall: float) -> None:
         self.request, self.response, self.stall = request, response, stall
+        self._lock = asyncio.Lock()  # the choices of one request write in turn, each event whole
 
     async def __call__(self, data: bytes) -> None:
+        async with self._lock:
+            await self._write(data)
+
+    async def _write(self, data: bytes) -> None:
         transport = self.request.transport
         if transport is None or transport.is_closing():
             raise ClientGone("the client closed the connection")

@@ -33,7 +33,7 @@ from aiohttp import web
 from ember.client.gateway.errors import ApiError, bad_request
 from ember.client.gateway.openai_schema import ErrorBody
 from ember.client.gateway.request_translation import SEED_RANGE, Translated, stop_strings
-from ember.client.gateway.response_format import TokenScore
+from ember.client.gateway.response_format import Choice, TokenScore
 from ember.protocol.messages import ChatMessage, Finished, ModelInfo, Usage
 
 NDJSON_HEADERS = {"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -161,13 +161,13 @@ class OllamaFormat:
     def __init__(self, model: str, chat: bool, arrived: float) -> None:
         self.model, self.chat, self.arrived = model, chat, arrived
 
-    def opening(self) -> bytes:
+    def opening(self, index: int = 0) -> bytes:
         return b""
 
-    def delta(self, text: str, scores: list[TokenScore] | None) -> bytes:
+    def delta(self, text: str, scores: list[TokenScore] | None, index: int = 0) -> bytes:
         return _encode(self._piece(text, False)) + b"\n"
 
-    def closing(self, finished: Finished) -> bytes:
+    def closing(self, finished: Finished, index: int = 0) -> bytes:
         return _encode(self._last("", finished)) + b"\n"
 
     def usage(self, usage: Usage) -> bytes:
@@ -179,7 +179,8 @@ class OllamaFormat:
     def error(self, body: ErrorBody) -> bytes:
         return _encode({"error": body.error.message}) + b"\n"
 
-    def whole(self, text: str, scores: list[TokenScore] | None, finished: Finished) -> bytes:
+    def whole(self, choices: list[Choice]) -> bytes:
+        text, _, finished = choices[0]  # Ollama's requests have one choice
         return _encode(self._last(text, finished))
 
     def _piece(self, text: str, done: bool) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """An OpenAI request body -> the ember Generate it asks for (`Translated`), or a 400 naming the field.
 
 One home for each rule: the shape of OpenAI's fields (a stop string or a list, logit_bias keys as token-id
-strings, content parts, one prompt, n=1, which fields ember cannot honour) is checked here; the ranges of
+strings, content parts, one prompt, n, which fields ember cannot honour) is checked here; the ranges of
 the sampling values and every size limit are the daemon's (its Error{bad_request | limit} comes back as a
 400 with its message), so the gateway and the daemon can never disagree on them.
 
@@ -22,6 +22,7 @@ from ember.client.gateway.openai_schema import ChatRequest, CompletionRequest, M
 from ember.protocol.messages import ChatMessage
 
 SEED_RANGE = 2**64  # ember's seeds are unsigned 64-bit; OpenAI's are signed: taken modulo, still reproducible
+MAX_CHOICES = 16  # n: choices per request (each one a request in the daemon and a slot of the gateway's)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _decoders = {kind: msgspec.json.Decoder(kind) for kind in (ChatRequest, CompletionRequest)}
 
@@ -38,6 +39,12 @@ class Translated:
     stream: bool
     include_usage: bool
     logprobs: int | None  # None: not asked; else the chosen token's log-probability and this many alternatives
+    n: int = 1  # choices: each a Generate of its own, choice i seeded with seed + i where a seed is given
+
+    def choice(self, i: int) -> dict[str, Any]:
+        """The options of choice i's Generate."""
+        seed = self.options.get("seed")
+        return self.options if i == 0 or seed is None else {**self.options, "seed": (seed + i) % SEED_RANGE}
 
 
 def decode_body(body: bytes, kind: type[ChatRequest | CompletionRequest]) -> ChatRequest | CompletionRequest:
@@ -86,8 +93,8 @@ def translate_completion(req: CompletionRequest) -> Translated:
 
 def _translated(req: SamplingBody, prompt: str | list[int] | None, messages: list[ChatMessage] | None,
                 max_tokens: int | None, logprobs: int | None) -> Translated:
-    if req.n not in (None, 1):
-        raise bad_request(f"n must be 1: ember returns one choice per request, got {req.n}", "n")
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        raise bad_request(f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     options: dict[str, Any] = {
@@ -106,7 +113,8 @@ def _translated(req: SamplingBody, prompt: str | list[int] | None, messages: lis
         "top_logprobs": logprobs or 0,
     }
     include_usage = bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
-    return Translated(req.model, prompt, messages, options, max_tokens, bool(req.stream), include_usage, logprobs)
+    return Translated(req.model, prompt, messages, options, max_tokens, bool(req.stream), include_usage, logprobs,
+                      req.n or 1)
 
 
 def _refuse(value: object, param: str, message: str) -> None:

@@ -49,6 +49,14 @@ class TokenScore:
     top: list[tuple[str, float]]
 
 
+Choice = tuple[str, "list[TokenScore] | None", Finished]  # one choice whole: its text, scores, end
+
+
+def total_usage(finished: list[Finished]) -> Usage:
+    """The usage of a request's choices together: the prompt once, every choice's completion."""
+    return Usage(finished[0].usage.prompt_tokens, sum(f.usage.completion_tokens for f in finished))
+
+
 def sse(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
@@ -83,24 +91,24 @@ class ChatFormat(_ServerSentEvents):
         # with include_usage every chunk has "usage": null and one last chunk the counts; else no "usage"
         self._usage: None | UnsetType = None if include_usage else UNSET
 
-    def opening(self) -> bytes:
-        return self._chunk(ChunkChoice(delta=Delta(role="assistant", content="")))
+    def opening(self, index: int = 0) -> bytes:
+        return self._chunk(ChunkChoice(index=index, delta=Delta(role="assistant", content="")))
 
-    def delta(self, text: str, scores: list[TokenScore] | None) -> bytes:
-        return self._chunk(ChunkChoice(delta=Delta(content=text), logprobs=_chat_logprobs(scores)))
+    def delta(self, text: str, scores: list[TokenScore] | None, index: int = 0) -> bytes:
+        return self._chunk(ChunkChoice(index=index, delta=Delta(content=text), logprobs=_chat_logprobs(scores)))
 
-    def closing(self, finished: Finished) -> bytes:
-        return self._chunk(ChunkChoice(delta=Delta(), finish_reason=finished.reason))
+    def closing(self, finished: Finished, index: int = 0) -> bytes:
+        return self._chunk(ChunkChoice(index=index, delta=Delta(), finish_reason=finished.reason))
 
     def usage(self, usage: Usage) -> bytes:
         return sse(_encode(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
                                                usage=usage_out(usage))))
 
-    def whole(self, text: str, scores: list[TokenScore] | None, finished: Finished) -> bytes:
-        choice = ChatChoice(message=ChatMessageOut(content=text), logprobs=_chat_logprobs(scores),
-                            finish_reason=finished.reason)
-        return _encode(ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                      usage=usage_out(finished.usage)))
+    def whole(self, choices: list[Choice]) -> bytes:
+        out = [ChatChoice(index=i, message=ChatMessageOut(content=text), logprobs=_chat_logprobs(scores),
+                          finish_reason=finished.reason) for i, (text, scores, finished) in enumerate(choices)]
+        return _encode(ChatCompletion(id=self.id, created=self.created, model=self.model, choices=out,
+                                      usage=usage_out(total_usage([c[2] for c in choices]))))
 
     def _chunk(self, choice: ChunkChoice) -> bytes:
         return sse(_encode(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice],
@@ -113,37 +121,39 @@ class TextFormat(_ServerSentEvents):
     def __init__(self, model: str, include_usage: bool = False) -> None:
         self.id, self.model, self.created = f"cmpl-{secrets.token_hex(12)}", model, int(time.time())
         self._usage: None | UnsetType = None if include_usage else UNSET
-        self._offset = 0  # characters of completion text before the next token (logprobs' text_offset)
+        self._offsets: dict[int, int] = {}  # per choice: characters of its text before its next token (text_offset)
 
-    def opening(self) -> bytes:
+    def opening(self, index: int = 0) -> bytes:
         return b""  # a text completion's first chunk already carries text
 
-    def delta(self, text: str, scores: list[TokenScore] | None) -> bytes:
-        return self._chunk(CompletionChoice(text=text, logprobs=self._logprobs(scores), finish_reason=None))
+    def delta(self, text: str, scores: list[TokenScore] | None, index: int = 0) -> bytes:
+        return self._chunk(CompletionChoice(text=text, index=index, logprobs=self._logprobs(scores, index),
+                                            finish_reason=None))
 
-    def closing(self, finished: Finished) -> bytes:
-        return self._chunk(CompletionChoice(text="", logprobs=None, finish_reason=finished.reason))
+    def closing(self, finished: Finished, index: int = 0) -> bytes:
+        return self._chunk(CompletionChoice(text="", index=index, logprobs=None, finish_reason=finished.reason))
 
     def usage(self, usage: Usage) -> bytes:
         return sse(_encode(Completion(id=self.id, created=self.created, model=self.model, choices=[],
                                       usage=usage_out(usage))))
 
-    def whole(self, text: str, scores: list[TokenScore] | None, finished: Finished) -> bytes:
-        choice = CompletionChoice(text=text, logprobs=self._logprobs(scores), finish_reason=finished.reason)
-        return _encode(Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                  usage=usage_out(finished.usage)))
+    def whole(self, choices: list[Choice]) -> bytes:
+        out = [CompletionChoice(text=text, index=i, logprobs=self._logprobs(scores, i), finish_reason=finished.reason)
+               for i, (text, scores, finished) in enumerate(choices)]
+        return _encode(Completion(id=self.id, created=self.created, model=self.model, choices=out,
+                                  usage=usage_out(total_usage([c[2] for c in choices]))))
 
     def _chunk(self, choice: CompletionChoice) -> bytes:
         return sse(_encode(Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
                                       usage=self._usage)))
 
-    def _logprobs(self, scores: list[TokenScore] | None) -> CompletionLogprobs | None:
+    def _logprobs(self, scores: list[TokenScore] | None, index: int) -> CompletionLogprobs | None:
         if scores is None:
             return None
         offsets = []
         for s in scores:
-            offsets.append(self._offset)
-            self._offset += len(s.text)
+            offsets.append(self._offsets.get(index, 0))
+            self._offsets[index] = offsets[-1] + len(s.text)
         return CompletionLogprobs(tokens=[s.text for s in scores], token_logprobs=[s.logprob for s in scores],
                                   top_logprobs=[dict(s.top) for s in scores], text_offset=offsets)
 

@@ -27,7 +27,7 @@ def still_serves(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize("body,says", [
     ({"temperature": -1.0}, "temperature must be in"),  # the daemon's range and words
     ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
-    ({"n": 3}, "n must be 1"),
+    ({"n": 17}, "n must be in [1, 16]"),
     ({"logit_bias": {"x1": 3}}, "logit_bias keys must be token ids"),
     ({"logit_bias": {"99999999": 3}}, "token ids must be in"),
     ({"max_tokens": 100000}, "over the limit of 4096"),  # the daemon's limits.max_tokens

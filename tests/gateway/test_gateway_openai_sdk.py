@@ -174,3 +174,20 @@ def test_no_max_tokens_runs_to_the_gateways_default(daemon: Any) -> None:
     finally:
         gateway.stop()
     assert r.choices[0].finish_reason == "length" and r.usage is not None and r.usage.completion_tokens == 20
+
+
+def test_n_choices_whole_and_streamed(client: openai.OpenAI, native: Any) -> None:
+    """n > 1: choice i is sampled with seed + i, so each equals the native SDK's request with that seed;
+    usage counts the prompt once and every choice's tokens; a stream interleaves the choices by index."""
+    options = dict(max_tokens=12, temperature=1.0, top_p=0.9)
+    extra = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}  # the native SDK's defaults, not the model's
+    want = [native_text(native, prompt=PROMPT, seed=5 + i, **options, **extra)[0] for i in range(3)]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, n=3, seed=5, extra_body=extra, **options)
+    assert [c.index for c in r.choices] == [0, 1, 2] and [c.text for c in r.choices] == want
+    assert r.usage is not None and r.usage.completion_tokens == 36 and r.usage.prompt_tokens == len(native.tokenize(PROMPT))
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, n=3, seed=5, stream=True, extra_body=extra,
+                                            **options))
+    assert ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)] == want
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1, 2]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, n=2, seed=5, max_tokens=8)  # type: ignore[arg-type]
+    assert [c.index for c in chat.choices] == [0, 1] and chat.usage is not None and chat.usage.completion_tokens == 16

@@ -107,7 +107,7 @@ def test_prompt_shapes() -> None:
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"n": 17}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"stop": ["ok", ""]}, "stop"), ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"), ({"max_tokens": "ten"}, "max_tokens"),
     ({"temperature": "hot"}, "temperature"), ({"messages": "hi"}, "messages"),
@@ -170,7 +170,7 @@ def test_text_completion_logprobs_offsets() -> None:
     assert first["choices"][0]["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [-1.0, -0.5],
                                                "top_logprobs": [{"a": -1.0, "c": -2.0}, {}], "text_offset": [0, 1]}
     assert second["choices"][0]["logprobs"]["text_offset"] == [2]  # offsets run on across chunks
-    whole = json.loads(TextFormat("m").whole("x", None, Finished(1, "length", Usage(1, 1))))
+    whole = json.loads(TextFormat("m").whole([("x", None, Finished(1, "length", Usage(1, 1)))]))
     assert whole["object"] == "text_completion" and whole["usage"]["total_tokens"] == 2
     assert whole["choices"][0] == {"text": "x", "index": 0, "logprobs": None, "finish_reason": "length"}
 
