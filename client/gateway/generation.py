@@ -86,7 +86,7 @@ async def carry(request: web.Request, carrier: Carrier, t: Translated, fmt: Answ
     leases: list[Lease] = []
     streams: list[DaemonStream] = []
     try:
-        for i in range(t.n):
+        for i in range(t.choices):
             leases.append(await _acquire(carrier.pool))
             streams.append(DaemonStream(_start(leases[-1].client, t, i, carrier.default_max_tokens)))
         firsts = [await _first(stream) for stream in streams]
@@ -117,7 +117,8 @@ def _start(client: AsyncClient, t: Translated, i: int, default_max_tokens: int) 
     try:
         if t.messages is not None:
             return client.chat(t.messages, model=t.model, max_tokens=max_tokens, **t.choice(i))
-        return client.generate(t.prompt if t.prompt is not None else "", model=t.model, max_tokens=max_tokens,
+        prompt = t.prompt_of(i)
+        return client.generate(prompt if prompt is not None else "", model=t.model, max_tokens=max_tokens,
                                **t.choice(i))
     except EmberError as e:  # refused before sending: cannot encode, over the message size
         raise from_ember(e) from None
@@ -136,8 +137,8 @@ async def _whole(carrier: Carrier, t: Translated, fmt: AnswerFormat, streams: li
         choices = await _together([_collect(carrier, t, stream, first) for stream, first in zip(streams, firsts)])
     except EmberError as e:
         raise from_ember(e) from None
-    carrier.metrics.prompt_tokens.inc(choices[0][2].usage.prompt_tokens)
-    return web.Response(body=fmt.whole(choices), content_type="application/json")
+    carrier.metrics.prompt_tokens.inc(total_usage([c[2] for c in choices], t.n).prompt_tokens)
+    return web.Response(body=fmt.whole(choices, t.n), content_type="application/json")
 
 
 async def _collect(carrier: Carrier, t: Translated, stream: DaemonStream, chunk: Chunk | None) -> Choice:
@@ -164,9 +165,9 @@ async def _stream(request: web.Request, carrier: Carrier, t: Translated, fmt: An
         try:
             finished = await _together([_events(carrier, t, fmt, i, stream, first, write)
                                         for i, (stream, first) in enumerate(zip(streams, firsts))])
-            carrier.metrics.prompt_tokens.inc(finished[0].usage.prompt_tokens)
+            carrier.metrics.prompt_tokens.inc(total_usage(finished, t.n).prompt_tokens)
             if t.include_usage:
-                await write(fmt.usage(total_usage(finished)))
+                await write(fmt.usage(total_usage(finished, t.n)))
             await write(fmt.end())
         except (EmberError, ApiError) as e:
             error = e if isinstance(e, ApiError) else from_ember(e)

@@ -179,7 +179,7 @@ class OllamaFormat:
     def error(self, body: ErrorBody) -> bytes:
         return _encode({"error": body.error.message}) + b"\n"
 
-    def whole(self, choices: list[Choice]) -> bytes:
+    def whole(self, choices: list[Choice], n: int = 1) -> bytes:
         text, _, finished = choices[0]  # Ollama's requests have one choice
         return _encode(self._last(text, finished))
 

@@ -1,7 +1,7 @@
 """An OpenAI request body -> the ember Generate it asks for (`Translated`), or a 400 naming the field.
 
 One home for each rule: the shape of OpenAI's fields (a stop string or a list, logit_bias keys as token-id
-strings, content parts, one prompt, n, which fields ember cannot honour) is checked here; the ranges of
+strings, content parts, prompts, n, which fields ember cannot honour) is checked here; the ranges of
 the sampling values and every size limit are the daemon's (its Error{bad_request | limit} comes back as a
 400 with its message), so the gateway and the daemon can never disagree on them.
 
@@ -12,7 +12,7 @@ gateway's default_max_tokens).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -32,19 +32,28 @@ class Translated:
     """What a request asks of the daemon, and how the answer is to be shaped."""
 
     model: str
-    prompt: str | list[int] | None  # a completion's prompt (text or token ids)
+    prompt: str | list[int] | None  # a completion's prompt (text or token ids): the first of `prompts`
     messages: list[ChatMessage] | None  # a chat's
     options: dict[str, Any]  # keyword arguments of AsyncClient.generate / chat, max_tokens aside
     max_tokens: int | None  # None: as many as the context allows (Admission decides)
     stream: bool
     include_usage: bool
     logprobs: int | None  # None: not asked; else the chosen token's log-probability and this many alternatives
-    n: int = 1  # choices: each a Generate of its own, choice i seeded with seed + i where a seed is given
+    n: int = 1  # choices per prompt: each a Generate of its own, seeded seed + j where a seed is given
+    prompts: list[str | list[int]] | None = None  # a completion's prompts (OpenAI's list of prompts): n choices each
+
+    @property
+    def choices(self) -> int:
+        return self.n * len(self.prompts or [None])
 
     def choice(self, i: int) -> dict[str, Any]:
-        """The options of choice i's Generate."""
+        """The options of choice i's Generate (choice i: prompt i // n, its sample i % n)."""
         seed = self.options.get("seed")
-        return self.options if i == 0 or seed is None else {**self.options, "seed": (seed + i) % SEED_RANGE}
+        j = i % self.n
+        return self.options if j == 0 or seed is None else {**self.options, "seed": (seed + j) % SEED_RANGE}
+
+    def prompt_of(self, i: int) -> str | list[int] | None:
+        return self.prompts[i // self.n] if self.prompts else self.prompt
 
 
 def decode_body(body: bytes, kind: type[ChatRequest | CompletionRequest]) -> ChatRequest | CompletionRequest:
@@ -88,7 +97,12 @@ def translate_completion(req: CompletionRequest) -> Translated:
         raise bad_request("best_of must be 1: ember returns one completion per request", "best_of")
     if req.logprobs is not None and req.logprobs < 0:
         raise bad_request(f"logprobs must be >= 0, got {req.logprobs}", "logprobs")
-    return _translated(req, _prompt(req.prompt), None, req.max_tokens, req.logprobs)
+    prompts = _prompts(req.prompt)
+    t = _translated(req, prompts[0], None, req.max_tokens, req.logprobs)
+    if len(prompts) * t.n > MAX_CHOICES:
+        raise bad_request(f"{len(prompts)} prompts x n={t.n} is {len(prompts) * t.n} completions, over the limit of "
+                          f"{MAX_CHOICES} a request", "prompt")
+    return replace(t, prompts=prompts) if len(prompts) > 1 else t
 
 
 def _translated(req: SamplingBody, prompt: str | list[int] | None, messages: list[ChatMessage] | None,
@@ -144,16 +158,16 @@ def _message(i: int, m: MessageIn) -> ChatMessage:
     return ChatMessage(role, "\n".join(texts))
 
 
-def _prompt(prompt: str | list[str | int | list[int]]) -> str | list[int]:
+def _prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
+    """OpenAI's prompt: a string, token ids, or a list of strings or of token-id lists (each completed)."""
     if isinstance(prompt, str):
-        return prompt
+        return [prompt]
     if prompt and all(isinstance(p, int) for p in prompt):
-        return [int(p) for p in prompt]  # type: ignore[arg-type]
-    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        only = prompt[0]
-        return only if isinstance(only, str) else list(only)
-    raise bad_request("prompt must be a string, a list of token ids, or a list of exactly one of those: ember "
-                      "completes one prompt per request", "prompt")
+        return [[int(p) for p in prompt]]  # type: ignore[arg-type]
+    if prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[misc]
+    raise bad_request("prompt must be a string, a list of token ids, or a list of strings or of token-id lists",
+                      "prompt")
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -52,9 +52,9 @@ class TokenScore:
 Choice = tuple[str, "list[TokenScore] | None", Finished]  # one choice whole: its text, scores, end
 
 
-def total_usage(finished: list[Finished]) -> Usage:
-    """The usage of a request's choices together: the prompt once, every choice's completion."""
-    return Usage(finished[0].usage.prompt_tokens, sum(f.usage.completion_tokens for f in finished))
+def total_usage(finished: list[Finished], n: int = 1) -> Usage:
+    """The usage of a request's choices together (n a prompt): each prompt once, every choice's completion."""
+    return Usage(sum(f.usage.prompt_tokens for f in finished[::n]), sum(f.usage.completion_tokens for f in finished))
 
 
 def sse(payload: bytes) -> bytes:
@@ -104,11 +104,11 @@ class ChatFormat(_ServerSentEvents):
         return sse(_encode(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
                                                usage=usage_out(usage))))
 
-    def whole(self, choices: list[Choice]) -> bytes:
+    def whole(self, choices: list[Choice], n: int = 1) -> bytes:
         out = [ChatChoice(index=i, message=ChatMessageOut(content=text), logprobs=_chat_logprobs(scores),
                           finish_reason=finished.reason) for i, (text, scores, finished) in enumerate(choices)]
         return _encode(ChatCompletion(id=self.id, created=self.created, model=self.model, choices=out,
-                                      usage=usage_out(total_usage([c[2] for c in choices]))))
+                                      usage=usage_out(total_usage([c[2] for c in choices], n))))
 
     def _chunk(self, choice: ChunkChoice) -> bytes:
         return sse(_encode(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice],
@@ -137,11 +137,11 @@ class TextFormat(_ServerSentEvents):
         return sse(_encode(Completion(id=self.id, created=self.created, model=self.model, choices=[],
                                       usage=usage_out(usage))))
 
-    def whole(self, choices: list[Choice]) -> bytes:
+    def whole(self, choices: list[Choice], n: int = 1) -> bytes:
         out = [CompletionChoice(text=text, index=i, logprobs=self._logprobs(scores, i), finish_reason=finished.reason)
                for i, (text, scores, finished) in enumerate(choices)]
         return _encode(Completion(id=self.id, created=self.created, model=self.model, choices=out,
-                                  usage=usage_out(total_usage([c[2] for c in choices]))))
+                                  usage=usage_out(total_usage([c[2] for c in choices], n))))
 
     def _chunk(self, choice: CompletionChoice) -> bytes:
         return sse(_encode(Completion(id=self.id, created=self.created, model=self.model, choices=[choice],

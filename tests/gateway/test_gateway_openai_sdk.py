@@ -191,3 +191,8 @@ def test_n_choices_whole_and_streamed(client: openai.OpenAI, native: Any) -> Non
     assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1, 2]
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, n=2, seed=5, max_tokens=8)  # type: ignore[arg-type]
     assert [c.index for c in chat.choices] == [0, 1] and chat.usage is not None and chat.usage.completion_tokens == 16
+    batch = client.completions.create(model=MODEL, prompt=[PROMPT, "import os"], seed=5, extra_body=extra, **options)
+    assert [c.text for c in batch.choices] == [want[0], native_text(native, prompt="import os", seed=5, **options,
+                                                                    **extra)[0]]
+    assert batch.usage is not None and batch.usage.prompt_tokens == len(native.tokenize(PROMPT)) + len(
+        native.tokenize("import os"))  # LangChain's OpenAI.batch: one request, each prompt once

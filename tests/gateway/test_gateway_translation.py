@@ -102,8 +102,12 @@ def test_prompt_shapes() -> None:
     assert completion(prompt=["x"]).prompt == "x"
     assert completion(prompt=[1, 2, 3]).prompt == [1, 2, 3]
     assert completion(prompt=[[4, 5]]).prompt == [4, 5]
-    for bad in (["a", "b"], [[1], [2]], []):
-        refused(completion, "prompt", prompt=bad)
+    several = completion(prompt=["a", [1, 2]], n=2, seed=7)  # a list of prompts: n completions each
+    assert several.prompts == ["a", [1, 2]] and several.choices == 4
+    assert [several.prompt_of(i) for i in range(4)] == ["a", "a", [1, 2], [1, 2]]
+    assert [several.choice(i)["seed"] for i in range(4)] == [7, 8, 7, 8]
+    for bad in ([], [1, "a"], ["a"] * 9):  # empty, mixed, over 16 completions with n=2
+        refused(completion, "prompt", prompt=bad, n=2)
 
 
 @pytest.mark.parametrize("body,param", [
