@@ -61,7 +61,7 @@ class SocketLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            holder = os.pread(fd, 32, 0).decode(errors="replace").split("\n", 1)[0].strip() or "unknown"  # its pid line
             os.close(fd)
             raise SocketInUse(f"another ember daemon (pid {holder}) is already serving {self.socket_path}; "
                               "stop it first or choose another --socket") from None
