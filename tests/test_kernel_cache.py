@@ -73,7 +73,7 @@ def test_a_first_start_a_later_one_and_a_changed_source_give_the_same_logits(tmp
     assert seen["first"] == seen["second"]
     assert seen["compiled"] == []  # every kernel came from the cache the children filled
     stamps = sorted(tmp_path.rglob("ember-kernels-*.stamp"))
-    assert [p.name.endswith(".first-tier.stamp") for p in stamps] == [True, False] or len(stamps) == 2, stamps
+    assert [p.name.endswith(".first-tier.stamp") for p in stamps] == [True, False], stamps
     if len(os.sched_getaffinity(0)) > 1:  # the parts, compiled side by side, left the last children nothing to do
         assert all(p.read_text().strip().endswith("the last child compiled: nothing") for p in stamps), stamps
 
