@@ -115,7 +115,7 @@ def _connect(args: argparse.Namespace, timeout: float = 30.0) -> Any:
                 raise
             if waited >= 5.0 and not said:  # a daemon's first start compiles its kernels: say why nothing happens
                 starting = _starting(args)
-                doing = f" ({starting[1]})" if starting else ""
+                doing = f": {starting[1]}" if starting else ""
                 print(f"ember: waiting up to {args.wait:.0f} s for the daemon to start{doing}", file=sys.stderr)
                 said = True
             time.sleep(0.25)
