@@ -4,6 +4,7 @@ in OpenAI's format, and the request counter.
     GET  /v1/models, /v1/models/{id}    the daemon's models
     POST /v1/chat/completions           chat, whole or streamed (generation.py)
     POST /v1/completions                text completion, whole or streamed
+    POST /v1/responses                  the Responses API's subset local clients use (responses_api.py)
     GET  /health                        200 when the daemon serves, 503 when it drains or is gone (no key)
     GET  /metrics                       Prometheus text format (metrics.py)
     OPTIONS any of them                 204 with `Allow` (a CORS preflight: no key)
@@ -35,6 +36,7 @@ from ember.client.gateway.ollama_api import (PROBE_TEXT, OllamaChatRequest, Olla
 from ember.client.gateway.openai_schema import ChatRequest, CompletionRequest, ModelCard, ModelList
 from ember.client.gateway.request_translation import decode_body, translate_chat, translate_completion
 from ember.client.gateway.response_format import ChatFormat, TextFormat
+from ember.client.gateway.responses_api import ResponsesFormat, ResponseStore, decode_responses, translate_responses
 from ember.client.gateway.token_texts import TokenTexts
 from ember.daemon.logging_setup import get_logger
 from ember.protocol.messages import ModelInfo, StatsReport
@@ -56,6 +58,7 @@ class Gateway:
         self.carrier = Carrier(self.pool, TokenTexts(self._detokenize), self.metrics, config.default_max_tokens,
                                config.stall_timeout)
         self.started = int(time.time())
+        self.responses = ResponseStore()  # /v1/responses' conversations, for previous_response_id
 
     async def _detokenize(self, ids: list[int], model: str) -> str:
         return await (await self.pool.any()).detokenize(ids, model=model)
@@ -76,8 +79,8 @@ def build_app(gateway: Gateway) -> web.Application:
                                        _auth_middleware(gateway.config.api_key)])
     app[GATEWAY] = gateway
     for path, method, handler in (("/v1/models", "GET", _models), ("/v1/chat/completions", "POST", _chat),
-                                  ("/v1/completions", "POST", _completions), ("/health", "GET", _health),
-                                  ("/metrics", "GET", _metrics)):
+                                  ("/v1/completions", "POST", _completions), ("/v1/responses", "POST", _responses),
+                                  ("/health", "GET", _health), ("/metrics", "GET", _metrics)):
         app.router.add_route(method, path, handler)
         app.router.add_route(method, path + "/", handler)  # a trailing slash is the same path
     app.router.add_get("/v1/models/{model:.+}", _model)  # names may hold slashes (org/model)
@@ -181,6 +184,14 @@ def _version() -> str:
         return version("ember")
     except PackageNotFoundError:
         return "0.0.0"
+
+
+async def _responses(request: web.Request) -> web.StreamResponse:
+    arrived = time.perf_counter()
+    gateway = _gateway(request)
+    req = decode_responses(await _body(request))
+    t, conversation = translate_responses(req, gateway.responses)
+    return await carry(request, gateway.carrier, t, ResponsesFormat(req, conversation, gateway.responses), arrived)
 
 
 async def _models(request: web.Request) -> web.Response:

@@ -196,3 +196,36 @@ def test_n_choices_whole_and_streamed(client: openai.OpenAI, native: Any) -> Non
                                                                     **extra)[0]]
     assert batch.usage is not None and batch.usage.prompt_tokens == len(native.tokenize(PROMPT)) + len(
         native.tokenize("import os"))  # LangChain's OpenAI.batch: one request, each prompt once
+
+
+def test_responses_whole_streamed_and_continued(client: openai.OpenAI, native: Any) -> None:
+    """/v1/responses through openai's responses.create: the text is the chat's, streamed as Responses'
+    events; previous_response_id continues the conversation; max_output_tokens makes it incomplete."""
+    extra = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+    user = [{"role": "user", "content": "Sort a list."}]
+    want = native_text(native, messages=[{"role": "system", "content": "You write Python."}, *user], max_tokens=12,
+                       temperature=0.0, repetition_penalty=1.0)[0]
+    r = client.responses.create(model=MODEL, input="Sort a list.", instructions="You write Python.",
+                                max_output_tokens=12, temperature=0, extra_body=extra)
+    assert r.object == "response" and r.output_text == want and r.status == "incomplete"
+    assert r.incomplete_details is not None and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage is not None and r.usage.output_tokens == 12
+    events = list(client.responses.create(model=MODEL, input=user, instructions="You write Python.",  # type: ignore[arg-type]
+                                          max_output_tokens=12, temperature=0, stream=True, extra_body=extra))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"] and kinds[-1] == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    follow = client.responses.create(model=MODEL, input="Now reverse it.", previous_response_id=r.id,
+                                     max_output_tokens=8, temperature=0, extra_body=extra)
+    continued = native_text(native, messages=[*user, {"role": "assistant", "content": want},
+                                              {"role": "user", "content": "Now reverse it."}],
+                            max_tokens=8, temperature=0.0, repetition_penalty=1.0)[0]
+    assert follow.output_text == continued  # the earlier instructions are not carried over, the answer is
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
+    assert e.value.param == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="x", tools=[{"type": "function", "name": "f", "parameters": {}}])  # type: ignore[list-item]
+    assert e.value.param == "tools"

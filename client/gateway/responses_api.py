@@ -1,0 +1,236 @@
+"""OpenAI's Responses API (`POST /v1/responses`), the subset local clients use: openai's
+`responses.create`, litellm's `responses`, LangChain's `use_responses_api`.
+
+In: `input` as a string or a list of messages (`role` and `content`, a string or `input_text` parts),
+`instructions` (this request's system message, not carried to the next), `previous_response_id` (the
+conversation of an earlier response of this gateway's lifetime, answer included, goes first),
+`max_output_tokens`, `temperature`, `top_p`, `stream`, `store`, `metadata`, and ember's extras (`top_k`,
+`min_p`, `repetition_penalty`, `seed`). Out: a `response` object with one assistant message of
+`output_text`, status `completed` (or `incomplete` with reason `max_output_tokens`), and usage; streamed
+as Responses' typed server-sent events (`response.created`, `response.output_text.delta`, ...,
+`response.completed`). Refused with a 400 naming the field: `tools`, a `text.format` other than text,
+`reasoning`, input items other than messages (function calls, images, files). Stored responses (for
+`previous_response_id`) live in the gateway's memory, the newest RESPONSES_KEPT of them.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from typing import Any
+
+import msgspec
+
+from ember.client.gateway.errors import bad_request
+from ember.client.gateway.openai_schema import ErrorBody
+from ember.client.gateway.request_translation import SEED_RANGE, Translated
+from ember.client.gateway.response_format import SSE_HEADERS, Choice, TokenScore
+from ember.protocol.messages import ChatMessage, Finished, Usage
+
+RESPONSES_KEPT = 256  # stored responses, for previous_response_id (the oldest go first)
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_encode = msgspec.json.Encoder().encode
+
+
+class InputPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class InputItem(msgspec.Struct, kw_only=True):
+    type: str = "message"
+    role: str | None = None
+    content: str | list[InputPart] | None = None
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    text: Any = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    reasoning: Any = None
+    # ember's extras (openai SDK: extra_body)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
+
+_decoder = msgspec.json.Decoder(ResponsesRequest)
+
+
+class ResponseStore:
+    """The conversations of the newest responses, by id (previous_response_id)."""
+
+    def __init__(self, kept: int = RESPONSES_KEPT) -> None:
+        self.kept = kept
+        self._conversations: OrderedDict[str, list[ChatMessage]] = OrderedDict()
+
+    def put(self, response_id: str, conversation: list[ChatMessage]) -> None:
+        self._conversations[response_id] = conversation
+        while len(self._conversations) > self.kept:
+            self._conversations.popitem(last=False)
+
+    def get(self, response_id: str) -> list[ChatMessage]:
+        try:
+            return self._conversations[response_id]
+        except KeyError:
+            raise bad_request(f"previous_response_id {response_id!r}: no such response in this gateway (it keeps "
+                              f"the newest {self.kept}, for its lifetime)", "previous_response_id") from None
+
+
+def decode_responses(body: bytes) -> ResponsesRequest:
+    try:
+        return _decoder.decode(body)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
+        raise bad_request(f"invalid request body: {text}", param) from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8: {e.reason}") from None
+
+
+def translate_responses(req: ResponsesRequest, store: ResponseStore) -> tuple[Translated, list[ChatMessage]]:
+    """The Generate it asks for, and the conversation it continues (previous, then this input), which its
+    answer extends in the store."""
+    if req.tools:
+        raise bad_request("tools are not supported by ember yet", "tools")
+    if req.reasoning is not None:
+        raise bad_request("reasoning is not supported by ember", "reasoning")
+    fmt = (req.text or {}).get("format") if isinstance(req.text, dict) else None
+    if fmt is not None and fmt.get("type") != "text":
+        raise bad_request(f"text.format {fmt.get('type')!r} is not supported by ember yet (only text)", "text.format")
+    if req.max_output_tokens is not None and req.max_output_tokens < 1:
+        raise bad_request(f"max_output_tokens must be at least 1, got {req.max_output_tokens}", "max_output_tokens")
+    conversation = list(store.get(req.previous_response_id)) if req.previous_response_id else []
+    conversation += _input_messages(req.input)
+    messages = ([ChatMessage("system", req.instructions)] if req.instructions else []) + conversation
+    options: dict[str, Any] = {
+        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
+        "repetition_penalty": req.repetition_penalty,
+        "seed": None if req.seed is None else req.seed % SEED_RANGE,
+    }
+    return Translated(req.model, None, messages, options, req.max_output_tokens, req.stream, False, None), conversation
+
+
+def _input_messages(given: str | list[InputItem]) -> list[ChatMessage]:
+    if isinstance(given, str):
+        return [ChatMessage("user", given)]
+    out = []
+    for i, item in enumerate(given):
+        role = _ROLES.get(item.role or "")
+        if item.type != "message" or role is None:
+            raise bad_request(f"input[{i}]: only messages (system, developer, user, assistant) are supported, got "
+                              f"{item.type!r}" + (f" of role {item.role!r}" if item.role else ""), f"input[{i}]")
+        if isinstance(item.content, str) or item.content is None:
+            out.append(ChatMessage(role, item.content or ""))
+            continue
+        texts = []
+        for j, part in enumerate(item.content):
+            if part.type not in ("input_text", "output_text", "text") or part.text is None:
+                raise bad_request(f"input[{i}].content[{j}]: only text parts are supported, got {part.type!r}",
+                                  f"input[{i}].content[{j}]")
+            texts.append(part.text)
+        out.append(ChatMessage(role, "\n".join(texts)))
+    return out
+
+
+class ResponsesFormat:
+    """A response, whole or as Responses' server-sent events; once it is complete, its conversation
+    goes to the store (unless `store: false`)."""
+
+    stream_headers = SSE_HEADERS
+
+    def __init__(self, req: ResponsesRequest, conversation: list[ChatMessage], store: ResponseStore) -> None:
+        self.req, self.conversation, self.store = req, conversation, store
+        self.id, self.item_id = f"resp_{secrets.token_hex(24)}", f"msg_{secrets.token_hex(24)}"
+        self.created = int(time.time())
+        self._text: list[str] = []
+        self._sequence = 0
+
+    def opening(self, index: int = 0) -> bytes:
+        item = {"type": "message", "id": self.item_id, "status": "in_progress", "role": "assistant", "content": []}
+        return b"".join((
+            self._event("response.created", response=self._response("in_progress", [])),
+            self._event("response.in_progress", response=self._response("in_progress", [])),
+            self._event("response.output_item.added", output_index=0, item=item),
+            self._event("response.content_part.added", item_id=self.item_id, output_index=0, content_index=0,
+                        part=_text_part("")),
+        ))
+
+    def delta(self, text: str, scores: list[TokenScore] | None, index: int = 0) -> bytes:
+        self._text.append(text)
+        return self._event("response.output_text.delta", item_id=self.item_id, output_index=0, content_index=0,
+                           delta=text, logprobs=[])
+
+    def closing(self, finished: Finished, index: int = 0) -> bytes:
+        text = "".join(self._text)
+        response = self._finish(text, finished)
+        return b"".join((
+            self._event("response.output_text.done", item_id=self.item_id, output_index=0, content_index=0,
+                        text=text, logprobs=[]),
+            self._event("response.content_part.done", item_id=self.item_id, output_index=0, content_index=0,
+                        part=_text_part(text)),
+            self._event("response.output_item.done", output_index=0, item=response["output"][0]),
+            self._event("response.completed" if response["status"] == "completed" else "response.incomplete",
+                        response=response),
+        ))
+
+    def usage(self, usage: Usage) -> bytes:
+        return b""
+
+    def end(self) -> bytes:
+        return b""
+
+    def error(self, body: ErrorBody) -> bytes:
+        return self._event("error", code=body.error.code, message=body.error.message, param=body.error.param)
+
+    def whole(self, choices: list[Choice], n: int = 1) -> bytes:
+        text, _, finished = choices[0]
+        return _encode(self._finish(text, finished))
+
+    def _finish(self, text: str, finished: Finished) -> dict[str, Any]:
+        """The completed response; its conversation stored."""
+        if self.req.store is not False:
+            self.store.put(self.id, [*self.conversation, ChatMessage("assistant", text)])
+        item = {"type": "message", "id": self.item_id, "status": "completed", "role": "assistant",
+                "content": [_text_part(text)]}
+        complete = finished.reason != "length"
+        u = finished.usage
+        usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                 "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": u.prompt_tokens + u.completion_tokens}
+        return self._response("completed" if complete else "incomplete", [item], usage,
+                              None if complete else {"reason": "max_output_tokens"})
+
+    def _response(self, status: str, output: list[Any], usage: dict[str, Any] | None = None,
+                  incomplete: dict[str, str] | None = None) -> dict[str, Any]:
+        r = self.req
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+                "incomplete_details": incomplete, "instructions": r.instructions,
+                "max_output_tokens": r.max_output_tokens, "model": r.model, "output": output,
+                "parallel_tool_calls": False, "previous_response_id": r.previous_response_id,
+                "reasoning": {"effort": None, "summary": None}, "store": r.store is not False,
+                "temperature": r.temperature, "text": {"format": {"type": "text"}}, "tool_choice": "none",
+                "tools": [], "top_p": r.top_p, "truncation": "disabled", "usage": usage, "user": None,
+                "metadata": r.metadata or {}}
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        payload = _encode({"type": kind, "sequence_number": self._sequence, **fields})
+        self._sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n"
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
