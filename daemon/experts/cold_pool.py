@@ -6,6 +6,8 @@ all go to one worker, which reads its weights once), copies each worker's share 
 segment and sends it a Job; `Pending.wait` collects the replies and sums the weighted outputs per
 token. A share larger than a segment runs in rounds. A worker that dies (or fails) fails the step with
 ColdWorkerError after the others have answered; it is restarted first, so the next step finds a full pool.
+One that dies between steps (an idle daemon's) is restarted at the next request boundary (revive), before
+the request's first step: it fails nothing.
 """
 from __future__ import annotations
 
@@ -209,6 +211,20 @@ class ColdPool:
             self.workers[index] = _Worker(index, self.model, self.capacity, self.hidden)
             self.restarts += 1
         raise ColdWorkerError("; ".join(messages) + " (restarted; this step failed)")
+
+    def revive(self) -> int:
+        """Restart the workers that died between steps -> how many (a poll each: cheap enough for every
+        request boundary). A death found in a step fails that step (failed); found here, it fails nothing."""
+        revived = 0
+        for index, worker in enumerate(self.workers):
+            if worker.proc.poll() is None:
+                continue
+            log.error("%s died between steps (exit code %s); restarting it", worker.describe(), worker.proc.returncode)
+            worker.close()
+            self.workers[index] = _Worker(index, self.model, self.capacity, self.hidden)
+            self.restarts += 1
+            revived += 1
+        return revived
 
     @property
     def pids(self) -> list[int]:

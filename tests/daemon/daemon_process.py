@@ -36,6 +36,17 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def exited(pid: int) -> bool:
+    """The process has exited whole, and its parent can reap it: gone, or a zombie with no thread left
+    but its first (a killed process's main thread turns zombie while its other threads still die, and
+    until they have, its parent's waitpid reports nothing)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state == "Z" and len(list(Path(f"/proc/{pid}/task").iterdir())) <= 1
+    except FileNotFoundError:
+        return True
+
+
 def children(pid: int) -> list[int]:
     """The processes `pid` started (every thread's children)."""
     try:

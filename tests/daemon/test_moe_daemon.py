@@ -12,11 +12,10 @@ import pytest
 
 import ember
 from ember.client import Client
-from ember.client.errors import GenerationFailed
 from ember.daemon.step.defaults import KV_BLOCK
 from ember.daemon.engine.sequence import Sequence
 
-from daemon_process import DaemonProcess, alive, children, wait_until
+from daemon_process import DaemonProcess, alive, children, exited, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +47,7 @@ ctx = 512
     d.stop()
 
 
-def test_cold_experts_through_the_daemon_equal_all_hot_and_survive_a_killed_worker(moe_daemon, tmp_path,
+def test_cold_experts_through_the_daemon_equal_all_hot_and_a_worker_killed_while_idle_fails_nothing(moe_daemon, tmp_path,
                                                                                     monkeypatch) -> None:
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
     all_hot = ember.load(TRAINED_MOE)
@@ -68,9 +67,8 @@ def test_cold_experts_through_the_daemon_equal_all_hot_and_survive_a_killed_work
 
         workers = cold_workers(moe_daemon.engine_pid)
         assert len(workers) == 2
-        os.kill(workers[0], signal.SIGKILL)
-        with pytest.raises(GenerationFailed, match=r"cold expert worker 0 \(pid \d+, exit code -9\) died"):
-            list(client.generate(PROMPT, max_tokens=4))
+        os.kill(workers[0], signal.SIGKILL)  # while the daemon is idle: the next request must not fail for it
+        assert wait_until(lambda: exited(workers[0]), 10)  # dead (kill() returns before it is)
         again = client.generate(PROMPT, max_tokens=12, return_logits=True, ignore_eos=True)
         rows = [c.logits[0].copy() for c in again]
         assert again.finished.reason == "length"
