@@ -537,24 +537,20 @@ def test_a_stage_that_dies_fails_its_sequences_and_is_restarted(unsplit, monkeyp
         model.close()
 
 
-def test_a_stage_dead_before_a_pipelined_fill_takes_only_the_steps_it_held(unsplit) -> None:
-    """Stage 0 killed while idle: the engine's first submit finds it (the stages restart, that step is
-    lost) and the next submit of the same fill learns that the cache is gone. Every step in flight goes
-    with it, none is collected later: those sequences end with an error, the next ones are served,
-    and so is Model.generate, with every lane free (a stale step once wedged the pipeline for good)."""
+def test_a_stage_dead_while_idle_fails_no_request(unsplit) -> None:
+    """Stage 0 killed while idle: the engine's first step finds it before it submits anything (every
+    stage restarts, the cached prefixes are forgotten), and the requests that came are served as the
+    unsplit model serves them; so is Model.generate, with every lane free; another engine over the
+    same stages learns at its next step that its cache is gone."""
     model = ember.load(DEMO_MODEL, devices=["cpu:0", "cpu:1"], max_step_tokens=STEP)
     try:
-        engine = model.engine(1024, max_running=4)
+        engine, other = model.engine(1024, max_running=4), model.engine(256)
         stage = model.pipeline.stages[0]
         os.kill(stage.process.pid, signal.SIGKILL)
         stage.process.wait()
-        lost = [Sequence(unsplit.tokenize(t), 10) for t in SNIPPETS[:4]]
-        for seq in lost:
-            engine.add(seq)
-        while engine.has_work:
-            engine.step()
-        assert [s.finish_reason for s in lost] == ["error"] * 4 and stage.alive()
         assert_served_as_unsplit(engine, [Sequence(unsplit.tokenize(t), 10) for t in SNIPPETS[:4]], unsplit)
+        assert stage.restarts == 1 and stage.alive()
+        assert_served_as_unsplit(other, [Sequence(unsplit.tokenize(SNIPPETS[4]), 10)], unsplit)
         ids = unsplit.tokenize(SNIPPETS[5])
         assert list(model.generate(ids, 6, ignore_eos=True)) == list(unsplit.generate(ids, 6, ignore_eos=True))
         assert not model.pipeline._held
@@ -595,9 +591,9 @@ def test_three_stages_pipeline_three_micro_batches_and_restart_after_a_middle_de
 
 
 def test_a_stage_dead_between_steps_is_found_and_a_failed_restart_is_tried_again(unsplit, tmp_path) -> None:
-    """A stage killed while the pipeline idles: the next runner's cache (sent to the dead stage) and
-    step find it, every stage restarts. A restart that fails (the model file gone) leaves the
-    stages down with the reason, and the next step tries again."""
+    """A stage killed while the pipeline idles: the next request's step finds it first, every stage
+    restarts and the request is served. A restart that fails (the model file gone) leaves the stages
+    down with the reason, the request fails with it, and the next step tries again."""
     path = tmp_path / "demo.gguf"
     shutil.copy(DEMO_MODEL, path)
     model = ember.load(path, devices=["cpu:0", "cpu:1"], max_step_tokens=STEP)
@@ -607,14 +603,12 @@ def test_a_stage_dead_between_steps_is_found_and_a_failed_restart_is_tried_again
         stage = model.pipeline.stages[1]
         os.kill(stage.process.pid, signal.SIGKILL)
         stage.process.wait()
-        with pytest.raises(RuntimeError, match=r"stage cpu:1 \(layers 3-4\) died: killed by signal 9; restarted"):
-            list(model.generate(ids, 8, ignore_eos=True))
-        assert list(model.generate(ids, 8, ignore_eos=True)) == want
+        assert list(model.generate(ids, 8, ignore_eos=True)) == want  # found, restarted: nothing lost
 
         os.kill(model.pipeline.stages[0].process.pid, signal.SIGKILL)
         path.rename(tmp_path / "gone.gguf")
-        with pytest.raises(RuntimeError, match=r"stage cpu:0 \(layers 0-2\) died: killed by signal 9; the layer-split "
-                                               r"stages could not be restarted \(StageDied: .*could not load"):
+        with pytest.raises(RuntimeError, match=r"the layer-split stages could not be restarted \(StageDied: .*could "
+                                               r"not load"):
             list(model.generate(ids, 8, ignore_eos=True))
         with pytest.raises(RuntimeError, match="could not be restarted"):  # tried again, still no file
             list(model.generate(ids, 8, ignore_eos=True))

@@ -154,9 +154,13 @@ class EngineCore:
         on. If a step fails as a whole, each of its chunks is run alone: the ones that fail alone
         end with "error", the others' work stands — one request cannot end its neighbours'. A runner
         that lost its KV cache (KVStateLost: a layer-split stage died) ends every running sequence
-        with "error" and forgets the cached prefixes; waiting ones run later as usual."""
+        with "error" and forgets the cached prefixes; waiting ones run later as usual. Idle (nothing
+        running), the executor first restarts the workers that died since the last step: a death
+        while idle fails no request."""
         plan = StepPlan([])
         try:
+            if not self._flights and not self.scheduler.running:
+                self._revive()
             while len(self._flights) < self.executor.depth:
                 self.scheduler.decode_lookahead = self._bursts.size() - 1
                 plan = self.scheduler.schedule(max_seqs=self._share())
@@ -236,6 +240,14 @@ class EngineCore:
 
     def _run_alone(self, plan: StepPlan) -> tuple[list[StepOutput], list[tuple[Sequence, str]]]:
         return self._account(plan, _generated_before(plan), self.executor.run(self._work(plan)))
+
+    def _revive(self) -> None:
+        """Idle, before new work: the executor restarts the workers that died since the last step."""
+        try:
+            if self.executor.revive():
+                self.blocks.forget_prefixes()  # a worker that died while idle took the cached prefixes' KV
+        except KVStateLost:
+            pass  # they could not be restarted: the step finds them down and fails what it runs, saying why
 
     def _lose_state(self, why: str) -> list[tuple[Sequence, str]]:
         lost = list(self.scheduler.running)

@@ -48,6 +48,10 @@ class Executor(Protocol):
     def between_requests(self) -> None:
         ...
 
+    def revive(self) -> bool:
+        """The runner's revive (runner/step_runner.py): idle, before new work."""
+        ...
+
 
 def executor_for(runner: StepRunner, proposer: DraftProposer | FeatureProposer | None = None,
                  spec_stats: SpecStats | None = None) -> Executor:

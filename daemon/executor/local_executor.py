@@ -51,6 +51,9 @@ class LocalExecutor:
     def between_requests(self) -> None:
         self.runner.between_requests()
 
+    def revive(self) -> bool:
+        return self.runner.revive()
+
     def run(self, work: StepWork) -> StepOutcome:
         proposals = self.proposer.propose(work.chunks) if self.proposer else {}
         # the draft may stop short of the lookahead: the step verifies what it proposed

@@ -74,6 +74,9 @@ class PipelineExecutor:
     def between_requests(self) -> None:
         self.runner.between_requests()
 
+    def revive(self) -> bool:
+        return self.runner.revive()
+
     def _advance(self) -> None:
         """Wait for the oldest flight's step: send a burst's next step round, or mark the flight done."""
         if not self._running:

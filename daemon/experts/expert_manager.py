@@ -130,16 +130,17 @@ class ExpertManager:
         self.ffns[ffn.layer] = ffn
 
     def between_requests(self, ops: Ops) -> None:
-        """Restart cold workers that died since the last step (while the engine was idle, say: the new
-        request must not find them dead), follow the routing: swap experts toward the placement the
-        statistics now give (at most swap_bytes), and save the statistics now and then. Never called
-        inside a step."""
-        if self.pool is not None:
-            self.pool.revive()
+        """Follow the routing: swap experts toward the placement the statistics now give (at most
+        swap_bytes), and save the statistics now and then. Never called inside a step."""
         if self.budget is not None:
             self._swap(ops)
         if time.monotonic() - self._saved_at > SAVE_EVERY_S:
             self.save_stats()
+
+    def revive_workers(self) -> None:
+        """Restart the cold workers that died since the last step (ColdPool.revive)."""
+        if self.pool is not None:
+            self.pool.revive()
 
     def _swap(self, ops: Ops) -> None:
         target = place(self.stats.counts, self.expert_bytes, self.budget, self.floor)

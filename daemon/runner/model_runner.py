@@ -73,6 +73,11 @@ class ModelRunner:
         if self.net.experts is not None:
             self.net.experts.between_requests(self.net.ops)
 
+    def revive(self) -> bool:
+        if self.net.experts is not None:
+            self.net.experts.revive_workers()
+        return False  # the KV cache is this process's own: no worker holds it
+
     def prepare(self, batch: StepBatch) -> StepBatch:
         """The step's metadata on the device, moved once for every layer to read."""
         if self.decode_act == "f32":

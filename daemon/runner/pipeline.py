@@ -27,6 +27,7 @@ they held in their KV caches is of no use without the dead stage's share.
 """
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import threading
@@ -49,6 +50,8 @@ from ember.daemon.runner.stage_process import READY_TIMEOUT, CacheSpec, ProcessS
 from ember.daemon.runner.stage_worker import stage_cpus
 from ember.daemon.runner.staging import Boundary, LogitsRows, Segment
 from ember.daemon.step.step_batch import StepBatch
+
+log = logging.getLogger("ember.pipeline")
 
 
 class Stage(Protocol):
@@ -166,6 +169,25 @@ class Pipeline:
             if self.engine_stage is not None:
                 self.engine_stage.new_cache(self._caches, spec)
             return self._caches
+
+    def revive(self, cache: int) -> bool:
+        """With nothing in flight: restart every stage if one died since the last step -> whether the
+        caller's cache (`cache`) was emptied, by this restart or an earlier one it was not told of. The
+        other runners' caches learn it at their next submit (KVStateLost). KVStateLost where the stages
+        cannot be restarted."""
+        with self._lock:
+            if self._in_flight:
+                return False
+            if all(stage.alive() for stage in self.stages) and self._down is None:
+                if cache in self._lost:
+                    self._lost.discard(cache)
+                    return True
+                return False
+            dead = [stage.name for stage in self.stages if not stage.alive()]
+            log.error("layer-split stage(s) %s died between steps; restarting every stage", ", ".join(dead))
+            self._restart()
+            self._lost = self._live - set(self._dropped) - {cache}
+            return True
 
     def drop_cache(self, cache: int) -> None:
         """Forget a runner's KV cache (any thread, a finalizer too: sent before the next submit)."""

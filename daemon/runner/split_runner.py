@@ -55,6 +55,9 @@ class SplitRunner:
     def between_requests(self) -> None:
         """Nothing to do: a split model's stages keep every MoE expert hot."""
 
+    def revive(self) -> bool:
+        return self.pipeline.revive(self.cache_id)
+
     def execute(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], keep: Seq[int] = ()) -> StepRun:
         return self.collect(self.submit(batch, samplers, keep))
 
