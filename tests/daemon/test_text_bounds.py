@@ -25,7 +25,7 @@ from ember.daemon.text.tokenize_pool import TokenizePool, TokenizerChanged
 from ember.daemon.text.tokenizer import Tokenizer
 from ember.protocol import messages as m
 from ember.protocol.codec import Codec
-from ember.protocol.limits import LimitExceeded, Limits
+from ember.protocol.limits import ContextLengthExceeded, LimitExceeded, Limits
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from tokenizer_fixtures import byte_bpe_vocab, corpus, gguf_metadata, spm_vocab, write_vocab_gguf  # noqa: E402
@@ -109,7 +109,8 @@ def test_a_text_too_long_for_the_context_is_refused_by_its_size() -> None:
     limits.check_prompt_bytes(1000, 10, context_length=4096)  # may be 100 tokens: tokenize and count
     with pytest.raises(LimitExceeded, match="at least 101 tokens"):
         limits.check_prompt_bytes(1001, 10, context_length=4096)
-    with pytest.raises(LimitExceeded, match="over the limit of 50"):
+    with pytest.raises(ContextLengthExceeded, match="maximum context length is 51 tokens. However, your prompt "
+                                                    "resulted in at least 51 tokens"):  # the context binds: OpenAI's words
         limits.check_prompt_bytes(501, 10, context_length=50)
     limits.check_prompt_bytes(10**9, None, context_length=50)  # no bound: only tokenizing tells
     limits.check_detokenize(100 + limits.max_tokens)
@@ -188,7 +189,7 @@ def test_a_prompt_tokenized_in_a_worker_streams_as_model_generate(worker: Worker
     frames = worker.ended(b"a", 1)
     assert [t for f in frames if isinstance(f, m.Tokens) for t in f.token_ids] == list(demo_model.generate(prompt, max_tokens=12))
     refusal = worker.ended(b"a", 3)[-1]
-    assert isinstance(refusal, m.Error) and refusal.code == m.ErrorCode.LIMIT and "bytes" in refusal.message
+    assert isinstance(refusal, m.Error) and refusal.code == m.ErrorCode.CONTEXT_LENGTH and "at least" in refusal.message
 
 
 def test_cancels_and_dropped_clients_reach_prompts_being_tokenized(worker: Worker) -> None:
@@ -312,7 +313,7 @@ def test_huge_tokenize_requests_are_refused_by_size_and_stall_nobody(daemon4, by
     growth = rss_mib(pid) - before
     print(f"16 x 3 MB Tokenize: answered in {end - start:.2f} s, bystander's largest gap "
           f"{bystander.largest_gap(start, end + 0.3) * 1000:.0f} ms, RSS {before:.0f} -> {before + growth:.0f} MiB")
-    assert all(isinstance(r, m.Error) and r.code == m.ErrorCode.LIMIT for r in got), got[:2]
+    assert all(isinstance(r, m.Error) and r.code == m.ErrorCode.CONTEXT_LENGTH for r in got), got[:2]
     assert bystander.largest_gap(start, end + 0.3) < MAX_GAP
     assert growth < 300
 
@@ -335,7 +336,7 @@ def test_big_texts_within_the_bound_are_tokenized_off_the_gil(daemon4, bystander
     ids = [r for r in got if isinstance(r, m.TokenIds)]
     assert len(ids) == 16 and all(list(r.token_ids) == expected for r in ids)
     refusal = next(r for r in got if isinstance(r, m.Error))
-    assert (refusal.id, refusal.code) == (99, m.ErrorCode.LIMIT)
+    assert (refusal.id, refusal.code) == (99, m.ErrorCode.CONTEXT_LENGTH)
     assert bystander.largest_gap(start, end + 0.3) < MAX_GAP
     assert growth < 300
 
