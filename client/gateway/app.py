@@ -31,12 +31,12 @@ from ember.client.gateway.errors import AUTHENTICATION, SERVER_ERROR, ApiError, 
 from ember.client.gateway.generation import CLIENT_GONE, STREAM_STATUS, Carrier, carry
 from ember.client.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from ember.client.gateway.ollama_api import (PROBE_TEXT, OllamaChatRequest, OllamaFormat, OllamaGenerateRequest,
-                                             OllamaShowRequest, decode_ollama, error_response, model_entry, show,
+                                             OllamaShowRequest, error_response, model_entry, show,
                                              translate_ollama_chat, translate_ollama_generate)
 from ember.client.gateway.openai_schema import ChatRequest, CompletionRequest, ModelCard, ModelList
 from ember.client.gateway.request_translation import decode_body, translate_chat, translate_completion
 from ember.client.gateway.response_format import ChatFormat, TextFormat
-from ember.client.gateway.responses_api import ResponsesFormat, ResponseStore, decode_responses, translate_responses
+from ember.client.gateway.responses_api import ResponsesFormat, ResponsesRequest, ResponseStore, translate_responses
 from ember.client.gateway.token_texts import TokenTexts
 from ember.daemon.logging_setup import get_logger
 from ember.protocol.messages import ModelInfo, StatsReport
@@ -133,14 +133,14 @@ async def _ollama_ps(request: web.Request) -> web.Response:
 
 
 async def _ollama_show(request: web.Request) -> web.Response:
-    req = decode_ollama(await _body(request), OllamaShowRequest)
+    req = decode_body(await _body(request), OllamaShowRequest)
     return web.json_response(show(await _ollama_model(_gateway(request), req.model or req.name)))
 
 
 async def _ollama_chat(request: web.Request) -> web.StreamResponse:
     arrived = time.perf_counter()
     gateway = _gateway(request)
-    req = decode_ollama(await _body(request), OllamaChatRequest)
+    req = decode_body(await _body(request), OllamaChatRequest)
     req.model = (await _ollama_model(gateway, req.model)).name
     fmt = OllamaFormat(req.model, True, arrived)
     if not req.messages:  # Ollama's "load the model": every model is loaded
@@ -151,7 +151,7 @@ async def _ollama_chat(request: web.Request) -> web.StreamResponse:
 async def _ollama_generate(request: web.Request) -> web.StreamResponse:
     arrived = time.perf_counter()
     gateway = _gateway(request)
-    req = decode_ollama(await _body(request), OllamaGenerateRequest)
+    req = decode_body(await _body(request), OllamaGenerateRequest)
     model = await _ollama_model(gateway, req.model)
     req.model = model.name
     fmt = OllamaFormat(req.model, False, arrived)
@@ -189,7 +189,7 @@ def _version() -> str:
 async def _responses(request: web.Request) -> web.StreamResponse:
     arrived = time.perf_counter()
     gateway = _gateway(request)
-    req = decode_responses(await _body(request))
+    req = decode_body(await _body(request), ResponsesRequest)
     t, conversation = translate_responses(req, gateway.responses)
     return await carry(request, gateway.carrier, t, ResponsesFormat(req, conversation, gateway.responses), arrived)
 

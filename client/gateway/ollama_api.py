@@ -91,21 +91,6 @@ class OllamaShowRequest(msgspec.Struct, kw_only=True):
     name: str = ""  # the older field
 
 
-_decoders: dict[type, msgspec.json.Decoder[Any]] = {
-    kind: msgspec.json.Decoder(kind) for kind in (OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest)}
-
-
-def decode_ollama(body: bytes, kind: type) -> Any:
-    try:
-        return _decoders[kind].decode(body)
-    except msgspec.ValidationError as e:
-        raise bad_request(f"invalid request body: {e}") from None
-    except msgspec.DecodeError as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-    except UnicodeDecodeError as e:
-        raise bad_request(f"the request body is not valid UTF-8: {e.reason}") from None
-
-
 def translate_ollama_chat(req: OllamaChatRequest) -> Translated:
     _common_refusals(req)
     if req.tools:

@@ -13,7 +13,7 @@ gateway's default_max_tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -21,10 +21,11 @@ from ember.client.gateway.errors import bad_request
 from ember.client.gateway.openai_schema import ChatRequest, CompletionRequest, MessageIn, SamplingBody
 from ember.protocol.messages import ChatMessage
 
+T = TypeVar("T")
 SEED_RANGE = 2**64  # ember's seeds are unsigned 64-bit; OpenAI's are signed: taken modulo, still reproducible
 MAX_CHOICES = 16  # n: choices per request (each one a request in the daemon and a slot of the gateway's)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_decoders = {kind: msgspec.json.Decoder(kind) for kind in (ChatRequest, CompletionRequest)}
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {}  # per request body type, made at its first use
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,14 @@ class Translated:
         return self.prompts[i // self.n] if self.prompts else self.prompt
 
 
-def decode_body(body: bytes, kind: type[ChatRequest | CompletionRequest]) -> ChatRequest | CompletionRequest:
-    """The body as `kind`; 400 naming the field when it is not JSON or a field has the wrong type."""
+def decode_body(body: bytes, kind: type[T]) -> T:
+    """The body as `kind` (a msgspec Struct: OpenAI's, Ollama's, the Responses API's request); 400 naming
+    the field when it is not JSON (or not UTF-8) or a field has the wrong type."""
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
     try:
-        return _decoders[kind].decode(body)
+        return decoder.decode(body)
     except msgspec.ValidationError as e:
         text = str(e)
         param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None

@@ -65,9 +65,6 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     seed: int | None = None
 
 
-_decoder = msgspec.json.Decoder(ResponsesRequest)
-
-
 class ResponseStore:
     """The conversations of the newest responses, by id (previous_response_id)."""
 
@@ -86,19 +83,6 @@ class ResponseStore:
         except KeyError:
             raise bad_request(f"previous_response_id {response_id!r}: no such response in this gateway (it keeps "
                               f"the newest {self.kept}, for its lifetime)", "previous_response_id") from None
-
-
-def decode_responses(body: bytes) -> ResponsesRequest:
-    try:
-        return _decoder.decode(body)
-    except msgspec.ValidationError as e:
-        text = str(e)
-        param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
-        raise bad_request(f"invalid request body: {text}", param) from None
-    except msgspec.DecodeError as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-    except UnicodeDecodeError as e:
-        raise bad_request(f"the request body is not valid UTF-8: {e.reason}") from None
 
 
 def translate_responses(req: ResponsesRequest, store: ResponseStore) -> tuple[Translated, list[ChatMessage]]:
