@@ -215,6 +215,7 @@ class StageWorker:
 
 
 def main(argv: list[str]) -> int:
+    engine = os.getppid()  # the engine's process, which owns the staging segments
     channel, upstream, downstream = (Channel(socket.socket(fileno=fd), DECODER) if fd >= 0 else None for fd in map(int, argv[1:4]))
     assert channel is not None
     try:
@@ -237,8 +238,21 @@ def main(argv: list[str]) -> int:
     try:
         worker.serve(Links(channel, upstream, downstream, replies=downstream is None))
     except ChannelClosed:  # the engine's process is gone: nothing left to serve
+        if _orphaned(engine):  # it died (SIGKILL) without unlinking its segments: what this stage can
+            for name in (setup.inbox, setup.outbox):  # (a stopped or restarting engine kills its stages first)
+                if name:
+                    Segment.unlink(name)
         return 0
     return 0
+
+
+def _orphaned(parent: int, wait: float = 1.0) -> bool:
+    """Whether this process's parent died: it has another now. A dying process closes its files before
+    its children are handed on, so the closed channel can come first: wait a little for the rest."""
+    deadline = time.monotonic() + wait
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return os.getppid() != parent
 
 
 if __name__ == "__main__":

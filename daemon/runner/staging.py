@@ -62,6 +62,15 @@ class Segment:
     def nbytes(self) -> int:
         return len(self._buffer)
 
+    @staticmethod
+    def unlink(name: str) -> None:
+        """Remove a segment by name (gone already: nothing to do). For an attached segment whose owner
+        died without unlinking it: its memory goes once every mapping of it goes."""
+        try:
+            _posixshmem.shm_unlink("/" + name)
+        except FileNotFoundError:
+            pass
+
     def array(self, dtype: np.dtype | type, count: int, offset: int = 0) -> np.ndarray:
         return np.frombuffer(self._buffer, dtype=dtype, count=count, offset=offset)
 

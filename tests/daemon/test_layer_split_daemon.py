@@ -11,16 +11,18 @@ import stat
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from daemon_process import DaemonProcess
+from daemon_process import DaemonProcess, alive, wait_until
 from ember.client import Client
 from ember.client.errors import GenerationFailed
 from ember.daemon.step.defaults import KV_BLOCK
 from ember.daemon.engine.sequence import Sequence
 from ember.kernels.sampling import SamplingParams
+from ember.protocol.shm_ring import owner_id, remove_dead_segments
 
 pytestmark = pytest.mark.slow
 
@@ -194,3 +196,21 @@ def test_split_configuration_keys_and_environment() -> None:
                            ({"engine.devices": "cpu:0,cpu:1", "engine.split": "3,x"}, "give layer counts")]:
         with pytest.raises(ConfigError, match=message):
             load_config(env={}, flags=flags)
+
+
+def test_a_killed_split_daemon_leaves_no_staging_segments() -> None:
+    """SIGKILL the daemon: its engine dies with it (nobody can unlink there) and the stage workers,
+    finding their engine gone, unlink the staging and logits segments they mapped."""
+    d = DaemonProcess(CONFIG, args=("--devices", "cpu:0,cpu:1", "--split", "3,2")).wait_ready(120)
+    try:
+        engine = d.engine_pid
+        stages = [e["pid"] for e in d.log_events() if e.get("event") == "layer-split stage ready"]
+        pattern = f"ember-{engine}-{owner_id(d.socket)}*"
+        assert len(list(Path("/dev/shm").glob(pattern))) >= 2
+        d.proc.kill()
+        d.proc.wait()
+        assert wait_until(lambda: not any(alive(pid) for pid in (engine, *stages)), 30)
+        assert list(Path("/dev/shm").glob(pattern)) == []
+    finally:
+        d.stop()
+        remove_dead_segments(owner_id(d.socket))
