@@ -24,6 +24,8 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from aiohttp import web
 
+import ember
+
 from ember.client.errors import EmberError
 from ember.client.gateway.config import GatewayConfig
 from ember.client.gateway.connection_pool import ConnectionPool
@@ -117,7 +119,7 @@ async def _ollama_probe(request: web.Request) -> web.Response:
 
 
 async def _ollama_version(request: web.Request) -> web.Response:
-    return web.json_response({"version": _version()})
+    return web.json_response({"version": ember.__version__})  # what the daemon's Welcome names
 
 
 async def _ollama_tags(request: web.Request) -> web.Response:
@@ -175,15 +177,6 @@ async def _ollama_model(gateway: Gateway, name: str) -> ModelInfo:
             return m
     raise ApiError(404, f"model {name!r} not found (loaded: {', '.join(m.name for m in models)})",
                    code="model_not_found")
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("ember")
-    except PackageNotFoundError:
-        return "0.0.0"
 
 
 async def _responses(request: web.Request) -> web.StreamResponse:

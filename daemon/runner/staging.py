@@ -82,10 +82,7 @@ class Segment:
         except BufferError:  # a numpy view still uses the mapping: it goes with the last view
             pass
         if self._owner:
-            try:
-                _posixshmem.shm_unlink("/" + self.name)
-            except FileNotFoundError:
-                pass
+            Segment.unlink(self.name)
 
 
 class Boundary:
