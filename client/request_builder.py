@@ -6,6 +6,7 @@ sockets."""
 from __future__ import annotations
 
 import grp
+import json
 import os
 import stat
 import time
@@ -23,8 +24,8 @@ from ember.client.errors import (BadRequest, ConnectionLost, DaemonUnavailable, 
 from ember.protocol.codec import Codec
 from ember.protocol.endpoint import ipc_address, listener_problem, socket_dir_problem
 from ember.protocol.limits import Limits
-from ember.protocol.messages import (ChatMessage, Error, Finished, FinishReason, Generate, ServerMessage, Tokens,
-                                     Welcome, Wire)
+from ember.protocol.messages import (ChatMessage, Error, Finished, FinishReason, Generate, Grammar, ServerMessage,
+                                     Tokens, Welcome, Wire)
 from ember.protocol.shm_ring import ShmRingReader
 
 T = TypeVar("T")
@@ -166,10 +167,17 @@ def generate_message(request_id: int, prompt: str | Sequence[int] | None = None,
                      presence_penalty: float = 0.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                      stop_ids: Sequence[int] | None = None, ignore_eos: bool = False, return_logits: bool = False,
                      logprobs: bool = False, top_logprobs: int = 0,
-                     logit_bias: Mapping[int, float] | None = None) -> Generate:
+                     logit_bias: Mapping[int, float] | None = None, grammar: Grammar | None = None,
+                     json_schema: Mapping[str, Any] | str | None = None) -> Generate:
     """The Generate message of these options. Sampling defaults to greedy; None for temperature, top_k,
-    top_p, min_p or repetition_penalty leaves that parameter to the model's recommendation."""
+    top_p, min_p or repetition_penalty leaves that parameter to the model's recommendation. The text
+    follows `grammar` (ember.protocol.messages.Grammar: json_schema, json, regex, lark or gbnf), or
+    `json_schema` (a schema, or its JSON text) for short, and ends where it is complete."""
     try:
+        if json_schema is not None:
+            if grammar is not None:
+                raise ValueError("give grammar or json_schema, not both")
+            grammar = Grammar("json_schema", json_schema if isinstance(json_schema, str) else json.dumps(json_schema))
         text = prompt if isinstance(prompt, str) else None
         ids = tuple(int(t) for t in prompt) if prompt is not None and not isinstance(prompt, str) else None
         chat = tuple(_chat_message(m) for m in messages) if messages is not None else None
@@ -178,7 +186,7 @@ def generate_message(request_id: int, prompt: str | Sequence[int] | None = None,
             None if top_k is None else int(top_k), _float(top_p), _float(min_p), _float(repetition_penalty),
             float(frequency_penalty), float(presence_penalty), seed,
             (stop,) if isinstance(stop, str) else tuple(stop or ()), tuple(stop_ids or ()), ignore_eos, return_logits,
-            logprobs, top_logprobs, {int(k): float(v) for k, v in (logit_bias or {}).items()},
+            logprobs, top_logprobs, {int(k): float(v) for k, v in (logit_bias or {}).items()}, grammar,
         )
     except (TypeError, ValueError, KeyError) as e:  # an option of the wrong type: the caller's mistake
         raise BadRequest(f"bad Generate options: {e!r}") from e

@@ -40,10 +40,12 @@ from ember.daemon.loader.dflash_file import is_dflash
 from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB
 from ember.daemon.speculative.feature_proposer import FeatureProposer
 from ember.daemon.speculative.spec_stats import SpecStats
+from ember.daemon.text.grammar import compile_grammar
 from ember.daemon.text.text_model import TextModel, sampling_of, tokenizer_of
 from ember.daemon.text.tokenizer import Tokenizer
 from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES
 from ember.kernels.sampling import SamplingParams
+from ember.protocol.messages import Grammar
 
 __all__ = ["Model", "ModelFileError", "load"]
 
@@ -126,6 +128,7 @@ class Model(TextModel):
         (more sequences: EngineCore's options, e.g. max_running, max_context, prefix_caching)."""
         options.setdefault("prefix_caching", False)
         options.setdefault("decode_burst", DECODE_BURST)
+        options.setdefault("grammars", self.grammars)
         options.setdefault("max_step_tokens", self.pipeline.max_tokens if self.pipeline else PREFILL_CHUNK)
         blocks = -(-capacity // KV_BLOCK)
         if self.pipeline is None:
@@ -168,12 +171,16 @@ class Model(TextModel):
         seed: int | None = None,
         stop_ids: Iterable[int] = (),
         ignore_eos: bool = False,
+        grammar: Grammar | None = None,
         **sampling: Any,
     ) -> Iterator[int]:
         """Yield generated token ids one at a time, as they are produced.
 
         Stops after max_tokens, at an end-of-sequence token (which is yielded) unless ignore_eos, at
-        any of stop_ids (also yielded), or when the context is full. Other keyword arguments are
+        any of stop_ids (also yielded), or when the context is full. With a `grammar`
+        (ember.protocol.messages.Grammar: a JSON schema, any JSON object, a regex, Lark or GBNF) the
+        tokens follow it and stop where it is complete (GrammarError, a ValueError, if it is
+        invalid). Other keyword arguments are
         SamplingParams fields (top_k, top_p, min_p, repetition_penalty, frequency_penalty,
         presence_penalty, logit_bias, ...); see kernels/sampling.py for their order.
         """
@@ -183,7 +190,8 @@ class Model(TextModel):
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         ids = self._check_ids(self.tokenize(prompt) if isinstance(prompt, str) else prompt).tolist()
         stop = frozenset(stop_ids) | (frozenset() if ignore_eos else frozenset(self.tokenizer.eos_ids))
-        return self._generate(EngineSequence(ids, max_tokens, params, seed, stop))
+        compiled = None if grammar is None else compile_grammar(grammar.kind, grammar.text)
+        return self._generate(EngineSequence(ids, max_tokens, params, seed, stop, grammar=compiled))
 
     def _generate(self, seq: EngineSequence) -> Iterator[int]:
         capacity = min(len(seq.prompt) + seq.max_tokens, self.config.context_length)

@@ -1,6 +1,7 @@
 """Choosing the next token from a row of logits, with every option users expect.
 
 Order of operations (documented in docs/sampling.md; the same as vLLM / HF transformers):
+  0. grammar           tokens a request's grammar does not allow next get -inf (constrained decoding)
   1. logit_bias        logits[id] += bias
   2. repetition        llama.cpp / CTRL multiplicative penalty on every token seen in the window
                        (prompt included by default): logit / p if logit > 0 else logit * p
@@ -91,6 +92,7 @@ class SampleRow:
     prompt: Sequence[int] = ()
     generated: Sequence[int] = ()
     logprob: bool = True
+    allowed: np.ndarray | None = None  # the grammar's mask (allowed_tokens' words); None: every token
 
 
 @dataclass(frozen=True)
@@ -100,9 +102,24 @@ class Choice:
     top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most probable first
 
 
-def penalized_logits(logits: np.ndarray, params: SamplingParams, prompt: Sequence[int], generated: Sequence[int]) -> np.ndarray:
-    """Steps 1-3: the logits after bias and penalties (a new float32 array)."""
+def allowed_tokens(words: np.ndarray, vocab: int) -> np.ndarray:
+    """A grammar's mask as booleans over `vocab` tokens: bit t % 32 of int32 word t // 32 is token t
+    (llguidance's layout); tokens past the words are not allowed. ValueError when none is."""
+    bits = np.unpackbits(np.ascontiguousarray(words, np.int32).view(np.uint8), bitorder="little")[:vocab]
+    if not bits.any():
+        raise ValueError("the grammar allows no token here")
+    out = np.zeros(vocab, bool)
+    out[: bits.size] = bits
+    return out
+
+
+def penalized_logits(logits: np.ndarray, params: SamplingParams, prompt: Sequence[int], generated: Sequence[int],
+                     allowed: np.ndarray | None = None) -> np.ndarray:
+    """Steps 0-3: the logits after the grammar's mask (`allowed`: its words), bias and penalties (a
+    new float32 array)."""
     out = np.array(logits, dtype=np.float32)
+    if allowed is not None:
+        out[~allowed_tokens(allowed, out.size)] = -np.inf
     if params.logit_bias:
         ids = np.fromiter(params.logit_bias.keys(), np.int64)
         out[ids] += np.fromiter(params.logit_bias.values(), np.float32)
@@ -174,13 +191,14 @@ def _top_kept(probs: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
-           prompt: Sequence[int] = (), generated: Sequence[int] = (), logprob: bool = True) -> Choice:
+           prompt: Sequence[int] = (), generated: Sequence[int] = (), logprob: bool = True,
+           allowed: np.ndarray | None = None) -> Choice:
     """Pick the next token; `rng` is the request's own generator, so a seeded request gives the same
-    tokens whatever else runs beside it. Without `logprob` (and no top alternatives asked for), a
-    plain greedy choice is just the argmax and its logprob is NaN."""
-    if not logprob and params.plain_greedy:
+    tokens whatever else runs beside it. Without `logprob` (and no top alternatives asked for, no
+    grammar), a plain greedy choice is just the argmax and its logprob is NaN."""
+    if not logprob and params.plain_greedy and allowed is None:
         return Choice(int(np.argmax(logits)), math.nan)
-    penalized = penalized_logits(logits, params, prompt, generated)
+    penalized = penalized_logits(logits, params, prompt, generated, allowed)
     if params.greedy:
         token = int(np.argmax(penalized))
     else:
@@ -195,7 +213,7 @@ def sample_host_rows(host: np.ndarray, rows: Sequence[SampleRow]) -> list[Choice
     out: list[Choice | str] = []
     for r in rows:
         try:
-            out.append(sample(host[r.row], r.params, r.rng, r.prompt, r.generated, logprob=r.logprob))
+            out.append(sample(host[r.row], r.params, r.rng, r.prompt, r.generated, r.logprob, r.allowed))
         except (ValueError, FloatingPointError, ArithmeticError) as e:
             out.append(f"sampling failed: {type(e).__name__}: {e}")
     return out
@@ -211,7 +229,8 @@ def choice_of(penalized: np.ndarray, token: int, top_n: int) -> Choice:
     if top_n:
         ids = np.argpartition(-penalized, top_n - 1)[:top_n]
         ids = ids[np.argsort(-penalized[ids], kind="stable")]
-        top = tuple((int(t), float(penalized[t]) - float(best) - log_total) for t in ids)
+        # a token the grammar rules out (-inf) is no alternative
+        top = tuple((int(t), float(penalized[t]) - float(best) - log_total) for t in ids if penalized[t] > -np.inf)
     return Choice(token, float(penalized[token]) - float(best) - log_total, top)
 
 

@@ -42,6 +42,7 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_chat_messages: int = 1024
     max_logit_bias: int = 1024  # entries
     max_top_logprobs: int = 20
+    max_grammar_bytes: int = 256 << 10  # a Generate's grammar text (JSON schemas of many tools fit)
     max_requests_per_client: int = 16  # Generates in flight per connection, and as many Tokenize/Detokenize
 
     def __post_init__(self) -> None:
@@ -61,6 +62,8 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _within("stop_ids", len(msg.stop_ids), self.max_stop_ids)
         _within("logit_bias entries", len(msg.logit_bias), self.max_logit_bias)
         _within("top_logprobs", msg.top_logprobs, self.max_top_logprobs)
+        if msg.grammar is not None:
+            _within("grammar bytes", len(msg.grammar.text.encode()), self.max_grammar_bytes)
         if msg.token_ids is not None:
             _within("prompt tokens", len(msg.token_ids), self.max_prompt_tokens)
         if msg.messages is not None:

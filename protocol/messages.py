@@ -59,6 +59,14 @@ class ChatMessage(Wire):
     content: str
 
 
+class Grammar(Wire):
+    """What a generation's text must follow (constrained decoding): the kind, and its text."""
+    # "json_schema", "json" (any JSON object; text unused), "regex", "choice" (a JSON list of strings),
+    # "lark" or "gbnf"
+    kind: str
+    text: str = ""
+
+
 class ModelInfo(Wire):
     name: str
     arch: str
@@ -126,6 +134,7 @@ class Generate(Wire, tag="generate"):
     logprobs: bool = False  # the chosen token's log-probability with each token
     top_logprobs: int = 0  # and that many alternatives
     logit_bias: dict[int, float] = {}
+    grammar: Grammar | None = None  # the text follows it; the end comes where it is complete
 
 
 class Cancel(Wire, tag="cancel"):

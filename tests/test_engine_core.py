@@ -83,10 +83,10 @@ def fail_sampling_of_min_p_half_at(monkeypatch, generated: int) -> None:
 
     real = sampling.sample
 
-    def flaky(logits, params, rng, prompt, history, logprob=True):  # type: ignore[no-untyped-def]
+    def flaky(logits, params, rng, prompt, history, logprob=True, allowed=None):  # type: ignore[no-untyped-def]
         if params.min_p == 0.5 and len(history) == generated:
             raise ValueError("probabilities contain NaN")
-        return real(logits, params, rng, prompt, history, logprob=logprob)
+        return real(logits, params, rng, prompt, history, logprob, allowed)
 
     monkeypatch.setattr(sampling, "sample", flaky)
 

@@ -16,8 +16,9 @@ Ollama's options map to ember's: num_predict (< 0: up to the context), temperatu
 repeat_penalty, presence_penalty, frequency_penalty, seed, stop; the options that tune Ollama's own
 runner (num_ctx, num_gpu, num_thread, ...) are the daemon's to decide and are ignored. An empty prompt or
 message list is Ollama's "load the model" request: answered done at once (every model is loaded).
-What ember cannot honour is refused with a 400 naming it: `format` (structured output), `tools`,
-`images`, `suffix`, `context`, messages of the `tool` role. Errors are Ollama's `{"error": "..."}`,
+`format` ("json" or a JSON schema) constrains the answer (structured_output.py). What ember cannot
+honour is refused with a 400 naming it: `tools`, `images`, `suffix`, `context`, messages of the `tool`
+role. Errors are Ollama's `{"error": "..."}`,
 streamed as such after the stream started. No embeddings: /api/embed is a 404.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ember.client.gateway.errors import ApiError, bad_request
 from ember.client.gateway.openai_schema import ErrorBody
 from ember.client.gateway.request_translation import SEED_RANGE, Translated, stop_strings
 from ember.client.gateway.response_format import Choice, TokenScore
+from ember.client.gateway.structured_output import ollama_grammar
 from ember.protocol.messages import ChatMessage, Finished, ModelInfo, Usage
 
 NDJSON_HEADERS = {"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -92,7 +94,6 @@ class OllamaShowRequest(msgspec.Struct, kw_only=True):
 
 
 def translate_ollama_chat(req: OllamaChatRequest) -> Translated:
-    _common_refusals(req)
     if req.tools:
         raise bad_request("tools are not supported by ember yet", "tools")
     messages = []
@@ -107,7 +108,6 @@ def translate_ollama_chat(req: OllamaChatRequest) -> Translated:
 
 def translate_ollama_generate(req: OllamaGenerateRequest, chat_template: bool) -> Translated:
     """A template (chat_template: the model has one) wraps the prompt as Ollama's does, unless `raw`."""
-    _common_refusals(req)
     for value, name in ((req.suffix, "suffix"), (req.images, "images"), (req.context, "context"),
                         (req.template, "template")):
         if value:
@@ -118,11 +118,6 @@ def translate_ollama_generate(req: OllamaGenerateRequest, chat_template: bool) -
     return _translated(req, (req.system + "\n\n" if req.system else "") + req.prompt, None)
 
 
-def _common_refusals(req: _OllamaBody) -> None:
-    if req.format not in (None, ""):
-        raise bad_request("format (structured output) is not supported by ember yet", "format")
-
-
 def _translated(req: _OllamaBody, prompt: str | None, messages: list[ChatMessage] | None) -> Translated:
     o = req.options or OllamaOptions()
     if o.num_predict == 0:
@@ -131,7 +126,7 @@ def _translated(req: _OllamaBody, prompt: str | None, messages: list[ChatMessage
         "temperature": o.temperature, "top_k": o.top_k, "top_p": o.top_p, "min_p": o.min_p,
         "repetition_penalty": o.repeat_penalty, "presence_penalty": o.presence_penalty or 0.0,
         "frequency_penalty": o.frequency_penalty or 0.0, "seed": None if o.seed is None else o.seed % SEED_RANGE,
-        "stop": stop_strings(o.stop),
+        "stop": stop_strings(o.stop), "grammar": ollama_grammar(req.format),
     }
     max_tokens = o.num_predict if o.num_predict is not None and o.num_predict > 0 else None  # < 0: the context
     return Translated(req.model, prompt, messages, options, max_tokens, req.stream, False, None)

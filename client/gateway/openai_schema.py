@@ -36,8 +36,18 @@ class StreamOptions(Body, kw_only=True):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Body, kw_only=True):
+    """response_format.json_schema."""
+
+    name: str = "response"
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
 class ResponseFormat(Body, kw_only=True):
-    type: str = "text"
+    type: str = "text"  # text, json_object or json_schema
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingBody(Body, kw_only=True):
@@ -61,6 +71,13 @@ class SamplingBody(Body, kw_only=True):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
+    # the grammar fields of llama.cpp's server (GBNF or Lark; a JSON schema) and vLLM's (structured_output.py)
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatRequest(SamplingBody, kw_only=True):

@@ -19,7 +19,8 @@ import msgspec
 
 from ember.client.gateway.errors import bad_request
 from ember.client.gateway.openai_schema import ChatRequest, CompletionRequest, MessageIn, SamplingBody
-from ember.protocol.messages import ChatMessage
+from ember.client.gateway.structured_output import openai_grammar
+from ember.protocol.messages import ChatMessage, Grammar
 
 T = TypeVar("T")
 SEED_RANGE = 2**64  # ember's seeds are unsigned 64-bit; OpenAI's are signed: taken modulo, still reproducible
@@ -82,15 +83,12 @@ def translate_chat(req: ChatRequest) -> Translated:
         raise bad_request("tool_choice is not supported by ember (it has no tools)", "tool_choice")
     if req.function_call not in (None, "none"):
         raise bad_request("function_call is not supported by ember", "function_call")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(f"response_format {req.response_format.type!r} is not supported by ember (only text)",
-                          "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     messages = [_message(i, m) for i, m in enumerate(req.messages)]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _translated(req, None, messages, max_tokens, logprobs)
+    return _translated(req, None, messages, max_tokens, logprobs, openai_grammar(req, req.response_format))
 
 
 def translate_completion(req: CompletionRequest) -> Translated:
@@ -103,7 +101,7 @@ def translate_completion(req: CompletionRequest) -> Translated:
     if req.logprobs is not None and req.logprobs < 0:
         raise bad_request(f"logprobs must be >= 0, got {req.logprobs}", "logprobs")
     prompts = _prompts(req.prompt)
-    t = _translated(req, prompts[0], None, req.max_tokens, req.logprobs)
+    t = _translated(req, prompts[0], None, req.max_tokens, req.logprobs, openai_grammar(req))
     if len(prompts) * t.n > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n={t.n} is {len(prompts) * t.n} completions, over the limit of "
                           f"{MAX_CHOICES} a request", "prompt")
@@ -111,7 +109,7 @@ def translate_completion(req: CompletionRequest) -> Translated:
 
 
 def _translated(req: SamplingBody, prompt: str | list[int] | None, messages: list[ChatMessage] | None,
-                max_tokens: int | None, logprobs: int | None) -> Translated:
+                max_tokens: int | None, logprobs: int | None, grammar: Grammar | None = None) -> Translated:
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
         raise bad_request(f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
     if max_tokens is not None and max_tokens < 1:
@@ -130,6 +128,7 @@ def _translated(req: SamplingBody, prompt: str | list[int] | None, messages: lis
         "ignore_eos": bool(req.ignore_eos),
         "logprobs": logprobs is not None,
         "top_logprobs": logprobs or 0,
+        "grammar": grammar,
     }
     include_usage = bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
     return Translated(req.model, prompt, messages, options, max_tokens, bool(req.stream), include_usage, logprobs,

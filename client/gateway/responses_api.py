@@ -8,8 +8,9 @@ conversation of an earlier response of this gateway's lifetime, answer included,
 `min_p`, `repetition_penalty`, `seed`). Out: a `response` object with one assistant message of
 `output_text`, status `completed` (or `incomplete` with reason `max_output_tokens`), and usage; streamed
 as Responses' typed server-sent events (`response.created`, `response.output_text.delta`, ...,
-`response.completed`). Refused with a 400 naming the field: `tools`, a `text.format` other than text,
-`reasoning`, input items other than messages (function calls, images, files). Stored responses (for
+`response.completed`). `text.format` json_object and json_schema constrain the answer
+(structured_output.py). Refused with a 400 naming the field: `tools`, `reasoning`, input items other
+than messages (function calls, images, files). Stored responses (for
 `previous_response_id`) live in the gateway's memory, the newest RESPONSES_KEPT of them.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ember.client.gateway.errors import bad_request
 from ember.client.gateway.openai_schema import ErrorBody
 from ember.client.gateway.request_translation import SEED_RANGE, Translated
 from ember.client.gateway.response_format import SSE_HEADERS, Choice, TokenScore
+from ember.client.gateway.structured_output import responses_grammar
 from ember.protocol.messages import ChatMessage, Finished, Usage
 
 RESPONSES_KEPT = 256  # stored responses, for previous_response_id (the oldest go first)
@@ -92,9 +94,7 @@ def translate_responses(req: ResponsesRequest, store: ResponseStore) -> tuple[Tr
         raise bad_request("tools are not supported by ember yet", "tools")
     if req.reasoning is not None:
         raise bad_request("reasoning is not supported by ember", "reasoning")
-    fmt = (req.text or {}).get("format") if isinstance(req.text, dict) else None
-    if fmt is not None and fmt.get("type") != "text":
-        raise bad_request(f"text.format {fmt.get('type')!r} is not supported by ember yet (only text)", "text.format")
+    grammar = responses_grammar(req.text)
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise bad_request(f"max_output_tokens must be at least 1, got {req.max_output_tokens}", "max_output_tokens")
     conversation = list(store.get(req.previous_response_id)) if req.previous_response_id else []
@@ -103,7 +103,7 @@ def translate_responses(req: ResponsesRequest, store: ResponseStore) -> tuple[Tr
     options: dict[str, Any] = {
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
         "repetition_penalty": req.repetition_penalty,
-        "seed": None if req.seed is None else req.seed % SEED_RANGE,
+        "seed": None if req.seed is None else req.seed % SEED_RANGE, "grammar": grammar,
     }
     return Translated(req.model, None, messages, options, req.max_output_tokens, req.stream, False, None), conversation
 
@@ -206,7 +206,7 @@ class ResponsesFormat:
                 "max_output_tokens": r.max_output_tokens, "model": r.model, "output": output,
                 "parallel_tool_calls": False, "previous_response_id": r.previous_response_id,
                 "reasoning": {"effort": None, "summary": None}, "store": r.store is not False,
-                "temperature": r.temperature, "text": {"format": {"type": "text"}}, "tool_choice": "none",
+                "temperature": r.temperature, "text": r.text or {"format": {"type": "text"}}, "tool_choice": "none",
                 "tools": [], "top_p": r.top_p, "truncation": "disabled", "usage": usage, "user": None,
                 "metadata": r.metadata or {}}
 

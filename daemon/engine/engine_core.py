@@ -32,6 +32,7 @@ from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB, DraftPropose
 from ember.daemon.speculative.feature_proposer import FeatureProposer
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.step.step_work import StepOutcome, StepWork, WorkChunk
+from ember.daemon.text.grammar import Grammars
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class EngineCore:
                  prefix_caching: bool = True, max_context: int | None = None,
                  draft: StepRunner | FeatureProposer | None = None, draft_tokens: int = 4,
                  spec_stats: SpecStats | None = None, draft_min_prob: float = DRAFT_MIN_PROB,
-                 decode_burst: float = 0.0, max_burst: int = MAX_BURST) -> None:
+                 decode_burst: float = 0.0, max_burst: int = MAX_BURST, grammars: Grammars | None = None) -> None:
         """max_context: tokens per sequence at most (default and upper bound: the model's context).
         draft: a runner of the draft model whose KV cache has as many blocks, of the same size, as
         the target's; each sequence then gets up to draft_tokens proposals a step, fewer where the
@@ -97,6 +98,8 @@ class EngineCore:
         token a step. Through a pipelined layer split the lanes' bursts interleave
         (executor/pipeline_executor.py). Not with a draft (its lookahead is the proposals') or
         recurrent state.
+
+        grammars: the model's (daemon/text/grammar.py), for sequences with a grammar to follow.
 
         A hybrid model (runner.stateful) runs without prefix reuse: cached KV blocks would skip the
         tokens whose recurrent state the sequence still needs (docs/hybrid.md); nor with a draft
@@ -130,9 +133,15 @@ class EngineCore:
         self._flights: dict[int, _Flight] = {}  # id(work) -> its step, while the executor has it
         bursts = draft is None and not runner.stateful
         self._bursts = BurstClock(decode_burst if bursts else 0.0, max_burst)
+        self.grammars = grammars
 
     def add(self, seq: Sequence) -> None:
+        """Schedule `seq`; ValueError (GrammarError for its grammar) if it cannot run here."""
         seq.params.check_vocab(self.runner.config.vocab)
+        if seq.grammar is not None and seq.constraint is None:
+            if self.grammars is None:
+                raise ValueError("this engine has no grammars (constrained decoding needs the model's tokenizer)")
+            seq.sampling.constraint = self.grammars.constraint(seq.grammar)
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence, reason: str = "cancelled") -> None:

@@ -215,7 +215,10 @@ class Scheduler:
 
     # --- internals --------------------------------------------------------------------------------
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        if token in seq.stop_ids:
+        grammar = seq.constraint
+        if grammar is not None and grammar.failed:
+            return "error"
+        if token in seq.stop_ids or (grammar is not None and grammar.done):  # a complete grammar ends it
             return "stop"
         if len(seq.generated) >= seq.max_tokens or seq.n_tokens >= self.max_context:
             return "length"

@@ -7,7 +7,7 @@ from enum import Enum
 
 import numpy as np
 
-from ember.daemon.step.row_sampling import RowSampling
+from ember.daemon.step.row_sampling import RowSampling, TokenConstraint
 from ember.kernels.sampling import Choice, SamplingParams
 
 _ids = itertools.count()
@@ -43,6 +43,7 @@ class Sequence:
     state_slot: int = -1  # while running: its recurrent state's slot (hybrid models)
     held: bool = False  # set by the daemon while the client cannot take output: not scheduled, keeps its blocks
     started: float | None = None  # perf_counter() when first admitted to run
+    grammar: str | None = None  # llguidance's grammar its tokens must follow (daemon/text/grammar.py)
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
@@ -66,7 +67,14 @@ class Sequence:
         """Tokens to run through the model before the next one can be sampled."""
         return self.n_tokens - self.n_computed
 
+    @property
+    def constraint(self) -> TokenConstraint | None:
+        """Its grammar, compiled by the engine that took it (None before, or without one)."""
+        return self.sampling.constraint
+
     def append(self, choice: Choice) -> None:
+        if self.sampling.constraint is not None:
+            self.sampling.constraint.accept(choice.token)
         self.generated.append(choice.token)
         self.tokens.append(choice.token)
         self.choices.append(choice)

@@ -29,21 +29,35 @@ class RowSampler:
                ) -> tuple[list[Choice | None], dict[int, str]]:
         """Row r for each (r, sequence) of `samplers`, with that sequence's parameters and generator.
         pending: per sampler, tokens sampled for its sequence that it has not appended yet (a decode
-        burst's), which penalties count as generated."""
+        burst's), which penalties count as generated and a grammar as accepted."""
         if not samplers:
             return [], {}
         if plain_greedy(samplers):  # the greedy fast path: one argmax over the rows, no per-row copy
             rows = np.fromiter((r for r, _ in samplers), np.int64, len(samplers))
             best = self.ops.to_numpy(self.ops.argmax_rows(logits, rows))
             return [Choice(int(t), float("nan")) for t in best], {}
-        generated = [s.generated + [c.token for c in pending[k]] if pending and pending[k] else s.generated
-                     for k, (_, s) in enumerate(samplers)]
-        results = self.ops.sample_rows(logits, [SampleRow(r, s.params, s.rng, s.prompt, generated[k], s.wants_logprob)
-                                                for k, (r, s) in enumerate(samplers)])
-        failed = {k: why for k, why in enumerate(results) if isinstance(why, str)}
-        return [None if isinstance(c, str) else c for c in results], failed
-
+        rows: list[SampleRow] = []
+        at: list[int] = []  # the sampler index of each row
+        failed: dict[int, str] = {}
+        for k, (r, s) in enumerate(samplers):
+            extra = [c.token for c in pending[k]] if pending and pending[k] else []
+            try:
+                allowed = s.allowed(extra)
+            except ValueError as e:  # the grammar is in error: this sequence's failure alone
+                failed[k] = f"constrained decoding failed: {e}"
+                continue
+            rows.append(SampleRow(r, s.params, s.rng, s.prompt, s.generated + extra if extra else s.generated,
+                                  s.wants_logprob, allowed))
+            at.append(k)
+        choices: list[Choice | None] = [None] * len(samplers)
+        for k, c in zip(at, self.ops.sample_rows(logits, rows) if rows else [], strict=True):
+            if isinstance(c, str):
+                failed[k] = c
+            else:
+                choices[k] = c
+        return choices, failed
 
 def plain_greedy(samplers: Seq[tuple[int, RowSampling]]) -> bool:
-    """Every sequence takes its logits' argmax and asks for nothing else (no penalties, no logprobs)."""
+    """Every sequence takes its logits' argmax and asks for nothing else (no penalties, no logprobs, no
+    grammar)."""
     return all(s.plain_greedy for _, s in samplers)

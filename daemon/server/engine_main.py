@@ -184,7 +184,8 @@ class CommandInbox:
         assert engine is not None
         if isinstance(m, AddSequence):
             seq = Sequence(m.prompt, m.max_tokens, m.params, m.seed, frozenset(m.stop_ids), client=m.client,
-                           seq_id=m.seq_id, wants_logits=m.wants_logits, wants_logprob=m.wants_logprob)
+                           seq_id=m.seq_id, wants_logits=m.wants_logits, wants_logprob=m.wants_logprob,
+                           grammar=m.grammar)
             log = get_logger(req=f"{m.client.hex()}:{m.request_id}", model=m.model)
             engine.add(Admitted(m.client, m.request_id, m.model, m.wants_logits, m.max_tokens, seq, log))
         elif isinstance(m, CancelRequest):

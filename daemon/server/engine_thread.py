@@ -313,7 +313,11 @@ class EngineThread:
             except OSError as e:  # no shared memory left for the ring
                 self._progress([Progress(r, error=ErrorCode.INTERNAL, message=f"cannot create the logits ring: {e}")])
                 return
-        self._cores[r.model_name].add(r.seq)
+        try:
+            self._cores[r.model_name].add(r.seq)
+        except ValueError as e:  # its grammar: llguidance refused it with the model's vocabulary
+            self._progress([Progress(r, error=ErrorCode.BAD_REQUEST, message=str(e))])
+            return
         self._live[r.seq.seq_id] = r
 
     def _abort_id(self, seq_id: int, reason: str) -> None:

@@ -36,6 +36,7 @@ class AddSequence(EngineWire):
     stop_ids: list[int]
     wants_logits: bool = False
     wants_logprob: bool = False
+    grammar: str | None = None  # llguidance's grammar text, checked by the front
 
 
 class CancelRequest(EngineWire):

@@ -17,7 +17,7 @@ from ember.daemon.text.text_model import TextModel
 from ember.daemon.text.tokenizer import StreamDecoder
 from ember.kernels.sampling import SamplingParams
 from ember.protocol.limits import Limits, LimitExceeded
-from ember.protocol.messages import ErrorCode, Generate
+from ember.protocol.messages import ErrorCode, Generate, Grammar
 
 
 class RequestError(ValueError):
@@ -45,8 +45,10 @@ class Request:
     ignore_eos: bool
     return_logits: bool
     logprobs: bool
+    grammar: Grammar | None = None  # as the client wrote it (the text worker compiles it)
     admitted: float = field(default_factory=time.perf_counter)
     # --- text worker only ---------------------------------------------------------------------------
+    compiled_grammar: str | None = None  # llguidance's text of `grammar` (daemon/text/grammar.py)
     seq: Sequence | None = None  # once admitted to its model's scheduler
     done: bool = False  # its last frame (Finished or Error) is out
     text: StreamDecoder | None = None
@@ -113,4 +115,5 @@ def request_from_generate(client: bytes, msg: Generate, models: Mapping[str, Tex
         messages=[{"role": m.role, "content": m.content} for m in msg.messages] if msg.messages is not None else None,
         max_tokens=msg.max_tokens, params=params, seed=msg.seed, stop=msg.stop, stop_ids=msg.stop_ids,
         ignore_eos=msg.ignore_eos, return_logits=msg.return_logits, logprobs=msg.logprobs or msg.top_logprobs > 0,
+        grammar=msg.grammar,
     )

@@ -38,6 +38,7 @@ from ember.daemon.server.engine_host import EngineHost
 from ember.daemon.server.engine_thread import EngineStats, EngineThread, Progress
 from ember.daemon.server.request import Request
 from ember.daemon.text.chat_template import ChatTemplateError
+from ember.daemon.text.grammar import compile_grammar
 from ember.daemon.text.stop_strings import StopStrings
 from ember.daemon.text.tokenize_pool import TokenizePool
 from ember.daemon.text.tokenizer import Tokenizer
@@ -142,9 +143,12 @@ class TextWorker:
             self._on_stopped()
 
     def _admit(self, r: Request) -> None:
-        """Render the prompt and refuse it by its size if it cannot fit; tokenize it here if it is small,
-        in a worker process if not (its ids come back through the queue), then _start it."""
+        """Check its grammar; render the prompt and refuse it by its size if it cannot fit; tokenize it
+        here if it is small, in a worker process if not (its ids come back through the queue), then
+        _start it."""
         try:
+            if r.grammar is not None:
+                r.compiled_grammar = compile_grammar(r.grammar.kind, r.grammar.text)
             if r.prompt_ids is None:
                 text = r.model.render_chat(r.messages) if r.messages is not None else r.prompt_text or ""
                 if self.check_text_size(r.model_name, r.model.tokenizer, text) > self.tokenize_pool.inline_bytes:
@@ -198,7 +202,8 @@ class TextWorker:
         r.stops = StopStrings(r.stop)
         stop_ids = frozenset(r.stop_ids) | (frozenset() if r.ignore_eos else frozenset(r.model.tokenizer.eos_ids))
         r.seq = Sequence(r.prompt_ids, r.max_tokens, r.params, r.seed, stop_ids, client=r.client,
-                         wants_logits=r.return_logits, wants_logprob=r.logprobs or r.params.logprobs > 0)
+                         wants_logits=r.return_logits, wants_logprob=r.logprobs or r.params.logprobs > 0,
+                         grammar=r.compiled_grammar)
         self.engine.add(r)
 
     # --- commands that may meet a prompt still being tokenized ---------------------------------------

@@ -54,14 +54,16 @@ def verify(rows: np.ndarray, proposal: Proposal, seq: RowSampling) -> tuple[Choi
     """The tokens a sequence (`seq`, its sampling) gets from one verification: `rows` are the target's logits [k + 1, vocab] after
     its last known token and after each of the k proposals. Draws use seq's own generator."""
     params = seq.params
-    if params.plain_greedy:  # one argmax over the rows: no per-row copy
+    if params.plain_greedy and seq.constraint is None:  # one argmax over the rows: no per-row copy
         best = np.argmax(rows[: len(proposal.tokens) + 1], axis=1).tolist()
         n = next((i for i, (b, d) in enumerate(zip(best, proposal.tokens)) if b != d), len(proposal.tokens))
         return tuple(_choice(rows[i], best[i], seq) for i in range(n + 1))
     history = list(seq.generated)
     out: list[Choice] = []
     for i, token in enumerate(proposal.tokens + [None]):
-        penalized = processed_logits(rows[i], params, seq.prompt, history)
+        # the grammar's mask after the tokens this verification kept: a proposal it rules out has
+        # p = 0 there, so it is rejected and the replacement is drawn from what the grammar allows
+        penalized = processed_logits(rows[i], params, seq.prompt, history, seq.allowed(history[len(seq.generated):]))
         if params.greedy:
             best = int(np.argmax(penalized))
             out.append(_choice(penalized, best, seq))
@@ -85,9 +87,10 @@ def verify(rows: np.ndarray, proposal: Proposal, seq: RowSampling) -> tuple[Choi
 def draft_choice(logits: np.ndarray, seq: RowSampling, proposed: Seq[int]) -> tuple[int, Distribution | None]:
     """The draft's token after `proposed` ones, processed exactly as the target's row will be, and
     the distribution it was drawn from (None for greedy requests: the argmax needs none)."""
-    if seq.params.plain_greedy:
+    if seq.params.plain_greedy and seq.constraint is None:
         return int(np.argmax(logits)), None
-    penalized = processed_logits(logits, seq.params, seq.prompt, seq.generated + list(proposed))
+    penalized = processed_logits(logits, seq.params, seq.prompt, seq.generated + list(proposed),
+                                 seq.allowed(proposed))  # proposed under the grammar, as they are verified
     if seq.params.greedy:
         return int(np.argmax(penalized)), None
     q = distribution(penalized, seq.params)
@@ -101,10 +104,12 @@ def draft_confidence(logits: np.ndarray) -> float:
     return 1.0 / float(np.exp(logits - logits.max(), dtype=np.float64).sum())
 
 
-def processed_logits(logits: np.ndarray, params: SamplingParams, prompt: Seq[int], history: Seq[int]) -> np.ndarray:
-    """penalized_logits, or the row itself when no bias or penalty changes it (nothing writes to it)."""
-    if params.changes_logits:
-        return penalized_logits(logits, params, prompt, history)
+def processed_logits(logits: np.ndarray, params: SamplingParams, prompt: Seq[int], history: Seq[int],
+                     allowed: np.ndarray | None = None) -> np.ndarray:
+    """penalized_logits, or the row itself when no grammar, bias or penalty changes it (nothing writes
+    to it)."""
+    if params.changes_logits or allowed is not None:
+        return penalized_logits(logits, params, prompt, history, allowed)
     return logits
 
 

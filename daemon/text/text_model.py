@@ -3,6 +3,7 @@ sampling, without its weights. The daemon's front process serves tokenizing, cha
 the engine process holds the weights; `Model` (daemon/runtime.py) is a TextModel with weights."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile, open_model_file
 from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
+from ember.daemon.text.grammar import Grammars
 from ember.daemon.text.sampling_defaults import SamplingDefaults, from_gguf, from_hf_dir
 from ember.daemon.text.tokenizer import Tokenizer, TokenizerError
 
@@ -23,6 +25,11 @@ class TextModel:
         self.tokenizer = tokenizer
         self.sampling = sampling or SamplingDefaults()  # what a request that names no sampling gets
         self._chat: ChatTemplate | None = None
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Its grammars for constrained decoding (llguidance's vocabulary is built on the first use)."""
+        return Grammars(self.tokenizer, self.config.vocab)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special)

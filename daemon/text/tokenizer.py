@@ -257,6 +257,13 @@ class Tokenizer:
             raise TokenizerError(f"token id {token} is outside the vocabulary ({self.vocab_size} tokens)")
         return self.core.id_to_token(token) if self._gguf is None else self._gguf.tokens[token]
 
+    def pieces(self) -> list[tuple[bytes, bool]] | None:
+        """GGUF: each token's bytes as decode writes them, and whether it is a control token (or the
+        unknown one); None for a Hugging Face tokenizer, whose tokenizer.json (`core`) says it all."""
+        if self._gguf is None:
+            return None
+        return [(self._gguf.piece(i, False), self._gguf.types[i] in (CONTROL, UNKNOWN)) for i in range(self.vocab_size)]
+
     def stream_decoder(self, skip_special: bool = False, context: Sequence[int] = ()) -> StreamDecoder:
         return StreamDecoder(self, skip_special, context)
 

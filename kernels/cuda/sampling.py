@@ -6,6 +6,7 @@ adjustments (bias, repetition penalty, frequency/presence penalty, merged per to
 top-k/p, min-p — and draws the row's one uniform number from the request's own generator, which is
 exactly what numpy's `Generator.choice(p=...)` draws; the device does the rest in float64 where the
 host sampler does:
+  0. mask       a grammar's (constrained decoding): -inf where its bit is clear
   1. penalize   copy the rows, apply the adjustments in the host sampler's order and precisions
   2. sample     per row: max and log-sum-exp (for logprobs), first argmax (greedy), or softmax at the
                 temperature, a stable descending sort (bitonic, in global scratch), the top-k / top-p
@@ -24,7 +25,18 @@ from numba import cuda, float32, float64, int64
 
 from ember.kernels.cuda.device import THREADS, block_argmax, block_sum, flat_grid, grid
 from ember.kernels.cuda.device_array import DeviceArray, empty, gather_rows
-from ember.kernels.sampling import Choice, SampleRow, _window
+from ember.kernels.sampling import Choice, SampleRow, _window, allowed_tokens
+
+
+@cuda.jit
+def _mask(out, words):  # type: ignore[no-untyped-def]
+    # bit t % 32 of words[k, t // 32] clear: token t may not come next in row k (allowed_tokens' layout)
+    vocab = out.shape[1]
+    for e in range(cuda.grid(1), out.shape[0] * vocab, cuda.gridsize(1)):
+        k, t = e // vocab, e % vocab
+        w = t // 32
+        if w >= words.shape[1] or (words[k, w] >> (t % 32)) & 1 == 0:
+            out[k, t] = float32(-math.inf)
 
 
 @cuda.jit
@@ -193,7 +205,19 @@ def sample_rows(logits: DeviceArray, rows: Sequence[SampleRow]) -> list[Choice |
     if not rows:
         return []
     m, vocab = len(rows), logits.shape[1]
+    ruled_out = _ruled_out(rows, vocab)
+    if ruled_out:
+        kept = [r for k, r in enumerate(rows) if k not in ruled_out]
+        sampled = iter(sample_rows(logits, kept))
+        return [ruled_out[k] if k in ruled_out else next(sampled) for k in range(m)]
     pen = gather_rows(logits, _up(np.array([r.row for r in rows], np.int64)))  # a copy: adjusted in place below
+    if any(r.allowed is not None for r in rows):
+        words = np.full((m, -(-vocab // 32)), -1, np.int32)
+        for k, r in enumerate(rows):
+            if r.allowed is not None:
+                words[k, : min(words.shape[1], r.allowed.size)] = r.allowed[: words.shape[1]]
+                words[k, r.allowed.size:] = 0
+        _mask[flat_grid(m * vocab)](pen.raw, _up(words).raw)
     entry_row, ids, bias, rep, sub = _adjustments(rows)
     if len(ids):
         penalty = np.array([r.params.repetition_penalty for r in rows], np.float32)
@@ -224,13 +248,26 @@ def sample_rows(logits: DeviceArray, rows: Sequence[SampleRow]) -> list[Choice |
             for k, r in enumerate(rows)]
 
 
+def _ruled_out(rows: Sequence[SampleRow], vocab: int) -> dict[int, str]:
+    """The rows whose grammar allows no token at all, and why (the host sampler's failure)."""
+    out = {}
+    for k, r in enumerate(rows):
+        if r.allowed is not None:
+            try:
+                allowed_tokens(r.allowed, vocab)
+            except ValueError as e:
+                out[k] = f"sampling failed: ValueError: {e}"
+    return out
+
+
 def _choice(k: int, r: SampleRow, token: np.ndarray, value: np.ndarray, best: np.ndarray, log_total: np.ndarray,
             tops: tuple[np.ndarray, np.ndarray] | None) -> Choice | str:
     if token[k] < 0:
         return "sampling failed: ValueError: probabilities contain NaN"
-    if not r.logprob and r.params.plain_greedy:
+    if not r.logprob and r.params.plain_greedy and r.allowed is None:
         return Choice(int(token[k]), math.nan)
     base = float(best[k]) + float(log_total[k])
-    top = () if tops is None else tuple((int(t), float(v) - base) for t, v in
-                                        zip(tops[0][k, :r.params.logprobs], tops[1][k, :r.params.logprobs], strict=True))
+    top = () if tops is None else tuple((int(t), float(v) - base) for t, v in  # -inf: ruled out by a grammar
+                                        zip(tops[0][k, :r.params.logprobs], tops[1][k, :r.params.logprobs], strict=True)
+                                        if v > -math.inf)
     return Choice(int(token[k]), float(value[k]) - base, top)

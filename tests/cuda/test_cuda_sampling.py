@@ -65,3 +65,35 @@ def test_nan_logits_fail_that_row_only(ops) -> None:  # type: ignore[no-untyped-
     got = ops.sample_rows(ops.to_device(logits), [SampleRow(0, params, np.random.default_rng(0)),
                                                   SampleRow(1, params, np.random.default_rng(1))])
     assert got[0].token in range(32) and isinstance(got[1], str) and "sampling failed" in got[1]
+
+
+def mask_of(allowed: list[int], vocab: int) -> np.ndarray:
+    """A grammar's mask words (kernels/sampling.allowed_tokens' layout) allowing `allowed`."""
+    bits = np.zeros(-(-vocab // 32) * 32, np.uint8)
+    bits[allowed] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32)
+
+
+def test_grammar_masks_on_the_device_equal_the_host_sampler(ops) -> None:  # type: ignore[no-untyped-def]
+    """A grammar's mask (constrained decoding) rules tokens out on the device as on the host: greedy,
+    sampled and top-k rows pick among the allowed tokens only, with the same tokens, logprobs and
+    alternatives (a ruled-out token is none); a mask that allows nothing fails its row alone."""
+    rng = np.random.default_rng(3)
+    vocab = 70  # words past the vocabulary's last one are cut
+    logits = (rng.standard_normal((4, vocab)) * 2).astype(np.float32)
+    best = int(np.argmax(logits[0]))
+    allowed = [a for a in (2, 33, 64, 69) if a != best]
+    cases = [SamplingParams(), SamplingParams(logprobs=5), SamplingParams(temperature=1.0, repetition_penalty=1.3),
+             SamplingParams(temperature=0.8, top_k=2, logprobs=3)]
+    rows = [SampleRow(k, p, np.random.default_rng(k), [2, 5], [33], False, mask_of(allowed, vocab))
+            for k, p in enumerate(cases)]
+    nothing = mask_of([], vocab)
+    rows.append(SampleRow(0, SamplingParams(temperature=1.0), np.random.default_rng(9), (), (), True, nothing))
+    got = ops.sample_rows(ops.to_device(logits), rows)
+    for k, r in enumerate(rows[:-1]):
+        want = sample(logits[r.row], r.params, np.random.default_rng(k), r.prompt, r.generated, r.logprob, r.allowed)
+        assert got[k].token == want.token and want.token in allowed
+        assert [t for t, _ in got[k].top] == [t for t, _ in want.top] and set(dict(want.top)) <= set(allowed)
+        np.testing.assert_allclose(got[k].logprob, want.logprob, rtol=1e-5, atol=1e-6)
+    assert got[0].token != best and len(got[1].top) == len(allowed)  # 5 asked, 4 allowed
+    assert isinstance(got[-1], str) and "allows no token" in got[-1]

@@ -30,8 +30,9 @@ from ember.client.gateway.request_translation import (
     translate_completion,
 )
 from ember.client.gateway.response_format import ChatFormat, TextFormat, TokenScore
+from ember.client.gateway.structured_output import ollama_grammar, responses_grammar
 from ember.client.gateway.token_texts import TokenTexts
-from ember.protocol.messages import Finished, Usage
+from ember.protocol.messages import Finished, Grammar, Usage
 
 
 def chat(**body: object):  # type: ignore[no-untyped-def]
@@ -113,12 +114,44 @@ def test_prompt_shapes() -> None:
 @pytest.mark.parametrize("body,param", [
     ({"n": 17}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"stop": ["ok", ""]}, "stop"), ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"max_tokens": "ten"}, "max_tokens"),
+    ({"response_format": {"type": "xml"}}, "response_format"), ({"max_tokens": "ten"}, "max_tokens"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "response_format"),
     ({"temperature": "hot"}, "temperature"), ({"messages": "hi"}, "messages"),
 ])
 def test_bad_chat_fields_are_400_naming_the_field(body: dict[str, object], param: str) -> None:
     error = refused(chat, param, **body)
     assert error.type == "invalid_request_error" and error.message
+
+
+def test_every_api_names_its_structured_output_as_one_grammar() -> None:
+    """OpenAI's response_format, llama.cpp's and vLLM's extras, the Responses API's text.format and
+    Ollama's format all become the Generate's one Grammar (the daemon checks the schema itself)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    as_schema = Grammar("json_schema", json.dumps(schema, separators=(",", ":")))
+    cases = [
+        (chat(), None), (chat(response_format={"type": "text"}), None),
+        (chat(response_format={"type": "json_object"}), Grammar("json")),
+        (chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}),
+         as_schema),
+        (chat(json_schema=schema), as_schema), (completion(guided_json=json.dumps(schema)), as_schema),
+        (completion(grammar='root ::= "yes" | "no"'), Grammar("gbnf", 'root ::= "yes" | "no"')),
+        (completion(guided_regex="[0-9]+"), Grammar("regex", "[0-9]+")),
+        (chat(guided_choice=["yes", "no"]), Grammar("choice", '["yes","no"]')),
+    ]
+    for translated, grammar in cases:
+        assert translated.options["grammar"] == grammar
+    assert responses_grammar({"format": {"type": "json_schema", "name": "a", "schema": schema}}) == as_schema
+    assert responses_grammar({"format": {"type": "json_object"}}) == Grammar("json")
+    assert responses_grammar({"format": {"type": "text"}}) is responses_grammar(None) is None
+    assert ollama_grammar("json") == Grammar("json") and ollama_grammar(schema) == as_schema
+    assert ollama_grammar("") is None
+    for bad in (lambda: responses_grammar({"format": {"type": "yaml"}}), lambda: ollama_grammar("yaml"),
+                lambda: completion(guided_json="{nope")):
+        with pytest.raises(ApiError):
+            bad()
 
 
 def test_bad_completion_fields() -> None:
