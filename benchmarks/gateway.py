@@ -13,7 +13,14 @@ figure is the gateway's cost plus an HTTP client's, not a heavyweight SDK's. The
 token is its process's CPU time (/proc) over the gateway rounds divided by the tokens it streamed.
 
     python benchmarks/gateway.py [--model PATH] [--tokens 512] [--repeats 9]
+    python benchmarks/gateway.py --grammar    # the per-token cost of constrained decoding
     python benchmarks/gateway.py --stacks     # server CPU per SSE event: aiohttp vs starlette+uvicorn
+
+`--grammar` runs the same gateway rounds (1 and 8 streams, greedy and sampled at temperature 0.8,
+seeded) free and under a grammar, alternating, and reports time per token: under a grammar that
+admits any text (regex `(.|\n)*`: the mechanism's own cost, the same tokens as free) and under a JSON
+schema (24 records of a name and a value: a real grammar's masks, ~400-500 tokens an answer; other
+tokens than the free rounds').
 
 `--stacks` needs starlette and uvicorn (not dependencies of ember): it is the measurement behind the
 choice of aiohttp (docs/gateway.md). Everything shares the machine's cores, as a local setup does.
@@ -30,6 +37,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -57,12 +65,13 @@ async def native_round(socket_path: Path, n: int, tokens: int) -> int:
     return sum(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-async def gateway_round(url: str, model: str, n: int, tokens: int) -> int:
+async def gateway_round(url: str, model: str, n: int, tokens: int, **extra: Any) -> int:
+    """n streams of /v1/completions; extra: body fields (a grammar, sampling)."""
     decode = msgspec.json.Decoder().decode
 
     async def one(session: aiohttp.ClientSession, i: int) -> int:
         body = {"model": model, "prompt": SNIPPETS[i % 8], "max_tokens": tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": True}
+                "stream_options": {"include_usage": True}, "ignore_eos": True, "seed": i, **extra}
         async with session.post(f"{url}/v1/completions", json=body) as response:
             assert response.status == 200, await response.text()
             usage = 0
@@ -138,6 +147,38 @@ async def compare(args: argparse.Namespace, socket_path: Path, url: str, gateway
         print(f"| {n} | {a:.0f} | {b:.0f} | {ratio:.3f} | {per_token:.0f} us |", flush=True)
 
 
+RECORDS = {"type": "array", "minItems": 24, "maxItems": 24,  # long answers: the demo would close an open array at once
+           "items": {"type": "object", "additionalProperties": False, "required": ["name", "value"],
+                     "properties": {"name": {"type": "string", "minLength": 4, "maxLength": 12},
+                                    "value": {"type": "integer", "minimum": 0, "maximum": 9999}}}}
+GRAMMARS = {"any text": {"guided_regex": "(.|\n)*"}, "JSON schema": {"json_schema": RECORDS}}
+
+
+async def compare_grammar(args: argparse.Namespace, url: str, model: str) -> None:
+    """Time per token, free and under each of GRAMMARS, in alternating rounds through the gateway."""
+    async def per_token(n: int, **extra: Any) -> float:
+        t0 = time.perf_counter()
+        got = await gateway_round(url, model, n, args.tokens, **extra)
+        return (time.perf_counter() - t0) / got * 1e6
+
+    await per_token(2, **GRAMMARS["JSON schema"])  # warm: llguidance's vocabulary is built on first use
+    print(f"{args.tokens} tokens per stream at most, medians of {args.repeats} rounds, alternating; us per token "
+          "(wall time / tokens, all streams together)")
+    print("| streams | sampling | grammar | free | constrained | constrained / free |")
+    print("|---|---|---|---|---|---|")
+    for n in (1, 8):
+        for sampling in ({"temperature": 0}, {"temperature": 0.8}):
+            for name, grammar in GRAMMARS.items():
+                times: dict[str, list[float]] = {"free": [], "constrained": []}
+                for i in range(args.repeats):
+                    for kind in (("free", "constrained") if i % 2 == 0 else ("constrained", "free")):
+                        times[kind].append(await per_token(n, **sampling, **(grammar if kind == "constrained" else {})))
+                free, bound = statistics.median(times["free"]), statistics.median(times["constrained"])
+                ratio = statistics.median(c / f for c, f in zip(times["constrained"], times["free"]))
+                label = "greedy" if sampling["temperature"] == 0 else "T 0.8"
+                print(f"| {n} | {label} | {name} | {free:.0f} | {bound:.0f} | {ratio:.3f} |", flush=True)
+
+
 def run_comparison(args: argparse.Namespace) -> None:
     config = "[engine]\nmax_active = 8\n[limits]\nmax_tokens = 32768\n"
     daemon_args = ("--model", args.model) if args.model else ()
@@ -153,7 +194,10 @@ def run_comparison(args: argparse.Namespace) -> None:
             await wait_http(url)
             async with AsyncClient(daemon.socket) as client:
                 model = (await client.models())[0].name
-            await compare(args, daemon.socket, url, gateway.pid, model)
+            if args.grammar:
+                await compare_grammar(args, url, model)
+            else:
+                await compare(args, daemon.socket, url, gateway.pid, model)
 
         asyncio.run(go())
     finally:
@@ -272,6 +316,7 @@ def main() -> None:
     parser.add_argument("--model", help="a model file or directory (default: the built-in demo model)")
     parser.add_argument("--tokens", type=int, default=512, help="tokens per stream (default 512)")
     parser.add_argument("--repeats", type=int, default=9, help="rounds of each path per stream count (default 9)")
+    parser.add_argument("--grammar", action="store_true", help="the per-token cost of constrained decoding")
     parser.add_argument("--stacks", action="store_true", help="compare the HTTP stacks instead (needs starlette, uvicorn)")
     args = parser.parse_args()
     if args.stacks:

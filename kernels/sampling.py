@@ -108,6 +108,8 @@ def allowed_tokens(words: np.ndarray, vocab: int) -> np.ndarray:
     bits = np.unpackbits(np.ascontiguousarray(words, np.int32).view(np.uint8), bitorder="little")[:vocab]
     if not bits.any():
         raise ValueError("the grammar allows no token here")
+    if bits.size == vocab:
+        return bits.view(bool)  # 0 and 1 bytes: numpy's booleans as they are
     out = np.zeros(vocab, bool)
     out[: bits.size] = bits
     return out
@@ -117,9 +119,10 @@ def penalized_logits(logits: np.ndarray, params: SamplingParams, prompt: Sequenc
                      allowed: np.ndarray | None = None) -> np.ndarray:
     """Steps 0-3: the logits after the grammar's mask (`allowed`: its words), bias and penalties (a
     new float32 array)."""
-    out = np.array(logits, dtype=np.float32)
-    if allowed is not None:
-        out[~allowed_tokens(allowed, out.size)] = -np.inf
+    if allowed is None:
+        out = np.array(logits, dtype=np.float32)
+    else:  # the copy and the mask in one pass
+        out = np.where(allowed_tokens(allowed, logits.shape[-1]), logits, np.float32(-np.inf)).astype(np.float32, copy=False)
     if params.logit_bias:
         ids = np.fromiter(params.logit_bias.keys(), np.int64)
         out[ids] += np.fromiter(params.logit_bias.values(), np.float32)
@@ -194,16 +197,23 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
            prompt: Sequence[int] = (), generated: Sequence[int] = (), logprob: bool = True,
            allowed: np.ndarray | None = None) -> Choice:
     """Pick the next token; `rng` is the request's own generator, so a seeded request gives the same
-    tokens whatever else runs beside it. Without `logprob` (and no top alternatives asked for, no
-    grammar), a plain greedy choice is just the argmax and its logprob is NaN."""
+    tokens whatever else runs beside it. Without `logprob` (and no top alternatives asked for) the
+    logprob is NaN, and a plain greedy choice (no grammar either) is just the argmax."""
     if not logprob and params.plain_greedy and allowed is None:
         return Choice(int(np.argmax(logits)), math.nan)
     penalized = penalized_logits(logits, params, prompt, generated, allowed)
     if params.greedy:
         token = int(np.argmax(penalized))
+    elif allowed is not None and (support := np.flatnonzero(penalized > -np.inf)).size * 4 < penalized.size:
+        # a grammar's few allowed tokens: the distribution over them alone, whose cumulative sums are
+        # the full one's without its zeros, so the one uniform draw picks the same token
+        probs = final_distribution(penalized[support], params)
+        token = int(support[rng.choice(probs.size, p=probs)])
     else:
         probs = final_distribution(penalized, params)
         token = int(rng.choice(probs.size, p=probs))
+    if not logprob and not params.logprobs:  # nobody reads it: no pass over the vocabulary for it
+        return Choice(token, math.nan)
     return choice_of(penalized, token, params.logprobs)
 
 

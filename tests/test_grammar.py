@@ -114,6 +114,25 @@ def test_the_sampler_draws_only_allowed_tokens_with_their_renormalized_logprobs(
         sample(logits, SamplingParams(), rng, allowed=np.zeros(4, np.int32))
 
 
+@pytest.mark.parametrize("params", [dict(temperature=0.9), dict(temperature=1.2, top_k=3), dict(temperature=0.7, top_p=0.8),
+                                    dict(temperature=1.0, min_p=0.1, repetition_penalty=1.3)])
+def test_a_few_allowed_tokens_draw_what_the_whole_vocabulary_draws(params: dict) -> None:
+    """With few tokens allowed the sampler builds the distribution over them alone: the same token as
+    over the whole vocabulary with the others at -inf, draw for draw."""
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal(512).astype(np.float32) * 2
+    allowed = rng.choice(512, 20, replace=False)
+    bits = np.zeros(512, np.uint8)
+    bits[allowed] = 1
+    words = np.packbits(bits, bitorder="little").view(np.int32)
+    ruled_out = np.where(bits.astype(bool), logits, np.float32(-np.inf))
+    p = SamplingParams(**params)
+    for seed in range(50):
+        got = sample(logits, p, np.random.default_rng(seed), [1, 2], [int(allowed[0])], allowed=words)
+        want = sample(ruled_out, p, np.random.default_rng(seed), [1, 2], [int(allowed[0])])
+        assert got.token == want.token and got.token in allowed
+
+
 def test_each_kind_of_grammar_holds_on_the_demo_model(model) -> None:
     cases = [(Grammar("regex", r"[a-z]{2,6}=[0-9]{1,3};"), r"[a-z]{2,6}=[0-9]{1,3};"),
              (Grammar("choice", '["alpha", "beta", "gamma"]'), r"alpha|beta|gamma"),

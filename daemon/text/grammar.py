@@ -96,38 +96,66 @@ class Grammars:
 
 
 class GrammarConstraint:
-    """One sequence's matcher (step/row_sampling.TokenConstraint)."""
+    """One sequence's matcher (step/row_sampling.TokenConstraint).
+
+    The matcher may run ahead of the tokens the sequence kept: a mask after pending tokens consumes
+    them and stays there, so that a decode burst, whose pending tokens grow by one a step, consumes
+    each token once; pending tokens that turn out otherwise (a draft's, a verification's) are rolled
+    back, and so are the ones still ahead when the engine asks whether the grammar is complete."""
 
     def __init__(self, matcher: llguidance.LLMatcher, words: int) -> None:
         self._m, self._words = matcher, words
+        self._ahead: list[int] = []  # consumed past the accepted tokens
 
     def allowed(self, pending: Sequence[int] = ()) -> np.ndarray:
         m = self._m
         if m.is_error():
             raise ValueError(m.get_error())
-        n = m.try_consume_tokens(list(pending)) if pending else 0
-        try:
-            if n < len(pending) and not m.is_stopped():  # past a stop only an end follows; else it is a bug
-                raise ValueError(f"token {pending[n]} does not follow the grammar")
-            out = np.empty(self._words, np.int32)
-            m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
-            if m.is_error():
-                raise ValueError(m.get_error())
-            return out
-        finally:
-            if n:
-                m.rollback(n)
+        self._follow(pending)
+        out = np.empty(self._words, np.int32)
+        m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        if m.is_error():
+            raise ValueError(m.get_error())
+        return out
 
     def accept(self, token: int) -> None:
+        if self._ahead and self._ahead[0] == token:  # consumed already, while it was pending
+            del self._ahead[0]
+            return
+        self._back()
         self._m.consume_token(token)  # a refused token puts the matcher in error, which `failed` reports
 
     @property
     def done(self) -> bool:
+        self._back()
         return self._m.is_stopped()
 
     @property
     def failed(self) -> str:
         return self._m.get_error() if self._m.is_error() else ""
+
+    def _follow(self, pending: Sequence[int]) -> None:
+        """The matcher after the accepted tokens and `pending`: what it shares with the tokens ahead is
+        kept, the rest of those rolled back, the rest of `pending` consumed."""
+        same = 0
+        for a, b in zip(self._ahead, pending):
+            if a != b:
+                break
+            same += 1
+        if same < len(self._ahead):
+            self._m.rollback(len(self._ahead) - same)
+            del self._ahead[same:]
+        rest = list(pending[same:])
+        if rest:
+            n = self._m.try_consume_tokens(rest)
+            self._ahead += rest[:n]
+            if n < len(rest) and not self._m.is_stopped():  # past a stop only an end follows; else a bug
+                raise ValueError(f"token {rest[n]} does not follow the grammar")
+
+    def _back(self) -> None:
+        if self._ahead:
+            self._m.rollback(len(self._ahead))
+            self._ahead.clear()
 
 
 def _ll_tokenizer(tokenizer: Tokenizer, vocab: int) -> llguidance.LLTokenizer:

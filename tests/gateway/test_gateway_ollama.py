@@ -60,8 +60,8 @@ def test_loading_stop_strings_and_errors(client: Any) -> None:
         client.chat(model="llama3", messages=CHAT)
     assert missing.value.status_code == 404 and "llama3" in missing.value.error
     with pytest.raises(ollama.ResponseError) as unsupported:
-        client.chat(model=MODEL, messages=CHAT, format="json")
-    assert unsupported.value.status_code == 400 and "format" in unsupported.value.error
+        client.chat(model=MODEL, messages=CHAT, format={"type": "object", "required": 5})  # a broken schema
+    assert unsupported.value.status_code == 400 and "grammar" in unsupported.value.error
     with pytest.raises(ollama.ResponseError) as no_embeddings:
         client.embed(model=MODEL, input="x")
     assert no_embeddings.value.status_code == 404
