@@ -25,7 +25,7 @@ from ember.protocol.codec import Codec
 from ember.protocol.endpoint import ipc_address, listener_problem, socket_dir_problem
 from ember.protocol.limits import Limits
 from ember.protocol.messages import (ChatMessage, Error, Finished, FinishReason, Generate, Grammar, ServerMessage,
-                                     Tokens, Welcome, Wire)
+                                     Tokens, Tool, ToolCall, ToolChoice, Welcome, Wire)
 from ember.protocol.shm_ring import ShmRingReader
 
 T = TypeVar("T")
@@ -160,7 +160,7 @@ class Chunk:
 
 
 def generate_message(request_id: int, prompt: str | Sequence[int] | None = None, *,
-                     messages: Sequence[Mapping[str, str] | ChatMessage] | None = None, model: str | None = None,
+                     messages: Sequence[Mapping[str, Any] | ChatMessage] | None = None, model: str | None = None,
                      max_tokens: int = 256, temperature: float | None = 0.0, top_k: int | None = 0,
                      top_p: float | None = 1.0, min_p: float | None = 0.0, repetition_penalty: float | None = 1.0,
                      frequency_penalty: float = 0.0,
@@ -168,11 +168,16 @@ def generate_message(request_id: int, prompt: str | Sequence[int] | None = None,
                      stop_ids: Sequence[int] | None = None, ignore_eos: bool = False, return_logits: bool = False,
                      logprobs: bool = False, top_logprobs: int = 0,
                      logit_bias: Mapping[int, float] | None = None, grammar: Grammar | None = None,
-                     json_schema: Mapping[str, Any] | str | None = None) -> Generate:
+                     json_schema: Mapping[str, Any] | str | None = None, tools: Sequence[Tool] = (),
+                     tool_choice: str = ToolChoice.AUTO, tool_name: str = "", parallel_tool_calls: bool = True
+                     ) -> Generate:
     """The Generate message of these options. Sampling defaults to greedy; None for temperature, top_k,
     top_p, min_p or repetition_penalty leaves that parameter to the model's recommendation. The text
     follows `grammar` (ember.protocol.messages.Grammar: json_schema, json, regex, lark or gbnf), or
-    `json_schema` (a schema, or its JSON text) for short, and ends where it is complete."""
+    `json_schema` (a schema, or its JSON text) for short, and ends where it is complete. A chat may offer
+    `tools` (ember.protocol.messages.Tool) for the model to call (tool_choice auto, none, or required,
+    with tool_name the one function); its calls come in its text, in the model's format
+    (ember.client.tool_calls parses them)."""
     try:
         if json_schema is not None:
             if grammar is not None:
@@ -187,6 +192,7 @@ def generate_message(request_id: int, prompt: str | Sequence[int] | None = None,
             float(frequency_penalty), float(presence_penalty), seed,
             (stop,) if isinstance(stop, str) else tuple(stop or ()), tuple(stop_ids or ()), ignore_eos, return_logits,
             logprobs, top_logprobs, {int(k): float(v) for k, v in (logit_bias or {}).items()}, grammar,
+            tuple(tools), tool_choice, tool_name, parallel_tool_calls,
         )
     except (TypeError, ValueError, KeyError) as e:  # an option of the wrong type: the caller's mistake
         raise BadRequest(f"bad Generate options: {e!r}") from e
@@ -196,8 +202,13 @@ def _float(value: float | None) -> float | None:
     return None if value is None else float(value)
 
 
-def _chat_message(m: Mapping[str, str] | ChatMessage) -> ChatMessage:
-    return m if isinstance(m, ChatMessage) else ChatMessage(str(m["role"]), str(m["content"]))
+def _chat_message(m: Mapping[str, Any] | ChatMessage) -> ChatMessage:
+    if isinstance(m, ChatMessage):
+        return m
+    calls = tuple(c if isinstance(c, ToolCall) else ToolCall(str(c["id"]), str(c["name"]), str(c.get("arguments", "{}")))
+                  for c in m.get("tool_calls") or ())
+    return ChatMessage(str(m["role"]), str(m.get("content") or ""), calls, str(m.get("tool_call_id") or ""),
+                       str(m.get("name") or ""))
 
 
 def expect(reply: ServerMessage, kind: type[T]) -> T:

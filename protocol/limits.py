@@ -43,6 +43,8 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_logit_bias: int = 1024  # entries
     max_top_logprobs: int = 20
     max_grammar_bytes: int = 256 << 10  # a Generate's grammar text (JSON schemas of many tools fit)
+    max_tools: int = 128  # functions a Generate offers
+    max_tool_bytes: int = 256 << 10  # their names, descriptions and schemas together
     max_requests_per_client: int = 16  # Generates in flight per connection, and as many Tokenize/Detokenize
 
     def __post_init__(self) -> None:
@@ -64,6 +66,9 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _within("top_logprobs", msg.top_logprobs, self.max_top_logprobs)
         if msg.grammar is not None:
             _within("grammar bytes", len(msg.grammar.text.encode()), self.max_grammar_bytes)
+        _within("tools", len(msg.tools), self.max_tools)
+        tool_bytes = sum(len(t.name) + len(t.description.encode()) + len(t.parameters.encode()) for t in msg.tools)
+        _within("tool bytes", tool_bytes, self.max_tool_bytes)
         if msg.token_ids is not None:
             _within("prompt tokens", len(msg.token_ids), self.max_prompt_tokens)
         if msg.messages is not None:

@@ -54,9 +54,32 @@ class FinishReason:
 
 
 # --- pieces ----------------------------------------------------------------------------------------
+class ToolCall(Wire):
+    """A function call the assistant made (in a chat's history): arguments as JSON text."""
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
 class ChatMessage(Wire):
-    role: str
+    role: str  # system, user, assistant or tool
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str = ""  # a tool message: the call it answers
+    name: str = ""  # a tool message: the function that answered
+
+
+class Tool(Wire):
+    """A function the model may call: rendered by the model's chat template (its `tools`)."""
+    name: str
+    description: str = ""
+    parameters: str = '{"type": "object", "properties": {}}'  # a JSON schema, as JSON text
+
+
+class ToolChoice:
+    AUTO = "auto"  # the model decides; its calls are parsed from its text
+    NONE = "none"  # no tools in the prompt, no calls
+    REQUIRED = "required"  # at least one call (of Generate.tool_name where given), enforced by a grammar
 
 
 class Grammar(Wire):
@@ -73,6 +96,9 @@ class ModelInfo(Wire):
     vocab: int
     context_length: int
     chat_template: bool = False
+    # how its chat template has it write tool calls ("hermes", "llama3", "mistral", "gemma4"; client/tool_calls.py
+    # parses them); "" where the template renders no tools
+    tool_format: str = ""
 
 
 class TopLogprob(Wire):
@@ -135,6 +161,10 @@ class Generate(Wire, tag="generate"):
     top_logprobs: int = 0  # and that many alternatives
     logit_bias: dict[int, float] = {}
     grammar: Grammar | None = None  # the text follows it; the end comes where it is complete
+    tools: tuple[Tool, ...] = ()  # for a chat (messages): rendered by its template, for the model to call
+    tool_choice: str = ToolChoice.AUTO  # ToolChoice
+    tool_name: str = ""  # with tool_choice required: the one function to call
+    parallel_tool_calls: bool = True  # with tool_choice required: more than one call may come
 
 
 class Cancel(Wire, tag="cancel"):

@@ -1,9 +1,10 @@
 """Chat templates render exactly as transformers' apply_chat_template(..., tokenize=False) renders the
-same template string: ChatML, a Qwen2.5-style template with tools, a Llama-3.1-style one (strftime_now,
-tojson(indent=...)), and one using the environment's extras (namespace, dict, break, {% generation %},
+same template string: ChatML, a Qwen2.5-style template with tools, Qwen3's own (tools, calls, tool
+results, thinking), a Llama-3.1-style one (strftime_now, tojson(indent=...)), and one using the environment's extras (namespace, dict, break, {% generation %},
 reasoning). Errors come out as ChatTemplateError; the sandbox holds."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -148,9 +149,19 @@ PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function",
           "function": {"name": "get_weather", "description": "Weather <now> & here", "parameters": PARAMETERS}}]
 
+# Qwen3's own template (tests/fixtures/qwen3_chat_template.jinja), with a history as the daemon passes it
+# (daemon/text/tool_format.template_messages: an assistant's content "" beside its calls)
+QWEN3 = (Path(__file__).parent / "fixtures" / "qwen3_chat_template.jinja").read_text()
+QWEN3_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+              {"role": "assistant", "content": "", "tool_calls": [{**TOOL_CALL, "id": "call_1"}, TOOL_CALL]},
+              {"role": "tool", "content": "{\"temp\": 21}", "tool_call_id": "call_1"},
+              {"role": "tool", "content": "sunny", "tool_call_id": "call_2"},
+              {"role": "assistant", "content": "<think>\nThe tool said so.\n</think>\n\n21 °C, sunny."}]
+
 CASES = [(CHATML, CHAT, {}), (QWEN25, CHAT, {}), (QWEN25, TOOL_CHAT, {"tools": TOOLS}), (LLAMA31, CHAT, {}),
          (LLAMA31, TOOL_CHAT[:5], {"tools": TOOLS}), (EXTRAS, TOOL_CHAT, {}),
-         (EXTRAS, CHAT, {"enable_thinking": False})]
+         (EXTRAS, CHAT, {"enable_thinking": False}), (QWEN3, QWEN3_CHAT, {"tools": TOOLS}),
+         (QWEN3, QWEN3_CHAT[:3], {"tools": TOOLS, "enable_thinking": False}), (QWEN3, CHAT, {})]
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +213,15 @@ def test_sandbox_holds(source: str) -> None:
         assert ChatTemplate(source).render(CHAT) == ""
     except ChatTemplateError:
         pass
+
+
+def test_the_tool_call_format_each_template_writes() -> None:
+    """daemon/text/tool_format.tool_format: what the clients' parser reads a model's calls as."""
+    from ember.daemon.text.tool_format import tool_format
+
+    mistral = "{%- if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]"
+    gemma = "{%- if tools %}<|tool>...<tool|>{% endif %}{{- '<|tool_call>call:' + name }}"
+    cases = [(QWEN3, "hermes"), (QWEN25, "hermes"), (LLAMA31, "llama3"), (mistral, "mistral"), (gemma, "gemma4"),
+             (CHATML, ""), (EXTRAS, ""), (None, "")]
+    for source, fmt in cases:
+        assert tool_format(source) == fmt

@@ -104,7 +104,10 @@ def _gateway(request: web.Request) -> Gateway:
 async def _chat(request: web.Request) -> web.StreamResponse:
     arrived = time.perf_counter()
     t = translate_chat(decode_body(await _body(request), ChatRequest))  # type: ignore[arg-type]
-    return await carry(request, _gateway(request).carrier, t, ChatFormat(t.model, t.include_usage), arrived)
+    tools = t.options.get("tools") and t.options.get("tool_choice") != "none"
+    tool_format = (await _model_info(_gateway(request), t.model)).tool_format if tools else ""
+    return await carry(request, _gateway(request).carrier, t, ChatFormat(t.model, t.include_usage, tool_format),
+                       arrived)
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -167,6 +170,15 @@ async def _model_infos(gateway: Gateway) -> list[ModelInfo]:
         return list(await (await gateway.pool.any()).models())
     except EmberError as e:
         raise from_ember(e) from None
+
+
+async def _model_info(gateway: Gateway, name: str) -> ModelInfo:
+    """The loaded model `name` means (the only one where the name is ""); 404 if none."""
+    models = await _model_infos(gateway)
+    for m in models:
+        if name == m.name or (not name and len(models) == 1):
+            return m
+    raise ApiError(404, f"no model named {name!r} is loaded", code="model_not_found")
 
 
 async def _ollama_model(gateway: Gateway, name: str) -> ModelInfo:

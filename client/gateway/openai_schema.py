@@ -2,7 +2,7 @@
 and errors it sends (https://platform.openai.com/docs/api-reference/chat, .../completions).
 
 Request bodies are decoded with these types, so a wrong type is refused while decoding, naming the field.
-Fields OpenAI defines but ember cannot honour (tools, n > 1, echo, ...) are declared so that the request
+Fields OpenAI defines but ember cannot honour (functions, echo, ...) are declared so that the request
 translation (request_translation.py) can refuse them by name; unknown fields are ignored, as clients send
 vendor extras. Response fields that the spec has as `null` are encoded as null, not left out, except
 `usage` on chunks, which is present only with `stream_options.include_usage` (UNSET: left out).
@@ -25,11 +25,35 @@ class ContentPart(Body, kw_only=True):
     text: str | None = None
 
 
+class FunctionCallIn(Body, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text (OpenAI's); an object is taken too
+
+
+class ToolCallIn(Body, kw_only=True):
+    id: str = ""
+    type: str = "function"
+    function: FunctionCallIn
+
+
 class MessageIn(Body, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionIn(Body, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolIn(Body, kw_only=True):
+    type: str = "function"
+    function: FunctionIn
 
 
 class StreamOptions(Body, kw_only=True):
@@ -86,8 +110,9 @@ class ChatRequest(SamplingBody, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolIn] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # auto, none, required, or {"type": "function", "function": ...}
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
 
@@ -130,10 +155,23 @@ class ChatLogprobs(Out, kw_only=True):
     refusal: None = None
 
 
+class FunctionCallOut(Out, kw_only=True):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallOut(Out, kw_only=True):
+    index: int | UnsetType = UNSET  # in a stream's deltas (each call whole in one)
+    id: str
+    type: str = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(Out, kw_only=True):
     role: str = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[ToolCallOut] | UnsetType = UNSET
 
 
 class ChatChoice(Out, kw_only=True):
@@ -161,6 +199,7 @@ class ChatCompletion(Envelope, kw_only=True):
 class Delta(Out, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChunkChoice(Out, kw_only=True):

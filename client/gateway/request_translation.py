@@ -18,14 +18,15 @@ from typing import Any, TypeVar
 import msgspec
 
 from ember.client.gateway.errors import bad_request
-from ember.client.gateway.openai_schema import ChatRequest, CompletionRequest, MessageIn, SamplingBody
+from ember.client.gateway.openai_schema import ChatRequest, CompletionRequest, MessageIn, SamplingBody, ToolIn
 from ember.client.gateway.structured_output import openai_grammar
-from ember.protocol.messages import ChatMessage, Grammar
+from ember.protocol.messages import ChatMessage, Grammar, Tool, ToolCall
 
 T = TypeVar("T")
 SEED_RANGE = 2**64  # ember's seeds are unsigned 64-bit; OpenAI's are signed: taken modulo, still reproducible
 MAX_CHOICES = 16  # n: choices per request (each one a request in the daemon and a slot of the gateway's)
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_NO_PARAMETERS = {"type": "object", "properties": {}}
 _decoders: dict[type, msgspec.json.Decoder[Any]] = {}  # per request body type, made at its first use
 
 
@@ -77,18 +78,24 @@ def decode_body(body: bytes, kind: type[T]) -> T:
 
 
 def translate_chat(req: ChatRequest) -> Translated:
-    _refuse(req.tools, "tools", "tools (function calling) are not supported by ember")
-    _refuse(req.functions, "functions", "functions (function calling) are not supported by ember")
-    if req.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice is not supported by ember (it has no tools)", "tool_choice")
+    _refuse(req.functions, "functions", "functions (the legacy function calling) are not supported by ember: use tools")
     if req.function_call not in (None, "none"):
-        raise bad_request("function_call is not supported by ember", "function_call")
+        raise bad_request("function_call (the legacy function calling) is not supported by ember: use tool_choice",
+                          "function_call")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     messages = [_message(i, m) for i, m in enumerate(req.messages)]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _translated(req, None, messages, max_tokens, logprobs, openai_grammar(req, req.response_format))
+    t = _translated(req, None, messages, max_tokens, logprobs, openai_grammar(req, req.response_format))
+    tools = [_tool(i, tool) for i, tool in enumerate(req.tools or [])]
+    if tools:
+        choice, name = _tool_choice(req.tool_choice, tools)
+        t = replace(t, options={**t.options, "tools": tools, "tool_choice": choice, "tool_name": name,
+                                "parallel_tool_calls": req.parallel_tool_calls is not False})
+    elif req.tool_choice not in (None, "none", "auto"):
+        raise bad_request("tool_choice needs tools", "tool_choice")
+    return t
 
 
 def translate_completion(req: CompletionRequest) -> Translated:
@@ -143,23 +150,48 @@ def _refuse(value: object, param: str, message: str) -> None:
 def _message(i: int, m: MessageIn) -> ChatMessage:
     role = _ROLES.get(m.role)
     if role is None:
-        raise bad_request(f"messages[{i}].role {m.role!r} is not supported (system, developer, user, assistant)",
-                          f"messages[{i}].role")
-    if m.tool_calls:
-        raise bad_request("tool calls are not supported by ember", f"messages[{i}].tool_calls")
+        raise bad_request(f"messages[{i}].role {m.role!r} is not supported (system, developer, user, assistant, "
+                          "tool)", f"messages[{i}].role")
+    calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments if isinstance(c.function.arguments, str)
+                           else msgspec.json.encode(c.function.arguments).decode()) for c in m.tool_calls or ())
+    if calls and role != "assistant":
+        raise bad_request(f"messages[{i}]: only an assistant's message has tool_calls", f"messages[{i}].tool_calls")
+    if role == "tool" and not m.tool_call_id:
+        raise bad_request(f"messages[{i}]: a tool message needs the tool_call_id it answers",
+                          f"messages[{i}].tool_call_id")
+    extra = {"tool_calls": calls, "tool_call_id": m.tool_call_id or "", "name": m.name or ""}
     if m.content is None:
         if role != "assistant":
             raise bad_request(f"messages[{i}].content is missing", f"messages[{i}].content")
-        return ChatMessage(role, "")
+        return ChatMessage(role, "", **extra)
     if isinstance(m.content, str):
-        return ChatMessage(role, m.content)
+        return ChatMessage(role, m.content, **extra)
     texts = []
     for j, part in enumerate(m.content):
         if part.type != "text" or part.text is None:
             raise bad_request(f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}",
                               f"messages[{i}].content[{j}]")
         texts.append(part.text)
-    return ChatMessage(role, "\n".join(texts))
+    return ChatMessage(role, "\n".join(texts), **extra)
+
+
+def _tool(i: int, tool: ToolIn) -> Tool:
+    if tool.type != "function":
+        raise bad_request(f"tools[{i}].type must be function, got {tool.type!r}", f"tools[{i}].type")
+    f = tool.function
+    return Tool(f.name, f.description or "", msgspec.json.encode(f.parameters or _NO_PARAMETERS).decode())
+
+
+def _tool_choice(choice: str | dict[str, Any] | None, tools: list[Tool]) -> tuple[str, str]:
+    """OpenAI's tool_choice as (ember's tool_choice, the function it names)."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice or "auto", ""
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if not isinstance(name, str) or name not in {t.name for t in tools}:
+            raise bad_request(f"tool_choice names function {name!r}, which is not among the tools", "tool_choice")
+        return "required", name
+    raise bad_request(f"tool_choice must be auto, none, required or a function, got {choice!r}", "tool_choice")
 
 
 def _prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:

@@ -28,11 +28,14 @@ from ember.client.gateway.openai_schema import (
     CompletionLogprobs,
     Delta,
     ErrorBody,
+    FunctionCallOut,
     TokenLogprobOut,
+    ToolCallOut,
     TopLogprobOut,
     UsageOut,
 )
 from ember.client.gateway.token_texts import token_bytes
+from ember.client.tool_calls import ParsedCall, ToolCallParser, parse_tool_calls
 from ember.protocol.messages import Finished, Usage
 
 _encode = msgspec.json.Encoder().encode
@@ -84,29 +87,62 @@ class _ServerSentEvents:
 
 
 class ChatFormat(_ServerSentEvents):
+    """A chat's answers; with `tool_format` (the model's, where the request offered tools) the calls in
+    them come out as OpenAI's tool_calls, streamed as one delta per call once it is complete, and the
+    answer then finishes with "tool_calls"."""
+
     endpoint = "/v1/chat/completions"
 
-    def __init__(self, model: str, include_usage: bool = False) -> None:
+    def __init__(self, model: str, include_usage: bool = False, tool_format: str = "") -> None:
         self.id, self.model, self.created = f"chatcmpl-{secrets.token_hex(12)}", model, int(time.time())
         # with include_usage every chunk has "usage": null and one last chunk the counts; else no "usage"
         self._usage: None | UnsetType = None if include_usage else UNSET
+        self.tool_format = tool_format
+        self._parsers: dict[int, ToolCallParser] = {}  # per choice, with tools
 
     def opening(self, index: int = 0) -> bytes:
         return self._chunk(ChunkChoice(index=index, delta=Delta(role="assistant", content="")))
 
     def delta(self, text: str, scores: list[TokenScore] | None, index: int = 0) -> bytes:
-        return self._chunk(ChunkChoice(index=index, delta=Delta(content=text), logprobs=_chat_logprobs(scores)))
+        if not self.tool_format:
+            return self._chunk(ChunkChoice(index=index, delta=Delta(content=text), logprobs=_chat_logprobs(scores)))
+        parser = self._parsers.setdefault(index, ToolCallParser(self.tool_format))
+        return self._tool_chunks(index, parser, *parser.feed(text), scores)
 
     def closing(self, finished: Finished, index: int = 0) -> bytes:
-        return self._chunk(ChunkChoice(index=index, delta=Delta(), finish_reason=finished.reason))
+        out, reason = b"", finished.reason
+        parser = self._parsers.pop(index, None)
+        if parser is not None:
+            out = self._tool_chunks(index, parser, *parser.close(), None)
+            reason = _with_calls(reason, parser.calls)
+        return out + self._chunk(ChunkChoice(index=index, delta=Delta(), finish_reason=reason))
+
+    def _tool_chunks(self, index: int, parser: ToolCallParser, text: str, calls: list[ParsedCall],
+                     scores: list[TokenScore] | None) -> bytes:
+        """The text that may go out (with the tokens' logprobs), then each call completed now."""
+        out = b""
+        if text or scores:
+            out = self._chunk(ChunkChoice(index=index, delta=Delta(content=text), logprobs=_chat_logprobs(scores)))
+        first = len(parser.calls) - len(calls)
+        for k, call in enumerate(calls):
+            out += self._chunk(ChunkChoice(index=index, delta=Delta(tool_calls=[_call_out(call, first + k)])))
+        return out
 
     def usage(self, usage: Usage) -> bytes:
         return sse(_encode(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
                                                usage=usage_out(usage))))
 
     def whole(self, choices: list[Choice], n: int = 1) -> bytes:
-        out = [ChatChoice(index=i, message=ChatMessageOut(content=text), logprobs=_chat_logprobs(scores),
-                          finish_reason=finished.reason) for i, (text, scores, finished) in enumerate(choices)]
+        out = []
+        for i, (text, scores, finished) in enumerate(choices):
+            message, reason = ChatMessageOut(content=text), finished.reason
+            if self.tool_format:
+                content, calls = parse_tool_calls(self.tool_format, text)
+                if calls:
+                    message = ChatMessageOut(content=content if content.strip() else None,
+                                             tool_calls=[_call_out(c) for c in calls])
+                    reason = _with_calls(reason, calls)
+            out.append(ChatChoice(index=i, message=message, logprobs=_chat_logprobs(scores), finish_reason=reason))
         return _encode(ChatCompletion(id=self.id, created=self.created, model=self.model, choices=out,
                                       usage=usage_out(total_usage([c[2] for c in choices], n))))
 
@@ -156,6 +192,16 @@ class TextFormat(_ServerSentEvents):
             self._offsets[index] = offsets[-1] + len(s.text)
         return CompletionLogprobs(tokens=[s.text for s in scores], token_logprobs=[s.logprob for s in scores],
                                   top_logprobs=[dict(s.top) for s in scores], text_offset=offsets)
+
+
+def _call_out(call: ParsedCall, index: int | UnsetType = UNSET) -> ToolCallOut:
+    """OpenAI's tool call (`index`: its place in a streamed answer's calls)."""
+    return ToolCallOut(index=index, id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
+
+
+def _with_calls(reason: str, calls: list[ParsedCall]) -> str:
+    """An answer that ended by itself with calls in it finished to call them."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _chat_logprobs(scores: list[TokenScore] | None) -> ChatLogprobs | None:

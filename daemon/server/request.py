@@ -9,15 +9,17 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ember.daemon.logging_setup import get_logger
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.text.stop_strings import StopStrings
 from ember.daemon.text.text_model import TextModel
+from ember.daemon.text.tool_format import template_messages
 from ember.daemon.text.tokenizer import StreamDecoder
 from ember.kernels.sampling import SamplingParams
 from ember.protocol.limits import Limits, LimitExceeded
-from ember.protocol.messages import ErrorCode, Generate, Grammar
+from ember.protocol.messages import ErrorCode, Generate, Grammar, Tool, ToolChoice
 
 
 class RequestError(ValueError):
@@ -36,7 +38,7 @@ class Request:
     model_name: str
     prompt_text: str | None
     prompt_ids: list[int] | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     max_tokens: int
     params: SamplingParams
     seed: int | None
@@ -46,6 +48,10 @@ class Request:
     return_logits: bool
     logprobs: bool
     grammar: Grammar | None = None  # as the client wrote it (the text worker compiles it)
+    tools: tuple[Tool, ...] = ()  # a chat's functions (its template renders them)
+    tool_choice: str = ToolChoice.AUTO
+    tool_name: str = ""
+    parallel_tool_calls: bool = True
     admitted: float = field(default_factory=time.perf_counter)
     # --- text worker only ---------------------------------------------------------------------------
     compiled_grammar: str | None = None  # llguidance's text of `grammar` (daemon/text/grammar.py)
@@ -91,6 +97,14 @@ def request_from_generate(client: bytes, msg: Generate, models: Mapping[str, Tex
         raise RequestError(ErrorCode.BAD_REQUEST, "give exactly one of prompt, token_ids and messages")
     if msg.messages is not None and not msg.messages:
         raise RequestError(ErrorCode.BAD_REQUEST, "messages is empty: a chat needs at least one message")
+    if msg.tools and msg.messages is None:
+        raise RequestError(ErrorCode.BAD_REQUEST, "tools are for chats (messages): a template renders them")
+    if msg.tool_choice not in (ToolChoice.AUTO, ToolChoice.NONE, ToolChoice.REQUIRED):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"tool_choice must be auto, none or required, got {msg.tool_choice!r}")
+    if msg.tool_choice == ToolChoice.REQUIRED and not msg.tools:
+        raise RequestError(ErrorCode.BAD_REQUEST, "tool_choice required needs tools")
+    if msg.tool_name and msg.tool_choice != ToolChoice.REQUIRED:
+        raise RequestError(ErrorCode.BAD_REQUEST, "tool_name goes with tool_choice required")
     if msg.max_tokens < 0:
         raise RequestError(ErrorCode.BAD_REQUEST, f"max_tokens must be >= 0, got {msg.max_tokens}")
     vocab = model.config.vocab
@@ -112,8 +126,9 @@ def request_from_generate(client: bytes, msg: Generate, models: Mapping[str, Tex
     return Request(
         client=client, id=msg.id, model=model, model_name=name, prompt_text=msg.prompt,
         prompt_ids=list(msg.token_ids) if msg.token_ids is not None else None,
-        messages=[{"role": m.role, "content": m.content} for m in msg.messages] if msg.messages is not None else None,
+        messages=template_messages(msg.messages) if msg.messages is not None else None,
         max_tokens=msg.max_tokens, params=params, seed=msg.seed, stop=msg.stop, stop_ids=msg.stop_ids,
         ignore_eos=msg.ignore_eos, return_logits=msg.return_logits, logprobs=msg.logprobs or msg.top_logprobs > 0,
-        grammar=msg.grammar,
+        grammar=msg.grammar, tools=msg.tools, tool_choice=msg.tool_choice, tool_name=msg.tool_name,
+        parallel_tool_calls=msg.parallel_tool_calls,
     )

@@ -404,7 +404,8 @@ class Server:
 
 def _model_info(name: str, model: TextModel) -> ModelInfo:
     c = model.config
-    return ModelInfo(name, c.arch, c.vocab, c.context_length, model.tokenizer.chat_template is not None)
+    return ModelInfo(name, c.arch, c.vocab, c.context_length, model.tokenizer.chat_template is not None,
+                     model.tool_format)
 
 
 def _trim_heap() -> None:

@@ -39,11 +39,12 @@ from ember.daemon.server.engine_thread import EngineStats, EngineThread, Progres
 from ember.daemon.server.request import Request
 from ember.daemon.text.chat_template import ChatTemplateError
 from ember.daemon.text.grammar import compile_grammar
+from ember.daemon.text.tool_format import call_grammar, template_tools
 from ember.daemon.text.stop_strings import StopStrings
 from ember.daemon.text.tokenize_pool import TokenizePool
 from ember.daemon.text.tokenizer import Tokenizer
 from ember.protocol.limits import LimitExceeded, Limits
-from ember.protocol.messages import (Error, ErrorCode, Finished, FinishReason, ServerMessage, Timings, Tokens,
+from ember.protocol.messages import (Error, ErrorCode, Finished, FinishReason, ServerMessage, Timings, ToolChoice, Tokens,
                                      TopLogprob, Usage)
 
 Output = tuple[bytes, ServerMessage]  # (client identity, message)
@@ -149,8 +150,9 @@ class TextWorker:
         try:
             if r.grammar is not None:
                 r.compiled_grammar = compile_grammar(r.grammar.kind, r.grammar.text)
+            tools = self._tools(r)
             if r.prompt_ids is None:
-                text = r.model.render_chat(r.messages) if r.messages is not None else r.prompt_text or ""
+                text = r.model.render_chat(r.messages, tools=tools) if r.messages is not None else r.prompt_text or ""
                 if self.check_text_size(r.model_name, r.model.tokenizer, text) > self.tokenize_pool.inline_bytes:
                     return self._offload(r, text)
                 # a chat template writes its own special tokens (Model.chat_ids)
@@ -160,6 +162,22 @@ class TextWorker:
         except (ValueError, ChatTemplateError) as e:  # TokenizerError is a ValueError
             return self._reject(r, ErrorCode.BAD_REQUEST, str(e))
         self._start(r)
+
+    @staticmethod
+    def _tools(r: Request) -> list[dict[str, Any]] | None:
+        """The tools its template renders (none with tool_choice none), and where a call is required,
+        the grammar that makes it one; ValueError says what is wrong."""
+        if not r.tools or r.tool_choice == ToolChoice.NONE:
+            return None
+        fmt = r.model.tool_format
+        if not fmt:
+            raise ValueError(f"model {r.model_name!r} cannot call tools: its chat template renders none")
+        tools = template_tools(r.tools)
+        if r.tool_choice == ToolChoice.REQUIRED:
+            if r.compiled_grammar is not None:
+                raise ValueError("a required tool call and a grammar of its own: give one of them")
+            r.compiled_grammar = compile_grammar("lark", call_grammar(fmt, r.tools, r.tool_name, r.parallel_tool_calls))
+        return tools
 
     def _offload(self, r: Request, text: str) -> None:
         try:

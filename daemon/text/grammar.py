@@ -32,7 +32,7 @@ from ember.daemon.text.tokenizer import Tokenizer
 KINDS = ("json_schema", "json", "regex", "choice", "lark", "gbnf")
 # JSON: whitespace between items is limited (llguidance's default is any run of it, which a small model
 # at temperature 1 can fill its whole budget with, so that the answer never closes)
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": r"[ \n]{0,4}"}
+JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": r"[ \n]{0,4}"}
 ANY_JSON_OBJECT = '{"type": "object"}'
 
 
@@ -50,7 +50,7 @@ def compile_grammar(kind: str, text: str) -> str:
             schema = json.loads(ANY_JSON_OBJECT if kind == "json" else text)
             if not isinstance(schema, (dict, bool)):
                 raise GrammarError("a JSON schema must be an object")
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         elif kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(text)
         elif kind == "choice":

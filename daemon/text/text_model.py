@@ -13,6 +13,7 @@ from ember.daemon.loader.model_file import ModelFile, open_model_file
 from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.text.chat_template import ChatTemplate, ChatTemplateError
 from ember.daemon.text.grammar import Grammars
+from ember.daemon.text.tool_format import tool_format
 from ember.daemon.text.sampling_defaults import SamplingDefaults, from_gguf, from_hf_dir
 from ember.daemon.text.tokenizer import Tokenizer, TokenizerError
 
@@ -37,8 +38,15 @@ class TextModel:
     def detokenize(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for chat `messages`, by the model's own chat template."""
+    @functools.cached_property
+    def tool_format(self) -> str:
+        """How its chat template has it write tool calls (daemon/text/tool_format.py; "": no tools)."""
+        return tool_format(self.tokenizer.chat_template)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text for chat `messages`, by the model's own chat template (with `tools`, OpenAI's
+        function definitions, where given)."""
         if self._chat is None:
             source = self.tokenizer.chat_template
             if source is None:
@@ -46,7 +54,7 @@ class TextModel:
             t = self.tokenizer
             name = lambda i: "" if i is None else t.decode([i])  # noqa: E731
             self._chat = ChatTemplate(source, name(t.bos_id), name(t.eos_id))
-        return self._chat.render(messages, add_generation_prompt)
+        return self._chat.render(messages, add_generation_prompt, **({"tools": list(tools)} if tools else {}))
 
     def chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Token ids of the rendered chat (the template writes BOS itself where the model wants it)."""

@@ -93,9 +93,41 @@ def test_messages_roles_and_content_parts() -> None:
                        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                        {"role": "assistant", "content": None}])
     assert [(m.role, m.content) for m in t.messages or ()] == [("system", "be brief"), ("user", "a\nb"), ("assistant", "")]
-    refused(chat, "messages[0].role", messages=[{"role": "tool", "content": "x"}])
+    refused(chat, "messages[0].role", messages=[{"role": "critic", "content": "x"}])
+    refused(chat, "messages[0].tool_call_id", messages=[{"role": "tool", "content": "x"}])
     refused(chat, "messages[0].content[0]", messages=[{"role": "user", "content": [{"type": "image_url"}]}])
     refused(chat, "messages[0].content", messages=[{"role": "user", "content": None}])
+
+
+def test_tools_tool_choice_and_a_history_of_calls() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "g", "description": "G"}}]
+    history = [{"role": "user", "content": "go"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+                   {"id": "c2", "type": "function", "function": {"name": "g", "arguments": {"y": [2]}}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "one"}]
+    t = chat(messages=history, tools=tools)
+    o = t.options
+    assert [(x.name, x.description, json.loads(x.parameters)) for x in o["tools"]] == [
+        ("f", "", {"type": "object"}), ("g", "G", {"type": "object", "properties": {}})]
+    assert (o["tool_choice"], o["tool_name"], o["parallel_tool_calls"]) == ("auto", "", True)
+    calls = t.messages[1].tool_calls
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in calls] == [("c1", "f", {"x": 1}), ("c2", "g", {"y": [2]})]
+    assert (t.messages[2].role, t.messages[2].tool_call_id) == ("tool", "c1")
+    named = chat(tools=tools, tool_choice={"type": "function", "function": {"name": "g"}}, parallel_tool_calls=False)
+    assert (named.options["tool_choice"], named.options["tool_name"], named.options["parallel_tool_calls"]) == (
+        "required", "g", False)
+    assert chat(tools=tools, tool_choice="none").options["tool_choice"] == "none"
+    refused(chat, "tool_choice", tools=tools, tool_choice={"type": "function", "function": {"name": "h"}})
+    refused(chat, "tool_choice", tool_choice="required")  # no tools
+    refused(chat, "tools[0].type", tools=[{"type": "retrieval", "function": {"name": "f"}}])
+    refused(chat, "messages[0].tool_calls", messages=[{"role": "user", "content": "x", "tool_calls": calls_in(1)}])
+    refused(chat, "functions", functions=[{"name": "f"}])
+
+
+def calls_in(n: int) -> list[dict[str, object]]:
+    return [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(n)]
 
 
 def test_prompt_shapes() -> None:
@@ -113,7 +145,8 @@ def test_prompt_shapes() -> None:
 
 @pytest.mark.parametrize("body,param", [
     ({"n": 17}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"stop": ["ok", ""]}, "stop"), ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"stop": ["ok", ""]}, "stop"), ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "xml"}}, "response_format"), ({"max_tokens": "ten"}, "max_tokens"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
