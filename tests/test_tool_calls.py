@@ -102,3 +102,22 @@ def test_chat_chunks_of_a_streamed_answer_with_calls() -> None:
     assert whole["choices"][0]["finish_reason"] == "tool_calls"
     cut = msgspec.json.decode(fmt.whole([(answer, None, Finished(1, "length", Usage(3, 40)))]))
     assert cut["choices"][0]["finish_reason"] == "length"  # calls, but cut short: the reason stands
+
+
+def test_ollama_lines_of_a_streamed_answer_with_calls() -> None:
+    """Ollama's NDJSON: text pieces as message.content, each call as message.tool_calls with its
+    arguments an object; the whole answer the same."""
+    from ember.client.gateway.ollama_api import OllamaFormat
+
+    fmt = OllamaFormat("m", True, 0.0, tool_format="hermes")
+    answer = CASES[0][1]
+    body = b"".join(fmt.delta(p, None) for p in pieces(answer, "chars"))
+    body += fmt.closing(Finished(1, "stop", Usage(3, 40)))
+    lines = [msgspec.json.decode(line) for line in body.splitlines()]
+    assert "".join(line["message"]["content"] for line in lines) == "Let me look.\n"
+    calls = [c["function"] for line in lines for c in line["message"].get("tool_calls", [])]
+    assert calls == [{"name": "get_weather", "arguments": WEATHER}, {"name": "add", "arguments": {"a": 1, "b": 2}}]
+    assert lines[-1]["done"] and not any(line["done"] for line in lines[:-1])
+    whole = msgspec.json.decode(OllamaFormat("m", True, 0.0, "hermes").whole([(answer, None,
+                                                                               Finished(1, "stop", Usage(3, 40)))]))
+    assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather", "add"]

@@ -29,14 +29,14 @@ import ember
 from ember.client.errors import EmberError
 from ember.client.gateway.config import GatewayConfig
 from ember.client.gateway.connection_pool import ConnectionPool
-from ember.client.gateway.errors import AUTHENTICATION, SERVER_ERROR, ApiError, from_ember
+from ember.client.gateway.errors import AUTHENTICATION, SERVER_ERROR, ApiError, bad_request, from_ember
 from ember.client.gateway.generation import CLIENT_GONE, STREAM_STATUS, Carrier, carry
 from ember.client.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from ember.client.gateway.ollama_api import (PROBE_TEXT, OllamaChatRequest, OllamaFormat, OllamaGenerateRequest,
                                              OllamaShowRequest, error_response, model_entry, show,
                                              translate_ollama_chat, translate_ollama_generate)
 from ember.client.gateway.openai_schema import ChatRequest, CompletionRequest, ModelCard, ModelList
-from ember.client.gateway.request_translation import decode_body, translate_chat, translate_completion
+from ember.client.gateway.request_translation import Translated, decode_body, translate_chat, translate_completion
 from ember.client.gateway.response_format import ChatFormat, TextFormat
 from ember.client.gateway.responses_api import ResponsesFormat, ResponsesRequest, ResponseStore, translate_responses
 from ember.client.gateway.token_texts import TokenTexts
@@ -104,8 +104,7 @@ def _gateway(request: web.Request) -> Gateway:
 async def _chat(request: web.Request) -> web.StreamResponse:
     arrived = time.perf_counter()
     t = translate_chat(decode_body(await _body(request), ChatRequest))  # type: ignore[arg-type]
-    tools = t.options.get("tools") and t.options.get("tool_choice") != "none"
-    tool_format = (await _model_info(_gateway(request), t.model)).tool_format if tools else ""
+    tool_format = await _tool_format(_gateway(request), t)
     return await carry(request, _gateway(request).carrier, t, ChatFormat(t.model, t.include_usage, tool_format),
                        arrived)
 
@@ -146,11 +145,13 @@ async def _ollama_chat(request: web.Request) -> web.StreamResponse:
     arrived = time.perf_counter()
     gateway = _gateway(request)
     req = decode_body(await _body(request), OllamaChatRequest)
-    req.model = (await _ollama_model(gateway, req.model)).name
-    fmt = OllamaFormat(req.model, True, arrived)
+    model = await _ollama_model(gateway, req.model)
+    req.model = model.name
     if not req.messages:  # Ollama's "load the model": every model is loaded
-        return web.Response(body=fmt.loaded(), content_type="application/json")
-    return await carry(request, gateway.carrier, translate_ollama_chat(req), fmt, arrived)
+        return web.Response(body=OllamaFormat(req.model, True, arrived).loaded(), content_type="application/json")
+    t = translate_ollama_chat(req)
+    return await carry(request, gateway.carrier, t, OllamaFormat(req.model, True, arrived,
+                                                                 await _tool_format(gateway, t)), arrived)
 
 
 async def _ollama_generate(request: web.Request) -> web.StreamResponse:
@@ -170,6 +171,17 @@ async def _model_infos(gateway: Gateway) -> list[ModelInfo]:
         return list(await (await gateway.pool.any()).models())
     except EmberError as e:
         raise from_ember(e) from None
+
+
+async def _tool_format(gateway: Gateway, t: Translated) -> str:
+    """The format the answer's tool calls come in, where the request offers tools ("" where it does not);
+    400 naming `tools` where the model's chat template renders none."""
+    if not t.options.get("tools") or t.options.get("tool_choice") == "none":
+        return ""
+    model = await _model_info(gateway, t.model)
+    if not model.tool_format:
+        raise bad_request(f"model {model.name!r} cannot call tools: its chat template renders none", "tools")
+    return model.tool_format
 
 
 async def _model_info(gateway: Gateway, name: str) -> ModelInfo:
@@ -196,7 +208,9 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     gateway = _gateway(request)
     req = decode_body(await _body(request), ResponsesRequest)
     t, conversation = translate_responses(req, gateway.responses)
-    return await carry(request, gateway.carrier, t, ResponsesFormat(req, conversation, gateway.responses), arrived)
+    tool_format = await _tool_format(gateway, t)
+    return await carry(request, gateway.carrier, t, ResponsesFormat(req, conversation, gateway.responses, tool_format),
+                       arrived)
 
 
 async def _models(request: web.Request) -> web.Response:

@@ -16,15 +16,19 @@ Ollama's options map to ember's: num_predict (< 0: up to the context), temperatu
 repeat_penalty, presence_penalty, frequency_penalty, seed, stop; the options that tune Ollama's own
 runner (num_ctx, num_gpu, num_thread, ...) are the daemon's to decide and are ignored. An empty prompt or
 message list is Ollama's "load the model" request: answered done at once (every model is loaded).
-`format` ("json" or a JSON schema) constrains the answer (structured_output.py). What ember cannot
-honour is refused with a 400 naming it: `tools`, `images`, `suffix`, `context`, messages of the `tool`
-role. Errors are Ollama's `{"error": "..."}`,
+`format` ("json" or a JSON schema) constrains the answer (structured_output.py); `tools` are offered
+to the model, whose calls come back as message.tool_calls (client/tool_calls.py), and a history may
+hold calls and `tool` messages. What ember cannot honour is refused with a 400 naming it: `images`,
+`suffix`, `context`. Errors are Ollama's `{"error": "..."}`,
 streamed as such after the stream started. No embeddings: /api/embed is a 404.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -32,15 +36,16 @@ import msgspec
 from aiohttp import web
 
 from ember.client.gateway.errors import ApiError, bad_request
-from ember.client.gateway.openai_schema import ErrorBody
-from ember.client.gateway.request_translation import SEED_RANGE, Translated, stop_strings
+from ember.client.gateway.openai_schema import ErrorBody, ToolIn
+from ember.client.gateway.request_translation import SEED_RANGE, Translated, stop_strings, tool_of
 from ember.client.gateway.response_format import Choice, TokenScore
 from ember.client.gateway.structured_output import ollama_grammar
-from ember.protocol.messages import ChatMessage, Finished, ModelInfo, Usage
+from ember.client.tool_calls import ParsedCall, ToolCallParser, parse_tool_calls
+from ember.protocol.messages import ChatMessage, Finished, ModelInfo, ToolCall, Usage
 
 NDJSON_HEADERS = {"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 PROBE_TEXT = "Ollama is running"  # what Ollama's clients look for at / (a protocol constant, not a claim)
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "user", "assistant", "tool")
 _encode = msgspec.json.Encoder().encode
 
 
@@ -57,11 +62,21 @@ class OllamaOptions(msgspec.Struct, kw_only=True):
     stop: list[str] | None = None
 
 
+class OllamaFunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: dict[str, Any] = {}
+
+
+class OllamaToolCall(msgspec.Struct, kw_only=True):
+    function: OllamaFunctionCall
+
+
 class OllamaMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str = ""
     images: list[Any] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[OllamaToolCall] | None = None
+    tool_name: str | None = None  # a tool message: the function that answered
 
 
 class _OllamaBody(msgspec.Struct, kw_only=True):
@@ -75,7 +90,7 @@ class _OllamaBody(msgspec.Struct, kw_only=True):
 
 class OllamaChatRequest(_OllamaBody, kw_only=True):
     messages: list[OllamaMessage] = []
-    tools: list[Any] | None = None
+    tools: list[ToolIn] | None = None  # OpenAI's shape, as Ollama takes it
 
 
 class OllamaGenerateRequest(_OllamaBody, kw_only=True):
@@ -94,16 +109,27 @@ class OllamaShowRequest(msgspec.Struct, kw_only=True):
 
 
 def translate_ollama_chat(req: OllamaChatRequest) -> Translated:
-    if req.tools:
-        raise bad_request("tools are not supported by ember yet", "tools")
-    messages = []
+    """Ollama's chat; its tool calls carry no ids, so the history's get ones made from their place, and a
+    tool result answers the newest call before it of the function it names (else the newest call)."""
+    messages: list[ChatMessage] = []
     for i, m in enumerate(req.messages):
         if m.role not in _ROLES:
             raise bad_request(f"messages[{i}].role {m.role!r} is not supported ({', '.join(_ROLES)})", "messages")
-        if m.images or m.tool_calls:
-            raise bad_request(f"messages[{i}]: images and tool calls are not supported by ember", "messages")
-        messages.append(ChatMessage(m.role, m.content))
-    return _translated(req, None, messages)
+        if m.images:
+            raise bad_request(f"messages[{i}]: images are not supported by ember", "messages")
+        calls = tuple(ToolCall(f"call_{i}_{k}", c.function.name, _encode(c.function.arguments).decode())
+                      for k, c in enumerate(m.tool_calls or ()))
+        answers = _answered(messages, m.tool_name) if m.role == "tool" else None
+        messages.append(ChatMessage(m.role, m.content, calls, answers.id if answers else "",
+                                    m.tool_name or (answers.name if answers else "")))
+    t = _translated(req, None, messages)
+    tools = [tool_of(k, tool) for k, tool in enumerate(req.tools or [])]
+    return replace(t, options={**t.options, "tools": tools}) if tools else t
+
+
+def _answered(history: list[ChatMessage], name: str | None) -> ToolCall | None:
+    calls = [c for m in history for c in m.tool_calls]
+    return next((c for c in reversed(calls) if c.name == name), calls[-1] if calls else None)
 
 
 def translate_ollama_generate(req: OllamaGenerateRequest, chat_template: bool) -> Translated:
@@ -138,17 +164,25 @@ class OllamaFormat:
 
     stream_headers = NDJSON_HEADERS
 
-    def __init__(self, model: str, chat: bool, arrived: float) -> None:
+    def __init__(self, model: str, chat: bool, arrived: float, tool_format: str = "") -> None:
+        """tool_format: the model's, where the chat offered tools (their calls come as message.tool_calls)."""
         self.model, self.chat, self.arrived = model, chat, arrived
+        self._parser = ToolCallParser(tool_format) if tool_format else None
 
     def opening(self, index: int = 0) -> bytes:
         return b""
 
     def delta(self, text: str, scores: list[TokenScore] | None, index: int = 0) -> bytes:
-        return _encode(self._piece(text, False)) + b"\n"
+        if self._parser is None:
+            return _encode(self._piece(text, False)) + b"\n"
+        text, calls = self._parser.feed(text)
+        return _encode(self._piece(text, False, calls)) + b"\n" if text or calls else b""
 
     def closing(self, finished: Finished, index: int = 0) -> bytes:
-        return _encode(self._last("", finished)) + b"\n"
+        if self._parser is None:
+            return _encode(self._last("", finished)) + b"\n"
+        text, calls = self._parser.close()
+        return _encode(self._last(text, finished, calls)) + b"\n"
 
     def usage(self, usage: Usage) -> bytes:
         return b""
@@ -161,20 +195,26 @@ class OllamaFormat:
 
     def whole(self, choices: list[Choice], n: int = 1) -> bytes:
         text, _, finished = choices[0]  # Ollama's requests have one choice
-        return _encode(self._last(text, finished))
+        if self._parser is None:
+            return _encode(self._last(text, finished))
+        content, calls = parse_tool_calls(self._parser.fmt, text)
+        return _encode(self._last(content, finished, calls))
 
-    def _piece(self, text: str, done: bool) -> dict[str, Any]:
+    def _piece(self, text: str, done: bool, calls: Sequence[ParsedCall] = ()) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "created_at": _now()}
         if self.chat:
             out["message"] = {"role": "assistant", "content": text}
+            if calls:
+                out["message"]["tool_calls"] = [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                                                for c in calls]
         else:
             out["response"] = text
         out["done"] = done
         return out
 
-    def _last(self, text: str, finished: Finished) -> dict[str, Any]:
+    def _last(self, text: str, finished: Finished, calls: Sequence[ParsedCall] = ()) -> dict[str, Any]:
         t = finished.timings
-        return {**self._piece(text, True), "done_reason": finished.reason,
+        return {**self._piece(text, True, calls), "done_reason": finished.reason,
                 "total_duration": int((time.perf_counter() - self.arrived) * 1e9), "load_duration": 0,
                 "prompt_eval_count": finished.usage.prompt_tokens, "prompt_eval_duration": int(t.prefill_ms * 1e6),
                 "eval_count": finished.usage.completion_tokens, "eval_duration": int(t.decode_ms * 1e6)}

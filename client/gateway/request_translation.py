@@ -88,9 +88,9 @@ def translate_chat(req: ChatRequest) -> Translated:
     messages = [_message(i, m) for i, m in enumerate(req.messages)]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     t = _translated(req, None, messages, max_tokens, logprobs, openai_grammar(req, req.response_format))
-    tools = [_tool(i, tool) for i, tool in enumerate(req.tools or [])]
+    tools = [tool_of(i, tool) for i, tool in enumerate(req.tools or [])]
     if tools:
-        choice, name = _tool_choice(req.tool_choice, tools)
+        choice, name = tool_choice_of(req.tool_choice, tools)
         t = replace(t, options={**t.options, "tools": tools, "tool_choice": choice, "tool_name": name,
                                 "parallel_tool_calls": req.parallel_tool_calls is not False})
     elif req.tool_choice not in (None, "none", "auto"):
@@ -175,19 +175,22 @@ def _message(i: int, m: MessageIn) -> ChatMessage:
     return ChatMessage(role, "\n".join(texts), **extra)
 
 
-def _tool(i: int, tool: ToolIn) -> Tool:
+def tool_of(i: int, tool: ToolIn) -> Tool:
+    """tools[i] of an OpenAI (or Ollama) request as ember's Tool."""
     if tool.type != "function":
         raise bad_request(f"tools[{i}].type must be function, got {tool.type!r}", f"tools[{i}].type")
     f = tool.function
     return Tool(f.name, f.description or "", msgspec.json.encode(f.parameters or _NO_PARAMETERS).decode())
 
 
-def _tool_choice(choice: str | dict[str, Any] | None, tools: list[Tool]) -> tuple[str, str]:
-    """OpenAI's tool_choice as (ember's tool_choice, the function it names)."""
+def tool_choice_of(choice: str | dict[str, Any] | None, tools: list[Tool]) -> tuple[str, str]:
+    """OpenAI's tool_choice (chat's {"type": "function", "function": {"name"}} or the Responses API's
+    {"type": "function", "name"}) as (ember's tool_choice, the function it names)."""
     if choice is None or choice in ("auto", "none", "required"):
         return choice or "auto", ""
     if isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else choice.get("name")
         if not isinstance(name, str) or name not in {t.name for t in tools}:
             raise bad_request(f"tool_choice names function {name!r}, which is not among the tools", "tool_choice")
         return "required", name

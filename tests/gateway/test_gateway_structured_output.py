@@ -108,3 +108,15 @@ def _grammar(kind: str, text: str) -> Any:
     from ember.protocol.messages import Grammar
 
     return Grammar(kind, text)
+
+
+@pytest.mark.slow  # importing litellm takes seconds
+def test_litellm_sees_a_context_overflow(gateway: Any) -> None:
+    """litellm maps ember's context_length_exceeded to ContextWindowExceededError, so its fallbacks fire."""
+    import os
+
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch from the internet at import
+    litellm = pytest.importorskip("litellm")
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(model=f"openai/{MODEL}", api_base=f"{gateway.url}/v1", api_key="unused",
+                           messages=[{"role": "user", "content": "word " * 40000}], max_tokens=8, num_retries=0)

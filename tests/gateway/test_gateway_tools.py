@@ -118,3 +118,66 @@ def test_a_history_of_calls_and_results(client: openai.OpenAI) -> None:
         ask(client, messages=history[:-1] + [{"role": "tool", "content": "x"}])
     with pytest.raises(openai.BadRequestError):
         ask(client, tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_langchain_bind_tools_and_structured_output(client: openai.OpenAI) -> None:
+    """LangChain's ChatOpenAI: bind_tools with a named tool gives an AIMessage whose tool_calls hold the
+    arguments as a dict; with_structured_output, by function calling and by json_schema, gives the
+    pydantic object."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel, Field
+
+    class Add(BaseModel):
+        """Add two numbers."""
+        a: int = Field(ge=0, le=1000)
+        b: int = Field(ge=0, le=1000)
+
+    llm = langchain_openai.ChatOpenAI(model=client.models.list().data[0].id, base_url=str(client.base_url),
+                                      api_key="unused", temperature=1.0, seed=2, max_tokens=120, max_retries=0)
+    message = llm.bind_tools([Add], tool_choice="Add", parallel_tool_calls=False).invoke("Add 2 and 3.")
+    assert [c["name"] for c in message.tool_calls] == ["Add"]
+    Add.model_validate(message.tool_calls[0]["args"])
+    for method in ("function_calling", "json_schema"):
+        result = llm.with_structured_output(Add, method=method).invoke("Add 2 and 3.")
+        assert isinstance(result, Add), method
+
+
+def test_ollama_tools(client: openai.OpenAI) -> None:
+    """Ollama's chat with tools: the calls come back as message.tool_calls, arguments an object; a
+    history with calls and a tool result is taken."""
+    ollama = pytest.importorskip("ollama")
+    model = client.models.list().data[0].id
+    host = str(client.base_url).removesuffix("/v1/")
+    ol = ollama.Client(host=host)
+    tool = {"type": "function", "function": {"name": "add", "description": "Add", "parameters": ADD}}
+    r = ol.chat(model=model, messages=[{"role": "user", "content": "Add 2 and 3."}], tools=[tool],
+                options={"temperature": 0, "num_predict": 60})
+    assert r.message.role == "assistant" and r.done
+    history = [{"role": "user", "content": "Add 2 and 3."},
+               {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add",
+                                                                                  "arguments": {"a": 2, "b": 3}}}]},
+               {"role": "tool", "content": "5", "tool_name": "add"}]
+    pieces = list(ol.chat(model=model, messages=history, tools=[tool], stream=True,
+                          options={"temperature": 0, "num_predict": 16}))
+    assert pieces[-1].done
+
+
+def test_responses_function_calls(client: openai.OpenAI) -> None:
+    """The Responses API: function tools, a named call as a function_call output item (whole and
+    streamed, the same), and the call's output sent back as a function_call_output item."""
+    model = client.models.list().data[0].id
+    tools = [{"type": "function", "name": "add", "description": "Add", "parameters": ADD}]
+    options = dict(model=model, input="Add 2 and 3.", tools=tools, tool_choice={"type": "function", "name": "add"},
+                   parallel_tool_calls=False, temperature=1.0, max_output_tokens=120, extra_body={"seed": 5})
+    r = client.responses.create(**options)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "add" and r.status == "completed"
+    check_call("add", calls[0].arguments)
+    events = list(client.responses.create(**options, stream=True))
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert [(e.item.name, e.item.arguments) for e in done] == [(calls[0].name, calls[0].arguments)]
+    assert not any(e.type == "response.output_text.delta" for e in events)
+    follow = client.responses.create(model=model, tools=tools, max_output_tokens=8, previous_response_id=r.id,
+                                     input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                                             "output": "5"}])
+    assert follow.status in ("completed", "incomplete")
