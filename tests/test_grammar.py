@@ -226,3 +226,20 @@ def test_an_engine_without_grammars_refuses_a_constrained_sequence(model) -> Non
     bare = EngineCore(ModelRunner(model.net, 8, 16))
     with pytest.raises(ValueError, match="no grammars"):
         bare.add(Sequence([1, 2], 4, grammar=compile_grammar("json", "")))
+
+
+def test_the_cli_options_name_a_grammar(tmp_path) -> None:
+    from ember.client.cli.main import build_parser
+    from ember.client.cli.sampling_options import grammar_of
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMAS[0]))
+    gbnf = tmp_path / "g.gbnf"
+    gbnf.write_text('root ::= "yes" | "no"')
+    cases = [([], None), (["--json-schema", "{}"], Grammar("json")), (["--json-schema", f"@{schema}"],
+             Grammar("json_schema", json.dumps(SCHEMAS[0]))), (["--regex", "[0-9]+"], Grammar("regex", "[0-9]+")),
+             (["--grammar", str(gbnf)], Grammar("gbnf", 'root ::= "yes" | "no"'))]
+    for options, grammar in cases:
+        assert grammar_of(build_parser().parse_args(["run", *options, "hi"])) == grammar
+    with pytest.raises(SystemExit):  # one grammar at a time
+        build_parser().parse_args(["run", "--regex", "a", "--json-schema", "{}", "hi"])

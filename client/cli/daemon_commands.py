@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from ember.client.cli.sampling_options import add_sampling_options
+from ember.client.cli.sampling_options import add_sampling_options, grammar_of
 
 
 def add_daemon_commands(sub: Any) -> None:
@@ -190,7 +190,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(model=args.model, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                 frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
-                stop=args.stop)
+                stop=args.stop, grammar=grammar_of(args))
 
 
 def _generate(args: argparse.Namespace) -> int:

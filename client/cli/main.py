@@ -60,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from ember.client.cli.hub_commands import progress_for_stderr
+    from ember.client.cli.sampling_options import grammar_of
     from ember.daemon.loader.demo_model import DEMO_MODEL
     from ember.daemon.loader.hub import Hub, resolve_model
     from ember.daemon.loader.model_file_error import ModelFileError
@@ -83,7 +84,8 @@ def _run(args: argparse.Namespace) -> int:
                                      min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     sampling.update(frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
     ends = frozenset() if args.ignore_eos else frozenset(model.tokenizer.eos_ids)
-    for token in model.generate(prompt, max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos, **sampling):
+    for token in model.generate(prompt, max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
+                                grammar=grammar_of(args), **sampling):
         if token in ends:
             break  # the end token's text (<|endoftext|>) is not the model's output
         out.write(decoder.feed(token))

@@ -1,7 +1,11 @@
-"""The sampling options of `ember run`, `ember generate` and `ember chat`."""
+"""The sampling options of `ember run`, `ember generate` and `ember chat`, and the grammar their text may
+be held to (--json-schema, --regex, --grammar)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from ember.protocol.messages import Grammar
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -14,3 +18,21 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, help="drop tokens below min_p x the best probability (default: the model's)")
     p.add_argument("--repetition-penalty", type=float,
                    help="llama.cpp-style multiplicative penalty, 1 = off (default: the model's)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="SCHEMA", help="the text is JSON following this schema (JSON text, or "
+                   "@FILE); {} for any JSON object")
+    g.add_argument("--regex", help="the text matches this regular expression")
+    g.add_argument("--grammar", metavar="FILE", help="the text follows this grammar file (GBNF or Lark)")
+
+
+def grammar_of(args: argparse.Namespace) -> Grammar | None:
+    """The grammar the options ask for (None: free text)."""
+    if args.json_schema is not None:
+        text = args.json_schema
+        text = Path(text[1:]).read_text() if text.startswith("@") else text
+        return Grammar("json") if text.strip() == "{}" else Grammar("json_schema", text)
+    if args.regex is not None:
+        return Grammar("regex", args.regex)
+    if args.grammar is not None:
+        return Grammar("gbnf", Path(args.grammar).read_text())  # llguidance reads GBNF and Lark alike
+    return None
