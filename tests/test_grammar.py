@@ -14,7 +14,7 @@ import pytest
 import ember
 from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence
-from ember.daemon.loader.demo_model import DEMO_DRAFT, DEMO_MODEL
+from ember.daemon.loader.demo_model import DEMO_DFLASH, DEMO_DRAFT, DEMO_MODEL
 from ember.daemon.runner.model_runner import ModelRunner
 from ember.daemon.text.grammar import GrammarError, compile_grammar
 from ember.kernels.sampling import SamplingParams, allowed_tokens, sample
@@ -206,10 +206,12 @@ def test_bursts_and_batches_give_the_tokens_of_single_steps(model) -> None:
     assert bursting.stats().kv_blocks_free == 64
 
 
-def test_speculative_decoding_under_a_grammar(model) -> None:
-    """Drafts are proposed under the grammar and verified under it: greedy gives the tokens of decoding
-    without a draft, with proposals accepted; sampled answers follow the schema."""
-    spec = ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=4)
+@pytest.mark.parametrize("draft", [DEMO_DRAFT, DEMO_DFLASH], ids=["draft-model", "dflash"])
+def test_speculative_decoding_under_a_grammar(model, draft) -> None:
+    """Drafts (a draft model's, a feature-conditioned draft's) are proposed under the grammar and verified
+    under it: greedy gives the tokens of decoding without a draft, with proposals accepted; sampled
+    answers follow the schema."""
+    spec = ember.load(DEMO_MODEL, draft=draft, draft_tokens=4)
     grammar = schema_grammar(SCHEMAS[3])
     for prompt in PROMPTS[:2]:
         want = constrained(model, prompt, grammar, max_tokens=120)

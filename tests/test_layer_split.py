@@ -102,6 +102,24 @@ def test_greedy_and_seeded_sampling_identical(unsplit, split) -> None:
     assert got == list(unsplit.generate(ids, 32, ignore_eos=True, **sampling))
 
 
+def test_a_grammar_holds_through_the_split(unsplit, split) -> None:
+    """Constrained decoding: the split's last stage's logits are sampled under the grammar's mask as the
+    unsplit model's are (the same tokens, greedy and seeded), and the text follows the schema."""
+    import json
+
+    from ember.protocol.messages import Grammar
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer", "maximum": 99}},
+              "required": ["name", "n"], "additionalProperties": False}
+    grammar = Grammar("json_schema", json.dumps(schema))
+    ids = unsplit.tokenize(SNIPPETS[1])
+    for sampling in ({}, dict(temperature=1.0, seed=4)):
+        got = list(split.generate(ids, 80, grammar=grammar, **sampling))
+        assert got == list(unsplit.generate(ids, 80, grammar=grammar, **sampling))
+        assert set(json.loads(unsplit.detokenize(got))) == {"name", "n"}
+
+
 def assert_served_as_unsplit(engine: EngineCore, seqs: list[Sequence], unsplit: ember.Model) -> None:
     """`seqs` run together to their ends on `engine`, none failing, each with the unsplit model's greedy tokens."""
     for seq in seqs:
