@@ -205,7 +205,8 @@ def _float(value: float | None) -> float | None:
 def _chat_message(m: Mapping[str, Any] | ChatMessage) -> ChatMessage:
     if isinstance(m, ChatMessage):
         return m
-    calls = tuple(c if isinstance(c, ToolCall) else ToolCall(str(c["id"]), str(c["name"]), str(c.get("arguments", "{}")))
+    calls = tuple(c if isinstance(c, ToolCall) else ToolCall(str(c["id"]), str(c["name"]),
+                                                             str(c.get("arguments", "{}")))
                   for c in m.get("tool_calls") or ())
     return ChatMessage(str(m["role"]), str(m.get("content") or ""), calls, str(m.get("tool_call_id") or ""),
                        str(m.get("name") or ""))

@@ -122,7 +122,8 @@ def penalized_logits(logits: np.ndarray, params: SamplingParams, prompt: Sequenc
     if allowed is None:
         out = np.array(logits, dtype=np.float32)
     else:  # the copy and the mask in one pass
-        out = np.where(allowed_tokens(allowed, logits.shape[-1]), logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+        mask = allowed_tokens(allowed, logits.shape[-1])
+        out = np.where(mask, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
     if params.logit_bias:
         ids = np.fromiter(params.logit_bias.keys(), np.int64)
         out[ids] += np.fromiter(params.logit_bias.values(), np.float32)

@@ -1,7 +1,8 @@
 """Chat templates render exactly as transformers' apply_chat_template(..., tokenize=False) renders the
 same template string: ChatML, a Qwen2.5-style template with tools, Qwen3's own (tools, calls, tool
-results, thinking), a Llama-3.1-style one (strftime_now, tojson(indent=...)), and one using the environment's extras (namespace, dict, break, {% generation %},
-reasoning). Errors come out as ChatTemplateError; the sandbox holds."""
+results, thinking), a Llama-3.1-style one (strftime_now, tojson(indent=...)), and one using the
+environment's extras (namespace, dict, break, {% generation %}, reasoning). Errors come out as
+ChatTemplateError; the sandbox holds."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -114,7 +114,8 @@ def test_the_sampler_draws_only_allowed_tokens_with_their_renormalized_logprobs(
         sample(logits, SamplingParams(), rng, allowed=np.zeros(4, np.int32))
 
 
-@pytest.mark.parametrize("params", [dict(temperature=0.9), dict(temperature=1.2, top_k=3), dict(temperature=0.7, top_p=0.8),
+@pytest.mark.parametrize("params", [dict(temperature=0.9), dict(temperature=1.2, top_k=3),
+                                    dict(temperature=0.7, top_p=0.8),
                                     dict(temperature=1.0, min_p=0.1, repetition_penalty=1.3)])
 def test_a_few_allowed_tokens_draw_what_the_whole_vocabulary_draws(params: dict) -> None:
     """With few tokens allowed the sampler builds the distribution over them alone: the same token as

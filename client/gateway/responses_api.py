@@ -292,11 +292,12 @@ class ResponsesFormat:
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
                 "incomplete_details": incomplete, "instructions": r.instructions,
                 "max_output_tokens": r.max_output_tokens, "model": r.model, "output": output,
-                "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": r.previous_response_id,
-                "reasoning": {"effort": None, "summary": None}, "store": r.store is not False,
-                "temperature": r.temperature, "text": r.text or {"format": {"type": "text"}}, "tool_choice": r.tool_choice or "auto",
-                "tools": [msgspec.to_builtins(t) for t in r.tools or []], "top_p": r.top_p, "truncation": "disabled", "usage": usage, "user": None,
-                "metadata": r.metadata or {}}
+                "parallel_tool_calls": r.parallel_tool_calls is not False,
+                "previous_response_id": r.previous_response_id, "reasoning": {"effort": None, "summary": None},
+                "store": r.store is not False, "temperature": r.temperature,
+                "text": r.text or {"format": {"type": "text"}}, "tool_choice": r.tool_choice or "auto",
+                "tools": [msgspec.to_builtins(t) for t in r.tools or []], "top_p": r.top_p, "truncation": "disabled",
+                "usage": usage, "user": None, "metadata": r.metadata or {}}
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         payload = _encode({"type": kind, "sequence_number": self._sequence, **fields})

@@ -100,7 +100,8 @@ def request_from_generate(client: bytes, msg: Generate, models: Mapping[str, Tex
     if msg.tools and msg.messages is None:
         raise RequestError(ErrorCode.BAD_REQUEST, "tools are for chats (messages): a template renders them")
     if msg.tool_choice not in (ToolChoice.AUTO, ToolChoice.NONE, ToolChoice.REQUIRED):
-        raise RequestError(ErrorCode.BAD_REQUEST, f"tool_choice must be auto, none or required, got {msg.tool_choice!r}")
+        raise RequestError(ErrorCode.BAD_REQUEST,
+                           f"tool_choice must be auto, none or required, got {msg.tool_choice!r}")
     if msg.tool_choice == ToolChoice.REQUIRED and not msg.tools:
         raise RequestError(ErrorCode.BAD_REQUEST, "tool_choice required needs tools")
     if msg.tool_name and msg.tool_choice != ToolChoice.REQUIRED:

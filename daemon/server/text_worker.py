@@ -44,8 +44,8 @@ from ember.daemon.text.stop_strings import StopStrings
 from ember.daemon.text.tokenize_pool import TokenizePool
 from ember.daemon.text.tokenizer import Tokenizer
 from ember.protocol.limits import LimitExceeded, Limits
-from ember.protocol.messages import (Error, ErrorCode, Finished, FinishReason, ServerMessage, Timings, ToolChoice, Tokens,
-                                     TopLogprob, Usage)
+from ember.protocol.messages import (Error, ErrorCode, Finished, FinishReason, ServerMessage, Timings, ToolChoice,
+                                     Tokens, TopLogprob, Usage)
 
 Output = tuple[bytes, ServerMessage]  # (client identity, message)
 _Item = Callable[[], None]

@@ -27,7 +27,8 @@ TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "qwen3_chat_template.jinja"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                             "unit": {"enum": ["c", "f"]}},
            "required": ["city", "unit"], "additionalProperties": False}
-ADD = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 1000}, "b": {"type": "integer", "maximum": 1000}},
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 1000},
+                                        "b": {"type": "integer", "maximum": 1000}},
        "required": ["a", "b"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": WEATHER}},
