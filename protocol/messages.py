@@ -291,6 +291,7 @@ class StatsReport(Wire, tag="stats_report"):
     cold_worker_restarts: int = 0
     spec_acceptance_rate: float = 0.0  # speculative decoding: share of draft tokens the models kept
     spec_mean_accepted_length: float = 0.0  # tokens per verification pass, the target's own one included (0: none)
+    prefix_hits: int = 0  # full prompt blocks found in the prefix cache (not computed again), since the start
 
 
 class Ping(Wire, tag="ping"):

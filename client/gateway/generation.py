@@ -86,15 +86,25 @@ async def carry(request: web.Request, carrier: Carrier, t: Translated, fmt: Answ
     leases: list[Lease] = []
     streams: list[DaemonStream] = []
     try:
-        for i in range(t.choices):
-            leases.append(await _acquire(carrier.pool))
-            streams.append(DaemonStream(_start(leases[-1].client, t, i, carrier.default_max_tokens)))
-        firsts = [await _first(stream) for stream in streams]
+        # each prompt's first choice, then (once its first token is out, so that its prompt's KV blocks
+        # are in the daemon's prefix cache) the prompt's other choices, which reuse them
+        order = sorted(range(t.choices), key=lambda i: i % t.n != 0)
+        started: dict[int, DaemonStream] = {}
+        firsts_of: dict[int, Chunk | None] = {}
+        for phase in (order[: len(order) // t.n], order[len(order) // t.n:]):
+            for i in phase:
+                leases.append(await _acquire(carrier.pool))
+                started[i] = DaemonStream(_start(leases[-1].client, t, i, carrier.default_max_tokens))
+                streams.append(started[i])
+            for i in phase:
+                firsts_of[i] = await _first(started[i])
+        ordered = [started[i] for i in range(t.choices)]  # `streams` stays in start order, beside `leases`
+        firsts = [firsts_of[i] for i in range(t.choices)]
         if any(first is not None for first in firsts):
             carrier.metrics.ttft.observe(time.perf_counter() - arrived)
         if t.stream:
-            return await _stream(request, carrier, t, fmt, streams, firsts)
-        return await _whole(carrier, t, fmt, streams, firsts)
+            return await _stream(request, carrier, t, fmt, ordered, firsts)
+        return await _whole(carrier, t, fmt, ordered, firsts)
     finally:
         for i, lease in enumerate(leases):
             _settle(carrier, lease, streams[i] if i < len(streams) else None)

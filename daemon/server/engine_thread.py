@@ -101,6 +101,7 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
     prefix_hit_rate: float = 0.0  # of full prompt blocks looked up, the share found cached
+    prefix_hits: int = 0  # those found
     preemptions: int = 0
     tokens_per_s: float = 0.0  # generated tokens over the last _RATE_WINDOW seconds
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding, all models together
@@ -374,6 +375,7 @@ class EngineThread:
             running=sum(p.running for p in parts), waiting=sum(p.waiting for p in parts),
             kv_blocks_used=sum(p.kv_blocks_used for p in parts), kv_blocks_free=sum(p.kv_blocks_free for p in parts),
             prefix_hit_rate=sum(p.prefix_hits for p in parts) / queries if queries else 0.0,
+            prefix_hits=sum(p.prefix_hits for p in parts),
             preemptions=sum(p.preemptions for p in parts),
             tokens_per_s=self._recent_tokens / span if span > 0 else 0.0,
             spec=SpecStats(sum(p.spec.proposed for p in parts), sum(p.spec.accepted for p in parts),

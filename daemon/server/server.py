@@ -348,7 +348,7 @@ class Server:
             prefix_hit_rate=round(e.prefix_hit_rate, 4), preemptions=e.preemptions,
             tokens_per_s=round(e.tokens_per_s, 2), **self._expert_stats(),
             spec_acceptance_rate=round(e.spec.acceptance_rate, 4),
-            spec_mean_accepted_length=round(e.spec.mean_accepted_length, 3)))
+            spec_mean_accepted_length=round(e.spec.mean_accepted_length, 3), prefix_hits=e.prefix_hits))
 
     def _expert_stats(self) -> dict[str, Any]:
         """The MoE models' expert counters, summed by the engine."""

@@ -198,6 +198,20 @@ def test_n_choices_whole_and_streamed(client: openai.OpenAI, native: Any) -> Non
         native.tokenize("import os"))  # LangChain's OpenAI.batch: one request, each prompt once
 
 
+def test_n_choices_share_their_prompt(client: openai.OpenAI, native: Any) -> None:
+    """The choices after a prompt's first start once its first token is out: they find the prompt's full
+    KV blocks in the daemon's prefix cache (the daemon's count of blocks found) instead of computing them.
+    (Started together they often would too, when the engine's first step takes the first choice alone;
+    the gateway's order makes it certain.)"""
+    # a prompt of its own, short enough that all three choices would fit in one step together (256 tokens)
+    prompt = "".join(f"def step_{i}(state):\n    return state + {i}\n" for i in range(6))
+    blocks = len(native.tokenize(prompt)) // 16  # the daemon's KV blocks of 16 tokens
+    before = native.stats().prefix_hits
+    r = client.completions.create(model=MODEL, prompt=prompt, n=3, seed=1, max_tokens=4, temperature=1.0)
+    assert len(r.choices) == 3 and blocks >= 5
+    assert native.stats().prefix_hits - before >= 2 * blocks - 2  # the 2 later choices, (nearly) every block
+
+
 def test_responses_whole_streamed_and_continued(client: openai.OpenAI, native: Any) -> None:
     """/v1/responses through openai's responses.create: the text is the chat's, streamed as Responses'
     events; previous_response_id continues the conversation; max_output_tokens makes it incomplete."""
