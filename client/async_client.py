@@ -31,8 +31,9 @@ from ember.client.request_builder import (MONITOR_EVENTS, Chunk, Lost, chunk_fro
 from ember.protocol.codec import Codec, ProtocolError
 from ember.protocol.endpoint import client_socket_path
 from ember.protocol.messages import (PROTOCOL_VERSION, Cancel, ChatMessage, Detokenize, Error, Finished, Health,
-                                     HealthStatus, Hello, ListModels, ModelInfo, Models, Ping, Release, ServerMessage,
-                                     Stats, StatsReport, Text, TokenIds, Tokenize, Tokens, Welcome, Wire)
+                                     HealthStatus, Hello, Hold, ListModels, ModelInfo, Models, Ping, Release,
+                                     ServerMessage, Stats, StatsReport, Text, TokenIds, Tokenize, Tokens, Welcome,
+                                     Wire)
 from ember.protocol.shm_ring import ShmRingReader
 
 
@@ -297,6 +298,12 @@ class AsyncStream:
     def cancel(self) -> None:
         if not self._done and self._client._sock is not None:
             self._client._send(Cancel(self.id)).add_done_callback(_quiet)
+
+    def hold(self, held: bool = True) -> None:
+        """Tell the daemon that this stream's output cannot be taken now (held) or can again: it stops
+        running the request, letting others have its place, and resumes it where it was."""
+        if not self._done and self._client._sock is not None:
+            self._client._send(Hold(self.id, held)).add_done_callback(_quiet)
 
     async def close(self) -> None:
         self.cancel()

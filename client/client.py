@@ -32,8 +32,9 @@ from ember.client.request_builder import (MONITOR_EVENTS, Chunk, Lost, chunk_fro
 from ember.protocol.codec import Codec, ProtocolError
 from ember.protocol.endpoint import client_socket_path
 from ember.protocol.messages import (PROTOCOL_VERSION, Cancel, ChatMessage, Detokenize, Error, Finished, Health,
-                                     HealthStatus, Hello, ListModels, ModelInfo, Models, Ping, Release, ServerMessage,
-                                     Stats, StatsReport, Text, TokenIds, Tokenize, Tokens, Welcome, Wire)
+                                     HealthStatus, Hello, Hold, ListModels, ModelInfo, Models, Ping, Release,
+                                     ServerMessage, Stats, StatsReport, Text, TokenIds, Tokenize, Tokens, Welcome,
+                                     Wire)
 from ember.protocol.shm_ring import ShmRingReader
 
 
@@ -289,6 +290,12 @@ class Stream:
         it reached first). Harmless after the end."""
         if not self._done:
             self._client._send(Cancel(self.id))
+
+    def hold(self, held: bool = True) -> None:
+        """Tell the daemon that this stream's output cannot be taken now (held) or can again: it stops
+        running the request, letting others have its place, and resumes it where it was."""
+        if not self._done:
+            self._client._send(Hold(self.id, held))
 
     def close(self) -> None:
         """Cancel and read to the end, so nothing of this stream is left in flight."""

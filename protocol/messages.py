@@ -171,6 +171,15 @@ class Cancel(Wire, tag="cancel"):
     id: int  # the Generate to stop; cancelling an unknown or finished id does nothing
 
 
+class Hold(Wire, tag="hold"):
+    """The client cannot take this Generate's output now (held) or can again: the daemon stops running it
+    and lets others have its place, keeping what it has (a stream held longer than the daemon's stall
+    timeout ends with an error). For a client serving many streams on one connection (the gateway),
+    where pausing the whole connection would stop the others."""
+    id: int
+    held: bool = True
+
+
 class Release(Wire, tag="release"):
     id: int  # the Generate whose logits these were
     slots: tuple[int, ...]
@@ -201,7 +210,7 @@ class Stats(Wire, tag="stats"):
     id: int
 
 
-ClientMessage = Union[Hello, Generate, Cancel, Release, Tokenize, Detokenize, ListModels, Health, Stats]
+ClientMessage = Union[Hello, Generate, Cancel, Hold, Release, Tokenize, Detokenize, ListModels, Health, Stats]
 
 
 # --- daemon -> client ------------------------------------------------------------------------------
@@ -292,6 +301,7 @@ class StatsReport(Wire, tag="stats_report"):
     spec_acceptance_rate: float = 0.0  # speculative decoding: share of draft tokens the models kept
     spec_mean_accepted_length: float = 0.0  # tokens per verification pass, the target's own one included (0: none)
     prefix_hits: int = 0  # full prompt blocks found in the prefix cache (not computed again), since the start
+    held: int = 0  # requests held now because their clients take no output (a full backlog, Hold, a full ring)
 
 
 class Ping(Wire, tag="ping"):

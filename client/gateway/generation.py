@@ -13,6 +13,7 @@ turned into OpenAI's answer (whole, or as server-sent events), and its end — i
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from contextvars import ContextVar
 from collections.abc import Coroutine
@@ -34,6 +35,9 @@ from ember.protocol.messages import Finished, FinishReason
 
 # bytes queued in the kernel and the transport beyond which the next write may wait on the client
 WRITE_HIGH_WATER = 64 * 1024
+SEND_BUFFER = 64 * 1024  # an HTTP stream's socket send buffer (the kernel doubles it)
+HOLD_BYTES = 16 * 1024  # unsent beyond it, a stream is held in the daemon until the client reads
+HOLD_POLL = 0.02  # seconds between looks at a held stream's unsent bytes
 DRAIN_TIMEOUT = 30.0  # seconds a cancelled request's last frame may take to come (then the slot is freed)
 CLIENT_GONE = 499  # the metrics' status for a request whose client left first (nginx's convention)
 # how a streamed request really ended, when its status line (200) no longer can say: read by the request
@@ -170,7 +174,7 @@ async def _stream(request: web.Request, carrier: Carrier, t: Translated, fmt: An
                   streams: list[DaemonStream], firsts: list[Chunk | None]) -> web.StreamResponse:
     response = web.StreamResponse(headers=fmt.stream_headers)
     await response.prepare(request)
-    write = _Writer(request, response, carrier.stall_timeout)
+    write = _Writer(request, response, carrier.stall_timeout, streams)
     try:
         try:
             finished = await _together([_events(carrier, t, fmt, i, stream, first, write)
@@ -186,6 +190,8 @@ async def _stream(request: web.Request, carrier: Carrier, t: Translated, fmt: An
         await response.write_eof()
     except ClientGone:
         STREAM_STATUS.set(CLIENT_GONE)  # _settle cancels the requests in the daemon
+    finally:
+        write.close()
     return response
 
 
@@ -260,15 +266,52 @@ async def _scores(texts: TokenTexts, model: str, chunk: Chunk) -> list[TokenScor
 
 
 class _Writer:
-    """Writes to the HTTP client; ClientGone when it left or reads nothing for `stall` seconds."""
+    """Writes to the HTTP client; ClientGone when it left or reads nothing for `stall` seconds.
 
-    def __init__(self, request: web.Request, response: web.StreamResponse, stall: float) -> None:
-        self.request, self.response, self.stall = request, response, stall
+    A client that stops reading must not keep others from running: its socket's send buffer is kept
+    small (SEND_BUFFER, where the kernel would grow it to megabytes), and once HOLD_BYTES wait unsent
+    the request's streams are held in the daemon (protocol Hold: they give their places to others and
+    keep what they have) until the client has read them; held for `stall` seconds, the connection is
+    dropped and the requests cancelled."""
+
+    def __init__(self, request: web.Request, response: web.StreamResponse, stall: float,
+                 streams: list[DaemonStream]) -> None:
+        self.request, self.response, self.stall, self.streams = request, response, stall, streams
         self._lock = asyncio.Lock()  # the choices of one request write in turn, each event whole
+        self._watch: asyncio.Task[None] | None = None  # while the streams are held
+        sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
 
     async def __call__(self, data: bytes) -> None:
         async with self._lock:
             await self._write(data)
+            transport = self.request.transport
+            if self._watch is None and transport is not None and transport.get_write_buffer_size() >= HOLD_BYTES:
+                self._hold(True)
+                self._watch = asyncio.create_task(self._until_read(transport))
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+
+    def _hold(self, held: bool) -> None:
+        for stream in self.streams:
+            if not stream.ended:
+                stream.stream.hold(held)
+
+    async def _until_read(self, transport: asyncio.BaseTransport) -> None:
+        """Held: resume once the client has read what waits; drop it after `stall` seconds of not."""
+        deadline = time.monotonic() + self.stall
+        while not transport.is_closing():
+            if transport.get_write_buffer_size() < HOLD_BYTES // 4:  # type: ignore[attr-defined]
+                self._watch = None
+                self._hold(False)
+                return
+            if time.monotonic() > deadline:
+                transport.abort()  # the handler is cancelled, and _settle cancels the requests
+                return
+            await asyncio.sleep(HOLD_POLL)
 
     async def _write(self, data: bytes) -> None:
         transport = self.request.transport

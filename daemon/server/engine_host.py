@@ -33,7 +33,7 @@ from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.logging_setup import get_logger
 from ember.daemon.server.engine_thread import EngineStats, Progress
 from ember.daemon.server.engine_wire import (AddSequence, CancelRequest, DropClient, EngineLaunch, EngineReport,
-                                             FinishSequence, Heartbeat, PauseClient, Ready, ReleaseSlots, Shutdown,
+                                             FinishSequence, Heartbeat, HoldRequest, PauseClient, Ready, ReleaseSlots, Shutdown,
                                              StartFailed, StartStatus, StatsUpdate, StepNews, Stopped, report_decoder)
 from ember.daemon.server.notify import Notifier
 from ember.protocol.messages import FinishReason
@@ -186,6 +186,9 @@ class EngineHost:
         with self._lock:
             (self._paused.add if paused else self._paused.discard)(client)
         self._send(PauseClient(client, paused))
+
+    def hold(self, client: bytes, request_id: int, held: bool) -> None:
+        self._send(HoldRequest(client, request_id, held))  # a new engine runs none of the old requests: no resend
 
     def release(self, client: bytes, slots: Iterable[int]) -> None:
         self._send(ReleaseSlots(client, list(slots)))

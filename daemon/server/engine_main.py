@@ -35,7 +35,7 @@ from ember.daemon.runner.devices import backend_for
 from ember.daemon.runtime import Model, load
 from ember.daemon.server.engine_thread import Command, EngineStats, EngineThread, ExpertTotals, Progress
 from ember.daemon.server.engine_wire import (AddSequence, CancelRequest, DropClient, EngineCommand, EngineLaunch,
-                                             FinishSequence, Heartbeat, PauseClient, Ready, ReleaseSlots, SeqProgress,
+                                             FinishSequence, Heartbeat, HoldRequest, PauseClient, Ready, ReleaseSlots, SeqProgress,
                                              Shutdown, StartFailed, StartStatus, StatsUpdate, StepNews, Stopped,
                                              command_decoder)
 from ember.daemon.server.ring_budget import RingBudget
@@ -197,6 +197,8 @@ class CommandInbox:
             engine.drop_client(m.client)
         elif isinstance(m, PauseClient):
             engine.set_paused(m.client, m.paused)
+        elif isinstance(m, HoldRequest):
+            engine.hold(m.client, m.request_id, m.held)
         elif isinstance(m, ReleaseSlots):
             engine.release(m.client, m.slots)
         elif isinstance(m, Shutdown):

@@ -11,7 +11,8 @@ and hand the step's progress, all requests at once, to the front. Commands are a
 steps, so a Cancel stops a request within one step.
 
 A sequence is held (not scheduled, keeping its KV blocks and its place) while its client is paused
-(its socket backlog is full) or, asking for logits, while its client's logits ring has no free slot
+(its socket backlog is full), while its client holds it (protocol Hold: the gateway's HTTP client
+reads nothing of it) or, asking for logits, while its client's logits ring has no free slot
 for it: nothing is ever dropped. Logits go into the ring here, where the step produced them.
 """
 from __future__ import annotations
@@ -102,6 +103,7 @@ class EngineStats:
     kv_blocks_free: int = 0
     prefix_hit_rate: float = 0.0  # of full prompt blocks looked up, the share found cached
     prefix_hits: int = 0  # those found
+    held: int = 0  # requests held because their clients take no output now (paused, Hold, a full ring)
     preemptions: int = 0
     tokens_per_s: float = 0.0  # generated tokens over the last _RATE_WINDOW seconds
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding, all models together
@@ -130,6 +132,7 @@ class EngineThread:
         self._inbox: Inbox = inbox if inbox is not None else queue.SimpleQueue()
         self._live: dict[int, EngineRequest] = {}  # seq_id -> request, for every request with a sequence
         self._paused: set[bytes] = set()
+        self._held: set[tuple[bytes, int]] = set()  # requests their clients hold (protocol Hold)
         self._holding = False  # some sequence is held now
         self._held_since: dict[int, float] = {}  # seq_id -> when it became held
         self._stall_timeout = stall_timeout
@@ -168,6 +171,10 @@ class EngineThread:
 
     def set_paused(self, client: bytes, paused: bool) -> None:
         self._inbox.put(lambda: (self._paused.add if paused else self._paused.discard)(client))
+
+    def hold(self, client: bytes, request_id: int, held: bool) -> None:
+        """The client cannot take (held) or can take again one request's output (protocol Hold)."""
+        self._inbox.put(lambda: (self._held.add if held else self._held.discard)((client, request_id)))
 
     def release(self, client: bytes, slots: Iterable[int]) -> None:
         slots = list(slots)
@@ -279,16 +286,17 @@ class EngineThread:
         return Progress(r, out.new_tokens, choices, logits, out.seq.finish_reason if out.finished else None)
 
     def _mark_held(self) -> None:
-        """Hold the sequences whose clients cannot take a frame now: paused clients, and logits
-        requests beyond the free slots of their client's ring (a step fills one slot per sequence)."""
-        if not (self._paused or self._rings or self._holding):
+        """Hold the sequences whose clients cannot take a frame now: paused clients, requests their
+        clients hold, and logits requests beyond the free slots of their client's ring (a step fills
+        one slot per sequence)."""
+        if not (self._paused or self._held or self._rings or self._holding):
             return  # nobody can be held: skip the scan of every live request
         free = {client: ring.free_slots for client, ring in self._rings.items()}
         now, stalled = time.monotonic(), []
         self._holding = False
         for r in self._live.values():
             assert r.seq is not None
-            held = r.client in self._paused
+            held = r.client in self._paused or r.key in self._held
             if r.return_logits and not held:
                 held = free[r.client] == 0
                 free[r.client] -= not held
@@ -298,6 +306,8 @@ class EngineThread:
                 self._held_since.pop(r.seq.seq_id, None)
             elif now - self._held_since.setdefault(r.seq.seq_id, now) > self._stall_timeout:
                 stalled.append(r)
+        if self._held:  # the holds of requests that ended go with them
+            self._held &= {r.key for r in self._live.values()}
         if stalled:  # their frames wait in their clients' backlogs; the Finished joins them
             self._end(lambda r: r in stalled, FinishReason.ERROR,
                       f"the client read nothing of this stream for {self._stall_timeout:g} s")
@@ -344,6 +354,7 @@ class EngineThread:
     def _drop_client(self, client: bytes) -> None:
         self._end(lambda r: r.client == client)
         self._paused.discard(client)
+        self._held = {key for key in self._held if key[0] != client}
         ring = self._rings.pop(client, None)
         if ring is not None:
             ring.close()
@@ -376,6 +387,7 @@ class EngineThread:
             kv_blocks_used=sum(p.kv_blocks_used for p in parts), kv_blocks_free=sum(p.kv_blocks_free for p in parts),
             prefix_hit_rate=sum(p.prefix_hits for p in parts) / queries if queries else 0.0,
             prefix_hits=sum(p.prefix_hits for p in parts),
+            held=sum(r.seq is not None and r.seq.held for r in self._live.values()) if self._holding else 0,
             preemptions=sum(p.preemptions for p in parts),
             tokens_per_s=self._recent_tokens / span if span > 0 else 0.0,
             spec=SpecStats(sum(p.spec.proposed for p in parts), sum(p.spec.accepted for p in parts),

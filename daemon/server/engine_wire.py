@@ -60,6 +60,13 @@ class PauseClient(EngineWire):
     paused: bool
 
 
+class HoldRequest(EngineWire):
+    """A client's Hold of one of its requests."""
+    client: bytes
+    request_id: int
+    held: bool
+
+
 class ReleaseSlots(EngineWire):
     client: bytes
     slots: list[int]
@@ -69,7 +76,8 @@ class Shutdown(EngineWire):
     drain_timeout: float
 
 
-EngineCommand = Union[AddSequence, CancelRequest, FinishSequence, DropClient, PauseClient, ReleaseSlots, Shutdown]
+EngineCommand = Union[AddSequence, CancelRequest, FinishSequence, DropClient, PauseClient, HoldRequest, ReleaseSlots,
+                      Shutdown]
 
 
 # --- engine -> front ---------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from ember.daemon.text.tokenize_pool import fingerprint
 from ember.protocol.codec import Codec, ProtocolError
 from ember.protocol.limits import LimitExceeded
 from ember.protocol.endpoint import ipc_address
-from ember.protocol.messages import (PROTOCOL_VERSION, Cancel, Detokenize, Error, ErrorCode, Finished,
+from ember.protocol.messages import (PROTOCOL_VERSION, Cancel, Detokenize, Error, ErrorCode, Finished, Hold,
                                      FinishReason, Generate, Health, HealthStatus, Hello, ListModels, ModelInfo,
                                      Models, Release, ServerMessage, Stats, StatsReport, Text, TokenIds, Tokenize,
                                      Tokens, Welcome)
@@ -71,7 +71,7 @@ class Server:
         for m in models.values():  # computed once per model, now rather than on a client's time
             m.tokenizer.max_token_bytes, fingerprint(m.tokenizer)
         self._handlers: dict[type, Callable[[bytes, Any], None]] = {
-            Hello: self._hello, Generate: self._generate, Cancel: self._cancel, Release: self._release,
+            Hello: self._hello, Generate: self._generate, Cancel: self._cancel, Hold: self._hold, Release: self._release,
             Tokenize: self._tokenize, Detokenize: self._detokenize, ListModels: self._list_models,
             Health: self._health, Stats: self._stats,
         }
@@ -239,6 +239,11 @@ class Server:
         if peer is not None and msg.id in peer.requests:
             self._engine.cancel(identity, msg.id)
 
+    def _hold(self, identity: bytes, msg: Hold) -> None:
+        peer = self._peers.get(identity)
+        if peer is not None and msg.id in peer.requests:
+            self._engine.hold(identity, msg.id, msg.held)
+
     def _release(self, identity: bytes, msg: Release) -> None:
         peer = self._peers.get(identity)
         if peer is not None and peer.has_ring and len(msg.slots) <= self._config.server.logits_slots:
@@ -348,7 +353,8 @@ class Server:
             prefix_hit_rate=round(e.prefix_hit_rate, 4), preemptions=e.preemptions,
             tokens_per_s=round(e.tokens_per_s, 2), **self._expert_stats(),
             spec_acceptance_rate=round(e.spec.acceptance_rate, 4),
-            spec_mean_accepted_length=round(e.spec.mean_accepted_length, 3), prefix_hits=e.prefix_hits))
+            spec_mean_accepted_length=round(e.spec.mean_accepted_length, 3), prefix_hits=e.prefix_hits,
+            held=e.held))
 
     def _expert_stats(self) -> dict[str, Any]:
         """The MoE models' expert counters, summed by the engine."""

@@ -111,6 +111,9 @@ class TextWorker:
     def set_paused(self, client: bytes, paused: bool) -> None:
         self.engine.set_paused(client, paused)
 
+    def hold(self, client: bytes, request_id: int, held: bool) -> None:
+        self.engine.hold(client, request_id, held)
+
     def release(self, client: bytes, slots: Iterable[int]) -> None:
         self.engine.release(client, slots)
 
