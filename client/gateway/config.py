@@ -29,6 +29,9 @@ class GatewayConfig:
     per_connection: int = 16  # streams per daemon connection: at most the daemon's max_requests_per_client
     default_max_tokens: int = 4096  # a request that sets no max_tokens (also bounded by the model's context)
     stall_timeout: float = 60.0  # seconds a stream may wait on an HTTP client that reads nothing
+    # seconds a connection may take to send a request's headers, from its opening or its last answer
+    # (a slowloris client trickling header bytes is closed then; so is an idle keep-alive connection)
+    header_timeout: float = 15.0
     shutdown_timeout: float = 30.0  # seconds requests in flight may finish after SIGTERM
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none: no CORS
 
@@ -37,7 +40,8 @@ class GatewayConfig:
         _check(self.api_key is None or len(self.api_key) >= 1, "the API key must not be empty")
         for name in ("max_body_bytes", "max_requests", "per_connection", "default_max_tokens"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        _check(self.stall_timeout > 0 and self.shutdown_timeout >= 0, "the timeouts must be positive")
+        _check(self.stall_timeout > 0 and self.header_timeout > 0 and self.shutdown_timeout >= 0,
+               "the timeouts must be positive")
         if self.api_key is None and not is_loopback(self.host):
             raise GatewayConfigError(
                 f"refusing to listen on {self.host}:{self.port} without an API key: other machines could use the "

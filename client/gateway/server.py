@@ -36,8 +36,10 @@ async def serve(config: GatewayConfig, sock: socket.socket | None = None,
     """The gateway on this loop, until `stop` is set (default: SIGTERM or SIGINT)."""
     log = get_logger()
     gateway = Gateway(config)
+    # aiohttp closes a connection that has not sent a whole request's headers keepalive_timeout seconds
+    # after it opened or its last answer ended (its own default is an hour): the header timeout
     runner = web.AppRunner(build_app(gateway), handler_cancellation=True, shutdown_timeout=config.shutdown_timeout,
-                           access_log=None)
+                           access_log=None, keepalive_timeout=config.header_timeout)
     await runner.setup()
     try:
         site: web.BaseSite

@@ -123,3 +123,25 @@ def test_a_client_that_reads_nothing_is_cancelled_after_the_stall_timeout(daemon
         wait_for("the gateway frees the slot", lambda: gateway_in_flight(gateway) == 0)
     finally:
         gateway.stop()
+
+
+def test_a_slowloris_client_is_closed_at_the_header_timeout(daemon: Any) -> None:
+    """A connection that trickles a request's header bytes never completes one: it is closed once the
+    header timeout has passed since it opened (aiohttp's own default waited an hour)."""
+    gateway = GatewayThread(socket=daemon.socket, header_timeout=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", gateway.config.port)) as slow:
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            t0, closed = time.monotonic(), False
+            slow.settimeout(0.2)
+            while time.monotonic() - t0 < 10 and not closed:
+                try:
+                    slow.sendall(b"X-Slow: 1\r\n")  # a byte now and then: never a whole header block
+                    closed = slow.recv(1) == b""
+                except TimeoutError:
+                    pass
+                except OSError:  # reset: closed
+                    closed = True
+            assert closed and time.monotonic() - t0 < 3.0
+    finally:
+        gateway.stop()
