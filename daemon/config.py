@@ -11,8 +11,9 @@
     cold_policy = "exact"         # MoE: "exact" (default) or "mask" (cold experts dropped: lossy)
     [server]   socket, socket_group, drain_timeout, log_format, log_level, probe_interval, logits_slots,
                max_logits_bytes, stall_timeout
-    [engine]   device, kv_dtype, ctx, max_active, max_queued, max_step_tokens, prefix_caching, decode_burst_ms, warmup, threads,
-               decode_act, devices, split, act_dtype, stage_threads (a layer split: docs/layer_split.md)
+    [engine]   device, kv_dtype, ctx, max_active, max_queued, max_step_tokens, prefix_caching, prefix_sharing,
+               decode_burst_ms, warmup, threads, decode_act, devices, split, act_dtype, stage_threads (a layer
+               split: docs/layer_split.md)
     [limits]   see protocol/limits.py
 
 The `ember serve` flags --expert-budget, --cold-workers and --cold-policy set those keys for every model.
@@ -132,6 +133,9 @@ class EngineConfig(_Section):
     max_queued: int = 32  # admitted requests beyond max_active waiting their turn; beyond: Error{code: "busy"}
     max_step_tokens: int = 256  # tokens per forward pass: every running sequence's next token, then prompt chunks
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
+    # whose prompts' blocks a request may reuse: "user" (the clients of one Unix user: another user cannot
+    # tell what was sent from the first token's time) or "all"
+    prefix_sharing: str = "user"
     decode_burst_ms: float = 1000 * DECODE_BURST  # decode steps run in one go for up to this long (EngineCore); 0: one token a step
     warmup: bool = True  # run a short generation before READY (loads the compiled kernels)
     threads: int = 0  # kernel threads of the engine process; 0: one per core
@@ -150,6 +154,7 @@ class EngineConfig(_Section):
         _check(self.act_dtype in ("", "auto", *ACT_DTYPES),
                f"act_dtype must be one of auto, {', '.join(ACT_DTYPES)}, got {self.act_dtype!r}")
         _check(self.stage_threads >= 0, f"stage_threads must be >= 0, got {self.stage_threads}")
+        _check(self.prefix_sharing in ("user", "all"), f"prefix_sharing must be user or all, got {self.prefix_sharing!r}")
         _check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         _check(self.kv_dtype in ("", *KV_DTYPES), f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         _check(self.decode_act in DECODE_ACTIVATIONS,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ember.daemon.engine.block_manager import BlockManager
+from ember.daemon.engine.block_manager import BlockManager, prefix_root
 
 
 def test_allocate_release_and_exhaustion() -> None:
@@ -99,3 +99,18 @@ def test_a_second_copy_of_a_prefix_takes_over_when_the_keeper_is_evicted() -> No
     bm.register(b, tokens, 8, progress)
     bm.release(taken)
     assert bm.match_prefix(tokens + [99]) == b  # b's copy serves the prefix now
+
+
+def test_salted_chains_share_nothing_across_salts() -> None:
+    """Sequences of one salt (one user's) reuse each other's blocks; another salt's never finds them, so
+    its first token's time cannot tell what was sent."""
+    bm = BlockManager(n_blocks=8, block_size=4)
+    tokens = list(range(10))
+    alice, bob = prefix_root(b"uid:1000"), prefix_root(b"uid:1001")
+    assert len({alice, bob, prefix_root()}) == 3 and prefix_root() == prefix_root(b"")
+    first = bm.allocate(3)
+    bm.register(first, tokens, n_computed=10, root=alice)
+    assert bm.match_prefix(tokens + [99], root=bob) == [] and bm.match_prefix(tokens + [99]) == []
+    again = bm.match_prefix(tokens + [99], root=alice)
+    assert again == first[:2]
+    bm.check_integrity([first, again])

@@ -3,7 +3,9 @@
 Pure Python: no device memory here (that is kv_cache.py), so it is tested without a model.
 A full block is identified by a digest chained over every token before and in it, so equal digests
 mean equal prefixes (128-bit blake2b: a collision is not a practical concern). Blocks whose last
-owner left but whose prefix is known stay in an LRU list, reusable until memory is needed.
+owner left but whose prefix is known stay in an LRU list, reusable until memory is needed. A chain may
+start from a salted root (prefix_root): sequences of different salts never share a block, so one
+client cannot tell from its first token's time what another sent.
 """
 from __future__ import annotations
 
@@ -13,6 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 ROOT = b"ember-prefix-root"
+
+
+def prefix_root(salt: bytes = b"") -> bytes:
+    """The digest chains of sequences with this salt start here (no salt: the shared ROOT)."""
+    return hashlib.blake2b(ROOT + b"\0" + salt, digest_size=16).digest() if salt else ROOT
 
 
 def chain_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -58,14 +65,15 @@ class BlockManager:
         return n_blocks <= self.num_free
 
     # --- prefix reuse -----------------------------------------------------------------------------
-    def match_prefix(self, tokens: Sequence[int]) -> list[int]:
-        """Take (reference) the cached blocks holding the longest known prefix of `tokens`' full blocks.
+    def match_prefix(self, tokens: Sequence[int], root: bytes = ROOT) -> list[int]:
+        """Take (reference) the cached blocks holding the longest known prefix of `tokens`' full blocks
+        (chained from `root`: prefix_root of the sequence's salt).
 
         The last token is never matched: its logits are needed, so it must be computed.
         """
         if not self.prefix_caching:
             return []
-        matched, parent = [], ROOT
+        matched, parent = [], root
         for b in range((len(tokens) - 1) // self.block_size):
             parent = chain_digest(parent, tokens[b * self.block_size : (b + 1) * self.block_size])
             self.stats.prefix_queries += 1
@@ -78,13 +86,14 @@ class BlockManager:
         return matched
 
     def register(self, table: Sequence[int], tokens: Sequence[int], n_computed: int,
-                 done: tuple[int, bytes] | None = None) -> tuple[int, bytes]:
-        """Record the prefixes of the blocks of `table` that are full of computed tokens.
+                 done: tuple[int, bytes] | None = None, root: bytes = ROOT) -> tuple[int, bytes]:
+        """Record the prefixes of the blocks of `table` that are full of computed tokens (chained from
+        `root`, as match_prefix).
 
         `done` is what an earlier call for the same table returned (blocks already recorded, and the
         last one's digest): only the blocks filled since are hashed, so a sequence costs one digest
         per block over its life, not one per block per step. Returns the progress to pass next time."""
-        n_done, parent = done or (0, ROOT)
+        n_done, parent = done or (0, root)
         full = n_computed // self.block_size
         if not self.prefix_caching or full <= n_done:
             return n_done, parent

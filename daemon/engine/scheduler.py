@@ -158,7 +158,8 @@ class Scheduler:
                     seq.n_computed += self._verified(chunk, len(block) - 1)
             elif chunk.reaches_end:
                 reason = "length"  # max_tokens 0: the prompt was all that was asked for
-            seq.registered = self.blocks.register(seq.table, seq.tokens, seq.n_computed, seq.registered)
+            seq.registered = self.blocks.register(seq.table, seq.tokens, seq.n_computed, seq.registered,
+                                                  seq.prefix_root)
             if reason:
                 self.running.remove(seq)
                 self._finish(seq, reason)
@@ -239,7 +240,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         if not seq.table and not seq.prompt_logits:  # its every position's logits must be computed
-            seq.table = self.blocks.match_prefix(seq.tokens)
+            seq.table = self.blocks.match_prefix(seq.tokens, seq.prefix_root)
             seq.n_computed = len(seq.table) * self.blocks.block_size
         length = min(seq.pending, budget)
         if not self.blocks.can_allocate(self.blocks.blocks_for(seq.n_computed + length) - len(seq.table)):

@@ -7,6 +7,7 @@ from enum import Enum
 
 import numpy as np
 
+from ember.daemon.engine.block_manager import prefix_root
 from ember.daemon.step.row_sampling import RowSampling, TokenConstraint
 from ember.kernels.sampling import Choice, SamplingParams
 
@@ -44,6 +45,7 @@ class Sequence:
     held: bool = False  # set by the daemon while the client cannot take output: not scheduled, keeps its blocks
     started: float | None = None  # perf_counter() when first admitted to run
     grammar: str | None = None  # llguidance's grammar its tokens must follow (daemon/text/grammar.py)
+    cache_salt: bytes = b""  # its prefix-cache blocks are shared only with sequences of the same salt
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
@@ -51,6 +53,7 @@ class Sequence:
         self.sampling = RowSampling(self.params, self.rng, self.prompt, self.generated, self.stop_ids, self.wants_logprob)
         self.tokens: list[int] = list(self.prompt) + self.generated  # prompt + generated, kept, not rebuilt per step
         self.registered: tuple[int, bytes] | None = None  # prefix-cache progress: (full blocks, last digest)
+        self.prefix_root = prefix_root(self.cache_salt)  # where its blocks' digest chain starts
 
     @property
     def n_tokens(self) -> int:

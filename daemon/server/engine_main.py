@@ -185,7 +185,7 @@ class CommandInbox:
         if isinstance(m, AddSequence):
             seq = Sequence(m.prompt, m.max_tokens, m.params, m.seed, frozenset(m.stop_ids), client=m.client,
                            seq_id=m.seq_id, wants_logits=m.wants_logits, wants_logprob=m.wants_logprob,
-                           grammar=m.grammar)
+                           grammar=m.grammar, cache_salt=m.cache_salt)
             log = get_logger(req=f"{m.client.hex()}:{m.request_id}", model=m.model)
             engine.add(Admitted(m.client, m.request_id, m.model, m.wants_logits, m.max_tokens, seq, log))
         elif isinstance(m, CancelRequest):

@@ -37,6 +37,7 @@ class AddSequence(EngineWire):
     wants_logits: bool = False
     wants_logprob: bool = False
     grammar: str | None = None  # llguidance's grammar text, checked by the front
+    cache_salt: bytes = b""
 
 
 class CancelRequest(EngineWire):

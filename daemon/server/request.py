@@ -55,6 +55,7 @@ class Request:
     admitted: float = field(default_factory=time.perf_counter)
     # --- text worker only ---------------------------------------------------------------------------
     compiled_grammar: str | None = None  # llguidance's text of `grammar` (daemon/text/grammar.py)
+    cache_salt: bytes = b""  # its prompt's KV blocks are shared with the requests of the same salt only
     seq: Sequence | None = None  # once admitted to its model's scheduler
     done: bool = False  # its last frame (Finished or Error) is out
     text: StreamDecoder | None = None

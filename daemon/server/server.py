@@ -63,6 +63,7 @@ class Server:
         self._peers = Peers()
         self._helpers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-tokenize")
         self._started = time.monotonic()
+        self._sender_uid = -1  # the user of the Generate being handled (its IPC connection's SO_PEERCRED)
         self._draining = False
         self._in_flight = 0
         self._helpers_in_flight = 0  # Tokenize / Detokenize being worked on
@@ -137,8 +138,9 @@ class Server:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30000)
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
         sock.bind(ipc_address(self._path))
-        if self._config.server.socket_group:  # the directory lets the group in; the socket must too
-            os.chmod(self._path, 0o660)
+        if self._config.server.socket_group:  # the directory lets the group in; the socket must too (the
+            os.chmod(self._path, 0o660)      # socket file gets the daemon's own group, not the directory's)
+            os.chown(self._path, -1, os.stat(self._path.parent).st_gid)
         return sock
 
     async def _flush_backlogs(self) -> None:
@@ -188,6 +190,8 @@ class Server:
             message = self._codec.decode_client(body.buffer)
         except ProtocolError as e:
             return self._reply(identity, Error(e.request_id, e.code, str(e)))
+        if isinstance(message, Generate):
+            self._sender_uid = peer_uid(body)
         self._handlers[type(message)](identity, message)
 
     def _reply(self, identity: bytes, message: ServerMessage) -> None:
@@ -218,6 +222,8 @@ class Server:
         peer.requests.add(msg.id)
         self._in_flight += 1
         self._counters["requests"] += 1
+        if self._config.engine.prefix_sharing == "user":  # another user's prompts are not reused: no timing tells
+            request.cache_salt = b"uid:%d" % self._sender_uid
         request.log.info("request admitted", client=peer.name, in_flight=self._in_flight)
         self._engine.submit(request)
 
@@ -428,3 +434,12 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: 
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the loop is closed: nobody is left to tell
         pass
+
+
+def peer_uid(frame: zmq.Frame) -> int:
+    """The Unix user of the process that sent `frame`, from libzmq's SO_PEERCRED on the IPC connection
+    ("Peer-Address" is "<host>:<uid>:<gid>:<pid>"); -1 where the transport has none."""
+    try:
+        return int(frame.get("Peer-Address").rsplit(":", 3)[1])
+    except (zmq.ZMQError, ValueError, IndexError):
+        return -1

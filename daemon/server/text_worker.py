@@ -224,7 +224,7 @@ class TextWorker:
         stop_ids = frozenset(r.stop_ids) | (frozenset() if r.ignore_eos else frozenset(r.model.tokenizer.eos_ids))
         r.seq = Sequence(r.prompt_ids, r.max_tokens, r.params, r.seed, stop_ids, client=r.client,
                          wants_logits=r.return_logits, wants_logprob=r.logprobs or r.params.logprobs > 0,
-                         grammar=r.compiled_grammar)
+                         grammar=r.compiled_grammar, cache_salt=r.cache_salt)
         self.engine.add(r)
 
     # --- commands that may meet a prompt still being tokenized ---------------------------------------
