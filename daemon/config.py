@@ -10,7 +10,7 @@
     cold_workers = 2              # MoE: CPU workers for the cold experts; -1: 2 when some are cold
     cold_policy = "exact"         # MoE: "exact" (default) or "mask" (cold experts dropped: lossy)
     [server]   socket, socket_group, drain_timeout, log_format, log_level, probe_interval, logits_slots,
-               max_logits_bytes, stall_timeout
+               max_logits_bytes, max_logits_bytes_per_user, stall_timeout
     [engine]   device, kv_dtype, ctx, max_active, max_queued, max_step_tokens, prefix_caching, prefix_sharing,
                decode_burst_ms, warmup, threads, decode_act, devices, split, act_dtype, stage_threads (a layer
                split: docs/layer_split.md)
@@ -110,6 +110,9 @@ class ServerConfig(_Section):
     # all clients' logits rings together (one ring is logits_slots x vocab x 4 bytes: 37 MiB at a 152K
     # vocabulary); a client whose ring would go over gets Error{limit}; 0: no logits rings at all
     max_logits_bytes: int = 256 << 20
+    # one Unix user's clients' rings together (-1: half of max_logits_bytes), so that one user with many
+    # connections cannot leave the others no ring
+    max_logits_bytes_per_user: int = -1
     stall_timeout: float = 300.0  # seconds a request may wait on a client that reads none of its stream
 
     def __post_init__(self) -> None:
@@ -119,6 +122,15 @@ class ServerConfig(_Section):
         _check(0.05 <= self.probe_interval <= 60, f"probe_interval must be in [0.05, 60] s, got {self.probe_interval}")
         _check(1 <= self.logits_slots <= 4096, f"logits_slots must be in [1, 4096], got {self.logits_slots}")
         _check(self.max_logits_bytes >= 0, f"max_logits_bytes must be >= 0, got {self.max_logits_bytes}")
+        _check(self.max_logits_bytes_per_user >= -1,
+               f"max_logits_bytes_per_user must be >= 0 (-1: half of max_logits_bytes), got {self.max_logits_bytes_per_user}")
+
+    @property
+    def logits_bytes_per_user(self) -> int:
+        """max_logits_bytes_per_user, its default resolved."""
+        if self.max_logits_bytes_per_user < 0:
+            return self.max_logits_bytes // 2
+        return self.max_logits_bytes_per_user
         _check(self.stall_timeout > 0, f"stall_timeout must be > 0 s, got {self.stall_timeout}")
 
 

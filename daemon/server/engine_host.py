@@ -166,7 +166,7 @@ class EngineHost:
         assert seq is not None
         message = AddSequence(seq.seq_id, r.client, r.id, r.model_name, seq.prompt, seq.max_tokens, seq.params,
                               seq.seed, sorted(seq.stop_ids), seq.wants_logits, seq.wants_logprob, seq.grammar,
-                              seq.cache_salt)
+                              seq.cache_salt, r.user)
         self._send(message, add=r)
 
     def cancel(self, client: bytes, request_id: int) -> None:

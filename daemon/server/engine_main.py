@@ -55,6 +55,7 @@ class Admitted:
     max_tokens: int
     seq: Sequence
     log: Any = field(repr=False)
+    user: int = -1  # the client's Unix user (its logits ring counts toward that user's share)
 
     @property
     def key(self) -> tuple[bytes, int]:
@@ -187,7 +188,7 @@ class CommandInbox:
                            seq_id=m.seq_id, wants_logits=m.wants_logits, wants_logprob=m.wants_logprob,
                            grammar=m.grammar, cache_salt=m.cache_salt)
             log = get_logger(req=f"{m.client.hex()}:{m.request_id}", model=m.model)
-            engine.add(Admitted(m.client, m.request_id, m.model, m.wants_logits, m.max_tokens, seq, log))
+            engine.add(Admitted(m.client, m.request_id, m.model, m.wants_logits, m.max_tokens, seq, log, m.user))
         elif isinstance(m, CancelRequest):
             engine.cancel(m.client, m.request_id)
         elif isinstance(m, FinishSequence):  # its end, after any news of it sent before: the front forgets it
@@ -317,22 +318,23 @@ def engine_cores(launch: EngineLaunch, models: dict[str, Model]) -> dict[str, En
 
 
 def ring_maker(launch: EngineLaunch, vocab: int) -> Any:
-    """new_ring for the engine loop: a client's logits ring, within server.max_logits_bytes in all."""
+    """new_ring for the engine loop: a client's logits ring, within server.max_logits_bytes in all and
+    server.max_logits_bytes_per_user for its user's."""
     server = launch.config.server
     ring_bytes = ShmRing.bytes_for(server.logits_slots, vocab * 4)
-    budget = RingBudget(server.max_logits_bytes)
+    budget = RingBudget(server.max_logits_bytes, server.logits_bytes_per_user)
     if ring_bytes > budget.limit:
         get_logger().warning("one logits ring is bigger than server.max_logits_bytes: every return_logits request "
                              "will be refused with Error{limit}; raise the bound or lower server.logits_slots",
                              ring_bytes=ring_bytes, max_logits_bytes=budget.limit)
 
-    def new_ring() -> ShmRing:
-        budget.take(ring_bytes)
+    def new_ring(user: int) -> ShmRing:
+        budget.take(ring_bytes, user)
         try:
             return ShmRing.create(server.logits_slots, vocab * 4, mode=launch.ring_mode, group=launch.ring_group,
-                                  owner=launch.shm_owner, on_close=lambda: budget.give(ring_bytes))
+                                  owner=launch.shm_owner, on_close=lambda: budget.give(ring_bytes, user))
         except BaseException:
-            budget.give(ring_bytes)
+            budget.give(ring_bytes, user)
             raise
 
     return new_ring

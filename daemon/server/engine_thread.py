@@ -53,6 +53,7 @@ class EngineRequest(Protocol):
     return_logits: bool
     max_tokens: int
     log: Any
+    user: int  # the client's Unix user (-1: unknown)
 
     @property
     def seq(self) -> Sequence | None: ...
@@ -112,7 +113,7 @@ class EngineStats:
 
 class EngineThread:
     def __init__(self, *, cores: Mapping[str, EngineCore], progress: Callable[[list[Progress]], None],
-                 on_stopped: Callable[[], None], new_ring: Callable[[], ShmRing],
+                 on_stopped: Callable[[], None], new_ring: Callable[[int], ShmRing],
                  heartbeat: Callable[[], None] = lambda: None, heartbeat_interval: float | None = None,
                  setup: Callable[[], None] = lambda: None, stall_timeout: float = 300.0,
                  inbox: Inbox | None = None, on_idle: Callable[[], None] = lambda: None) -> None:
@@ -317,7 +318,7 @@ class EngineThread:
         assert r.seq is not None
         if r.return_logits:
             try:
-                self._ring(r.client)
+                self._ring(r.client, r.user)
             except LimitExceeded as e:  # new_ring refuses rings beyond the daemon's shared-memory bounds
                 self._progress([Progress(r, error=ErrorCode.LIMIT, message=str(e))])
                 return
@@ -365,9 +366,10 @@ class EngineThread:
             for slot in slots:
                 ring.release(slot)
 
-    def _ring(self, client: bytes) -> ShmRing:
+    def _ring(self, client: bytes, user: int = -1) -> ShmRing:
+        """The client's logits ring (made on its first logits request, within its user's share)."""
         if client not in self._rings:
-            self._rings[client] = self._new_ring()
+            self._rings[client] = self._new_ring(user)
         return self._rings[client]
 
     def _account(self, generated: int) -> None:

@@ -38,6 +38,7 @@ class AddSequence(EngineWire):
     wants_logprob: bool = False
     grammar: str | None = None  # llguidance's grammar text, checked by the front
     cache_salt: bytes = b""
+    user: int = -1  # the client's Unix user
 
 
 class CancelRequest(EngineWire):

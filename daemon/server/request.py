@@ -56,6 +56,7 @@ class Request:
     # --- text worker only ---------------------------------------------------------------------------
     compiled_grammar: str | None = None  # llguidance's text of `grammar` (daemon/text/grammar.py)
     cache_salt: bytes = b""  # its prompt's KV blocks are shared with the requests of the same salt only
+    user: int = -1  # its client's Unix user (SO_PEERCRED; -1: unknown)
     seq: Sequence | None = None  # once admitted to its model's scheduler
     done: bool = False  # its last frame (Finished or Error) is out
     text: StreamDecoder | None = None

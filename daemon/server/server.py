@@ -222,6 +222,7 @@ class Server:
         peer.requests.add(msg.id)
         self._in_flight += 1
         self._counters["requests"] += 1
+        request.user = self._sender_uid
         if self._config.engine.prefix_sharing == "user":  # another user's prompts are not reused: no timing tells
             request.cache_salt = b"uid:%d" % self._sender_uid
         request.log.info("request admitted", client=peer.name, in_flight=self._in_flight)

@@ -29,7 +29,7 @@ class Harness:
         self.stopped = threading.Event()
         self.rings: list[ShmRing] = []
 
-        def new_ring() -> ShmRing:
+        def new_ring(user: int) -> ShmRing:
             self.rings.append(ShmRing.create(slots, model.config.vocab * 4))
             return self.rings[-1]
 

@@ -31,6 +31,7 @@ BOUNDED = """
 probe_interval = 0.2
 logits_slots = 4
 max_logits_bytes = 300000
+max_logits_bytes_per_user = 300000
 [engine]
 warmup = false
 """
@@ -132,8 +133,24 @@ def test_ring_close_gives_its_bytes_back_once() -> None:
     rings[1].close()
 
 
+def test_one_user_holds_at_most_its_share() -> None:
+    """server.max_logits_bytes_per_user: one user's rings together, whatever its connections; another user
+    still gets one."""
+    ring = ShmRing.bytes_for(2, 100)
+    budget = RingBudget(4 * ring, per_user=2 * ring)
+    budget.take(ring, user=1000)
+    budget.take(ring, user=1000)
+    with pytest.raises(limits.LimitExceeded, match="max_logits_bytes_per_user: this user's logits rings hold 512"):
+        budget.take(ring, user=1000)
+    budget.take(ring, user=1001)  # another user's share is its own
+    budget.give(ring, user=1000)
+    budget.take(ring, user=1000)
+    assert budget.used == 3 * ring and budget.rings == 3
+
+
 def test_max_logits_bytes_is_configurable_and_checked() -> None:
     assert load_config(env={}).server.max_logits_bytes == 256 << 20
+    assert load_config(env={}).server.logits_bytes_per_user == 128 << 20  # half, by default
     assert load_config(env={"EMBER_SERVER_MAX_LOGITS_BYTES": "1048576"}).server.max_logits_bytes == 1 << 20
     with pytest.raises(ConfigError, match="server.max_logits_bytes: max_logits_bytes must be >= 0"):
         load_config(env={"EMBER_SERVER_MAX_LOGITS_BYTES": "-1"})
@@ -192,6 +209,20 @@ def test_logits_rings_are_bounded_and_a_disconnect_frees_room() -> None:
             next(stream)
             stream.close()
             assert stream.finished is not None and stream.finished.reason == "cancelled"
+    finally:
+        assert d.stop() == 0
+
+
+def test_one_user_with_many_connections_gets_its_share_of_rings() -> None:
+    """A user's rings are bounded together (server.max_logits_bytes_per_user, half of the whole by
+    default): its second connection with logits is refused, naming that bound, with room left over."""
+    d = DaemonProcess(BOUNDED.replace("max_logits_bytes_per_user = 300000", "")).wait_ready()
+    try:
+        with Client(d.socket) as first, Client(d.socket) as second:
+            take_ring(first)
+            with pytest.raises(LimitExceeded, match="max_logits_bytes_per_user: this user's logits rings hold"):
+                take_ring(second)
+            assert len(segments(d.engine_pid, d.socket)) == 1
     finally:
         assert d.stop() == 0
 
