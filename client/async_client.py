@@ -24,10 +24,10 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 import ember
-from ember.client.errors import DaemonUnavailable, EmberError, EmberTimeout
-from ember.client.request_builder import (MONITOR_EVENTS, Chunk, Lost, chunk_from, configure, daemon_address, encode,
-                                          end_of_stream, expect, generate_message, lost_connection, message_limit,
-                                          unreachable)
+from ember.client.errors import DaemonUnavailable, EmberError, EmberTimeout, UntrustedSocket
+from ember.client.request_builder import (MONITOR_EVENTS, Chunk, Lost, PeerCheck, chunk_from, configure,
+                                          daemon_address, encode, end_of_stream, expect, generate_message,
+                                          lost_connection, message_limit, unreachable)
 from ember.protocol.codec import Codec, ProtocolError
 from ember.protocol.endpoint import client_socket_path
 from ember.protocol.messages import (PROTOCOL_VERSION, Cancel, ChatMessage, Detokenize, Error, Finished, Health,
@@ -49,7 +49,13 @@ class AsyncClient:
         self._pending: set[int] = set()  # requests sent whose last frame has not come
         self._heard = time.monotonic()
         self._max_message = message_limit(None)
-        self._connected = False
+        self._connected = False  # libzmq holds a connection that PeerCheck let through
+        self._peer = PeerCheck(self.socket_path)
+        self._address = ""
+        self._changed: asyncio.Event | None = None  # set at each connection, refusal or failed connect
+        self._unreachable: Lost | None = None  # nothing listens at the path (from a failed connect)
+        self._later = 0  # sends waiting for a connection: later ones queue behind them, in order
+        self._send_lock: asyncio.Lock | None = None
         self._reader = ShmRingReader()
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -60,7 +66,8 @@ class AsyncClient:
     async def connect(self) -> AsyncClient:
         if self._sock is not None:
             return self
-        address = daemon_address(self.socket_path)
+        address = self._address = daemon_address(self.socket_path)
+        self._changed, self._send_lock = asyncio.Event(), asyncio.Lock()
         self._ctx = zmq.asyncio.Context()
         # every socket of it, the monitor's too, drops what it has not sent when closed: a client
         # collected unclosed must not make Context.term() wait on a daemon that is gone
@@ -71,6 +78,7 @@ class AsyncClient:
         self._sock.connect(address)
         self._task = asyncio.create_task(self._read())
         try:
+            await self._until_connected(self.connect_timeout)
             welcome = await self._call(Hello(self._next_id(), PROTOCOL_VERSION, f"ember-sdk/{ember.__version__}"),
                                        Welcome, self.connect_timeout)
         except EmberTimeout:
@@ -153,11 +161,53 @@ class AsyncClient:
         return self._send_payload(encode(self._codec, message, self._max_message))
 
     def _send_payload(self, payload: bytes) -> asyncio.Future[Any]:
-        """Sends now when the socket takes it (pyzmq tries at once); the future says when it went."""
+        """Sends now when a checked connection takes it (pyzmq tries at once); the future says when it
+        went. Without one, the send waits for it (_until_connected), and so do the sends after it."""
         if self._sock is None:
             raise EmberError("not connected: use `async with AsyncClient()` or `await client.connect()`")
-        future: asyncio.Future[Any] = self._sock.send(payload)  # type: ignore[assignment]
-        return future
+        if self._peer.problem is not None:
+            raise UntrustedSocket(self._peer.problem)
+        if self._connected and not self._later and not self._events_waiting():
+            future: asyncio.Future[Any] = self._sock.send(payload)  # type: ignore[assignment]
+            return future
+        self._later += 1
+        return asyncio.ensure_future(self._send_later(payload))
+
+    def _events_waiting(self) -> bool:
+        """The monitor has news the reader task has not taken yet (a disconnection, a connection)."""
+        assert self._monitor is not None
+        return bool(self._monitor.get(zmq.EVENTS) & zmq.POLLIN)
+
+    async def _send_later(self, payload: bytes) -> Any:
+        try:
+            assert self._send_lock is not None and self._sock is not None
+            async with self._send_lock:  # tasks made in order take it in order
+                waited = time.monotonic() + 1.0
+                while self._events_waiting() and time.monotonic() < waited:  # the reader judges them first
+                    await asyncio.sleep(0.001)
+                await self._until_connected(self.timeout)
+                return await self._sock.send(payload)
+        finally:
+            self._later -= 1
+
+    async def _until_connected(self, timeout: float) -> None:
+        """A connection PeerCheck let through: what libzmq queues while it has none would go to whatever
+        listens at the path next. UntrustedSocket once one was refused, DaemonUnavailable when nothing
+        listens, EmberTimeout after `timeout` seconds of neither."""
+        assert self._changed is not None
+        deadline = time.monotonic() + timeout
+        while not self._connected:
+            if self._peer.problem is not None:
+                raise UntrustedSocket(self._peer.problem)
+            if self._unreachable is not None:
+                lost, self._unreachable = self._unreachable, None
+                lost.raise_()
+            self._changed.clear()
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await self._changed.wait()
+            except TimeoutError:
+                raise EmberTimeout(f"no connection to the daemon at {self.socket_path} for {timeout:g} s") from None
 
     def _forget(self, request_id: int) -> None:
         self._queues.pop(request_id, None)
@@ -225,21 +275,31 @@ class AsyncClient:
                 frames = self._monitor.recv_multipart(zmq.NOBLOCK).result()
             except zmq.Again:
                 return
-            event = parse_monitor_message(frames)["event"]
+            message = parse_monitor_message(frames)
+            event = message["event"]
             # the requests in flight now: those sent while a probe runs are not judged by it
             in_flight = set(self._pending)
+            assert self._changed is not None and self._sock is not None
             if event == zmq.EVENT_CONNECTED:
-                self._connected = True
+                problem = self._peer.connected(int(message["value"]))
+                if problem is not None:
+                    self._sock.disconnect(self._address)  # nothing more goes there
+                    self._lose(Lost(UntrustedSocket, problem), in_flight)
+                else:
+                    self._connected, self._unreachable = True, None
+                self._changed.set()
             elif event == zmq.EVENT_DISCONNECTED:
                 self._connected = False
                 self._read_available()
                 in_flight = set(self._pending)
                 if in_flight:
                     self._lose(await asyncio.to_thread(lost_connection, self.socket_path), in_flight)
-            elif event == zmq.EVENT_CONNECT_RETRIED and in_flight and not self._connected:
+            elif event == zmq.EVENT_CONNECT_RETRIED and not self._connected and (in_flight or self._later):
                 lost = await asyncio.to_thread(unreachable, self.socket_path)
                 if lost is not None:
                     self._lose(lost, in_flight)
+                    self._unreachable = lost  # for the sends waiting on a connection
+                    self._changed.set()
 
     def _lose(self, lost: Lost, request_ids: set[int]) -> None:
         for request_id in request_ids & self._pending:  # not those whose last frame came meanwhile

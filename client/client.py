@@ -25,10 +25,10 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 import ember
-from ember.client.errors import DaemonUnavailable, EmberTimeout
-from ember.client.request_builder import (MONITOR_EVENTS, Chunk, Lost, chunk_from, configure, daemon_address, encode,
-                                          end_of_stream, expect, generate_message, lost_connection, message_limit,
-                                          unreachable)
+from ember.client.errors import DaemonUnavailable, EmberTimeout, UntrustedSocket
+from ember.client.request_builder import (MONITOR_EVENTS, Chunk, Lost, PeerCheck, chunk_from, configure,
+                                          daemon_address, encode, end_of_stream, expect, generate_message,
+                                          lost_connection, message_limit, unreachable)
 from ember.protocol.codec import Codec, ProtocolError
 from ember.protocol.endpoint import client_socket_path
 from ember.protocol.messages import (PROTOCOL_VERSION, Cancel, ChatMessage, Detokenize, Error, Finished, Health,
@@ -53,7 +53,10 @@ class Client:
         self._abandoned: list[tuple[int, list[int]]] = []  # streams dropped unfinished: cancel them
         self._heard = time.monotonic()
         self._max_message = message_limit(None)
-        self._connected = False
+        self._connected = False  # libzmq holds a connection that PeerCheck let through
+        self._peer = PeerCheck(self.socket_path)
+        self._retried = False  # a connect failed since the last connection (libzmq retries it)
+        self._address = address
         self._reader = ShmRingReader()
         self._ctx = zmq.Context()
         # every socket of it, the monitor's too, drops what it has not sent when closed: a client
@@ -68,6 +71,7 @@ class Client:
         self._poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(address)
         try:
+            self._until_connected(connect_timeout)
             welcome = self._call(Hello(self._next_id(), PROTOCOL_VERSION, f"ember-sdk/{ember.__version__}"),
                                  Welcome, connect_timeout)
         except EmberTimeout:
@@ -153,6 +157,7 @@ class Client:
 
     def _send_payload(self, payload: bytes) -> None:
         self._cancel_abandoned()
+        self._until_connected()
         try:
             self._sock.send(payload)
         except zmq.Again:
@@ -201,22 +206,55 @@ class Client:
                 if not isinstance(message, Tokens):
                     self._pending.discard(message.id)  # its last frame
 
+    def _until_connected(self, timeout: float | None = None) -> None:
+        """Wait for a connection PeerCheck lets through before anything is sent: what libzmq queues while
+        it has none would go to whatever listens at the path next. UntrustedSocket once one was refused,
+        DaemonUnavailable when nothing listens, EmberTimeout after `timeout` seconds of neither."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        self._read_events()
+        while not self._connected:
+            if self._peer.problem is not None:
+                raise UntrustedSocket(self._peer.problem)
+            if self._retried:  # a connect failed: is anything there at all?
+                self._retried = False
+                lost = unreachable(self.socket_path)
+                if lost is not None:
+                    lost.raise_()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EmberTimeout(f"no connection to the daemon at {self.socket_path} for {timeout:g} s")
+            if self._monitor.poll(min(left, 0.1) * 1000):
+                self._read_events()
+        if self._peer.problem is not None:
+            raise UntrustedSocket(self._peer.problem)
+
     def _read_events(self) -> None:
-        """What the monitor saw. A lost connection ends every request in flight (after the frames that
-        came before it); a failed connect ends those waiting on a daemon that is not there."""
+        """What the monitor saw. A connection is checked (PeerCheck): one it refuses is dropped, and
+        every request in flight ends with UntrustedSocket. A lost connection ends every request in
+        flight (after the frames that came before it); a failed connect ends those waiting on a
+        daemon that is not there."""
         while True:
             try:
-                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+                message = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
+            event = message["event"]
             if event == zmq.EVENT_CONNECTED:
-                self._connected = True
+                problem = self._peer.connected(int(message["value"]))
+                if problem is not None:
+                    self._sock.disconnect(self._address)  # nothing more goes there
+                    self._lose(Lost(UntrustedSocket, problem))
+                    continue
+                self._connected, self._retried = True, False
             elif event == zmq.EVENT_DISCONNECTED:
                 self._connected = False
                 self._read_available()
                 if self._pending:
                     self._lose(lost_connection(self.socket_path))
-            elif event == zmq.EVENT_CONNECT_RETRIED and self._pending and not self._connected:
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self._retried = True
+            if event == zmq.EVENT_CONNECT_RETRIED and self._pending and not self._connected:
                 lost = unreachable(self.socket_path)  # None: something listens, libzmq's retry may get it
                 if lost is not None:
                     self._lose(lost)

@@ -8,7 +8,9 @@ from __future__ import annotations
 import grp
 import json
 import os
+import socket
 import stat
+import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -56,6 +58,41 @@ def daemon_address(socket_path: Path) -> str:
     if not stat.S_ISSOCK(st.st_mode):
         raise DaemonUnavailable(f"{socket_path} is not a socket: no ember daemon there")
     return address
+
+
+class PeerCheck:
+    """Every connection libzmq makes to the socket path, the first and each reconnection, must reach the
+    daemon the first one reached: a process of the same user (SO_PEERCRED of the connection, from the
+    monitor's CONNECTED event), in a directory that still passes the trust check. A reconnection after
+    a daemon restart could otherwise reach whatever another user put at the path meanwhile."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.socket_path = socket_path
+        self.uid: int | None = None  # the daemon's user, from the first connection
+        self.problem: str | None = None  # why the connection now is refused (then every later one too)
+
+    def connected(self, fd: int) -> str | None:
+        """A connection was made on `fd`: None if it may be used, else why not (kept in `problem`)."""
+        uid = peer_uid(fd)
+        why = socket_dir_problem(self.socket_path)
+        if why is None and self.uid is not None and uid != self.uid:
+            why = f"the process listening there now runs as uid {uid}, not as the daemon's uid {self.uid}"
+        if why is not None:
+            self.problem = f"refusing the connection to {self.socket_path}: {why}"
+            return self.problem
+        if self.uid is None:
+            self.uid = uid
+        return None
+
+
+def peer_uid(fd: int) -> int | None:
+    """The uid of the process at the other end of the Unix socket `fd` (None where the kernel does not say)."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:  # a duplicate: closing it leaves libzmq's alone
+            _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except OSError:
+        return None
+    return int(uid)
 
 
 def _admits(directory: Path) -> str:

@@ -59,3 +59,51 @@ def test_another_users_identical_prompt_finds_no_cached_block(sharing: str) -> N
             assert root.stats().requests_total == 3
     finally:
         daemon.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="an impostor of another user needs root to become that user")
+@pytest.mark.asyncio
+async def test_a_reconnection_to_an_impostor_is_refused_before_anything_is_sent() -> None:
+    """Issue 38: after the daemon stops, another user puts a listener at the socket path (its directory
+    made writable: the attacker's way in); the clients' reconnections reach it, and are refused before
+    anything is sent (the directory fails the trust check again, and the listener is not the daemon's
+    user): the next call raises UntrustedSocket, and the impostor receives not one frame."""
+    import zmq
+
+    from ember.client import AsyncClient
+    from ember.client.errors import UntrustedSocket
+
+    daemon = DaemonProcess().wait_ready(300)
+    path = daemon.socket
+    sync_client, async_client = Client(path), await AsyncClient(path).connect()
+    try:
+        sync_client.stats()
+        await async_client.stats()
+        daemon.stop()
+        for parent in path.parents[1:3]:
+            parent.chmod(parent.stat().st_mode | 0o111)
+        path.parent.chmod(0o777)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the impostor
+            frames = 0
+            try:
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                ctx = zmq.Context()
+                sock = ctx.socket(zmq.ROUTER)
+                sock.bind(f"ipc://{path}")
+                os.write(write, b"bound")
+                while sock.poll(4000):
+                    frames += len(sock.recv_multipart())
+            finally:
+                os._exit(min(frames, 100))
+        os.read(read, 5)
+        with pytest.raises(UntrustedSocket, match="refusing the connection"):
+            sync_client.stats()
+        with pytest.raises(UntrustedSocket, match="refusing the connection"):
+            await async_client.stats()
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0  # not one frame reached it
+    finally:
+        sync_client.close()
+        await async_client.close()
