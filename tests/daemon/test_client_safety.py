@@ -421,3 +421,64 @@ async def test_a_reader_cancelled_as_its_frame_comes_stays_cancelled() -> None:
     with pytest.raises(asyncio.CancelledError):
         await reader
     assert queue.qsize() == 1  # the frame stays for whoever reads next
+
+
+@root_only
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_a_reconnection_to_an_impostor_is_refused_before_anything_is_sent() -> None:
+    """Issue 38: after the daemon stops, another user puts a listener at the socket path (its directory
+    made writable: the attacker's way in); the clients' reconnections reach it, and are refused before
+    anything is sent (the directory fails the trust check again, and the listener is not the daemon's
+    user): the next call raises UntrustedSocket, and the impostor receives not one frame."""
+    daemon = DaemonProcess().wait_ready(300)  # its socket directory: the test's own
+    path = daemon.socket
+    sync_client, async_client = Client(path), await AsyncClient(path).connect()
+    try:
+        sync_client.stats()
+        await async_client.stats()
+        daemon.stop()
+        for parent in path.parents[1:3]:
+            parent.chmod(parent.stat().st_mode | 0o111)
+        path.parent.chmod(0o777)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the impostor
+            frames = 0
+            try:
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                ctx = zmq.Context()
+                sock = ctx.socket(zmq.ROUTER)
+                sock.bind(f"ipc://{path}")
+                os.write(write, b"bound")
+                while sock.poll(4000):
+                    frames += len(sock.recv_multipart())
+            finally:
+                os._exit(min(frames, 100))
+        os.read(read, 5)
+        with pytest.raises(UntrustedSocket, match="refusing the connection"):
+            sync_client.stats()
+        with pytest.raises(UntrustedSocket, match="refusing the connection"):
+            await async_client.stats()
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0  # not one frame reached it
+    finally:
+        sync_client.close()
+        await async_client.close()
+
+
+def test_a_reconnection_must_reach_the_daemons_user(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PeerCheck: the first connection's user is the daemon's; a later one to another user's listener,
+    or into a directory that no longer passes the trust check, is refused, and so is every one after."""
+    from ember.client import request_builder
+
+    d = short_dir / "run"
+    d.mkdir(mode=0o700)
+    users = iter([os.geteuid(), os.geteuid(), NOBODY, os.geteuid()])
+    monkeypatch.setattr(request_builder, "peer_uid", lambda fd: next(users))
+    check = request_builder.PeerCheck(d / "ember.sock")
+    assert check.connected(3) is None and check.connected(3) is None and check.uid == os.geteuid()
+    assert f"runs as uid {NOBODY}, not as the daemon's uid {os.geteuid()}" in (check.connected(3) or "")
+    assert check.problem is not None
+    os.chmod(d, 0o777)
+    assert "writable by others" in (request_builder.PeerCheck(d / "ember.sock").connected(3) or "")
