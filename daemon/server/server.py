@@ -51,6 +51,7 @@ from ember.protocol.messages import (PROTOCOL_VERSION, Cancel, Detokenize, Error
 
 _FLUSH_GRACE = 2.0  # seconds at shutdown to deliver what clients have not read yet
 _LINGER_MS = 1000
+_RECEIVE_TURN = 64  # messages read in a row before the loop lets the other tasks (the token forwarding) run
 
 
 class Server:
@@ -157,7 +158,11 @@ class Server:
 
     # --- receiving -------------------------------------------------------------------------------
     async def _receive(self) -> None:
+        handled = 0
         while True:
+            handled += 1
+            if handled % _RECEIVE_TURN == 0:  # a flood arrives all at once: the other tasks get their turn
+                await asyncio.sleep(0)
             identity, body, frames = await self._next_message()
             try:
                 self._dispatch(identity, body, frames)
