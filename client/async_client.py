@@ -294,11 +294,11 @@ class AsyncClient:
                 in_flight = set(self._pending)
                 if in_flight:
                     self._lose(await asyncio.to_thread(lost_connection, self.socket_path), in_flight)
-            elif event == zmq.EVENT_CONNECT_RETRIED and not self._connected and (in_flight or self._later):
+            elif event == zmq.EVENT_CONNECT_RETRIED and not self._connected:
                 lost = await asyncio.to_thread(unreachable, self.socket_path)
                 if lost is not None:
                     self._lose(lost, in_flight)
-                    self._unreachable = lost  # for the sends waiting on a connection
+                    self._unreachable = lost  # for the sends (and a connect) waiting on a connection
                     self._changed.set()
 
     def _lose(self, lost: Lost, request_ids: set[int]) -> None:

@@ -11,7 +11,8 @@
     cold_policy = "exact"         # MoE: "exact" (default) or "mask" (cold experts dropped: lossy)
     [server]   socket, socket_group, drain_timeout, log_format, log_level, probe_interval, logits_slots,
                max_logits_bytes, max_logits_bytes_per_user, stall_timeout
-    [engine]   device, kv_dtype, ctx, max_active, max_queued, max_step_tokens, prefix_caching, prefix_sharing,
+    [engine]   device, kv_dtype, ctx, max_active, max_queued, max_per_process, max_step_tokens, prefix_caching,
+               prefix_sharing,
                decode_burst_ms, warmup, threads, decode_act, devices, split, act_dtype, stage_threads (a layer
                split: docs/layer_split.md)
     [limits]   see protocol/limits.py
@@ -143,6 +144,9 @@ class EngineConfig(_Section):
     ctx: int = 0  # tokens per sequence, prompt and output; 0: the model's context length, at most DEFAULT_CTX
     max_active: int = 4  # sequences generated together (continuous batching); the KV cache holds ctx for each
     max_queued: int = 32  # admitted requests beyond max_active waiting their turn; beyond: Error{code: "busy"}
+    # requests in flight one client process may hold, whatever its connections (-1: max_active + max_queued
+    # less an eighth of them, at least one, kept for the other processes; 0: no bound)
+    max_per_process: int = -1
     max_step_tokens: int = 256  # tokens per forward pass: every running sequence's next token, then prompt chunks
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
     # whose prompts' blocks a request may reuse: "user" (the clients of one Unix user: another user cannot
@@ -167,6 +171,8 @@ class EngineConfig(_Section):
                f"act_dtype must be one of auto, {', '.join(ACT_DTYPES)}, got {self.act_dtype!r}")
         _check(self.stage_threads >= 0, f"stage_threads must be >= 0, got {self.stage_threads}")
         _check(self.prefix_sharing in ("user", "all"), f"prefix_sharing must be user or all, got {self.prefix_sharing!r}")
+        _check(self.max_per_process >= -1,
+               f"max_per_process must be >= 0 (-1: all places but an eighth), got {self.max_per_process}")
         _check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         _check(self.kv_dtype in ("", *KV_DTYPES), f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         _check(self.decode_act in DECODE_ACTIVATIONS,
@@ -176,6 +182,12 @@ class EngineConfig(_Section):
         _check(self.max_queued >= 0, f"max_queued must be >= 0, got {self.max_queued}")
         _check(self.max_step_tokens >= 1, f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
         _check(0 <= self.decode_burst_ms <= 1000, f"decode_burst_ms must be 0-1000, got {self.decode_burst_ms}")
+
+    @property
+    def process_share(self) -> int:
+        """max_per_process, its default resolved (0: none)."""
+        places = self.max_active + self.max_queued
+        return max(1, places - max(1, places // 8)) if self.max_per_process < 0 else self.max_per_process
 
     def context_for(self, model_context: int) -> int:
         """Tokens per sequence for a model whose own context length is `model_context`."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 class Peer:
     identity: bytes
     requests: set[int] = field(default_factory=set)  # Generate ids admitted and not yet ended
+    pid: int = -1  # its process (SO_PEERCRED), whose requests together have a share of the daemon
     helpers: int = 0  # tokenize / detokenize jobs running for it
     has_ring: bool = False  # the engine holds a logits ring for it (until it is dropped)
     backlog: deque[bytes] = field(default_factory=deque)  # encoded frames its socket would not take yet

@@ -22,6 +22,7 @@ import ctypes
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -64,7 +65,9 @@ class Server:
         self._peers = Peers()
         self._helpers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-tokenize")
         self._started = time.monotonic()
-        self._sender_uid = -1  # the user of the Generate being handled (its IPC connection's SO_PEERCRED)
+        # the user and process of the Generate being handled (its IPC connection's SO_PEERCRED)
+        self._sender_uid, self._sender_pid = -1, -1
+        self._per_process: Counter[int] = Counter()  # requests in flight of each client process
         self._draining = False
         self._in_flight = 0
         self._helpers_in_flight = 0  # Tokenize / Detokenize being worked on
@@ -196,7 +199,7 @@ class Server:
         except ProtocolError as e:
             return self._reply(identity, Error(e.request_id, e.code, str(e)))
         if isinstance(message, Generate):
-            self._sender_uid = peer_uid(body)
+            self._sender_uid, self._sender_pid = peer_credentials(body)
         self._handlers[type(message)](identity, message)
 
     def _reply(self, identity: bytes, message: ServerMessage) -> None:
@@ -225,6 +228,8 @@ class Server:
             return self._reply(identity, refusal)
         peer = self._peers.get_or_add(identity)
         peer.requests.add(msg.id)
+        peer.pid = self._sender_pid
+        self._per_process[peer.pid] += 1
         self._in_flight += 1
         self._counters["requests"] += 1
         request.user = self._sender_uid
@@ -244,6 +249,11 @@ class Server:
         if self._in_flight >= self._config.engine.max_active + self._config.engine.max_queued:
             self._counters["busy"] += 1
             return Error(msg.id, ErrorCode.BUSY, f"the queue is full ({self._in_flight} requests): retry later")
+        share = self._config.engine.process_share
+        if share and self._per_process[self._sender_pid] >= share:  # whatever its connections
+            self._counters["busy"] += 1
+            return Error(msg.id, ErrorCode.BUSY, f"this process has {share} requests in flight, its share of the "
+                                                 f"daemon's {self._in_flight}: retry later (engine.max_per_process)")
         return None
 
     def _cancel(self, identity: bytes, msg: Cancel) -> None:
@@ -388,8 +398,11 @@ class Server:
                     self._counters["errors"] += 1
                 elif message.reason == FinishReason.CANCELLED:
                     self._counters["cancelled"] += 1
-                if peer is not None:
+                if peer is not None and message.id in peer.requests:
                     peer.requests.discard(message.id)
+                    self._per_process[peer.pid] -= 1
+                    if not self._per_process[peer.pid]:
+                        del self._per_process[peer.pid]
             self._outbox.send(identity, message, stream=True)
             if peer is not None:
                 self._peers.forget_if_idle(peer)
@@ -442,10 +455,11 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: 
         pass
 
 
-def peer_uid(frame: zmq.Frame) -> int:
-    """The Unix user of the process that sent `frame`, from libzmq's SO_PEERCRED on the IPC connection
-    ("Peer-Address" is "<host>:<uid>:<gid>:<pid>"); -1 where the transport has none."""
+def peer_credentials(frame: zmq.Frame) -> tuple[int, int]:
+    """(Unix user, process id) of the client that sent `frame`, from libzmq's SO_PEERCRED on the IPC
+    connection ("Peer-Address" is "<host>:<uid>:<gid>:<pid>"); -1 for each where the transport has none."""
     try:
-        return int(frame.get("Peer-Address").rsplit(":", 3)[1])
-    except (zmq.ZMQError, ValueError, IndexError):
-        return -1
+        _, uid, _, pid = frame.get("Peer-Address").rsplit(":", 3)
+        return int(uid), int(pid)
+    except (zmq.ZMQError, ValueError):
+        return -1, -1

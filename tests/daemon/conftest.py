@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from daemon_process import DaemonProcess  # noqa: E402
 
-# small limits and quick probing, so that tests of busy / ring-full / dead clients are fast
+# small limits and quick probing, so that tests of busy / ring-full / dead clients are fast; one test
+# process fills the daemon from many connections (no share per process: test_fair_share.py tests it)
 SHARED_CONFIG = """
 [server]
 probe_interval = 0.2
@@ -22,6 +23,7 @@ logits_slots = 4
 [engine]
 max_active = 3
 max_queued = 3
+max_per_process = 0
 [limits]
 max_tokens = 4096
 max_requests_per_client = 16

@@ -11,6 +11,7 @@ drain_timeout = 5.0
 [engine]
 max_active = 3
 max_queued = 3
+max_per_process = 0
 [limits]
 max_tokens = 4096
 """

@@ -18,7 +18,7 @@ from gateway_thread import GatewayThread
 
 pytestmark = pytest.mark.slow
 
-LONG = {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 4000, "ignore_eos": True, "temperature": 0,
+LONG = {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 8000, "ignore_eos": True, "temperature": 0,
         "stream": True}
 
 
