@@ -63,10 +63,17 @@ _BY_ERROR: tuple[tuple[type[EmberError], int, str, str], ...] = (
 )
 
 
+# the request field each of the daemon's limits bounds (protocol/limits.py names the limit first)
+_LIMIT_PARAMS = {"max_tokens": "max_tokens", "stop strings": "stop", "stop string length": "stop",
+                 "logit_bias entries": "logit_bias", "top_logprobs": "top_logprobs", "chat messages": "messages",
+                 "grammar bytes": "response_format", "tools": "tools", "tool bytes": "tools"}
+
+
 def from_ember(error: EmberError) -> ApiError:
     """The HTTP error for an SDK exception: the daemon's message, a status the openai SDK maps to the
-    right exception type."""
+    right exception type, and for a limit the field it bounds."""
     for kind, status, type_, code in _BY_ERROR:
         if isinstance(error, kind):
-            return ApiError(status, str(error), type_, code=code)
+            param = _LIMIT_PARAMS.get(str(error).split(":", 1)[0]) if isinstance(error, LimitExceeded) else None
+            return ApiError(status, str(error), type_, param=param, code=code)
     return ApiError(500, f"the ember daemon failed: {error} ({error.code})", SERVER_ERROR, code=error.code)

@@ -203,6 +203,11 @@ def test_sdk_errors_map_to_statuses_the_openai_sdk_knows() -> None:
     for error, status in cases:
         mapped = from_ember(error)
         assert mapped.status == status and mapped.message == "x"  # the daemon's reason, unchanged
+    # a limit names the field it bounds (protocol/limits.py writes the limit first)
+    for message, param in (("max_tokens: 5000 is over the limit of 4096", "max_tokens"),
+                            ("stop strings: 17 is over the limit of 16", "stop"),
+                            ("tool bytes: 300000 is over the limit of 262144", "tools"), ("prompt tokens: many", None)):
+        assert from_ember(LimitExceeded(message)).param == param
 
 
 def test_listen_addresses_and_exposure() -> None:
