@@ -4,8 +4,8 @@ Lark or GBNF grammar) as the set of tokens that may come next, applied by every 
 
 llguidance does the work (the library llama.cpp and vLLM use): a grammar compiles in milliseconds with
 no per-vocabulary precomputation, and a mask over 8k tokens costs ~7 us (benchmarks/gateway.py measures
-it per token). xgrammar, the other candidate, precompiles per grammar and requires torch, which the
-daemon does not otherwise load.
+it per token). xgrammar, the other candidate, precompiles per grammar and requires torch, transformers
+and triton (xgrammar 0.2.9's wheel), none of which the daemon otherwise needs.
 
 Two halves, one per process:
 - the front checks a request's grammar (`compile_grammar`, no vocabulary needed) and sends llguidance's
