@@ -264,7 +264,7 @@ def _choice(k: int, r: SampleRow, token: np.ndarray, value: np.ndarray, best: np
             tops: tuple[np.ndarray, np.ndarray] | None) -> Choice | str:
     if token[k] < 0:
         return "sampling failed: ValueError: probabilities contain NaN"
-    if not r.logprob and r.params.plain_greedy and r.allowed is None:
+    if not r.logprob and not r.params.logprobs:  # nobody reads it: NaN, as the host sampler gives
         return Choice(int(token[k]), math.nan)
     base = float(best[k]) + float(log_total[k])
     top = () if tops is None else tuple((int(t), float(v) - base) for t, v in  # -inf: ruled out by a grammar
