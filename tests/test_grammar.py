@@ -246,3 +246,25 @@ def test_the_cli_options_name_a_grammar(tmp_path) -> None:
         assert grammar_of(build_parser().parse_args(["run", *options, "hi"])) == grammar
     with pytest.raises(SystemExit):  # one grammar at a time
         build_parser().parse_args(["run", "--regex", "a", "--json-schema", "{}", "hi"])
+
+
+def test_a_greedy_rows_allowed_argmax_is_the_masked_argmax(model, monkeypatch) -> None:
+    """A greedy row under a grammar first tries its plain argmax (allowed: it is the masked argmax too,
+    no mask computed); the tokens equal those of computing every mask."""
+    from ember.daemon.runner import row_sampler
+
+    calls = []
+    real = row_sampler.RowSampler._grammar_argmax
+
+    def counted(self, *args):  # type: ignore[no-untyped-def]
+        found = real(self, *args)
+        calls.append(len(found))
+        return found
+
+    grammar = schema_grammar(SCHEMAS[3])
+    monkeypatch.setattr(row_sampler.RowSampler, "_grammar_argmax", counted)
+    fast = [constrained(model, p, grammar, max_tokens=120)[1] for p in PROMPTS]
+    monkeypatch.setattr(row_sampler.RowSampler, "_grammar_argmax", lambda self, *args: {})
+    masked = [constrained(model, p, grammar, max_tokens=120)[1] for p in PROMPTS]
+    assert fast == masked
+    assert 0 < sum(calls) < sum(len(t) for t in fast)  # most tokens by their argmax, some by the mask

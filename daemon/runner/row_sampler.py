@@ -39,8 +39,13 @@ class RowSampler:
         rows: list[SampleRow] = []
         at: list[int] = []  # the sampler index of each row
         failed: dict[int, str] = {}
+        choices: list[Choice | None] = [None] * len(samplers)
+        argmax = self._grammar_argmax(logits, samplers, pending)
         for k, (r, s) in enumerate(samplers):
             extra = [c.token for c in pending[k]] if pending and pending[k] else []
+            if k in argmax:
+                choices[k] = argmax[k]
+                continue
             try:
                 allowed = s.allowed(extra)
             except ValueError as e:  # the grammar is in error: this sequence's failure alone
@@ -49,13 +54,32 @@ class RowSampler:
             rows.append(SampleRow(r, s.params, s.rng, s.prompt, s.generated + extra if extra else s.generated,
                                   s.wants_logprob, allowed))
             at.append(k)
-        choices: list[Choice | None] = [None] * len(samplers)
         for k, c in zip(at, self.ops.sample_rows(logits, rows) if rows else [], strict=True):
             if isinstance(c, str):
                 failed[k] = c
             else:
                 choices[k] = c
         return choices, failed
+
+    def _grammar_argmax(self, logits: Array, samplers: Seq[tuple[int, RowSampling]], pending: Seq[Seq[Choice]]
+                        ) -> dict[int, Choice]:
+        """The greedy rows under a grammar (nothing else asked) whose argmax the grammar allows: that
+        token is the masked argmax too, found without computing the mask (the model mostly writes
+        what its grammar allows). By sampler index; the others take the masked path."""
+        greedy = [k for k, (_, s) in enumerate(samplers)
+                  if s.constraint is not None and s.params.plain_greedy and not s.wants_logprob]
+        if not greedy:
+            return {}
+        rows = np.fromiter((samplers[k][0] for k in greedy), np.int64, len(greedy))
+        best = self.ops.to_numpy(self.ops.argmax_rows(logits, rows))
+        out = {}
+        for k, token in zip(greedy, best.tolist(), strict=True):
+            s = samplers[k][1]
+            assert s.constraint is not None
+            if s.constraint.allows(token, [c.token for c in pending[k]] if pending and pending[k] else ()):
+                out[k] = Choice(int(token), float("nan"))
+        return out
+
 
 def plain_greedy(samplers: Seq[tuple[int, RowSampling]]) -> bool:
     """Every sequence takes its logits' argmax and asks for nothing else (no penalties, no logprobs, no

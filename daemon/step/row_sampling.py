@@ -23,6 +23,10 @@ class TokenConstraint(Protocol):
         t // 32 set for token t. ValueError when `pending` breaks the grammar or it is in error."""
         ...
 
+    def allows(self, token: int, pending: Sequence[int] = ()) -> bool:
+        """Whether `token` may come after the accepted tokens and `pending` (no mask computed)."""
+        ...
+
     def accept(self, token: int) -> None:
         """The sequence kept `token` (a token the grammar does not allow puts it in error: `failed`)."""
         ...

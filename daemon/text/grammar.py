@@ -118,6 +118,13 @@ class GrammarConstraint:
             raise ValueError(m.get_error())
         return out
 
+    def allows(self, token: int, pending: Sequence[int] = ()) -> bool:
+        m = self._m
+        if m.is_error():
+            return False
+        self._follow(pending)
+        return bool(m.validate_tokens([token]))
+
     def accept(self, token: int) -> None:
         if self._ahead and self._ahead[0] == token:  # consumed already, while it was pending
             del self._ahead[0]
