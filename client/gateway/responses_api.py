@@ -23,8 +23,8 @@ from typing import Any
 import msgspec
 
 from ember.client.gateway.errors import bad_request
-from ember.client.gateway.openai_schema import ErrorBody
-from ember.client.gateway.request_translation import SEED_RANGE, Translated, tool_choice_of
+from ember.client.gateway.openai_schema import ErrorBody, FunctionIn, ToolIn
+from ember.client.gateway.request_translation import SEED_RANGE, Translated, tool_choice_of, tool_of
 from ember.client.gateway.response_format import SSE_HEADERS, Choice, TokenScore
 from ember.client.gateway.structured_output import responses_grammar
 from ember.client.tool_calls import ParsedCall, ToolCallParser, parse_tool_calls
@@ -170,9 +170,9 @@ def _input_messages(given: str | list[InputItem]) -> list[ChatMessage]:
 
 
 def _tool(i: int, t: FunctionTool) -> Tool:
-    if t.type != "function":
-        raise bad_request(f"tools[{i}].type {t.type!r} is not supported (only function tools)", f"tools[{i}].type")
-    return Tool(t.name, t.description or "", _encode(t.parameters or {"type": "object", "properties": {}}).decode())
+    """A Responses tool (flat) as chat's (nested) makes it."""
+    return tool_of(i, ToolIn(type=t.type, function=FunctionIn(name=t.name, description=t.description,
+                                                              parameters=t.parameters)))
 
 
 class ResponsesFormat:
