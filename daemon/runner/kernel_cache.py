@@ -37,6 +37,7 @@ did not get). The stamp names every kernel source, so a change to any of them re
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import subprocess
@@ -176,6 +177,7 @@ class _Child:
         return output
 
 
+@functools.cache  # the sources and versions it hashes do not change while a process runs
 def _stamp_path() -> Path:
     """A stamp beside numba's cache files, named for everything a cached kernel depends on."""
     from ember.kernels.cpu import quant_matmul
