@@ -40,9 +40,10 @@ class RowSampler:
         at: list[int] = []  # the sampler index of each row
         failed: dict[int, str] = {}
         choices: list[Choice | None] = [None] * len(samplers)
-        argmax = self._grammar_argmax(logits, samplers, pending)
+        extras = [[c.token for c in pending[k]] if pending and pending[k] else [] for k in range(len(samplers))]
+        argmax = self._grammar_argmax(logits, samplers, extras)
         for k, (r, s) in enumerate(samplers):
-            extra = [c.token for c in pending[k]] if pending and pending[k] else []
+            extra = extras[k]
             if k in argmax:
                 choices[k] = argmax[k]
                 continue
@@ -61,11 +62,12 @@ class RowSampler:
                 choices[k] = c
         return choices, failed
 
-    def _grammar_argmax(self, logits: Array, samplers: Seq[tuple[int, RowSampling]], pending: Seq[Seq[Choice]]
+    def _grammar_argmax(self, logits: Array, samplers: Seq[tuple[int, RowSampling]], extras: Seq[list[int]]
                         ) -> dict[int, Choice]:
         """The greedy rows under a grammar (nothing else asked) whose argmax the grammar allows: that
         token is the masked argmax too, found without computing the mask (the model mostly writes
-        what its grammar allows). By sampler index; the others take the masked path."""
+        what its grammar allows). extras: per sampler, its pending tokens. By sampler index; the others
+        take the masked path."""
         greedy = [k for k, (_, s) in enumerate(samplers)
                   if s.constraint is not None and s.params.plain_greedy and not s.wants_logprob]
         if not greedy:
@@ -76,7 +78,7 @@ class RowSampler:
         for k, token in zip(greedy, best.tolist(), strict=True):
             s = samplers[k][1]
             assert s.constraint is not None
-            if s.constraint.allows(token, [c.token for c in pending[k]] if pending and pending[k] else ()):
+            if s.constraint.allows(token, extras[k]):
                 out[k] = Choice(int(token), float("nan"))
         return out
 
