@@ -151,7 +151,7 @@ async def _ollama_chat(request: web.Request) -> web.StreamResponse:
         return web.Response(body=OllamaFormat(req.model, True, arrived).loaded(), content_type="application/json")
     t = translate_ollama_chat(req)
     return await carry(request, gateway.carrier, t, OllamaFormat(req.model, True, arrived,
-                                                                 await _tool_format(gateway, t)), arrived)
+                                                                 await _tool_format(gateway, t, model)), arrived)
 
 
 async def _ollama_generate(request: web.Request) -> web.StreamResponse:
@@ -173,12 +173,13 @@ async def _model_infos(gateway: Gateway) -> list[ModelInfo]:
         raise from_ember(e) from None
 
 
-async def _tool_format(gateway: Gateway, t: Translated) -> str:
+async def _tool_format(gateway: Gateway, t: Translated, model: ModelInfo | None = None) -> str:
     """The format the answer's tool calls come in, where the request offers tools ("" where it does not);
-    400 naming `tools` where the model's chat template renders none."""
+    400 naming `tools` where the model's chat template renders none. model: t's, where the caller has
+    looked it up already."""
     if not t.options.get("tools") or t.options.get("tool_choice") == "none":
         return ""
-    model = await _model_info(gateway, t.model)
+    model = model or await _model_info(gateway, t.model)
     if not model.tool_format:
         raise bad_request(f"model {model.name!r} cannot call tools: its chat template renders none", "tools")
     return model.tool_format
