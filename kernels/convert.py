@@ -139,6 +139,13 @@ def quantize_q8_k_split(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _symmetric_blocks(x, QK_K_ACT, "q8_K")
 
 
+def quantize_q8_1_split(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [..., n], n a multiple of 32 -> (scales float32 [..., n/32], quants int8 [..., n]): the
+    activation format of the native GPU GEMVs, ggml's q8_1 with its scale kept as float32 (the quants are
+    q8_0's, by the same rule; the kernels add each block's sum of quants beside the scale)."""
+    return _symmetric_blocks(x, QK8_0, "q8_1")
+
+
 def _symmetric_blocks(x: np.ndarray, block: int, name: str) -> tuple[np.ndarray, np.ndarray]:
     """(d float32 [..., n/block], q int8 [..., n]) with d = max|x| / 127 and q = roundf(x * (1/d)) per
     block (the rules of the docstring above for undefined inputs)."""
