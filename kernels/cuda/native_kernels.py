@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from ember.kernels.convert import KV_DTYPES
@@ -32,16 +33,50 @@ KV_TYPES = {name: f"KV_{name.upper()}" for name in KV_DTYPES}  # f32, f16, bf16,
 
 
 @dataclass(frozen=True)
+class Param:
+    """One kernel parameter: its name and kind (`ptr`, `int` for int32, `i64`, `float` for float32)."""
+    name: str
+    kind: str
+
+
+@dataclass(frozen=True)
 class Kernel:
     """One instantiation: its name, the header that defines its template, and the macro line."""
     name: str
     header: str
     instance: str
 
+    @property
+    def params(self) -> tuple[Param, ...]:
+        """The parameters, read from the macro's definition in its header: the launch layer passes
+        arguments by name in this order, so no call site can mistake the C signature's order."""
+        return _macro_params(self.header, self.instance.split("(", 1)[0])
+
     def source(self) -> str:
         """The whole source, headers inlined: CuPy's compile cache keys on this text, so an edited
         header compiles afresh (an `#include` would hide the edit from the cache)."""
         return inline_headers(f'#include "{self.header}"\n{self.instance}\n')
+
+
+_MACRO = re.compile(r"#define (EMBER_\w+)\([^)]*\)((?:.*\\\n)*.*)")
+_SCALARS = {"int": "int", "float": "float", "long long": "i64", "i64": "i64"}
+
+
+@cache
+def _macro_params(header: str, macro: str) -> tuple[Param, ...]:
+    for match in _MACRO.finditer((SOURCE_DIR / header).read_text()):
+        if match.group(1) == macro:
+            signature = re.search(r"NAME\(([^)]*)\)", match.group(2).replace("\\\n", " "))
+            assert signature, f"{macro}: no NAME(...) signature"
+            return tuple(_param(p) for p in signature.group(1).split(","))
+    raise KeyError(f"{header} defines no macro {macro}")
+
+
+def _param(text: str) -> Param:
+    words = " ".join(text.split())
+    name = re.split(r"[\s*]+", words)[-1]
+    ctype = words[:-len(name)].replace("const ", "").strip()
+    return Param(name, "ptr" if ctype.endswith("*") else _SCALARS[ctype])
 
 
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)

@@ -1,11 +1,14 @@
 """Test data for the native kernels: weights of every type as a GGUF file stores them, with random
-quants and sane scales, and a paged KV store's contents decoded back to floats."""
+quants and sane scales; paged KV stores filled at random and decoded back to floats; and the numpy
+reference of paged attention over them."""
 from __future__ import annotations
 
 import numpy as np
 
-from ember.kernels.convert import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits
+from ember.kernels.convert import (bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits,
+                                   quantize_q8_0_split)
 from ember.kernels.tensor_types import BLOCK_GEOMETRY, TensorType
+from ember.kernels.cuda.native_launch import NativeKv
 
 
 def random_weight(ttype: TensorType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -23,7 +26,7 @@ def random_weight(ttype: TensorType, rows: int, cols: int, rng: np.random.Genera
     return blocks.reshape(rows, -1)
 
 
-def decode_kv(dtype: str, data: np.ndarray, scales: np.ndarray) -> np.ndarray:
+def decode_kv(dtype: str, data: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
     """float32 values of a KV store's data [.., head_dim]."""
     if dtype == "f32":
         return data.astype(np.float32)
@@ -33,3 +36,38 @@ def decode_kv(dtype: str, data: np.ndarray, scales: np.ndarray) -> np.ndarray:
         return bf16_bits_to_f32(data)
     d = f16_bits_to_f32(scales)[..., :, None]
     return (data.reshape(data.shape[:-1] + (-1, 32)).astype(np.float32) * d).reshape(data.shape)
+
+
+def random_store(dtype: str, n_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                  rng: np.random.Generator) -> NativeKv:
+    store = NativeKv.allocate(np, dtype, n_blocks, block_size, kv_heads, head_dim)
+    values = rng.standard_normal(store.data.shape).astype(np.float32)
+    if dtype == "f32":
+        store.data[...] = values
+    elif dtype == "f16":
+        store.data[...] = f32_to_f16_bits(values)
+    elif dtype == "bf16":
+        store.data[...] = f32_to_bf16_bits(values)
+    else:
+        scales, quants = quantize_q8_0_split(values)
+        store.data[...], store.scales[...] = quants, scales
+    return store
+
+
+def reference_attention(q: np.ndarray, k: NativeKv, v: NativeKv, tables: np.ndarray, lengths: np.ndarray,
+                         scale: float) -> np.ndarray:
+    out = np.zeros(q.shape)
+    keys, values = decode_kv(k.dtype, k.data, k.scales), decode_kv(v.dtype, v.data, v.scales)
+    block_size, kv_heads = k.data.shape[1], k.data.shape[2]
+    group = q.shape[1] // kv_heads
+    for b, length in enumerate(lengths):
+        if length == 0:
+            continue
+        t = np.arange(length)
+        blocks, offsets = tables[b, t // block_size], t % block_size
+        for h in range(q.shape[1]):
+            kk, vv = keys[blocks, offsets, h // group].astype(np.float64), values[blocks, offsets, h // group]
+            s = kk @ q[b, h].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            out[b, h] = p @ vv / p.sum()
+    return out

@@ -74,14 +74,14 @@ int gemv_batch(int batch, int epi, WeightView w, WeightView w2, const i8* xq, co
 }
 
 template <int T>
-void unit_values_all(WeightView w, int N, int K, float* out) {
-    for (i64 row = 0; row < N; ++row)
-        for (int u = 0; u < K / UNIT; ++u) unit_values<T>(weight_row<T>(w, row, K), u, out + row * K + UNIT * u);
+void unit_values_all(WeightView w, i64 row0, int rows, int K, float* out) {
+    for (i64 r = 0; r < rows; ++r)
+        for (int u = 0; u < K / UNIT; ++u) unit_values<T>(weight_row<T>(w, row0 + r, K), u, out + r * K + UNIT * u);
 }
 
 template <int KVT, int P, int HPB>
 void attention(const float* q, KvView k, KvView v, const int* tables, const int* lengths, int table_width, int block_size,
-               int q_heads, int kv_heads, float scale, int splits, int batch, float* part_acc, float2* part_ml, float* out) {
+               int q_heads, int kv_heads, float scale, int splits, int batch, float* part_acc, float2* part_ml) {
     constexpr int D = 32 * P;
     const int group = q_heads / kv_heads, hgroups = (group + HPB - 1) / HPB;
     for (int b = 0; b < batch; ++b) {
@@ -149,6 +149,13 @@ void attention(const float* q, KvView k, KvView v, const int* tables, const int*
                 }
             }
         }
+    }
+}
+
+void attention_combine(const float* part_acc, const float2* part_ml, const int* lengths, int q_heads, int D, int splits,
+                       int batch, float* out) {
+    for (int b = 0; b < batch; ++b) {
+        const int length = lengths[b];
         if (length <= 0) continue;
         const int chunk = (length + splits - 1) / splits, used = (length + chunk - 1) / chunk;
         for (int h = 0; h < q_heads; ++h) {
@@ -242,19 +249,19 @@ int harness_gemv(int type, int batch, int epi, const void* q, const void* hi, co
 int harness_unit_values(int type, const void* q, const void* hi, const void* sc, const void* d, int N, int K, float* out) {
     const WeightView w{q, hi, sc, d};
     switch (type) {
-        case W_F16: unit_values_all<W_F16>(w, N, K, out); return 0;
-        case W_BF16: unit_values_all<W_BF16>(w, N, K, out); return 0;
-        case W_Q8_0: unit_values_all<W_Q8_0>(w, N, K, out); return 0;
-        case W_Q4_K: unit_values_all<W_Q4_K>(w, N, K, out); return 0;
-        case W_Q5_K: unit_values_all<W_Q5_K>(w, N, K, out); return 0;
-        case W_Q6_K: unit_values_all<W_Q6_K>(w, N, K, out); return 0;
+        case W_F16: unit_values_all<W_F16>(w, 0, N, K, out); return 0;
+        case W_BF16: unit_values_all<W_BF16>(w, 0, N, K, out); return 0;
+        case W_Q8_0: unit_values_all<W_Q8_0>(w, 0, N, K, out); return 0;
+        case W_Q4_K: unit_values_all<W_Q4_K>(w, 0, N, K, out); return 0;
+        case W_Q5_K: unit_values_all<W_Q5_K>(w, 0, N, K, out); return 0;
+        case W_Q6_K: unit_values_all<W_Q6_K>(w, 0, N, K, out); return 0;
     }
     return 1;
 }
 
 // norm_quantize's arithmetic: the RMS scale (the device's rsqrtf within 2 ulp), then per unit the amax,
 // the scale and the quants exactly as the device computes them.
-void harness_norm_quantize(int norm, const float* x, const float* weight, float eps, int batch, int K, float* xf, i8* xq,
+void harness_norm_quantize(int norm, int batch, const float* x, const float* weight, float eps, int K, float* xf, i8* xq,
                            float2* xd) {
     for (i64 b = 0; b < batch; ++b) {
         const float* row = x + b * K;
@@ -288,19 +295,24 @@ void harness_norm_quantize(int norm, const float* x, const float* weight, float 
 #define ATTN_CASE(KVT, P, HPB)                                                                                           \
     if (kvt == KVT && p == P && hpb == HPB) {                                                                            \
         attention<KVT, P, HPB>(q, k, v, tables, lengths, table_width, block_size, q_heads, kv_heads, scale, splits, batch, \
-                               part_acc, part_ml, out);                                                                  \
+                               part_acc, part_ml);                                                                       \
         return 0;                                                                                                        \
     }
 #define ATTN_KV(KVT) ATTN_CASE(KVT, 2, 1) ATTN_CASE(KVT, 2, 2) ATTN_CASE(KVT, 2, 4) ATTN_CASE(KVT, 2, 8) \
     ATTN_CASE(KVT, 4, 1) ATTN_CASE(KVT, 4, 2) ATTN_CASE(KVT, 4, 4) ATTN_CASE(KVT, 4, 8)                    \
     ATTN_CASE(KVT, 8, 1) ATTN_CASE(KVT, 8, 2) ATTN_CASE(KVT, 8, 4) ATTN_CASE(KVT, 16, 1) ATTN_CASE(KVT, 16, 2)
 
-int harness_attention(int kvt, int p, int hpb, const float* q, void* k_data, u16* k_scales, void* v_data, u16* v_scales,
-                      const int* tables, const int* lengths, int table_width, int block_size, int q_heads, int kv_heads,
-                      float scale, int splits, int batch, float* part_acc, float2* part_ml, float* out) {
+int harness_attention(int kvt, int p, int hpb, int splits, int batch, const float* q, void* k_data, u16* k_scales,
+                      void* v_data, u16* v_scales, const int* tables, const int* lengths, int table_width, int block_size,
+                      int q_heads, int kv_heads, float scale, float* part_acc, float2* part_ml) {
     const KvView k{k_data, k_scales}, v{v_data, v_scales};
     ATTN_KV(KV_F32) ATTN_KV(KV_F16) ATTN_KV(KV_BF16) ATTN_KV(KV_Q8_0)
     return 1;
+}
+
+void harness_attention_combine(int batch, const float* part_acc, const float2* part_ml, const int* lengths, int q_heads,
+                               int head_dim, int splits, float* out) {
+    attention_combine(part_acc, part_ml, lengths, q_heads, head_dim, splits, batch, out);
 }
 
 #define ROPE_CASE(KVT, P)                                                                                              \
@@ -311,12 +323,30 @@ int harness_attention(int kvt, int p, int hpb, const float* q, void* k_data, u16
     }
 #define ROPE_KV(KVT) ROPE_CASE(KVT, 2) ROPE_CASE(KVT, 4) ROPE_CASE(KVT, 8) ROPE_CASE(KVT, 16)
 
-int harness_qk_rope_kv(int kvt, int p, float* q, const float* k, const float* v, const float* q_norm, const float* k_norm,
-                       float eps, const float* inv_freq, int rot, int interleaved, const int* positions, const i64* slots,
-                       int q_heads, int kv_heads, int batch, void* k_data, u16* k_scales, void* v_data, u16* v_scales) {
+int harness_qk_rope_kv(int kvt, int p, int batch, float* q, const float* k, const float* v, const float* q_norm,
+                       const float* k_norm, float eps, const float* inv_freq, int rot, int interleaved, const int* positions,
+                       const i64* slots, int q_heads, int kv_heads, void* k_data, u16* k_scales, void* v_data,
+                       u16* v_scales) {
     const KvView kc{k_data, k_scales}, vc{v_data, v_scales};
     ROPE_KV(KV_F32) ROPE_KV(KV_F16) ROPE_KV(KV_BF16) ROPE_KV(KV_Q8_0)
     return 1;
+}
+
+int harness_dequantize_f16(int type, const void* q, const void* hi, const void* sc, const void* d, i64 row0, int rows,
+                           int K, u16* out) {
+    std::vector<float> values((size_t)rows * K);
+    const WeightView w{q, hi, sc, d};
+    switch (type) {
+        case W_F16: unit_values_all<W_F16>(w, row0, rows, K, values.data()); break;
+        case W_BF16: unit_values_all<W_BF16>(w, row0, rows, K, values.data()); break;
+        case W_Q8_0: unit_values_all<W_Q8_0>(w, row0, rows, K, values.data()); break;
+        case W_Q4_K: unit_values_all<W_Q4_K>(w, row0, rows, K, values.data()); break;
+        case W_Q5_K: unit_values_all<W_Q5_K>(w, row0, rows, K, values.data()); break;
+        case W_Q6_K: unit_values_all<W_Q6_K>(w, row0, rows, K, values.data()); break;
+        default: return 1;
+    }
+    for (size_t i = 0; i < values.size(); ++i) out[i] = f32_to_f16_fast(values[i]);
+    return 0;
 }
 
 void harness_dp4a_vsub4(const int* a, const int* b, int n, int* dots, int* diffs) {

@@ -3,17 +3,15 @@ each takes and returns numpy arrays shaped as the native kernels' device buffers
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
-
 import numpy as np
 
+from ember.kernels.cuda.native_launch import NativeKv
 from ember.kernels.cuda.repack import Repacked
 from ember.kernels.tensor_types import TensorType
 
 WEIGHT_CODES = {TensorType.F16: 1, TensorType.BF16: 2, TensorType.Q8_0: 3, TensorType.Q4_K: 4, TensorType.Q5_K: 5,
                 TensorType.Q6_K: 6}
 KV_CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3}
-KV_STORAGE = {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16, "q8_0": np.int8}
 EPILOGUES = {"store": 0, "add": 1, "swiglu": 2}
 
 
@@ -31,25 +29,11 @@ def _ptr(a: np.ndarray | None) -> ctypes.c_void_p | None:
     return None if a is None or a.size == 0 else ctypes.c_void_p(a.ctypes.data)
 
 
-@dataclass
-class KvStore:
-    """A paged KV store as the device holds it: data [n_blocks, block_size, kv_heads, head_dim] in the
-    dtype's storage, and q8_0's f16 scales [.., head_dim / 32] (empty otherwise)."""
-    dtype: str
-    data: np.ndarray
-    scales: np.ndarray
-
-    @classmethod
-    def zeros(cls, dtype: str, n_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> KvStore:
-        shape = (n_blocks, block_size, kv_heads, head_dim)
-        scales = np.zeros(shape[:3] + (head_dim // 32,), np.uint16) if dtype == "q8_0" else np.zeros(0, np.uint16)
-        return cls(dtype, aligned(np.zeros(shape, KV_STORAGE[dtype])), aligned(scales))
-
-
 class Harness:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        for name in ("harness_gemv", "harness_unit_values", "harness_attention", "harness_qk_rope_kv"):
+        for name in ("harness_gemv", "harness_unit_values", "harness_attention", "harness_qk_rope_kv",
+                     "harness_dequantize_f16"):
             getattr(lib, name).restype = ctypes.c_int
 
     def unit_values(self, w: Repacked) -> np.ndarray:
@@ -66,7 +50,7 @@ class Harness:
         xf, xq = np.zeros((b, k), np.float32), aligned(np.zeros((b, k), np.int8))
         xd = aligned(np.zeros((b, k // 32, 2), np.float32))
         w = None if weight is None else aligned(np.asarray(weight, np.float32))
-        self.lib.harness_norm_quantize(int(w is not None), _ptr(x), _ptr(w), ctypes.c_float(eps), b, k, _ptr(xf),
+        self.lib.harness_norm_quantize(int(w is not None), b, _ptr(x), _ptr(w), ctypes.c_float(eps), k, _ptr(xf),
                                        _ptr(xq), _ptr(xd))
         return xf, xq, xd
 
@@ -85,7 +69,7 @@ class Harness:
         assert code == 0, f"no harness GEMV for batch {b}"
         return out
 
-    def attention(self, q: np.ndarray, k: KvStore, v: KvStore, tables: np.ndarray, lengths: np.ndarray, scale: float,
+    def attention(self, q: np.ndarray, k: NativeKv, v: NativeKv, tables: np.ndarray, lengths: np.ndarray, scale: float,
                   splits: int, heads_per_block: int, out: np.ndarray | None = None) -> np.ndarray:
         q = aligned(np.asarray(q, np.float32))
         batch, q_heads, head_dim = q.shape
@@ -94,14 +78,16 @@ class Harness:
         out = aligned(np.zeros(q.shape, np.float32) if out is None else out)
         part_acc = aligned(np.zeros((batch, q_heads, splits, head_dim), np.float32))
         part_ml = aligned(np.zeros((batch, q_heads, splits, 2), np.float32))
-        code = self.lib.harness_attention(KV_CODES[k.dtype], head_dim // 32, heads_per_block, _ptr(q), _ptr(k.data),
-                                          _ptr(k.scales), _ptr(v.data), _ptr(v.scales), _ptr(tables), _ptr(lengths),
-                                          tables.shape[1], block_size, q_heads, kv_heads, ctypes.c_float(scale),
-                                          splits, batch, _ptr(part_acc), _ptr(part_ml), _ptr(out))
+        code = self.lib.harness_attention(KV_CODES[k.dtype], head_dim // 32, heads_per_block, splits, batch, _ptr(q),
+                                          _ptr(k.data), _ptr(k.scales), _ptr(v.data), _ptr(v.scales), _ptr(tables),
+                                          _ptr(lengths), tables.shape[1], block_size, q_heads, kv_heads,
+                                          ctypes.c_float(scale), _ptr(part_acc), _ptr(part_ml))
         assert code == 0, "no harness attention for these parameters"
+        self.lib.harness_attention_combine(batch, _ptr(part_acc), _ptr(part_ml), _ptr(lengths), q_heads, head_dim,
+                                           splits, _ptr(out))
         return out
 
-    def qk_rope_kv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: KvStore, v_cache: KvStore,
+    def qk_rope_kv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: NativeKv, v_cache: NativeKv,
                    positions: np.ndarray, slots: np.ndarray, inv_freq: np.ndarray, interleaved: bool,
                    q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None, eps: float = 1e-6) -> np.ndarray:
         """Rotated (and normed) q, returned; k and v written into the caches at `slots`."""
@@ -111,9 +97,9 @@ class Harness:
         norms = [None if n is None else aligned(np.asarray(n, np.float32)) for n in (q_norm, k_norm)]
         inv = aligned(np.asarray(inv_freq, np.float32))
         pos, sl = aligned(np.asarray(positions, np.int32)), aligned(np.asarray(slots, np.int64))
-        code = self.lib.harness_qk_rope_kv(KV_CODES[k_cache.dtype], head_dim // 32, _ptr(q), _ptr(k), _ptr(v),
+        code = self.lib.harness_qk_rope_kv(KV_CODES[k_cache.dtype], head_dim // 32, batch, _ptr(q), _ptr(k), _ptr(v),
                                            *map(_ptr, norms), ctypes.c_float(eps), _ptr(inv), 2 * len(inv_freq),
-                                           int(interleaved), _ptr(pos), _ptr(sl), q_heads, k.shape[1], batch,
+                                           int(interleaved), _ptr(pos), _ptr(sl), q_heads, k.shape[1],
                                            _ptr(k_cache.data), _ptr(k_cache.scales), _ptr(v_cache.data),
                                            _ptr(v_cache.scales))
         assert code == 0, "no harness qk_rope_kv for these parameters"

@@ -19,11 +19,12 @@ from ember.kernels.convert import (f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16
                                    quantize_q8_1_split)
 from ember.kernels.cuda import native_kernels as nk
 from ember.kernels.cuda import repack
+from ember.kernels.cuda.native_launch import NativeKv
 from ember.kernels.reference.dense import rope
 from ember.kernels.tensor_types import TensorType
 from tests.cuda import native_toolchain as tools
-from tests.cuda.native_data import decode_kv, random_weight
-from tests.cuda.native_harness import Harness, KvStore, aligned
+from tests.cuda.native_data import decode_kv, random_store, random_weight, reference_attention
+from tests.cuda.native_harness import Harness, aligned
 
 pytestmark = pytest.mark.cuda
 
@@ -165,41 +166,6 @@ def test_gemv_epilogues_add_into_the_residual_and_fuse_swiglu(harness: Harness, 
     np.testing.assert_allclose(fused, g / (1 + np.exp(-g.astype(np.float64))) * u, rtol=1e-5, atol=1e-7)
 
 
-def _random_store(dtype: str, n_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                  rng: np.random.Generator) -> KvStore:
-    store = KvStore.zeros(dtype, n_blocks, block_size, kv_heads, head_dim)
-    values = rng.standard_normal(store.data.shape).astype(np.float32)
-    if dtype == "f32":
-        store.data[...] = values
-    elif dtype == "f16":
-        store.data[...] = f32_to_f16_bits(values)
-    elif dtype == "bf16":
-        store.data[...] = f32_to_bf16_bits(values)
-    else:
-        scales, quants = quantize_q8_0_split(values)
-        store.data[...], store.scales[...] = quants, scales
-    return store
-
-
-def _reference_attention(q: np.ndarray, k: KvStore, v: KvStore, tables: np.ndarray, lengths: np.ndarray,
-                         scale: float) -> np.ndarray:
-    out = np.zeros(q.shape)
-    keys, values = decode_kv(k.dtype, k.data, k.scales), decode_kv(v.dtype, v.data, v.scales)
-    block_size, kv_heads = k.data.shape[1], k.data.shape[2]
-    group = q.shape[1] // kv_heads
-    for b, length in enumerate(lengths):
-        if length == 0:
-            continue
-        t = np.arange(length)
-        blocks, offsets = tables[b, t // block_size], t % block_size
-        for h in range(q.shape[1]):
-            kk, vv = keys[blocks, offsets, h // group].astype(np.float64), values[blocks, offsets, h // group]
-            s = kk @ q[b, h].astype(np.float64) * scale
-            p = np.exp(s - s.max())
-            out[b, h] = p @ vv / p.sum()
-    return out
-
-
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "bf16", "q8_0"])
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", [(64, 8, 8), (128, 8, 2), (128, 12, 2), (256, 6, 1),
                                                       (512, 4, 2)])
@@ -207,8 +173,8 @@ def test_split_k_attention_matches_numpy(harness: Harness, kv_dtype: str, head_d
                                          kv_heads: int) -> None:
     rng = np.random.default_rng(head_dim + q_heads)
     block_size, width = 16, 12
-    k = _random_store(kv_dtype, 64, block_size, kv_heads, head_dim, rng)
-    v = _random_store(kv_dtype, 64, block_size, kv_heads, head_dim, rng)
+    k = random_store(kv_dtype, 64, block_size, kv_heads, head_dim, rng)
+    v = random_store(kv_dtype, 64, block_size, kv_heads, head_dim, rng)
     lengths = np.array([1, 37, 190, 0, 16])  # one key, uneven, 12 blocks, a padded row, exactly one block
     tables = rng.permutation(64)[:5 * width].reshape(5, width).astype(np.int32)
     q = rng.standard_normal((5, q_heads, head_dim)).astype(np.float32)
@@ -216,7 +182,7 @@ def test_split_k_attention_matches_numpy(harness: Harness, kv_dtype: str, head_d
     sentinel = np.full(q.shape, 7.0, np.float32)
     hpb = nk.heads_per_block(head_dim, q_heads // kv_heads)
     out = harness.attention(q, k, v, tables, lengths, scale, splits=8, heads_per_block=hpb, out=sentinel.copy())
-    expected = _reference_attention(q, k, v, tables, lengths, scale)
+    expected = reference_attention(q, k, v, tables, lengths, scale)
     live = lengths > 0
     np.testing.assert_allclose(out[live], expected[live], rtol=1e-5, atol=2e-6)
     assert np.array_equal(out[~live], sentinel[~live])  # padding exits at once, leaving its output as it was
@@ -224,7 +190,7 @@ def test_split_k_attention_matches_numpy(harness: Harness, kv_dtype: str, head_d
 
 def test_attention_is_the_same_for_any_split_count_and_heads_per_block(harness: Harness) -> None:
     rng = np.random.default_rng(5)
-    k, v = (_random_store("f16", 20, 32, 2, 128, rng) for _ in range(2))
+    k, v = (random_store("f16", 20, 32, 2, 128, rng) for _ in range(2))
     q = rng.standard_normal((2, 8, 128)).astype(np.float32)
     tables, lengths = rng.permutation(20)[:20].reshape(2, 10).astype(np.int32), np.array([300, 77])
     outs = [harness.attention(q, k, v, tables, lengths, 0.1, splits, hpb) for splits in (1, 5, 32) for hpb in (1, 4)]
@@ -232,17 +198,17 @@ def test_attention_is_the_same_for_any_split_count_and_heads_per_block(harness: 
         np.testing.assert_allclose(out, outs[0], rtol=2e-6, atol=1e-7)
 
 
-def _cache_values(store: KvStore, slots: np.ndarray) -> np.ndarray:
+def _cache_values(store: NativeKv, slots: np.ndarray) -> np.ndarray:
     flat = store.data.reshape((-1,) + store.data.shape[2:])
-    scales = store.scales.reshape((-1,) + store.scales.shape[2:]) if store.scales.size else store.scales
-    return decode_kv(store.dtype, flat[slots], scales[slots] if scales.size else scales)
+    scales = None if store.scales is None else store.scales.reshape((-1,) + store.scales.shape[2:])[slots]
+    return decode_kv(store.dtype, flat[slots], scales)
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "bf16", "q8_0"])
 def test_kv_write_converts_bit_for_bit(harness: Harness, kv_dtype: str) -> None:
     rng = np.random.default_rng(11)
     q_heads, kv_heads, head_dim = 4, 2, 128
-    k_cache, v_cache = (KvStore.zeros(kv_dtype, 4, 8, kv_heads, head_dim) for _ in range(2))
+    k_cache, v_cache = (NativeKv.allocate(np, kv_dtype, 4, 8, kv_heads, head_dim) for _ in range(2))
     q = rng.standard_normal((3, q_heads, head_dim)).astype(np.float32)
     k, v = (rng.standard_normal((3, kv_heads, head_dim)).astype(np.float32) * np.float32(5) for _ in range(2))
     slots = np.array([5, -1, 30])  # the middle row is padding: nothing of it is written
@@ -274,7 +240,7 @@ def test_qk_norm_rope_and_kv_write_match_numpy(harness: Harness, interleaved: bo
     k, v = (rng.standard_normal((batch, kv_heads, head_dim)).astype(np.float32) for _ in range(2))
     q_norm, k_norm = (rng.uniform(0.5, 1.5, head_dim).astype(np.float32) for _ in range(2))
     positions, slots = np.array([0, 17, 131071]), np.array([2, 9, 14])
-    k_cache, v_cache = (KvStore.zeros("f32", 2, 8, kv_heads, head_dim) for _ in range(2))
+    k_cache, v_cache = (NativeKv.allocate(np, "f32", 2, 8, kv_heads, head_dim) for _ in range(2))
     out = harness.qk_rope_kv(q, k, v, k_cache, v_cache, positions, slots, inv_freq, interleaved, q_norm, k_norm)
 
     def normed(x: np.ndarray, weight: np.ndarray) -> np.ndarray:

@@ -1,0 +1,273 @@
+"""Launching the native kernels (kernels/cuda/native_kernels.py): grids, blocks and arguments, the
+buffers each kernel reads and writes, and CuPy's compile-on-first-use.
+
+`NativeOps` is written against an array module (`xp`: CuPy on a GPU) and a `Launcher` that runs one
+kernel. On a GPU the launcher is `CupyLauncher`, which compiles each kernel's source with NVRTC the first
+time it is launched (CuPy caches the binary on disk). The tests run the same class with numpy arrays and
+a launcher that executes each launch in the host harness, so the grids, argument order and buffer
+shapes are checked on the CPU before any GPU sees them. Arguments go by name, in the order of the C
+signature read from the kernel's header: a call site cannot transpose two of them.
+
+Every per-step value a kernel needs (positions, slots, lengths, block tables) is read from device memory,
+and nothing here allocates inside a launch sequence except where a method says so: the buffers are the
+caller's, so a captured graph can replay them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ember.kernels.cuda import native_kernels as nk
+from ember.kernels.cuda.repack import Repacked
+from ember.kernels.tensor_types import TensorType
+
+GEMV_BLOCK = 128  # 4 warps, a row each (kernels/cuda/native/gemv.cuh)
+NORM_BLOCK = 256
+ATTENTION_BLOCK = 128
+ROPE_BLOCK = 128
+DEQUANTIZE_BLOCK = 256
+SPLITS = 32  # attention splits of the context: fixed, so a captured graph holds at any length
+_INT32 = (-2**31, 2**31 - 1)
+
+
+class Launcher(Protocol):
+    def __call__(self, kernel: nk.Kernel, grid: tuple[int, int, int], block: tuple[int, int, int],
+                 args: tuple[Any, ...]) -> None: ...
+
+
+class CupyLauncher:
+    """Launches on the current CuPy stream, compiling each kernel with NVRTC the first time."""
+
+    def __init__(self) -> None:
+        import cupy  # noqa: PLC0415 - only a GPU process has CuPy
+
+        self._cupy = cupy
+        self._functions: dict[str, Any] = {}
+
+    def function(self, kernel: nk.Kernel) -> Any:
+        if kernel.name not in self._functions:
+            module = self._cupy.RawModule(code=kernel.source(), options=nk.NVRTC_OPTIONS)
+            self._functions[kernel.name] = module.get_function(kernel.name)
+        return self._functions[kernel.name]
+
+    def __call__(self, kernel: nk.Kernel, grid: tuple[int, int, int], block: tuple[int, int, int],
+                 args: tuple[Any, ...]) -> None:
+        self.function(kernel)(grid, block, args)
+
+
+def address(a: Any) -> int:
+    """The device (CuPy) or host (numpy) address of an array's first byte."""
+    return int(a.data.ptr) if hasattr(a.data, "ptr") else int(a.ctypes.data)
+
+
+def _argument(param: nk.Param, value: Any) -> Any:
+    if param.kind == "ptr":
+        if value is None or value.size == 0:
+            return np.uint64(0)  # a null pointer: 8 bytes, as the parameter
+        if address(value) % 16:
+            raise ValueError(f"{param.name}: the native kernels read 16-byte aligned buffers")
+        return value
+    if param.kind == "float":
+        return np.float32(value)
+    if param.kind == "i64":
+        return np.int64(value)
+    if not _INT32[0] <= int(value) <= _INT32[1]:
+        raise ValueError(f"{param.name}={value} does not fit the kernel's int")
+    return np.int32(value)
+
+
+@dataclass(frozen=True)
+class NativeWeight:
+    """A repacked weight on the device (kernels/cuda/repack.py's arrays; empty ones are None)."""
+    ttype: TensorType
+    rows: int
+    cols: int
+    q: Any
+    hi: Any
+    sc: Any
+    d: Any
+
+    @classmethod
+    def upload(cls, w: Repacked, xp: Any) -> NativeWeight:
+        q, hi, sc, d = (xp.asarray(a) if a.size else None for a in w.arrays)
+        return cls(w.ttype, w.rows, w.cols, q, hi, sc, d)
+
+    @property
+    def arrays(self) -> dict[str, Any]:
+        return {"q": self.q, "hi": self.hi, "sc": self.sc, "d": self.d}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays.values() if a is not None)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """The GEMVs' input for up to `batch` rows of `cols` values: q8_1 quants and (scale, scale * sum)
+    per 32, and the floats (what F16/BF16 weights read)."""
+    xq: Any  # int8 [batch, cols]
+    xd: Any  # float32 [batch, cols / 32, 2]
+    xf: Any  # float32 [batch, cols]
+
+    @classmethod
+    def allocate(cls, xp: Any, batch: int, cols: int) -> Activations:
+        if cols % 32:
+            raise ValueError(f"native activations need a multiple of 32 values, got {cols}")
+        return cls(xp.zeros((batch, cols), xp.int8), xp.zeros((batch, cols // 32, 2), xp.float32),
+                   xp.zeros((batch, cols), xp.float32))
+
+    @property
+    def cols(self) -> int:
+        return int(self.xq.shape[1])
+
+
+@dataclass(frozen=True)
+class NativeKv:
+    """One layer's paged K or V store: data [n_blocks, block_size, kv_heads, head_dim] in its dtype's
+    storage (float32, uint16 bits, int8) and q8_0's f16 scales [.., head_dim / 32] (None otherwise)."""
+    dtype: str
+    data: Any
+    scales: Any
+
+    @classmethod
+    def allocate(cls, xp: Any, dtype: str, n_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int) -> NativeKv:
+        storage = {"f32": xp.float32, "f16": xp.uint16, "bf16": xp.uint16, "q8_0": xp.int8}
+        if dtype not in storage:
+            raise ValueError(f"unknown KV dtype {dtype!r} (choose from {', '.join(storage)})")
+        shape = (n_blocks, block_size, kv_heads, head_dim)
+        scales = xp.zeros(shape[:3] + (head_dim // 32,), xp.uint16) if dtype == "q8_0" else None
+        return cls(dtype, xp.zeros(shape, storage[dtype]), scales)
+
+    @property
+    def block_size(self) -> int:
+        return int(self.data.shape[1])
+
+    @property
+    def kv_heads(self) -> int:
+        return int(self.data.shape[2])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.data.shape[3])
+
+
+@dataclass(frozen=True)
+class AttentionScratch:
+    """The split partials for `batch` rows of `q_heads` heads (static, so a graph can replay them)."""
+    acc: Any  # float32 [batch, q_heads, splits, head_dim]
+    ml: Any  # float32 [batch, q_heads, splits, 2]: each split's max and sum
+
+    @classmethod
+    def allocate(cls, xp: Any, batch: int, q_heads: int, head_dim: int, splits: int = SPLITS) -> AttentionScratch:
+        return cls(xp.zeros((batch, q_heads, splits, head_dim), xp.float32),
+                   xp.zeros((batch, q_heads, splits, 2), xp.float32))
+
+    @property
+    def splits(self) -> int:
+        return int(self.acc.shape[2])
+
+
+def _blocks(n: int, per_block: int) -> int:
+    return max(1, -(-n // per_block))
+
+
+class NativeOps:
+    """The native kernels, each launched over the caller's buffers."""
+
+    def __init__(self, xp: Any, launcher: Launcher) -> None:
+        self.xp = xp
+        self.launcher = launcher
+
+    @classmethod
+    def on_gpu(cls) -> NativeOps:
+        import cupy  # noqa: PLC0415 - only a GPU process has CuPy
+
+        return cls(cupy, CupyLauncher())
+
+    def launch(self, kernel: nk.Kernel, grid: tuple[int, ...], block: tuple[int, ...], **args: Any) -> None:
+        names = [p.name for p in kernel.params]
+        if set(args) != set(names):
+            raise TypeError(f"{kernel.name}: missing {sorted(set(names) - set(args))}, "
+                            f"unknown {sorted(set(args) - set(names))}")
+        values = tuple(_argument(p, args[p.name]) for p in kernel.params)
+        self.launcher(kernel, (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3], values)
+
+    def quantize(self, x: Any, out: Activations, norm_weight: Any = None, eps: float = 1e-6,
+                 floats: bool = False) -> None:
+        """q8_1 of x [batch, cols] into `out` (RMS-normed by norm_weight when given); `floats` also
+        keeps the (normed) floats in out.xf, for F16/BF16 weights."""
+        batch, cols = x.shape
+        if cols != out.cols or batch > out.xq.shape[0]:
+            raise ValueError(f"quantize: {batch} x {cols} does not fit activations {tuple(out.xq.shape)}")
+        self.launch(nk.norm_quantize(norm_weight is not None), (batch,), (NORM_BLOCK,), x=x, weight=norm_weight,
+                    eps=eps, K=cols, xf=out.xf if floats else None, xq=out.xq, xd=out.xd)
+
+    def gemv(self, w: NativeWeight, x: Activations, y: Any, batch: int, epilogue: str = "store",
+             w2: NativeWeight | None = None) -> None:
+        """y [batch, w.rows] = (or +=, or silu(.) * w2 of) w times the first `batch` rows of x."""
+        if x.cols != w.cols:
+            raise ValueError(f"gemv: activations of {x.cols} values against a weight of {w.cols} columns")
+        if (epilogue == "swiglu") != (w2 is not None):
+            raise ValueError("gemv: swiglu takes the up weight as w2, and only swiglu does")
+        if w2 is not None and (w2.ttype, w2.rows, w2.cols) != (w.ttype, w.rows, w.cols):
+            raise ValueError("gemv: gate and up weights differ in type or shape")
+        if tuple(y.shape) != (batch, w.rows):
+            raise ValueError(f"gemv: output {tuple(y.shape)}, expected {(batch, w.rows)}")
+        second = (w2 or w).arrays
+        self.launch(nk.gemv(w.ttype, batch, epilogue), (_blocks(w.rows, GEMV_BLOCK // 32),), (GEMV_BLOCK,),
+                    **w.arrays, q2=second["q"], hi2=second["hi"], sc2=second["sc"], d2=second["d"], xq=x.xq,
+                    xd=x.xd, xf=x.xf, y=y, N=w.rows, K=w.cols)
+
+    def attention(self, q: Any, k: NativeKv, v: NativeKv, tables: Any, lengths: Any, scale: float,
+                  scratch: AttentionScratch, out: Any) -> None:
+        """Decode attention of q [batch, q_heads, head_dim] over the rows' first lengths[b] cached
+        positions (tables [batch, width] int32 block ids, lengths [batch] int32; 0 is padding, left
+        untouched in out)."""
+        batch, q_heads, head_dim = q.shape
+        if head_dim != k.head_dim or q_heads % k.kv_heads:
+            raise ValueError(f"attention: {q_heads} heads of {head_dim} against a cache of {k.kv_heads} x "
+                             f"{k.head_dim}")
+        group = q_heads // k.kv_heads
+        heads = nk.heads_per_block(head_dim, group)
+        self.launch(nk.attention(k.dtype, head_dim, heads), (k.kv_heads * _blocks(group, heads), scratch.splits, batch),
+                    (ATTENTION_BLOCK,), q=q, k=k.data, k_scales=k.scales, v=v.data, v_scales=v.scales, tables=tables,
+                    lengths=lengths, table_width=tables.shape[1], block_size=k.block_size, q_heads=q_heads,
+                    kv_heads=k.kv_heads, scale=scale, part_acc=scratch.acc, part_ml=scratch.ml)
+        self.launch(nk.attention_combine(), (q_heads, batch), (head_dim,), part_acc=scratch.acc, part_ml=scratch.ml,
+                    lengths=lengths, q_heads=q_heads, head_dim=head_dim, splits=scratch.splits, out=out)
+
+    def qk_rope_kv(self, q: Any, k: Any, v: Any, k_cache: NativeKv, v_cache: NativeKv, positions: Any, slots: Any,
+                   inv_freq: Any, interleaved: bool, q_norm: Any = None, k_norm: Any = None, eps: float = 1e-6) -> None:
+        """q [batch, q_heads, D] normed and rotated in place; k, v [batch, kv_heads, D] (k normed and
+        rotated) written into the caches at slots [batch] int64 (-1: padding); positions [batch] int32."""
+        batch, q_heads, head_dim = q.shape
+        heads = q_heads + 2 * k_cache.kv_heads
+        self.launch(nk.qk_rope_kv(k_cache.dtype, head_dim), (_blocks(heads, ROPE_BLOCK // 32), batch), (ROPE_BLOCK,),
+                    q=q, k=k, v=v, q_norm=q_norm, k_norm=k_norm, eps=eps, inv_freq=inv_freq,
+                    rot=2 * int(inv_freq.shape[0]), interleaved=int(interleaved), positions=positions, slots=slots,
+                    q_heads=q_heads, kv_heads=k_cache.kv_heads, k_data=k_cache.data, k_scales=k_cache.scales,
+                    v_data=v_cache.data, v_scales=v_cache.scales)
+
+    def dequantize_f16(self, w: NativeWeight, row0: int, out: Any) -> None:
+        """Rows row0.. of w as f16 bits into out [rows, w.cols] uint16 (a tile for prefill's GEMM)."""
+        rows = int(out.shape[0])
+        units = rows * (w.cols // 32)
+        self.launch(nk.dequantize_f16(w.ttype), (min(_blocks(units, DEQUANTIZE_BLOCK), 65535),), (DEQUANTIZE_BLOCK,),
+                    **w.arrays, row0=row0, rows=rows, K=w.cols, out=out)
+
+    def prefill_matmul(self, x: Any, w: NativeWeight, tile_rows: int = 4096) -> Any:
+        """x [n, cols] float32 times w^T -> [n, w.rows] float32 for long prompts: each tile of the weight
+        is dequantized to f16 and multiplied by cuBLAS (through the array module's matmul), in float32
+        accumulation. Allocates its output and one tile."""
+        xp = self.xp
+        x16 = x.astype(xp.float16)
+        out = xp.empty((x.shape[0], w.rows), xp.float32)
+        tile = xp.empty((min(tile_rows, w.rows), w.cols), xp.uint16)
+        for row0 in range(0, w.rows, tile_rows):
+            rows = min(tile_rows, w.rows - row0)
+            self.dequantize_f16(w, row0, tile[:rows])
+            out[:, row0:row0 + rows] = xp.matmul(x16, tile[:rows].view(xp.float16).T).astype(xp.float32)
+        return out

@@ -1,0 +1,155 @@
+"""kernels/cuda/native_launch.py on the CPU: NativeOps over numpy arrays, each launch run by the host
+harness (tests/cuda/native_fake_device.py), against numpy. What this proves before a GPU sees the
+code: the grids cover the work, the arguments reach the kernels in their C order with their C types, the
+buffers have the shapes the kernels assume, and a decode step's launches are the same at any position
+(the condition for replaying a captured graph)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ember.kernels.convert import f16_bits_to_f32
+from ember.kernels.cuda import native_kernels as nk
+from ember.kernels.cuda import repack
+from ember.kernels.cuda.native_launch import Activations, AttentionScratch, NativeKv, NativeOps, NativeWeight
+from ember.kernels.reference.dense import rope
+from ember.kernels.tensor_types import TensorType
+from tests.cuda import native_toolchain as tools
+from tests.cuda.native_data import random_store, random_weight, reference_attention
+from tests.cuda.native_fake_device import HarnessLauncher
+
+pytestmark = pytest.mark.cuda
+
+NEEDS_DEVICE = False  # conftest.py: the host harness stands in for the device
+
+
+@pytest.fixture(scope="module")
+def lib():  # type: ignore[no-untyped-def]
+    return tools.build_harness()
+
+
+@pytest.fixture
+def ops(lib) -> NativeOps:  # type: ignore[no-untyped-def]
+    return NativeOps(np, HarnessLauncher(lib))
+
+
+def _weight(ttype: TensorType, rows: int, cols: int, seed: int) -> tuple[repack.Repacked, NativeWeight]:
+    w = repack.repack(ttype, random_weight(ttype, rows, cols, np.random.default_rng(seed)), rows, cols)
+    return w, NativeWeight.upload(w, np)
+
+
+@pytest.mark.parametrize("ttype", repack.NATIVE_TYPES, ids=lambda t: t.name)
+def test_a_layer_s_matmuls_through_the_launch_layer(ops: NativeOps, ttype: TensorType) -> None:
+    rng = np.random.default_rng(int(ttype))
+    batch, hidden, ffn = 6, 512, 768
+    norm = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+    (gate_w, gate), (up_w, up), (down_w, down) = (_weight(ttype, r, c, s) for r, c, s in
+                                                  ((ffn, hidden, 1), (ffn, hidden, 2), (hidden, ffn, 3)))
+    x = rng.standard_normal((batch, hidden)).astype(np.float32)
+    acts, acts_ffn = Activations.allocate(np, 8, hidden), Activations.allocate(np, 8, ffn)
+    floats = ttype in (TensorType.F16, TensorType.BF16)
+    ops.quantize(x, acts, norm_weight=norm, floats=floats)
+    h = np.zeros((batch, ffn), np.float32)
+    ops.gemv(gate, acts, h, batch, "swiglu", w2=up)
+    ops.quantize(h, acts_ffn, floats=floats)
+    residual = x.copy()
+    ops.gemv(down, acts_ffn, residual, batch, "add")
+
+    x64 = x.astype(np.float64)
+    normed = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + 1e-6) * norm
+    g, u = (normed @ repack.dequantize(w).astype(np.float64).T for w in (gate_w, up_w))
+    with np.errstate(over="ignore"):  # a very negative gate: silu's 0, as the kernel's expf gives
+        expected_h = g / (1 + np.exp(-g)) * u
+    expected = x64 + expected_h @ repack.dequantize(down_w).astype(np.float64).T
+    # q8_1 activations cost ~0.5% of a vector's norm at each of the two matmuls; floats cost nothing
+    tolerance = 1e-5 if floats else 0.02
+    assert np.linalg.norm(h - expected_h) <= tolerance * np.linalg.norm(expected_h)
+    assert np.linalg.norm(residual - expected) <= tolerance * np.linalg.norm(expected - x64) + 1e-6
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
+def test_rope_kv_write_then_attention_through_the_launch_layer(ops: NativeOps, kv_dtype: str) -> None:
+    rng = np.random.default_rng(3)
+    batch, q_heads, kv_heads, head_dim, block_size, width = 3, 8, 2, 128, 16, 8
+    k_cache, v_cache = (random_store(kv_dtype, 32, block_size, kv_heads, head_dim, rng) for _ in range(2))
+    tables = rng.permutation(32)[:batch * width].reshape(batch, width).astype(np.int32)
+    positions = np.array([40, 0, 100], np.int32)  # each row's new token, written at its position
+    slots = np.array([tables[b, p // block_size] * block_size + p % block_size for b, p in enumerate(positions)])
+    q = rng.standard_normal((batch, q_heads, head_dim)).astype(np.float32)
+    k, v = (rng.standard_normal((batch, kv_heads, head_dim)).astype(np.float32) for _ in range(2))
+    inv_freq = (1e4 ** (-np.arange(0, head_dim, 2) / head_dim)).astype(np.float32)
+    q_in = q.copy()
+    ops.qk_rope_kv(q, k, v, k_cache, v_cache, positions, slots.astype(np.int64), inv_freq, False)
+    np.testing.assert_allclose(q, rope(q_in, positions, inv_freq, False), rtol=1e-5, atol=2e-6)
+
+    lengths = positions + 1
+    out = np.zeros_like(q)
+    ops.attention(q, k_cache, v_cache, tables, lengths, head_dim ** -0.5,
+                  AttentionScratch.allocate(np, batch, q_heads, head_dim), out)
+    np.testing.assert_allclose(out, reference_attention(q, k_cache, v_cache, tables, lengths, head_dim ** -0.5),
+                               rtol=1e-5, atol=2e-6)
+
+
+def test_a_decode_step_launches_the_same_kernels_over_the_same_buffers_at_any_position(lib) -> None:  # type: ignore[no-untyped-def]
+    launcher = HarnessLauncher(lib)
+    ops = NativeOps(np, launcher)
+    rng = np.random.default_rng(4)
+    batch, q_heads, kv_heads, head_dim = 2, 4, 2, 64
+    _, wq = _weight(TensorType.Q8_0, q_heads * head_dim, 256, 5)
+    k_cache, v_cache = (NativeKv.allocate(np, "q8_0", 16, 16, kv_heads, head_dim) for _ in range(2))
+    # the step's static buffers: filled in place between steps, never reallocated
+    x, acts = np.zeros((batch, 256), np.float32), Activations.allocate(np, batch, 256)
+    q, out = np.zeros((batch, q_heads * head_dim), np.float32), np.zeros((batch, q_heads, head_dim), np.float32)
+    k, v = np.zeros((batch, kv_heads, head_dim), np.float32), np.zeros((batch, kv_heads, head_dim), np.float32)
+    positions, slots, lengths = np.zeros(batch, np.int32), np.zeros(batch, np.int64), np.zeros(batch, np.int32)
+    tables, scratch = np.arange(batch * 8, dtype=np.int32).reshape(batch, 8), AttentionScratch.allocate(
+        np, batch, q_heads, head_dim)
+    inv_freq = np.ones(head_dim // 2, np.float32)
+    traces = []
+    for step in range(3):
+        x[...] = rng.standard_normal(x.shape)
+        positions[...] = [5 + step, 30 + step]
+        slots[...] = [tables[b, p // 16] * 16 + p % 16 for b, p in enumerate(positions)]
+        lengths[...] = positions + 1
+        del launcher.launches[:]
+        ops.quantize(x, acts)
+        ops.gemv(wq, acts, q, batch)
+        heads = q.reshape(batch, q_heads, head_dim)
+        ops.qk_rope_kv(heads, k, v, k_cache, v_cache, positions, slots, inv_freq, True)
+        ops.attention(heads, k_cache, v_cache, tables, lengths, 0.125, scratch, out)
+        traces.append(list(launcher.launches))
+    assert traces[0] == traces[1] == traces[2]  # kernels, grids, blocks, pointers and scalars alike
+    assert [t.kernel for t in traces[0]] == ["ember_quantize_q8_1", "ember_gemv_q8_0_b2_store",
+                                             "ember_qk_rope_kv_q8_0_d64", "ember_attention_q8_0_d64_h2",
+                                             "ember_attention_combine"]
+
+
+@pytest.mark.parametrize("ttype", [TensorType.Q4_K, TensorType.Q6_K, TensorType.Q8_0], ids=lambda t: t.name)
+def test_prefill_goes_through_f16_tiles_and_a_gemm(ops: NativeOps, ttype: TensorType) -> None:
+    w, dw = _weight(ttype, 300, 512, 6)
+    x = np.random.default_rng(6).standard_normal((20, 512)).astype(np.float32)
+    y = ops.prefill_matmul(x, dw, tile_rows=128)  # three tiles, the last one short
+    tile = np.zeros((300, 512), np.uint16)
+    ops.dequantize_f16(dw, 0, tile)
+    exact = repack.dequantize(w)
+    assert np.array_equal(f16_bits_to_f32(tile), exact.astype(np.float16).astype(np.float32))
+    expected = x.astype(np.float64) @ exact.astype(np.float64).T
+    assert np.linalg.norm(y - expected) <= 2e-3 * np.linalg.norm(expected)
+
+
+def test_bad_launches_are_refused_before_the_device(ops: NativeOps) -> None:
+    _, w = _weight(TensorType.Q8_0, 8, 256, 7)
+    acts = Activations.allocate(np, 9, 256)
+    with pytest.raises(ValueError, match="batch 9"):
+        ops.gemv(w, acts, np.zeros((9, 8), np.float32), 9)
+    with pytest.raises(ValueError, match="output"):
+        ops.gemv(w, acts, np.zeros((2, 9), np.float32), 2)
+    with pytest.raises(ValueError, match="swiglu"):
+        ops.gemv(w, acts, np.zeros((2, 8), np.float32), 2, "swiglu")
+    with pytest.raises(TypeError, match="missing"):
+        ops.launch(nk.norm_quantize(False), (1,), (256,), x=np.zeros((1, 32), np.float32))
+    misaligned = np.zeros(40, np.float32)[1:33].reshape(1, 32)
+    with pytest.raises(ValueError, match="aligned"):
+        ops.quantize(misaligned, Activations.allocate(np, 1, 32))
+    with pytest.raises(ValueError, match="KV dtype"):
+        NativeKv.allocate(np, "q4", 1, 1, 1, 64)
