@@ -1,9 +1,13 @@
-"""kernels/cuda/native_launch.py on the CPU: NativeOps over numpy arrays, each launch run by the host
-harness (tests/cuda/native_fake_device.py), against numpy. What this proves before a GPU sees the
-code: the grids cover the work, the arguments reach the kernels in their C order with their C types, the
-buffers have the shapes the kernels assume, and a decode step's launches are the same at any position
-(the condition for replaying a captured graph)."""
+"""kernels/cuda/native_launch.py's NativeOps against numpy, run two ways:
+- on the CPU (always): numpy arrays, each launch run by the host harness (tests/cuda/native_fake_device.py).
+  This proves before a GPU sees the code that the grids cover the work, the arguments reach the kernels in
+  their C order with their C types, the buffers have the shapes the kernels assume, and a decode step's
+  launches are the same at any position (the condition for replaying a captured graph);
+- on a GPU (where CuPy finds one): the same tests on the device, and a decode step captured as a CUDA
+  graph and replayed at new positions."""
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +24,18 @@ from tests.cuda.native_fake_device import HarnessLauncher
 
 pytestmark = pytest.mark.cuda
 
-NEEDS_DEVICE = False  # conftest.py: the host harness stands in for the device
+NEEDS_DEVICE = False  # conftest.py: the host harness stands in for the device where there is none
+
+
+def _gpu_ops() -> NativeOps:
+    try:
+        import cupy  # noqa: PLC0415
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no device")
+    except Exception as e:  # noqa: BLE001 - any reason there is no GPU skips the GPU half
+        pytest.skip(f"no CUDA device through CuPy: {e}")
+    return NativeOps.on_gpu()
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +43,26 @@ def lib():  # type: ignore[no-untyped-def]
     return tools.build_harness()
 
 
-@pytest.fixture
-def ops(lib) -> NativeOps:  # type: ignore[no-untyped-def]
-    return NativeOps(np, HarnessLauncher(lib))
+@pytest.fixture(params=["harness", "gpu"])
+def ops(request: pytest.FixtureRequest) -> NativeOps:
+    if request.param == "gpu":
+        return _gpu_ops()
+    return NativeOps(np, HarnessLauncher(request.getfixturevalue("lib")))
 
 
-def _weight(ttype: TensorType, rows: int, cols: int, seed: int) -> tuple[repack.Repacked, NativeWeight]:
+def host(a: Any) -> np.ndarray:
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def _on(ops: NativeOps, store: NativeKv) -> NativeKv:
+    """A copy of the store in the ops' memory."""
+    xp = ops.xp
+    return NativeKv(store.dtype, xp.array(store.data), None if store.scales is None else xp.array(store.scales))
+
+
+def _weight(ttype: TensorType, rows: int, cols: int, seed: int, xp: Any = np) -> tuple[repack.Repacked, NativeWeight]:
     w = repack.repack(ttype, random_weight(ttype, rows, cols, np.random.default_rng(seed)), rows, cols)
-    return w, NativeWeight.upload(w, np)
+    return w, NativeWeight.upload(w, xp)
 
 
 @pytest.mark.parametrize("ttype", repack.NATIVE_TYPES, ids=lambda t: t.name)
@@ -43,17 +70,19 @@ def test_a_layer_s_matmuls_through_the_launch_layer(ops: NativeOps, ttype: Tenso
     rng = np.random.default_rng(int(ttype))
     batch, hidden, ffn = 6, 512, 768
     norm = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
-    (gate_w, gate), (up_w, up), (down_w, down) = (_weight(ttype, r, c, s) for r, c, s in
+    xp = ops.xp
+    (gate_w, gate), (up_w, up), (down_w, down) = (_weight(ttype, r, c, s, xp) for r, c, s in
                                                   ((ffn, hidden, 1), (ffn, hidden, 2), (hidden, ffn, 3)))
     x = rng.standard_normal((batch, hidden)).astype(np.float32)
-    acts, acts_ffn = Activations.allocate(np, 8, hidden), Activations.allocate(np, 8, ffn)
+    acts, acts_ffn = Activations.allocate(xp, 8, hidden), Activations.allocate(xp, 8, ffn)
     floats = ttype in (TensorType.F16, TensorType.BF16)
-    ops.quantize(x, acts, norm_weight=norm, floats=floats)
-    h = np.zeros((batch, ffn), np.float32)
-    ops.gemv(gate, acts, h, batch, "swiglu", w2=up)
-    ops.quantize(h, acts_ffn, floats=floats)
-    residual = x.copy()
-    ops.gemv(down, acts_ffn, residual, batch, "add")
+    ops.quantize(xp.asarray(x), acts, norm_weight=xp.asarray(norm), floats=floats)
+    h_dev = xp.zeros((batch, ffn), xp.float32)
+    ops.gemv(gate, acts, h_dev, batch, "swiglu", w2=up)
+    ops.quantize(h_dev, acts_ffn, floats=floats)
+    residual_dev = xp.array(x)
+    ops.gemv(down, acts_ffn, residual_dev, batch, "add")
+    h, residual = host(h_dev), host(residual_dev)
 
     x64 = x.astype(np.float64)
     normed = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + 1e-6) * norm
@@ -71,6 +100,7 @@ def test_a_layer_s_matmuls_through_the_launch_layer(ops: NativeOps, ttype: Tenso
 def test_rope_kv_write_then_attention_through_the_launch_layer(ops: NativeOps, kv_dtype: str) -> None:
     rng = np.random.default_rng(3)
     batch, q_heads, kv_heads, head_dim, block_size, width = 3, 8, 2, 128, 16, 8
+    xp = ops.xp
     k_cache, v_cache = (random_store(kv_dtype, 32, block_size, kv_heads, head_dim, rng) for _ in range(2))
     tables = rng.permutation(32)[:batch * width].reshape(batch, width).astype(np.int32)
     positions = np.array([40, 0, 100], np.int32)  # each row's new token, written at its position
@@ -78,16 +108,21 @@ def test_rope_kv_write_then_attention_through_the_launch_layer(ops: NativeOps, k
     q = rng.standard_normal((batch, q_heads, head_dim)).astype(np.float32)
     k, v = (rng.standard_normal((batch, kv_heads, head_dim)).astype(np.float32) for _ in range(2))
     inv_freq = (1e4 ** (-np.arange(0, head_dim, 2) / head_dim)).astype(np.float32)
-    q_in = q.copy()
-    ops.qk_rope_kv(q, k, v, k_cache, v_cache, positions, slots.astype(np.int64), inv_freq, False)
-    np.testing.assert_allclose(q, rope(q_in, positions, inv_freq, False), rtol=1e-5, atol=2e-6)
+    q_dev, k_dev, v_dev = (xp.array(a) for a in (q, k, v))
+    k_cache_dev, v_cache_dev = _on(ops, k_cache), _on(ops, v_cache)
+    ops.qk_rope_kv(q_dev, k_dev, v_dev, k_cache_dev, v_cache_dev, xp.asarray(positions), xp.asarray(slots, xp.int64),
+                   xp.asarray(inv_freq), False)
+    rotated = host(q_dev)
+    np.testing.assert_allclose(rotated, rope(q, positions, inv_freq, False), rtol=1e-5, atol=2e-6)
 
-    lengths = positions + 1
-    out = np.zeros_like(q)
-    ops.attention(q, k_cache, v_cache, tables, lengths, head_dim ** -0.5,
-                  AttentionScratch.allocate(np, batch, q_heads, head_dim), out)
-    np.testing.assert_allclose(out, reference_attention(q, k_cache, v_cache, tables, lengths, head_dim ** -0.5),
-                               rtol=1e-5, atol=2e-6)
+    lengths = (positions + 1).astype(np.int32)
+    out = xp.zeros(q.shape, xp.float32)
+    ops.attention(q_dev, k_cache_dev, v_cache_dev, xp.asarray(tables), xp.asarray(lengths), head_dim ** -0.5,
+                  AttentionScratch.allocate(xp, batch, q_heads, head_dim), out)
+    written = NativeKv(kv_dtype, host(k_cache_dev.data), None if k_cache.scales is None else host(k_cache_dev.scales))
+    values = NativeKv(kv_dtype, host(v_cache_dev.data), None if v_cache.scales is None else host(v_cache_dev.scales))
+    np.testing.assert_allclose(host(out), reference_attention(rotated, written, values, tables, lengths,
+                                                              head_dim ** -0.5), rtol=1e-5, atol=2e-6)
 
 
 def test_a_decode_step_launches_the_same_kernels_over_the_same_buffers_at_any_position(lib) -> None:  # type: ignore[no-untyped-def]
@@ -126,18 +161,20 @@ def test_a_decode_step_launches_the_same_kernels_over_the_same_buffers_at_any_po
 
 @pytest.mark.parametrize("ttype", [TensorType.Q4_K, TensorType.Q6_K, TensorType.Q8_0], ids=lambda t: t.name)
 def test_prefill_goes_through_f16_tiles_and_a_gemm(ops: NativeOps, ttype: TensorType) -> None:
-    w, dw = _weight(ttype, 300, 512, 6)
+    xp = ops.xp
+    w, dw = _weight(ttype, 300, 512, 6, xp)
     x = np.random.default_rng(6).standard_normal((20, 512)).astype(np.float32)
-    y = ops.prefill_matmul(x, dw, tile_rows=128)  # three tiles, the last one short
-    tile = np.zeros((300, 512), np.uint16)
+    y = host(ops.prefill_matmul(xp.asarray(x), dw, tile_rows=128))  # three tiles, the last one short
+    tile = xp.zeros((300, 512), xp.uint16)
     ops.dequantize_f16(dw, 0, tile)
     exact = repack.dequantize(w)
-    assert np.array_equal(f16_bits_to_f32(tile), exact.astype(np.float16).astype(np.float32))
+    assert np.array_equal(f16_bits_to_f32(host(tile)), exact.astype(np.float16).astype(np.float32))
     expected = x.astype(np.float64) @ exact.astype(np.float64).T
     assert np.linalg.norm(y - expected) <= 2e-3 * np.linalg.norm(expected)
 
 
-def test_bad_launches_are_refused_before_the_device(ops: NativeOps) -> None:
+def test_bad_launches_are_refused_before_the_device(lib) -> None:  # type: ignore[no-untyped-def]
+    ops = NativeOps(np, HarnessLauncher(lib))
     _, w = _weight(TensorType.Q8_0, 8, 256, 7)
     acts = Activations.allocate(np, 9, 256)
     with pytest.raises(ValueError, match="batch 9"):
@@ -153,3 +190,61 @@ def test_bad_launches_are_refused_before_the_device(ops: NativeOps) -> None:
         ops.quantize(misaligned, Activations.allocate(np, 1, 32))
     with pytest.raises(ValueError, match="KV dtype"):
         NativeKv.allocate(np, "q4", 1, 1, 1, 64)
+
+
+def test_a_captured_decode_step_replays_at_new_positions() -> None:
+    """On a GPU: a decode step (quantize, q projection, rope + KV write, attention) captured once as a
+    CUDA graph, then replayed after the step's buffers are refilled in place, gives what the eager step
+    gives at those positions, caches included (the proof that no scalar froze into the graph)."""
+    ops = _gpu_ops()
+    import cupy  # noqa: PLC0415
+
+    rng = np.random.default_rng(8)
+    batch, q_heads, kv_heads, head_dim = 2, 8, 2, 128
+    _, wq = _weight(TensorType.Q4_K, q_heads * head_dim, 512, 9, cupy)
+    k_cache, v_cache = (_on(ops, random_store("q8_0", 16, 16, kv_heads, head_dim, rng)) for _ in range(2))
+    x, acts = cupy.zeros((batch, 512), cupy.float32), Activations.allocate(cupy, batch, 512)
+    q = cupy.zeros((batch, q_heads, head_dim), cupy.float32)
+    k, v = cupy.zeros((batch, kv_heads, head_dim), cupy.float32), cupy.zeros((batch, kv_heads, head_dim), cupy.float32)
+    out = cupy.zeros((batch, q_heads, head_dim), cupy.float32)
+    positions, slots, lengths = cupy.zeros(batch, cupy.int32), cupy.zeros(batch, cupy.int64), cupy.zeros(batch, cupy.int32)
+    tables = cupy.asarray(np.arange(batch * 8, dtype=np.int32).reshape(batch, 8))
+    scratch = AttentionScratch.allocate(cupy, batch, q_heads, head_dim)
+    inv_freq = cupy.asarray((1e6 ** (-np.arange(0, head_dim, 2) / head_dim)).astype(np.float32))
+
+    def fill(step: int) -> None:
+        x[...] = cupy.asarray(rng.standard_normal((batch, 512)).astype(np.float32))
+        k[...], v[...] = (cupy.asarray(rng.standard_normal(k.shape).astype(np.float32)) for _ in range(2))
+        pos = np.array([7 + 40 * step, 60 + 3 * step])
+        positions[...] = cupy.asarray(pos.astype(np.int32))
+        table = host(tables)
+        slots[...] = cupy.asarray(np.array([table[b, p // 16] * 16 + p % 16 for b, p in enumerate(pos)]))
+        lengths[...] = cupy.asarray((pos + 1).astype(np.int32))
+        cupy.cuda.Device().synchronize()
+
+    def step() -> None:
+        ops.quantize(x, acts)
+        ops.gemv(wq, acts, q.reshape(batch, q_heads * head_dim), batch)
+        ops.qk_rope_kv(q, k, v, k_cache, v_cache, positions, slots, inv_freq, False)
+        ops.attention(q, k_cache, v_cache, tables, lengths, head_dim ** -0.5, scratch, out)
+
+    fill(0)
+    step()  # eager first: every kernel compiled and loaded before the capture
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        step()
+        graph = stream.end_capture()
+    for n in (1, 2):
+        fill(n)
+        caches = [a.copy() for a in (k_cache.data, k_cache.scales, v_cache.data, v_cache.scales)]
+        graph.launch(stream)
+        stream.synchronize()
+        replayed = [host(out)] + [host(a) for a in (k_cache.data, k_cache.scales, v_cache.data, v_cache.scales)]
+        for a, saved in zip((k_cache.data, k_cache.scales, v_cache.data, v_cache.scales), caches):
+            a[...] = saved
+        step()
+        cupy.cuda.Device().synchronize()
+        eager = [host(out)] + [host(a) for a in (k_cache.data, k_cache.scales, v_cache.data, v_cache.scales)]
+        for got, expected in zip(replayed, eager):
+            assert np.array_equal(got, expected)
