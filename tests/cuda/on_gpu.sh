@@ -1,5 +1,6 @@
 #!/bin/bash
-# tests/cuda on a real GPU (the device machine), then a first eager decode timing on cuda:0.
+# tests/cuda on a real GPU (the device machine): the native kernels' device tests and their bandwidth
+# (benchmarks/gpu_kernels.py), then every CUDA test and a first eager decode timing on cuda:0.
 # Run from the repository root with the wheels of ../shared/notes/ENVIRONMENT.md in .whl/:
 #   ../shared/tools/gpu-wheels msgspec pyzmq structlog gguf pytest-asyncio numpy==2.4.6
 #   device run (carry .whl):  bash tests/cuda/on_gpu.sh
@@ -13,13 +14,20 @@ mkdir -p /tmp/py && ln -sfn "$PWD" /tmp/py/ember
 export PYTHONPATH=/tmp/site:/tmp/py PYTHONUNBUFFERED=1 NUMBA_ENABLE_CUDASIM=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import numpy, numba, numba.cuda; print('numpy', numpy.__version__, 'numba', numba.__version__)"
-# the CPU kernels first (the daemon, model and split tests compare with the CPU): minutes on a fresh machine
-timeout "${COMPILE_TIMEOUT:-400}" python3 -c "import time; t = time.perf_counter()
+# Everything below shares one budget (BUDGET seconds, default 7.5 minutes): each step gets at most its own
+# cap and what is left, so the run ends in time whatever hangs. The native kernels (issue 36) go first.
+budget=${BUDGET:-450}
+left() { local rest=$((budget - SECONDS)); [ "$rest" -lt "$1" ] && echo $((rest > 1 ? rest : 1)) || echo "$1"; }
+timeout "$(left "${NATIVE_TIMEOUT:-150}")" python3 -m pytest tests/cuda/test_native_launch.py -m cuda -v \
+    -p no:cacheprovider -k "gpu or captured" --junitxml "$out/native.xml" 2>&1 | tee "$out/native_tests.log" | tail -25
+timeout "$(left "${KERNELS_TIMEOUT:-180}")" python3 benchmarks/gpu_kernels.py --out "$out" 2>&1 | tee "$out/gpu_kernels.log"
+# the CPU kernels (the daemon, model and split tests compare with the CPU): minutes on a fresh machine
+timeout "$(left "${COMPILE_TIMEOUT:-150}")" python3 -c "import time; t = time.perf_counter()
 from ember.daemon.runner.kernel_cache import ensure_kernel_cache
 print('CPU kernel cache:', 'compiled' if ensure_kernel_cache() else 'warm', f'in {time.perf_counter() - t:.0f} s')"
-timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest tests/cuda -m cuda -v -p no:cacheprovider --durations=15 \
+timeout "$(left "${TESTS_TIMEOUT:-200}")" python3 -m pytest tests/cuda -m cuda -v -p no:cacheprovider --durations=15 \
     --junitxml "$out/junit.xml" "$@" 2>&1 | tee "$out/tests.log" | grep -E "PASS|FAIL|ERROR|SKIP|passed|failed|Error|error" | tail -60
-timeout "${TIMING_TIMEOUT:-120}" python3 - <<'EOF' 2>&1 | tee "$out/timing.log"
+timeout "$(left "${TIMING_TIMEOUT:-60}")" python3 - <<'EOF' 2>&1 | tee "$out/timing.log"
 import time
 import ember
 path = "daemon/assets/ember-demo-dense-q8_0.gguf"
