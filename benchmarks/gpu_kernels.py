@@ -7,7 +7,8 @@ Weights are random blocks built on the device (nothing to carry to the GPU machi
 layout of kernels/cuda/repack.py with random quants and small f16 scales. For each weight type, the
 GEMV reads gate (12288 x 4096), down (4096 x 12288) and lm_head (151936 x 4096) at batch 1 and 8;
 decode attention reads an f16 and a q8_0 cache (32 query heads, 8 KV heads, head_dim 128) at 512, 4k
-and 32k tokens of context. Each measurement is 20 launches captured in one CUDA graph, replayed and
+and 32k tokens of context; the sampler (greedy, and top-k/top-p/min-p by radix select) runs over
+151936 logits a row at batch 1 and 8. Each measurement is 20 launches captured in one CUDA graph, replayed and
 timed with events (so Python's launch cost is not in it), the best of 5 replays. The bandwidth is
 bytes the kernel must read over that time; the HBM figure is the best of 5 `cupy.sum` passes over 4 GiB
 in the same run. The goals of issue 36 are printed beside the figures: Q8_0 >= 85% of HBM at batch 1,
@@ -26,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from ember.kernels.cuda.native_launch import Activations, AttentionScratch, NativeKv, NativeOps, NativeWeight
+from ember.kernels.cuda.native_launch import (Activations, AttentionScratch, NativeKv, NativeOps, NativeWeight,
+                                             SamplingBuffers)
+from ember.kernels.sampling import SampleRow, SamplingParams
 from ember.kernels.tensor_types import QK_K, TensorType
 
 HIDDEN, FFN, VOCAB = 4096, 12288, 151936
@@ -159,6 +162,32 @@ def attention_rows(xp: Any, ops: NativeOps, timer: Callable[[Callable[[], None]]
     return out
 
 
+def sampling_rows(xp: Any, ops: NativeOps, timer: Callable[[Callable[[], None]], float],
+                  vocab: int) -> list[dict[str, Any]]:
+    """The sampler over a vocabulary of logits per row: greedy, and top-k 40 / top-p 0.9 / min-p 0.05 at
+    temperature 0.8 (the radix selects), with a repetition penalty over 64 tokens."""
+    out = []
+    rng = np.random.default_rng(0)
+    for name, params in (("greedy", SamplingParams()),
+                         ("top-k/p", SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05,
+                                                     repetition_penalty=1.1))):
+        for batch in (1, 8):
+            buffers = SamplingBuffers.allocate(xp, batch, vocab)
+            rows = [SampleRow(k, params, np.random.default_rng(k), generated=list(rng.integers(0, vocab, 64)))
+                    for k in range(batch)]
+            buffers.fill(xp, rows)
+            logits = xp.asarray(rng.standard_normal((batch, vocab)).astype(np.float32) * np.float32(3))
+            work = xp.empty_like(logits)
+
+            def step(logits: Any = logits, work: Any = work, buffers: SamplingBuffers = buffers) -> None:
+                work[...] = logits  # a copy: the sampler changes its logits
+                ops.sample(work, buffers)
+
+            seconds = timer(step)
+            out.append({"sampler": name, "vocab": vocab, "batch": batch, "us": seconds * 1e6})
+    return out
+
+
 def verdicts(result: dict[str, Any]) -> list[str]:
     lines = []
     for ttype, goal in GOALS.items():
@@ -184,6 +213,7 @@ def main() -> None:
         timer, bandwidth, device = WallTimer(), 1e12, f"dry run on {platform.machine()} (no kernel runs)"
         shapes = {"gate": (96, 256), "down": (64, 768), "lm_head": (320, 256)}
         contexts: tuple[int, ...] = (32, 64, 128)
+        vocab = 3000
     else:
         import cupy  # noqa: PLC0415
 
@@ -192,10 +222,12 @@ def main() -> None:
         device = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
         shapes = {"gate": (FFN, HIDDEN), "down": (HIDDEN, FFN), "lm_head": (VOCAB, HIDDEN)}
         contexts = (512, 4096, 32768)
+        vocab = VOCAB
     result: dict[str, Any] = {"device": device, "hbm_read_tb_per_s": bandwidth / 1e12, "contexts": list(contexts),
                               "date": time.strftime("%Y-%m-%d")}
     result["gemv"] = gemv_rows(xp, ops, timer, bandwidth, shapes)
     result["attention"] = attention_rows(xp, ops, timer, bandwidth, contexts)
+    result["sampling"] = sampling_rows(xp, ops, timer, vocab)
     result["verdicts"] = verdicts(result)
     result["seconds"] = time.perf_counter() - started
     print(f"{device}: HBM read {bandwidth / 1e12:.2f} TB/s")
@@ -205,6 +237,8 @@ def main() -> None:
     for r in result["attention"]:
         print(f"  attention {r['kv']:4} context {r['context']:>6} batch {r['batch']}: {r['us']:9.1f} us "
               f"{r['tb_per_s']:6.2f} TB/s {r['of_hbm']:6.1%}")
+    for r in result["sampling"]:
+        print(f"  sampler {r['sampler']:8} vocab {r['vocab']} batch {r['batch']}: {r['us']:9.1f} us")
     for line in result["verdicts"]:
         print(line)
     print(f"in {result['seconds']:.1f} s")

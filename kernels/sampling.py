@@ -148,6 +148,25 @@ def _window(prompt: Sequence[int], generated: Sequence[int], params: SamplingPar
     return history[max(0, len(history) - params.repetition_window):]
 
 
+def adjustment_entries(rows: Sequence[SampleRow]) -> tuple[np.ndarray, ...]:
+    """Steps 1-3 of the rows as sparse entries for a device sampler, merged per (row, token id): (row,
+    id, bias, repeated?, subtract), applied as bias, then the repetition penalty, then the subtraction."""
+    entries: list[tuple[int, int, float, bool, float]] = []
+    for k, r in enumerate(rows):
+        p = r.params
+        bias = {int(t): float(np.float32(b)) for t, b in p.logit_bias.items()}
+        seen = set(np.unique(_window(r.prompt, r.generated, p)).tolist()) if p.repetition_penalty != 1.0 else set()
+        sub: dict[int, float] = {}
+        if (p.frequency_penalty or p.presence_penalty) and len(r.generated):
+            ids, counts = np.unique(np.asarray(r.generated, np.int64), return_counts=True)
+            sub = {int(t): float(c * p.frequency_penalty + p.presence_penalty) for t, c in zip(ids, counts, strict=True)}
+        for t in sorted(bias.keys() | seen | sub.keys()):
+            entries.append((k, t, bias.get(t, 0.0), t in seen, sub.get(t, 0.0)))
+    cols = list(zip(*entries, strict=True)) if entries else [(), (), (), (), ()]
+    return (np.array(cols[0], np.int64), np.array(cols[1], np.int64), np.array(cols[2], np.float32),
+            np.array(cols[3], np.bool_), np.array(cols[4], np.float64))
+
+
 def final_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Steps 5-8 on penalised logits: the probabilities draws come from (float64, sums to 1)."""
     # subtract the max before dividing: every exponent is <= 0 and the best one is exactly 0, so no

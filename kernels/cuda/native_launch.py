@@ -14,6 +14,8 @@ caller's, so a captured graph can replay them.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,6 +23,7 @@ import numpy as np
 
 from ember.kernels.cuda import native_kernels as nk
 from ember.kernels.cuda.repack import Repacked
+from ember.kernels.sampling import Choice, SampleRow, adjustment_entries
 from ember.kernels.tensor_types import TensorType
 
 GEMV_BLOCK = 128  # 4 warps, a row each (kernels/cuda/native/gemv.cuh)
@@ -29,6 +32,8 @@ ATTENTION_BLOCK = 128
 ROPE_BLOCK = 128
 DEQUANTIZE_BLOCK = 256
 SPLITS = 32  # attention splits of the context: fixed, so a captured graph holds at any length
+SAMPLE_BLOCK = 1024  # one block per row (kernels/cuda/native/sample.cuh)
+ELEMENTWISE_BLOCK = 256
 _INT32 = (-2**31, 2**31 - 1)
 
 
@@ -170,6 +175,101 @@ class AttentionScratch:
         return int(self.acc.shape[2])
 
 
+@dataclass(frozen=True)
+class SamplingBuffers:
+    """A batch's sampling inputs and outputs on the device, at fixed sizes, refilled before each step:
+    the grammar words per row (all ones: no grammar), the sparse logit adjustments (a row of -1 marks an
+    unused slot), each row's parameters and its one uniform number, and what comes back."""
+    words: Any  # uint32 [rows, ceil(vocab / 32)]
+    entry_row: Any  # int32 [entries]
+    ids: Any  # int32 [entries]
+    bias: Any  # float32 [entries]
+    repeated: Any  # uint8 [entries]
+    sub: Any  # float64 [entries]
+    penalty: Any  # float32 [rows]
+    temperature: Any  # float32 [rows]
+    top_k: Any  # int32 [rows]
+    top_p: Any  # float64 [rows]
+    min_p: Any  # float64 [rows]
+    uniform: Any  # float64 [rows]
+    tokens: Any  # int32 [rows]
+    values: Any  # float32 [rows]: the chosen token's penalised logit
+    best: Any  # float32 [rows]
+    log_total: Any  # float64 [rows]
+
+    @classmethod
+    def allocate(cls, xp: Any, rows: int, vocab: int, entries: int = 4096) -> SamplingBuffers:
+        def z(n: int | tuple[int, ...], dtype: Any) -> Any:
+            return xp.zeros(n, dtype)
+
+        return cls(z((rows, -(-vocab // 32)), xp.uint32), z(entries, xp.int32), z(entries, xp.int32),
+                   z(entries, xp.float32), z(entries, xp.uint8), z(entries, xp.float64), z(rows, xp.float32),
+                   z(rows, xp.float32), z(rows, xp.int32), z(rows, xp.float64), z(rows, xp.float64),
+                   z(rows, xp.float64), z(rows, xp.int32), z(rows, xp.float32), z(rows, xp.float32),
+                   z(rows, xp.float64))
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        return int(self.words.shape[0]), int(self.ids.shape[0])
+
+    def fill(self, xp: Any, rows: Sequence[SampleRow]) -> None:
+        """The rows' parameters, grammar masks, adjustments and uniform numbers (drawn here, from each
+        sampled row's own generator, in order) into the buffers."""
+        most_rows, most_entries = self.capacity
+        if len(rows) > most_rows:
+            raise ValueError(f"{len(rows)} rows to sample, the buffers hold {most_rows}")
+        if any(r.params.logprobs for r in rows):
+            raise ValueError("the native sampler returns no top alternatives (logprobs > 0)")
+        n_words = int(self.words.shape[1])
+        words = np.full((most_rows, n_words), 0xFFFFFFFF, np.uint32)
+        for k, r in enumerate(rows):
+            if r.allowed is not None:
+                words[k] = 0
+                given = np.asarray(r.allowed).view(np.uint32)[:n_words]
+                words[k, :given.size] = given
+        entry_row, ids, bias, repeated, sub = adjustment_entries(rows)
+        if len(ids) > most_entries:
+            raise ValueError(f"{len(ids)} logit adjustments, the buffers hold {most_entries}")
+        pad = most_entries - len(ids)
+        self.words[...] = xp.asarray(words)
+        self.entry_row[...] = xp.asarray(np.concatenate([entry_row, np.full(pad, -1)]).astype(np.int32))
+        self.ids[...] = xp.asarray(np.concatenate([ids, np.zeros(pad, np.int64)]).astype(np.int32))
+        self.bias[...] = xp.asarray(np.concatenate([bias, np.zeros(pad, np.float32)]))
+        self.repeated[...] = xp.asarray(np.concatenate([repeated, np.zeros(pad, bool)]).astype(np.uint8))
+        self.sub[...] = xp.asarray(np.concatenate([sub, np.zeros(pad)]))
+
+        def per_row(values: list[float], dtype: Any) -> Any:
+            return xp.asarray(np.array(values + [0] * (most_rows - len(values)), dtype))
+
+        params = [r.params for r in rows]
+        self.penalty[...] = per_row([p.repetition_penalty for p in params], np.float32)
+        self.temperature[...] = per_row([p.temperature for p in params], np.float32)
+        self.top_k[...] = per_row([p.top_k for p in params], np.int32)
+        self.top_p[...] = per_row([p.top_p for p in params], np.float64)
+        self.min_p[...] = per_row([p.min_p for p in params], np.float64)
+        self.uniform[...] = per_row([0.0 if p.greedy else r.rng.random() for p, r in zip(params, rows, strict=True)],
+                                    np.float64)
+
+    def choices(self, rows: Sequence[SampleRow]) -> list[Choice | str]:
+        """What the last sample gave each row, as the host sampler's Choice (or its failure)."""
+        n = len(rows)
+        tokens, values, best, log_total = (_host(a)[:n] for a in (self.tokens, self.values, self.best,
+                                                                   self.log_total))
+        out: list[Choice | str] = []
+        for k, r in enumerate(rows):
+            if tokens[k] < 0:
+                out.append("sampling failed: ValueError: probabilities contain NaN")
+            elif not r.logprob:
+                out.append(Choice(int(tokens[k]), math.nan))
+            else:
+                out.append(Choice(int(tokens[k]), float(values[k]) - float(best[k]) - float(log_total[k])))
+        return out
+
+
+def _host(a: Any) -> np.ndarray:
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
 def _blocks(n: int, per_block: int) -> int:
     return max(1, -(-n // per_block))
 
@@ -250,6 +350,23 @@ class NativeOps:
                     rot=2 * int(inv_freq.shape[0]), interleaved=int(interleaved), positions=positions, slots=slots,
                     q_heads=q_heads, kv_heads=k_cache.kv_heads, k_data=k_cache.data, k_scales=k_cache.scales,
                     v_data=v_cache.data, v_scales=v_cache.scales)
+
+    def sample(self, logits: Any, buffers: SamplingBuffers) -> None:
+        """Steps 0-9 of kernels/sampling.py on logits [rows, vocab] (changed in place: pass a copy where
+        the raw logits are still wanted), from the buffers' last fill; the results stay in `buffers`."""
+        rows, vocab = logits.shape
+        if rows > buffers.capacity[0]:
+            raise ValueError(f"sample: {rows} rows, the buffers hold {buffers.capacity[0]}")
+        self.launch(nk.mask(), (min(_blocks(rows * vocab, ELEMENTWISE_BLOCK), 65535),), (ELEMENTWISE_BLOCK,),
+                    logits=logits, rows=rows, vocab=vocab, words=buffers.words, n_words=buffers.words.shape[1])
+        self.launch(nk.adjust(), (_blocks(buffers.capacity[1], ELEMENTWISE_BLOCK),), (ELEMENTWISE_BLOCK,),
+                    logits=logits, vocab=vocab, entry_row=buffers.entry_row, ids=buffers.ids, bias=buffers.bias,
+                    repeated=buffers.repeated, penalty=buffers.penalty, sub=buffers.sub,
+                    entries=buffers.capacity[1])
+        self.launch(nk.sample(), (rows,), (SAMPLE_BLOCK,), logits=logits, vocab=vocab,
+                    temperature=buffers.temperature, top_k=buffers.top_k, top_p=buffers.top_p,
+                    min_p=buffers.min_p, uniform=buffers.uniform, tokens=buffers.tokens, values=buffers.values,
+                    best=buffers.best, log_total=buffers.log_total)
 
     def dequantize_f16(self, w: NativeWeight, row0: int, out: Any) -> None:
         """Rows row0.. of w as f16 bits into out [rows, w.cols] uint16 (a tile for prefill's GEMM)."""

@@ -25,7 +25,7 @@ from numba import cuda, float32, float64, int64
 
 from ember.kernels.cuda.device import THREADS, block_argmax, block_sum, flat_grid, grid
 from ember.kernels.cuda.device_array import DeviceArray, empty, gather_rows
-from ember.kernels.sampling import Choice, SampleRow, _window, allowed_tokens
+from ember.kernels.sampling import Choice, SampleRow, adjustment_entries, allowed_tokens
 
 
 @cuda.jit
@@ -178,24 +178,6 @@ def _top_n(x, n, out_ids, out_values):  # type: ignore[no-untyped-def]
             prev_v, prev_i = best, at
 
 
-def _adjustments(rows: Sequence[SampleRow]) -> tuple[np.ndarray, ...]:
-    """The rows' logit adjustments merged per (row, token id): (row, id, bias, repeat?, subtract)."""
-    entries: list[tuple[int, int, float, bool, float]] = []
-    for k, r in enumerate(rows):
-        p = r.params
-        bias = {int(t): float(np.float32(b)) for t, b in p.logit_bias.items()}
-        seen = set(np.unique(_window(r.prompt, r.generated, p)).tolist()) if p.repetition_penalty != 1.0 else set()
-        sub: dict[int, float] = {}
-        if (p.frequency_penalty or p.presence_penalty) and len(r.generated):
-            ids, counts = np.unique(np.asarray(r.generated, np.int64), return_counts=True)
-            sub = {int(t): float(c * p.frequency_penalty + p.presence_penalty) for t, c in zip(ids, counts, strict=True)}
-        for t in sorted(bias.keys() | seen | sub.keys()):
-            entries.append((k, t, bias.get(t, 0.0), t in seen, sub.get(t, 0.0)))
-    cols = list(zip(*entries, strict=True)) if entries else [(), (), (), (), ()]
-    return (np.array(cols[0], np.int64), np.array(cols[1], np.int64), np.array(cols[2], np.float32),
-            np.array(cols[3], np.bool_), np.array(cols[4], np.float64))
-
-
 def _up(x: np.ndarray) -> DeviceArray:
     return DeviceArray(cuda.to_device(np.ascontiguousarray(x)))
 
@@ -218,7 +200,7 @@ def sample_rows(logits: DeviceArray, rows: Sequence[SampleRow]) -> list[Choice |
                 words[k, : min(words.shape[1], r.allowed.size)] = r.allowed[: words.shape[1]]
                 words[k, r.allowed.size:] = 0
         _mask[flat_grid(m * vocab)](pen.raw, _up(words).raw)
-    entry_row, ids, bias, rep, sub = _adjustments(rows)
+    entry_row, ids, bias, rep, sub = adjustment_entries(rows)
     if len(ids):
         penalty = np.array([r.params.repetition_penalty for r in rows], np.float32)
         _adjust[flat_grid(len(ids))](pen.raw, _up(entry_row).raw, _up(ids).raw, _up(bias).raw, _up(rep).raw,

@@ -69,6 +69,16 @@ class HarnessLauncher:
             assert block == (128, 1, 1) and grid[0] * 4 >= heads, "every head needs its warp"
             code = self.lib.harness_qk_rope_kv(KV_CODES["_".join(parts[4:-1])], int(parts[-1][1:]) // 32, grid[1],
                                                *c_args)
+        elif kernel.name == "ember_mask":
+            self.lib.harness_mask(*c_args)
+            code = 0
+        elif kernel.name == "ember_adjust":
+            self.lib.harness_adjust(*c_args)
+            code = 0
+        elif kernel.name == "ember_sample":
+            assert block == (1024, 1, 1), "one block of 1024 threads per row"
+            self.lib.harness_sample(grid[0], *c_args)
+            code = 0
         elif kernel.name.startswith("ember_dequantize_f16_"):
             ttype = TensorType["_".join(parts[3:]).upper()]
             code = self.lib.harness_dequantize_f16(WEIGHT_CODES[ttype], *c_args)

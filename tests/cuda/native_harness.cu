@@ -7,6 +7,7 @@
 #include "dequantize.cuh"
 #include "gemv.cuh"
 #include "qk_rope_kv.cuh"
+#include "sample.cuh"
 
 #include <cmath>
 #include <vector>
@@ -227,6 +228,79 @@ void qk_rope_kv(float* q, const float* k, const float* v, const float* q_norm, c
     }
 }
 
+// sample_row's arithmetic in one thread: the same digit walks, thresholds and draw, with sums in order
+// (the device adds its histograms with atomics, in any order).
+void sample_row_host(const float* x, int vocab, float temperature, int top_k, double top_p, double min_p, double u,
+                     int* token, float* value, float* best_out, double* log_total) {
+    float best = -INFINITY;
+    int at = vocab;
+    for (int i = 0; i < vocab; ++i)
+        if (x[i] > best || (x[i] == best && i < at)) best = x[i], at = i;
+    double lse = 0.0;
+    for (int i = 0; i < vocab; ++i) lse += (double)expf(x[i] - best);
+    *best_out = best;
+    *log_total = log(lse);
+    *value = best;
+    if (temperature == 0.0f || top_k == 1 || best != best) {
+        *token = best != best ? -1 : at;
+        return;
+    }
+    const double t = temperature;
+    double z = 0.0;
+    for (int i = 0; i < vocab; ++i) z += weight(x[i], best, t);
+    auto select = [&](bool sums, double target, int k) -> Prefix {
+        u32 prefix = 0, mask = 0;
+        int remaining = k, tied = 0;
+        double above = 0.0;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            u32 counts[256] = {};
+            double bins[256] = {};
+            for (int i = 0; i < vocab; ++i) {
+                const u32 key = order_key(x[i]);
+                if ((key & mask) == prefix) {
+                    counts[(key >> shift) & 255] += 1;
+                    if (sums) bins[(key >> shift) & 255] += weight(x[i], best, t);
+                }
+            }
+            const int digit = sums ? sum_digit(bins, target, above) : count_digit(counts, remaining);
+            if (digit < 0) return Prefix{0, 0, true};
+            tied = (int)counts[digit];
+            prefix |= (u32)digit << shift;
+            mask |= 255u << shift;
+        }
+        if (!sums) return Prefix{prefix, remaining, false};
+        return Prefix{prefix, ties_needed(target, above, weight(key_value(prefix), best, t), tied), false};
+    };
+    Prefix kept{0, 0, true};
+    if (top_k > 0 && top_k < vocab) kept = select(false, 0.0, top_k);
+    if (top_p < 1.0) kept = shorter(kept, select(true, top_p * z, 0));
+    int cutoff = vocab, seen = 0;
+    if (!kept.all)
+        for (int i = 0; i < vocab; ++i)
+            if (order_key(x[i]) == kept.key && ++seen == kept.ties) {
+                cutoff = i + 1;
+                break;
+            }
+    double total = 0.0;
+    int last = -1;
+    for (int i = 0; i < vocab; ++i) {
+        const double w = weight(x[i], best, t);
+        if (kept_token(order_key(x[i]), i, w, kept, cutoff, z, min_p)) total += w, last = i;
+    }
+    const double target = u * total;
+    double acc = 0.0;
+    *token = last;
+    if (last >= 0) *value = x[last];
+    for (int i = 0; i < vocab; ++i) {
+        const double w = weight(x[i], best, t);
+        if (kept_token(order_key(x[i]), i, w, kept, cutoff, z, min_p) && (acc += w) > target) {
+            *token = i;
+            *value = x[i];
+            return;
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -347,6 +421,29 @@ int harness_dequantize_f16(int type, const void* q, const void* hi, const void* 
     }
     for (size_t i = 0; i < values.size(); ++i) out[i] = f32_to_f16_fast(values[i]);
     return 0;
+}
+
+void harness_sample(int rows, const float* logits, int vocab, const float* temperature, const int* top_k,
+                    const double* top_p, const double* min_p, const double* uniform, int* tokens, float* values,
+                    float* best, double* log_total) {
+    for (int r = 0; r < rows; ++r)
+        sample_row_host(logits + (i64)r * vocab, vocab, temperature[r], top_k[r], top_p[r], min_p[r], uniform[r],
+                        tokens + r, values + r, best + r, log_total + r);
+}
+
+void harness_mask(float* logits, int rows, int vocab, const u32* words, int n_words) {
+    for (i64 e = 0; e < (i64)rows * vocab; ++e)
+        if (!allowed(words + (e / vocab) * n_words, n_words, (int)(e % vocab))) logits[e] = -INFINITY;
+}
+
+void harness_adjust(float* logits, int vocab, const int* entry_row, const int* ids, const float* bias, const u8* repeated,
+                    const float* penalty, const double* sub, int entries) {
+    for (int e = 0; e < entries; ++e) {
+        const int r = entry_row[e];
+        if (r < 0) continue;
+        float* at = logits + (i64)r * vocab + ids[e];
+        *at = adjusted(*at, bias[e], repeated[e] != 0, penalty[r], sub[e]);
+    }
 }
 
 void harness_dp4a_vsub4(const int* a, const int* b, int n, int* dots, int* diffs) {

@@ -105,6 +105,20 @@ class Harness:
         assert code == 0, "no harness qk_rope_kv for these parameters"
         return q
 
+    def sample(self, logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+               min_p: np.ndarray, uniform: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token, max, log-sum-exp) per row of penalised logits [rows, vocab]."""
+        logits = np.ascontiguousarray(logits, np.float32)
+        rows, vocab = logits.shape
+        args = [np.ascontiguousarray(a, t) for a, t in ((temperature, np.float32), (top_k, np.int32),
+                                                        (top_p, np.float64), (min_p, np.float64),
+                                                        (uniform, np.float64))]
+        tokens, values = np.zeros(rows, np.int32), np.zeros(rows, np.float32)
+        best, log_total = np.zeros(rows, np.float32), np.zeros(rows, np.float64)
+        self.lib.harness_sample(rows, _ptr(logits), vocab, *map(_ptr, args), _ptr(tokens), _ptr(values), _ptr(best),
+                                _ptr(log_total))
+        return tokens, best, log_total
+
     def dp4a_vsub4(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         a, b = np.ascontiguousarray(a, np.int32), np.ascontiguousarray(b, np.int32)
         dots, diffs = np.zeros_like(a), np.zeros_like(a)

@@ -22,6 +22,8 @@ def test_the_kernel_benchmark_runs_dry(tmp_path: Path) -> None:
                                                                    for m in ("gate", "down", "lm_head")}
     assert {(r["kv"], r["context"]) for r in result["attention"]} == {(kv, c) for kv in ("f16", "q8_0")
                                                                       for c in result["contexts"]}
+    assert {(r["sampler"], r["batch"]) for r in result["sampling"]} == {(s, b) for s in ("greedy", "top-k/p")
+                                                                       for b in (1, 8)}
     assert len(result["verdicts"]) == 4 and "HBM" in done.stdout
 
 

@@ -21,6 +21,7 @@ from ember.kernels.cuda import native_kernels as nk
 from ember.kernels.cuda import repack
 from ember.kernels.cuda.native_launch import NativeKv
 from ember.kernels.reference.dense import rope
+from ember.kernels.sampling import SamplingParams, sample
 from ember.kernels.tensor_types import TensorType
 from tests.cuda import native_toolchain as tools
 from tests.cuda.native_data import decode_kv, random_store, random_weight, reference_attention
@@ -257,3 +258,46 @@ def test_aligned_copies_keep_their_values() -> None:  # the harness's inputs: a 
     a = np.arange(10, dtype=np.float32)[1:]
     b = aligned(a)
     assert b.ctypes.data % 64 == 0 and np.array_equal(a, b)
+
+
+def _sampling_cases(rng: np.random.Generator) -> list[tuple[np.ndarray, SamplingParams]]:
+    cases = []
+    for vocab in (1000, 5003):
+        for temperature, top_k, top_p, min_p in [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 40, 1.0, 0.0),
+                                                 (1.0, 0, 0.9, 0.0), (1.3, 50, 0.8, 0.05), (0.8, 20, 0.95, 0.05),
+                                                 (1.0, 1, 1.0, 0.0), (2.0, 3000, 0.5, 0.0), (0.001, 0, 0.9, 0.0),
+                                                 (1.0, 0, 1.0, 0.2)]:
+            for ties in (False, True):
+                logits = rng.standard_normal(vocab).astype(np.float32) * np.float32(3)
+                if ties:  # few distinct values: top-k and top-p cut inside runs of equal logits
+                    logits = np.round(logits * 2) / np.float32(2)
+                cases.append((logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)))
+    # top-k and top-p both cut inside one run of ties: top-k keeps 2 of the five 3.0s, top-p would keep 4;
+    # the shorter prefix wins
+    run = np.full(100, -5.0, np.float32)
+    run[0], run[1:6] = 5.0, 3.0
+    cases += [(run, SamplingParams(temperature=1.0, top_k=3, top_p=0.9))] * 8
+    tied_best = np.round(rng.standard_normal(3000).astype(np.float32))
+    tied_best[[10, 20, 2999]] = tied_best.max()
+    cases.append((tied_best, SamplingParams(temperature=1.0, min_p=1.0)))  # only the tied best tokens remain
+    grammar = np.full(2000, -np.inf, np.float32)  # a grammar's few allowed tokens
+    grammar[[3, 70, 71, 1999]] = [0.5, 2.0, 2.0, -1.0]
+    cases.append((grammar, SamplingParams(temperature=1.0, top_p=0.9)))
+    cases.append((grammar, SamplingParams(temperature=0.9, top_k=2)))
+    return cases
+
+
+def test_the_device_sampler_draws_the_host_sampler_s_tokens(harness: Harness) -> None:
+    rng = np.random.default_rng(12)
+    drawn = {}
+    for seed in range(6):
+        for case, (logits, params) in enumerate(_sampling_cases(rng)):
+            host = sample(logits, params, np.random.default_rng(seed), logprob=True)
+            u = 0.0 if params.greedy else np.random.default_rng(seed).random()  # the one number choice draws
+            token, best, log_total = harness.sample(logits[None], np.array([params.temperature]),
+                                                    np.array([params.top_k]), np.array([params.top_p]),
+                                                    np.array([params.min_p]), np.array([u]))
+            assert token[0] == host.token, (seed, case, params)
+            np.testing.assert_allclose(logits[token[0]] - best[0] - log_total[0], host.logprob, rtol=1e-6, atol=1e-6)
+            drawn.setdefault(case, set()).add(int(token[0]))
+    assert sum(len(tokens) > 1 for tokens in drawn.values()) > 10  # the seeds draw different tokens: a real draw

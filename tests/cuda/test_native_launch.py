@@ -15,8 +15,10 @@ import pytest
 from ember.kernels.convert import f16_bits_to_f32
 from ember.kernels.cuda import native_kernels as nk
 from ember.kernels.cuda import repack
-from ember.kernels.cuda.native_launch import Activations, AttentionScratch, NativeKv, NativeOps, NativeWeight
+from ember.kernels.cuda.native_launch import (Activations, AttentionScratch, NativeKv, NativeOps, NativeWeight,
+                                             SamplingBuffers)
 from ember.kernels.reference.dense import rope
+from ember.kernels.sampling import SampleRow, SamplingParams, sample_host_rows
 from ember.kernels.tensor_types import TensorType
 from tests.cuda import native_toolchain as tools
 from tests.cuda.native_data import random_store, random_weight, reference_attention
@@ -248,3 +250,39 @@ def test_a_captured_decode_step_replays_at_new_positions() -> None:
         eager = [host(out)] + [host(a) for a in (k_cache.data, k_cache.scales, v_cache.data, v_cache.scales)]
         for got, expected in zip(replayed, eager):
             assert np.array_equal(got, expected)
+
+
+def test_the_native_sampler_matches_the_host_sampler(ops: NativeOps) -> None:
+    """Grammar masks, logit bias, the three penalties, greedy and seeded draws with top-k/p and min-p:
+    the tokens of kernels/sampling.py's host sampler, and its logprobs."""
+    xp = ops.xp
+    rng = np.random.default_rng(9)
+    vocab = 3000
+    logits = rng.standard_normal((7, vocab)).astype(np.float32) * np.float32(2)
+    grammar = np.zeros(-(-vocab // 32), np.uint32)
+    grammar[[0, 5, 93]] = [0b1011, 1 << 7, 0xFFFF]  # tokens 0, 1, 3, 167 and 2976-2991
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05),
+              SamplingParams(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4,
+                             logit_bias={7: 5.0, 8: -100.0}),
+              SamplingParams(temperature=1.2, top_p=0.7), SamplingParams(temperature=0.0, repetition_penalty=1.5),
+              SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=0.7)]
+    history = [list(rng.integers(0, vocab, 30)) for _ in params]
+
+    def rows(seed: int) -> list[SampleRow]:
+        return [SampleRow(k, p, np.random.default_rng(seed + k), prompt=history[k][:10], generated=history[k][10:],
+                          allowed=grammar if k == 6 else None) for k, p in enumerate(params)]
+
+    buffers = SamplingBuffers.allocate(xp, 8, vocab, entries=256)
+    seen = set()
+    for seed in range(5):
+        expected = sample_host_rows(logits, rows(seed))
+        sampled = rows(seed)
+        buffers.fill(xp, sampled)
+        ops.sample(xp.array(logits), buffers)
+        got = buffers.choices(sampled)
+        assert [c.token for c in got] == [c.token for c in expected]
+        np.testing.assert_allclose([c.logprob for c in got], [c.logprob for c in expected], rtol=1e-5, atol=1e-5)
+        seen.add(tuple(c.token for c in got))
+    assert len(seen) > 1  # the seeds draw differently
+    with pytest.raises(ValueError, match="top alternatives"):
+        buffers.fill(xp, [SampleRow(0, SamplingParams(logprobs=2), np.random.default_rng(0))])
