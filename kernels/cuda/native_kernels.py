@@ -168,13 +168,20 @@ def adjust() -> Kernel:
     return Kernel("ember_adjust", "sample.cuh", "EMBER_ADJUST(ember_adjust)")
 
 
+def embed(ttype: TensorType) -> Kernel:
+    if ttype not in WEIGHT_TYPES:
+        raise ValueError(f"no native embedding for {ttype.name}")
+    name = f"ember_embed_{ttype.name.lower()}"
+    return Kernel(name, "dequantize.cuh", f"EMBER_EMBED({name}, {WEIGHT_TYPES[ttype]})")
+
+
 def catalog() -> list[Kernel]:
     """Every kernel the launch layer may ask for."""
     out = [gemv(t, b, e) for t in WEIGHT_TYPES for b in range(1, MAX_BATCH + 1) for e in EPILOGUES]
     out += [norm_quantize(False), norm_quantize(True), attention_combine(), mask(), adjust(), sample()]
     out += [attention(kv, d, h) for kv in KV_TYPES for d in HEAD_DIMS for h in HEADS_PER_BLOCK if h * d // 32 <= 32]
     out += [qk_rope_kv(kv, d) for kv in KV_TYPES for d in HEAD_DIMS]
-    out += [dequantize_f16(t) for t in WEIGHT_TYPES]
+    out += [dequantize_f16(t) for t in WEIGHT_TYPES] + [embed(t) for t in WEIGHT_TYPES]
     return out
 
 

@@ -340,13 +340,16 @@ class NativeOps:
                     lengths=lengths, q_heads=q_heads, head_dim=head_dim, splits=scratch.splits, out=out)
 
     def qk_rope_kv(self, q: Any, k: Any, v: Any, k_cache: NativeKv, v_cache: NativeKv, positions: Any, slots: Any,
-                   inv_freq: Any, interleaved: bool, q_norm: Any = None, k_norm: Any = None, eps: float = 1e-6) -> None:
-        """q [batch, q_heads, D] normed and rotated in place; k, v [batch, kv_heads, D] (k normed and
-        rotated) written into the caches at slots [batch] int64 (-1: padding); positions [batch] int32."""
+                   inv_freq: Any, interleaved: bool, q_norm: Any = None, k_norm: Any = None, eps: float = 1e-6,
+                   biases: tuple[Any, Any, Any] = (None, None, None)) -> None:
+        """q [batch, q_heads, D] (plus its bias) normed and rotated in place; k, v [batch, kv_heads, D]
+        (plus theirs; k normed and rotated) written into the caches at slots [batch] int64 (-1: padding);
+        positions [batch] int32."""
         batch, q_heads, head_dim = q.shape
         heads = q_heads + 2 * k_cache.kv_heads
         self.launch(nk.qk_rope_kv(k_cache.dtype, head_dim), (_blocks(heads, ROPE_BLOCK // 32), batch), (ROPE_BLOCK,),
-                    q=q, k=k, v=v, q_norm=q_norm, k_norm=k_norm, eps=eps, inv_freq=inv_freq,
+                    q=q, k=k, v=v, q_bias=biases[0], k_bias=biases[1], v_bias=biases[2], q_norm=q_norm,
+                    k_norm=k_norm, eps=eps, inv_freq=inv_freq,
                     rot=2 * int(inv_freq.shape[0]), interleaved=int(interleaved), positions=positions, slots=slots,
                     q_heads=q_heads, kv_heads=k_cache.kv_heads, k_data=k_cache.data, k_scales=k_cache.scales,
                     v_data=v_cache.data, v_scales=v_cache.scales)
@@ -367,6 +370,12 @@ class NativeOps:
                     temperature=buffers.temperature, top_k=buffers.top_k, top_p=buffers.top_p,
                     min_p=buffers.min_p, uniform=buffers.uniform, tokens=buffers.tokens, values=buffers.values,
                     best=buffers.best, log_total=buffers.log_total)
+
+    def embed(self, w: NativeWeight, ids: Any, out: Any) -> None:
+        """Rows ids [batch] int32 (device memory) of w, as float32, into out [batch, w.cols]."""
+        batch = int(ids.shape[0])
+        self.launch(nk.embed(w.ttype), (min(_blocks(batch * (w.cols // 32), DEQUANTIZE_BLOCK), 65535),),
+                    (DEQUANTIZE_BLOCK,), **w.arrays, ids=ids, batch=batch, K=w.cols, out=out)
 
     def dequantize_f16(self, w: NativeWeight, row0: int, out: Any) -> None:
         """Rows row0.. of w as f16 bits into out [rows, w.cols] uint16 (a tile for prefill's GEMM)."""

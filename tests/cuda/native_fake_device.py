@@ -79,6 +79,8 @@ class HarnessLauncher:
             assert block == (1024, 1, 1), "one block of 1024 threads per row"
             self.lib.harness_sample(grid[0], *c_args)
             code = 0
+        elif kernel.name.startswith("ember_embed_"):
+            code = self.lib.harness_embed(WEIGHT_CODES[TensorType["_".join(parts[2:]).upper()]], *c_args)
         elif kernel.name.startswith("ember_dequantize_f16_"):
             ttype = TensorType["_".join(parts[3:]).upper()]
             code = self.lib.harness_dequantize_f16(WEIGHT_CODES[ttype], *c_args)

@@ -177,9 +177,10 @@ void attention_combine(const float* part_acc, const float2* part_ml, const int* 
 }
 
 template <int KVT, int P>
-void qk_rope_kv(float* q, const float* k, const float* v, const float* q_norm, const float* k_norm, float eps,
-                const float* inv_freq, int rot, int interleaved, const int* positions, const i64* slots, int q_heads,
-                int kv_heads, int batch, KvView k_cache, KvView v_cache) {
+void qk_rope_kv(float* q, const float* k, const float* v, const float* q_bias, const float* k_bias, const float* v_bias,
+                const float* q_norm, const float* k_norm, float eps, const float* inv_freq, int rot, int interleaved,
+                const int* positions, const i64* slots, int q_heads, int kv_heads, int batch, KvView k_cache,
+                KvView v_cache) {
     constexpr int D = 32 * P;
     for (int b = 0; b < batch; ++b) {
         const i64 slot = slots[b];
@@ -188,9 +189,10 @@ void qk_rope_kv(float* q, const float* k, const float* v, const float* q_norm, c
             const int kind = head < q_heads ? 0 : (head < q_heads + kv_heads ? 1 : 2);
             const int h = kind == 0 ? head : (kind == 1 ? head - q_heads : head - q_heads - kv_heads);
             float* src = kind == 0 ? q + ((i64)b * q_heads + h) * D : (float*)(kind == 1 ? k : v) + ((i64)b * kv_heads + h) * D;
+            const float* bias = kind == 0 ? q_bias : (kind == 1 ? k_bias : v_bias);
             float x[WARP][P];
             for (int lane = 0; lane < WARP; ++lane)
-                for (int i = 0; i < P; ++i) x[lane][i] = src[lane * P + i];
+                for (int i = 0; i < P; ++i) x[lane][i] = src[lane * P + i] + (bias ? bias[h * D + lane * P + i] : 0.0f);
             const float* norm = kind == 0 ? q_norm : (kind == 1 ? k_norm : nullptr);
             if (norm) {
                 float ss[WARP];
@@ -391,16 +393,16 @@ void harness_attention_combine(int batch, const float* part_acc, const float2* p
 
 #define ROPE_CASE(KVT, P)                                                                                              \
     if (kvt == KVT && p == P) {                                                                                        \
-        qk_rope_kv<KVT, P>(q, k, v, q_norm, k_norm, eps, inv_freq, rot, interleaved, positions, slots, q_heads, kv_heads, \
-                           batch, kc, vc);                                                                             \
+        qk_rope_kv<KVT, P>(q, k, v, q_bias, k_bias, v_bias, q_norm, k_norm, eps, inv_freq, rot, interleaved, positions, \
+                           slots, q_heads, kv_heads, batch, kc, vc);                                                   \
         return 0;                                                                                                      \
     }
 #define ROPE_KV(KVT) ROPE_CASE(KVT, 2) ROPE_CASE(KVT, 4) ROPE_CASE(KVT, 8) ROPE_CASE(KVT, 16)
 
-int harness_qk_rope_kv(int kvt, int p, int batch, float* q, const float* k, const float* v, const float* q_norm,
-                       const float* k_norm, float eps, const float* inv_freq, int rot, int interleaved, const int* positions,
-                       const i64* slots, int q_heads, int kv_heads, void* k_data, u16* k_scales, void* v_data,
-                       u16* v_scales) {
+int harness_qk_rope_kv(int kvt, int p, int batch, float* q, const float* k, const float* v, const float* q_bias,
+                       const float* k_bias, const float* v_bias, const float* q_norm, const float* k_norm, float eps,
+                       const float* inv_freq, int rot, int interleaved, const int* positions, const i64* slots, int q_heads,
+                       int kv_heads, void* k_data, u16* k_scales, void* v_data, u16* v_scales) {
     const KvView kc{k_data, k_scales}, vc{v_data, v_scales};
     ROPE_KV(KV_F32) ROPE_KV(KV_F16) ROPE_KV(KV_BF16) ROPE_KV(KV_Q8_0)
     return 1;
@@ -444,6 +446,23 @@ void harness_adjust(float* logits, int vocab, const int* entry_row, const int* i
         float* at = logits + (i64)r * vocab + ids[e];
         *at = adjusted(*at, bias[e], repeated[e] != 0, penalty[r], sub[e]);
     }
+}
+
+int harness_embed(int type, const void* q, const void* hi, const void* sc, const void* d, const int* ids, int batch, int K,
+                  float* out) {
+    const WeightView w{q, hi, sc, d};
+    for (int b = 0; b < batch; ++b) {
+        switch (type) {
+            case W_F16: unit_values_all<W_F16>(w, ids[b], 1, K, out + (i64)b * K); break;
+            case W_BF16: unit_values_all<W_BF16>(w, ids[b], 1, K, out + (i64)b * K); break;
+            case W_Q8_0: unit_values_all<W_Q8_0>(w, ids[b], 1, K, out + (i64)b * K); break;
+            case W_Q4_K: unit_values_all<W_Q4_K>(w, ids[b], 1, K, out + (i64)b * K); break;
+            case W_Q5_K: unit_values_all<W_Q5_K>(w, ids[b], 1, K, out + (i64)b * K); break;
+            case W_Q6_K: unit_values_all<W_Q6_K>(w, ids[b], 1, K, out + (i64)b * K); break;
+            default: return 1;
+        }
+    }
+    return 0;
 }
 
 void harness_dp4a_vsub4(const int* a, const int* b, int n, int* dots, int* diffs) {

@@ -1,5 +1,6 @@
-// Weights to f16 for prefill: more than 8 rows go through cuBLAS GEMM on f16 tiles of the weight,
-// dequantized here one 32-value unit per thread (the GEMVs' own unit loads, so both read one layout).
+// Weights to floats: f16 tiles for prefill (more than 8 rows go through cuBLAS GEMM on f16 tiles of the
+// weight) and float32 embedding rows of the step's token ids, one 32-value unit per thread (the GEMVs'
+// own unit loads, so all read one layout).
 #pragma once
 #include "weights.cuh"
 
@@ -41,5 +42,31 @@ __device__ __forceinline__ void dequantize_f16(const void* q, const void* hi, co
     extern "C" __global__ void NAME(const void* q, const void* hi, const void* sc, const void* d, long long row0, \
                                     int rows, int K, u16* out) {                                                \
         dequantize_f16<T>(q, hi, sc, d, row0, rows, K, out);                                                    \
+    }
+#endif
+
+#ifdef __CUDACC__
+// Rows ids[b] of w -> out [batch, K] float32; the ids come from device memory (a captured step's input).
+template <int T>
+__device__ __forceinline__ void embed_rows(const void* q, const void* hi, const void* sc, const void* d, const int* ids,
+                                           int batch, int K, float* out) {
+    const WeightView w{q, hi, sc, d};
+    const i64 units = (i64)batch * (K / UNIT);
+    for (i64 task = (i64)blockIdx.x * blockDim.x + threadIdx.x; task < units; task += (i64)gridDim.x * blockDim.x) {
+        const int b = (int)(task / (K / UNIT)), u = (int)(task % (K / UNIT));
+        float v[UNIT];
+        unit_values<T>(weight_row<T>(w, ids[b], K), u, v);
+        int4* dst = reinterpret_cast<int4*>(out + (i64)b * K + UNIT * u);
+#pragma unroll
+        for (int c = 0; c < UNIT / 4; ++c)
+            dst[c] = make_int4((int)as_bits(v[4 * c]), (int)as_bits(v[4 * c + 1]), (int)as_bits(v[4 * c + 2]),
+                               (int)as_bits(v[4 * c + 3]));
+    }
+}
+
+#define EMBER_EMBED(NAME, T)                                                                                    \
+    extern "C" __global__ void NAME(const void* q, const void* hi, const void* sc, const void* d, const int* ids, \
+                                    int batch, int K, float* out) {                                             \
+        embed_rows<T>(q, hi, sc, d, ids, batch, K, out);                                                        \
     }
 #endif

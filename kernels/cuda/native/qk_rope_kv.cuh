@@ -1,5 +1,5 @@
-// After the q/k/v projections of a decode step, in one launch: the per-head RMS norm of q and k
-// (Qwen3's q_norm/k_norm, when given), rotary embedding at each row's position, and k and v written
+// After the q/k/v projections of a decode step, in one launch: the projections' biases (Qwen2's, when
+// given), the per-head RMS norm of q and k (Qwen3's q_norm/k_norm, when given), rotary embedding at each row's position, and k and v written
 // into the paged cache at each row's slot, converted to the cache's dtype (bit for bit as
 // kernels/convert.py). q is rotated in place. Positions and slots are read from device memory; a row
 // whose slot is -1 is padding and is left alone.
@@ -44,14 +44,14 @@ EMBER_HD float rope_value(const float* row, int i, int rot, bool interleaved, in
 // Each of the three kinds of head is its own instantiation: choosing the pointers at run time made
 // the compiler index a table of them in local memory.
 template <int KVT, int P, bool ROTATE, bool CACHE>
-__device__ __forceinline__ void qk_rope_kv_head(const float* src, float* dst, const float* norm, float eps,
+__device__ __forceinline__ void qk_rope_kv_head(const float* src, float* dst, const float* bias, const float* norm, float eps,
                                                 const float* inv_freq, int rot, int interleaved, int position,
                                                 float* shared_row, i64 slot, int h, int kv_heads, KvView cache) {
     constexpr int D = 32 * P;
     const int lane = threadIdx.x % WARP;
     float x[P];
 #pragma unroll
-    for (int i = 0; i < P; ++i) x[i] = src[lane * P + i];
+    for (int i = 0; i < P; ++i) x[i] = src[lane * P + i] + (bias ? bias[lane * P + i] : 0.0f);
     if (norm) {
         float ss = 0.0f;
 #pragma unroll
@@ -82,7 +82,8 @@ __device__ __forceinline__ void qk_rope_kv_head(const float* src, float* dst, co
 }
 
 template <int KVT, int P>
-__device__ __forceinline__ void qk_rope_kv(float* q, const float* k, const float* v, const float* q_norm,
+__device__ __forceinline__ void qk_rope_kv(float* q, const float* k, const float* v, const float* q_bias,
+                                           const float* k_bias, const float* v_bias, const float* q_norm,
                                            const float* k_norm, float eps, const float* inv_freq, int rot,
                                            int interleaved, const int* positions, const i64* slots, int q_heads,
                                            int kv_heads, KvView k_cache, KvView v_cache) {
@@ -94,25 +95,28 @@ __device__ __forceinline__ void qk_rope_kv(float* q, const float* k, const float
     if (slot < 0 || head >= q_heads + 2 * kv_heads) return;
     if (head < q_heads) {
         float* row = q + ((i64)b * q_heads + head) * D;
-        qk_rope_kv_head<KVT, P, true, false>(row, row, q_norm, eps, inv_freq, rot, interleaved, positions[b], rows[warp],
-                                             slot, head, kv_heads, k_cache);
+        qk_rope_kv_head<KVT, P, true, false>(row, row, q_bias ? q_bias + head * D : nullptr, q_norm, eps, inv_freq, rot,
+                                             interleaved, positions[b], rows[warp], slot, head, kv_heads, k_cache);
     } else if (head < q_heads + kv_heads) {
         const int h = head - q_heads;
-        qk_rope_kv_head<KVT, P, true, true>(k + ((i64)b * kv_heads + h) * D, nullptr, k_norm, eps, inv_freq, rot,
-                                            interleaved, positions[b], rows[warp], slot, h, kv_heads, k_cache);
+        qk_rope_kv_head<KVT, P, true, true>(k + ((i64)b * kv_heads + h) * D, nullptr, k_bias ? k_bias + h * D : nullptr,
+                                            k_norm, eps, inv_freq, rot, interleaved, positions[b], rows[warp], slot, h,
+                                            kv_heads, k_cache);
     } else {
         const int h = head - q_heads - kv_heads;
-        qk_rope_kv_head<KVT, P, false, true>(v + ((i64)b * kv_heads + h) * D, nullptr, nullptr, eps, inv_freq, rot,
-                                             interleaved, positions[b], rows[warp], slot, h, kv_heads, v_cache);
+        qk_rope_kv_head<KVT, P, false, true>(v + ((i64)b * kv_heads + h) * D, nullptr, v_bias ? v_bias + h * D : nullptr,
+                                             nullptr, eps, inv_freq, rot, interleaved, positions[b], rows[warp], slot, h,
+                                             kv_heads, v_cache);
     }
 }
 
 #define EMBER_QK_ROPE_KV(NAME, KVT, P)                                                                         \
     extern "C" __global__ void                                                                                 \
-        NAME(float* q, const float* k, const float* v, const float* q_norm, const float* k_norm, float eps,    \
-             const float* inv_freq, int rot, int interleaved, const int* positions, const i64* slots,          \
-             int q_heads, int kv_heads, void* k_data, u16* k_scales, void* v_data, u16* v_scales) {            \
-        qk_rope_kv<KVT, P>(q, k, v, q_norm, k_norm, eps, inv_freq, rot, interleaved, positions, slots,          \
-                           q_heads, kv_heads, KvView{k_data, k_scales}, KvView{v_data, v_scales});             \
+        NAME(float* q, const float* k, const float* v, const float* q_bias, const float* k_bias,               \
+             const float* v_bias, const float* q_norm, const float* k_norm, float eps, const float* inv_freq,  \
+             int rot, int interleaved, const int* positions, const i64* slots, int q_heads, int kv_heads,      \
+             void* k_data, u16* k_scales, void* v_data, u16* v_scales) {                                       \
+        qk_rope_kv<KVT, P>(q, k, v, q_bias, k_bias, v_bias, q_norm, k_norm, eps, inv_freq, rot, interleaved,    \
+                           positions, slots, q_heads, kv_heads, KvView{k_data, k_scales}, KvView{v_data, v_scales}); \
     }
 #endif

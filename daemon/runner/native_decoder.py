@@ -1,0 +1,203 @@
+"""A dense decoder's decode step on the native CUDA kernels (kernels/cuda/native_launch.py), over static
+buffers per batch size: the step that the CUDA runner of issue 37 captures once per bucket as a graph
+and replays.
+
+One step is a fixed sequence of launches over buffers allocated once: the token ids, positions, KV
+slots, context lengths and block tables are filled in place before each step (slot -1 and length 0
+mark padding rows, which leave every real row untouched), and nothing is allocated, synchronised or
+copied to the host inside it. Per layer: RMS norm + q8_1, the q/k/v GEMVs, biases + q/k norm + rope +
+KV write, split-K attention, the output GEMV added into the residual, RMS norm + q8_1, gate/up with
+SwiGLU, the down GEMV added into the residual; then the final norm, the output GEMV into the logits,
+and (optionally) the sampler, so that only token ids need leave the device.
+
+Weights are repacked at load from the file's tensors (kernels/cuda/repack.py). Architectures with
+standard attention and dense FFNs (llama, qwen2, qwen3) are supported; anything else is refused, with
+the reason, at construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ember.daemon.loader.model_file import ModelFile
+from ember.daemon.models.architectures import architecture
+from ember.kernels.cuda.native_launch import (Activations, AttentionScratch, NativeKv, NativeOps, NativeWeight,
+                                              SamplingBuffers)
+from ember.kernels.cuda.native_kernels import HEAD_DIMS, MAX_BATCH
+from ember.kernels.cuda.repack import NATIVE_TYPES, repack
+from ember.kernels.raw_tensor import RawTensor
+from ember.kernels.reference.quant import dequantize
+from ember.kernels.tensor_types import TensorType
+
+FLOAT_WEIGHTS = (TensorType.F16, TensorType.BF16)
+
+
+class NativeDecoderUnsupported(ValueError):
+    """The model cannot run on the native decode step (and why)."""
+
+
+@dataclass(frozen=True)
+class NativeLayer:
+    attn_norm: Any
+    wq: NativeWeight
+    wk: NativeWeight
+    wv: NativeWeight
+    wo: NativeWeight
+    biases: tuple[Any, Any, Any]
+    q_norm: Any
+    k_norm: Any
+    ffn_norm: Any
+    gate: NativeWeight
+    up: NativeWeight
+    down: NativeWeight
+
+
+@dataclass(frozen=True)
+class StepBuffers:
+    """One batch size's static buffers: the step's inputs (filled before each step) and every
+    intermediate, so a captured graph's pointers stay valid."""
+    batch: int
+    ids: Any  # int32 [batch]
+    positions: Any  # int32 [batch]
+    slots: Any  # int64 [batch]: cache row of the new token (block * block_size + offset), -1 padding
+    lengths: Any  # int32 [batch]: tokens the row attends to (its position + 1), 0 padding
+    tables: Any  # int32 [batch, table width]
+    x: Any  # float32 [batch, hidden]: the residual stream
+    hidden: Activations
+    attn: Activations
+    ffn: Activations
+    q: Any  # float32 [batch, q_heads, head_dim]
+    k: Any  # float32 [batch, kv_heads, head_dim]
+    v: Any
+    attn_out: Any  # float32 [batch, q_heads, head_dim]
+    h: Any  # float32 [batch, ffn]
+    scratch: AttentionScratch
+    logits: Any  # float32 [batch, vocab]
+    sampling: SamplingBuffers
+
+
+class NativeDecoder:
+    def __init__(self, mf: ModelFile, ops: NativeOps, n_blocks: int, block_size: int = 16, kv_dtype: str = "f16",
+                 max_context: int = 4096) -> None:
+        c = mf.config
+        spec = architecture(c.arch, str(mf.path))
+        if c.linear is not None or c.n_experts:
+            raise NativeDecoderUnsupported(f"{c.arch}: the native decode step runs dense attention models only")
+        if c.head_dim not in HEAD_DIMS:
+            raise NativeDecoderUnsupported(f"head_dim {c.head_dim}: the native attention takes "
+                                           f"{', '.join(map(str, HEAD_DIMS))}")
+        self.ops, self.xp, self.config = ops, ops.xp, c
+        self.block_size, self.table_width = block_size, -(-max_context // block_size)
+        factors = mf.tensors.get("rope_freqs.weight")
+        inv_freq = c.inv_freq(None if factors is None else dequantize(factors.ttype, factors.rows2d(),
+                                                                     factors.cols).reshape(-1))
+        self.inv_freq, self.interleaved = self.xp.asarray(np.asarray(inv_freq, np.float32)), mf.rope_interleaved
+        self.embedding = self._weight(mf.tensor("token_embd.weight"))
+        tied = "output.weight" not in mf.tensors
+        self.output = self.embedding if tied else self._weight(mf.tensor("output.weight"))
+        self.norm = self._vector(mf.tensor("output_norm.weight"))
+        self.layers = [self._layer(mf, i, spec.qkv_bias, spec.qk_norm) for i in range(c.n_layers)]
+        self.k = [NativeKv.allocate(self.xp, kv_dtype, n_blocks, block_size, c.n_kv_heads, c.head_dim)
+                  for _ in range(c.n_layers)]
+        self.v = [NativeKv.allocate(self.xp, kv_dtype, n_blocks, block_size, c.n_kv_heads, c.head_dim)
+                  for _ in range(c.n_layers)]
+
+    # --- loading ---------------------------------------------------------------------------------
+    def _weight(self, t: RawTensor) -> NativeWeight:
+        if t.ttype not in NATIVE_TYPES:
+            raise NativeDecoderUnsupported(f"{t.name} is {t.ttype.name}: the native GEMVs read "
+                                           f"{', '.join(x.name for x in NATIVE_TYPES)}")
+        return NativeWeight.upload(repack(t.ttype, t.rows2d(), t.rows, t.cols), self.xp)
+
+    def _vector(self, t: RawTensor) -> Any:
+        return self.xp.asarray(np.ascontiguousarray(dequantize(t.ttype, t.rows2d(), t.cols).reshape(-1), np.float32))
+
+    def _layer(self, mf: ModelFile, i: int, bias: bool, qk_norm: bool) -> NativeLayer:
+        def w(name: str) -> NativeWeight:
+            return self._weight(mf.tensor(f"blk.{i}.{name}.weight"))
+
+        def vec(name: str) -> Any:
+            return self._vector(mf.tensor(f"blk.{i}.{name}"))
+
+        gate, up = w("ffn_gate"), w("ffn_up")
+        if gate.ttype != up.ttype:
+            raise NativeDecoderUnsupported(f"layer {i}: gate ({gate.ttype.name}) and up ({up.ttype.name}) differ")
+        return NativeLayer(vec("attn_norm.weight"), w("attn_q"), w("attn_k"), w("attn_v"), w("attn_output"),
+                           tuple(vec(f"attn_{p}.bias") for p in "qkv") if bias else (None, None, None),
+                           vec("attn_q_norm.weight") if qk_norm else None,
+                           vec("attn_k_norm.weight") if qk_norm else None, vec("ffn_norm.weight"), gate, up,
+                           w("ffn_down"))
+
+    # --- a step ----------------------------------------------------------------------------------
+    def buffers(self, batch: int) -> StepBuffers:
+        if not 1 <= batch <= MAX_BATCH:
+            raise ValueError(f"the native decode step takes 1 to {MAX_BATCH} rows, not {batch}")
+        xp, c = self.xp, self.config
+        z = xp.zeros
+        return StepBuffers(
+            batch, z(batch, xp.int32), z(batch, xp.int32), xp.full(batch, -1, xp.int64), z(batch, xp.int32),
+            z((batch, self.table_width), xp.int32), z((batch, c.hidden), xp.float32),
+            Activations.allocate(xp, batch, c.hidden), Activations.allocate(xp, batch, c.n_heads * c.head_dim),
+            Activations.allocate(xp, batch, self.layers[0].down.cols),
+            z((batch, c.n_heads, c.head_dim), xp.float32), z((batch, c.n_kv_heads, c.head_dim), xp.float32),
+            z((batch, c.n_kv_heads, c.head_dim), xp.float32), z((batch, c.n_heads, c.head_dim), xp.float32),
+            z((batch, self.layers[0].down.cols), xp.float32),
+            AttentionScratch.allocate(xp, batch, c.n_heads, c.head_dim), z((batch, self.output.rows), xp.float32),
+            SamplingBuffers.allocate(xp, batch, self.output.rows))
+
+    def fill(self, bufs: StepBuffers, ids: np.ndarray, positions: np.ndarray, tables: np.ndarray) -> None:
+        """The step's inputs for len(ids) <= bufs.batch rows (the rest padding): each row's token at its
+        position, its sequence's block table (block ids, [rows, <= table width])."""
+        n = len(ids)
+        if n > bufs.batch:
+            raise ValueError(f"{n} rows for buffers of {bufs.batch}")
+        width = self.table_width
+        positions = np.asarray(positions, np.int64)
+        if n and positions.max() >= width * self.block_size:
+            raise ValueError(f"position {positions.max()} past the decode step's context of {width * self.block_size}")
+        table = np.zeros((bufs.batch, width), np.int32)
+        table[:n, :np.asarray(tables).shape[1]] = tables
+        slots = np.full(bufs.batch, -1, np.int64)
+        slots[:n] = table[np.arange(n), positions // self.block_size].astype(np.int64) * self.block_size + \
+            positions % self.block_size
+        padded = np.zeros(bufs.batch, np.int64)
+        padded[:n] = positions
+        xp = self.xp
+        bufs.ids[...] = xp.asarray(np.concatenate([np.asarray(ids, np.int32), np.zeros(bufs.batch - n, np.int32)]))
+        bufs.positions[...] = xp.asarray(padded.astype(np.int32))
+        bufs.slots[...] = xp.asarray(slots)
+        bufs.lengths[...] = xp.asarray(np.where(np.arange(bufs.batch) < n, padded + 1, 0).astype(np.int32))
+        bufs.tables[...] = xp.asarray(table)
+
+    def step(self, bufs: StepBuffers, sample: bool = False) -> None:
+        """One decode step of bufs.batch rows into bufs.logits (and, with `sample`, bufs.sampling's
+        tokens from its last fill): launches only."""
+        ops, c, b = self.ops, self.config, bufs.batch
+        ops.embed(self.embedding, bufs.ids, bufs.x)
+        for i, layer in enumerate(self.layers):
+            self._attention(layer, i, bufs)
+            ops.quantize(bufs.x, bufs.hidden, norm_weight=layer.ffn_norm, eps=c.norm_eps,
+                         floats=layer.gate.ttype in FLOAT_WEIGHTS)
+            ops.gemv(layer.gate, bufs.hidden, bufs.h, b, "swiglu", w2=layer.up)
+            ops.quantize(bufs.h, bufs.ffn, floats=layer.down.ttype in FLOAT_WEIGHTS)
+            ops.gemv(layer.down, bufs.ffn, bufs.x, b, "add")
+        ops.quantize(bufs.x, bufs.hidden, norm_weight=self.norm, eps=c.norm_eps,
+                     floats=self.output.ttype in FLOAT_WEIGHTS)
+        ops.gemv(self.output, bufs.hidden, bufs.logits, b)
+        if sample:
+            ops.sample(bufs.logits, bufs.sampling)
+
+    def _attention(self, layer: NativeLayer, i: int, bufs: StepBuffers) -> None:
+        ops, c, b = self.ops, self.config, bufs.batch
+        floats = any(w.ttype in FLOAT_WEIGHTS for w in (layer.wq, layer.wk, layer.wv))
+        ops.quantize(bufs.x, bufs.hidden, norm_weight=layer.attn_norm, eps=c.norm_eps, floats=floats)
+        for w, out in ((layer.wq, bufs.q), (layer.wk, bufs.k), (layer.wv, bufs.v)):
+            ops.gemv(w, bufs.hidden, out.reshape(b, -1), b)
+        ops.qk_rope_kv(bufs.q, bufs.k, bufs.v, self.k[i], self.v[i], bufs.positions, bufs.slots, self.inv_freq,
+                       self.interleaved, layer.q_norm, layer.k_norm, c.norm_eps, layer.biases)
+        ops.attention(bufs.q, self.k[i], self.v[i], bufs.tables, bufs.lengths, c.head_dim ** -0.5, bufs.scratch,
+                      bufs.attn_out)
+        ops.quantize(bufs.attn_out.reshape(b, -1), bufs.attn, floats=layer.wo.ttype in FLOAT_WEIGHTS)
+        ops.gemv(layer.wo, bufs.attn, bufs.x, b, "add")

@@ -1,0 +1,161 @@
+"""daemon/runner/native_decoder.py: the trained demo model's whole decode step on the native kernels,
+against the CPU model (`ember.load(...).logits`, the oracle here), run on the host harness everywhere
+and on a GPU where CuPy finds one (there also captured as a CUDA graph and replayed)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ember
+from ember.daemon.loader.model_file import open_model_file
+from ember.daemon.runner.native_decoder import NativeDecoder, NativeDecoderUnsupported
+from ember.kernels.cuda.native_launch import NativeOps
+from ember.kernels.sampling import SampleRow, SamplingParams
+from tests.cuda import native_toolchain as tools
+from tests.cuda.native_fake_device import HarnessLauncher
+from tests.cuda.test_native_launch import _gpu_ops, host
+
+pytestmark = pytest.mark.cuda
+
+NEEDS_DEVICE = False  # conftest.py: the host harness stands in for the device where there is none
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "daemon" / "assets" / "ember-demo-dense-q8_0.gguf"
+MOE = ROOT.parent / "shared" / "models" / "ember-demo-moe-q8_0.gguf"
+
+
+@pytest.fixture(scope="module")
+def lib():  # type: ignore[no-untyped-def]
+    return tools.build_harness()
+
+
+@pytest.fixture(params=["harness", "gpu"])
+def ops(request: pytest.FixtureRequest) -> NativeOps:
+    if request.param == "gpu":
+        return _gpu_ops()
+    return NativeOps(np, HarnessLauncher(request.getfixturevalue("lib")))
+
+
+@pytest.fixture(scope="module")
+def cpu_model() -> Any:
+    return ember.load(str(DEMO))
+
+
+TEXTS = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(",
+         "import numpy as np\n\nx = np.zeros((3, 4))\nprint(x.")
+
+
+@pytest.fixture(scope="module")
+def prompts(cpu_model: Any) -> list[list[int]]:
+    """Two prompts of the code the demo model was trained on: its predictions are confident there, so
+    its argmax is a fair check (on random tokens it is a coin toss between near-equal logits)."""
+    return [list(cpu_model.tokenize(text)) for text in TEXTS]
+
+
+def _decode(decoder: NativeDecoder, prompts: list[list[int]], batch: int) -> list[np.ndarray]:
+    """Each prompt decoded one token a step, side by side in one batch of `batch` rows (padding past
+    them), sequence s in blocks 4s.. of the cache -> per prompt, its logits at every position."""
+    bufs = decoder.buffers(batch)
+    out: list[list[np.ndarray]] = [[] for _ in prompts]
+    tables = np.array([[4 * s + j for j in range(4)] for s in range(len(prompts))])
+    for p in range(max(map(len, prompts))):
+        live = [s for s, prompt in enumerate(prompts) if p < len(prompt)]
+        decoder.fill(bufs, np.array([prompts[s][p] for s in live]), np.full(len(live), p), tables[live])
+        decoder.step(bufs)
+        logits = host(bufs.logits)
+        for row, s in enumerate(live):
+            out[s].append(logits[row].copy())
+    return [np.array(rows) for rows in out]
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "q8_0"])
+def test_the_decode_step_gives_the_cpu_model_s_logits(ops: NativeOps, cpu_model: Any, kv_dtype: str,
+                                                      prompts: list[list[int]]) -> None:
+    decoder = NativeDecoder(open_model_file(DEMO), ops, n_blocks=8, block_size=16, kv_dtype=kv_dtype, max_context=64)
+    for prompt, got in zip(prompts, _decode(decoder, prompts, 4), strict=True):
+        expected = cpu_model.logits(prompt)
+        errors = np.linalg.norm(got - expected, axis=1) / np.linalg.norm(expected, axis=1)
+        # q8_1 activations before each matmul: about 1% of the logits' norm (the CPU's are float32 here)
+        assert errors.max() < 0.04 and errors.mean() < 0.015, errors
+        assert np.mean(got.argmax(axis=1) == expected.argmax(axis=1)) >= 0.9
+
+
+def test_padding_rows_leave_the_real_rows_as_a_smaller_batch_computes_them(lib, prompts) -> None:  # type: ignore[no-untyped-def]
+    ops = NativeOps(np, HarnessLauncher(lib))
+    small, padded = (_decode(NativeDecoder(open_model_file(DEMO), ops, n_blocks=8, block_size=16, kv_dtype="f16",
+                                           max_context=64), prompts, batch) for batch in (2, 5))
+    for a, b in zip(small, padded, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_a_whole_step_launches_the_same_way_at_every_position(lib) -> None:  # type: ignore[no-untyped-def]
+    launcher = HarnessLauncher(lib)
+    decoder = NativeDecoder(open_model_file(DEMO), NativeOps(np, launcher), n_blocks=8, block_size=16,
+                            kv_dtype="q8_0", max_context=64)
+    bufs = decoder.buffers(2)
+    rows = [SampleRow(k, SamplingParams(temperature=0.8, top_p=0.9), np.random.default_rng(k)) for k in range(2)]
+    traces = []
+    for p in range(3):
+        decoder.fill(bufs, np.array([11 + p, 99 + p]), np.array([p, p + 20]), np.array([[0, 1], [2, 3]]))
+        bufs.sampling.fill(np, rows)
+        del launcher.launches[:]
+        decoder.step(bufs, sample=True)
+        traces.append(list(launcher.launches))
+    assert traces[0] == traces[1] == traces[2]
+    layers = decoder.config.n_layers
+    assert len(traces[0]) == 1 + 13 * layers + 2 + 3  # embed; 13 a layer; final norm, output; the sampler
+
+
+def test_the_step_samples_on_the_device(lib) -> None:  # type: ignore[no-untyped-def]
+    decoder = NativeDecoder(open_model_file(DEMO), NativeOps(np, HarnessLauncher(lib)), n_blocks=4, block_size=16,
+                            max_context=32)
+    bufs = decoder.buffers(3)
+    decoder.fill(bufs, np.array([5, 6, 7]), np.array([0, 0, 0]), np.array([[0], [1], [2]]))
+    bufs.sampling.fill(np, [SampleRow(k, SamplingParams(), np.random.default_rng(k)) for k in range(3)])
+    decoder.step(bufs, sample=True)
+    assert [c.token for c in bufs.sampling.choices([SampleRow(k, SamplingParams(), np.random.default_rng(k))
+                                                     for k in range(3)])] == list(bufs.logits.argmax(axis=1))
+
+
+def test_what_the_native_step_cannot_run_is_refused(lib) -> None:  # type: ignore[no-untyped-def]
+    if not MOE.exists():
+        pytest.skip(f"{MOE} is not on this machine")
+    with pytest.raises(NativeDecoderUnsupported, match="dense"):
+        NativeDecoder(open_model_file(MOE), NativeOps(np, HarnessLauncher(lib)), n_blocks=4)
+    decoder = NativeDecoder(open_model_file(DEMO), NativeOps(np, HarnessLauncher(lib)), n_blocks=4, max_context=32)
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        decoder.buffers(9)
+    bufs = decoder.buffers(1)
+    with pytest.raises(ValueError, match="context"):
+        decoder.fill(bufs, np.array([1]), np.array([32]), np.array([[0, 1]]))
+
+
+def test_a_captured_step_of_the_model_replays_at_new_positions(prompts: list[list[int]]) -> None:
+    """On a GPU: the whole step captured once, then replayed for the next positions of two sequences,
+    gives what the eager step gives."""
+    ops = _gpu_ops()
+    import cupy  # noqa: PLC0415
+
+    eager_decoder, graph_decoder = (NativeDecoder(open_model_file(DEMO), ops, n_blocks=8, block_size=16,
+                                                  kv_dtype="q8_0", max_context=64) for _ in range(2))
+    eager, replayed = eager_decoder.buffers(2), graph_decoder.buffers(2)
+    tables = np.array([[0, 1], [2, 3]])
+    graph_decoder.fill(replayed, np.array([1, 2]), np.array([0, 0]), tables)
+    graph_decoder.step(replayed)  # compiles every kernel before the capture
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        graph_decoder.step(replayed)
+        graph = stream.end_capture()
+    for p in range(8):
+        ids, positions = np.array([prompts[0][p], prompts[1][p]]), np.array([p, p])
+        eager_decoder.fill(eager, ids, positions, tables)
+        eager_decoder.step(eager)
+        graph_decoder.fill(replayed, ids, positions, tables)
+        cupy.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        np.testing.assert_allclose(host(replayed.logits), host(eager.logits), rtol=1e-5, atol=1e-5)
