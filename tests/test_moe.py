@@ -116,6 +116,56 @@ def test_hf_moe_matches_transformers(hf_model, arch: str) -> None:
     assert stats.shape == (2, 8) and stats.dtype == np.int64 and (stats.sum(1) > 0).all()
 
 
+DENSE_LAYERS = {"mlp_only_layers": dict(num_hidden_layers=3, mlp_only_layers=[1]),
+                "decoder_sparse_step": dict(num_hidden_layers=4, decoder_sparse_step=2)}
+
+
+@pytest.mark.parametrize("case", DENSE_LAYERS)
+def test_dense_layers_inside_a_moe_model_match_transformers(hf_model, case: str) -> None:
+    """Qwen3MoE's dense layers (mlp_only_layers, decoder_sparse_step): their FFN tensors load under
+    a dense model's names, they route nothing, and the model is transformers' to 1e-4 of the logits'
+    range and in 64 greedy tokens."""
+    path, ref = hf_model("qwen3_moe", **DENSE_LAYERS[case])
+    dense = [i for i in range(ref.config.num_hidden_layers) if not hasattr(ref.model.layers[i].mlp, "experts")]
+    assert dense == ([1] if case == "mlp_only_layers" else [0, 2])
+    model = ember.load(path)
+    rng = np.random.default_rng(6)
+    for n in (1, 7, 40):
+        ids = rng.integers(1, model.config.vocab, n).tolist()
+        expected = hf_logits(ref, ids)
+        assert np.abs(model.logits(ids) - expected).max() <= 1e-4 * (expected.max() - expected.min()), f"{n} tokens"
+    stats = model.routing_stats()
+    assert not stats[dense].any() and all(stats[i].sum() > 0 for i in range(len(stats)) if i not in dense)
+    assert [i for i, hot in enumerate(model.placement()) if not hot] == dense
+    assert model.expert_stats().total_experts == 8 * (ref.config.num_hidden_layers - len(dense))
+    prompt = rng.integers(1, model.config.vocab, 6).tolist()
+    model32 = ember.load(path, decode_act="f32")
+    assert list(model32.generate(prompt, max_tokens=64, ignore_eos=True)) == hf_greedy(ref, prompt, 64)
+
+
+@pytest.mark.slow
+def test_dense_layers_of_a_moe_gguf_with_cold_experts(hf_model, tmp_path: Path, capsys) -> None:
+    """The same model as a Q8_0 GGUF with 25% of its experts hot and two cold workers: the logits equal
+    the all-hot run's, and placement, statistics and `ember plan` leave the dense layers out."""
+    from ember.client.cli import main
+
+    _, ref = hf_model("qwen3_moe", **DENSE_LAYERS["decoder_sparse_step"])
+    path = write_gguf(tmp_path / "dense-layers.gguf", ref.config, state_dict(ref), {"*": TensorType.Q8_0})
+    ids = np.random.default_rng(7).integers(1, 8192, 40).tolist()
+    expected = ember.load(path).logits(ids)
+    model = ember.load(path, expert_budget="25%", cold_workers=2)
+    try:
+        assert np.abs(model.logits(ids) - expected).max() <= 1e-5 * np.abs(expected).max()
+        assert [len(hot) for hot in model.placement()] == [0, 2, 0, 2]
+        s = model.expert_stats()
+        assert (s.hot_experts, s.total_experts) == (4, 16) and s.cold_slots > 0
+    finally:
+        model.close()
+    assert main(["plan", str(path), "--ctx", "256", "--expert-budget", "25%"]) == 0
+    out = capsys.readouterr().out
+    assert "layer   0: dense" in out and "layer   2: dense" in out and "layer   1:    2 hot,    6 cold" in out
+
+
 @pytest.mark.oracle
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_moe_gguf_matches_llama_cpp(hf_model, tmp_path: Path, arch: str) -> None:

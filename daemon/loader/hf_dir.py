@@ -43,6 +43,7 @@ _GGUF_ARCHES = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 # ember's arch names are GGUF's, except where llama.cpp converts a model type under another one:
 # its converter registers MixtralForCausalLM on LlamaModel (MODEL_ARCH.LLAMA)
 _CONVERTED_AS = {"mixtral": "llama"}
+_DENSE_FFN = re.compile(r"\.mlp\.(gate|up|down)_proj\.")
 # buffers, not weights: the converter skips these before mapping (TensorNameMap would otherwise name
 # llama's rotary_emb.inv_freq blk.N.attn_rot_embd)
 _SKIPPED_SUFFIXES = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
@@ -152,7 +153,12 @@ def gguf_name(hf_name: str, arch: str, n_layers: int) -> str | None:
         if merged is None or not merged.endswith(".weight"):
             return None
         return f"{merged[: -len('.weight')]}.{int(expert.group(2))}.weight"
-    return tensor_name_map(arch, n_layers).get_name(hf_name, try_suffixes=_PARAM_SUFFIXES)
+    name = tensor_name_map(arch, n_layers).get_name(hf_name, try_suffixes=_PARAM_SUFFIXES)
+    if name is None and _DENSE_FFN.search(hf_name):
+        # a dense layer of a MoE model (Qwen3MoE's mlp_only_layers, decoder_sparse_step): gguf-py's table
+        # for the MoE architecture has no dense FFN, so it takes the name a dense model gives it
+        name = tensor_name_map("llama", n_layers).get_name(hf_name, try_suffixes=_PARAM_SUFFIXES)
+    return name
 
 
 @functools.lru_cache(maxsize=8)
