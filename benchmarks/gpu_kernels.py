@@ -30,7 +30,7 @@ import numpy as np
 from ember.kernels.cuda.native_launch import (Activations, AttentionScratch, NativeKv, NativeOps, NativeWeight,
                                              SamplingBuffers)
 from ember.kernels.sampling import SampleRow, SamplingParams
-from ember.kernels.tensor_types import QK_K, TensorType
+from ember.kernels.tensor_types import TensorType
 
 HIDDEN, FFN, VOCAB = 4096, 12288, 151936
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -38,35 +38,6 @@ TYPES = (TensorType.Q8_0, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K, Ten
 GOALS = {TensorType.Q8_0: 0.85, TensorType.Q4_K: 0.75, TensorType.Q6_K: 0.75}
 ATTENTION_GOAL = 0.70
 REPEATS, REPLAYS = 20, 5
-
-
-def random_weight(xp: Any, ttype: TensorType, rows: int, cols: int, seed: int) -> NativeWeight:
-    """A weight in the native layout with random quants and f16 scales in (-0.01, 0.01)."""
-    rs = xp.random.RandomState(seed)
-
-    def u8(*shape: int) -> Any:
-        return rs.randint(0, 256, size=shape, dtype=xp.int32).astype(xp.uint8)
-
-    def f16(*shape: int) -> Any:
-        return rs.uniform(-0.01, 0.01, size=shape).astype(xp.float16).view(xp.uint16)
-
-    q = hi = sc = d = None
-    if ttype in (TensorType.F16, TensorType.BF16):
-        values = rs.standard_normal((rows, cols)).astype(xp.float32) * xp.float32(0.02)
-        q = values.astype(xp.float16).view(xp.uint16) if ttype == TensorType.F16 else \
-            (values.view(xp.uint32) >> 16).astype(xp.uint16)
-    elif ttype == TensorType.Q8_0:
-        q, sc = u8(rows, cols).view(xp.int8), f16(rows, cols // 32)
-    else:
-        q = u8(rows, cols // 2)
-        if ttype == TensorType.Q6_K:
-            hi, sc, d = u8(rows, cols // 4), u8(rows, cols // 16).view(xp.int8), f16(rows, cols // QK_K)
-        else:
-            heads = u8(rows, cols // QK_K, 16)
-            heads.view(xp.uint16)[..., :2] = f16(rows, cols // QK_K, 2)  # d and dmin
-            sc = heads.reshape(rows, -1)
-            hi = u8(rows, cols // 32 * 4).view(xp.uint32) if ttype == TensorType.Q5_K else None
-    return NativeWeight(ttype, rows, cols, q, hi, sc, d)
 
 
 class DeviceTimer:
@@ -125,7 +96,7 @@ def gemv_rows(xp: Any, ops: NativeOps, timer: Callable[[Callable[[], None]], flo
     out = []
     for ttype in TYPES:
         for seed, (name, (rows, cols)) in enumerate(shapes.items()):
-            w = random_weight(xp, ttype, rows, cols, seed)
+            w = NativeWeight.random(xp, ttype, rows, cols, seed)
             acts = Activations.allocate(xp, 8, cols)
             ops.quantize(xp.ones((8, cols), xp.float32), acts, floats=True)
             for batch in (1, 8):

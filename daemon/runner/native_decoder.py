@@ -78,9 +78,43 @@ class StepBuffers:
     sampling: SamplingBuffers
 
 
+@dataclass(frozen=True)
+class DecoderShape:
+    """What a decode step's buffers and launches depend on."""
+    hidden: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    norm_eps: float
+    inv_freq: np.ndarray  # float32 [rotary dims / 2]
+    interleaved: bool
+
+
 class NativeDecoder:
-    def __init__(self, mf: ModelFile, ops: NativeOps, n_blocks: int, block_size: int = 16, kv_dtype: str = "f16",
+    def __init__(self, shape: DecoderShape, ops: NativeOps, embedding: NativeWeight, layers: list[NativeLayer],
+                 norm: Any, output: NativeWeight, n_blocks: int, block_size: int = 16, kv_dtype: str = "f16",
                  max_context: int = 4096) -> None:
+        """The step of a model whose weights are already on the device (from_file, random); its KV
+        cache of n_blocks blocks of block_size in kv_dtype."""
+        if shape.head_dim not in HEAD_DIMS:
+            raise NativeDecoderUnsupported(f"head_dim {shape.head_dim}: the native attention takes "
+                                           f"{', '.join(map(str, HEAD_DIMS))}")
+        self.ops, self.xp, self.config = ops, ops.xp, shape
+        self.embedding, self.layers, self.norm, self.output = embedding, layers, norm, output
+        self.block_size, self.table_width = block_size, -(-max_context // block_size)
+        self.inv_freq, self.interleaved = self.xp.asarray(np.asarray(shape.inv_freq, np.float32)), shape.interleaved
+        self.k = [NativeKv.allocate(self.xp, kv_dtype, n_blocks, block_size, shape.n_kv_heads, shape.head_dim)
+                  for _ in range(shape.n_layers)]
+        self.v = [NativeKv.allocate(self.xp, kv_dtype, n_blocks, block_size, shape.n_kv_heads, shape.head_dim)
+                  for _ in range(shape.n_layers)]
+
+    @classmethod
+    def from_file(cls, mf: ModelFile, ops: NativeOps, n_blocks: int, block_size: int = 16, kv_dtype: str = "f16",
+                  max_context: int = 4096) -> NativeDecoder:
+        """The model of a GGUF file or HF directory, its weights repacked onto the device."""
         c = mf.config
         spec = architecture(c.arch, str(mf.path))
         if c.linear is not None or c.n_experts:
@@ -88,47 +122,44 @@ class NativeDecoder:
         if c.head_dim not in HEAD_DIMS:
             raise NativeDecoderUnsupported(f"head_dim {c.head_dim}: the native attention takes "
                                            f"{', '.join(map(str, HEAD_DIMS))}")
-        self.ops, self.xp, self.config = ops, ops.xp, c
-        self.block_size, self.table_width = block_size, -(-max_context // block_size)
         factors = mf.tensors.get("rope_freqs.weight")
         inv_freq = c.inv_freq(None if factors is None else dequantize(factors.ttype, factors.rows2d(),
                                                                      factors.cols).reshape(-1))
-        self.inv_freq, self.interleaved = self.xp.asarray(np.asarray(inv_freq, np.float32)), mf.rope_interleaved
-        self.embedding = self._weight(mf.tensor("token_embd.weight"))
-        tied = "output.weight" not in mf.tensors
-        self.output = self.embedding if tied else self._weight(mf.tensor("output.weight"))
-        self.norm = self._vector(mf.tensor("output_norm.weight"))
-        self.layers = [self._layer(mf, i, spec.qkv_bias, spec.qk_norm) for i in range(c.n_layers)]
-        self.k = [NativeKv.allocate(self.xp, kv_dtype, n_blocks, block_size, c.n_kv_heads, c.head_dim)
-                  for _ in range(c.n_layers)]
-        self.v = [NativeKv.allocate(self.xp, kv_dtype, n_blocks, block_size, c.n_kv_heads, c.head_dim)
-                  for _ in range(c.n_layers)]
+        xp = ops.xp
+        embedding = _weight(mf.tensor("token_embd.weight"), xp)
+        output = embedding if "output.weight" not in mf.tensors else _weight(mf.tensor("output.weight"), xp)
+        layers = [_layer(mf, i, spec.qkv_bias, spec.qk_norm, xp) for i in range(c.n_layers)]
+        shape = DecoderShape(c.hidden, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, layers[0].down.cols,
+                             output.rows, c.norm_eps, np.asarray(inv_freq, np.float32), mf.rope_interleaved)
+        return cls(shape, ops, embedding, layers, _vector(mf.tensor("output_norm.weight"), xp), output, n_blocks,
+                   block_size, kv_dtype, max_context)
 
-    # --- loading ---------------------------------------------------------------------------------
-    def _weight(self, t: RawTensor) -> NativeWeight:
-        if t.ttype not in NATIVE_TYPES:
-            raise NativeDecoderUnsupported(f"{t.name} is {t.ttype.name}: the native GEMVs read "
-                                           f"{', '.join(x.name for x in NATIVE_TYPES)}")
-        return NativeWeight.upload(repack(t.ttype, t.rows2d(), t.rows, t.cols), self.xp)
+    @classmethod
+    def random(cls, shape: DecoderShape, ops: NativeOps, types: dict[str, TensorType], n_blocks: int,
+               block_size: int = 16, kv_dtype: str = "f16", max_context: int = 4096, seed: int = 0) -> NativeDecoder:
+        """Random weights of `shape`, built on the device (a benchmark's model: nothing to carry there);
+        types: each matrix's type by role (embedding, q, k, v, o, gate, up, down, output)."""
+        xp, s = ops.xp, shape
+        ones, head_ones = xp.ones(s.hidden, xp.float32), xp.ones(s.head_dim, xp.float32)
 
-    def _vector(self, t: RawTensor) -> Any:
-        return self.xp.asarray(np.ascontiguousarray(dequantize(t.ttype, t.rows2d(), t.cols).reshape(-1), np.float32))
+        def w(role: str, rows: int, cols: int, n: int) -> NativeWeight:
+            return NativeWeight.random(xp, types[role], rows, cols, seed + n)
 
-    def _layer(self, mf: ModelFile, i: int, bias: bool, qk_norm: bool) -> NativeLayer:
-        def w(name: str) -> NativeWeight:
-            return self._weight(mf.tensor(f"blk.{i}.{name}.weight"))
+        layers = [NativeLayer(ones, w("q", s.n_heads * s.head_dim, s.hidden, 8 * i),
+                              w("k", s.n_kv_heads * s.head_dim, s.hidden, 8 * i + 1),
+                              w("v", s.n_kv_heads * s.head_dim, s.hidden, 8 * i + 2),
+                              w("o", s.hidden, s.n_heads * s.head_dim, 8 * i + 3), (None, None, None), head_ones,
+                              head_ones, ones, w("gate", s.ffn, s.hidden, 8 * i + 4), w("up", s.ffn, s.hidden, 8 * i + 5),
+                              w("down", s.hidden, s.ffn, 8 * i + 6))
+                  for i in range(s.n_layers)]
+        return cls(shape, ops, w("embedding", s.vocab, s.hidden, -1), layers, ones, w("output", s.vocab, s.hidden, -2),
+                   n_blocks, block_size, kv_dtype, max_context)
 
-        def vec(name: str) -> Any:
-            return self._vector(mf.tensor(f"blk.{i}.{name}"))
-
-        gate, up = w("ffn_gate"), w("ffn_up")
-        if gate.ttype != up.ttype:
-            raise NativeDecoderUnsupported(f"layer {i}: gate ({gate.ttype.name}) and up ({up.ttype.name}) differ")
-        return NativeLayer(vec("attn_norm.weight"), w("attn_q"), w("attn_k"), w("attn_v"), w("attn_output"),
-                           tuple(vec(f"attn_{p}.bias") for p in "qkv") if bias else (None, None, None),
-                           vec("attn_q_norm.weight") if qk_norm else None,
-                           vec("attn_k_norm.weight") if qk_norm else None, vec("ffn_norm.weight"), gate, up,
-                           w("ffn_down"))
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights one decode step reads: every layer's matrices and the output."""
+        return self.output.nbytes + sum(w.nbytes for layer in self.layers for w in (
+            layer.wq, layer.wk, layer.wv, layer.wo, layer.gate, layer.up, layer.down))
 
     # --- a step ----------------------------------------------------------------------------------
     def buffers(self, batch: int) -> StepBuffers:
@@ -140,10 +171,10 @@ class NativeDecoder:
             batch, z(batch, xp.int32), z(batch, xp.int32), xp.full(batch, -1, xp.int64), z(batch, xp.int32),
             z((batch, self.table_width), xp.int32), z((batch, c.hidden), xp.float32),
             Activations.allocate(xp, batch, c.hidden), Activations.allocate(xp, batch, c.n_heads * c.head_dim),
-            Activations.allocate(xp, batch, self.layers[0].down.cols),
+            Activations.allocate(xp, batch, c.ffn),
             z((batch, c.n_heads, c.head_dim), xp.float32), z((batch, c.n_kv_heads, c.head_dim), xp.float32),
             z((batch, c.n_kv_heads, c.head_dim), xp.float32), z((batch, c.n_heads, c.head_dim), xp.float32),
-            z((batch, self.layers[0].down.cols), xp.float32),
+            z((batch, c.ffn), xp.float32),
             AttentionScratch.allocate(xp, batch, c.n_heads, c.head_dim), z((batch, self.output.rows), xp.float32),
             SamplingBuffers.allocate(xp, batch, self.output.rows))
 
@@ -201,3 +232,32 @@ class NativeDecoder:
                       bufs.attn_out)
         ops.quantize(bufs.attn_out.reshape(b, -1), bufs.attn, floats=layer.wo.ttype in FLOAT_WEIGHTS)
         ops.gemv(layer.wo, bufs.attn, bufs.x, b, "add")
+
+
+# --- loading a file --------------------------------------------------------------------------------
+def _weight(t: RawTensor, xp: Any) -> NativeWeight:
+    if t.ttype not in NATIVE_TYPES:
+        raise NativeDecoderUnsupported(f"{t.name} is {t.ttype.name}: the native GEMVs read "
+                                       f"{', '.join(x.name for x in NATIVE_TYPES)}")
+    return NativeWeight.upload(repack(t.ttype, t.rows2d(), t.rows, t.cols), xp)
+
+
+def _vector(t: RawTensor, xp: Any) -> Any:
+    return xp.asarray(np.ascontiguousarray(dequantize(t.ttype, t.rows2d(), t.cols).reshape(-1), np.float32))
+
+
+def _layer(mf: ModelFile, i: int, bias: bool, qk_norm: bool, xp: Any) -> NativeLayer:
+    def w(name: str) -> NativeWeight:
+        return _weight(mf.tensor(f"blk.{i}.{name}.weight"), xp)
+
+    def vec(name: str) -> Any:
+        return _vector(mf.tensor(f"blk.{i}.{name}"), xp)
+
+    gate, up = w("ffn_gate"), w("ffn_up")
+    if gate.ttype != up.ttype:
+        raise NativeDecoderUnsupported(f"layer {i}: gate ({gate.ttype.name}) and up ({up.ttype.name}) differ")
+    return NativeLayer(vec("attn_norm.weight"), w("attn_q"), w("attn_k"), w("attn_v"), w("attn_output"),
+                       tuple(vec(f"attn_{p}.bias") for p in "qkv") if bias else (None, None, None),
+                       vec("attn_q_norm.weight") if qk_norm else None,
+                       vec("attn_k_norm.weight") if qk_norm else None, vec("ffn_norm.weight"), gate, up,
+                       w("ffn_down"))

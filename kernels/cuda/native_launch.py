@@ -99,6 +99,38 @@ class NativeWeight:
         q, hi, sc, d = (xp.asarray(a) if a.size else None for a in w.arrays)
         return cls(w.ttype, w.rows, w.cols, q, hi, sc, d)
 
+    @classmethod
+    def random(cls, xp: Any, ttype: TensorType, rows: int, cols: int, seed: int) -> NativeWeight:
+        """Random quants (or values) and f16 scales in (-0.01, 0.01), built where xp allocates: a
+        benchmark's weights of real shapes, made on the device (none has to be carried there)."""
+        rs = xp.random.RandomState(seed % 2**32)
+
+        def u8(*shape: int) -> Any:
+            return rs.randint(0, 256, size=shape, dtype=xp.int32).astype(xp.uint8)
+
+        def f16(*shape: int) -> Any:
+            return rs.uniform(-0.01, 0.01, size=shape).astype(xp.float16).view(xp.uint16)
+
+        q = hi = sc = d = None
+        if ttype in (TensorType.F16, TensorType.BF16):
+            values = rs.standard_normal((rows, cols)).astype(xp.float32) * xp.float32(0.02)
+            q = values.astype(xp.float16).view(xp.uint16) if ttype == TensorType.F16 else \
+                (values.view(xp.uint32) >> 16).astype(xp.uint16)
+        elif ttype == TensorType.Q8_0:
+            q, sc = u8(rows, cols).view(xp.int8), f16(rows, cols // 32)
+        elif ttype in (TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K):
+            q = u8(rows, cols // 2)
+            if ttype == TensorType.Q6_K:
+                hi, sc, d = u8(rows, cols // 4), u8(rows, cols // 16).view(xp.int8), f16(rows, cols // 256)
+            else:
+                heads = u8(rows, cols // 256, 16)
+                heads.view(xp.uint16)[..., :2] = f16(rows, cols // 256, 2)  # d and dmin
+                sc = heads.reshape(rows, -1)
+                hi = u8(rows, cols // 32 * 4).view(xp.uint32) if ttype == TensorType.Q5_K else None
+        else:
+            raise ValueError(f"no native layout for {ttype.name}")
+        return cls(ttype, rows, cols, q, hi, sc, d)
+
     @property
     def arrays(self) -> dict[str, Any]:
         return {"q": self.q, "hi": self.hi, "sc": self.sc, "d": self.d}

@@ -19,7 +19,8 @@ def random_weight(ttype: TensorType, rows: int, cols: int, rng: np.random.Genera
         return f32_to_f16_bits(values) if ttype == TensorType.F16 else f32_to_bf16_bits(values)
     values, size = BLOCK_GEOMETRY[ttype]
     blocks = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
-    scale_fields = (208,) if ttype == TensorType.Q6_K else (0, 2) if ttype in (TensorType.Q4_K, TensorType.Q5_K) else (0,)
+    k_quant = ttype in (TensorType.Q4_K, TensorType.Q5_K)
+    scale_fields = (208,) if ttype == TensorType.Q6_K else (0, 2) if k_quant else (0,)
     for at in scale_fields:
         d = rng.uniform(-0.01, 0.01, blocks.shape[:2]).astype(np.float32)
         blocks[..., at:at + 2] = f32_to_f16_bits(d).view(np.uint8).reshape(blocks.shape[:2] + (2,))

@@ -98,8 +98,8 @@ class Harness:
         inv = aligned(np.asarray(inv_freq, np.float32))
         pos, sl = aligned(np.asarray(positions, np.int32)), aligned(np.asarray(slots, np.int64))
         code = self.lib.harness_qk_rope_kv(KV_CODES[k_cache.dtype], head_dim // 32, batch, _ptr(q), _ptr(k), _ptr(v),
-                                           None, None, None, *map(_ptr, norms), ctypes.c_float(eps), _ptr(inv), 2 * len(inv_freq),
-                                           int(interleaved), _ptr(pos), _ptr(sl), q_heads, k.shape[1],
+                                           None, None, None, *map(_ptr, norms), ctypes.c_float(eps), _ptr(inv),
+                                           2 * len(inv_freq), int(interleaved), _ptr(pos), _ptr(sl), q_heads, k.shape[1],
                                            _ptr(k_cache.data), _ptr(k_cache.scales), _ptr(v_cache.data),
                                            _ptr(v_cache.scales))
         assert code == 0, "no harness qk_rope_kv for these parameters"

@@ -1,6 +1,7 @@
 #!/bin/bash
 # tests/cuda on a real GPU (the device machine): the native kernels' device tests and their bandwidth
-# (benchmarks/gpu_kernels.py), then every CUDA test and a first eager decode timing on cuda:0.
+# (benchmarks/gpu_kernels.py, benchmarks/gpu_decode.py), then every CUDA test and the numba backend's eager
+# decode timing on cuda:0.
 # Run from the repository root with the wheels of ../shared/notes/ENVIRONMENT.md in .whl/:
 #   ../shared/tools/gpu-wheels msgspec pyzmq structlog gguf pytest-asyncio numpy==2.4.6
 #   device run (carry .whl):  bash tests/cuda/on_gpu.sh
@@ -18,9 +19,11 @@ python3 -c "import numpy, numba, numba.cuda; print('numpy', numpy.__version__, '
 # cap and what is left, so the run ends in time whatever hangs. The native kernels (issue 36) go first.
 budget=${BUDGET:-450}
 left() { local rest=$((budget - SECONDS)); [ "$rest" -lt "$1" ] && echo $((rest > 1 ? rest : 1)) || echo "$1"; }
+# (the decoder's device tests need the CPU model, so they run with the rest of tests/cuda below)
 timeout "$(left "${NATIVE_TIMEOUT:-150}")" python3 -m pytest tests/cuda/test_native_launch.py -m cuda -v \
     -p no:cacheprovider -k "gpu or captured" --junitxml "$out/native.xml" 2>&1 | tee "$out/native_tests.log" | tail -25
-timeout "$(left "${KERNELS_TIMEOUT:-180}")" python3 benchmarks/gpu_kernels.py --out "$out" 2>&1 | tee "$out/gpu_kernels.log"
+timeout "$(left "${KERNELS_TIMEOUT:-150}")" python3 benchmarks/gpu_kernels.py --out "$out" 2>&1 | tee "$out/gpu_kernels.log"
+timeout "$(left "${DECODE_TIMEOUT:-120}")" python3 benchmarks/gpu_decode.py --out "$out" 2>&1 | tee "$out/gpu_decode.log"
 # the CPU kernels (the daemon, model and split tests compare with the CPU): minutes on a fresh machine
 timeout "$(left "${COMPILE_TIMEOUT:-150}")" python3 -c "import time; t = time.perf_counter()
 from ember.daemon.runner.kernel_cache import ensure_kernel_cache

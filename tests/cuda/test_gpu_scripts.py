@@ -1,5 +1,6 @@
 """The scripts a lent GPU runs, checked where there is none, so its few minutes go to measuring: the
-kernel benchmark's dry run (every step but the device's, at toy shapes) and the shell script's syntax."""
+kernel and decode benchmarks' dry runs (every step but the device's, at toy shapes) and the shell
+script's syntax."""
 from __future__ import annotations
 
 import json
@@ -25,6 +26,15 @@ def test_the_kernel_benchmark_runs_dry(tmp_path: Path) -> None:
     assert {(r["sampler"], r["batch"]) for r in result["sampling"]} == {(s, b) for s in ("greedy", "top-k/p")
                                                                        for b in (1, 8)}
     assert len(result["verdicts"]) == 4 and "HBM" in done.stdout
+
+
+def test_the_decode_benchmark_runs_dry(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_decode.py"), "--dry-run", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "gpu_decode.json").read_text())
+    assert set(result["quants"]) == {"Q8_0", "Q4_K_M"}
+    assert all([r["batch"] for r in q["rows"]] == [1, 8] and q["weight_bytes"] > 0 for q in result["quants"].values())
 
 
 def test_the_gpu_script_parses() -> None:

@@ -74,7 +74,8 @@ def _decode(decoder: NativeDecoder, prompts: list[list[int]], batch: int) -> lis
 @pytest.mark.parametrize("kv_dtype", ["f32", "q8_0"])
 def test_the_decode_step_gives_the_cpu_model_s_logits(ops: NativeOps, cpu_model: Any, kv_dtype: str,
                                                       prompts: list[list[int]]) -> None:
-    decoder = NativeDecoder(open_model_file(DEMO), ops, n_blocks=8, block_size=16, kv_dtype=kv_dtype, max_context=64)
+    decoder = NativeDecoder.from_file(open_model_file(DEMO), ops, n_blocks=8, block_size=16, kv_dtype=kv_dtype,
+                                      max_context=64)
     for prompt, got in zip(prompts, _decode(decoder, prompts, 4), strict=True):
         expected = cpu_model.logits(prompt)
         errors = np.linalg.norm(got - expected, axis=1) / np.linalg.norm(expected, axis=1)
@@ -83,18 +84,20 @@ def test_the_decode_step_gives_the_cpu_model_s_logits(ops: NativeOps, cpu_model:
         assert np.mean(got.argmax(axis=1) == expected.argmax(axis=1)) >= 0.9
 
 
-def test_padding_rows_leave_the_real_rows_as_a_smaller_batch_computes_them(lib, prompts) -> None:  # type: ignore[no-untyped-def]
+def test_padding_rows_leave_the_real_rows_as_a_smaller_batch_computes_them(  # type: ignore[no-untyped-def]
+        lib, prompts) -> None:
     ops = NativeOps(np, HarnessLauncher(lib))
-    small, padded = (_decode(NativeDecoder(open_model_file(DEMO), ops, n_blocks=8, block_size=16, kv_dtype="f16",
-                                           max_context=64), prompts, batch) for batch in (2, 5))
+    small, padded = (_decode(NativeDecoder.from_file(open_model_file(DEMO), ops, n_blocks=8, block_size=16,
+                                                     kv_dtype="f16", max_context=64), prompts, batch)
+                     for batch in (2, 5))
     for a, b in zip(small, padded, strict=True):
         assert np.array_equal(a, b)
 
 
 def test_a_whole_step_launches_the_same_way_at_every_position(lib) -> None:  # type: ignore[no-untyped-def]
     launcher = HarnessLauncher(lib)
-    decoder = NativeDecoder(open_model_file(DEMO), NativeOps(np, launcher), n_blocks=8, block_size=16,
-                            kv_dtype="q8_0", max_context=64)
+    decoder = NativeDecoder.from_file(open_model_file(DEMO), NativeOps(np, launcher), n_blocks=8, block_size=16,
+                                      kv_dtype="q8_0", max_context=64)
     bufs = decoder.buffers(2)
     rows = [SampleRow(k, SamplingParams(temperature=0.8, top_p=0.9), np.random.default_rng(k)) for k in range(2)]
     traces = []
@@ -110,8 +113,8 @@ def test_a_whole_step_launches_the_same_way_at_every_position(lib) -> None:  # t
 
 
 def test_the_step_samples_on_the_device(lib) -> None:  # type: ignore[no-untyped-def]
-    decoder = NativeDecoder(open_model_file(DEMO), NativeOps(np, HarnessLauncher(lib)), n_blocks=4, block_size=16,
-                            max_context=32)
+    decoder = NativeDecoder.from_file(open_model_file(DEMO), NativeOps(np, HarnessLauncher(lib)), n_blocks=4,
+                                      block_size=16, max_context=32)
     bufs = decoder.buffers(3)
     decoder.fill(bufs, np.array([5, 6, 7]), np.array([0, 0, 0]), np.array([[0], [1], [2]]))
     bufs.sampling.fill(np, [SampleRow(k, SamplingParams(), np.random.default_rng(k)) for k in range(3)])
@@ -124,8 +127,9 @@ def test_what_the_native_step_cannot_run_is_refused(lib) -> None:  # type: ignor
     if not MOE.exists():
         pytest.skip(f"{MOE} is not on this machine")
     with pytest.raises(NativeDecoderUnsupported, match="dense"):
-        NativeDecoder(open_model_file(MOE), NativeOps(np, HarnessLauncher(lib)), n_blocks=4)
-    decoder = NativeDecoder(open_model_file(DEMO), NativeOps(np, HarnessLauncher(lib)), n_blocks=4, max_context=32)
+        NativeDecoder.from_file(open_model_file(MOE), NativeOps(np, HarnessLauncher(lib)), n_blocks=4)
+    decoder = NativeDecoder.from_file(open_model_file(DEMO), NativeOps(np, HarnessLauncher(lib)), n_blocks=4,
+                                      max_context=32)
     with pytest.raises(ValueError, match="1 to 8 rows"):
         decoder.buffers(9)
     bufs = decoder.buffers(1)
@@ -139,8 +143,8 @@ def test_a_captured_step_of_the_model_replays_at_new_positions(prompts: list[lis
     ops = _gpu_ops()
     import cupy  # noqa: PLC0415
 
-    eager_decoder, graph_decoder = (NativeDecoder(open_model_file(DEMO), ops, n_blocks=8, block_size=16,
-                                                  kv_dtype="q8_0", max_context=64) for _ in range(2))
+    eager_decoder, graph_decoder = (NativeDecoder.from_file(open_model_file(DEMO), ops, n_blocks=8, block_size=16,
+                                                            kv_dtype="q8_0", max_context=64) for _ in range(2))
     eager, replayed = eager_decoder.buffers(2), graph_decoder.buffers(2)
     tables = np.array([[0, 1], [2, 3]])
     graph_decoder.fill(replayed, np.array([1, 2]), np.array([0, 0]), tables)

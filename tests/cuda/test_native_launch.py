@@ -127,7 +127,8 @@ def test_rope_kv_write_then_attention_through_the_launch_layer(ops: NativeOps, k
                                                               head_dim ** -0.5), rtol=1e-5, atol=2e-6)
 
 
-def test_a_decode_step_launches_the_same_kernels_over_the_same_buffers_at_any_position(lib) -> None:  # type: ignore[no-untyped-def]
+def test_a_decode_step_launches_the_same_kernels_over_the_same_buffers_at_any_position(  # type: ignore[no-untyped-def]
+        lib) -> None:
     launcher = HarnessLauncher(lib)
     ops = NativeOps(np, launcher)
     rng = np.random.default_rng(4)
@@ -209,7 +210,8 @@ def test_a_captured_decode_step_replays_at_new_positions() -> None:
     q = cupy.zeros((batch, q_heads, head_dim), cupy.float32)
     k, v = cupy.zeros((batch, kv_heads, head_dim), cupy.float32), cupy.zeros((batch, kv_heads, head_dim), cupy.float32)
     out = cupy.zeros((batch, q_heads, head_dim), cupy.float32)
-    positions, slots, lengths = cupy.zeros(batch, cupy.int32), cupy.zeros(batch, cupy.int64), cupy.zeros(batch, cupy.int32)
+    positions, lengths = cupy.zeros(batch, cupy.int32), cupy.zeros(batch, cupy.int32)
+    slots = cupy.zeros(batch, cupy.int64)
     tables = cupy.asarray(np.arange(batch * 8, dtype=np.int32).reshape(batch, 8))
     scratch = AttentionScratch.allocate(cupy, batch, q_heads, head_dim)
     inv_freq = cupy.asarray((1e6 ** (-np.arange(0, head_dim, 2) / head_dim)).astype(np.float32))

@@ -1,8 +1,8 @@
 // After the q/k/v projections of a decode step, in one launch: the projections' biases (Qwen2's, when
-// given), the per-head RMS norm of q and k (Qwen3's q_norm/k_norm, when given), rotary embedding at each row's position, and k and v written
-// into the paged cache at each row's slot, converted to the cache's dtype (bit for bit as
-// kernels/convert.py). q is rotated in place. Positions and slots are read from device memory; a row
-// whose slot is -1 is padding and is left alone.
+// given), the per-head RMS norm of q and k (Qwen3's q_norm/k_norm, when given), rotary embedding at
+// each row's position, and k and v written into the paged cache at each row's slot, converted to the
+// cache's dtype (bit for bit as kernels/convert.py). q is rotated in place. Positions and slots are
+// read from device memory; a row whose slot is -1 is padding and is left alone.
 // One warp per head (q heads, then k heads, then v heads), lane i holding values i*P .. i*P + P - 1; the
 // rotation's partners come through the warp's shared row.
 #pragma once
