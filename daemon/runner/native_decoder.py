@@ -32,6 +32,7 @@ from ember.kernels.reference.quant import dequantize
 from ember.kernels.tensor_types import TensorType
 
 FLOAT_WEIGHTS = (TensorType.F16, TensorType.BF16)
+BUCKETS = (1, 2, 4, 8)  # decode batch sizes with buffers (and a graph) of their own; a batch pads up
 
 
 class NativeDecoderUnsupported(ValueError):
@@ -106,10 +107,12 @@ class NativeDecoder:
         self.embedding, self.layers, self.norm, self.output = embedding, layers, norm, output
         self.block_size, self.table_width = block_size, -(-max_context // block_size)
         self.inv_freq, self.interleaved = self.xp.asarray(np.asarray(shape.inv_freq, np.float32)), shape.interleaved
+        self.n_blocks = n_blocks
         self.k = [NativeKv.allocate(self.xp, kv_dtype, n_blocks, block_size, shape.n_kv_heads, shape.head_dim)
                   for _ in range(shape.n_layers)]
         self.v = [NativeKv.allocate(self.xp, kv_dtype, n_blocks, block_size, shape.n_kv_heads, shape.head_dim)
                   for _ in range(shape.n_layers)]
+        self._buckets: dict[int, StepBuffers] = {}  # forward()'s static buffers, one per bucket
 
     @classmethod
     def from_file(cls, mf: ModelFile, ops: NativeOps, n_blocks: int, block_size: int = 16, kv_dtype: str = "f16",
@@ -162,8 +165,10 @@ class NativeDecoder:
             layer.wq, layer.wk, layer.wv, layer.wo, layer.gate, layer.up, layer.down))
 
     # --- a step ----------------------------------------------------------------------------------
-    def buffers(self, batch: int) -> StepBuffers:
-        if not 1 <= batch <= MAX_BATCH:
+    def buffers(self, batch: int, static: bool = True) -> StepBuffers:
+        """A step's buffers for `batch` rows; static ones (the decode step's, up to 8 rows) are what a
+        graph replays, others serve one eager prefill."""
+        if static and not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"the native decode step takes 1 to {MAX_BATCH} rows, not {batch}")
         xp, c = self.xp, self.config
         z = xp.zeros
@@ -175,12 +180,15 @@ class NativeDecoder:
             z((batch, c.n_heads, c.head_dim), xp.float32), z((batch, c.n_kv_heads, c.head_dim), xp.float32),
             z((batch, c.n_kv_heads, c.head_dim), xp.float32), z((batch, c.n_heads, c.head_dim), xp.float32),
             z((batch, c.ffn), xp.float32),
-            AttentionScratch.allocate(xp, batch, c.n_heads, c.head_dim), z((batch, self.output.rows), xp.float32),
-            SamplingBuffers.allocate(xp, batch, self.output.rows))
+            AttentionScratch.allocate(xp, batch, c.n_heads, c.head_dim),
+            z((batch if static else 1, self.output.rows), xp.float32),
+            SamplingBuffers.allocate(xp, batch if static else 1, self.output.rows))
 
-    def fill(self, bufs: StepBuffers, ids: np.ndarray, positions: np.ndarray, tables: np.ndarray) -> None:
+    def fill(self, bufs: StepBuffers, ids: np.ndarray, positions: np.ndarray, tables: np.ndarray,
+             slots: np.ndarray | None = None) -> None:
         """The step's inputs for len(ids) <= bufs.batch rows (the rest padding): each row's token at its
-        position, its sequence's block table (block ids, [rows, <= table width])."""
+        position, its sequence's block table (block ids, [rows, <= table width]), and the cache row its
+        K/V goes to (default: its position's in the table)."""
         n = len(ids)
         if n > bufs.batch:
             raise ValueError(f"{n} rows for buffers of {bufs.batch}")
@@ -190,9 +198,10 @@ class NativeDecoder:
             raise ValueError(f"position {positions.max()} past the decode step's context of {width * self.block_size}")
         table = np.zeros((bufs.batch, width), np.int32)
         table[:n, :np.asarray(tables).shape[1]] = tables
+        given = slots
         slots = np.full(bufs.batch, -1, np.int64)
         slots[:n] = table[np.arange(n), positions // self.block_size].astype(np.int64) * self.block_size + \
-            positions % self.block_size
+            positions % self.block_size if given is None else given
         padded = np.zeros(bufs.batch, np.int64)
         padded[:n] = positions
         xp = self.xp
@@ -219,6 +228,52 @@ class NativeDecoder:
         ops.gemv(self.output, bufs.hidden, bufs.logits, b)
         if sample:
             ops.sample(bufs.logits, bufs.sampling)
+
+    def forward(self, ids: np.ndarray, positions: np.ndarray, tables: np.ndarray, logit_rows: np.ndarray,
+                slots: np.ndarray | None = None) -> Any:
+        """Any step's tokens (each at its position, with its sequence's block table [n, width]) -> the
+        logits [len(logit_rows), vocab] of the rows asked for, where the decoder keeps them: up to 8
+        rows through a bucket's static buffers (the step a graph replays), more eagerly (`prefill`)."""
+        n = len(ids)
+        if n > MAX_BATCH:
+            return self.prefill(ids, positions, tables, logit_rows, slots)
+        bucket = next(b for b in BUCKETS if b >= n)
+        bufs = self._buckets.get(bucket)
+        if bufs is None:
+            bufs = self._buckets[bucket] = self.buffers(bucket)
+        self.fill(bufs, ids, positions, tables, slots)
+        self.step(bufs)
+        return bufs.logits[self.xp.asarray(np.asarray(logit_rows, np.int64))]
+
+    def prefill(self, ids: np.ndarray, positions: np.ndarray, tables: np.ndarray, logit_rows: np.ndarray,
+                slots: np.ndarray | None = None) -> Any:
+        """Any number of rows eagerly, each matmul a GEMM over f16 tiles of the weight (cuBLAS on a GPU);
+        the kernels of the decode step everywhere else. Allocates its buffers."""
+        ops, xp, c = self.ops, self.xp, self.config
+        n = len(ids)
+        rows = self.buffers(n, static=False)
+        self.fill(rows, ids, positions, tables, slots)
+        ops.embed(self.embedding, rows.ids, rows.x)
+        x, acts = rows.x, rows.hidden
+        for i, layer in enumerate(self.layers):
+            ops.quantize(x, acts, norm_weight=layer.attn_norm, eps=c.norm_eps, floats=True)
+            q, k, v = (ops.prefill_matmul(acts.xf, w) for w in (layer.wq, layer.wk, layer.wv))
+            q, k, v = (a.reshape(n, -1, c.head_dim) for a in (q, k, v))
+            ops.qk_rope_kv(q, k, v, self.k[i], self.v[i], rows.positions, rows.slots, self.inv_freq,
+                           self.interleaved, layer.q_norm, layer.k_norm, c.norm_eps, layer.biases)
+            ops.attention(q, self.k[i], self.v[i], rows.tables, rows.lengths, c.head_dim ** -0.5, rows.scratch,
+                          rows.attn_out)
+            x += ops.prefill_matmul(rows.attn_out.reshape(n, -1), layer.wo)
+            ops.quantize(x, acts, norm_weight=layer.ffn_norm, eps=c.norm_eps, floats=True)
+            g, u = ops.prefill_matmul(acts.xf, layer.gate), ops.prefill_matmul(acts.xf, layer.up)
+            # silu(g) * u; a gate far below zero is clamped where exp(-g) would overflow (silu is ~0 there)
+            x += ops.prefill_matmul(g / (1 + xp.exp(-xp.maximum(g, -80.0))) * u, layer.down)
+        if len(logit_rows) == 0:  # prompt chunks only: their K/V is all this step produces
+            return xp.zeros((0, self.output.rows), xp.float32)
+        wanted = xp.ascontiguousarray(x[xp.asarray(np.asarray(logit_rows, np.int64))])
+        out = Activations.allocate(xp, len(logit_rows), c.hidden)
+        ops.quantize(wanted, out, norm_weight=self.norm, eps=c.norm_eps, floats=True)
+        return ops.prefill_matmul(out.xf, self.output)
 
     def _attention(self, layer: NativeLayer, i: int, bufs: StepBuffers) -> None:
         ops, c, b = self.ops, self.config, bufs.batch
