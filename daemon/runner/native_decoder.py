@@ -16,6 +16,8 @@ the reason, at construction.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +31,11 @@ from ember.kernels.cuda.native_kernels import HEAD_DIMS, MAX_BATCH
 from ember.kernels.cuda.repack import NATIVE_TYPES, repack
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.reference.quant import dequantize
+from ember.kernels.sampling import SampleRow, SamplingParams
 from ember.kernels.tensor_types import TensorType
 
 FLOAT_WEIGHTS = (TensorType.F16, TensorType.BF16)
+GREEDY = SamplingParams()
 BUCKETS = (1, 2, 4, 8)  # decode batch sizes with buffers (and a graph) of their own; a batch pads up
 
 
@@ -113,6 +117,11 @@ class NativeDecoder:
         self.v = [NativeKv.allocate(self.xp, kv_dtype, n_blocks, block_size, shape.n_kv_heads, shape.head_dim)
                   for _ in range(shape.n_layers)]
         self._buckets: dict[int, StepBuffers] = {}  # forward()'s static buffers, one per bucket
+        # on a GPU (CuPy) every step runs on a stream of its own, each bucket's step captured once as a
+        # graph and replayed; elsewhere (numpy: the tests' host harness) eagerly
+        self.graphs = hasattr(self.xp, "cuda")
+        self._stream = self.xp.cuda.Stream(non_blocking=True) if self.graphs else None
+        self._captured: dict[tuple[int, bool], Any] = {}
 
     @classmethod
     def from_file(cls, mf: ModelFile, ops: NativeOps, n_blocks: int, block_size: int = 16, kv_dtype: str = "f16",
@@ -152,8 +161,8 @@ class NativeDecoder:
                               w("k", s.n_kv_heads * s.head_dim, s.hidden, 8 * i + 1),
                               w("v", s.n_kv_heads * s.head_dim, s.hidden, 8 * i + 2),
                               w("o", s.hidden, s.n_heads * s.head_dim, 8 * i + 3), (None, None, None), head_ones,
-                              head_ones, ones, w("gate", s.ffn, s.hidden, 8 * i + 4), w("up", s.ffn, s.hidden, 8 * i + 5),
-                              w("down", s.hidden, s.ffn, 8 * i + 6))
+                              head_ones, ones, w("gate", s.ffn, s.hidden, 8 * i + 4),
+                              w("up", s.ffn, s.hidden, 8 * i + 5), w("down", s.hidden, s.ffn, 8 * i + 6))
                   for i in range(s.n_layers)]
         return cls(shape, ops, w("embedding", s.vocab, s.hidden, -1), layers, ones, w("output", s.vocab, s.hidden, -2),
                    n_blocks, block_size, kv_dtype, max_context)
@@ -237,18 +246,75 @@ class NativeDecoder:
         n = len(ids)
         if n > MAX_BATCH:
             return self.prefill(ids, positions, tables, logit_rows, slots)
+        bufs = self._bucket(n)
+        with self._on_stream():
+            self.fill(bufs, ids, positions, tables, slots)
+            self.run(bufs)
+            out = bufs.logits[self.xp.asarray(np.asarray(logit_rows, np.int64))]
+            self._synchronize()
+        return out
+
+    def greedy_burst(self, ids: np.ndarray, positions: np.ndarray, tables: np.ndarray, steps: int,
+                     stops: Sequence[frozenset[int]]) -> np.ndarray:
+        """Up to `steps` greedy decode steps of one token per sequence (row i its sequence's token at
+        positions[i], in the blocks of tables[i], which hold every position the burst reaches), each
+        row's argmax its next input, chosen on the device, until every row has met one of its stop ids
+        (a row that has keeps its stop token as its input) -> host tokens [steps taken, n]."""
+        n = len(ids)
+        bufs = self._bucket(n)
+        cur, positions = np.asarray(ids, np.int64).copy(), np.asarray(positions, np.int64)
+        done = np.zeros(n, bool)
+        out = []
+        with self._on_stream():
+            bufs.sampling.fill(self.xp, [SampleRow(k, GREEDY, None) for k in range(n)])  # type: ignore[arg-type]
+            for j in range(steps):
+                self.fill(bufs, cur, positions + j, tables)
+                self.run(bufs, sample=True)
+                tokens = _host(bufs.sampling.tokens)[:n].astype(np.int64)
+                out.append(tokens)
+                cur = np.where(done, cur, tokens)
+                done |= np.array([int(t) in stop for t, stop in zip(tokens, stops, strict=True)])
+                if done.all():
+                    break
+        return np.array(out)
+
+    def run(self, bufs: StepBuffers, sample: bool = False) -> None:
+        """bufs' step from its last fill: on a GPU replayed from its graph (captured at its first run,
+        after an eager step has compiled and loaded every kernel), eagerly elsewhere."""
+        key = (id(bufs), sample)
+        if not self.graphs or key not in self._captured:
+            self.step(bufs, sample)
+            if self.graphs:
+                self._stream.begin_capture()
+                self.step(bufs, sample)
+                self._captured[key] = self._stream.end_capture()
+            return
+        self._captured[key].launch(self._stream)
+
+    def _bucket(self, n: int) -> StepBuffers:
         bucket = next(b for b in BUCKETS if b >= n)
-        bufs = self._buckets.get(bucket)
-        if bufs is None:
-            bufs = self._buckets[bucket] = self.buffers(bucket)
-        self.fill(bufs, ids, positions, tables, slots)
-        self.step(bufs)
-        return bufs.logits[self.xp.asarray(np.asarray(logit_rows, np.int64))]
+        if bucket not in self._buckets:
+            self._buckets[bucket] = self.buffers(bucket)
+        return self._buckets[bucket]
+
+    def _on_stream(self) -> Any:
+        return self._stream if self.graphs else contextlib.nullcontext()
+
+    def _synchronize(self) -> None:
+        if self.graphs:
+            self._stream.synchronize()
 
     def prefill(self, ids: np.ndarray, positions: np.ndarray, tables: np.ndarray, logit_rows: np.ndarray,
                 slots: np.ndarray | None = None) -> Any:
         """Any number of rows eagerly, each matmul a GEMM over f16 tiles of the weight (cuBLAS on a GPU);
         the kernels of the decode step everywhere else. Allocates its buffers."""
+        with self._on_stream():
+            out = self._prefill(ids, positions, tables, logit_rows, slots)
+            self._synchronize()
+        return out
+
+    def _prefill(self, ids: np.ndarray, positions: np.ndarray, tables: np.ndarray, logit_rows: np.ndarray,
+                 slots: np.ndarray | None) -> Any:
         ops, xp, c = self.ops, self.xp, self.config
         n = len(ids)
         rows = self.buffers(n, static=False)
@@ -316,3 +382,7 @@ def _layer(mf: ModelFile, i: int, bias: bool, qk_norm: bool, xp: Any) -> NativeL
                        vec("attn_q_norm.weight") if qk_norm else None,
                        vec("attn_k_norm.weight") if qk_norm else None, vec("ffn_norm.weight"), gate, up,
                        w("ffn_down"))
+
+
+def _host(a: Any) -> np.ndarray:
+    return a.get() if hasattr(a, "get") else np.asarray(a)

@@ -2,10 +2,11 @@
 model runs whole requests on the native CUDA kernels: prompt chunks through GEMMs, decode rows through
 the static decode step.
 
-This first form brings the logits rows a step samples to the host and samples them there (the host
-RowSampler over the CPU's ops), so every sampling option behaves exactly as on the CPU; sampling on the
-device and replaying captured graphs for greedy bursts (`greedy_steps`) are the next steps of issue 37.
-It is not yet chosen by the device registry: docs/cuda.md says what it lacks.
+A step's logits rows are brought to the host and sampled there (the host RowSampler over the CPU's
+ops), so every sampling option behaves exactly as on the CPU. Decode bursts of plain greedy
+sequences (`greedy_steps`) stay on the device: each step is replayed from its captured graph and its
+argmax taken there, so only token ids come back. It is not yet chosen by the device registry:
+docs/cuda.md says what it lacks.
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ import numpy as np
 
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.runner.native_decoder import NativeDecoder
-from ember.daemon.runner.row_sampler import RowSampler
+from ember.daemon.runner.row_sampler import RowSampler, plain_greedy
 from ember.daemon.runner.step_run import PendingStep, StepRun
 from ember.daemon.step.row_sampling import RowSampling
 from ember.daemon.step.step_batch import StepBatch
 from ember.kernels import get_ops
+from ember.kernels.cuda.native_kernels import MAX_BATCH
 from ember.kernels.sampling import Choice
 
 
@@ -64,7 +66,16 @@ class NativeRunner:
         return self.sampler.finish(step.work, step, pending)
 
     def greedy_steps(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], steps: int) -> np.ndarray | None:
-        return None  # the executor steps a burst one step at a time
+        """A decode burst of up to 8 plain greedy sequences on the device (NativeDecoder.greedy_burst:
+        the step replayed as a graph on a GPU, the argmax taken there), else None (the executor then
+        steps the burst one step at a time)."""
+        n = len(batch.ids)
+        if (n > MAX_BATCH or batch.attn_end is not None or [r for r, _ in samplers] != list(range(n))
+                or not np.array_equal(np.asarray(batch.logit_rows), np.arange(n)) or not plain_greedy(samplers)):
+            return None
+        tables = np.asarray(batch.tables)[np.asarray(batch.token_seq)]
+        return self.decoder.greedy_burst(np.asarray(batch.ids), np.asarray(batch.positions), tables, steps,
+                                         [frozenset(s.stop_ids) for _, s in samplers])
 
     def forward(self, batch: StepBatch) -> np.ndarray:
         """The host logits [batch.n_logits, vocab] of the batch's logit rows."""

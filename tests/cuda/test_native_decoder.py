@@ -203,3 +203,39 @@ def test_the_engine_serves_requests_on_the_native_runner(  # type: ignore[no-unt
             exact += int(token == row.argmax())
     assert exact >= 0.9 * 12 * len(seqs)
     assert len(sampled.generated) == 6
+
+
+def test_a_greedy_burst_on_the_device_takes_the_step_by_step_argmax(  # type: ignore[no-untyped-def]
+        lib, prompts) -> None:
+    """NativeDecoder.greedy_burst (the argmax taken by the device's sampler, each step's token the next
+    one's input) gives the tokens of stepping forward() and taking the host argmax; a row that meets
+    its stop id keeps it as input, and the burst ends when every row has."""
+    def decoder() -> NativeDecoder:
+        return NativeDecoder.from_file(open_model_file(DEMO), NativeOps(np, HarnessLauncher(lib)), n_blocks=8,
+                                       block_size=16, kv_dtype="f16", max_context=64)
+
+    tables = np.array([[0, 1, 2, 3], [4, 5, 6, 7]])
+    lengths = [len(p) for p in prompts]
+    stepped, burst = decoder(), decoder()
+    def prefill(d: NativeDecoder) -> None:  # both prompts' K/V but their last tokens
+        for s, prompt in enumerate(prompts):
+            n = len(prompt) - 1
+            d.forward(np.array(prompt[:-1]), np.arange(n), np.repeat(tables[s:s + 1], n, 0), np.zeros(0, np.int64))
+
+    for d in (stepped, burst):
+        prefill(d)
+    cur, expected = np.array([p[-1] for p in prompts]), []
+    for j in range(10):
+        logits = stepped.forward(cur, np.array(lengths) - 1 + j, tables, np.arange(2))
+        cur = np.asarray(logits).argmax(axis=1)
+        expected.append(cur)
+    got = burst.greedy_burst(np.array([p[-1] for p in prompts]), np.array(lengths) - 1, tables, 10,
+                             [frozenset(), frozenset()])
+    assert np.array_equal(got, np.array(expected))
+    stop = int(expected[2][0])  # row 0 stops at its third token; row 1 never does: all 10 steps run
+    again = decoder()
+    prefill(again)
+    stopped = again.greedy_burst(np.array([p[-1] for p in prompts]), np.array(lengths) - 1, tables, 10,
+                                 [frozenset({stop}), frozenset({-5})])
+    assert stopped.shape == (10, 2) and np.array_equal(stopped[:3, 0], np.array(expected)[:3, 0])
+    assert np.array_equal(stopped[:, 1], np.array(expected)[:, 1])
