@@ -60,3 +60,40 @@ def _simulator_switch_interval() -> Iterator[None]:
         sys.setswitchinterval(1e-4)
     yield
     sys.setswitchinterval(before)
+
+
+# --- the native kernels' tests: the host harness where there is no GPU, CuPy where there is one ---------
+def gpu_ops():  # type: ignore[no-untyped-def]
+    """NativeOps on the GPU through CuPy, or the test skips (no CuPy, no device)."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no device")
+    except Exception as e:  # noqa: BLE001 - any reason there is no GPU skips the GPU half
+        pytest.skip(f"no CUDA device through CuPy: {e}")
+    from ember.kernels.cuda.native_launch import NativeOps
+
+    return NativeOps.on_gpu()
+
+
+@pytest.fixture(scope="session")
+def lib():  # type: ignore[no-untyped-def]
+    """The host harness (tests/cuda/native_harness.cu), built by nvcc once per change of its sources."""
+    from tests.cuda import native_toolchain
+
+    return native_toolchain.build_harness()
+
+
+@pytest.fixture(params=["harness", "gpu"])
+def ops(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """The native kernels' NativeOps over numpy with each launch run by the host harness, and on a GPU
+    through CuPy (the numba backend's tests define an `ops` of their own, which takes precedence)."""
+    if request.param == "gpu":
+        return gpu_ops()
+    import numpy as np
+
+    from ember.kernels.cuda.native_launch import NativeOps
+    from tests.cuda.native_fake_device import HarnessLauncher
+
+    return NativeOps(np, HarnessLauncher(request.getfixturevalue("lib")))

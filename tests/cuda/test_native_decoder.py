@@ -14,9 +14,9 @@ from ember.daemon.loader.model_file import open_model_file
 from ember.daemon.runner.native_decoder import NativeDecoder, NativeDecoderUnsupported
 from ember.kernels.cuda.native_launch import NativeOps
 from ember.kernels.sampling import SampleRow, SamplingParams
-from tests.cuda import native_toolchain as tools
 from tests.cuda.native_fake_device import HarnessLauncher
-from tests.cuda.test_native_launch import _gpu_ops, host
+from tests.cuda.conftest import gpu_ops
+from tests.cuda.test_native_launch import host
 
 pytestmark = pytest.mark.cuda
 
@@ -25,18 +25,6 @@ NEEDS_DEVICE = False  # conftest.py: the host harness stands in for the device w
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "daemon" / "assets" / "ember-demo-dense-q8_0.gguf"
 MOE = ROOT.parent / "shared" / "models" / "ember-demo-moe-q8_0.gguf"
-
-
-@pytest.fixture(scope="module")
-def lib():  # type: ignore[no-untyped-def]
-    return tools.build_harness()
-
-
-@pytest.fixture(params=["harness", "gpu"])
-def ops(request: pytest.FixtureRequest) -> NativeOps:
-    if request.param == "gpu":
-        return _gpu_ops()
-    return NativeOps(np, HarnessLauncher(request.getfixturevalue("lib")))
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +128,7 @@ def test_what_the_native_step_cannot_run_is_refused(lib) -> None:  # type: ignor
 def test_a_captured_step_of_the_model_replays_at_new_positions(prompts: list[list[int]]) -> None:
     """On a GPU: the whole step captured once, then replayed for the next positions of two sequences,
     gives what the eager step gives."""
-    ops = _gpu_ops()
+    ops = gpu_ops()
     import cupy  # noqa: PLC0415
 
     eager_decoder, graph_decoder = (NativeDecoder.from_file(open_model_file(DEMO), ops, n_blocks=8, block_size=16,

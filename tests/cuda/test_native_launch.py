@@ -20,36 +20,13 @@ from ember.kernels.cuda.native_launch import (Activations, AttentionScratch, Nat
 from ember.kernels.reference.dense import rope
 from ember.kernels.sampling import SampleRow, SamplingParams, sample_host_rows
 from ember.kernels.tensor_types import TensorType
-from tests.cuda import native_toolchain as tools
+from tests.cuda.conftest import gpu_ops
 from tests.cuda.native_data import random_store, random_weight, reference_attention
 from tests.cuda.native_fake_device import HarnessLauncher
 
 pytestmark = pytest.mark.cuda
 
 NEEDS_DEVICE = False  # conftest.py: the host harness stands in for the device where there is none
-
-
-def _gpu_ops() -> NativeOps:
-    try:
-        import cupy  # noqa: PLC0415
-
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            raise RuntimeError("no device")
-    except Exception as e:  # noqa: BLE001 - any reason there is no GPU skips the GPU half
-        pytest.skip(f"no CUDA device through CuPy: {e}")
-    return NativeOps.on_gpu()
-
-
-@pytest.fixture(scope="module")
-def lib():  # type: ignore[no-untyped-def]
-    return tools.build_harness()
-
-
-@pytest.fixture(params=["harness", "gpu"])
-def ops(request: pytest.FixtureRequest) -> NativeOps:
-    if request.param == "gpu":
-        return _gpu_ops()
-    return NativeOps(np, HarnessLauncher(request.getfixturevalue("lib")))
 
 
 def host(a: Any) -> np.ndarray:
@@ -199,7 +176,7 @@ def test_a_captured_decode_step_replays_at_new_positions() -> None:
     """On a GPU: a decode step (quantize, q projection, rope + KV write, attention) captured once as a
     CUDA graph, then replayed after the step's buffers are refilled in place, gives what the eager step
     gives at those positions, caches included (the proof that no scalar froze into the graph)."""
-    ops = _gpu_ops()
+    ops = gpu_ops()
     import cupy  # noqa: PLC0415
 
     rng = np.random.default_rng(8)
