@@ -157,8 +157,7 @@ SNIPPETS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n  
             "for i in range(10):\n    print("]
 
 
-def test_the_engine_serves_requests_on_the_native_runner(  # type: ignore[no-untyped-def]
-        lib, cpu_model: Any) -> None:
+def test_the_engine_serves_requests_on_the_native_runner(ops: NativeOps, cpu_model: Any) -> None:
     """EngineCore over a NativeRunner: staggered greedy requests (prompts prefilled in chunks through
     GEMMs, decode rows through the static step, side by side). Teacher-forced on the CPU model, every
     token the native runner chose is the CPU's argmax, or within a near-tie of it (the native step's
@@ -168,8 +167,7 @@ def test_the_engine_serves_requests_on_the_native_runner(  # type: ignore[no-unt
     from ember.daemon.runner.native_runner import NativeRunner  # noqa: PLC0415
 
     mf = open_model_file(DEMO)
-    decoder = NativeDecoder.from_file(mf, NativeOps(np, HarnessLauncher(lib)), n_blocks=32, block_size=16,
-                                      kv_dtype="f16", max_context=512)
+    decoder = NativeDecoder.from_file(mf, ops, n_blocks=32, block_size=16, kv_dtype="f16", max_context=512)
     engine = EngineCore(NativeRunner(decoder, mf.config), max_step_tokens=12)
     prompts = [list(cpu_model.tokenize(s)) for s in SNIPPETS]
     seqs = [Sequence(p, max_tokens=12) for p in prompts]
@@ -193,14 +191,14 @@ def test_the_engine_serves_requests_on_the_native_runner(  # type: ignore[no-unt
     assert len(sampled.generated) == 6
 
 
-def test_a_greedy_burst_on_the_device_takes_the_step_by_step_argmax(  # type: ignore[no-untyped-def]
-        lib, prompts) -> None:
+def test_a_greedy_burst_on_the_device_takes_the_step_by_step_argmax(ops: NativeOps, prompts: list[list[int]]) -> None:
     """NativeDecoder.greedy_burst (the argmax taken by the device's sampler, each step's token the next
     one's input) gives the tokens of stepping forward() and taking the host argmax; a row that meets
-    its stop id keeps it as input, and the burst ends when every row has."""
+    its stop id keeps it as input, and the burst ends when every row has. On a GPU the burst's steps
+    are graph replays, forward()'s too."""
     def decoder() -> NativeDecoder:
-        return NativeDecoder.from_file(open_model_file(DEMO), NativeOps(np, HarnessLauncher(lib)), n_blocks=8,
-                                       block_size=16, kv_dtype="f16", max_context=64)
+        return NativeDecoder.from_file(open_model_file(DEMO), ops, n_blocks=8, block_size=16, kv_dtype="f16",
+                                       max_context=64)
 
     tables = np.array([[0, 1, 2, 3], [4, 5, 6, 7]])
     lengths = [len(p) for p in prompts]
@@ -215,7 +213,7 @@ def test_a_greedy_burst_on_the_device_takes_the_step_by_step_argmax(  # type: ig
     cur, expected = np.array([p[-1] for p in prompts]), []
     for j in range(10):
         logits = stepped.forward(cur, np.array(lengths) - 1 + j, tables, np.arange(2))
-        cur = np.asarray(logits).argmax(axis=1)
+        cur = host(logits).argmax(axis=1)
         expected.append(cur)
     got = burst.greedy_burst(np.array([p[-1] for p in prompts]), np.array(lengths) - 1, tables, 10,
                              [frozenset(), frozenset()])
