@@ -89,7 +89,8 @@ def peer_uid(fd: int) -> int | None:
     """The uid of the process at the other end of the Unix socket `fd` (None where the kernel does not say)."""
     try:
         with socket.socket(fileno=os.dup(fd)) as sock:  # a duplicate: closing it leaves libzmq's alone
-            _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _, uid, _ = struct.unpack("3i", creds)
     except OSError:
         return None
     return int(uid)
