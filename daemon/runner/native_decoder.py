@@ -122,6 +122,8 @@ class NativeDecoder:
         self.graphs = hasattr(self.xp, "cuda")
         self._stream = self.xp.cuda.Stream(non_blocking=True) if self.graphs else None
         self._captured: dict[tuple[int, bool], Any] = {}
+        if self.graphs:  # the weights' and caches' initialisation ran on the default stream, which a
+            self.xp.cuda.Device().synchronize()  # non-blocking stream does not wait for
 
     @classmethod
     def from_file(cls, mf: ModelFile, ops: NativeOps, n_blocks: int, block_size: int = 16, kv_dtype: str = "f16",
@@ -246,8 +248,8 @@ class NativeDecoder:
         n = len(ids)
         if n > MAX_BATCH:
             return self.prefill(ids, positions, tables, logit_rows, slots)
-        bufs = self._bucket(n)
-        with self._on_stream():
+        with self._on_stream():  # buffers allocated, filled and run on the step's stream alike
+            bufs = self._bucket(n)
             self.fill(bufs, ids, positions, tables, slots)
             self.run(bufs)
             out = bufs.logits[self.xp.asarray(np.asarray(logit_rows, np.int64))]
@@ -261,11 +263,11 @@ class NativeDecoder:
         row's argmax its next input, chosen on the device, until every row has met one of its stop ids
         (a row that has keeps its stop token as its input) -> host tokens [steps taken, n]."""
         n = len(ids)
-        bufs = self._bucket(n)
         cur, positions = np.asarray(ids, np.int64).copy(), np.asarray(positions, np.int64)
         done = np.zeros(n, bool)
         out = []
         with self._on_stream():
+            bufs = self._bucket(n)
             bufs.sampling.fill(self.xp, [SampleRow(k, GREEDY, None) for k in range(n)])  # type: ignore[arg-type]
             for j in range(steps):
                 self.fill(bufs, cur, positions + j, tables)
