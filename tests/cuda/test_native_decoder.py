@@ -24,7 +24,7 @@ NEEDS_DEVICE = False  # conftest.py: the host harness stands in for the device w
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "daemon" / "assets" / "ember-demo-dense-q8_0.gguf"
-MOE = ROOT.parent / "shared" / "models" / "ember-demo-moe-q8_0.gguf"
+MOE = ROOT / "tests" / "fixtures" / "ember-demo-moe-q8_0.gguf"
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +112,6 @@ def test_the_step_samples_on_the_device(lib) -> None:  # type: ignore[no-untyped
 
 
 def test_what_the_native_step_cannot_run_is_refused(lib) -> None:  # type: ignore[no-untyped-def]
-    if not MOE.exists():
-        pytest.skip(f"{MOE} is not on this machine")
     with pytest.raises(NativeDecoderUnsupported, match="dense"):
         NativeDecoder.from_file(open_model_file(MOE), NativeOps(np, HarnessLauncher(lib)), n_blocks=4)
     decoder = NativeDecoder.from_file(open_model_file(DEMO), NativeOps(np, HarnessLauncher(lib)), n_blocks=4,
