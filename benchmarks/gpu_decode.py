@@ -7,12 +7,11 @@ llama.cpp's H100 anchors (../shared/notes/ANCHORS.md).
 The model is daemon/runner/native_decoder.py's NativeDecoder over random weights built on the device
 (hidden 4096, 36 layers, 32 query and 8 KV heads of 128, FFN 12288, vocabulary 151936): Q8_0
 throughout, and a Q4_K_M-like mix (Q6_K for attn_v, ffn_down and the output, Q4_K elsewhere). Each row
-decodes at 512 tokens of context in an f16 cache. Per batch size (1 and 8): the eager step (Python
+decodes at 512 tokens of context in an f16 cache. Per batch size (1, 8 and 32): the eager step (Python
 launching every kernel), and the step captured once as a graph and replayed (best of 5 timed runs of 20
 replays); tokens/s, and at batch 1 the bytes a step must read (weights and KV) over its time against
 the HBM read bandwidth measured in the same run. The graph's logits must equal the eager step's.
-Not yet measured here: 32 streams (the GEMVs take 8 rows; issue 37) and prefill (eager cuBLAS, not yet
-wired to the decoder).
+Not yet measured here: prefill (NativeDecoder.prefill's GEMMs) beside llama.cpp's.
 """
 from __future__ import annotations
 
@@ -34,6 +33,7 @@ ANCHORS = {"Q4_K_M": 248.9, "Q8_0": 217.6}  # llama.cpp decode tok/s, H100, batc
 GOALS = {"Q4_K_M": 375.0}  # 1.5x llama.cpp; Q8_0: 80% of HBM
 Q8_GOAL = 0.80
 CONTEXT, BLOCK, REPLAYS, REPEATS = 512, 16, 5, 20
+BATCHES = (1, 8, 32)  # streams decoding side by side
 ROLES = ("embedding", "q", "k", "v", "o", "gate", "up", "down", "output")
 QUANTS = {"Q8_0": dict.fromkeys(ROLES, TensorType.Q8_0),
           "Q4_K_M": dict(dict.fromkeys(ROLES, TensorType.Q4_K), v=TensorType.Q6_K, down=TensorType.Q6_K,
@@ -112,11 +112,11 @@ def main() -> None:
     print(f"{device}: HBM read {bandwidth / 1e12:.2f} TB/s; {'a toy' if args.dry_run else 'the Qwen3-8B'} shape, "
           f"random weights, {CONTEXT} tokens of context, f16 KV")
     for name, types in QUANTS.items():
-        n_blocks = 8 * -(-(CONTEXT + 8) // BLOCK)
+        n_blocks = max(BATCHES) * -(-(CONTEXT + 8) // BLOCK)
         decoder = NativeDecoder.random(shape, ops, types, n_blocks, BLOCK, "f16", max_context=CONTEXT + 8)
         kv_bytes = 2 * shape.n_layers * CONTEXT * shape.n_kv_heads * shape.head_dim * 2
         rows = []
-        for batch in (1, 8):
+        for batch in BATCHES:
             r = measure(decoder, batch, xp, args.dry_run)
             for kind in ("eager", "graph"):
                 ms = r[f"{kind}_ms"]

@@ -27,7 +27,7 @@ from ember.daemon.loader.model_file import ModelFile
 from ember.daemon.models.architectures import architecture
 from ember.kernels.cuda.native_launch import (Activations, AttentionScratch, NativeKv, NativeOps, NativeWeight,
                                               SamplingBuffers)
-from ember.kernels.cuda.native_kernels import HEAD_DIMS, MAX_BATCH
+from ember.kernels.cuda.native_kernels import HEAD_DIMS
 from ember.kernels.cuda.repack import NATIVE_TYPES, repack
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.reference.quant import dequantize
@@ -36,7 +36,7 @@ from ember.kernels.tensor_types import TensorType
 
 FLOAT_WEIGHTS = (TensorType.F16, TensorType.BF16)
 GREEDY = SamplingParams()
-BUCKETS = (1, 2, 4, 8)  # decode batch sizes with buffers (and a graph) of their own; a batch pads up
+BUCKETS = (1, 2, 4, 8, 16, 32)  # decode batch sizes with buffers (and a graph) of their own; a batch pads up
 
 
 class NativeDecoderUnsupported(ValueError):
@@ -177,10 +177,10 @@ class NativeDecoder:
 
     # --- a step ----------------------------------------------------------------------------------
     def buffers(self, batch: int, static: bool = True) -> StepBuffers:
-        """A step's buffers for `batch` rows; static ones (the decode step's, up to 8 rows) are what a
+        """A step's buffers for `batch` rows; static ones (the decode step's, up to 32 rows) are what a
         graph replays, others serve one eager prefill."""
-        if static and not 1 <= batch <= MAX_BATCH:
-            raise ValueError(f"the native decode step takes 1 to {MAX_BATCH} rows, not {batch}")
+        if static and not 1 <= batch <= BUCKETS[-1]:
+            raise ValueError(f"the native decode step takes 1 to {BUCKETS[-1]} rows, not {batch}")
         xp, c = self.xp, self.config
         z = xp.zeros
         return StepBuffers(
@@ -243,10 +243,10 @@ class NativeDecoder:
     def forward(self, ids: np.ndarray, positions: np.ndarray, tables: np.ndarray, logit_rows: np.ndarray,
                 slots: np.ndarray | None = None) -> Any:
         """Any step's tokens (each at its position, with its sequence's block table [n, width]) -> the
-        logits [len(logit_rows), vocab] of the rows asked for, where the decoder keeps them: up to 8
+        logits [len(logit_rows), vocab] of the rows asked for, where the decoder keeps them: up to 32
         rows through a bucket's static buffers (the step a graph replays), more eagerly (`prefill`)."""
         n = len(ids)
-        if n > MAX_BATCH:
+        if n > BUCKETS[-1]:
             return self.prefill(ids, positions, tables, logit_rows, slots)
         with self._on_stream():  # buffers allocated, filled and run on the step's stream alike
             bufs = self._bucket(n)

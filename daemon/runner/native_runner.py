@@ -16,13 +16,12 @@ from typing import Any
 import numpy as np
 
 from ember.daemon.loader.model_config import ModelConfig
-from ember.daemon.runner.native_decoder import NativeDecoder
+from ember.daemon.runner.native_decoder import BUCKETS, NativeDecoder
 from ember.daemon.runner.row_sampler import RowSampler, plain_greedy
 from ember.daemon.runner.step_run import PendingStep, StepRun
 from ember.daemon.step.row_sampling import RowSampling
 from ember.daemon.step.step_batch import StepBatch
 from ember.kernels import get_ops
-from ember.kernels.cuda.native_kernels import MAX_BATCH
 from ember.kernels.sampling import Choice
 
 
@@ -66,11 +65,11 @@ class NativeRunner:
         return self.sampler.finish(step.work, step, pending)
 
     def greedy_steps(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], steps: int) -> np.ndarray | None:
-        """A decode burst of up to 8 plain greedy sequences on the device (NativeDecoder.greedy_burst:
+        """A decode burst of up to 32 plain greedy sequences on the device (NativeDecoder.greedy_burst:
         the step replayed as a graph on a GPU, the argmax taken there), else None (the executor then
         steps the burst one step at a time)."""
         n = len(batch.ids)
-        if (n > MAX_BATCH or batch.attn_end is not None or [r for r, _ in samplers] != list(range(n))
+        if (n > BUCKETS[-1] or batch.attn_end is not None or [r for r, _ in samplers] != list(range(n))
                 or not np.array_equal(np.asarray(batch.logit_rows), np.arange(n)) or not plain_greedy(samplers)):
             return None
         tables = np.asarray(batch.tables)[np.asarray(batch.token_seq)]

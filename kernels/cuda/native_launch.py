@@ -339,7 +339,8 @@ class NativeOps:
 
     def gemv(self, w: NativeWeight, x: Activations, y: Any, batch: int, epilogue: str = "store",
              w2: NativeWeight | None = None) -> None:
-        """y [batch, w.rows] = (or +=, or silu(.) * w2 of) w times the first `batch` rows of x."""
+        """y [batch, w.rows] = (or +=, or silu(.) * w2 of) w times the first `batch` rows of x (any batch:
+        the kernels take up to 8 rows a launch)."""
         if x.cols != w.cols:
             raise ValueError(f"gemv: activations of {x.cols} values against a weight of {w.cols} columns")
         if (epilogue == "swiglu") != (w2 is not None):
@@ -349,9 +350,13 @@ class NativeOps:
         if tuple(y.shape) != (batch, w.rows):
             raise ValueError(f"gemv: output {tuple(y.shape)}, expected {(batch, w.rows)}")
         second = (w2 or w).arrays
-        self.launch(nk.gemv(w.ttype, batch, epilogue), (_blocks(w.rows, GEMV_BLOCK // 32),), (GEMV_BLOCK,),
-                    **w.arrays, q2=second["q"], hi2=second["hi"], sc2=second["sc"], d2=second["d"], xq=x.xq,
-                    xd=x.xd, xf=x.xf, y=y, N=w.rows, K=w.cols)
+        # past the kernels' 8 rows, one launch per 8 (the weight is read once per launch): the row
+        # slices are views, so a captured graph holds them as it holds everything else
+        for first in range(0, batch, nk.MAX_BATCH):
+            rows = slice(first, min(batch, first + nk.MAX_BATCH))
+            self.launch(nk.gemv(w.ttype, rows.stop - first, epilogue), (_blocks(w.rows, GEMV_BLOCK // 32),),
+                        (GEMV_BLOCK,), **w.arrays, q2=second["q"], hi2=second["hi"], sc2=second["sc"],
+                        d2=second["d"], xq=x.xq[rows], xd=x.xd[rows], xf=x.xf[rows], y=y[rows], N=w.rows, K=w.cols)
 
     def attention(self, q: Any, k: NativeKv, v: NativeKv, tables: Any, lengths: Any, scale: float,
                   scratch: AttentionScratch, out: Any) -> None:
