@@ -2,15 +2,17 @@
 model runs whole requests on the native CUDA kernels: prompt chunks through GEMMs, decode rows through
 the static decode step.
 
-A step's logits rows are brought to the host and sampled there (the host RowSampler over the CPU's
-ops), so every sampling option behaves exactly as on the CPU. Decode bursts of plain greedy
-sequences (`greedy_steps`) stay on the device: each step is replayed from its captured graph and its
-argmax taken there, so only token ids come back. It is not yet chosen by the device registry:
-docs/cuda.md says what it lacks.
+A step's logits stay on the device, and the RowSampler samples them there through `DeviceSampling`:
+argmax rows, and the native sampler (grammar masks, bias, penalties, temperature, top-k/p, min-p, the
+seeded draw) for the rest, which draws the host sampler's tokens; only token ids come back, and logits
+rows a sequence asked to keep. Rows asking for top alternatives (logprobs > 0) are sampled on the host.
+Decode bursts of plain greedy sequences (`greedy_steps`) stay on the device too, each step replayed
+from its captured graph. It is not yet chosen by the device registry: docs/cuda.md says what it lacks.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -22,16 +24,20 @@ from ember.daemon.runner.step_run import PendingStep, StepRun
 from ember.daemon.step.row_sampling import RowSampling
 from ember.daemon.step.step_batch import StepBatch
 from ember.kernels import get_ops
-from ember.kernels.sampling import Choice
+from ember.kernels.cuda.native_launch import NativeOps, SamplingBuffers
+from ember.kernels.sampling import Choice, SampleRow, adjustment_entries, sample_host_rows
 
 
 class NativeRunner:
     lanes = 1  # steps the engine may keep in flight on this runner
 
-    def __init__(self, decoder: NativeDecoder, config: ModelConfig, max_sequences: int = 64) -> None:
+    def __init__(self, decoder: NativeDecoder, config: ModelConfig, max_sequences: int = 64,
+                 device_sampling: bool = True) -> None:
+        """device_sampling False: every logits row comes to the host and the CPU's sampler takes it."""
         self.decoder, self.config, self.max_sequences = decoder, config, max_sequences
         self.capture: tuple[int, ...] = ()  # no hidden states handed back (no feature-conditioned draft)
-        self.sampler = RowSampler(get_ops("cpu"))
+        self.device_sampling = device_sampling
+        self.sampler = RowSampler(DeviceSampling(decoder.ops) if device_sampling else get_ops("cpu"))
 
     @property
     def stateful(self) -> bool:
@@ -76,8 +82,9 @@ class NativeRunner:
         return self.decoder.greedy_burst(np.asarray(batch.ids), np.asarray(batch.positions), tables, steps,
                                          [frozenset(s.stop_ids) for _, s in samplers])
 
-    def forward(self, batch: StepBatch) -> np.ndarray:
-        """The host logits [batch.n_logits, vocab] of the batch's logit rows."""
+    def forward(self, batch: StepBatch) -> Any:
+        """The logits [batch.n_logits, vocab] of the batch's logit rows: on the device, or on the host
+        without device sampling."""
         if batch.attn_end is not None:
             raise ValueError("the native runner attends causally only (no DFlash draft on it)")
         if batch.n_logits == 0 and len(batch.ids) == 0:
@@ -86,7 +93,50 @@ class NativeRunner:
         slots = np.asarray(batch.kv_blocks, np.int64) * self.block_size + np.asarray(batch.kv_offsets, np.int64)
         logits = self.decoder.forward(np.asarray(batch.ids), np.asarray(batch.positions), tables,
                                       np.asarray(batch.logit_rows), slots)
-        return _host(logits)
+        return logits if self.device_sampling else _host(logits)
+
+
+class DeviceSampling:
+    """What RowSampler asks of a backend (argmax_rows, sample_rows, to_numpy), for logits on the
+    native kernels' device: sampled with the native sampler over buffers kept per row count."""
+
+    def __init__(self, ops: NativeOps) -> None:
+        self.ops, self.xp = ops, ops.xp
+        self._buffers: dict[tuple[int, int], SamplingBuffers] = {}
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return _host(x)
+
+    def argmax_rows(self, logits: Any, rows: np.ndarray) -> Any:
+        return self.xp.argmax(logits[self.xp.asarray(np.asarray(rows, np.int64))], axis=1)  # first of ties
+
+    def sample_rows(self, logits: Any, rows: Seq[SampleRow]) -> list[Choice | str]:
+        # top alternatives (logprobs > 0): the host sampler gives them, from those rows' logits alone
+        alternatives = [k for k, r in enumerate(rows) if r.params.logprobs]
+        out: list[Choice | str] = [""] * len(rows)
+        if alternatives:
+            host = _host(logits[self.xp.asarray(np.array([rows[k].row for k in alternatives], np.int64))])
+            picked = sample_host_rows(host, [replace(rows[k], row=i) for i, k in enumerate(alternatives)])
+            for k, choice in zip(alternatives, picked, strict=True):
+                out[k] = choice
+        on_device = [k for k in range(len(rows)) if k not in set(alternatives)]
+        for k, choice in zip(on_device, self._sample(logits, [rows[k] for k in on_device]) if on_device else [],
+                             strict=True):
+            out[k] = choice
+        return out
+
+    def _sample(self, logits: Any, rows: Seq[SampleRow]) -> list[Choice | str]:
+        n, vocab = len(rows), int(logits.shape[1])
+        work = logits[self.xp.asarray(np.array([r.row for r in rows], np.int64))]  # a copy: sampling changes it
+        key = (1 << max(0, (n - 1).bit_length()), vocab)
+        if key not in self._buffers:
+            self._buffers[key] = SamplingBuffers.allocate(self.xp, key[0], vocab)
+        buffers, entries = self._buffers[key], adjustment_entries(rows)
+        if len(entries[0]) > buffers.capacity[1]:  # more penalised tokens than its slots: a larger set, kept
+            buffers = self._buffers[key] = SamplingBuffers.allocate(self.xp, key[0], vocab, 2 * len(entries[0]))
+        buffers.fill(self.xp, rows, entries)
+        self.ops.sample(work, buffers)
+        return buffers.choices(rows)
 
 
 def _host(a: Any) -> np.ndarray:

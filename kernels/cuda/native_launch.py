@@ -244,9 +244,10 @@ class SamplingBuffers:
     def capacity(self) -> tuple[int, int]:
         return int(self.words.shape[0]), int(self.ids.shape[0])
 
-    def fill(self, xp: Any, rows: Sequence[SampleRow]) -> None:
-        """The rows' parameters, grammar masks, adjustments and uniform numbers (drawn here, from each
-        sampled row's own generator, in order) into the buffers."""
+    def fill(self, xp: Any, rows: Sequence[SampleRow], entries: tuple[np.ndarray, ...] | None = None) -> None:
+        """The rows' parameters, grammar masks, adjustments (`entries`: adjustment_entries(rows), if
+        the caller has them) and uniform numbers (drawn here, from each sampled row's own generator,
+        in order) into the buffers."""
         most_rows, most_entries = self.capacity
         if len(rows) > most_rows:
             raise ValueError(f"{len(rows)} rows to sample, the buffers hold {most_rows}")
@@ -259,7 +260,7 @@ class SamplingBuffers:
                 words[k] = 0
                 given = np.asarray(r.allowed).view(np.uint32)[:n_words]
                 words[k, :given.size] = given
-        entry_row, ids, bias, repeated, sub = adjustment_entries(rows)
+        entry_row, ids, bias, repeated, sub = adjustment_entries(rows) if entries is None else entries
         if len(ids) > most_entries:
             raise ValueError(f"{len(ids)} logit adjustments, the buffers hold {most_entries}")
         pad = most_entries - len(ids)

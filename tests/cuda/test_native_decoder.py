@@ -240,3 +240,34 @@ def test_a_greedy_burst_on_the_device_takes_the_step_by_step_argmax(ops: NativeO
                                  [frozenset({stop}), frozenset({-5})])
     assert stopped.shape == (10, 2) and np.array_equal(stopped[:3, 0], np.array(expected)[:3, 0])
     assert np.array_equal(stopped[:, 1], np.array(expected)[:, 1])
+
+
+def test_sampling_on_the_device_draws_what_the_host_sampler_draws(ops: NativeOps, cpu_model: Any) -> None:
+    """The native runner's RowSampler over DeviceSampling (logits never leave the device) against the
+    same runner sampling every row on the host: seeded requests with temperature, top-k/p, min-p,
+    penalties and logit bias, greedy ones beside them, and one asking for top alternatives (which the
+    host serves), give the same tokens and logprobs."""
+    from ember.daemon.engine.engine_core import EngineCore  # noqa: PLC0415
+    from ember.daemon.engine.sequence import Sequence  # noqa: PLC0415
+    from ember.daemon.runner.native_runner import NativeRunner  # noqa: PLC0415
+
+    mf = open_model_file(DEMO)
+    prompts = [list(cpu_model.tokenize(s)) for s in SNIPPETS]
+    options = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
+               SamplingParams(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.3, logit_bias={13: 2.0}),
+               SamplingParams(), SamplingParams(temperature=0.7, logprobs=2)]
+    runs = []
+    for device_sampling in (True, False):
+        decoder = NativeDecoder.from_file(mf, ops, n_blocks=32, block_size=16, kv_dtype="f16", max_context=512)
+        engine = EngineCore(NativeRunner(decoder, mf.config, device_sampling=device_sampling), max_step_tokens=16)
+        seqs = [Sequence(p, max_tokens=10, params=o, seed=7 + k, wants_logprob=True)
+                for k, (p, o) in enumerate(zip(prompts, options, strict=True))]
+        for seq in seqs:
+            engine.add(seq)
+        while engine.has_work:
+            engine.step()
+        runs.append([(list(s.generated), [c.logprob for c in s.choices]) for s in seqs])
+    for (tokens, logprobs), (host_tokens, host_logprobs) in zip(*runs, strict=True):
+        assert tokens == host_tokens
+        np.testing.assert_allclose(logprobs, host_logprobs, rtol=1e-5, atol=1e-5)
+    assert len({tuple(t) for t, _ in runs[0]}) == len(SNIPPETS)
