@@ -13,8 +13,8 @@
                max_logits_bytes, max_logits_bytes_per_user, stall_timeout
     [engine]   device, kv_dtype, ctx, max_active, max_queued, max_per_process, max_step_tokens, prefix_caching,
                prefix_sharing,
-               decode_burst_ms, warmup, threads, decode_act, devices, split, act_dtype, stage_threads (a layer
-               split: docs/layer_split.md)
+               decode_burst_ms, warmup, threads, decode_act, cuda_kernels, devices, split, act_dtype,
+               stage_threads (a layer split: docs/layer_split.md)
     [limits]   see protocol/limits.py
 
 The `ember serve` flags --expert-budget, --cold-workers and --cold-policy set those keys for every model.
@@ -36,6 +36,7 @@ import msgspec
 
 from ember.daemon.engine.decode_burst import DECODE_BURST
 from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES, STORAGE_DTYPES
+from ember.kernels.cuda.native_kernels import CUDA_KERNELS
 from ember.daemon.planning.precision import ACT_DTYPES
 from ember.daemon.runner.devices import DeviceName
 from ember.daemon.runner.split_spec import parse_devices, parse_split
@@ -156,6 +157,9 @@ class EngineConfig(_Section):
     warmup: bool = True  # run a short generation before READY (loads the compiled kernels)
     threads: int = 0  # kernel threads of the engine process; 0: one per core
     decode_act: str = "q8_0"  # activations of generated tokens against quantized weights: q8_0 (fast, llama.cpp's) or f32
+    # on a cuda device: "numba" (the numba.cuda kernels) or "native" (the CUDA C++ kernels through CuPy, the
+    # decode step replayed as a graph; dense models on cuda:0, docs/cuda.md)
+    cuda_kernels: str = "numba"
     devices: str = ""  # a layer split across stage processes, e.g. "cpu:0,cpu:1" ("cpu" last: the engine's thread); "": the model runs on `device`
     split: str = ""  # layers per device of `devices`, e.g. "3,2"; "": in proportion to the devices' memory
     act_dtype: str = ""  # the split's staged hidden states: f32, f16, bf16 or auto; "": EMBER_ACT_DTYPE, else auto
@@ -177,6 +181,8 @@ class EngineConfig(_Section):
         _check(self.kv_dtype in ("", *KV_DTYPES), f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         _check(self.decode_act in DECODE_ACTIVATIONS,
                f"decode_act must be one of {', '.join(DECODE_ACTIVATIONS)}, got {self.decode_act!r}")
+        _check(self.cuda_kernels in CUDA_KERNELS,
+               f"cuda_kernels must be one of {', '.join(CUDA_KERNELS)}, got {self.cuda_kernels!r}")
         _check(self.ctx >= 0, f"ctx must be >= 0, got {self.ctx}")
         _check(self.max_active >= 1, f"max_active must be >= 1, got {self.max_active}")
         _check(self.max_queued >= 0, f"max_queued must be >= 0, got {self.max_queued}")

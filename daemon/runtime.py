@@ -29,6 +29,8 @@ from ember.daemon.models.dflash import DFlashDraft
 from ember.daemon.models.transformer import Transformer
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import ModelRunner
+from ember.daemon.runner.native_decoder import NativeDecoder
+from ember.daemon.runner.native_runner import NativeRunner
 from ember.daemon.runner.pipeline import Pipeline
 from ember.daemon.runner.split_runner import SplitRunner
 from ember.daemon.runner.split_spec import (cpu_stages, parse_devices, parse_split, plan_stages, stage_budgets,
@@ -44,6 +46,8 @@ from ember.daemon.text.grammar import compile_grammar
 from ember.daemon.text.text_model import TextModel, sampling_of, tokenizer_of
 from ember.daemon.text.tokenizer import Tokenizer
 from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES
+from ember.kernels.cuda.native_kernels import CUDA_KERNELS
+from ember.kernels.cuda.native_launch import NativeOps
 from ember.kernels.sampling import SamplingParams
 from ember.protocol.messages import Grammar
 
@@ -58,11 +62,14 @@ class Model(TextModel):
     def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str = "cpu", kv_dtype: str = "f32",
                  decode_act: str = "q8_0", pipeline: Pipeline | None = None,
                  experts: ExpertOptions | None = None, draft: ModelFile | None = None, draft_tokens: int = 4,
-                 feature_dtype: str = "f32", on_layer: Callable[[int, int], None] | None = None) -> None:
+                 feature_dtype: str = "f32", on_layer: Callable[[int, int], None] | None = None,
+                 cuda_kernels: str = "numba", native_ops: NativeOps | None = None) -> None:
         """On `device`, or split across `pipeline`'s stages (its workers already loaded); a MoE
         model's experts placed by `experts`; `draft` proposes `draft_tokens` tokens a step (a DFlash
         draft reads the target's features, mirrored in `feature_dtype`); on_layer(placed, in all) as
-        each of its layers is placed."""
+        each of its layers is placed. On a cuda device, `cuda_kernels` "native" runs it on the CUDA C++
+        kernels (NativeRunner) over `native_ops` (default: CuPy's on cuda:0; the tests give the host
+        harness's)."""
         super().__init__(mf.path, mf.config, tokenizer, sampling_of(mf))
         name = DeviceName.parse(device)
         self.kv_dtype = kv_dtype
@@ -70,7 +77,10 @@ class Model(TextModel):
         self.file_bytes = mf.file_bytes
         self.pipeline = pipeline
         self.device = ",".join(str(s.device) for s in pipeline.specs) if pipeline else str(name)
-        self._net = None if pipeline else Transformer(mf, backend_for(name).ops(name), experts=experts, on_layer=on_layer)
+        self._native = None if cuda_kernels == "numba" else _native_decoder(mf, name, kv_dtype, decode_act, pipeline,
+                                                                           draft, native_ops)
+        self._net = None if pipeline or self._native else Transformer(mf, backend_for(name).ops(name),
+                                                                      experts=experts, on_layer=on_layer)
         self.draft_path = None if draft is None else draft.path
         self.draft_tokens = draft_tokens
         self.draft_min_prob = DRAFT_MIN_PROB  # the draft stops after a proposal it is less sure of (0: never)
@@ -119,6 +129,8 @@ class Model(TextModel):
     @property
     def net(self) -> Transformer:
         """The model's weights on its device, which runners (each with its own KV cache) share."""
+        if self._native is not None:
+            raise ValueError("the native CUDA kernels hold this model's weights, in their own layout (no Transformer)")
         if self._net is None:
             raise ValueError("a split model's weights live in its stage processes (Model.pipeline)")
         return self._net
@@ -131,7 +143,11 @@ class Model(TextModel):
         options.setdefault("grammars", self.grammars)
         options.setdefault("max_step_tokens", self.pipeline.max_tokens if self.pipeline else PREFILL_CHUNK)
         blocks = -(-capacity // KV_BLOCK)
-        if self.pipeline is None:
+        if self._native is not None:
+            context = min(options.get("max_context") or self.config.context_length, blocks * KV_BLOCK)
+            runner = NativeRunner(self._native.with_cache(blocks, KV_BLOCK, self.kv_dtype, context), self.config,
+                                  max_running)
+        elif self.pipeline is None:
             runner = ModelRunner(self.net, blocks, KV_BLOCK, self.kv_dtype, self.decode_act, max_running)
         elif options["max_step_tokens"] > self.pipeline.max_tokens:
             raise ValueError(f"max_step_tokens {options['max_step_tokens']} is over the {self.pipeline.max_tokens} "
@@ -236,12 +252,30 @@ def _expert_room(path: Path, name: DeviceName, policy: PrecisionPolicy, experts:
     return plan_model(path, request).devices[0].experts_hot
 
 
+def _native_decoder(mf: ModelFile, name: DeviceName, kv_dtype: str, decode_act: str, pipeline: Pipeline | None,
+                    draft: ModelFile | None, ops: NativeOps | None) -> NativeDecoder:
+    """The model's weights on the native CUDA kernels, or why it cannot run there."""
+    if pipeline is not None:
+        raise ValueError("the native CUDA kernels run a model on one device, not across a layer split")
+    if ops is None and str(name) != "cuda:0":
+        raise ValueError(f"cuda_kernels 'native' runs on cuda:0 so far, not {name}")
+    if draft is not None:
+        raise ValueError("speculative decoding does not run on the native CUDA kernels yet (cuda_kernels 'numba')")
+    if decode_act != "q8_0":
+        raise ValueError("the native CUDA kernels quantize decode activations to q8_1 (decode_act q8_0); "
+                         "for f32 decode activations use cuda_kernels 'numba'")
+    if ops is None:
+        ops = NativeOps.on_gpu()  # imports CuPy: only here, on a GPU
+    return NativeDecoder.from_file(mf, ops, n_blocks=1, block_size=KV_BLOCK, kv_dtype=kv_dtype, max_context=KV_BLOCK)
+
+
 def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_act: str = "q8_0",
          devices: str | Sequence[str] | None = None, split: str | Sequence[int] | None = None,
          act_dtype: str = "auto", max_step_tokens: int = PREFILL_CHUNK, stage_threads: int = 0, shm_owner: str | None = None,
          expert_budget: int | str | None = None, cold_workers: int | None = None, cold_policy: str = "exact",
          draft: str | Path | None = None, draft_tokens: int = 4, feature_dtype: str | None = None,
-         env: Mapping[str, str] | None = None, on_layer: Callable[[int, int], None] | None = None) -> Model:
+         env: Mapping[str, str] | None = None, on_layer: Callable[[int, int], None] | None = None,
+         cuda_kernels: str = "numba") -> Model:
     """Open a GGUF file or Hugging Face directory (or a model named on the Hugging Face hub, owner/repo
     or owner/repo:QUANT: fetched into its cache first, daemon/loader/hub.py) and place the model on
     `device` ("cpu"); its KV
@@ -268,6 +302,10 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     reads the target's hidden states, kept per position in `feature_dtype` (f32, f16, bf16 or q8_0;
     None: EMBER_FEATURE_DTYPE, else f32), and proposes up to min(draft_tokens, its block - 1) a step.
 
+    `cuda_kernels` (on a cuda device): "numba", the numba.cuda kernels behind the ops API (every
+    architecture), or "native", the CUDA C++ kernels through CuPy, the decode step replayed as a graph
+    (dense models on cuda:0, no draft, no layer split; docs/cuda.md).
+
     `env`: where the EMBER_* variables (EMBER_ACT_DTYPE, EMBER_FEATURE_DTYPE, EMBER_CACHE_DIR for
     routing statistics) and the hub's (HF_ENDPOINT, HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE) are read,
     once, here (None: this process's environment). `on_layer(placed, in all)`: the load's progress, as
@@ -281,10 +319,14 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
     if decode_act not in DECODE_ACTIVATIONS:
         raise ValueError(f"unknown decode activation precision {decode_act!r} (choose from {', '.join(DECODE_ACTIVATIONS)})")
+    if cuda_kernels not in CUDA_KERNELS:
+        raise ValueError(f"unknown cuda_kernels {cuda_kernels!r} (choose from {', '.join(CUDA_KERNELS)})")
     names = parse_devices(devices) if devices is not None else [DeviceName.parse(device)]
     # one plain device is the in-process engine; cpu:N, even alone, is a stage process
     staged = len(names) > 1 or not names[0].in_process or split is not None
     counts = parse_split(split)
+    if cuda_kernels == "native" and staged and any(n.kind == "cuda" for n in names):
+        raise ValueError("the native CUDA kernels run a model on one device, not across a layer split")
     if draft is not None and draft_tokens < 1:
         raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
     # the engine's process runs the model (one device), or samples on the host (a split; each stage
@@ -303,12 +345,14 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
         if experts.budget is not None and mf.config.n_experts:
             experts = replace(experts, device_room=_expert_room(mf.path, names[0], replace(policy, kv=kv_dtype), experts))
         return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, experts=experts, draft=draft_file,
-                     draft_tokens=draft_tokens, feature_dtype=policy.feature, on_layer=on_layer)
+                     draft_tokens=draft_tokens, feature_dtype=policy.feature, on_layer=on_layer,
+                     cuda_kernels=cuda_kernels if names[0].kind == "cuda" else "numba")
     if draft_file is not None and is_dflash(draft_file):
         raise ValueError(_DFLASH_BESIDE_SPLIT)
     weights = None if counts is not None else LayerWeights.of(headers_of(mf))  # (an HF model's headers are read again)
     stages = plan_stages(names, counts, mf.config.n_layers, stage_budgets(names), weights)
     threads = stage_threads_for(stage_threads, max(1, cpu_stages(names)), len(os.sched_getaffinity(0)))
     pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads, shm_owner)
+    on_cuda = any(n.kind == "cuda" for n in names)
     return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, pipeline, draft=draft_file,
-                 draft_tokens=draft_tokens)
+                 draft_tokens=draft_tokens, cuda_kernels=cuda_kernels if on_cuda else "numba")

@@ -169,6 +169,11 @@ class NativeDecoder:
         return cls(shape, ops, w("embedding", s.vocab, s.hidden, -1), layers, ones, w("output", s.vocab, s.hidden, -2),
                    n_blocks, block_size, kv_dtype, max_context)
 
+    def with_cache(self, n_blocks: int, block_size: int, kv_dtype: str, max_context: int) -> NativeDecoder:
+        """A decoder over the same weights with a KV cache of its own (an engine's)."""
+        return NativeDecoder(self.config, self.ops, self.embedding, self.layers, self.norm, self.output, n_blocks,
+                             block_size, kv_dtype, max_context)
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of the weights one decode step reads: every layer's matrices and the output."""

@@ -20,7 +20,10 @@ from ember.kernels.tensor_types import TensorType
 SOURCE_DIR = Path(__file__).with_name("native")
 NVRTC_OPTIONS = ("-std=c++17",)  # no fast math: the q8 scales divide exactly, as ggml's
 
-MAX_BATCH = 8  # GEMV batch sizes 1..MAX_BATCH are template instantiations; more rows go to cuBLAS
+# which kernels run a model on a cuda device (engine.cuda_kernels, ember.load): the numba.cuda kernels behind
+# the ops API (every architecture, the simulator too), or these (dense models, decode replayed as graphs)
+CUDA_KERNELS = ("numba", "native")
+MAX_BATCH = 8  # rows a GEMV launch takes (template instantiations); more go 8 a launch, or prefill's GEMMs
 EPILOGUES = ("store", "add", "swiglu")
 HEAD_DIMS = (64, 128, 256, 512)  # head_dim = 32 * P: each lane of a warp holds P values of a head
 HEADS_PER_BLOCK = (1, 2, 4, 8)  # query heads one attention block scores per K/V row

@@ -271,3 +271,34 @@ def test_sampling_on_the_device_draws_what_the_host_sampler_draws(ops: NativeOps
         assert tokens == host_tokens
         np.testing.assert_allclose(logprobs, host_logprobs, rtol=1e-5, atol=1e-5)
     assert len({tuple(t) for t, _ in runs[0]}) == len(SNIPPETS)
+
+
+def test_a_model_on_the_native_kernels_generates_and_scores_as_the_cpu_model(ops: NativeOps,
+                                                                            cpu_model: Any) -> None:
+    """ember's Model with cuda_kernels "native" (what `ember serve --cuda-kernels native` loads): its
+    generate() (greedy bursts on the device, a sampled request beside) and logits() follow the CPU
+    model's; what it cannot run is refused with the reason."""
+    from ember.daemon.runtime import Model  # noqa: PLC0415
+    from ember.daemon.text.text_model import tokenizer_of  # noqa: PLC0415
+
+    mf = open_model_file(DEMO)
+    model = Model(mf, tokenizer_of(mf), "cuda:0", "f16", cuda_kernels="native", native_ops=ops)
+    prompt = list(cpu_model.tokenize(TEXTS[1]))
+    tokens = list(model.generate(prompt, max_tokens=12, ignore_eos=True))
+    expected = cpu_model.logits(prompt + tokens[:-1])[len(prompt) - 1:]
+    assert all(row.max() - row[t] <= 0.02 * (row.max() - row.min()) for row, t in zip(expected, tokens, strict=True))
+    got = model.logits(prompt)
+    reference = cpu_model.logits(prompt)
+    assert np.linalg.norm(got - reference) <= 0.01 * np.linalg.norm(reference)  # one chunk through the GEMMs
+    sampled = list(model.generate(prompt, max_tokens=6, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True))
+    assert len(sampled) == 6
+    with pytest.raises(ValueError, match="native CUDA kernels hold"):
+        model.net  # noqa: B018 - the property raises
+    with pytest.raises(ValueError, match="decode_act"):
+        Model(mf, tokenizer_of(mf), "cuda:0", decode_act="f32", cuda_kernels="native", native_ops=ops)
+    with pytest.raises(ValueError, match="cuda:0 so far"):
+        Model(mf, tokenizer_of(mf), "cuda:1", cuda_kernels="native")
+    with pytest.raises(ValueError, match="layer split"):
+        ember.load(str(DEMO), devices="cuda:0,cpu", cuda_kernels="native")
+    with pytest.raises(ValueError, match="cuda_kernels"):
+        ember.load(str(DEMO), cuda_kernels="fast")

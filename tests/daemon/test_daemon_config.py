@@ -40,6 +40,14 @@ max_queued = 7
     assert load_config(path, env={}, flags={"models": ["/x/y.gguf"]}).models[0].path == "/x/y.gguf"
 
 
+def test_cuda_kernels_from_the_file_the_environment_or_the_serve_flag(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, ""), env={}).engine.cuda_kernels == "numba"
+    path = write(tmp_path, "[engine]\ncuda_kernels = \"native\"\n")
+    assert load_config(path, env={}).engine.cuda_kernels == "native"
+    assert load_config(path, env={"EMBER_ENGINE_CUDA_KERNELS": "numba"}).engine.cuda_kernels == "numba"
+    assert load_config(path, env={}, flags={"engine.cuda_kernels": "numba"}).engine.cuda_kernels == "numba"
+
+
 def test_config_file_from_environment(tmp_path: Path) -> None:
     path = write(tmp_path, "[engine]\nmax_queued = 9\n")
     assert load_config(env={"EMBER_CONFIG": str(path)}).engine.max_queued == 9
@@ -51,6 +59,7 @@ def test_config_file_from_environment(tmp_path: Path) -> None:
     ("[engine]\nmax_activ = 2\n", {}, r"engine: Object contains unknown field `max_activ`"),
     ("[server]\nlog_format = \"xml\"\n", {}, r"log_format must be one of auto, json, console"),
     ("[engine]\ndevice = \"tpu\"\n", {}, r"device must be cpu or cuda:N"),
+    ("[engine]\ncuda_kernels = \"fast\"\n", {}, r"engine\.cuda_kernels: cuda_kernels must be one of numba, native"),
     ("[[models]]\npath = 3\n", {}, r"models\.path: Expected `str`, got `int`"),
     ("[limits]\nmax_tokens = -1\n", {}, r"limits\.max_tokens"),
     ("[[models]]\npath = \"/a/x.gguf\"\n[[models]]\npath = \"/b/x.gguf\"\n", {}, r"two models are named x"),
