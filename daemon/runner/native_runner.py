@@ -7,7 +7,7 @@ argmax rows, and the native sampler (grammar masks, bias, penalties, temperature
 seeded draw) for the rest, which draws the host sampler's tokens; only token ids come back, and logits
 rows a sequence asked to keep. Rows asking for top alternatives (logprobs > 0) are sampled on the host.
 Decode bursts of plain greedy sequences (`greedy_steps`) stay on the device too, each step replayed
-from its captured graph. It is not yet chosen by the device registry: docs/cuda.md says what it lacks.
+from its captured graph. A Model loaded with cuda_kernels "native" builds one per engine (daemon/runtime.py).
 """
 from __future__ import annotations
 
