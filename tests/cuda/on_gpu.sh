@@ -24,6 +24,19 @@ timeout "$(left "${NATIVE_TIMEOUT:-150}")" python3 -m pytest tests/cuda/test_nat
     -p no:cacheprovider -k "gpu or captured" --junitxml "$out/native.xml" 2>&1 | tee "$out/native_tests.log" | tail -25
 timeout "$(left "${KERNELS_TIMEOUT:-150}")" python3 benchmarks/gpu_kernels.py --out "$out" 2>&1 | tee "$out/gpu_kernels.log"
 timeout "$(left "${DECODE_TIMEOUT:-120}")" python3 benchmarks/gpu_decode.py --out "$out" 2>&1 | tee "$out/gpu_decode.log"
+# the demo model through ember.load on the native kernels (NativeRunner: graphs, device sampling); issue 37's goal
+# is 1,500 tok/s at batch 1 (the numba backend's eager decode: 34-47)
+timeout "$(left "${NATIVE_DEMO_TIMEOUT:-60}")" python3 - <<'EOF' 2>&1 | tee "$out/native_demo.log"
+import time
+import ember
+model = ember.load("daemon/assets/ember-demo-dense-q8_0.gguf", device="cuda:0", cuda_kernels="native", kv_dtype="f16")
+prompt = list(range(1, 33))
+list(model.generate(prompt, max_tokens=8, ignore_eos=True))  # compiles, captures the graphs
+for kind, options in (("greedy", {}), ("sampled", {"temperature": 0.8, "top_p": 0.9, "seed": 1})):
+    t = time.perf_counter()
+    n = len(list(model.generate(prompt, max_tokens=128, ignore_eos=True, **options)))
+    print(f"native cuda:0 {kind}: {n / (time.perf_counter() - t):.1f} tok/s, demo 12 MB Q8_0, batch 1")
+EOF
 # the CPU kernels (the daemon, model and split tests compare with the CPU): minutes on a fresh machine
 timeout "$(left "${COMPILE_TIMEOUT:-150}")" python3 -c "import time; t = time.perf_counter()
 from ember.daemon.runner.kernel_cache import ensure_kernel_cache
