@@ -302,3 +302,24 @@ def test_a_model_on_the_native_kernels_generates_and_scores_as_the_cpu_model(ops
         ember.load(str(DEMO), devices="cuda:0,cpu", cuda_kernels="native")
     with pytest.raises(ValueError, match="cuda_kernels"):
         ember.load(str(DEMO), cuda_kernels="fast")
+
+
+def test_a_step_allocates_and_copies_nothing(  # type: ignore[no-untyped-def]
+        lib, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a decode step (what a graph captures) no array is made or copied: with numpy as the array
+    module, every allocating numpy function raises while the step runs, sampler included."""
+    decoder = NativeDecoder.from_file(open_model_file(DEMO), NativeOps(np, HarnessLauncher(lib)), n_blocks=4,
+                                      block_size=16, kv_dtype="q8_0", max_context=32)
+    bufs = decoder.buffers(2)
+    decoder.fill(bufs, np.array([5, 6]), np.array([0, 3]), np.array([[0, 1], [2, 3]]))
+    bufs.sampling.fill(np, [SampleRow(k, SamplingParams(temperature=0.7), np.random.default_rng(k)) for k in range(2)])
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("an array was allocated inside the step")
+
+    for name in ("zeros", "empty", "ones", "full", "array", "asarray", "ascontiguousarray", "copy", "concatenate",
+                 "zeros_like", "empty_like", "full_like", "stack"):
+        monkeypatch.setattr(np, name, refuse)
+    decoder.step(bufs, sample=True)
+    monkeypatch.undo()
+    assert (bufs.sampling.tokens >= 0).all()
