@@ -212,8 +212,12 @@ class NativeDecoder:
         positions = np.asarray(positions, np.int64)
         if n and positions.max() >= width * self.block_size:
             raise ValueError(f"position {positions.max()} past the decode step's context of {width * self.block_size}")
-        table = np.zeros((bufs.batch, width), np.int32)
-        table[:n, :np.asarray(tables).shape[1]] = tables
+        # only the columns the rows reach are copied: attention reads no block past a row's length, so
+        # the rest of a static table may keep an earlier step's entries
+        used = max(1, min(width, int(positions.max()) // self.block_size + 1 if n else 1))
+        given_tables = np.asarray(tables)[:, :used]
+        table = np.zeros((bufs.batch, used), np.int32)
+        table[:n, :given_tables.shape[1]] = given_tables
         given = slots
         slots = np.full(bufs.batch, -1, np.int64)
         slots[:n] = table[np.arange(n), positions // self.block_size].astype(np.int64) * self.block_size + \
@@ -225,7 +229,7 @@ class NativeDecoder:
         bufs.positions[...] = xp.asarray(padded.astype(np.int32))
         bufs.slots[...] = xp.asarray(slots)
         bufs.lengths[...] = xp.asarray(np.where(np.arange(bufs.batch) < n, padded + 1, 0).astype(np.int32))
-        bufs.tables[...] = xp.asarray(table)
+        bufs.tables[:, :used] = xp.asarray(table)
 
     def step(self, bufs: StepBuffers, sample: bool = False) -> None:
         """One decode step of bufs.batch rows into bufs.logits (and, with `sample`, bufs.sampling's
