@@ -31,11 +31,12 @@ from ember.kernels.cuda.native_kernels import HEAD_DIMS
 from ember.kernels.cuda.repack import NATIVE_TYPES, repack
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.reference.quant import dequantize
-from ember.kernels.sampling import SampleRow, SamplingParams
+from ember.kernels.sampling import Choice, SampleRow, SamplingParams
 from ember.kernels.tensor_types import TensorType
 
 FLOAT_WEIGHTS = (TensorType.F16, TensorType.BF16)
 GREEDY = SamplingParams()
+SAMPLING_ENTRIES = 4096  # logit adjustments (penalised or biased tokens) a step's in-graph sampler takes
 BUCKETS = (1, 2, 4, 8, 16, 32)  # decode batch sizes with buffers (and a graph) of their own; a batch pads up
 
 
@@ -175,6 +176,10 @@ class NativeDecoder:
                              block_size, kv_dtype, max_context)
 
     @property
+    def sampling_entries(self) -> int:
+        return SAMPLING_ENTRIES
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of the weights one decode step reads: every layer's matrices and the output."""
         return self.output.nbytes + sum(w.nbytes for layer in self.layers for w in (
@@ -198,7 +203,7 @@ class NativeDecoder:
             z((batch, c.ffn), xp.float32),
             AttentionScratch.allocate(xp, batch, c.n_heads, c.head_dim),
             z((batch if static else 1, self.output.rows), xp.float32),
-            SamplingBuffers.allocate(xp, batch if static else 1, self.output.rows))
+            SamplingBuffers.allocate(xp, batch if static else 1, self.output.rows, SAMPLING_ENTRIES))
 
     def fill(self, bufs: StepBuffers, ids: np.ndarray, positions: np.ndarray, tables: np.ndarray,
              slots: np.ndarray | None = None) -> None:
@@ -264,6 +269,19 @@ class NativeDecoder:
             out = bufs.logits[self.xp.asarray(np.asarray(logit_rows, np.int64))]
             self._synchronize()
         return out
+
+    def sample_step(self, ids: np.ndarray, positions: np.ndarray, tables: np.ndarray, rows: Sequence[SampleRow],
+                    slots: np.ndarray | None = None, entries: tuple[np.ndarray, ...] | None = None
+                    ) -> list[Choice | str]:
+        """One decode step of len(ids) <= 32 rows, row k sampled as rows[k] asks, inside the step (the
+        graph on a GPU): the choices, or why a row's sampling failed. entries: the rows'
+        adjustment_entries, where the caller has them (at most `sampling_entries`)."""
+        with self._on_stream():
+            bufs = self._bucket(len(ids))
+            self.fill(bufs, ids, positions, tables, slots)
+            bufs.sampling.fill(self.xp, rows, entries)
+            self.run(bufs, sample=True)
+            return bufs.sampling.choices(rows)
 
     def greedy_burst(self, ids: np.ndarray, positions: np.ndarray, tables: np.ndarray, steps: int,
                      stops: Sequence[frozenset[int]]) -> np.ndarray:

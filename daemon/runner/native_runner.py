@@ -2,12 +2,14 @@
 model runs whole requests on the native CUDA kernels: prompt chunks through GEMMs, decode rows through
 the static decode step.
 
-A step's logits stay on the device, and the RowSampler samples them there through `DeviceSampling`:
-argmax rows, and the native sampler (grammar masks, bias, penalties, temperature, top-k/p, min-p, the
-seeded draw) for the rest, which draws the host sampler's tokens; only token ids come back, and logits
-rows a sequence asked to keep. Rows asking for top alternatives (logprobs > 0) are sampled on the host.
-Decode bursts of plain greedy sequences (`greedy_steps`) stay on the device too, each step replayed
-from its captured graph. A Model loaded with cuda_kernels "native" builds one per engine (daemon/runtime.py).
+A decode step whose rows all sample (no logits kept, no top alternatives, no grammar) runs the sampler
+inside the step's captured graph, and only the choices come back. Other steps keep their logits on the
+device, and the RowSampler samples them there through `DeviceSampling`: argmax rows, and the native
+sampler (grammar masks, bias, penalties, temperature, top-k/p, min-p, the seeded draw) for the rest,
+which draws the host sampler's tokens; logits rows come back only where a sequence asked to keep them.
+Rows asking for top alternatives (logprobs > 0) are sampled on the host. Decode bursts of plain greedy
+sequences (`greedy_steps`) stay on the device, each step replayed from its captured graph. A Model
+loaded with cuda_kernels "native" builds one per engine (daemon/runtime.py).
 """
 from __future__ import annotations
 
@@ -65,10 +67,39 @@ class NativeRunner:
         return self.collect(self.submit(batch, samplers, keep))
 
     def submit(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], keep: Seq[int] = ()) -> PendingStep:
+        if self._samples_in_graph(batch, samplers, keep):  # run at collect(), which has a burst's pending tokens
+            return PendingStep(batch, batch.n_logits, list(samplers), list(keep))
         return PendingStep(self.forward(batch), batch.n_logits, list(samplers), list(keep))
 
     def collect(self, step: PendingStep, pending: Seq[Seq[Choice]] = ()) -> StepRun:
+        if isinstance(step.work, StepBatch):
+            return self._sample_in_graph(step.work, step.samplers, pending)
         return self.sampler.finish(step.work, step, pending)
+
+    def _samples_in_graph(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], keep: Seq[int]) -> bool:
+        """A decode step whose every row samples, with no logits kept, no top alternatives and no grammar:
+        the sampler runs inside the step's graph and only the choices come back."""
+        n = len(batch.ids)
+        return (self.device_sampling and 0 < n <= BUCKETS[-1] and batch.attn_end is None and not keep
+                and [r for r, _ in samplers] == list(range(n))
+                and np.array_equal(np.asarray(batch.logit_rows), np.arange(n))
+                and all(not s.params.logprobs and s.constraint is None for _, s in samplers))
+
+    def _sample_in_graph(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]],
+                         pending: Seq[Seq[Choice]]) -> StepRun:
+        rows = [SampleRow(k, s.params, s.rng, s.prompt,
+                          list(s.generated) + [c.token for c in pending[k]] if pending and pending[k] else s.generated,
+                          s.wants_logprob) for k, (_, s) in enumerate(samplers)]
+        entries = adjustment_entries(rows)
+        if len(entries[0]) > self.decoder.sampling_entries:  # more penalised tokens than the step's slots
+            logits = self.forward(batch)
+            return self.sampler.finish(logits, PendingStep(logits, batch.n_logits, list(samplers), []), pending)
+        tables = np.asarray(batch.tables)[np.asarray(batch.token_seq)]
+        slots = np.asarray(batch.kv_blocks, np.int64) * self.block_size + np.asarray(batch.kv_offsets, np.int64)
+        choices = self.decoder.sample_step(np.asarray(batch.ids), np.asarray(batch.positions), tables, rows, slots,
+                                           entries)
+        return StepRun([c if isinstance(c, Choice) else None for c in choices], {},
+                       {k: c for k, c in enumerate(choices) if isinstance(c, str)})
 
     def greedy_steps(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], steps: int) -> np.ndarray | None:
         """A decode burst of up to 32 plain greedy sequences on the device (NativeDecoder.greedy_burst:

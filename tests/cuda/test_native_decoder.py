@@ -242,26 +242,40 @@ def test_a_greedy_burst_on_the_device_takes_the_step_by_step_argmax(ops: NativeO
     assert np.array_equal(stopped[:, 1], np.array(expected)[:, 1])
 
 
-def test_sampling_on_the_device_draws_what_the_host_sampler_draws(ops: NativeOps, cpu_model: Any) -> None:
-    """The native runner's RowSampler over DeviceSampling (logits never leave the device) against the
-    same runner sampling every row on the host: seeded requests with temperature, top-k/p, min-p,
-    penalties and logit bias, greedy ones beside them, and one asking for top alternatives (which the
-    host serves), give the same tokens and logprobs."""
+SAMPLING_CASES = {
+    # with a row asking for top alternatives, steps sample through DeviceSampling (and that row on the host)
+    "device": [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
+               SamplingParams(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.3, logit_bias={13: 2.0}),
+               SamplingParams(), SamplingParams(temperature=0.7, logprobs=2)],
+    # without one, decode steps sample inside the step (its graph, on a GPU)
+    "in-step": [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
+                SamplingParams(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.3, logit_bias={13: 2.0}),
+                SamplingParams(), SamplingParams(temperature=0.7, top_p=0.5)],
+}
+
+
+@pytest.mark.parametrize("case", SAMPLING_CASES)
+def test_sampling_on_the_device_draws_what_the_host_sampler_draws(ops: NativeOps, cpu_model: Any, case: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native runner sampling on the device (its logits never leave it) against the same runner
+    sampling every row on the host: seeded requests with temperature, top-k/p, min-p, penalties and
+    logit bias, a greedy one beside them, give the same tokens and logprobs, whether the step's rows
+    sample through DeviceSampling or inside the step."""
     from ember.daemon.engine.engine_core import EngineCore  # noqa: PLC0415
     from ember.daemon.engine.sequence import Sequence  # noqa: PLC0415
     from ember.daemon.runner.native_runner import NativeRunner  # noqa: PLC0415
 
     mf = open_model_file(DEMO)
     prompts = [list(cpu_model.tokenize(s)) for s in SNIPPETS]
-    options = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
-               SamplingParams(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.3, logit_bias={13: 2.0}),
-               SamplingParams(), SamplingParams(temperature=0.7, logprobs=2)]
+    in_step = []
+    sample_step = NativeDecoder.sample_step
+    monkeypatch.setattr(NativeDecoder, "sample_step", lambda *a, **k: in_step.append(1) or sample_step(*a, **k))
     runs = []
     for device_sampling in (True, False):
         decoder = NativeDecoder.from_file(mf, ops, n_blocks=32, block_size=16, kv_dtype="f16", max_context=512)
         engine = EngineCore(NativeRunner(decoder, mf.config, device_sampling=device_sampling), max_step_tokens=16)
         seqs = [Sequence(p, max_tokens=10, params=o, seed=7 + k, wants_logprob=True)
-                for k, (p, o) in enumerate(zip(prompts, options, strict=True))]
+                for k, (p, o) in enumerate(zip(prompts, SAMPLING_CASES[case], strict=True))]
         for seq in seqs:
             engine.add(seq)
         while engine.has_work:
@@ -271,6 +285,7 @@ def test_sampling_on_the_device_draws_what_the_host_sampler_draws(ops: NativeOps
         assert tokens == host_tokens
         np.testing.assert_allclose(logprobs, host_logprobs, rtol=1e-5, atol=1e-5)
     assert len({tuple(t) for t, _ in runs[0]}) == len(SNIPPETS)
+    assert bool(in_step) == (case == "in-step")
 
 
 def test_a_model_on_the_native_kernels_generates_and_scores_as_the_cpu_model(ops: NativeOps,
