@@ -107,24 +107,32 @@ void attention(const float* q, KvView k, KvView v, const int* tables, const int*
                             }
                         }
                     const int* table = tables + (i64)b * table_width;
-                    for (int t = start + warp; t < end; t += ATTN_WARPS) {
-                        const i64 slot = (i64)table[t / block_size] * block_size + t % block_size;
-                        float kf[WARP][P], vf[WARP][P];
-                        for (int lane = 0; lane < WARP; ++lane) {
-                            kv_load<KVT, P>(k, slot, kvh, kv_heads, lane, kf[lane]);
-                            kv_load<KVT, P>(v, slot, kvh, kv_heads, lane, vf[lane]);
-                        }
-                        for (int h = 0; h < HPB; ++h) {
-                            float dots[WARP];
+                    constexpr int KEYS = P <= 4 ? 4 : (P == 8 ? 2 : 1);  // the kernel's keys in flight
+                    for (int t0 = start + warp; t0 < end; t0 += ATTN_WARPS * KEYS) {
+                        static float kf[KEYS][WARP][P], vf[KEYS][WARP][P];
+                        for (int j = 0; j < KEYS; ++j) {
+                            const int t = t0 + j * ATTN_WARPS;
+                            if (t >= end) continue;
+                            const i64 slot = (i64)table[t / block_size] * block_size + t % block_size;
                             for (int lane = 0; lane < WARP; ++lane) {
-                                float dot = 0.0f;
-                                for (int i = 0; i < P; ++i) dot += qs[lane][h][i] * kf[lane][i];
-                                dots[lane] = dot;
+                                kv_load<KVT, P>(k, slot, kvh, kv_heads, lane, kf[j][lane]);
+                                kv_load<KVT, P>(v, slot, kvh, kv_heads, lane, vf[j][lane]);
                             }
-                            butterfly_sum(dots);
-                            if (h < nh)
-                                for (int lane = 0; lane < WARP; ++lane)
-                                    softmax_step<P>(dots[lane], vf[lane], m[lane][h], l[lane][h], acc[lane][h]);
+                        }
+                        for (int j = 0; j < KEYS; ++j) {
+                            if (t0 + j * ATTN_WARPS >= end) break;
+                            for (int h = 0; h < HPB; ++h) {
+                                float dots[WARP];
+                                for (int lane = 0; lane < WARP; ++lane) {
+                                    float dot = 0.0f;
+                                    for (int i = 0; i < P; ++i) dot += qs[lane][h][i] * kf[j][lane][i];
+                                    dots[lane] = dot;
+                                }
+                                butterfly_sum(dots);
+                                if (h < nh)
+                                    for (int lane = 0; lane < WARP; ++lane)
+                                        softmax_step<P>(dots[lane], vf[j][lane], m[lane][h], l[lane][h], acc[lane][h]);
+                            }
                         }
                     }
                     for (int h = 0; h < HPB; ++h) {

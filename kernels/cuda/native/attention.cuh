@@ -58,18 +58,32 @@ __device__ __forceinline__ void attention_split(const float* q, KvView k, KvView
         }
     }
     const int* table = tables + (i64)b * table_width;
-    for (int t = start + warp; t < end; t += ATTN_WARPS) {
-        const i64 slot = (i64)table[t / block_size] * block_size + t % block_size;
-        float kf[P], vf[P];
-        kv_load<KVT, P>(k, slot, kvh, kv_heads, lane, kf);
-        kv_load<KVT, P>(v, slot, kvh, kv_heads, lane, vf);
+    // A warp's keys are t, t + 4, t + 8, ... (ATTN_WARPS apart); KEYS of them are loaded before any is
+    // used, so that many rows are in flight at once, and then taken in order: the same arithmetic as one
+    // key at a time, bit for bit.
+    constexpr int KEYS = P <= 4 ? 4 : (P == 8 ? 2 : 1);
+    for (int t0 = start + warp; t0 < end; t0 += ATTN_WARPS * KEYS) {
+        float kf[KEYS][P], vf[KEYS][P];
 #pragma unroll
-        for (int h = 0; h < HPB; ++h) {
-            float dot = 0.0f;
+        for (int j = 0; j < KEYS; ++j) {
+            const int t = t0 + j * ATTN_WARPS;
+            if (t < end) {
+                const i64 slot = (i64)table[t / block_size] * block_size + t % block_size;
+                kv_load<KVT, P>(k, slot, kvh, kv_heads, lane, kf[j]);
+                kv_load<KVT, P>(v, slot, kvh, kv_heads, lane, vf[j]);
+            }
+        }
 #pragma unroll
-            for (int i = 0; i < P; ++i) dot += qs[h][i] * kf[i];
-            const float score = warp_sum(dot);
-            if (h < nh) softmax_step<P>(score, vf, m[h], l[h], acc[h]);
+        for (int j = 0; j < KEYS; ++j) {
+            if (t0 + j * ATTN_WARPS >= end) break;  // the same for every lane of the warp
+#pragma unroll
+            for (int h = 0; h < HPB; ++h) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int i = 0; i < P; ++i) dot += qs[h][i] * kf[j][i];
+                const float score = warp_sum(dot);
+                if (h < nh) softmax_step<P>(score, vf[j], m[h], l[h], acc[h]);
+            }
         }
     }
     __shared__ float sm_m[ATTN_WARPS][HPB], sm_l[ATTN_WARPS][HPB], sm_acc[ATTN_WARPS][HPB][D];
