@@ -1,18 +1,19 @@
-"""A dense decoder's decode step on the native CUDA kernels (kernels/cuda/native_launch.py), over static
-buffers per batch size: the step that the CUDA runner of issue 37 captures once per bucket as a graph
-and replays.
+"""A dense model on the native CUDA kernels (kernels/cuda/native_launch.py): its weights, repacked at load,
+a KV cache, and the steps NativeRunner (native_runner.py) runs.
 
-One step is a fixed sequence of launches over buffers allocated once: the token ids, positions, KV
-slots, context lengths and block tables are filled in place before each step (slot -1 and length 0
-mark padding rows, which leave every real row untouched), and nothing is allocated, synchronised or
-copied to the host inside it. Per layer: RMS norm + q8_1, the q/k/v GEMVs, biases + q/k norm + rope +
-KV write, split-K attention, the output GEMV added into the residual, RMS norm + q8_1, gate/up with
-SwiGLU, the down GEMV added into the residual; then the final norm, the output GEMV into the logits,
-and (optionally) the sampler, so that only token ids need leave the device.
+The decode step is a fixed sequence of launches over buffers allocated once per bucket (1 to 32 rows):
+the token ids, positions, KV slots, context lengths and block tables are filled in place before each
+step (slot -1 and length 0 mark padding rows, which leave every real row untouched), and nothing is
+allocated, synchronised or copied to the host inside it. On a GPU each bucket's step runs on a stream
+of its own and is captured as a CUDA graph at its first run, then replayed. Per layer: RMS norm + q8_1,
+the q/k/v GEMVs, biases + q/k norm + rope + KV write, split-K attention, the output GEMV added into the
+residual, RMS norm + q8_1, gate/up with SwiGLU, the down GEMV added into the residual; then the final
+norm, the output GEMV into the logits, and, where a step asks, the sampler (`sample_step`,
+`greedy_burst`), so that only token ids leave the device. Longer steps (prompt chunks) run eagerly,
+their matmuls GEMMs over f16 tiles of the weights (`prefill`).
 
-Weights are repacked at load from the file's tensors (kernels/cuda/repack.py). Architectures with
-standard attention and dense FFNs (llama, qwen2, qwen3) are supported; anything else is refused, with
-the reason, at construction.
+Architectures with standard attention and dense FFNs (llama, qwen2, qwen3) are supported; anything
+else is refused, with the reason, at construction.
 """
 from __future__ import annotations
 
@@ -105,9 +106,7 @@ class NativeDecoder:
                  max_context: int = 4096) -> None:
         """The step of a model whose weights are already on the device (from_file, random); its KV
         cache of n_blocks blocks of block_size in kv_dtype."""
-        if shape.head_dim not in HEAD_DIMS:
-            raise NativeDecoderUnsupported(f"head_dim {shape.head_dim}: the native attention takes "
-                                           f"{', '.join(map(str, HEAD_DIMS))}")
+        _check_head_dim(shape.head_dim)
         self.ops, self.xp, self.config = ops, ops.xp, shape
         self.embedding, self.layers, self.norm, self.output = embedding, layers, norm, output
         self.block_size, self.table_width = block_size, -(-max_context // block_size)
@@ -134,9 +133,7 @@ class NativeDecoder:
         spec = architecture(c.arch, str(mf.path))
         if c.linear is not None or c.n_experts:
             raise NativeDecoderUnsupported(f"{c.arch}: the native decode step runs dense attention models only")
-        if c.head_dim not in HEAD_DIMS:
-            raise NativeDecoderUnsupported(f"head_dim {c.head_dim}: the native attention takes "
-                                           f"{', '.join(map(str, HEAD_DIMS))}")
+        _check_head_dim(c.head_dim)  # before any weight goes to the device
         factors = mf.tensors.get("rope_freqs.weight")
         inv_freq = c.inv_freq(None if factors is None else dequantize(factors.ttype, factors.rows2d(),
                                                                      factors.cols).reshape(-1))
@@ -382,6 +379,11 @@ class NativeDecoder:
                       bufs.attn_out)
         ops.quantize(bufs.attn_out.reshape(b, -1), bufs.attn, floats=layer.wo.ttype in FLOAT_WEIGHTS)
         ops.gemv(layer.wo, bufs.attn, bufs.x, b, "add")
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if head_dim not in HEAD_DIMS:
+        raise NativeDecoderUnsupported(f"head_dim {head_dim}: the native attention takes {', '.join(map(str, HEAD_DIMS))}")
 
 
 # --- loading a file --------------------------------------------------------------------------------
