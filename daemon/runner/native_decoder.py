@@ -383,7 +383,8 @@ class NativeDecoder:
 
 def _check_head_dim(head_dim: int) -> None:
     if head_dim not in HEAD_DIMS:
-        raise NativeDecoderUnsupported(f"head_dim {head_dim}: the native attention takes {', '.join(map(str, HEAD_DIMS))}")
+        raise NativeDecoderUnsupported(f"head_dim {head_dim}: the native attention takes "
+                                       f"{', '.join(map(str, HEAD_DIMS))}")
 
 
 # --- loading a file --------------------------------------------------------------------------------
