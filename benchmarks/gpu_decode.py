@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ember.daemon.runner.native_decoder import DecoderShape, NativeDecoder
-from ember.kernels.cuda.native_launch import NativeOps
+from ember.kernels.cuda.native_launch import NativeOps, to_host
 from ember.kernels.tensor_types import TensorType
 
 ANCHORS = {"Q4_K_M": 248.9, "Q8_0": 217.6}  # llama.cpp decode tok/s, H100, batch 1 (ANCHORS.md)
@@ -67,7 +67,7 @@ def measure(decoder: NativeDecoder, batch: int, xp: Any, dry: bool) -> dict[str,
         decoder.step(bufs)
     sync()
     eager = (time.perf_counter() - t) / 3
-    eager_logits = np.array(bufs.logits.get() if hasattr(bufs.logits, "get") else bufs.logits)
+    eager_logits = to_host(bufs.logits).copy()
     if dry:
         return {"batch": batch, "eager_ms": eager * 1e3, "graph_ms": None, "equal": True}
     stream = xp.cuda.Stream(non_blocking=True)
@@ -77,7 +77,7 @@ def measure(decoder: NativeDecoder, batch: int, xp: Any, dry: bool) -> dict[str,
         graph = stream.end_capture()
         graph.launch(stream)
         stream.synchronize()
-        same = np.allclose(bufs.logits.get(), eager_logits, rtol=1e-5, atol=1e-5)
+        same = np.allclose(to_host(bufs.logits), eager_logits, rtol=1e-5, atol=1e-5)
         best = float("inf")
         start, stop = xp.cuda.Event(), xp.cuda.Event()
         for _ in range(REPLAYS):

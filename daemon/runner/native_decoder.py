@@ -27,7 +27,7 @@ import numpy as np
 from ember.daemon.loader.model_file import ModelFile
 from ember.daemon.models.architectures import architecture
 from ember.kernels.cuda.native_launch import (Activations, AttentionScratch, NativeKv, NativeOps, NativeWeight,
-                                              SamplingBuffers)
+                                              SamplingBuffers, to_host)
 from ember.kernels.cuda.native_kernels import HEAD_DIMS
 from ember.kernels.cuda.repack import NATIVE_TYPES, repack
 from ember.kernels.raw_tensor import RawTensor
@@ -296,7 +296,7 @@ class NativeDecoder:
             for j in range(steps):
                 self.fill(bufs, cur, positions + j, tables)
                 self.run(bufs, sample=True)
-                tokens = _host(bufs.sampling.tokens)[:n].astype(np.int64)
+                tokens = to_host(bufs.sampling.tokens)[:n].astype(np.int64)
                 out.append(tokens)
                 cur = np.where(done, cur, tokens)
                 done |= np.array([int(t) in stop for t, stop in zip(tokens, stops, strict=True)])
@@ -414,7 +414,3 @@ def _layer(mf: ModelFile, i: int, bias: bool, qk_norm: bool, xp: Any) -> NativeL
                        vec("attn_q_norm.weight") if qk_norm else None,
                        vec("attn_k_norm.weight") if qk_norm else None, vec("ffn_norm.weight"), gate, up,
                        w("ffn_down"))
-
-
-def _host(a: Any) -> np.ndarray:
-    return a.get() if hasattr(a, "get") else np.asarray(a)

@@ -26,7 +26,7 @@ from ember.daemon.runner.step_run import PendingStep, StepRun
 from ember.daemon.step.row_sampling import RowSampling
 from ember.daemon.step.step_batch import StepBatch
 from ember.kernels import get_ops
-from ember.kernels.cuda.native_launch import NativeOps, SamplingBuffers
+from ember.kernels.cuda.native_launch import NativeOps, SamplingBuffers, to_host
 from ember.kernels.sampling import Choice, SampleRow, adjustment_entries, sample_host_rows
 
 
@@ -124,7 +124,7 @@ class NativeRunner:
         slots = np.asarray(batch.kv_blocks, np.int64) * self.block_size + np.asarray(batch.kv_offsets, np.int64)
         logits = self.decoder.forward(np.asarray(batch.ids), np.asarray(batch.positions), tables,
                                       np.asarray(batch.logit_rows), slots)
-        return logits if self.device_sampling else _host(logits)
+        return logits if self.device_sampling else to_host(logits)
 
 
 class DeviceSampling:
@@ -136,7 +136,7 @@ class DeviceSampling:
         self._buffers: dict[tuple[int, int], SamplingBuffers] = {}
 
     def to_numpy(self, x: Any) -> np.ndarray:
-        return _host(x)
+        return to_host(x)
 
     def argmax_rows(self, logits: Any, rows: np.ndarray) -> Any:
         return self.xp.argmax(logits[self.xp.asarray(np.asarray(rows, np.int64))], axis=1)  # first of ties
@@ -146,7 +146,7 @@ class DeviceSampling:
         alternatives = [k for k, r in enumerate(rows) if r.params.logprobs]
         out: list[Choice | str] = [""] * len(rows)
         if alternatives:
-            host = _host(logits[self.xp.asarray(np.array([rows[k].row for k in alternatives], np.int64))])
+            host = to_host(logits[self.xp.asarray(np.array([rows[k].row for k in alternatives], np.int64))])
             picked = sample_host_rows(host, [replace(rows[k], row=i) for i, k in enumerate(alternatives)])
             for k, choice in zip(alternatives, picked, strict=True):
                 out[k] = choice
@@ -168,7 +168,3 @@ class DeviceSampling:
         buffers.fill(self.xp, rows, entries)
         self.ops.sample(work, buffers)
         return buffers.choices(rows)
-
-
-def _host(a: Any) -> np.ndarray:
-    return a.get() if hasattr(a, "get") else np.asarray(a)

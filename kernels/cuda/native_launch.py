@@ -286,7 +286,7 @@ class SamplingBuffers:
     def choices(self, rows: Sequence[SampleRow]) -> list[Choice | str]:
         """What the last sample gave each row, as the host sampler's Choice (or its failure)."""
         n = len(rows)
-        tokens, values, best, log_total = (_host(a)[:n] for a in (self.tokens, self.values, self.best,
+        tokens, values, best, log_total = (to_host(a)[:n] for a in (self.tokens, self.values, self.best,
                                                                    self.log_total))
         out: list[Choice | str] = []
         for k, r in enumerate(rows):
@@ -299,7 +299,8 @@ class SamplingBuffers:
         return out
 
 
-def _host(a: Any) -> np.ndarray:
+def to_host(a: Any) -> np.ndarray:
+    """A device (CuPy) array's contents on the host; a numpy array as it is."""
     return a.get() if hasattr(a, "get") else np.asarray(a)
 
 

@@ -13,10 +13,10 @@ import ember
 from ember.daemon.loader.model_file import open_model_file
 from ember.daemon.runner.native_decoder import NativeDecoder, NativeDecoderUnsupported
 from ember.kernels.cuda.native_launch import NativeOps
+from ember.kernels.cuda.native_launch import to_host as host
 from ember.kernels.sampling import SampleRow, SamplingParams
 from tests.cuda.native_fake_device import HarnessLauncher
 from tests.cuda.conftest import gpu_ops
-from tests.cuda.test_native_launch import host
 
 pytestmark = pytest.mark.cuda
 

@@ -17,6 +17,7 @@ from ember.kernels.cuda import native_kernels as nk
 from ember.kernels.cuda import repack
 from ember.kernels.cuda.native_launch import (Activations, AttentionScratch, NativeKv, NativeOps, NativeWeight,
                                              SamplingBuffers)
+from ember.kernels.cuda.native_launch import to_host as host
 from ember.kernels.reference.dense import rope
 from ember.kernels.sampling import SampleRow, SamplingParams, sample_host_rows
 from ember.kernels.tensor_types import TensorType
@@ -27,10 +28,6 @@ from tests.cuda.native_fake_device import HarnessLauncher
 pytestmark = pytest.mark.cuda
 
 NEEDS_DEVICE = False  # conftest.py: the host harness stands in for the device where there is none
-
-
-def host(a: Any) -> np.ndarray:
-    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 def _on(ops: NativeOps, store: NativeKv) -> NativeKv:
