@@ -37,7 +37,6 @@ from ember.kernels.tensor_types import TensorType
 
 FLOAT_WEIGHTS = (TensorType.F16, TensorType.BF16)
 GREEDY = SamplingParams()
-SAMPLING_ENTRIES = 4096  # logit adjustments (penalised or biased tokens) a step's in-graph sampler takes
 BUCKETS = (1, 2, 4, 8, 16, 32)  # decode batch sizes with buffers (and a graph) of their own; a batch pads up
 
 
@@ -173,10 +172,6 @@ class NativeDecoder:
                              block_size, kv_dtype, max_context)
 
     @property
-    def sampling_entries(self) -> int:
-        return SAMPLING_ENTRIES
-
-    @property
     def weight_bytes(self) -> int:
         """Bytes of the weights one decode step reads: every layer's matrices and the output."""
         return self.output.nbytes + sum(w.nbytes for layer in self.layers for w in (
@@ -200,7 +195,7 @@ class NativeDecoder:
             z((batch, c.ffn), xp.float32),
             AttentionScratch.allocate(xp, batch, c.n_heads, c.head_dim),
             z((batch if static else 1, self.output.rows), xp.float32),
-            SamplingBuffers.allocate(xp, batch if static else 1, self.output.rows, SAMPLING_ENTRIES))
+            SamplingBuffers.allocate(xp, batch if static else 1, self.output.rows))
 
     def fill(self, bufs: StepBuffers, ids: np.ndarray, positions: np.ndarray, tables: np.ndarray,
              slots: np.ndarray | None = None) -> None:
@@ -272,7 +267,7 @@ class NativeDecoder:
                     ) -> list[Choice | str]:
         """One decode step of len(ids) <= 32 rows, row k sampled as rows[k] asks, inside the step (the
         graph on a GPU): the choices, or why a row's sampling failed. entries: the rows'
-        adjustment_entries, where the caller has them (at most `sampling_entries`)."""
+        adjustment_entries, where the caller has them (at most native_launch.SAMPLING_ENTRIES)."""
         with self._on_stream():
             bufs = self._bucket(len(ids))
             self.fill(bufs, ids, positions, tables, slots)

@@ -26,7 +26,7 @@ from ember.daemon.runner.step_run import PendingStep, StepRun
 from ember.daemon.step.row_sampling import RowSampling
 from ember.daemon.step.step_batch import StepBatch
 from ember.kernels import get_ops
-from ember.kernels.cuda.native_launch import NativeOps, SamplingBuffers, to_host
+from ember.kernels.cuda.native_launch import SAMPLING_ENTRIES, NativeOps, SamplingBuffers, to_host
 from ember.kernels.sampling import Choice, SampleRow, adjustment_entries, sample_host_rows
 
 
@@ -79,10 +79,7 @@ class NativeRunner:
     def _samples_in_graph(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], keep: Seq[int]) -> bool:
         """A decode step whose every row samples, with no logits kept, no top alternatives and no grammar:
         the sampler runs inside the step's graph and only the choices come back."""
-        n = len(batch.ids)
-        return (self.device_sampling and 0 < n <= BUCKETS[-1] and batch.attn_end is None and not keep
-                and [r for r, _ in samplers] == list(range(n))
-                and np.array_equal(np.asarray(batch.logit_rows), np.arange(n))
+        return (self.device_sampling and not keep and _decode_rows(batch, samplers)
                 and all(not s.params.logprobs and s.constraint is None for _, s in samplers))
 
     def _sample_in_graph(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]],
@@ -91,13 +88,11 @@ class NativeRunner:
                           list(s.generated) + [c.token for c in pending[k]] if pending and pending[k] else s.generated,
                           s.wants_logprob) for k, (_, s) in enumerate(samplers)]
         entries = adjustment_entries(rows)
-        if len(entries[0]) > self.decoder.sampling_entries:  # more penalised tokens than the step's slots
+        if len(entries[0]) > SAMPLING_ENTRIES:  # more penalised tokens than the step's buffers hold
             logits = self.forward(batch)
             return self.sampler.finish(logits, PendingStep(logits, batch.n_logits, list(samplers), []), pending)
-        tables = np.asarray(batch.tables)[np.asarray(batch.token_seq)]
-        slots = np.asarray(batch.kv_blocks, np.int64) * self.block_size + np.asarray(batch.kv_offsets, np.int64)
-        choices = self.decoder.sample_step(np.asarray(batch.ids), np.asarray(batch.positions), tables, rows, slots,
-                                           entries)
+        ids, positions, tables, slots = self._inputs(batch)
+        choices = self.decoder.sample_step(ids, positions, tables, rows, slots, entries)
         return StepRun([c if isinstance(c, Choice) else None for c in choices], {},
                        {k: c for k, c in enumerate(choices) if isinstance(c, str)})
 
@@ -105,13 +100,10 @@ class NativeRunner:
         """A decode burst of up to 32 plain greedy sequences on the device (NativeDecoder.greedy_burst:
         the step replayed as a graph on a GPU, the argmax taken there), else None (the executor then
         steps the burst one step at a time)."""
-        n = len(batch.ids)
-        if (n > BUCKETS[-1] or batch.attn_end is not None or [r for r, _ in samplers] != list(range(n))
-                or not np.array_equal(np.asarray(batch.logit_rows), np.arange(n)) or not plain_greedy(samplers)):
+        if not _decode_rows(batch, samplers) or not plain_greedy(samplers):
             return None
-        tables = np.asarray(batch.tables)[np.asarray(batch.token_seq)]
-        return self.decoder.greedy_burst(np.asarray(batch.ids), np.asarray(batch.positions), tables, steps,
-                                         [frozenset(s.stop_ids) for _, s in samplers])
+        ids, positions, tables, _ = self._inputs(batch)
+        return self.decoder.greedy_burst(ids, positions, tables, steps, [frozenset(s.stop_ids) for _, s in samplers])
 
     def forward(self, batch: StepBatch) -> Any:
         """The logits [batch.n_logits, vocab] of the batch's logit rows: on the device, or on the host
@@ -120,11 +112,22 @@ class NativeRunner:
             raise ValueError("the native runner attends causally only (no DFlash draft on it)")
         if batch.n_logits == 0 and len(batch.ids) == 0:
             return np.zeros((0, self.config.vocab), np.float32)
+        ids, positions, tables, slots = self._inputs(batch)
+        logits = self.decoder.forward(ids, positions, tables, np.asarray(batch.logit_rows), slots)
+        return logits if self.device_sampling else to_host(logits)
+
+    def _inputs(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The decoder's per-row view of a step: ids, positions, each row's block table, its cache row."""
         tables = np.asarray(batch.tables)[np.asarray(batch.token_seq)]
         slots = np.asarray(batch.kv_blocks, np.int64) * self.block_size + np.asarray(batch.kv_offsets, np.int64)
-        logits = self.decoder.forward(np.asarray(batch.ids), np.asarray(batch.positions), tables,
-                                      np.asarray(batch.logit_rows), slots)
-        return logits if self.device_sampling else to_host(logits)
+        return np.asarray(batch.ids), np.asarray(batch.positions), tables, slots
+
+
+def _decode_rows(batch: StepBatch, samplers: Seq[tuple[int, RowSampling]]) -> bool:
+    """One token per sequence, causal, each row sampled and its logits wanted, in a bucket's size."""
+    n = len(batch.ids)
+    return (0 < n <= BUCKETS[-1] and batch.attn_end is None and [r for r, _ in samplers] == list(range(n))
+            and np.array_equal(np.asarray(batch.logit_rows), np.arange(n)))
 
 
 class DeviceSampling:
@@ -150,7 +153,7 @@ class DeviceSampling:
             picked = sample_host_rows(host, [replace(rows[k], row=i) for i, k in enumerate(alternatives)])
             for k, choice in zip(alternatives, picked, strict=True):
                 out[k] = choice
-        on_device = [k for k in range(len(rows)) if k not in set(alternatives)]
+        on_device = [k for k, r in enumerate(rows) if not r.params.logprobs]
         for k, choice in zip(on_device, self._sample(logits, [rows[k] for k in on_device]) if on_device else [],
                              strict=True):
             out[k] = choice

@@ -34,6 +34,7 @@ DEQUANTIZE_BLOCK = 256
 SPLITS = 32  # attention splits of the context: fixed, so a captured graph holds at any length
 SAMPLE_BLOCK = 1024  # one block per row (kernels/cuda/native/sample.cuh)
 ELEMENTWISE_BLOCK = 256
+SAMPLING_ENTRIES = 4096  # logit adjustments (penalised or biased tokens) SamplingBuffers hold by default
 _INT32 = (-2**31, 2**31 - 1)
 
 
@@ -230,7 +231,7 @@ class SamplingBuffers:
     log_total: Any  # float64 [rows]
 
     @classmethod
-    def allocate(cls, xp: Any, rows: int, vocab: int, entries: int = 4096) -> SamplingBuffers:
+    def allocate(cls, xp: Any, rows: int, vocab: int, entries: int = SAMPLING_ENTRIES) -> SamplingBuffers:
         def z(n: int | tuple[int, ...], dtype: Any) -> Any:
             return xp.zeros(n, dtype)
 
