@@ -353,6 +353,5 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     stages = plan_stages(names, counts, mf.config.n_layers, stage_budgets(names), weights)
     threads = stage_threads_for(stage_threads, max(1, cpu_stages(names)), len(os.sched_getaffinity(0)))
     pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads, shm_owner)
-    on_cuda = any(n.kind == "cuda" for n in names)
     return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, pipeline, draft=draft_file,
-                 draft_tokens=draft_tokens, cuda_kernels=cuda_kernels if on_cuda else "numba")
+                 draft_tokens=draft_tokens)
