@@ -15,6 +15,7 @@ from functools import cache
 from pathlib import Path
 
 from ember.kernels.convert import KV_DTYPES
+from ember.kernels.cuda.repack import NATIVE_TYPES
 from ember.kernels.tensor_types import TensorType
 
 SOURCE_DIR = Path(__file__).with_name("native")
@@ -28,10 +29,8 @@ EPILOGUES = ("store", "add", "swiglu")
 HEAD_DIMS = (64, 128, 256, 512)  # head_dim = 32 * P: each lane of a warp holds P values of a head
 HEADS_PER_BLOCK = (1, 2, 4, 8)  # query heads one attention block scores per K/V row
 
-# weight types the GEMVs read (kernels/cuda/native/common.cuh's WType), by their repacked layout
-WEIGHT_TYPES: dict[TensorType, str] = {TensorType.F16: "W_F16", TensorType.BF16: "W_BF16",
-                                       TensorType.Q8_0: "W_Q8_0", TensorType.Q4_K: "W_Q4_K",
-                                       TensorType.Q5_K: "W_Q5_K", TensorType.Q6_K: "W_Q6_K"}
+# the weight types of the repacked layout, by their name in kernels/cuda/native/common.cuh's WType
+WEIGHT_TYPES: dict[TensorType, str] = {t: f"W_{t.name}" for t in NATIVE_TYPES}
 KV_TYPES = {name: f"KV_{name.upper()}" for name in KV_DTYPES}  # f32, f16, bf16, q8_0
 
 
@@ -100,15 +99,20 @@ def inline_headers(text: str, seen: set[str] | None = None) -> str:
     return _INCLUDE.sub(expand, text)
 
 
-def gemv(ttype: TensorType, batch: int, epilogue: str = "store") -> Kernel:
+def _weight(ttype: TensorType, what: str) -> str:
     if ttype not in WEIGHT_TYPES:
-        raise ValueError(f"no native GEMV for {ttype.name}")
+        raise ValueError(f"no native {what} for {ttype.name}")
+    return WEIGHT_TYPES[ttype]
+
+
+def gemv(ttype: TensorType, batch: int, epilogue: str = "store") -> Kernel:
+    code = _weight(ttype, "GEMV")
     if not 1 <= batch <= MAX_BATCH:
         raise ValueError(f"native GEMV batch {batch} outside 1..{MAX_BATCH}")
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown GEMV epilogue {epilogue!r} (choose from {', '.join(EPILOGUES)})")
     name = f"ember_gemv_{ttype.name.lower()}_b{batch}_{epilogue}"
-    return Kernel(name, "gemv.cuh", f"EMBER_GEMV({name}, {WEIGHT_TYPES[ttype]}, {batch}, EPI_{epilogue.upper()})")
+    return Kernel(name, "gemv.cuh", f"EMBER_GEMV({name}, {code}, {batch}, EPI_{epilogue.upper()})")
 
 
 def norm_quantize(norm: bool) -> Kernel:
@@ -153,10 +157,8 @@ def qk_rope_kv(kv_dtype: str, head_dim: int) -> Kernel:
 
 
 def dequantize_f16(ttype: TensorType) -> Kernel:
-    if ttype not in WEIGHT_TYPES:
-        raise ValueError(f"no native dequantization for {ttype.name}")
     name = f"ember_dequantize_f16_{ttype.name.lower()}"
-    return Kernel(name, "dequantize.cuh", f"EMBER_DEQUANTIZE_F16({name}, {WEIGHT_TYPES[ttype]})")
+    return Kernel(name, "dequantize.cuh", f"EMBER_DEQUANTIZE_F16({name}, {_weight(ttype, 'dequantization')})")
 
 
 def sample() -> Kernel:
@@ -172,10 +174,8 @@ def adjust() -> Kernel:
 
 
 def embed(ttype: TensorType) -> Kernel:
-    if ttype not in WEIGHT_TYPES:
-        raise ValueError(f"no native embedding for {ttype.name}")
     name = f"ember_embed_{ttype.name.lower()}"
-    return Kernel(name, "dequantize.cuh", f"EMBER_EMBED({name}, {WEIGHT_TYPES[ttype]})")
+    return Kernel(name, "dequantize.cuh", f"EMBER_EMBED({name}, {_weight(ttype, 'embedding')})")
 
 
 def catalog() -> list[Kernel]:
