@@ -98,16 +98,29 @@ class Ops(ABC):
         """swiglu(matmul(x, gate), matmul(x, up)): a gated FFN's first half, which a backend may fuse."""
         return self.swiglu(self.matmul(x, gate, decode_rows), self.matmul(x, up, decode_rows))
 
-    def route(self, logits: Array, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k routing of router logits [n, experts]: a softmax over the experts, then each token's
-        k most probable experts -> (expert ids int64 [n, k], their probabilities float32 [n, k]), the
-        probabilities renormalised to sum to 1 when `normalize`. On the host: the step's grouping by
-        expert (and the split between hot and cold experts) is host work."""
-        probs = self.to_numpy(self.softmax(logits))
-        ids = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+    def route(self, logits: Array, k: int, normalize: bool, gating: str = "softmax", bias: np.ndarray | None = None,
+              softcap: float = 0.0, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k routing of router logits [n, experts] -> (expert ids int64 [n, k], their weights
+        float32 [n, k]). `gating` "softmax": a softmax over the experts, each token's k most probable;
+        "sigmoid": each expert's sigmoid, the k whose sigmoid + bias[e] (a selection bias; None: 0)
+        is highest, weighted by their sigmoids. Logits are soft-capped first where softcap > 0
+        (softcap * tanh(logits / softcap)); the weights renormalised to sum to 1 when `normalize`,
+        then times `scale`. On the host: the step's grouping by expert (and the split between hot
+        and cold experts) is host work."""
+        if gating == "softmax" and not softcap:
+            probs = self.to_numpy(self.softmax(logits))
+        else:
+            z = self.to_numpy(logits).astype(np.float32)
+            if softcap:
+                z = np.float32(softcap) * np.tanh(z / np.float32(softcap))
+            probs = self.to_numpy(self.softmax(self.to_device(z))) if gating == "softmax" else 1 / (1 + np.exp(-z))
+        selection = probs if bias is None else probs + bias
+        ids = np.argsort(-selection, axis=1, kind="stable")[:, :k]
         top = np.take_along_axis(probs, ids, axis=1)
         if normalize:
             top = top / top.sum(axis=1, keepdims=True, dtype=np.float32)
+        if scale != 1.0:
+            top = top * np.float32(scale)
         return ids, top.astype(np.float32, copy=False)
 
     def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
@@ -222,12 +235,13 @@ class Ops(ABC):
 
     @abstractmethod
     def paged_attention(self, q: Array, k: Any, v: Any, tables: np.ndarray, token_seq: np.ndarray,
-                        positions: np.ndarray, scale: float) -> Array:
+                        positions: np.ndarray, scale: float, window: int = 0) -> Array:
         """Causal GQA attention of q [n, hq, hd] over paged K/V stores.
 
         Token i belongs to sequence token_seq[i], sits at positions[i] and sees that sequence's keys
-        0..positions[i], located through tables[token_seq[i]] (block ids, one per block_size positions).
-        Returns [n, hq, hd].
+        0..positions[i], located through tables[token_seq[i]] (block ids, one per block_size positions);
+        with window > 0 (a sliding-window layer) only the last `window` of them,
+        positions[i] - window + 1 .. positions[i]. Returns [n, hq, hd].
         """
 
     def sigmoid_mul(self, x: Array, gate: Array) -> Array:
@@ -235,6 +249,12 @@ class Ops(ABC):
         from ember.kernels.reference.dense import sigmoid_mul
 
         return self.to_device(sigmoid_mul(self.to_numpy(x), self.to_numpy(gate)))
+
+    def softplus(self, x: Array) -> Array:
+        """log(1 + e^x), elementwise (laguna's attention output gate). Default: the numpy reference."""
+        from ember.kernels.reference.dense import softplus
+
+        return self.to_device(softplus(self.to_numpy(x)))
 
     # --- linear attention (hybrid models) ---------------------------------------------------------
     # A step's tokens come from several sequences, each a contiguous run from seq_starts[s] to

@@ -21,10 +21,20 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_att
 QWEN35 = dict(num_hidden_layers=4, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4)
 HF_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
-              "mixtral": "MixtralConfig", "qwen35": "Qwen3_5TextConfig", "qwen35moe": "Qwen3_5MoeTextConfig"}
+              "mixtral": "MixtralConfig", "qwen35": "Qwen3_5TextConfig", "qwen35moe": "Qwen3_5MoeTextConfig",
+              "laguna": "LagunaConfig"}
 # MoE: 8 experts of width 64, top-2; the router is randomised too (HF inits it to zeros)
 TINY_MOE = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
-            "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)}
+            "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
+            # Laguna XS.2's layout at a small scale: a dense lead layer, then sparse ones with a shared
+            # expert; full attention on every 4th layer from 0 (as llama.cpp assumes), a window of 8
+            # keys on the rest, with more query heads there (6, on 2 KV heads); soft-capped router
+            # logits and scaled routed weights
+            "laguna": dict(num_hidden_layers=5, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                           shared_expert_intermediate_size=96, sliding_window=8,
+                           layer_types=["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"],
+                           num_attention_heads_per_layer=[4, 6, 6, 6, 4], moe_router_logit_softcapping=4.0,
+                           moe_routed_scaling_factor=2.5)}
 
 
 def build_hf_model(arch: str, out: Path, seed: int = 0, **overrides: Any) -> tuple[Path, Any]:
@@ -39,6 +49,8 @@ def build_hf_model(arch: str, out: Path, seed: int = 0, **overrides: Any) -> tup
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+            elif name.endswith("self_attn.g_proj.weight"):  # laguna's output gate: softplus of O(1), not of ~0
+                p.copy_(torch.randn_like(p) * 0.1)
             elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):  # MoE routers
                 p.copy_(torch.randn_like(p))
     model.eval()

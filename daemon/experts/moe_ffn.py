@@ -34,13 +34,24 @@ class ExpertTensors:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
 
+@dataclass(frozen=True)
+class Routing:
+    """How a layer's router picks and weighs experts (Ops.route)."""
+
+    k: int  # experts per token
+    normalize: bool  # renormalise the top-k weights to sum to 1
+    gating: str = "softmax"
+    bias: np.ndarray | None = None  # sigmoid gating's selection bias [experts] (host float32)
+    softcap: float = 0.0
+    scale: float = 1.0
+
+
 @dataclass
 class MoEFFN:
     layer: int
     router: Weight  # [experts, hidden]
     files: list[ExpertTensors]  # every expert, in the file
-    n_used: int  # experts per token (top-k)
-    normalize: bool  # renormalise the top-k weights to sum to 1
+    routing: Routing
     manager: ExpertManager
     # the hot experts, on the engine's device (promoted and demoted by the manager between steps)
     hot: dict[int, ExpertWeights] = field(default_factory=dict)
@@ -66,8 +77,9 @@ class MoEFFN:
 
     def __call__(self, ops: Ops, x: Array, rows: Array) -> Array:
         n = x.shape[0]
-        ids, weights = ops.route(ops.matmul(x, self.router, rows), self.n_used, self.normalize)
-        token = np.repeat(np.arange(n), self.n_used)
+        r = self.routing
+        ids, weights = ops.route(ops.matmul(x, self.router, rows), r.k, r.normalize, r.gating, r.bias, r.softcap, r.scale)
+        token = np.repeat(np.arange(n), r.k)
         expert, weight = ids.reshape(-1), weights.reshape(-1)
         self.manager.record(self.layer, expert, n)
         hot = self.is_hot[expert]
@@ -85,9 +97,12 @@ def expert_files(mf: ModelFile, layer: int) -> list[ExpertTensors]:
 
 
 def load_moe_ffn(mf: ModelFile, ops: Ops, layer: int, manager: ExpertManager) -> MoEFFN:
-    files = expert_files(mf, layer)
-    ffn = MoEFFN(layer, ops.weight(mf.tensor(f"blk.{layer}.ffn_gate_inp.weight")), files, mf.config.n_experts_used,
-                 mf.config.expert_norm, manager)
+    c = mf.config
+    bias = mf.tensors.get(f"blk.{layer}.exp_probs_b.bias")
+    routing = Routing(c.n_experts_used, c.expert_norm, c.expert_gating,
+                      None if bias is None else ops.to_numpy(ops.vector(bias)), c.router_softcap, c.expert_scale)
+    ffn = MoEFFN(layer, ops.weight(mf.tensor(f"blk.{layer}.ffn_gate_inp.weight")), expert_files(mf, layer), routing,
+                 manager)
     ffn.promote(ops, manager.hot_experts(layer))
     manager.register(ffn)
     return ffn

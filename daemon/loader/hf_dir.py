@@ -41,14 +41,20 @@ _DTYPES = {"F32": (TensorType.F32, np.float32), "F16": (TensorType.F16, np.uint1
 
 _GGUF_ARCHES = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 # ember's arch names are GGUF's, except where llama.cpp converts a model type under another one:
-# its converter registers MixtralForCausalLM on LlamaModel (MODEL_ARCH.LLAMA)
-_CONVERTED_AS = {"mixtral": "llama"}
+# its converter registers MixtralForCausalLM on LlamaModel (MODEL_ARCH.LLAMA). gguf-py before 0.20
+# has no laguna: its tensors are named from step35's table, which holds every one of them under the
+# name the converter gives it (attn_gate from self_attn.g_proj, exp_probs_b, the shared expert's)
+_CONVERTED_AS = {"mixtral": "llama"} | ({} if "laguna" in _GGUF_ARCHES else {"laguna": "step35"})
 _DENSE_FFN = re.compile(r"\.mlp\.(gate|up|down)_proj\.")
 # buffers, not weights: the converter skips these before mapping (TensorNameMap would otherwise name
 # llama's rotary_emb.inv_freq blk.N.attn_rot_embd)
 _SKIPPED_SUFFIXES = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
-# qwen35: a multimodal checkpoint's language model, and the DeltaNet's dt_bias (Qwen3NextModel.modify_tensors)
-_RENAMED = (("model.language_model.", "model."), (".linear_attn.dt_bias", ".linear_attn.dt_proj.bias"))
+# qwen35: a multimodal checkpoint's language model, and the DeltaNet's dt_bias (Qwen3NextModel.modify_tensors);
+# a router's selection bias, as the converter's base modify_tensors renames it, and laguna's, kept
+# beside its experts, where gguf-py's table before laguna looks for it (beside the router)
+_RENAMED = (("model.language_model.", "model."), (".linear_attn.dt_bias", ".linear_attn.dt_proj.bias"),
+            (".mlp.experts.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),
+            ("e_score_correction_bias", "e_score_correction.bias"))
 # as the converter's map_tensor_name: the table's keys are module paths, parameters add these
 _PARAM_SUFFIXES = (".weight", ".bias")
 # a per-expert tensor: (the module path up to "experts") (expert index) (the projection and parameter)

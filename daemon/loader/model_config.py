@@ -16,10 +16,15 @@ from ember.daemon.loader.model_file_error import ModelFileError
 # HF model_type -> the GGUF architecture name ember uses internally
 HF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "mixtral",
                     "qwen3_5": "qwen35", "qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe",
-                    "qwen3_5_moe_text": "qwen35moe"}
+                    "qwen3_5_moe_text": "qwen35moe", "laguna": "laguna"}
 
 # architectures with linear-attention (Gated DeltaNet) layers beside full attention
 HYBRID_ARCHES = ("qwen35", "qwen35moe")
+# architectures with sliding-window layers, and which layers slide in a GGUF file that does not say
+# (no attention.sliding_window_pattern): llama.cpp's default, every n-th layer full from layer 0
+SLIDING_PATTERNS = {"laguna": 4}
+# GGUF expert_gating_func (gguf.ExpertGatingFuncType) -> ModelConfig.expert_gating
+_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 
 
 @dataclass(frozen=True)
@@ -92,13 +97,39 @@ class ModelConfig:
         return 4 * self.linear.state_floats * self.linear.n_layers if self.linear else 0
     # renormalise the top-k routing weights to sum to 1 (HF norm_topk_prob; Mixtral always does)
     expert_norm: bool = True
+    # how a router scores its experts: "softmax", or "sigmoid" (laguna: each expert's sigmoid, the
+    # top-k picked by score + a per-expert bias, blk.N.exp_probs_b), its logits first soft-capped
+    # to +-router_softcap (0: not), the chosen weights times expert_scale
+    expert_gating: str = "softmax"
+    expert_scale: float = 1.0
+    router_softcap: float = 0.0
+    # per layer, where they differ (laguna): query heads (n_heads is their largest), and whether
+    # the layer attends through a sliding window of its last `sliding_window` keys; () for none
+    layer_heads: tuple[int, ...] = ()
+    sliding_layers: tuple[bool, ...] = ()
+    sliding_window: int = 0
+    # the sliding layers' own rope (laguna), unscaled: 0 takes rope_theta / all of head_dim
+    rope_theta_swa: float = 0.0
+    rope_dim_swa: int = 0
 
-    def inv_freq(self, freq_factors: np.ndarray | None = None) -> np.ndarray:
-        """Rotary inverse frequencies [head_dim / 2] (float32), with any scaling applied.
+    def heads(self, layer: int) -> int:
+        """Query heads of `layer`."""
+        return self.layer_heads[layer] if self.layer_heads else self.n_heads
+
+    def window(self, layer: int) -> int:
+        """The keys `layer` attends to back from each token, itself included (0: all of them)."""
+        return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else 0
+
+    def inv_freq(self, freq_factors: np.ndarray | None = None, sliding: bool = False) -> np.ndarray:
+        """Rotary inverse frequencies [rotary_dim / 2] (float32), with any scaling applied; those of
+        the sliding-window layers where `sliding` (their own theta and width, never scaled).
 
         GGUF llama3 files carry the scaling as a `rope_freqs` tensor of per-frequency divisors, which
         takes precedence over computing it.
         """
+        if sliding:
+            dim, theta = self.rope_dim_swa or self.head_dim, self.rope_theta_swa or self.rope_theta
+            return (1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)).astype(np.float32)
         dim = self.rotary_dim
         inv = 1.0 / self.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
         if freq_factors is not None:
@@ -129,7 +160,17 @@ def config_from_gguf(meta: Mapping[str, Any], n_vocab_rows: int, source: str) ->
             raise ModelFileError(source, f"missing metadata key {arch}.{key}")
         return value
 
-    hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    layer_heads = _per_layer(get("attention.head_count"))
+    n_heads = max(layer_heads)
+    kv_heads = set(_per_layer(get("attention.head_count_kv", n_heads)))
+    if len(kv_heads) != 1:
+        raise ModelFileError(source, f"KV heads differ between layers ({sorted(kv_heads)}): not supported")
+    n_layers = int(get("block_count"))
+    window = int(meta.get(f"{arch}.attention.sliding_window", 0)) if arch in SLIDING_PATTERNS else 0
+    gating = int(meta.get(f"{arch}.expert_gating_func", 2 if arch == "laguna" else 1))
+    if gating not in _GATING_FUNCS:
+        raise ModelFileError(source, f"unsupported expert gating function {gating} (supported: 1 softmax, 2 sigmoid)")
     scaling = None
     kind = meta.get(f"{arch}.rope.scaling.type")
     if kind not in (None, "none"):
@@ -138,10 +179,10 @@ def config_from_gguf(meta: Mapping[str, Any], n_vocab_rows: int, source: str) ->
         scaling = RopeScaling("linear", float(get("rope.scaling.factor")))
     return ModelConfig(
         arch=arch,
-        n_layers=int(get("block_count")),
+        n_layers=n_layers,
         hidden=hidden,
         n_heads=n_heads,
-        n_kv_heads=int(get("attention.head_count_kv", n_heads)),
+        n_kv_heads=kv_heads.pop(),
         head_dim=int(get("attention.key_length", hidden // n_heads)),
         ffn=int(get("feed_forward_length", 0)),
         vocab=int(meta.get(f"{arch}.vocab_size", n_vocab_rows)),
@@ -156,7 +197,34 @@ def config_from_gguf(meta: Mapping[str, Any], n_vocab_rows: int, source: str) ->
         linear=_gguf_linear(meta, arch, int(get("block_count")), source),
         # llama.cpp renormalises llama (Mixtral) and qwen3moe experts whatever the file says
         expert_norm=bool(meta.get(f"{arch}.expert_weights_norm", True)),
+        expert_gating=_GATING_FUNCS[gating],
+        expert_scale=float(meta.get(f"{arch}.expert_weights_scale", 0.0)) or 1.0,  # llama.cpp: 0 is unset
+        layer_heads=_varying(layer_heads, n_layers),
+        sliding_layers=_gguf_sliding(meta, arch, n_layers) if window else (),
+        sliding_window=window,
+        rope_theta_swa=float(meta.get(f"{arch}.rope.freq_base_swa", 0.0)) if window else 0.0,
+        rope_dim_swa=int(meta.get(f"{arch}.rope.dimension_count_swa", 0)) if window else 0,
     )
+
+
+def _per_layer(value: Any) -> list[int]:
+    """A GGUF per-layer count, stored as one number or one per layer."""
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _varying(values: list[int], n_layers: int) -> tuple[int, ...]:
+    """ModelConfig.layer_heads: () where every layer has the same count."""
+    return () if len(set(values)) == 1 else tuple(values[:n_layers])
+
+
+def _gguf_sliding(meta: Mapping[str, Any], arch: str, n_layers: int) -> tuple[bool, ...]:
+    """Which layers slide, as llama.cpp's load_swa_pattern reads it: a per-layer array, or every
+    n-th layer full (n from the file, else the architecture's default), layer 0 full."""
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", SLIDING_PATTERNS[arch])
+    if isinstance(pattern, list):
+        return tuple(bool(p) for p in pattern[:n_layers])
+    n = int(pattern)
+    return tuple(n == 0 or i % n != 0 for i in range(n_layers))
 
 
 def _gguf_linear(meta: Mapping[str, Any], arch: str, n_layers: int, source: str) -> LinearAttention | None:
@@ -184,14 +252,21 @@ def config_from_hf(cfg: Mapping[str, Any], source: str) -> ModelConfig:
     if model_type not in HF_ARCHITECTURES:
         raise ModelFileError(source, f"unknown architecture {model_type!r} (supported: {', '.join(HF_ARCHITECTURES)})")
     hidden, n_heads = int(_require(cfg, "hidden_size", source)), int(_require(cfg, "num_attention_heads", source))
+    n_layers = int(_require(cfg, "num_hidden_layers", source))
     # transformers >= 5 nests rope settings in rope_parameters; older configs use rope_theta/rope_scaling
     rope = dict(cfg.get("rope_scaling") or {}) | dict(cfg.get("rope_parameters") or {})
+    # per layer type (laguna): the full layers' rope is the model's, the sliding layers' their own
+    swa_rope = dict(rope.get("sliding_attention") or {})
+    rope = dict(rope.get("full_attention", rope))
     theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    layer_heads = [int(h) for h in cfg.get("num_attention_heads_per_layer") or [n_heads]]
+    sliding = _hf_sliding(cfg, n_layers)
+    laguna = model_type == "laguna"
     return ModelConfig(
         arch=HF_ARCHITECTURES[model_type],
-        n_layers=int(_require(cfg, "num_hidden_layers", source)),
+        n_layers=n_layers,
         hidden=hidden,
-        n_heads=n_heads,
+        n_heads=max(layer_heads),
         n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
         head_dim=int(cfg.get("head_dim") or hidden // n_heads),
         ffn=int(cfg.get("intermediate_size", 0)),
@@ -206,7 +281,23 @@ def config_from_hf(cfg: Mapping[str, Any], source: str) -> ModelConfig:
         rope_dim=_hf_rope_dim(cfg, rope, hidden // n_heads),
         linear=_hf_linear(cfg, HF_ARCHITECTURES[model_type]),
         expert_norm=bool(cfg.get("norm_topk_prob", False)) if model_type == "qwen3_moe" else True,
+        expert_gating="sigmoid" if laguna else "softmax",
+        expert_scale=float(cfg.get("moe_routed_scaling_factor", 1.0)) if laguna else 1.0,
+        router_softcap=float(cfg.get("moe_router_logit_softcapping") or 0.0) if laguna else 0.0,
+        layer_heads=_varying(layer_heads, n_layers),
+        sliding_layers=sliding,
+        sliding_window=int(cfg.get("sliding_window") or 0) if any(sliding) else 0,
+        rope_theta_swa=float(swa_rope.get("rope_theta", 0.0)),
+        rope_dim_swa=_hf_rope_dim(cfg, swa_rope, hidden // n_heads) if swa_rope else 0,
     )
+
+
+def _hf_sliding(cfg: Mapping[str, Any], n_layers: int) -> tuple[bool, ...]:
+    """Which layers slide (transformers' layer_types), for the architectures that have them."""
+    if cfg.get("model_type") not in ("laguna",) or not cfg.get("sliding_window"):
+        return ()
+    types = list(cfg.get("layer_types") or ["full_attention"] * n_layers)
+    return tuple(t == "sliding_attention" for t in types[:n_layers]) if "sliding_attention" in types else ()
 
 
 def _hf_rope_dim(cfg: Mapping[str, Any], rope: Mapping[str, Any], default_head_dim: int) -> int:

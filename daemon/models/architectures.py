@@ -10,6 +10,7 @@ from ember.daemon.loader.model_file_error import ModelFileError
 class ArchSpec:
     qkv_bias: bool = False  # qwen2: biases on the q, k, v projections
     qk_norm: bool = False  # qwen3: RMSNorm over head_dim of q and k before rope
+    output_gate: bool = False  # laguna: the attention output scaled by softplus of a projection (attn_gate)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -23,6 +24,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # Mixtral GGUF files are "llama" with experts
     "qwen3moe": ArchSpec(qk_norm=True),
     "mixtral": ArchSpec(),  # Mixtral HF directories (llama.cpp converts them to "llama")
+    # sigmoid-routed experts with a shared one, dense lead layers, per-layer heads, sliding-window
+    # layers with a rope of their own (ModelConfig)
+    "laguna": ArchSpec(qk_norm=True, output_gate=True),
 }
 
 

@@ -24,8 +24,6 @@ from ember.daemon.models.kv_cache import PagedKVCache
 from ember.daemon.step.step_batch import StepBatch
 from ember.daemon.loader.dflash_file import DFlashSpec, check_fits, read_dflash
 from ember.kernels.ops import Array
-from ember.kernels.raw_tensor import RawTensor
-from ember.kernels.tensor_types import TensorType
 
 _LAYER = ArchSpec(qk_norm=True)  # a DFlash layer is a Qwen3 layer
 
@@ -47,15 +45,14 @@ class DFlashDraft:
                                  f"({len(self.spec.target_layers)} target layers x hidden {target.config.hidden})")
         self.fc = ops.weight(fc)
         self.enc_norm = ops.vector(mf.tensor("enc.output_norm.weight"))
-        self.blocks: list[Block] = [load_block(mf, ops, _LAYER, i, 0, None) for i in range(cfg.n_layers)]
+        factors = mf.tensors.get("rope_freqs.weight")
+        # llama.cpp ropes DFlash backbones NeoX-style: rotary halves, as the Hugging Face layout
+        self.rope = Rope.of(ops, cfg.inv_freq(None if factors is None else ops.to_numpy(ops.vector(factors))), False)
+        self.blocks: list[Block] = [load_block(mf, ops, _LAYER, i, 0, None, self.rope) for i in range(cfg.n_layers)]
         self.norm = ops.vector(mf.tensor("output_norm.weight"))
         self.embed = ops.weight(mf.tensors["token_embd.weight"]) if self.spec.own_embedding else target.embed
         self.output = (ops.weight(mf.tensors["output.weight"]) if self.spec.own_output
                        else self.embed if self.spec.own_embedding else target.output)
-        factors = mf.tensors.get("rope_freqs.weight")
-        inv_freq = cfg.inv_freq(None if factors is None else ops.to_numpy(ops.vector(factors)))
-        # llama.cpp ropes DFlash backbones NeoX-style: rotary halves, as the Hugging Face layout
-        self.rope = Rope(ops.vector(RawTensor("rope.inv_freq", TensorType.F32, inv_freq.shape, inv_freq)), False)
 
     @property
     def target_layers(self) -> tuple[int, ...]:
@@ -86,7 +83,7 @@ class DFlashDraft:
         if self.spec.embedding_scale:
             x = x * np.float32(self.spec.embedding_scale)
         for block in self.blocks:
-            x = block(ops, cfg, self.rope, x, cache, batch)
+            x = block(ops, cfg, x, cache, batch)
         if batch.n_logits == 0:
             return ops.zeros((0, cfg.vocab))
         x = x[batch.logit_rows]

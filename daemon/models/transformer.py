@@ -40,6 +40,16 @@ from ember.kernels.tensor_types import TensorType
 
 
 @dataclass
+class Rope:
+    inv_freq: Array
+    interleaved: bool  # adjacent rotary pairs (llama GGUF) rather than halves (see Ops.rope)
+
+    @classmethod
+    def of(cls, ops: Ops, inv_freq: np.ndarray, interleaved: bool) -> Rope:
+        return cls(ops.vector(RawTensor("rope.inv_freq", TensorType.F32, inv_freq.shape, inv_freq)), interleaved)
+
+
+@dataclass
 class Attention:
     wq: Weight
     wk: Weight
@@ -51,29 +61,37 @@ class Attention:
     q_norm: Array | None
     k_norm: Array | None
     kv_layer: int  # which of the KV cache's layers is this one's
+    rope: Rope
+    n_heads: int  # query heads (laguna's differ between layers)
+    window: int = 0  # a sliding-window layer's keys back from each token, itself included (0: all)
     gated: bool = False  # qwen35: wq also gives an output gate per head, [q | gate] per head
+    # laguna: the output scaled by softplus(x . out_gate), one value per head ([heads, hidden]) or
+    # per element ([heads * head_dim, hidden])
+    out_gate: Weight | None = None
 
-    def __call__(self, ops: Ops, cfg: ModelConfig, rope: "Rope", x: Array, cache: PagedKVCache,
-                 batch: StepBatch) -> Array:
-        n, rows = x.shape[0], batch.decode_rows
-        q, k, v = ops.matmul_many(x, (self.wq, self.wk, self.wv), rows)
+    def __call__(self, ops: Ops, cfg: ModelConfig, x: Array, cache: PagedKVCache, batch: StepBatch) -> Array:
+        n, rows, heads, hd = x.shape[0], batch.decode_rows, self.n_heads, cfg.head_dim
+        projections = (self.wq, self.wk, self.wv) + (() if self.out_gate is None else (self.out_gate,))
+        q, k, v, *out_gate = ops.matmul_many(x, projections, rows)
         if self.bq is not None:
             q, k, v = q + self.bq, k + self.bk, v + self.bv
         gate = None
         if self.gated:
-            both = q.reshape(n, cfg.n_heads, 2, cfg.head_dim)
-            q, gate = both[:, :, 0], both[:, :, 1].reshape(n, cfg.n_heads * cfg.head_dim)
-        q = q.reshape(n, cfg.n_heads, cfg.head_dim)
-        k = k.reshape(n, cfg.n_kv_heads, cfg.head_dim)
-        v = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
-        q, k = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, cfg.norm_eps, batch.positions, rope.inv_freq,
-                                rope.interleaved)
+            both = q.reshape(n, heads, 2, hd)
+            q, gate = both[:, :, 0], both[:, :, 1].reshape(n, heads * hd)
+        q = q.reshape(n, heads, hd)
+        k = k.reshape(n, cfg.n_kv_heads, hd)
+        v = v.reshape(n, cfg.n_kv_heads, hd)
+        q, k = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, cfg.norm_eps, batch.positions, self.rope.inv_freq,
+                                self.rope.interleaved)
         cache.write(self.kv_layer, batch.kv_blocks, batch.kv_offsets, k, v)
         seen = batch.positions if batch.attn_end is None else batch.attn_end  # causal unless told otherwise
         out = ops.paged_attention(q, cache.k[self.kv_layer], cache.v[self.kv_layer], batch.tables, batch.token_seq,
-                                  seen, cfg.head_dim**-0.5).reshape(n, cfg.n_heads * cfg.head_dim)
+                                  seen, hd**-0.5, self.window).reshape(n, heads * hd)
         if gate is not None:
             out = ops.sigmoid_mul(out, gate)
+        if out_gate:  # per head, its one value broadcast over the head's dimensions
+            out = (out.reshape(n, heads, -1) * ops.softplus(out_gate[0]).reshape(n, heads, -1)).reshape(n, heads * hd)
         return ops.matmul(out, self.wo, rows)
 
 
@@ -88,31 +106,22 @@ class DenseFFN:
 
 
 @dataclass
-class Rope:
-    inv_freq: Array
-    interleaved: bool  # adjacent rotary pairs (llama GGUF) rather than halves (see Ops.rope)
-
-
-@dataclass
 class Block:
     attn_norm: Array
     attn: Attention | GatedDeltaNet
     ffn_norm: Array
     ffn: DenseFFN | MoEFFN | SharedExpertMoE
 
-    def __call__(self, ops: Ops, cfg: ModelConfig, rope: Rope, x: Array, cache: PagedKVCache,
-                 batch: StepBatch) -> Array:
-        return self.finish(ops, cfg, x + self._mix(ops, cfg, rope, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache,
+    def __call__(self, ops: Ops, cfg: ModelConfig, x: Array, cache: PagedKVCache, batch: StepBatch) -> Array:
+        return self.finish(ops, cfg, x + self._mix(ops, cfg, ops.rmsnorm(x, self.attn_norm, cfg.norm_eps), cache,
                                                    batch), batch)
 
     def finish(self, ops: Ops, cfg: ModelConfig, h: Array, batch: StepBatch) -> Array:
         """The layer after its mixer's residual: h + ffn(rmsnorm(h))."""
         return h + self.ffn(ops, ops.rmsnorm(h, self.ffn_norm, cfg.norm_eps), batch.decode_rows)
 
-    def _mix(self, ops: Ops, cfg: ModelConfig, rope: Rope, h: Array, cache: PagedKVCache, batch: StepBatch) -> Array:
+    def _mix(self, ops: Ops, cfg: ModelConfig, h: Array, cache: PagedKVCache, batch: StepBatch) -> Array:
         # a call of its own, so the normed input is freed before the FFN runs
-        if isinstance(self.attn, Attention):
-            return self.attn(ops, cfg, rope, h, cache, batch)
         return self.attn(ops, cfg, h, cache, batch)
 
 
@@ -133,15 +142,16 @@ class Transformer:
         embed = self.runs_first or (self.runs_last and tied)
         self.embed = ops.weight(mf.tensor("token_embd.weight")) if embed else None
         factors = mf.tensors.get("rope_freqs.weight")
-        inv_freq = mf.config.inv_freq(None if factors is None else ops.to_numpy(ops.vector(factors)))
-        self.rope = Rope(ops.vector(RawTensor("rope.inv_freq", TensorType.F32, inv_freq.shape, inv_freq)), mf.rope_interleaved)
+        rope = Rope.of(ops, mf.config.inv_freq(None if factors is None else ops.to_numpy(ops.vector(factors))),
+                       mf.rope_interleaved)
+        sliding = Rope.of(ops, mf.config.inv_freq(sliding=True), mf.rope_interleaved) if mf.config.sliding_window else None
         self.blocks = []
         for i in self.layers:
-            self.blocks.append(load_block(mf, ops, spec, i, self.layers.start, self.experts))
+            self.blocks.append(load_block(mf, ops, spec, i, self.layers.start, self.experts, rope, sliding))
             if on_layer is not None:
                 on_layer(len(self.blocks), len(self.layers))
         # the layers as the backend runs them: compiled where it can, these blocks op by op where not
-        self.stack = ops.compile_stack([stack_layer(b, ops, mf.config, self.rope) for b in self.blocks])
+        self.stack = ops.compile_stack([stack_layer(b, ops, mf.config) for b in self.blocks])
         self.norm = _norm(mf, ops, "output_norm.weight") if self.runs_last else None
         # tied embeddings: the output projection is the embedding matrix, shared, not loaded twice
         self.output = None if not self.runs_last else self.embed if tied else ops.weight(mf.tensors["output.weight"])
@@ -243,30 +253,34 @@ def _expert_manager(mf: ModelFile, options: ExpertOptions) -> ExpertManager | No
     return ExpertManager(mf.path, mf.config.hidden, mf.config.n_experts_used, sizes, mf.config.n_experts, options)
 
 
-def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, experts: ExpertManager | None) -> Block:
-    """Layer i of a Transformer whose first layer is `first` (its cache's layers count from there)."""
+def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, experts: ExpertManager | None, rope: Rope,
+               sliding_rope: Rope | None = None) -> Block:
+    """Layer i of a Transformer whose first layer is `first` (its cache's layers count from there),
+    rotating by `rope`, or by `sliding_rope` if it is a sliding-window layer."""
     def w(name: str) -> Weight:
         return ops.weight(mf.tensor(f"blk.{i}.{name}.weight"))
 
     def vec(name: str) -> Array:
         return ops.vector(mf.tensor(f"blk.{i}.{name}"))
 
+    cfg = mf.config
     if experts is not None and mf.is_moe_layer(i):
         ffn: DenseFFN | MoEFFN | SharedExpertMoE = load_moe_ffn(mf, ops, i, experts)
-        if has_shared_expert(mf, i):  # qwen35moe
+        if has_shared_expert(mf, i):  # qwen35moe, laguna
             ffn = with_shared_expert(mf, ops, i, ffn)
     else:
         ffn = DenseFFN(gate=w("ffn_gate"), up=w("ffn_up"), down=w("ffn_down"))
-    lin = mf.config.linear
+    lin = cfg.linear
     if lin is not None:  # a hybrid: its mixer is linear or gated attention, post_attention_norm before the FFN
         linear_before = sum(lin.recurrent[first:i])
         mixer = (load_gated_delta_net(mf, ops, i, linear_before) if lin.recurrent[i] else
                  Attention(wq=w("attn_q"), wk=w("attn_k"), wv=w("attn_v"), wo=w("attn_output"), bq=None, bk=None,
                            bv=None, q_norm=_norm(mf, ops, f"blk.{i}.attn_q_norm.weight"),
                            k_norm=_norm(mf, ops, f"blk.{i}.attn_k_norm.weight"), kv_layer=i - first - linear_before,
-                           gated=True))
+                           rope=rope, n_heads=cfg.heads(i), gated=True))
         return Block(_norm(mf, ops, f"blk.{i}.attn_norm.weight"), mixer,
                      _norm(mf, ops, f"blk.{i}.post_attention_norm.weight"), ffn)
+    window = cfg.window(i)
     attn = Attention(
         wq=w("attn_q"), wk=w("attn_k"), wv=w("attn_v"), wo=w("attn_output"),
         bq=vec("attn_q.bias") if spec.qkv_bias else None,
@@ -275,26 +289,32 @@ def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, expe
         q_norm=vec("attn_q_norm.weight") if spec.qk_norm else None,
         k_norm=vec("attn_k_norm.weight") if spec.qk_norm else None,
         kv_layer=i - first,
+        rope=sliding_rope if window and sliding_rope is not None else rope,
+        n_heads=cfg.heads(i),
+        window=window,
+        out_gate=w("attn_gate") if spec.output_gate else None,
     )
     return Block(vec("attn_norm.weight"), attn, vec("ffn_norm.weight"), ffn)
 
 
-def stack_layer(block: Block, ops: Ops, cfg: ModelConfig, rope: Rope) -> StackLayer:
+def stack_layer(block: Block, ops: Ops, cfg: ModelConfig) -> StackLayer:
     """The block as the backend's layer stack takes it: its op-by-op run, and where it is a standard
-    decoder layer (plain attention) its weights, which the backend may compile — with the FFN where
-    it is a dense one (a MoE layer's experts run as ops.expert_ffn, after the compiled attention)."""
+    decoder layer (plain attention over every key) its weights, which the backend may compile — with
+    the FFN where it is a dense one (a MoE layer's experts run as ops.expert_ffn, after the compiled
+    attention)."""
     def run(x: Array, step: StepBatch, cache: PagedKVCache) -> Array:
-        return block(ops, cfg, rope, x, cache, step)
+        return block(ops, cfg, x, cache, step)
 
     attn = block.attn
-    if not isinstance(attn, Attention) or attn.gated:
+    if not isinstance(attn, Attention) or attn.gated or attn.out_gate is not None or attn.window:
         return StackLayer(run)
     ffn = block.ffn
     dense = isinstance(ffn, DenseFFN)
     weights = LayerWeights(block.attn_norm, attn.wq, attn.wk, attn.wv, attn.wo, attn.bq, attn.bk, attn.bv,
                            attn.q_norm, attn.k_norm, block.ffn_norm,
                            *((ffn.gate, ffn.up, ffn.down) if dense else (None,) * 3))  # type: ignore[union-attr]
-    shape = LayerShape(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, rope.inv_freq, rope.interleaved)
+    shape = LayerShape(attn.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, attn.rope.inv_freq,
+                       attn.rope.interleaved)
     return StackLayer(run, weights, shape, attn.kv_layer, lambda h, step: block.finish(ops, cfg, h, step))
 
 

@@ -107,8 +107,8 @@ class CpuOps(Ops):
         store.write(blocks, offsets, rows)
 
     def paged_attention(self, q: Array, k: KVLayerStore, v: KVLayerStore, tables: np.ndarray, token_seq: np.ndarray,
-                        positions: np.ndarray, scale: float) -> np.ndarray:
-        return paged_attention(np.ascontiguousarray(q), k, v, tables, token_seq, positions, scale)
+                        positions: np.ndarray, scale: float, window: int = 0) -> np.ndarray:
+        return paged_attention(np.ascontiguousarray(q), k, v, tables, token_seq, positions, scale, window)
 
     def sigmoid_mul(self, x: Array, gate: Array) -> np.ndarray:
         return dense.sigmoid_mul(x, gate)

@@ -55,6 +55,7 @@ _SWIGLU_SERIAL, _SWIGLU_PARALLEL = _SWIGLU_INT8.serial, _SWIGLU_INT8.parallel
 _NORM_SERIAL, _NORM_PARALLEL = dense._RMSNORM.serial, dense._RMSNORM.parallel
 _ROPE_SERIAL, _ROPE_PARALLEL = dense._QK_NORM_ROPE.serial, dense._QK_NORM_ROPE.parallel
 _ATTENTION_SERIAL, _ATTENTION_PARALLEL = _ATTENTION.serial, _ATTENTION.parallel
+_NO_WINDOW = np.int64(0)  # fused layers attend to the whole context (sliding-window layers run op by op)
 _NONE = np.zeros(0, np.float32)  # an absent bias or norm: one compiled signature for every model
 
 # The compiled functions below call parallel kernels, whose code loaded from numba's cache jumps into
@@ -216,10 +217,10 @@ def _attention_out(x, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mod
     attn = np.empty_like(q)
     if _parallel(force, q.size * 2 * (seen[-1] + 1), PARALLEL_MIN_WORK):
         _ATTENTION_PARALLEL(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq,
-                            seen, scale, attn)
+                            seen, _NO_WINDOW, scale, attn)
     else:
         _ATTENTION_SERIAL(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq,
-                          seen, scale, attn)
+                          seen, _NO_WINDOW, scale, attn)
     o = np.empty((n, wo.shape[0]), np.float32)
     _matmul_int8(code_o, wo, attn.reshape(n, heads * hd), o, force)
     x = x + o
@@ -395,7 +396,7 @@ def _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, 
     c = claim(counters, _ATTEND, me, n * n_kv_heads)
     while c < n * n_kv_heads:
         attention_task(c, q3, k_f32, k_u16, i8, scales, v_f32, v_u16, i8, scales, mode, lut, tables, token_seq, seen,
-                       scale, attn)
+                       _NO_WINDOW, scale, attn)
         finish(counters, _ATTEND)
         c = claim(counters, _ATTEND, me, n * n_kv_heads)
     if not wait(counters, _ATTEND, n * n_kv_heads):

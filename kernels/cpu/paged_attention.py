@@ -188,18 +188,18 @@ def _load_row(s_f32, s_u16, s_i8, s_scales, mode, blk, off, h, lut, out):  # typ
 
 
 def _paged_attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut,  # type: ignore[no-untyped-def]
-                     tables, token_seq, positions, scale, out):
+                     tables, token_seq, positions, window, scale, out):
     # One task per (token, KV head): each key and value row is read (and decoded) once for all the
     # query heads that share it (GQA), and f32 rows are read in place.
     kv_heads = max(k_f32.shape[2], k_u16.shape[2], k_i8.shape[2])
     for task in prange(q.shape[0] * kv_heads):  # int64: prange's index is unsigned, a second signature
         attention_task(np.int64(task), q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq,
-                       positions, scale, out)
+                       positions, window, scale, out)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
 def attention_task(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut,  # type: ignore[no-untyped-def]
-                   tables, token_seq, positions, scale, out):
+                   tables, token_seq, positions, window, scale, out):
     """Task `task` of _paged_attention: token task // kv_heads, KV head task % kv_heads, all the
     query heads that read it. One compiled function that the serial and the parallel kernel and the
     fused layer's thread team (decoder_layer.py) all call, so each computes every task alike.
@@ -217,16 +217,16 @@ def attention_task(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, 
     on 2 KV heads, 2 threads) and 1.5x with them in memory (497 -> 333 us)."""
     if mode == _F32:
         _ATTEND_F32(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, lut, tables, token_seq, positions,
-                    scale, out)
+                    window, scale, out)
     elif mode == _F16:
         _ATTEND_F16(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, lut, tables, token_seq, positions,
-                    scale, out)
+                    window, scale, out)
     elif mode == _BF16:
         _ATTEND_BF16(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, lut, tables, token_seq, positions,
-                     scale, out)
+                     window, scale, out)
     else:
         _ATTEND_Q8_0(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, lut, tables, token_seq, positions,
-                     scale, out)
+                     window, scale, out)
 
 
 def _attend_for(mode: int):  # type: ignore[no-untyped-def]
@@ -251,47 +251,50 @@ def _attend_for(mode: int):  # type: ignore[no-untyped-def]
 
     @njit(inline="always", fastmath=True, nogil=True, cache=True)
     def attend(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, lut,  # type: ignore[no-untyped-def]
-               tables, token_seq, positions, scale, out):
+               tables, token_seq, positions, window, scale, out):
         n, hq, hd = q.shape
         block_size = max(k_f32.shape[1], k_u16.shape[1], k_i8.shape[1])
         kv_heads = max(k_f32.shape[2], k_u16.shape[2], k_i8.shape[2])
         group = hq // kv_heads
         i, kv = task // kv_heads, task % kv_heads
         seq, visible = token_seq[i], positions[i] + 1
-        last = visible - 1
-        padded = (visible + 3) // 4 * 4
+        first = visible - window if 0 < window < visible else 0  # a sliding window's oldest key
+        last, count = visible - 1, visible - first
+        padded = (count + 3) // 4 * 4
         scores = np.empty((group, padded), np.float32)
         scratch = np.empty((4, hd), np.float32)
-        for t in range(0, visible, 4):
+        for t in range(first, visible, 4):
             k0, k1, k2, k3 = four_rows(k_f32, k_u16, k_i8, k_sc, tables, seq, t, last, block_size, kv, lut, scratch)
+            j = t - first
             for g in range(group):
                 s0, s1, s2, s3 = four_dots(q[i, kv * group + g], k0, k1, k2, k3)
-                scores[g, t], scores[g, t + 1] = s0 * scale, s1 * scale
-                scores[g, t + 2], scores[g, t + 3] = s2 * scale, s3 * scale
+                scores[g, j], scores[g, j + 1] = s0 * scale, s1 * scale
+                scores[g, j + 2], scores[g, j + 3] = s2 * scale, s3 * scale
         for g in range(group):
             best = scores[g, 0]
-            for t in range(1, visible):  # a max: the same whatever order a vectorized loop takes
+            for t in range(1, count):  # a max: the same whatever order a vectorized loop takes
                 best = max(best, scores[g, t])
-            for t in range(visible):
+            for t in range(count):
                 scores[g, t] = _exp(scores[g, t] - best)
-            for t in range(visible, padded):
+            for t in range(count, padded):
                 scores[g, t] = 0
         # the weights' sums are taken in the value pass, four at a time in a fixed order: a summing
         # loop of its own would be vectorized in some callers and not in others (the fused layer's
         # team and the parallel kernel must give the same bits)
         total = np.zeros(group, np.float32)
         acc = np.zeros((group, hd), np.float32)
-        for t in range(0, visible, 4):
+        for t in range(first, visible, 4):
             v0, v1, v2, v3 = four_rows(v_f32, v_u16, v_i8, v_sc, tables, seq, t, last, block_size, kv, lut, scratch)
+            j = t - first
             for g in range(group):
-                p0, p1, p2, p3, a = scores[g, t], scores[g, t + 1], scores[g, t + 2], scores[g, t + 3], acc[g]
+                p0, p1, p2, p3, a = scores[g, j], scores[g, j + 1], scores[g, j + 2], scores[g, j + 3], acc[g]
                 total[g] += (p0 + p1) + (p2 + p3)
-                for j in range(hd):
-                    a[j] += (p0 * v0[j] + p1 * v1[j]) + (p2 * v2[j] + p3 * v3[j])
+                for d in range(hd):
+                    a[d] += (p0 * v0[d] + p1 * v1[d]) + (p2 * v2[d] + p3 * v3[d])
         for g in range(group):
             o, a, inv = out[i, kv * group + g], acc[g], np.float32(1) / total[g]
-            for j in range(hd):
-                o[j] = a[j] * inv
+            for d in range(hd):
+                o[d] = a[d] * inv
 
     return attend
 
@@ -337,12 +340,14 @@ _KERNELS = Twin(_paged_attention)
 
 
 def paged_attention(q: np.ndarray, k: KVLayerStore, v: KVLayerStore, tables: np.ndarray, token_seq: np.ndarray,
-                    positions: np.ndarray, scale: float) -> np.ndarray:
+                    positions: np.ndarray, scale: float, window: int = 0) -> np.ndarray:
     """Causal GQA attention of q [n, hq, hd]: token i belongs to sequence token_seq[i], sits at
-    positions[i] and sees that sequence's keys 0..positions[i], found through tables[seq] (block ids).
+    positions[i] and sees that sequence's keys 0..positions[i] (the last `window` of them where
+    window > 0), found through tables[seq] (block ids).
     """
     out = np.empty_like(q)
-    work = q.size * 2 * (int(positions[-1]) + 1)  # the last token's context stands for the step's (cheap)
+    context = int(positions[-1]) + 1  # the last token's context stands for the step's (cheap)
+    work = q.size * 2 * (min(context, window) if window > 0 else context)
     _KERNELS.pick(work)(q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, k.lut,
-                        tables, token_seq, positions, np.float32(scale), out)
+                        tables, token_seq, positions, np.int64(window), np.float32(scale), out)
     return out

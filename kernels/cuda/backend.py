@@ -71,9 +71,9 @@ class CudaOps(Ops):
         kv_write(store, self._on_device(blocks, np.int64), self._on_device(offsets, np.int64), rows)
 
     def paged_attention(self, q: Array, k: CudaKVStore, v: CudaKVStore, tables: Array, token_seq: Array,
-                        positions: Array, scale: float) -> DeviceArray:
+                        positions: Array, scale: float, window: int = 0) -> DeviceArray:
         return paged_attention(q, k, v, self._on_device(tables, np.int32), self._on_device(token_seq, np.int32),
-                               self._on_device(positions, np.int64), scale, self.tables)
+                               self._on_device(positions, np.int64), scale, self.tables, window)
 
     def swiglu(self, gate: Array, up: Array) -> DeviceArray:
         return dense.swiglu(gate, up)

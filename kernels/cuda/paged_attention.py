@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, int64
 
 from ember.kernels.convert import KV_DTYPES, QK8_0
 from ember.kernels.cuda.device import THREADS, block_max, block_sum, flat_grid, grid
@@ -177,7 +177,7 @@ def _kv(f32, u16, i8, scales, mode, blk, off, h, j, lut, f16):  # type: ignore[n
 
 @cuda.jit
 def _attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, f16,  # type: ignore[no-untyped-def]
-               tables, token_seq, positions, scale, out):
+               tables, token_seq, positions, window, scale, out):
     scratch = cuda.shared.array(THREADS, float32)
     probs = cuda.shared.array(THREADS, float32)
     acc = cuda.local.array(_SLICE, float32)
@@ -189,10 +189,11 @@ def _attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut,
     for task in range(cuda.blockIdx.x, n * hq, cuda.gridDim.x):
         i, h = task // hq, task % hq
         kv, seq, visible = h // group, token_seq[i], positions[i] + 1
+        first = visible - window if 0 < window < visible else 0  # a sliding window's oldest key
         for a in range(_SLICE):
             acc[a] = float32(0)
         run_max, run_sum = float32(-math.inf), float32(0)
-        for base in range(0, visible, width):
+        for base in range(first, visible, width):
             pos = base + t
             s = float32(-math.inf)
             if pos < visible:
@@ -225,12 +226,13 @@ def _attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut,
 
 
 def paged_attention(q: DeviceArray, k: CudaKVStore, v: CudaKVStore, tables: DeviceArray, token_seq: DeviceArray,
-                    positions: DeviceArray, scale: float, luts: Tables) -> DeviceArray:
+                    positions: DeviceArray, scale: float, luts: Tables, window: int = 0) -> DeviceArray:
     """Causal GQA attention of q [n, hq, hd] over the paged stores (see Ops.paged_attention)."""
     n, hq, _ = q.shape
     out = empty(q.shape)
     if n:
         lut = luts.bf16 if k.mode == _BF16 else luts.f16
         _attention[grid(n * hq)](q.raw, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, lut,
-                                 luts.f16, tables.raw, token_seq.raw, positions.raw, float32(scale), out.raw)
+                                 luts.f16, tables.raw, token_seq.raw, positions.raw, int64(window), float32(scale),
+                                 out.raw)
     return out

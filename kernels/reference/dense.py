@@ -36,14 +36,23 @@ def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, interleaved
     return out.astype(np.float32)
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float) -> np.ndarray:
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + e^x), x itself past 20 (where they agree in float32), as torch's softplus and ggml's."""
+    x = np.asarray(x, np.float32)
+    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))).astype(np.float32)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float, window: int = 0) -> np.ndarray:
+    """Causal GQA attention of q [n, hq, hd] at positions start.. over k, v [kv_heads, positions, hd];
+    with window > 0 each query sees its last `window` keys only."""
     n, hq, _ = q.shape
     group = hq // k.shape[0]
     out = np.empty(q.shape, np.float64)
     for i in range(n):
         visible = start + i + 1
+        first = max(0, visible - window) if window > 0 else 0
         for h in range(hq):
-            kh, vh = k[h // group, :visible].astype(np.float64), v[h // group, :visible].astype(np.float64)
+            kh, vh = (x[h // group, first:visible].astype(np.float64) for x in (k, v))
             s = kh @ q[i, h].astype(np.float64) * scale
             p = np.exp(s - s.max())
             out[i, h] = (p / p.sum()) @ vh

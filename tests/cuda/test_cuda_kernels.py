@@ -163,18 +163,21 @@ def test_kv_write_stores_the_bytes_convert_py_would(ops, dtype: str) -> None:  #
     assert np.array_equal(stored, want)
 
 
-def _reference_attention(q, k_rows, v_rows, starts):  # type: ignore[no-untyped-def]
+def _reference_attention(q, k_rows, v_rows, starts, window=0):  # type: ignore[no-untyped-def]
     """Attention of each sequence's queries over its (decoded) keys, with ref.attention."""
     outs = []
     for s, (qs, ks, vs) in enumerate(zip(q, k_rows, v_rows, strict=True)):
-        outs.append(ref.attention(qs, ks.transpose(1, 0, 2), vs.transpose(1, 0, 2), starts[s], qs.shape[-1] ** -0.5))
+        outs.append(ref.attention(qs, ks.transpose(1, 0, 2), vs.transpose(1, 0, 2), starts[s], qs.shape[-1] ** -0.5,
+                                  window))
     return np.concatenate(outs)
 
 
+@pytest.mark.parametrize("window", [0, 2])
 @pytest.mark.parametrize("dtype", KV_DTYPES)
-def test_paged_attention_decode_and_prefill_with_gqa(ops, dtype: str) -> None:  # type: ignore[no-untyped-def]
+def test_paged_attention_decode_and_prefill_with_gqa(ops, dtype: str, window: int) -> None:  # type: ignore[no-untyped-def]
     """Two sequences in one step, their blocks scattered: one decodes a token after 10 cached
-    positions, the other prefills 3 tokens; 4 query heads share 2 KV heads."""
+    positions, the other prefills 3 tokens; 4 query heads share 2 KV heads; all keys, or a sliding
+    window of the last 2."""
     rng = np.random.default_rng(7)
     hq, kvh, hd, block = 4, 2, 32, 4
     lengths, new = [11, 3], [1, 3]
@@ -190,9 +193,9 @@ def test_paged_attention_decode_and_prefill_with_gqa(ops, dtype: str) -> None:  
     positions = np.concatenate([np.arange(n - m, n) for n, m in zip(lengths, new, strict=True)])
     token_seq = np.repeat(np.arange(2, dtype=np.int32), new)
     got = ops.to_numpy(ops.paged_attention(dev(ops, np.concatenate(q)), k_store, v_store, tables, token_seq,
-                                           positions, hd ** -0.5))
+                                           positions, hd ** -0.5, window))
     decoded = [[decode_rows(encode_rows(r, dtype), dtype, hd) for r in rows] for rows in (k_all, v_all)]
-    want = _reference_attention(q, decoded[0], decoded[1], [n - m for n, m in zip(lengths, new, strict=True)])
+    want = _reference_attention(q, decoded[0], decoded[1], [n - m for n, m in zip(lengths, new, strict=True)], window)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 

@@ -1,0 +1,115 @@
+"""Laguna (poolside): tiny random configurations against transformers (HF directories), the same
+models converted and quantized by llama.cpp against llama.cpp, and the hot/cold expert machinery on
+them (cold workers, placement, statistics), in process and through the daemon."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ember
+from ember.daemon.loader.model_file import open_model_file
+from ember.kernels import get_ops
+from ember.kernels.reference import moe as ref_moe
+from references import hf_greedy, hf_logits
+
+LAYERS = 5  # tiny_models.TINY_MOE["laguna"]: layer 0 dense, 1-4 sparse; 0 and 4 full attention, 1-3 sliding
+CASES = {
+    "xs2": {},  # per-head output gate, sliding layers with more heads, soft-capped router
+    # M.1's layout: every layer full, a per-element output gate, three dense lead layers, no soft cap
+    "m1": dict(layer_types=["full_attention"] * LAYERS, num_attention_heads_per_layer=None, gating="per-element",
+               mlp_layer_types=["dense"] * 3 + ["sparse"] * 2, moe_router_logit_softcapping=0.0),
+}
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))  # routing statistics of this test only
+
+
+def dense_layers(ref) -> list[int]:
+    return [i for i, t in enumerate(ref.config.mlp_layer_types) if t == "dense"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_laguna_matches_transformers(hf_model, case: str) -> None:
+    """Logits within 1e-4 of their range at 1, 7 and 40 tokens (past the window of 8), and 64 greedy
+    tokens, as transformers' LagunaForCausalLM gives them; routing only on the sparse layers."""
+    path, ref = hf_model("laguna", **CASES[case])
+    model = ember.load(path)
+    c = model.config
+    assert (c.arch, c.expert_gating, c.expert_scale) == ("laguna", "sigmoid", 2.5)
+    if case == "xs2":
+        assert c.layer_heads == (4, 6, 6, 6, 4) and c.sliding_layers == (False, True, True, True, False)
+        assert (c.sliding_window, c.rope_dim, c.rope_dim_swa, c.router_softcap) == (8, 16, 32, 4.0)
+    else:
+        assert c.layer_heads == () and c.sliding_window == 0
+    rng = np.random.default_rng(3)
+    for n in (1, 7, 40):
+        ids = rng.integers(1, c.vocab, n).tolist()
+        expected = hf_logits(ref, ids)
+        assert np.abs(model.logits(ids) - expected).max() <= 1e-4 * (expected.max() - expected.min()), f"{n} tokens"
+    dense = dense_layers(ref)
+    stats = model.routing_stats()
+    assert stats.shape == (LAYERS, 8) and not stats[dense].any()
+    assert all(stats[i].sum() > 0 for i in range(LAYERS) if i not in dense)
+    assert [i for i, hot in enumerate(model.placement()) if not hot] == dense
+    prompt = rng.integers(1, c.vocab, 6).tolist()
+    model32 = ember.load(path, decode_act="f32")
+    assert list(model32.generate(prompt, max_tokens=64, ignore_eos=True)) == hf_greedy(ref, prompt, 64)
+
+
+def test_sigmoid_routing_matches_the_reference() -> None:
+    """ops.route's sigmoid gating (soft cap, selection bias, renormalised and scaled weights) against
+    the float64 reference, where the bias changes which experts win."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((33, 16)).astype(np.float32) * 3
+    bias = (rng.standard_normal(16) * 0.3).astype(np.float32)
+    ops = get_ops("cpu")
+    ids, w = ops.route(logits, 4, True, "sigmoid", bias, 2.0, 2.5)
+    want_ids, want_w = ref_moe.route(logits, 4, True, "sigmoid", bias, 2.0, 2.5)
+    assert (ids == want_ids).all()
+    np.testing.assert_allclose(w, want_w, rtol=1e-6)
+    np.testing.assert_allclose(w.sum(1), 2.5, rtol=1e-6)
+    unbiased, _ = ops.route(logits, 4, True, "sigmoid", None, 2.0, 2.5)
+    assert (unbiased != ids).any(), "the selection bias should change some choices"
+
+
+def test_sliding_window_attention_sees_only_its_window() -> None:
+    """ops.paged_attention with a window: each token attends to its last `window` keys exactly as a
+    dense softmax over them, whatever the dtype of the cache; window 0 sees them all."""
+    ops = get_ops("cpu")
+    rng = np.random.default_rng(2)
+    n, hq, kvh, hd, bs = 37, 4, 2, 32, 8
+    q = rng.standard_normal((n, hq, hd)).astype(np.float32)
+    k = rng.standard_normal((n, kvh, hd)).astype(np.float32)
+    v = rng.standard_normal((n, kvh, hd)).astype(np.float32)
+    blocks = rng.permutation(8)[: (n + bs - 1) // bs]
+    pos = np.arange(n)
+    for window in (0, 1, 5, 16):
+        for dtype in ("f32", "f16"):
+            ks, vs = ops.kv_store(dtype, 8, bs, kvh, hd), ops.kv_store(dtype, 8, bs, kvh, hd)
+            ops.kv_write(ks, blocks[pos // bs], pos % bs, k)
+            ops.kv_write(vs, blocks[pos // bs], pos % bs, v)
+            got = ops.paged_attention(q, ks, vs, blocks[None, :], np.zeros(n, np.int64), pos, hd**-0.5, window)
+            for i in (0, 3, 20, n - 1):
+                first = max(0, i + 1 - window) if window else 0
+                for h in range(hq):
+                    s = k[first: i + 1, h // 2] @ q[i, h] * hd**-0.5
+                    p = np.exp(s - s.max())
+                    want = p @ v[first: i + 1, h // 2] / p.sum()
+                    np.testing.assert_allclose(got[i, h], want, atol=3e-3 if dtype == "f16" else 2e-5)
+
+
+def test_config_and_names_from_a_directory(hf_model) -> None:
+    """Every tensor of the directory gets the name llama.cpp's converter gives it: the output gate
+    attn_gate, the selection bias exp_probs_b, the shared expert's, the dense lead layer's FFN."""
+    path, ref = hf_model("laguna")
+    mf = open_model_file(path)
+    names = set(mf.tensors)
+    assert {"blk.0.ffn_gate.weight", "blk.0.attn_gate.weight", "blk.1.exp_probs_b.bias", "blk.1.ffn_gate_inp.weight",
+            "blk.1.ffn_gate_shexp.weight", "blk.1.ffn_down_exps.7.weight"} <= names
+    assert "blk.0.ffn_gate_inp.weight" not in names and not any("ffn_gate_inp_shexp" in n for n in names)
+    assert mf.tensors["blk.1.attn_gate.weight"].shape == (6, ref.config.hidden_size)
+    assert mf.tensors["blk.1.attn_q.weight"].shape == (6 * 32, ref.config.hidden_size)
