@@ -1,29 +1,76 @@
 """llama.cpp's own tools on a Hugging Face directory: its converter (convert_hf_to_gguf.py, from the
-llama-cpp-python sdist, found through EMBER_LLAMA_CPP_SRC) and its quantizer (llama-cpp-python's
-llama_model_quantize), so tests compare ember with files llama.cpp made itself."""
+sdist of the llama-cpp-python that is installed, fetched from the package index once, or found through
+EMBER_LLAMA_CPP_SRC) and its quantizer (llama-cpp-python's llama_model_quantize), so tests compare
+ember with files llama.cpp made itself."""
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import subprocess
+import sys
+import tarfile
+from functools import cache
 from pathlib import Path
 
 import pytest
 
 from ember.daemon.loader.llama_cpp_converter import convert_hf
 
-LLAMA_CPP_SRC = Path(os.environ.get("EMBER_LLAMA_CPP_SRC", "/work/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+CACHE = Path(os.environ.get("EMBER_TOOL_CACHE", Path.home() / ".cache" / "ember" / "tools"))
+# what the converter needs of the sdist's vendor/llama.cpp (it imports its own gguf-py)
+_CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
 
 def converter_script() -> Path:
-    """llama.cpp's convert_hf_to_gguf.py (skips the test if the script is absent)."""
-    script = LLAMA_CPP_SRC / "convert_hf_to_gguf.py"
-    if not script.exists():
-        pytest.skip(f"llama.cpp's converter not found at {script} (set EMBER_LLAMA_CPP_SRC)")
+    """llama.cpp's convert_hf_to_gguf.py (skips the test where it cannot be had)."""
+    src = llama_cpp_src()
+    script = None if src is None else src / "convert_hf_to_gguf.py"
+    if script is None or not script.exists():
+        pytest.skip(f"llama.cpp's converter not found ({script or 'no llama-cpp-python sdist to fetch'}; "
+                    "set EMBER_LLAMA_CPP_SRC to an unpacked vendor/llama.cpp)")
     return script
 
 
-def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
-    """hf_dir converted by llama.cpp's convert_hf_to_gguf.py (skips the test if the script is absent)."""
-    return convert_hf(converter_script(), hf_dir, out, outtype, "--no-mtp")
+@cache
+def llama_cpp_src() -> Path | None:
+    """vendor/llama.cpp of the installed llama-cpp-python's sdist (its converter's part), unpacked
+    under CACHE the first time; EMBER_LLAMA_CPP_SRC where set. None where there is no llama-cpp-python
+    or pip cannot fetch its sdist."""
+    if "EMBER_LLAMA_CPP_SRC" in os.environ:
+        return Path(os.environ["EMBER_LLAMA_CPP_SRC"])
+    try:
+        version = importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    root = CACHE / f"llama-cpp-python-{version}"
+    src = root / "vendor" / "llama.cpp"
+    if (root / "done").exists():
+        return src
+    root.mkdir(parents=True, exist_ok=True)
+    fetched = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                              f"llama_cpp_python=={version}", "-d", str(root)], capture_output=True, text=True,
+                             timeout=900)
+    sdists = sorted(root.glob("llama_cpp_python-*.tar.gz"))
+    if fetched.returncode != 0 or not sdists:
+        return None
+    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+    with tarfile.open(sdists[0]) as tar:
+        members = []
+        for m in tar.getmembers():
+            if m.name.startswith(prefix) and m.name[len(prefix):].startswith(_CONVERTER_PARTS):
+                m.name = m.name[len(prefix):]
+                members.append(m)
+        tar.extractall(src, members, filter="data")
+    sdists[0].unlink()  # 77 MB, of which the converter needs 6
+    (root / "done").touch()
+    return src
+
+
+def convert(hf_dir: Path, out: Path, outtype: str = "f32", no_mtp: bool = True) -> Path:
+    """hf_dir converted by llama.cpp's convert_hf_to_gguf.py (skips the test if the script is absent),
+    with --no-mtp unless told not to (the converter refuses it for architectures without MTP layers,
+    such as laguna)."""
+    return convert_hf(converter_script(), hf_dir, out, outtype, *(["--no-mtp"] if no_mtp else []))
 
 
 def quantize(src: Path, out: Path, ftype: str = "Q8_0") -> Path:

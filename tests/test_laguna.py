@@ -113,3 +113,86 @@ def test_config_and_names_from_a_directory(hf_model) -> None:
     assert "blk.0.ffn_gate_inp.weight" not in names and not any("ffn_gate_inp_shexp" in n for n in names)
     assert mf.tensors["blk.1.attn_gate.weight"].shape == (6, ref.config.hidden_size)
     assert mf.tensors["blk.1.attn_q.weight"].shape == (6 * 32, ref.config.hidden_size)
+
+
+# --- GGUF files made by llama.cpp -------------------------------------------------------------------
+# quantizable shapes (rows of 256 values), the XS.2 layout, and no router soft cap: llama.cpp neither
+# converts nor applies one (docs/models.md)
+GGUF_SHAPE = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                  head_dim=64, num_attention_heads_per_layer=[4, 8, 8, 8, 4], moe_router_logit_softcapping=0.0)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """(the float32 file llama.cpp's converter makes of a tiny Laguna, the transformers model)."""
+    from llama_cpp_tools import convert
+    from tiny_models import build_hf_model
+
+    tmp = tmp_path_factory.mktemp("laguna-gguf")
+    path, ref = build_hf_model("laguna", tmp / "hf", **GGUF_SHAPE)
+    return convert(path, tmp / "f32.gguf", "f32", no_mtp=False), ref
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("ftype", ["F32", "Q8_0", "Q4_K_M"])
+def test_laguna_gguf_matches_llama_cpp(converted, tmp_path: Path, ftype: str) -> None:
+    """The converted file, and llama.cpp's quantizations of it. ember's logits are llama.cpp's on the
+    same weights at float32 (a dequantized copy) to 1e-5 of the range, and the float32 file's are
+    transformers' to 1e-4 and in 24 greedy tokens. llama.cpp on a quantized file quantizes its
+    activations too (~2% of the range here, routing flips included): ember differs from it by no
+    more than llama.cpp differs from itself at float32 (docs/models.md)."""
+    from gguf_copy import copy_gguf
+    from llama_cpp_tools import quantize
+    from references import llama_cpp_logits
+
+    f32, ref = converted
+    path = f32 if ftype == "F32" else quantize(f32, tmp_path / f"{ftype}.gguf", ftype)
+    model = ember.load(path)
+    c = model.config
+    assert (c.sliding_layers, c.sliding_window, c.layer_heads) == ((False, True, True, True, False), 8, (4, 8, 8, 8, 4))
+    ids = np.random.default_rng(5).integers(1, c.vocab, 40).tolist()
+    ours = model.logits(ids)
+    same_weights = path if ftype == "F32" else copy_gguf(path, tmp_path / "dequantized.gguf", dequantize=True)
+    exact = llama_cpp_logits(same_weights, ids)
+    span = exact.max() - exact.min()
+    assert np.abs(ours - exact).max() <= 1e-5 * span
+    if ftype == "F32":
+        expected = hf_logits(ref, ids)
+        assert np.abs(ours - expected).max() <= 1e-4 * (expected.max() - expected.min())
+        model32 = ember.load(path, decode_act="f32")  # decode steps, past the window
+        assert list(model32.generate(ids[:6], max_tokens=24, ignore_eos=True)) == hf_greedy(ref, ids[:6], 24)
+    else:
+        theirs = llama_cpp_logits(path, ids)
+        noise = np.abs(theirs - exact).max(axis=1)
+        assert (np.abs(ours - theirs).max(axis=1) <= noise + 1e-5 * span).all()
+
+
+@pytest.mark.oracle
+def test_which_layers_slide_is_read_from_the_file_as_llama_cpp_reads_it(converted, tmp_path: Path) -> None:
+    """llama.cpp's converter writes the window but not which layers slide, and llama.cpp then takes
+    XS.2's layout (every 4th layer full from layer 0). A model whose layers are all full attention
+    with a window in its config is misread that way by both; written as the converter should write
+    it (no window where nothing slides), both read it as transformers runs it (docs/models.md)."""
+    import gguf
+
+    from gguf_copy import copy_gguf
+    from llama_cpp_tools import convert
+    from references import llama_cpp_logits
+    from tiny_models import build_hf_model
+
+    path, ref = build_hf_model("laguna", tmp_path / "hf", **(GGUF_SHAPE | dict(
+        layer_types=["full_attention"] * LAYERS, num_attention_heads_per_layer=None)))
+    as_converted = convert(path, tmp_path / "f32.gguf", "f32", no_mtp=False)
+    fixed = copy_gguf(as_converted, tmp_path / "fixed.gguf", drop=["laguna.attention.sliding_window"])
+    assert ember.load(as_converted).config.sliding_layers == (False, True, True, True, False)
+    ids = np.random.default_rng(5).integers(1, 8192, 24).tolist()
+    expected = hf_logits(ref, ids)
+    span = expected.max() - expected.min()
+    for f in (as_converted, fixed):
+        ours, theirs = ember.load(f).logits(ids), llama_cpp_logits(f, ids)
+        assert np.abs(ours - theirs).max() <= 1e-5 * span, f.name
+    assert np.abs(ember.load(fixed).logits(ids) - expected).max() <= 1e-4 * span
+    pattern = copy_gguf(as_converted, tmp_path / "pattern.gguf", element=gguf.GGUFValueType.BOOL,
+                        add={"laguna.attention.sliding_window_pattern": ([False, True] * 2 + [False],
+                                                                         gguf.GGUFValueType.ARRAY)})
+    assert ember.load(pattern).config.sliding_layers == (False, True, False, True, False)

@@ -52,7 +52,8 @@ def build_hf_model(arch: str, out: Path, seed: int = 0, **overrides: Any) -> tup
             elif name.endswith("self_attn.g_proj.weight"):  # laguna's output gate: softplus of O(1), not of ~0
                 p.copy_(torch.randn_like(p) * 0.1)
             elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):  # MoE routers
-                p.copy_(torch.randn_like(p))
+                # laguna's sigmoid scores saturate at logits of O(10): O(1) there, as trained routers have
+                p.copy_(torch.randn_like(p) * (0.1 if arch == "laguna" else 1.0))
     model.eval()
     model.save_pretrained(out)
     for f in ("tokenizer.json", "tokenizer_config.json"):
