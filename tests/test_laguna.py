@@ -196,3 +196,28 @@ def test_which_layers_slide_is_read_from_the_file_as_llama_cpp_reads_it(converte
                         add={"laguna.attention.sliding_window_pattern": ([False, True] * 2 + [False],
                                                                          gguf.GGUFValueType.ARRAY)})
     assert ember.load(pattern).config.sliding_layers == (False, True, False, True, False)
+
+
+# --- hot and cold experts -----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_cold_experts_on_laguna_equal_all_hot(hf_model) -> None:
+    """60% of the sparse layers' experts hot, the rest computed by two cold workers: the logits of a
+    40-token prompt (past the window) and 24 decoded tokens are the all-hot model's; placement and
+    statistics leave the dense lead layer out; the lossy `mask` policy runs and differs."""
+    path, _ = hf_model("laguna")
+    ids = np.random.default_rng(7).integers(1, 8192, 40).tolist()
+    all_hot = ember.load(path)
+    expected = all_hot.logits(ids)
+    tokens = list(all_hot.generate(ids[:5], max_tokens=24, ignore_eos=True))
+    model = ember.load(path, expert_budget="60%", cold_workers=2)
+    try:
+        assert np.abs(model.logits(ids) - expected).max() <= 1e-5 * np.abs(expected).max()
+        assert list(model.generate(ids[:5], max_tokens=24, ignore_eos=True)) == tokens
+        hot = [len(h) for h in model.placement()]
+        assert hot[0] == 0 and all(0 < h < 8 for h in hot[1:]) and sum(hot) == int(0.6 * 32)
+        s = model.expert_stats()
+        assert (s.hot_experts, s.total_experts) == (sum(hot), 32) and s.cold_slots > 0 and s.worker_restarts == 0
+    finally:
+        model.close()
+    masked = ember.load(path, expert_budget="60%", cold_policy="mask").logits(ids)
+    assert np.isfinite(masked).all() and np.abs(masked - expected).max() > 1e-3 * np.abs(expected).max()

@@ -4,6 +4,7 @@ restarted, and the daemon keeps serving."""
 from __future__ import annotations
 
 import os
+import sys
 import signal
 from pathlib import Path
 
@@ -92,3 +93,50 @@ def test_a_killed_engines_cold_expert_workers_go_with_it(moe_daemon) -> None:  #
     again = cold_workers(moe_daemon.engine_pid)
     assert len(again) == 2 and not set(again) & set(workers)
 
+
+
+@pytest.fixture(scope="module")
+def laguna_daemon(tmp_path_factory) -> tuple[DaemonProcess, Path]:
+    """A tiny random Laguna (Hugging Face directory) served with 60% of its experts hot, two cold workers."""
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from tiny_models import build_hf_model
+
+    path, _ = build_hf_model("laguna", tmp_path_factory.mktemp("laguna") / "hf")
+    config = f"""
+[[models]]
+path = "{path}"
+name = "laguna"
+expert_budget = "60%"
+cold_workers = 2
+[server]
+logits_slots = 32
+[engine]
+max_active = 2
+ctx = 512
+"""
+    d = DaemonProcess(config, env={"EMBER_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}).wait_ready(timeout=300)
+    yield d, path
+    d.stop()
+
+
+def test_laguna_with_cold_experts_through_the_daemon_equals_all_hot(laguna_daemon, tmp_path, monkeypatch) -> None:
+    """Laguna (sliding-window layers, a dense lead layer, sigmoid routing, a shared expert) through the
+    daemon with cold workers: every step's logits, prompt and decode, are the all-hot model's."""
+    daemon, path = laguna_daemon
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    all_hot = ember.load(path)
+    ids = all_hot.tokenize(PROMPT * 3)  # past the window of 8
+    engine = all_hot.engine(8 * KV_BLOCK)
+    engine.add(Sequence(ids, 12, wants_logits=True, stop_ids=frozenset()))
+    expected = []
+    while engine.has_work:
+        expected += [o.logits for o in engine.step().outputs]
+    with Client(daemon.socket) as client:
+        rows = [c.logits[0].copy() for c in client.generate(PROMPT * 3, max_tokens=12, return_logits=True,
+                                                             ignore_eos=True)]
+        assert len(rows) == len(expected) == 12
+        for got, want in zip(rows, expected):
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+        stats = client.stats()
+        assert stats.total_experts == 32 and 0 < stats.hot_experts < 32 and 0 < stats.cold_share < 1
+    assert len(cold_workers(daemon.engine_pid)) == 2
