@@ -31,9 +31,9 @@ class ExpertWeights(NamedTuple):
 
 class LayerWeights(NamedTuple):
     """A standard decoder layer (ops.fuse_layer): h = x + attention(rmsnorm(x)), then h + ffn(rmsnorm(h)),
-    the attention with q/k/v (and optional biases), q/k head norms (optional) and rope, the FFN
-    down(swiglu(gate x, up x)); gate, up and down None: a layer whose FFN is not fused (MoE), which
-    the fused form takes up to h."""
+    the attention with q/k/v (and optional biases), q/k head norms (optional) and rope, its output
+    scaled by softplus(rmsnorm(x) . out_gate) (optional: laguna), the FFN down(swiglu(gate x, up x));
+    gate, up and down None: a layer whose FFN is not fused (MoE), which the fused form takes up to h."""
 
     attn_norm: Array
     wq: Weight
@@ -49,6 +49,7 @@ class LayerWeights(NamedTuple):
     gate: Weight | None
     up: Weight | None
     down: Weight | None
+    out_gate: Weight | None = None
 
 
 class LayerShape(NamedTuple):
@@ -58,6 +59,7 @@ class LayerShape(NamedTuple):
     eps: float
     inv_freq: Array
     interleaved: bool
+    window: int = 0  # a sliding-window layer's keys (Ops.paged_attention)
 
 
 class Ops(ABC):
@@ -250,11 +252,13 @@ class Ops(ABC):
 
         return self.to_device(sigmoid_mul(self.to_numpy(x), self.to_numpy(gate)))
 
-    def softplus(self, x: Array) -> Array:
-        """log(1 + e^x), elementwise (laguna's attention output gate). Default: the numpy reference."""
-        from ember.kernels.reference.dense import softplus
+    def softplus_gate(self, x: Array, gate: Array) -> Array:
+        """x [n, heads, hd] times softplus(gate) (log(1 + e^g), g itself past 20), one value a head
+        (gate [n, heads]) or an element (gate [n, heads * hd]): laguna's attention output gate.
+        Default: the numpy reference."""
+        from ember.kernels.reference.dense import softplus_gate
 
-        return self.to_device(softplus(self.to_numpy(x)))
+        return self.to_device(softplus_gate(self.to_numpy(x), self.to_numpy(gate)))
 
     # --- linear attention (hybrid models) ---------------------------------------------------------
     # A step's tokens come from several sequences, each a contiguous run from seq_starts[s] to

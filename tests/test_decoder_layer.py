@@ -45,9 +45,11 @@ def without_fusion(net):  # type: ignore[no-untyped-def]
     return fused
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "laguna"])
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "bf16", "q8_0"])
 def test_fused_decode_steps_equal_the_ops(arch: str, kv_dtype: str) -> None:
+    """laguna: an output gate (by head and by element), a sliding window the decode steps pass,
+    layers with different head counts."""
     net = synthetic_model(INT8_TYPES, arch)
     assert all(f is not None for f in net.stack.fused)
     fused = decode_states(net, kv_dtype)
@@ -77,9 +79,10 @@ def test_a_decode_step_runs_every_fused_layer_in_one_backend_call(kv_dtype: str,
     assert len(single) == 3 * len(net.blocks)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "laguna"])
 @pytest.mark.parametrize("variant", ["serial", "parallel"])
-def test_fused_steps_equal_the_ops_in_each_kernel_variant(variant: str, monkeypatch) -> None:
-    net = synthetic_model(INT8_TYPES)
+def test_fused_steps_equal_the_ops_in_each_kernel_variant(variant: str, arch: str, monkeypatch) -> None:
+    net = synthetic_model(INT8_TYPES, arch)
     monkeypatch.setattr(twin, "FORCE", variant)
     fused = decode_states(net, "f32")
     without_fusion(net)
@@ -87,8 +90,10 @@ def test_fused_steps_equal_the_ops_in_each_kernel_variant(variant: str, monkeypa
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "laguna"])
 @pytest.mark.parametrize("members", [1, 2, 3])
-def test_the_thread_team_computes_what_the_ops_do_with_any_number_of_members(members: int, monkeypatch) -> None:
+def test_the_thread_team_computes_what_the_ops_do_with_any_number_of_members(members: int, arch: str,
+                                                                            monkeypatch) -> None:
     """The layer on its thread team (one parallel region, kernels/cpu/team.py) with as many members
     as threads, fewer, or more than numba has (members then share a thread)."""
     from ember.kernels.cpu import decoder_layer
@@ -97,7 +102,7 @@ def test_the_thread_team_computes_what_the_ops_do_with_any_number_of_members(mem
     monkeypatch.setattr(decoder_layer, "_layer_team", lambda threads, *args: runs.append(threads) or team(threads, *args))
     monkeypatch.setattr(twin, "FORCE", "parallel")
     monkeypatch.setattr(twin, "threads", lambda: members)
-    net = synthetic_model(INT8_TYPES)
+    net = synthetic_model(INT8_TYPES, arch)
     fused = decode_states(net, "f32")
     assert runs and set(runs) == {members}
     without_fusion(net)

@@ -86,7 +86,7 @@ def assert_bursts_equal_steps(net: Transformer, kv_dtype: str = "f32") -> None:
 
 
 @pytest.mark.parametrize("variant", ["serial", "parallel"])
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "laguna"])
 def test_a_greedy_burst_equals_single_steps(arch: str, variant: str, monkeypatch) -> None:
     monkeypatch.setattr(twin, "FORCE", variant)
     net = synthetic_model(INT8_TYPES, arch)

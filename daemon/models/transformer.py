@@ -71,8 +71,7 @@ class Attention:
 
     def __call__(self, ops: Ops, cfg: ModelConfig, x: Array, cache: PagedKVCache, batch: StepBatch) -> Array:
         n, rows, heads, hd = x.shape[0], batch.decode_rows, self.n_heads, cfg.head_dim
-        projections = (self.wq, self.wk, self.wv) + (() if self.out_gate is None else (self.out_gate,))
-        q, k, v, *out_gate = ops.matmul_many(x, projections, rows)
+        q, k, v = ops.matmul_many(x, (self.wq, self.wk, self.wv), rows)
         if self.bq is not None:
             q, k, v = q + self.bq, k + self.bk, v + self.bv
         gate = None
@@ -90,8 +89,8 @@ class Attention:
                                   seen, hd**-0.5, self.window).reshape(n, heads * hd)
         if gate is not None:
             out = ops.sigmoid_mul(out, gate)
-        if out_gate:  # per head, its one value broadcast over the head's dimensions
-            out = (out.reshape(n, heads, -1) * ops.softplus(out_gate[0]).reshape(n, heads, -1)).reshape(n, heads * hd)
+        if self.out_gate is not None:
+            out = ops.softplus_gate(out.reshape(n, heads, hd), ops.matmul(x, self.out_gate, rows)).reshape(n, heads * hd)
         return ops.matmul(out, self.wo, rows)
 
 
@@ -299,22 +298,23 @@ def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, expe
 
 def stack_layer(block: Block, ops: Ops, cfg: ModelConfig) -> StackLayer:
     """The block as the backend's layer stack takes it: its op-by-op run, and where it is a standard
-    decoder layer (plain attention over every key) its weights, which the backend may compile — with
-    the FFN where it is a dense one (a MoE layer's experts run as ops.expert_ffn, after the compiled
-    attention)."""
+    decoder layer (softmax attention, a laguna output gate and sliding window included) its weights,
+    which the backend may compile — with the FFN where it is a dense one (a MoE layer's experts run
+    as ops.expert_ffn, after the compiled attention)."""
     def run(x: Array, step: StepBatch, cache: PagedKVCache) -> Array:
         return block(ops, cfg, x, cache, step)
 
     attn = block.attn
-    if not isinstance(attn, Attention) or attn.gated or attn.out_gate is not None or attn.window:
+    if not isinstance(attn, Attention) or attn.gated:
         return StackLayer(run)
     ffn = block.ffn
     dense = isinstance(ffn, DenseFFN)
     weights = LayerWeights(block.attn_norm, attn.wq, attn.wk, attn.wv, attn.wo, attn.bq, attn.bk, attn.bv,
                            attn.q_norm, attn.k_norm, block.ffn_norm,
-                           *((ffn.gate, ffn.up, ffn.down) if dense else (None,) * 3))  # type: ignore[union-attr]
+                           *((ffn.gate, ffn.up, ffn.down) if dense else (None,) * 3),  # type: ignore[union-attr]
+                           attn.out_gate)
     shape = LayerShape(attn.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, attn.rope.inv_freq,
-                       attn.rope.interleaved)
+                       attn.rope.interleaved, attn.window)
     return StackLayer(run, weights, shape, attn.kv_layer, lambda h, step: block.finish(ops, cfg, h, step))
 
 

@@ -312,7 +312,9 @@ def _expert_kernels(net) -> None:  # type: ignore[no-untyped-def]
 
 def synthetic_model(types: Sequence[int] | None = None, arch: str = "qwen3"):  # type: ignore[no-untyped-def]
     """A small Transformer of random weights, layer i stored in types[i] (default: every weight type,
-    so every kernel runs). qwen3 has q/k norms, qwen2 q/k/v biases, llama neither. Tests build
+    so every kernel runs). qwen3 has q/k norms, qwen2 q/k/v biases, llama neither; laguna q/k norms,
+    4 or 8 query heads by layer, partial rotary, an output gate of a value a head or an element by
+    layer, and a sliding window of 3 keys on every other layer (with a rope of its own). Tests build
     models from it too."""
     from ember.daemon.loader.model_config import ModelConfig
     from ember.daemon.loader.model_file import ModelFile
@@ -323,8 +325,12 @@ def synthetic_model(types: Sequence[int] | None = None, arch: str = "qwen3"):  #
     from ember.kernels.tensor_types import TensorType as T
 
     types = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32] if types is None else [T(t) for t in types]
-    cfg = ModelConfig(arch=arch, n_layers=len(types), hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=256,
-                      vocab=64, context_length=64, rope_theta=10000.0, norm_eps=1e-6)
+    laguna = arch == "laguna"
+    cfg = ModelConfig(arch=arch, n_layers=len(types), hidden=256, n_heads=8 if laguna else 4, n_kv_heads=2,
+                      head_dim=64, ffn=256, vocab=64, context_length=64, rope_theta=10000.0, norm_eps=1e-6,
+                      **(dict(layer_heads=tuple(4 + 4 * (i % 2) for i in range(len(types))), rope_dim=32,
+                              sliding_layers=tuple(i % 2 == 1 for i in range(len(types))), sliding_window=3,
+                              rope_theta_swa=5000.0) if laguna else {}))
     rng = np.random.default_rng(0)
     tensors: dict[str, RawTensor] = {}
 
@@ -334,14 +340,18 @@ def synthetic_model(types: Sequence[int] | None = None, arch: str = "qwen3"):  #
 
     add("token_embd.weight", T.Q8_0, cfg.vocab, cfg.hidden)
     add("output_norm.weight", T.F32, cfg.hidden)
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    kv = cfg.n_kv_heads * cfg.head_dim
     vectors = [("attn_norm.weight", cfg.hidden), ("ffn_norm.weight", cfg.hidden)]
     vectors += {"qwen3": [("attn_q_norm.weight", cfg.head_dim), ("attn_k_norm.weight", cfg.head_dim)],
-                "qwen2": [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)]}.get(arch, [])
+                "laguna": [("attn_q_norm.weight", cfg.head_dim), ("attn_k_norm.weight", cfg.head_dim)],
+                "qwen2": [("attn_q.bias", cfg.n_heads * cfg.head_dim), ("attn_k.bias", kv),
+                          ("attn_v.bias", kv)]}.get(arch, [])
     for i, ttype in enumerate(types):
+        q = cfg.heads(i) * cfg.head_dim
+        gate = (("attn_gate", (cfg.heads(i) if i % 2 == 0 else q, cfg.hidden)),) if laguna else ()
         for name, shape in (("attn_q", (q, cfg.hidden)), ("attn_k", (kv, cfg.hidden)), ("attn_v", (kv, cfg.hidden)),
                             ("attn_output", (cfg.hidden, q)), ("ffn_gate", (cfg.ffn, cfg.hidden)),
-                            ("ffn_up", (cfg.ffn, cfg.hidden)), ("ffn_down", (cfg.hidden, cfg.ffn))):
+                            ("ffn_up", (cfg.ffn, cfg.hidden)), ("ffn_down", (cfg.hidden, cfg.ffn)), *gate):
             add(f"blk.{i}.{name}.weight", ttype, *shape)
         for name, width in vectors:
             add(f"blk.{i}.{name}", T.F32, width)

@@ -113,6 +113,9 @@ class CpuOps(Ops):
     def sigmoid_mul(self, x: Array, gate: Array) -> np.ndarray:
         return dense.sigmoid_mul(x, gate)
 
+    def softplus_gate(self, x: Array, gate: Array) -> np.ndarray:
+        return dense.softplus_gate(x, gate)
+
     def causal_conv1d(self, x: Array, w: Array, states: Array, seq_starts: Array, state_slots: Array,
                       positions: Array) -> np.ndarray:
         return linear_attention.causal_conv1d(x, w, states, seq_starts, state_slots, positions)

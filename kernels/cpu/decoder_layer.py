@@ -37,6 +37,7 @@ import numpy as np
 from numba import njit, prange
 
 from ember.kernels.cpu import dense, twin
+from ember.kernels.cpu.dense import softplus_gate_row
 from ember.kernels.cpu.paged_attention import KVLayerStore, attention_task, store_row
 from ember.kernels.cpu.paged_attention import _Q8_0 as _KV_Q8_0
 from ember.kernels.cpu.paged_attention import _KERNELS as _ATTENTION
@@ -55,7 +56,6 @@ _SWIGLU_SERIAL, _SWIGLU_PARALLEL = _SWIGLU_INT8.serial, _SWIGLU_INT8.parallel
 _NORM_SERIAL, _NORM_PARALLEL = dense._RMSNORM.serial, dense._RMSNORM.parallel
 _ROPE_SERIAL, _ROPE_PARALLEL = dense._QK_NORM_ROPE.serial, dense._QK_NORM_ROPE.parallel
 _ATTENTION_SERIAL, _ATTENTION_PARALLEL = _ATTENTION.serial, _ATTENTION.parallel
-_NO_WINDOW = np.int64(0)  # fused layers attend to the whole context (sliding-window layers run op by op)
 _NONE = np.zeros(0, np.float32)  # an absent bias or norm: one compiled signature for every model
 
 # The compiled functions below call parallel kernels, whose code loaded from numba's cache jumps into
@@ -75,12 +75,16 @@ class FusedLayer:
 def fuse(attn_norm: np.ndarray, wq: CpuWeight, wk: CpuWeight, wv: CpuWeight, wo: CpuWeight, bq: np.ndarray | None,
          bk: np.ndarray | None, bv: np.ndarray | None, q_norm: np.ndarray | None, k_norm: np.ndarray | None,
          ffn_norm: np.ndarray | None, gate: CpuWeight | None, up: CpuWeight | None, down: CpuWeight | None,
-         n_heads: int, n_kv_heads: int, head_dim: int, eps: float, inv_freq: np.ndarray,
-         interleaved: bool) -> FusedLayer | None:
+         out_gate: CpuWeight | None, n_heads: int, n_kv_heads: int, head_dim: int, eps: float, inv_freq: np.ndarray,
+         interleaved: bool, window: int = 0) -> FusedLayer | None:
     """The layer's fused form (without FFN matrices: its attention and residual only), or None where
     the op-by-op path computes differently (a matrix without integer decode kernels, gate and up of
-    different shapes) or the shapes do not chain."""
+    different shapes) or the shapes do not chain. out_gate: laguna's softplus output gate (a value a
+    head or an element); window: a sliding window's keys (0: all)."""
     d = attn_norm.shape[0]
+    gated = out_gate is not None
+    if gated and not (out_gate.int8 and out_gate.cols == d and out_gate.rows in (n_heads, n_heads * head_dim)):
+        return None
     ffn = gate is not None
     if ffn and not (gate.int8 and up.int8 and down.int8 and (gate.rows, gate.cols) == (up.rows, up.cols) == (down.cols, d)
                     and down.rows == d):
@@ -91,13 +95,14 @@ def fuse(attn_norm: np.ndarray, wq: CpuWeight, wk: CpuWeight, wv: CpuWeight, wo:
                                                  n_heads * head_dim):
         return None
     biased, normed = bq is not None, q_norm is not None
+    og = out_gate if gated else wq  # a stand-in the compiled code never reads: one signature for every layer
     attn_in = (_f32(attn_norm), np.array([wq.code, wk.code, wv.code], np.int64), wq.u8, wk.u8, wv.u8,
                biased, _f32(bq), _f32(bk), _f32(bv), normed, _f32(q_norm), _f32(k_norm), _f32(inv_freq),
-               bool(interleaved), n_heads, n_kv_heads, head_dim, float(eps))
+               bool(interleaved), n_heads, n_kv_heads, head_dim, float(eps), gated, og.code, og.u8)
     mats = (gate, up, down) if ffn else (wo, wo, wo)  # stand-ins the compiled code never reads
     attn_out = (np.float32(head_dim**-0.5), wo.code, wo.u8, ffn, _f32(ffn_norm), float(eps),
-                *(v for w in mats for v in (w.code, w.u8)))
-    work = sum(w.nbytes for w in (wq, wk, wv, wo) + ((gate, up, down) if ffn else ()))
+                *(v for w in mats for v in (w.code, w.u8)), np.int64(window))
+    work = sum(w.nbytes for w in (wq, wk, wv, wo) + ((gate, up, down) if ffn else ()) + ((out_gate,) if gated else ()))
     return FusedLayer(attn_in, attn_out, work)
 
 
@@ -141,11 +146,11 @@ def _layer_quantized_kv(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KV
                         positions: np.ndarray, seen: np.ndarray, kv_blocks: np.ndarray, kv_offsets: np.ndarray,
                         tables: np.ndarray, token_seq: np.ndarray, force: int) -> np.ndarray:
     """The layer over a q8_0 KV cache, whose rows Python stores: attention in, the K/V store, attention out."""
-    q, kr, vr = _attention_in(x, positions, force, False, k.mode, k.f32, k.u16, v.f32, v.u16, kv_blocks, kv_offsets,
-                              *layer.attn_in)
+    q, kr, vr, g = _attention_in(x, positions, force, False, k.mode, k.f32, k.u16, v.f32, v.u16, kv_blocks, kv_offsets,
+                                 *layer.attn_in)
     kv_write(k, kv_blocks, kv_offsets, kr)
     kv_write(v, kv_blocks, kv_offsets, vr)
-    return _attention_out(x, q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, k.lut, tables,
+    return _attention_out(x, q, g, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, k.lut, tables,
                           token_seq, seen, force, *layer.attn_out)
 
 
@@ -162,11 +167,12 @@ def _parallel(force, work, threshold):
 @njit(cache=True, nogil=True)
 def _attention_in(x, positions, force, store, mode, k_f32, k_u16, v_f32, v_u16, kv_blocks, kv_offsets, attn_norm, codes,
                   wq, wk, wv, biased, bq, bk, bv, normed, q_norm, k_norm, inv_freq, interleaved, n_heads, n_kv_heads,
-                  head_dim, eps):
+                  head_dim, eps, gated, code_og, wog):
     """rmsnorm, then q, k, v (one integer kernel), biases, q/k head norms and rope -> q [n, heads, hd],
-    k, v [n, kv_heads, hd]: Block's attention up to the KV write, with the ops' kernels; with `store`,
-    k and v written to the cache's f32, f16 or bf16 arrays too (what the store's write does: two
-    Python calls fewer per layer, ~8 us on the demo)."""
+    k, v [n, kv_heads, hd] and the output gate's logits g [n, gate rows] (0 columns if not `gated`):
+    Block's attention up to the KV write, with the ops' kernels; with `store`, k and v written to the
+    cache's f32, f16 or bf16 arrays too (what the store's write does: two Python calls fewer per
+    layer, ~8 us on the demo)."""
     n = x.shape[0]
     h = np.empty_like(x)
     _rmsnorm(x, attn_norm, eps, h, force)
@@ -177,6 +183,9 @@ def _attention_in(x, positions, force, store, mode, k_f32, k_u16, v_f32, v_u16, 
         _QKV_PARALLEL(codes, (wq, wk, wv), h, (q, k, v))
     else:
         _QKV_SERIAL(codes, (wq, wk, wv), h, (q, k, v))
+    g = np.empty((n, wog.shape[0] if gated else 0), np.float32)
+    if gated:
+        _matmul_int8(code_og, wog, h, g, force)
     if biased:
         q, k, v = q + bq, k + bk, v + bv
     q3 = q.reshape(n, n_heads, head_dim)
@@ -192,7 +201,7 @@ def _attention_in(x, positions, force, store, mode, k_f32, k_u16, v_f32, v_u16, 
         for i in range(n):
             store_row(mode, k3[i], k_f32, k_u16, kv_blocks[i], kv_offsets[i])
             store_row(mode, v3[i], v_f32, v_u16, kv_blocks[i], kv_offsets[i])
-    return q3, k3, v3
+    return q3, k3, v3, g
 
 
 @njit(cache=True, nogil=True)
@@ -201,26 +210,31 @@ def _layer_stored_kv(x, positions, force, mode, k_f32, k_u16, i8, scales, v_f32,
     """The layer over an f32, f16 or bf16 KV cache in one call (i8, scales: the store's unused q8_0
     arrays, as are the f32 ones of a 16-bit store and the u16 ones of an f32 store): one dispatch and
     no returned q/k/v between the halves."""
-    q, _, _ = _attention_in(x, positions, force, True, mode, k_f32, k_u16, v_f32, v_u16, kv_blocks, kv_offsets,
-                            *attn_in)
-    return _attention_out(x, q, k_f32, k_u16, i8, scales, v_f32, v_u16, i8, scales, mode, lut, tables, token_seq, seen,
-                          force, *attn_out)
+    q, _, _, g = _attention_in(x, positions, force, True, mode, k_f32, k_u16, v_f32, v_u16, kv_blocks, kv_offsets,
+                               *attn_in)
+    return _attention_out(x, q, g, k_f32, k_u16, i8, scales, v_f32, v_u16, i8, scales, mode, lut, tables, token_seq,
+                          seen, force, *attn_out)
 
 
 @njit(cache=True, nogil=True)
-def _attention_out(x, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq, seen,
-                   force, scale, code_o, wo, ffn, ffn_norm, eps, code_g, gate, code_u, up, code_d, down):
-    """Attention over the paged cache, the output projection and residual, then (if `ffn`) rmsnorm,
+def _attention_out(x, q, g, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq, seen,
+                   force, scale, code_o, wo, ffn, ffn_norm, eps, code_g, gate, code_u, up, code_d, down, window):
+    """Attention over the paged cache (the last `window` keys of each token where window > 0), the
+    output gate where g has columns, the output projection and residual, then (if `ffn`) rmsnorm,
     the SwiGLU FFN and its residual -> the layer's output [n, hidden] (the attention residual
     without `ffn`)."""
     n, heads, hd = q.shape
     attn = np.empty_like(q)
-    if _parallel(force, q.size * 2 * (seen[-1] + 1), PARALLEL_MIN_WORK):
+    context = seen[-1] + 1  # paged_attention's measure of the work, as the op picks its variant
+    if _parallel(force, q.size * 2 * (min(context, window) if window > 0 else context), PARALLEL_MIN_WORK):
         _ATTENTION_PARALLEL(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq,
-                            seen, _NO_WINDOW, scale, attn)
+                            seen, window, scale, attn)
     else:
         _ATTENTION_SERIAL(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq,
-                          seen, _NO_WINDOW, scale, attn)
+                          seen, window, scale, attn)
+    if g.shape[1]:
+        for i in range(n):
+            softplus_gate_row(attn[i], g[i])
     o = np.empty((n, wo.shape[0]), np.float32)
     _matmul_int8(code_o, wo, attn.reshape(n, heads * hd), o, force)
     x = x + o
@@ -276,7 +290,7 @@ def _layer_team(threads, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_
                      tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room)
     if failed(counters):
         raise RuntimeError("the fused decoder layer failed in a thread of its team")
-    return bufs[-1] if attn_out[3] else bufs[6]
+    return bufs[11] if attn_out[3] else bufs[6]
 
 
 @njit(cache=True, nogil=True)
@@ -284,7 +298,7 @@ def _team_buffers(x, attn_in, attn_out):
     """_team_member's arrays: every intermediate of the layer, each token's activations quantized
     in the formats of the weights that read them."""
     codes, wq, wk, wv = attn_in[1], attn_in[2], attn_in[3], attn_in[4]
-    n_heads, head_dim = attn_in[14], attn_in[16]
+    n_heads, head_dim, gated, wog = attn_in[14], attn_in[16], attn_in[18], attn_in[20]
     code_o, ffn, code_g, gate, code_u, code_d = attn_out[1], attn_out[3], attn_out[6], attn_out[7], attn_out[8], \
         attn_out[10]
     n, d = x.shape
@@ -298,7 +312,7 @@ def _team_buffers(x, attn_in, attn_out):
             np.empty((n, wv.shape[0]), np.float32), np.empty((n, n_heads, head_dim), np.float32),
             np.empty((n, d), np.float32), np.empty((n, d), np.float32), np.empty((m, d), np.float32),
             np.empty((m, f_rows), np.float32), np.empty((m, f_rows), np.float32), np.empty((m, f_rows), np.float32),
-            np.empty((n, d), np.float32))
+            np.empty((n, d), np.float32), np.empty((n, wog.shape[0] if gated else 0), np.float32))
     return bufs, h_room, attn_room, h2_room, f_room
 
 
@@ -351,9 +365,9 @@ def _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, 
     """One thread's run of the layer's phases: in each, it claims items until none is left, then
     waits for the items others claimed. Each phase's items: tokens, row groups or attention tasks."""
     (attn_norm, codes, wq, wk, wv, biased, bq, bk, bv, normed, q_norm, k_norm, inv_freq, interleaved, n_heads,
-     n_kv_heads, head_dim, eps) = attn_in
-    scale, code_o, wo, ffn, ffn_norm, ffn_eps, code_g, gate, code_u, up, code_d, down = attn_out
-    h, q, k, v, attn, o, x1, h2, g, u, f, out = bufs
+     n_kv_heads, head_dim, eps, gated, code_og, wog) = attn_in
+    scale, code_o, wo, ffn, ffn_norm, ffn_eps, code_g, gate, code_u, up, code_d, down, window = attn_out
+    h, q, k, v, attn, o, x1, h2, g, u, f, out, og = bufs
     n = x.shape[0]
     me = join(counters)
 
@@ -361,17 +375,20 @@ def _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, 
         return
 
     gq, gk, gv = _groups(wq.shape[0]), _groups(wk.shape[0]), _groups(wv.shape[0])
-    c = claim(counters, _QKV, me, gq + gk + gv)
-    while c < gq + gk + gv:
+    items = gq + gk + gv + (_groups(wog.shape[0]) if gated else 0)  # the output gate's rows last
+    c = claim(counters, _QKV, me, items)
+    while c < items:
         if c < gq:
             _group_rows(codes[0], wq, c, h_room, q)
         elif c < gq + gk:
             _group_rows(codes[1], wk, c - gq, h_room, k)
-        else:
+        elif c < gq + gk + gv:
             _group_rows(codes[2], wv, c - gq - gk, h_room, v)
+        else:
+            _group_rows(code_og, wog, c - gq - gk - gv, h_room, og)
         finish(counters, _QKV)
-        c = claim(counters, _QKV, me, gq + gk + gv)
-    if not wait(counters, _QKV, gq + gk + gv):
+        c = claim(counters, _QKV, me, items)
+    if not wait(counters, _QKV, items):
         return
 
     q3 = q.reshape(n, n_heads, head_dim)
@@ -396,13 +413,20 @@ def _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, 
     c = claim(counters, _ATTEND, me, n * n_kv_heads)
     while c < n * n_kv_heads:
         attention_task(c, q3, k_f32, k_u16, i8, scales, v_f32, v_u16, i8, scales, mode, lut, tables, token_seq, seen,
-                       _NO_WINDOW, scale, attn)
+                       window, scale, attn)
         finish(counters, _ATTEND)
         c = claim(counters, _ATTEND, me, n * n_kv_heads)
     if not wait(counters, _ATTEND, n * n_kv_heads):
         return
 
-    if not _quantize_phase(counters, _QUANTIZE_ATTN, me, attn.reshape(n, n_heads * head_dim), attn_room):
+    i = claim(counters, _QUANTIZE_ATTN, me, n)  # each token's attention output gated, then quantized
+    while i < n:
+        if gated:
+            softplus_gate_row(attn[i], og[i])
+        _quantize_into(attn.reshape(n, n_heads * head_dim), i, attn_room)
+        finish(counters, _QUANTIZE_ATTN)
+        i = claim(counters, _QUANTIZE_ATTN, me, n)
+    if not wait(counters, _QUANTIZE_ATTN, n):
         return
     _projection_phase(counters, _OUT_PROJ, me, code_o, wo, attn_room, o, x, x1)
     if not ffn or not wait(counters, _OUT_PROJ, _groups(wo.shape[0])):

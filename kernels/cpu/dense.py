@@ -136,6 +136,31 @@ def sigmoid_mul(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
     return out
 
 
+@njit(**JIT)
+def softplus_gate_row(x, gate):  # type: ignore[no-untyped-def]
+    """One token's attention output x [heads, hd] times softplus of its gate, one value per head
+    (gate [heads]) or per element (gate [heads * hd]), in place. Laguna's output gate: the op and the
+    fused decoder layer both call this compiled function, so the two give the same bits."""
+    heads, hd = x.shape
+    per_head = gate.size == heads
+    for h in range(heads):
+        for j in range(hd):
+            g = gate[h] if per_head else gate[h * hd + j]
+            x[h, j] *= g if g > np.float32(20) else np.float32(math.log1p(math.exp(g)))
+
+
+@njit(**JIT)
+def _softplus_gate(x, gate):  # type: ignore[no-untyped-def]
+    for i in range(x.shape[0]):
+        softplus_gate_row(x[i], gate[i])
+
+
+def softplus_gate(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    out = np.array(x, np.float32)  # a copy: the op returns a new array
+    _softplus_gate(out, np.ascontiguousarray(gate, np.float32))
+    return out
+
+
 def _softmax_rows(x: np.ndarray, out: np.ndarray) -> None:
     rows, d = x.shape
     for r in prange(rows):

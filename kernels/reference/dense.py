@@ -42,6 +42,12 @@ def softplus(x: np.ndarray) -> np.ndarray:
     return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))).astype(np.float32)
 
 
+def softplus_gate(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    """x [n, heads, hd] times softplus(gate), gate [n, heads] (a value a head) or [n, heads * hd]."""
+    n, heads, hd = x.shape
+    return (x * softplus(gate).reshape(n, heads, -1)).astype(np.float32)
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float, window: int = 0) -> np.ndarray:
     """Causal GQA attention of q [n, hq, hd] at positions start.. over k, v [kv_heads, positions, hd];
     with window > 0 each query sees its last `window` keys only."""
