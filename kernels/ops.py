@@ -60,6 +60,7 @@ class LayerShape(NamedTuple):
     inv_freq: Array
     interleaved: bool
     window: int = 0  # a sliding-window layer's keys (Ops.paged_attention)
+    scale: float = 0.0  # the attention scores' scale (0: head_dim^-1/2)
 
 
 class Ops(ABC):

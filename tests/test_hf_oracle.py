@@ -9,14 +9,17 @@ import ember
 from ember.daemon.loader.hf_dir import gguf_name
 from ember.daemon.loader.model_file import open_model_file
 from references import hf_greedy, hf_logits
-from tiny_models import LLAMA3
+from tiny_models import LLAMA3, YARN
 
 
 ARCH_CASES = {
     "llama": ("llama", {}),
     "llama3-rope": ("llama", LLAMA3),
+    # yarn's attention factor: on the scores' scale (llama: no head norms), in the head norms (qwen3)
+    "llama-yarn": ("llama", {"rope_parameters": YARN | {"rope_theta": 10000.0}}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"tie_word_embeddings": True}),
+    "qwen3-yarn": ("qwen3", {"rope_parameters": YARN | {"rope_theta": 10000.0}}),
 }
 
 

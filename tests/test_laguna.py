@@ -13,6 +13,7 @@ from ember.daemon.loader.model_file import open_model_file
 from ember.kernels import get_ops
 from ember.kernels.reference import moe as ref_moe
 from references import hf_greedy, hf_logits
+from tiny_models import YARN
 
 LAYERS = 5  # tiny_models.TINY_MOE["laguna"]: layer 0 dense, 1-4 sparse; 0 and 4 full attention, 1-3 sliding
 CASES = {
@@ -20,6 +21,9 @@ CASES = {
     # M.1's layout: every layer full, a per-element output gate, three dense lead layers, no soft cap
     "m1": dict(layer_types=["full_attention"] * LAYERS, num_attention_heads_per_layer=None, gating="per-element",
                mlp_layer_types=["dense"] * 3 + ["sparse"] * 2, moe_router_logit_softcapping=0.0),
+    # XS.2's rope as llama.cpp describes it: yarn on the full layers (partial rotary), plain on the sliding ones
+    "yarn": dict(rope_parameters={"full_attention": YARN | {"rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 
 
@@ -43,8 +47,10 @@ def test_laguna_matches_transformers(hf_model, case: str) -> None:
     if case == "xs2":
         assert c.layer_heads == (4, 6, 6, 6, 4) and c.sliding_layers == (False, True, True, True, False)
         assert (c.sliding_window, c.rope_dim, c.rope_dim_swa, c.router_softcap) == (8, 16, 32, 4.0)
-    else:
+    elif case == "m1":
         assert c.layer_heads == () and c.sliding_window == 0
+    else:
+        assert c.rope_scaling.kind == "yarn" and c.rope_attn_factor == pytest.approx(1 + 0.1 * np.log(4))
     rng = np.random.default_rng(3)
     for n in (1, 7, 40):
         ids = rng.integers(1, c.vocab, n).tolist()
@@ -221,3 +227,21 @@ def test_cold_experts_on_laguna_equal_all_hot(hf_model) -> None:
         model.close()
     masked = ember.load(path, expert_budget="60%", cold_policy="mask").logits(ids)
     assert np.isfinite(masked).all() and np.abs(masked - expected).max() > 1e-3 * np.abs(expected).max()
+
+
+@pytest.mark.oracle
+def test_yarn_gguf_matches_llama_cpp_and_transformers(tmp_path: Path) -> None:
+    """Yarn on the full layers, converted by llama.cpp: ember reads the scaling from the file as llama.cpp
+    applies it (ggml's ramp, llama_context's attention factor): llama.cpp's and transformers' logits."""
+    from llama_cpp_tools import convert
+    from references import llama_cpp_logits
+    from tiny_models import build_hf_model
+
+    path, ref = build_hf_model("laguna", tmp_path / "hf", **(GGUF_SHAPE | CASES["yarn"]))
+    f32 = convert(path, tmp_path / "f32.gguf", "f32", no_mtp=False)
+    model = ember.load(f32)
+    assert model.config.rope_scaling == ember.load(path).config.rope_scaling
+    ids = np.random.default_rng(5).integers(1, 8192, 40).tolist()
+    ours = model.logits(ids)
+    for theirs in (llama_cpp_logits(f32, ids), hf_logits(ref, ids)):
+        assert np.abs(ours - theirs).max() <= 1e-5 * (theirs.max() - theirs.min())

@@ -60,5 +60,7 @@ def build_hf_model(arch: str, out: Path, seed: int = 0, **overrides: Any) -> tup
         shutil.copy(DEMO_TOKENIZER / f, out / f)
     return out, model
 
+# yarn with a short original context, so that its ramp and attention factor act within a test's prompts
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 LLAMA3 = {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                               "original_max_position_embeddings": 32, "rope_theta": 500000.0}}

@@ -29,11 +29,18 @@ _GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 
 @dataclass(frozen=True)
 class RopeScaling:
-    kind: str  # "linear" or "llama3"
+    kind: str  # "linear", "llama3" or "yarn"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_context: int = 8192
+    # yarn: the ramp between interpolated and extrapolated frequencies (its bounds in rotations, whether
+    # they round outward, how much of the extrapolation it keeps), and the factor on cos and sin
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    ext_factor: float = 1.0
+    attn_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,13 @@ class ModelConfig:
         return self.rope_dim or self.head_dim
 
     @property
+    def rope_attn_factor(self) -> float:
+        """What rope multiplies cos and sin by (yarn's attention factor; 1 otherwise): the rotated
+        dimensions of q and k scaled by it, their dot products by its square. Never on sliding layers."""
+        s = self.rope_scaling
+        return s.attn_factor if s is not None and s.kind == "yarn" else 1.0
+
+    @property
     def attention_layers(self) -> int:
         """Layers with a KV cache: all but a hybrid model's linear-attention layers."""
         return self.n_layers - (self.linear.n_layers if self.linear else 0)
@@ -135,13 +149,15 @@ class ModelConfig:
         if freq_factors is not None:
             inv = inv / freq_factors.astype(np.float64)
         elif self.rope_scaling is not None:
-            inv = _scaled_inv_freq(inv, self.rope_scaling)
+            inv = _scaled_inv_freq(inv, self.rope_scaling, self.rope_theta, dim)
         return inv.astype(np.float32)
 
 
-def _scaled_inv_freq(inv: np.ndarray, s: RopeScaling) -> np.ndarray:
+def _scaled_inv_freq(inv: np.ndarray, s: RopeScaling, theta: float, dim: int) -> np.ndarray:
     if s.kind == "linear":
         return inv / s.factor
+    if s.kind == "yarn":
+        return _yarn_inv_freq(inv, s, theta, dim)
     # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between
     wavelen = 2 * math.pi / inv
     low_wavelen = s.original_context / s.low_freq_factor
@@ -149,6 +165,26 @@ def _scaled_inv_freq(inv: np.ndarray, s: RopeScaling) -> np.ndarray:
     smooth = (s.original_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
     blended = (1 - smooth) * inv / s.factor + smooth * inv
     return np.where(wavelen > low_wavelen, inv / s.factor, np.where(wavelen < high_wavelen, inv, blended))
+
+
+def _yarn_inv_freq(inv: np.ndarray, s: RopeScaling, theta: float, dim: int) -> np.ndarray:
+    """YaRN (transformers' _compute_yarn_parameters, ggml's rope_yarn): frequencies that turn fewer than
+    beta_slow times over the original context are interpolated (divided by the factor), those that
+    turn more than beta_fast times kept, a linear ramp between."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(s.original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / max(high - low, 0.001), 0, 1)
+    kept = (1 - ramp) * s.ext_factor  # the share of each frequency extrapolated as it is
+    return inv / s.factor * (1 - kept) + inv * kept
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def config_from_gguf(meta: Mapping[str, Any], n_vocab_rows: int, source: str) -> ModelConfig:
@@ -174,9 +210,10 @@ def config_from_gguf(meta: Mapping[str, Any], n_vocab_rows: int, source: str) ->
     scaling = None
     kind = meta.get(f"{arch}.rope.scaling.type")
     if kind not in (None, "none"):
-        if kind != "linear":
-            raise ModelFileError(source, f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
-        scaling = RopeScaling("linear", float(get("rope.scaling.factor")))
+        if kind not in ("linear", "yarn"):
+            raise ModelFileError(source, f"unsupported rope scaling type {kind!r} (supported: linear, llama3, yarn)")
+        scaling = (RopeScaling("linear", float(get("rope.scaling.factor"))) if kind == "linear"
+                   else _gguf_yarn(meta, arch, float(get("rope.scaling.factor")), int(get("context_length", 4096))))
     return ModelConfig(
         arch=arch,
         n_layers=n_layers,
@@ -205,6 +242,21 @@ def config_from_gguf(meta: Mapping[str, Any], n_vocab_rows: int, source: str) ->
         rope_theta_swa=float(meta.get(f"{arch}.rope.freq_base_swa", 0.0)) if window else 0.0,
         rope_dim_swa=int(meta.get(f"{arch}.rope.dimension_count_swa", 0)) if window else 0,
     )
+
+
+def _gguf_yarn(meta: Mapping[str, Any], arch: str, factor: float, context: int) -> RopeScaling:
+    """YaRN as llama.cpp applies it: its attention factor is get_mscale(factor) (the file's
+    yarn_attn_factor is overridden, llama_context's cparams), or DeepSeek's ratio where the file has a
+    yarn_log_multiplier, times the file's rope.scaling.attn_factor."""
+    def key(name: str, default: Any) -> Any:
+        return meta.get(f"{arch}.rope.scaling.{name}", default)
+
+    log_mul = float(key("yarn_log_multiplier", 0.0))
+    attn = _yarn_mscale(factor) / (_yarn_mscale(factor, log_mul) if log_mul else 1.0)
+    return RopeScaling("yarn", factor, original_context=int(key("original_context_length", context)),
+                       beta_fast=float(key("yarn_beta_fast", 32.0)), beta_slow=float(key("yarn_beta_slow", 1.0)),
+                       ext_factor=float(key("yarn_ext_factor", 1.0)),
+                       attn_factor=attn * float(key("attn_factor", 1.0)))
 
 
 def _per_layer(value: Any) -> list[int]:
@@ -274,7 +326,7 @@ def config_from_hf(cfg: Mapping[str, Any], source: str) -> ModelConfig:
         context_length=int(cfg.get("max_position_embeddings", 4096)),
         rope_theta=theta,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_scaling=_hf_rope_scaling(rope, source),
+        rope_scaling=_hf_rope_scaling(rope, source, cfg),
         n_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
         n_experts_used=int(cfg.get("num_experts_per_tok") or 0),
         expert_ffn=int(cfg.get("moe_intermediate_size") or (cfg.get("intermediate_size", 0) if model_type == "mixtral" else 0)),
@@ -318,10 +370,12 @@ def _hf_linear(cfg: Mapping[str, Any], arch: str) -> LinearAttention | None:
                            recurrent=tuple(t == "linear_attention" for t in types[:n_layers]))
 
 
-def _hf_rope_scaling(rope: Mapping[str, Any], source: str) -> RopeScaling | None:
+def _hf_rope_scaling(rope: Mapping[str, Any], source: str, cfg: Mapping[str, Any]) -> RopeScaling | None:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return None
+    if kind == "yarn":
+        return _hf_yarn(rope, cfg)
     if kind == "linear":
         return RopeScaling("linear", float(rope["factor"]))
     if kind == "llama3":
@@ -332,7 +386,24 @@ def _hf_rope_scaling(rope: Mapping[str, Any], source: str) -> RopeScaling | None
             float(rope.get("high_freq_factor", 4.0)),
             int(rope.get("original_max_position_embeddings", 8192)),
         )
-    raise ModelFileError(source, f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
+    raise ModelFileError(source, f"unsupported rope scaling type {kind!r} (supported: linear, llama3, yarn)")
+
+
+def _hf_yarn(rope: Mapping[str, Any], cfg: Mapping[str, Any]) -> RopeScaling:
+    """transformers' _compute_yarn_parameters: `truncate` read from the top level of rope_parameters
+    (as it reads it, also where they are keyed by layer type)."""
+    original = int(rope.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 4096))
+    factor = rope.get("factor")
+    factor = float(factor) if factor is not None else int(cfg.get("max_position_embeddings", original)) / original
+    attn = rope.get("attention_factor")
+    if attn is None:
+        mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        attn = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim) if mscale and all_dim
+                else _yarn_mscale(factor))
+    top = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return RopeScaling("yarn", factor, original_context=original, beta_fast=float(rope.get("beta_fast") or 32),
+                       beta_slow=float(rope.get("beta_slow") or 1), truncate=bool(top.get("truncate", True)),
+                       attn_factor=float(attn))
 
 
 def _require(mapping: Mapping[str, Any], key: str, source: str) -> Any:

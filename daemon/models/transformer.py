@@ -68,6 +68,7 @@ class Attention:
     # laguna: the output scaled by softplus(x . out_gate), one value per head ([heads, hidden]) or
     # per element ([heads * head_dim, hidden])
     out_gate: Weight | None = None
+    scale: float = 0.0  # the scores' scale (0: head_dim^-1/2)
 
     def __call__(self, ops: Ops, cfg: ModelConfig, x: Array, cache: PagedKVCache, batch: StepBatch) -> Array:
         n, rows, heads, hd = x.shape[0], batch.decode_rows, self.n_heads, cfg.head_dim
@@ -86,7 +87,7 @@ class Attention:
         cache.write(self.kv_layer, batch.kv_blocks, batch.kv_offsets, k, v)
         seen = batch.positions if batch.attn_end is None else batch.attn_end  # causal unless told otherwise
         out = ops.paged_attention(q, cache.k[self.kv_layer], cache.v[self.kv_layer], batch.tables, batch.token_seq,
-                                  seen, hd**-0.5, self.window).reshape(n, heads * hd)
+                                  seen, self.scale or hd**-0.5, self.window).reshape(n, heads * hd)
         if gate is not None:
             out = ops.sigmoid_mul(out, gate)
         if self.out_gate is not None:
@@ -273,10 +274,11 @@ def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, expe
     if lin is not None:  # a hybrid: its mixer is linear or gated attention, post_attention_norm before the FFN
         linear_before = sum(lin.recurrent[first:i])
         mixer = (load_gated_delta_net(mf, ops, i, linear_before) if lin.recurrent[i] else
-                 Attention(wq=w("attn_q"), wk=w("attn_k"), wv=w("attn_v"), wo=w("attn_output"), bq=None, bk=None,
-                           bv=None, q_norm=_norm(mf, ops, f"blk.{i}.attn_q_norm.weight"),
-                           k_norm=_norm(mf, ops, f"blk.{i}.attn_k_norm.weight"), kv_layer=i - first - linear_before,
-                           rope=rope, n_heads=cfg.heads(i), gated=True))
+                 _rope_factor(mf, ops, Attention(
+                     wq=w("attn_q"), wk=w("attn_k"), wv=w("attn_v"), wo=w("attn_output"), bq=None, bk=None, bv=None,
+                     q_norm=_norm(mf, ops, f"blk.{i}.attn_q_norm.weight"),
+                     k_norm=_norm(mf, ops, f"blk.{i}.attn_k_norm.weight"), kv_layer=i - first - linear_before,
+                     rope=rope, n_heads=cfg.heads(i), gated=True)))
         return Block(_norm(mf, ops, f"blk.{i}.attn_norm.weight"), mixer,
                      _norm(mf, ops, f"blk.{i}.post_attention_norm.weight"), ffn)
     window = cfg.window(i)
@@ -293,7 +295,27 @@ def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, expe
         window=window,
         out_gate=w("attn_gate") if spec.output_gate else None,
     )
-    return Block(vec("attn_norm.weight"), attn, vec("ffn_norm.weight"), ffn)
+    return Block(vec("attn_norm.weight"), _rope_factor(mf, ops, attn), vec("ffn_norm.weight"), ffn)
+
+
+def _rope_factor(mf: ModelFile, ops: Ops, attn: Attention) -> Attention:
+    """The attention with yarn's factor m on cos and sin (ModelConfig.rope_attn_factor; sliding layers
+    rotate unscaled): the rotated dimensions of q and k times m. Rope is linear and rotates pairs
+    within them, so m goes into the q and k head norms' weights there; a model without head norms
+    that rotates every dimension takes m^2 on its scores' scale instead."""
+    cfg, m = mf.config, mf.config.rope_attn_factor
+    if m == 1.0 or attn.window:
+        return attn
+    if attn.q_norm is not None and attn.k_norm is not None:
+        factor = np.ones(cfg.head_dim, np.float32)
+        factor[: cfg.rotary_dim] = m
+        attn.q_norm = ops.to_device(ops.to_numpy(attn.q_norm) * factor)
+        attn.k_norm = ops.to_device(ops.to_numpy(attn.k_norm) * factor)
+    elif cfg.rotary_dim == cfg.head_dim:
+        attn.scale = cfg.head_dim**-0.5 * m * m
+    else:
+        raise ModelFileError(str(mf.path), "yarn's attention factor on a partial rotary without q/k norms is not supported")
+    return attn
 
 
 def stack_layer(block: Block, ops: Ops, cfg: ModelConfig) -> StackLayer:
@@ -314,7 +336,7 @@ def stack_layer(block: Block, ops: Ops, cfg: ModelConfig) -> StackLayer:
                            *((ffn.gate, ffn.up, ffn.down) if dense else (None,) * 3),  # type: ignore[union-attr]
                            attn.out_gate)
     shape = LayerShape(attn.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, attn.rope.inv_freq,
-                       attn.rope.interleaved, attn.window)
+                       attn.rope.interleaved, attn.window, attn.scale)
     return StackLayer(run, weights, shape, attn.kv_layer, lambda h, step: block.finish(ops, cfg, h, step))
 
 

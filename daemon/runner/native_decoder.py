@@ -130,9 +130,10 @@ class NativeDecoder:
         """The model of a GGUF file or HF directory, its weights repacked onto the device."""
         c = mf.config
         spec = architecture(c.arch, str(mf.path))
-        if c.linear is not None or c.n_experts or c.sliding_window or c.layer_heads or spec.output_gate:
+        if (c.linear is not None or c.n_experts or c.sliding_window or c.layer_heads or spec.output_gate
+                or c.rope_attn_factor != 1.0):
             raise NativeDecoderUnsupported(f"{c.arch}: the native decode step runs dense attention models only "
-                                           "(every layer alike, no sliding window, no output gate)")
+                                           "(every layer alike, no sliding window, no output gate, no yarn)")
         _check_head_dim(c.head_dim)  # before any weight goes to the device
         factors = mf.tensors.get("rope_freqs.weight")
         inv_freq = c.inv_freq(None if factors is None else dequantize(factors.ttype, factors.rows2d(),

@@ -76,11 +76,11 @@ def fuse(attn_norm: np.ndarray, wq: CpuWeight, wk: CpuWeight, wv: CpuWeight, wo:
          bk: np.ndarray | None, bv: np.ndarray | None, q_norm: np.ndarray | None, k_norm: np.ndarray | None,
          ffn_norm: np.ndarray | None, gate: CpuWeight | None, up: CpuWeight | None, down: CpuWeight | None,
          out_gate: CpuWeight | None, n_heads: int, n_kv_heads: int, head_dim: int, eps: float, inv_freq: np.ndarray,
-         interleaved: bool, window: int = 0) -> FusedLayer | None:
+         interleaved: bool, window: int = 0, scale: float = 0.0) -> FusedLayer | None:
     """The layer's fused form (without FFN matrices: its attention and residual only), or None where
     the op-by-op path computes differently (a matrix without integer decode kernels, gate and up of
     different shapes) or the shapes do not chain. out_gate: laguna's softplus output gate (a value a
-    head or an element); window: a sliding window's keys (0: all)."""
+    head or an element); window: a sliding window's keys (0: all); scale: the scores' (0: head_dim^-1/2)."""
     d = attn_norm.shape[0]
     gated = out_gate is not None
     if gated and not (out_gate.int8 and out_gate.cols == d and out_gate.rows in (n_heads, n_heads * head_dim)):
@@ -100,7 +100,7 @@ def fuse(attn_norm: np.ndarray, wq: CpuWeight, wk: CpuWeight, wv: CpuWeight, wo:
                biased, _f32(bq), _f32(bk), _f32(bv), normed, _f32(q_norm), _f32(k_norm), _f32(inv_freq),
                bool(interleaved), n_heads, n_kv_heads, head_dim, float(eps), gated, og.code, og.u8)
     mats = (gate, up, down) if ffn else (wo, wo, wo)  # stand-ins the compiled code never reads
-    attn_out = (np.float32(head_dim**-0.5), wo.code, wo.u8, ffn, _f32(ffn_norm), float(eps),
+    attn_out = (np.float32(scale or head_dim**-0.5), wo.code, wo.u8, ffn, _f32(ffn_norm), float(eps),
                 *(v for w in mats for v in (w.code, w.u8)), np.int64(window))
     work = sum(w.nbytes for w in (wq, wk, wv, wo) + ((gate, up, down) if ffn else ()) + ((out_gate,) if gated else ()))
     return FusedLayer(attn_in, attn_out, work)
