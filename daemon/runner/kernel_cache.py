@@ -278,7 +278,7 @@ def _greedy_kernels() -> None:
 
 def _linear_attention_kernels() -> None:
     """The hybrid models' kernels (conv1d, delta rule, output gate) on a prompt step and a decode step,
-    with the argument types the model passes them."""
+    with the argument types the model passes them; laguna's output gate."""
     from ember.kernels.cpu.backend import CpuOps
 
     ops, rng = CpuOps(), np.random.default_rng(0)
@@ -297,6 +297,7 @@ def _linear_attention_kernels() -> None:
         for tiled in (False, True):
             ops.gated_delta_net(mixed, ab, ab, A, dt_bias, delta_states, starts, slots, positions, hk, dk, tiled)
         ops.sigmoid_mul(x, x)
+    ops.softplus_gate(ops.zeros((2, 2, 4)), ops.zeros((2, 2)))  # laguna's output gate, op by op (prompt rows)
 
 
 def _expert_kernels(net) -> None:  # type: ignore[no-untyped-def]
