@@ -21,6 +21,7 @@ CASES = {
     # M.1's layout: every layer full, a per-element output gate, three dense lead layers, no soft cap
     "m1": dict(layer_types=["full_attention"] * LAYERS, num_attention_heads_per_layer=None, gating="per-element",
                mlp_layer_types=["dense"] * 3 + ["sparse"] * 2, moe_router_logit_softcapping=0.0),
+    "bias": dict(attention_bias=True),  # q, k, v and output projections with biases
     # XS.2's rope as llama.cpp describes it: yarn on the full layers (partial rotary), plain on the sliding ones
     "yarn": dict(rope_parameters={"full_attention": YARN | {"rope_theta": 500000.0, "partial_rotary_factor": 0.5},
                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
@@ -49,7 +50,7 @@ def test_laguna_matches_transformers(hf_model, case: str) -> None:
         assert (c.sliding_window, c.rope_dim, c.rope_dim_swa, c.router_softcap) == (8, 16, 32, 4.0)
     elif case == "m1":
         assert c.layer_heads == () and c.sliding_window == 0
-    else:
+    elif case == "yarn":
         assert c.rope_scaling.kind == "yarn" and c.rope_attn_factor == pytest.approx(1 + 0.1 * np.log(4))
     rng = np.random.default_rng(3)
     for n in (1, 7, 40):

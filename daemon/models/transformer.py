@@ -69,6 +69,7 @@ class Attention:
     # per element ([heads * head_dim, hidden])
     out_gate: Weight | None = None
     scale: float = 0.0  # the scores' scale (0: head_dim^-1/2)
+    bo: Array | None = None  # the output projection's bias (laguna's attention_bias)
 
     def __call__(self, ops: Ops, cfg: ModelConfig, x: Array, cache: PagedKVCache, batch: StepBatch) -> Array:
         n, rows, heads, hd = x.shape[0], batch.decode_rows, self.n_heads, cfg.head_dim
@@ -92,7 +93,8 @@ class Attention:
             out = ops.sigmoid_mul(out, gate)
         if self.out_gate is not None:
             out = ops.softplus_gate(out.reshape(n, heads, hd), ops.matmul(x, self.out_gate, rows)).reshape(n, heads * hd)
-        return ops.matmul(out, self.wo, rows)
+        out = ops.matmul(out, self.wo, rows)
+        return out if self.bo is None else out + self.bo
 
 
 @dataclass
@@ -282,11 +284,13 @@ def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, expe
         return Block(_norm(mf, ops, f"blk.{i}.attn_norm.weight"), mixer,
                      _norm(mf, ops, f"blk.{i}.post_attention_norm.weight"), ffn)
     window = cfg.window(i)
+    # qwen2's biases, and any other architecture's where its file has them (laguna's attention_bias)
+    biased = spec.qkv_bias or f"blk.{i}.attn_q.bias" in mf.tensors
     attn = Attention(
         wq=w("attn_q"), wk=w("attn_k"), wv=w("attn_v"), wo=w("attn_output"),
-        bq=vec("attn_q.bias") if spec.qkv_bias else None,
-        bk=vec("attn_k.bias") if spec.qkv_bias else None,
-        bv=vec("attn_v.bias") if spec.qkv_bias else None,
+        bq=vec("attn_q.bias") if biased else None,
+        bk=vec("attn_k.bias") if biased else None,
+        bv=vec("attn_v.bias") if biased else None,
         q_norm=vec("attn_q_norm.weight") if spec.qk_norm else None,
         k_norm=vec("attn_k_norm.weight") if spec.qk_norm else None,
         kv_layer=i - first,
@@ -294,6 +298,7 @@ def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, expe
         n_heads=cfg.heads(i),
         window=window,
         out_gate=w("attn_gate") if spec.output_gate else None,
+        bo=vec("attn_output.bias") if f"blk.{i}.attn_output.bias" in mf.tensors else None,
     )
     return Block(vec("attn_norm.weight"), _rope_factor(mf, ops, attn), vec("ffn_norm.weight"), ffn)
 
@@ -327,7 +332,7 @@ def stack_layer(block: Block, ops: Ops, cfg: ModelConfig) -> StackLayer:
         return block(ops, cfg, x, cache, step)
 
     attn = block.attn
-    if not isinstance(attn, Attention) or attn.gated:
+    if not isinstance(attn, Attention) or attn.gated or attn.bo is not None:
         return StackLayer(run)
     ffn = block.ffn
     dense = isinstance(ffn, DenseFFN)
