@@ -28,14 +28,13 @@ def cold_workers(engine_pid: int) -> list[int]:
     return [p for p in children(engine_pid) if b"cold_worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
-@pytest.fixture(scope="module")
-def moe_daemon(tmp_path_factory) -> DaemonProcess:
-    cache = tmp_path_factory.mktemp("cache")
+def cold_expert_daemon(tmp_path_factory, path: Path, name: str, budget: str) -> DaemonProcess:
+    """A daemon serving `path` with `budget` of its experts hot and two cold workers."""
     config = f"""
 [[models]]
-path = "{TRAINED_MOE}"
-name = "moe"
-expert_budget = "25%"
+path = "{path}"
+name = "{name}"
+expert_budget = "{budget}"
 cold_workers = 2
 [server]
 logits_slots = 32
@@ -43,7 +42,23 @@ logits_slots = 32
 max_active = 2
 ctx = 512
 """
-    d = DaemonProcess(config, env={"EMBER_CACHE_DIR": str(cache)}).wait_ready(timeout=300)
+    return DaemonProcess(config, env={"EMBER_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}).wait_ready(timeout=300)
+
+
+def all_hot_step_logits(path: Path, prompt: str, n: int) -> list[np.ndarray]:
+    """Each step's logits of a request alone, every expert hot, in process: what the daemon should send."""
+    all_hot = ember.load(path)
+    engine = all_hot.engine(8 * KV_BLOCK)  # what the daemon runs for a request alone
+    engine.add(Sequence(all_hot.tokenize(prompt), n, wants_logits=True, stop_ids=frozenset()))
+    expected = []
+    while engine.has_work:
+        expected += [o.logits for o in engine.step().outputs]
+    return expected
+
+
+@pytest.fixture(scope="module")
+def moe_daemon(tmp_path_factory) -> DaemonProcess:
+    d = cold_expert_daemon(tmp_path_factory, TRAINED_MOE, "moe", "25%")
     yield d
     d.stop()
 
@@ -51,13 +66,7 @@ ctx = 512
 def test_cold_experts_through_the_daemon_equal_all_hot_and_a_worker_killed_while_idle_fails_nothing(moe_daemon, tmp_path,
                                                                                     monkeypatch) -> None:
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
-    all_hot = ember.load(TRAINED_MOE)
-    ids = all_hot.tokenize(PROMPT)
-    engine = all_hot.engine(8 * KV_BLOCK)  # what the daemon runs for a request alone
-    engine.add(Sequence(ids, 12, wants_logits=True, stop_ids=frozenset()))
-    expected = []
-    while engine.has_work:
-        expected += [o.logits for o in engine.step().outputs]
+    expected = all_hot_step_logits(TRAINED_MOE, PROMPT, 12)
     with Client(moe_daemon.socket) as client:
         rows = [c.logits[0].copy() for c in client.generate(PROMPT, max_tokens=12, return_logits=True, ignore_eos=True)]
         assert len(rows) == len(expected) == 12
@@ -102,19 +111,7 @@ def laguna_daemon(tmp_path_factory) -> tuple[DaemonProcess, Path]:
     from tiny_models import build_hf_model
 
     path, _ = build_hf_model("laguna", tmp_path_factory.mktemp("laguna") / "hf")
-    config = f"""
-[[models]]
-path = "{path}"
-name = "laguna"
-expert_budget = "60%"
-cold_workers = 2
-[server]
-logits_slots = 32
-[engine]
-max_active = 2
-ctx = 512
-"""
-    d = DaemonProcess(config, env={"EMBER_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}).wait_ready(timeout=300)
+    d = cold_expert_daemon(tmp_path_factory, path, "laguna", "60%")
     yield d, path
     d.stop()
 
@@ -124,13 +121,7 @@ def test_laguna_with_cold_experts_through_the_daemon_equals_all_hot(laguna_daemo
     daemon with cold workers: every step's logits, prompt and decode, are the all-hot model's."""
     daemon, path = laguna_daemon
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
-    all_hot = ember.load(path)
-    ids = all_hot.tokenize(PROMPT * 3)  # past the window of 8
-    engine = all_hot.engine(8 * KV_BLOCK)
-    engine.add(Sequence(ids, 12, wants_logits=True, stop_ids=frozenset()))
-    expected = []
-    while engine.has_work:
-        expected += [o.logits for o in engine.step().outputs]
+    expected = all_hot_step_logits(path, PROMPT * 3, 12)  # past the window of 8
     with Client(daemon.socket) as client:
         rows = [c.logits[0].copy() for c in client.generate(PROMPT * 3, max_tokens=12, return_logits=True,
                                                              ignore_eos=True)]
