@@ -29,6 +29,17 @@ class ExpertWeights(NamedTuple):
     down: Weight
 
 
+class Routing(NamedTuple):
+    """How a MoE layer's router picks and weighs its experts (Ops.route's parameters)."""
+
+    k: int  # experts per token
+    normalize: bool  # renormalise the top-k weights to sum to 1
+    gating: str = "softmax"  # or "sigmoid"
+    bias: np.ndarray | None = None  # sigmoid gating's selection bias [experts] (host float32)
+    softcap: float = 0.0
+    scale: float = 1.0
+
+
 class LayerWeights(NamedTuple):
     """A standard decoder layer (ops.fuse_layer): h = x + attention(rmsnorm(x)), then h + ffn(rmsnorm(h)),
     the attention with q/k/v (and optional biases), q/k head norms (optional) and rope, its output
@@ -125,6 +136,21 @@ class Ops(ABC):
         if scale != 1.0:
             top = top * np.float32(scale)
         return ids, top.astype(np.float32, copy=False)
+
+    def expert_table(self, experts: Mapping[int, ExpertWeights], n_experts: int) -> Any:
+        """A layer's hot experts (expert id -> weights, of n_experts in all) as routed_ffn takes them,
+        built once each time the hot set changes. Default: the mapping itself."""
+        return dict(experts)
+
+    def routed_ffn(self, x: Array, router: Weight, table: Any, routing: Routing,
+                   decode_rows: Array | None = None) -> tuple[Array, np.ndarray]:
+        """A MoE layer's routed experts where every one of them is hot (`table`: expert_table's):
+        route(matmul(x, router)) and expert_ffn over every (token, expert) pair -> (out [n, d], the
+        chosen expert ids int64 [n, k]), which a backend may run as one call. This default makes the
+        three calls."""
+        ids, weights = self.route(self.matmul(x, router, decode_rows), *routing)
+        token = np.repeat(np.arange(x.shape[0]), routing.k)
+        return self.expert_ffn(x, table, token, ids.reshape(-1), weights.reshape(-1), decode_rows), ids
 
     def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
                    weight: np.ndarray, decode_rows: Array | None = None) -> Array:

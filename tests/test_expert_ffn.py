@@ -1,5 +1,6 @@
-"""The CPU's one-call expert FFN for decode steps (kernels/cpu/expert_ffn.py) computes what the ops
-API's default expert_ffn computes, bit for bit, so a token's result never depends on which ran it."""
+"""The CPU's one-call expert FFN for decode steps (kernels/cpu/expert_ffn.py), and its one call for a
+layer's router, routing and experts, compute what the ops API's defaults compute, bit for bit, so a
+token's result never depends on which ran it."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 import ember
 from ember.daemon.step.step_batch import StepBatch
 from ember.kernels.cpu import expert_ffn, twin
-from ember.kernels.ops import Ops
+from ember.kernels.ops import Ops, Routing
 
 from tiny_models import FIXTURES
 
@@ -38,12 +39,13 @@ def decode_states(net, steps: int = 3) -> list[np.ndarray]:  # type: ignore[no-u
 @pytest.mark.parametrize("variant", [None, "serial", "parallel"])
 def test_decode_steps_equal_the_default_expert_ffn(net, variant: str | None, monkeypatch) -> None:
     calls = []
-    fused = expert_ffn.expert_ffn
-    monkeypatch.setattr(expert_ffn, "expert_ffn", lambda *a: calls.append(1) or fused(*a))
+    fused = expert_ffn.routed_ffn
+    monkeypatch.setattr(expert_ffn, "routed_ffn", lambda *a: calls.append(1) or fused(*a))
     monkeypatch.setattr(twin, "FORCE", variant)
     got = decode_states(net)
-    assert len(calls) == 3 * net.config.n_layers  # every MoE layer of every step ran fused
-    monkeypatch.setattr(expert_ffn, "expert_ffn", lambda *a: None)  # the backend falls back to the default
+    assert len(calls) == 3 * net.config.n_layers  # every MoE layer of every step: router to experts in one call
+    monkeypatch.setattr(type(net.ops), "routed_ffn", Ops.routed_ffn)  # the API's default: router, route, experts
+    monkeypatch.setattr(expert_ffn, "expert_ffn", lambda *a: None)  # and the experts through the default
     monkeypatch.setattr(net.stack, "fused", [None] * len(net.blocks))  # and the attention runs op by op
     for a, b in zip(got, decode_states(net), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -63,3 +65,30 @@ def test_one_call_equals_the_default_on_the_same_pairs(net) -> None:
     want = Ops.expert_ffn(net.ops, x, ffn.hot, token, expert, weight, np.ones(3, bool))
     assert np.abs(want).min() > 0  # every token got its experts' outputs
     np.testing.assert_array_equal(net.ops.expert_ffn(x, ffn.hot, token, expert, weight, np.ones(3, bool)), want)
+
+
+@pytest.mark.parametrize("router_type", ["F32", "Q8_0"])
+@pytest.mark.parametrize("routing", [Routing(2, True), Routing(3, True, "sigmoid", None, 3.0, 2.5),
+                                     Routing(2, False, "sigmoid", "bias", 0.0, 1.0)], ids=["softmax", "capped", "biased"])
+def test_one_call_routing_equals_the_default_routing(net, router_type: str, routing: Routing) -> None:
+    """ops.routed_ffn in one compiled call (a float32 or integer router; softmax or Laguna's sigmoid
+    gating, with a soft cap, a selection bias, a scale) against the API's default's three calls."""
+    from ember.kernels.raw_tensor import RawTensor
+    from ember.kernels.reference.quant import quantize
+    from ember.kernels.tensor_types import TensorType
+
+    ffn = net.blocks[0].ffn
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((ffn.n_experts, net.config.hidden)).astype(np.float32) * 0.2
+    ttype = TensorType[router_type]
+    data = logits if ttype == TensorType.F32 else quantize(ttype, logits).reshape(logits.shape[0], -1)
+    router = net.ops.weight(RawTensor("router", ttype, logits.shape, data))
+    if routing.bias is not None:
+        routing = routing._replace(bias=(rng.standard_normal(ffn.n_experts) * 0.1).astype(np.float32))
+    table = net.ops.expert_table(ffn.hot, ffn.n_experts)
+    assert table.complete
+    x = rng.standard_normal((5, net.config.hidden)).astype(np.float32)
+    got, ids = net.ops.routed_ffn(x, router, table, routing, np.ones(5, bool))
+    want, want_ids = Ops.routed_ffn(net.ops, x, router, dict(ffn.hot), routing, np.ones(5, bool))
+    assert (ids == want_ids).all() and len(set(ids.reshape(-1))) > routing.k
+    np.testing.assert_array_equal(got, want)

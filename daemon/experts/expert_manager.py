@@ -164,7 +164,7 @@ class ExpertManager:
                 break
             for out_layer, out_e in outs[:victims]:
                 self.hot[out_layer, out_e] = False
-                self.ffns[out_layer].demote([int(out_e)])
+                self.ffns[out_layer].demote(ops, [int(out_e)])
             outs = outs[victims:]
             self.hot[layer, e] = True
             self.ffns[layer].promote(ops, [int(e)])

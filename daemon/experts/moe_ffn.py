@@ -9,11 +9,11 @@ architectures (a shared expert beside the routed ones, say) can wrap it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ember.kernels.ops import Array, ExpertWeights, Ops, Weight
+from ember.kernels.ops import Array, ExpertWeights, Ops, Routing, Weight
 from ember.kernels.raw_tensor import RawTensor
 
 if TYPE_CHECKING:
@@ -34,18 +34,6 @@ class ExpertTensors:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
 
-@dataclass(frozen=True)
-class Routing:
-    """How a layer's router picks and weighs experts (Ops.route)."""
-
-    k: int  # experts per token
-    normalize: bool  # renormalise the top-k weights to sum to 1
-    gating: str = "softmax"
-    bias: np.ndarray | None = None  # sigmoid gating's selection bias [experts] (host float32)
-    softcap: float = 0.0
-    scale: float = 1.0
-
-
 @dataclass
 class MoEFFN:
     layer: int
@@ -56,6 +44,7 @@ class MoEFFN:
     # the hot experts, on the engine's device (promoted and demoted by the manager between steps)
     hot: dict[int, ExpertWeights] = field(default_factory=dict)
     is_hot: np.ndarray = field(init=False)  # bool [experts]: the keys of `hot`
+    table: Any = None  # `hot` as ops.routed_ffn takes it (ops.expert_table), rebuilt as it changes
 
     def __post_init__(self) -> None:
         self.is_hot = np.zeros(len(self.files), bool)
@@ -69,15 +58,21 @@ class MoEFFN:
             t = self.files[e]
             self.hot[e] = ExpertWeights(ops.weight(t.gate), ops.weight(t.up), ops.weight(t.down))
             self.is_hot[e] = True
+        self.table = ops.expert_table(self.hot, self.n_experts)
 
-    def demote(self, experts: list[int]) -> None:
+    def demote(self, ops: Ops, experts: list[int]) -> None:
         for e in experts:
             del self.hot[e]
             self.is_hot[e] = False
+        self.table = ops.expert_table(self.hot, self.n_experts)
 
     def __call__(self, ops: Ops, x: Array, rows: Array) -> Array:
         n = x.shape[0]
         r = self.routing
+        if self.is_hot.all():  # routing and experts in one backend call
+            out, ids = ops.routed_ffn(x, self.router, self.table, r, rows)
+            self.manager.record(self.layer, ids.reshape(-1), n)
+            return out
         ids, weights = ops.route(ops.matmul(x, self.router, rows), r.k, r.normalize, r.gating, r.bias, r.softcap, r.scale)
         token = np.repeat(np.arange(n), r.k)
         expert, weight = ids.reshape(-1), weights.reshape(-1)

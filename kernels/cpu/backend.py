@@ -7,8 +7,9 @@ import numpy as np
 
 from ember.kernels.cpu import decoder_layer, dense, expert_ffn, greedy_decode, kernel_tiers, linear_attention, quant_matmul
 from ember.kernels.cpu.paged_attention import KVLayerStore, paged_attention
+from ember.kernels.cpu.routing import route as compiled_route
 from ember.kernels.layer_stack import LayerStack, StepArrays
-from ember.kernels.ops import Array, ExpertWeights, LayerShape, LayerWeights, Ops
+from ember.kernels.ops import Array, ExpertWeights, LayerShape, LayerWeights, Ops, Routing
 from ember.kernels.reference.quant import dequantize
 from ember.kernels.raw_tensor import RawTensor
 
@@ -79,6 +80,19 @@ class CpuOps(Ops):
             return None
         return greedy_decode.burst(plan, steps, step.ids, step.positions, step.kv_blocks, step.kv_offsets, step.tables,
                                    step.token_seq, block_size, stops)
+
+    def route(self, logits: Array, k: int, normalize: bool, gating: str = "softmax", bias: np.ndarray | None = None,
+              softcap: float = 0.0, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        return compiled_route(logits, k, normalize, gating, bias, softcap, scale)
+
+    def expert_table(self, experts: Mapping[int, ExpertWeights], n_experts: int) -> expert_ffn.ExpertTable:
+        return expert_ffn.expert_table(experts, n_experts)
+
+    def routed_ffn(self, x: Array, router: quant_matmul.CpuWeight, table: expert_ffn.ExpertTable, routing: Routing,
+                   decode_rows: Array | None = None) -> tuple[np.ndarray, np.ndarray]:
+        if table.complete and (router.int8 or router.f32 is not None) and self._flags(decode_rows) is True:
+            return expert_ffn.routed_ffn(x, router, table, routing)  # router, routing, experts: one compiled call
+        return super().routed_ffn(x, router, table, routing, decode_rows)
 
     def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
                    weight: np.ndarray, decode_rows: Array | None = None) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""A MoE layer's routed experts for a decode step in one compiled call (the CPU's ops.expert_ffn).
+"""A MoE layer's routed experts for a decode step in one compiled call (the CPU's ops.expert_ffn), and,
+where every expert is hot, its router, routing and experts in one (ops.routed_ffn).
 
 The ops API's default expert_ffn calls two kernels per expert from Python, plus the gathers and the
 weighted sum around them (~40 Python calls per expert): on a small MoE model that host work, not the
@@ -11,11 +12,14 @@ call, so they are alive (the caller holds them) while the kernel reads them.
 The numbers are the default's bit for bit: the same grouping (experts in order, tokens in pair order),
 the same integer kernels in the variant the op would pick (twin.py), and the weighted sum in the same
 float32 operations, without fast-math. A token's result is the same whether its step ran here (every
-row a decode row) or through the default (a step with prompt rows).
+row a decode row) or through the default (a step with prompt rows). routed_ffn's compiled form calls
+the router's kernel the op would (float32 tiles, or the integer one), routing.route_rows, which the
+op calls too, and the same groups.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -26,10 +30,61 @@ from numba.extending import intrinsic
 
 from ember.kernels.cpu import twin
 from ember.kernels.cpu.decoder_layer import _SWIGLU_PARALLEL, _SWIGLU_SERIAL, _matmul_int8, _parallel
-from ember.kernels.cpu.quant_matmul import INT8_PARALLEL_MIN_WORK
-from ember.kernels.ops import ExpertWeights
+from ember.kernels.cpu.quant_matmul import _FLOAT_TILE_TOKENS, INT8_PARALLEL_MIN_WORK, CpuWeight, _matmul_f32
+from ember.kernels.cpu.routing import route_rows
+from ember.kernels.ops import ExpertWeights, Routing
 
-__all__ = ["expert_ffn"]
+__all__ = ["ExpertTable", "expert_ffn", "expert_table", "routed_ffn"]
+
+_NO_BIAS = np.zeros(0, np.float32)
+
+
+@dataclass(frozen=True)
+class ExpertTable(Mapping):
+    """A layer's hot experts as the compiled path reads them: the table's row e is expert e's
+    (_row), all zeros for an expert that is not hot; `complete` when every expert is hot and takes
+    the integer kernels. It holds the weights, so the addresses stay valid while it lives, and is
+    the mapping expert id -> weights itself, for the ops that take one."""
+
+    experts: Mapping[int, ExpertWeights]
+    rows: np.ndarray  # int64 [n_experts, 12]
+    complete: bool
+
+    def __getitem__(self, e: int) -> ExpertWeights:
+        return self.experts[e]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.experts)
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+
+def expert_table(experts: Mapping[int, ExpertWeights], n_experts: int) -> ExpertTable:
+    held = dict(experts)
+    rows = np.zeros((n_experts, 12), np.int64)
+    complete = len(held) == n_experts
+    for e, ws in held.items():
+        row = _row(ws)
+        if row is None:
+            complete = False
+        else:
+            rows[e] = row
+    return ExpertTable(held, rows, complete)
+
+
+def routed_ffn(x: np.ndarray, router: CpuWeight, table: ExpertTable, routing: Routing) -> tuple[np.ndarray, np.ndarray]:
+    """ops.routed_ffn for a step of decode rows whose layer has every expert hot (table.complete) and
+    a float32 or integer-kernel router."""
+    n, k = x.shape[0], routing.k
+    out = np.zeros(x.shape, np.float32)
+    ids, weights = np.empty((n, k), np.int64), np.empty((n, k), np.float32)
+    f32 = router.f32 if router.f32 is not None else np.zeros((0, x.shape[1]), np.float32)
+    bias = _NO_BIAS if routing.bias is None else np.asarray(routing.bias, np.float32)
+    _routed(np.ascontiguousarray(x, np.float32), f32, router.code, router.u8, k, routing.normalize,
+            routing.gating == "sigmoid", bias, np.float32(routing.softcap), np.float32(routing.scale), table.rows,
+            twin.force_code(), out, ids, weights)
+    return out, ids
 
 
 
@@ -90,6 +145,49 @@ def _read_only(typingctx, array):
 def _matrix(table, g, k):
     """Matrix k (gate 0, up 1, down 2) of group g as uint8 [rows, row bytes] over the file's bytes."""
     return _read_only(numba.carray(_u8_pointer(table[g, 4 * k + 1]), (table[g, 4 * k + 2], table[g, 4 * k + 3])))
+
+
+@njit(cache=True, nogil=True)
+def _routed(x, f32, code, u8, k, normalize, sigmoid, bias, softcap, scale, table, force, out, ids, weights):
+    """The router's logits (as ops.matmul computes them for decode rows), routing.route_rows, then the
+    pairs grouped by expert in pair order (expert_ffn's stable argsort) through _groups."""
+    n, d = x.shape
+    n_experts = table.shape[0]
+    logits = np.empty((n, n_experts), np.float32)
+    if f32.shape[0]:  # quant_matmul._tiled: tokens padded to whole tiles
+        padded = np.zeros((n + (-n) % _FLOAT_TILE_TOKENS, d), np.float32)
+        padded[:n] = x
+        tiled = np.empty((padded.shape[0], n_experts), np.float32)
+        _matmul_f32(f32, padded, tiled)
+        logits[:] = tiled[:n]
+    else:
+        _matmul_int8(code, u8, x, logits, force)
+    route_rows(logits, k, normalize, sigmoid, bias, softcap, scale, ids, weights)
+    counts = np.zeros(n_experts + 1, np.int64)
+    for t in range(n):
+        for r in range(k):
+            counts[ids[t, r] + 1] += 1
+    groups = 0
+    for e in range(n_experts):
+        groups += counts[e + 1] > 0
+        counts[e + 1] += counts[e]  # now the first slot of each expert's pairs
+    sub = np.empty((groups, table.shape[1]), np.int64)
+    bounds = np.empty(groups + 1, np.int64)
+    g = 0
+    for e in range(n_experts):
+        if counts[e + 1] > counts[e]:
+            sub[g] = table[e]
+            bounds[g] = counts[e]
+            g += 1
+    bounds[groups] = n * k
+    token = np.empty(n * k, np.int64)
+    weight = np.empty(n * k, np.float32)
+    for t in range(n):
+        for r in range(k):
+            slot = counts[ids[t, r]]
+            counts[ids[t, r]] += 1
+            token[slot], weight[slot] = t, weights[t, r]
+    _groups(x, sub, bounds, token, weight, force, out)
 
 
 @njit(cache=True, nogil=True)  # no fast-math: the weighted sum rounds as numpy's
