@@ -70,3 +70,16 @@ def test_a_hybrid_moe_model_on_cuda_equals_cpu(tmp_path: Path) -> None:
     want = ember.load(path, decode_act="f32").logits(PROMPT[:3])
     got = ember.load(path, device="cuda:0").logits(PROMPT[:3])
     assert np.abs(got - want).max() <= 1e-5 * (want.max() - want.min())
+
+
+def test_laguna_on_cuda_equals_cpu(tmp_path: Path) -> None:
+    """laguna: sliding-window layers (the window passed: 10 tokens, a window of 8), per-layer heads,
+    the softplus output gate, sigmoid routing with a selection bias and soft cap, an ungated shared
+    expert, through the device's kernels and the ops API's defaults."""
+    from tiny_models import build_hf_model
+
+    path, _ = build_hf_model("laguna", tmp_path / "laguna", vocab_size=512)
+    prompt = PROMPT * 2
+    want = ember.load(path, decode_act="f32").logits(prompt)
+    got = ember.load(path, device="cuda:0").logits(prompt)
+    assert np.abs(got - want).max() <= 1e-5 * (want.max() - want.min())
