@@ -118,3 +118,21 @@ def test_trained_demo_model_matches_llama_cpp() -> None:
     ids = model.tokenize(text)[:200]
     rate = assert_close_to_llama_cpp(model.logits(ids), llama_cpp_logits(DEMO_MODEL, ids))
     assert rate >= 0.99, f"top-1 agreement {rate:.3f}"
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_yarn_files_from_llama_cpps_converter_match_it_and_transformers(hf_model, tmp_path: Path, arch: str) -> None:
+    """Yarn (its ramp and attention factor: on the scores' scale for llama and qwen2, in the head norms
+    for qwen3) from the keys llama.cpp's own converter writes: llama.cpp's logits and transformers'."""
+    from llama_cpp_tools import convert
+    from tiny_models import YARN
+
+    path, ref = hf_model(arch, rope_parameters=YARN | {"rope_theta": 10000.0})
+    f32 = convert(path, tmp_path / "f32.gguf", "f32", no_mtp=False)
+    model = ember.load(f32)
+    assert model.config.rope_scaling.kind == "yarn" and model.config.rope_attn_factor == pytest.approx(1 + 0.1 * np.log(4))
+    ids = prompts(model.config.vocab, (40,))[0]
+    ours = model.logits(ids)
+    for theirs in (llama_cpp_logits(f32, ids), hf_logits(ref, ids)):
+        assert np.abs(ours - theirs).max() <= 1e-5 * (theirs.max() - theirs.min())
