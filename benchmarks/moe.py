@@ -127,7 +127,7 @@ def laguna_file() -> Path:
     model.save_pretrained(work / "hf")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(REPO / "tests" / "fixtures" / "ember-demo-dense" / f, work / "hf" / f)
-    f16 = convert(work / "hf", work / "f16.gguf", "f16", no_mtp=False)
+    f16 = convert(work / "hf", work / "f16.gguf", "f16")
     quantize(f16, path.with_suffix(".tmp"), "Q4_K_M").rename(path)
     shutil.rmtree(work)
     return path

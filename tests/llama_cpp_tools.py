@@ -66,11 +66,17 @@ def llama_cpp_src() -> Path | None:
     return src
 
 
-def convert(hf_dir: Path, out: Path, outtype: str = "f32", no_mtp: bool = True) -> Path:
+def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
     """hf_dir converted by llama.cpp's convert_hf_to_gguf.py (skips the test if the script is absent),
-    with --no-mtp unless told not to (the converter refuses it for architectures without MTP layers,
-    such as laguna)."""
-    return convert_hf(converter_script(), hf_dir, out, outtype, *(["--no-mtp"] if no_mtp else []))
+    without MTP layers: --no-mtp, which the converter needs for architectures that have them (qwen35)
+    and refuses for the others, which then convert without it."""
+    script = converter_script()
+    try:
+        return convert_hf(script, hf_dir, out, outtype, "--no-mtp")
+    except RuntimeError as e:
+        if "--mtp / --no-nextn are not supported" not in str(e):
+            raise
+    return convert_hf(script, hf_dir, out, outtype)
 
 
 def quantize(src: Path, out: Path, ftype: str = "Q8_0") -> Path:

@@ -129,7 +129,7 @@ def test_yarn_files_from_llama_cpps_converter_match_it_and_transformers(hf_model
     from tiny_models import YARN
 
     path, ref = hf_model(arch, rope_parameters=YARN | {"rope_theta": 10000.0})
-    f32 = convert(path, tmp_path / "f32.gguf", "f32", no_mtp=False)
+    f32 = convert(path, tmp_path / "f32.gguf", "f32")
     model = ember.load(f32)
     assert model.config.rope_scaling.kind == "yarn" and model.config.rope_attn_factor == pytest.approx(1 + 0.1 * np.log(4))
     ids = prompts(model.config.vocab, (40,))[0]

@@ -137,7 +137,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
 
     tmp = tmp_path_factory.mktemp("laguna-gguf")
     path, ref = build_hf_model("laguna", tmp / "hf", **GGUF_SHAPE)
-    return convert(path, tmp / "f32.gguf", "f32", no_mtp=False), ref
+    return convert(path, tmp / "f32.gguf", "f32"), ref
 
 
 @pytest.mark.oracle
@@ -189,7 +189,7 @@ def test_which_layers_slide_is_read_from_the_file_as_llama_cpp_reads_it(converte
 
     path, ref = build_hf_model("laguna", tmp_path / "hf", **(GGUF_SHAPE | dict(
         layer_types=["full_attention"] * LAYERS, num_attention_heads_per_layer=None)))
-    as_converted = convert(path, tmp_path / "f32.gguf", "f32", no_mtp=False)
+    as_converted = convert(path, tmp_path / "f32.gguf", "f32")
     fixed = copy_gguf(as_converted, tmp_path / "fixed.gguf", drop=["laguna.attention.sliding_window"])
     assert ember.load(as_converted).config.sliding_layers == (False, True, True, True, False)
     ids = np.random.default_rng(5).integers(1, 8192, 24).tolist()
@@ -239,7 +239,7 @@ def test_yarn_gguf_matches_llama_cpp_and_transformers(tmp_path: Path) -> None:
     from tiny_models import build_hf_model
 
     path, ref = build_hf_model("laguna", tmp_path / "hf", **(GGUF_SHAPE | CASES["yarn"]))
-    f32 = convert(path, tmp_path / "f32.gguf", "f32", no_mtp=False)
+    f32 = convert(path, tmp_path / "f32.gguf", "f32")
     model = ember.load(f32)
     assert model.config.rope_scaling == ember.load(path).config.rope_scaling
     ids = np.random.default_rng(5).integers(1, 8192, 40).tolist()
