@@ -301,14 +301,23 @@ def _linear_attention_kernels() -> None:
 
 
 def _expert_kernels(net) -> None:  # type: ignore[no-untyped-def]
-    """MoE layers' decode kernel (the experts of a step in one call), with the synthetic model's dense
-    FFNs standing in for experts."""
-    from ember.kernels.ops import ExpertWeights
+    """MoE layers' kernels, with the synthetic model's dense FFNs standing in for experts: the routing
+    (softmax and sigmoid), the experts of a decode step in one call, and router, routing and experts
+    in one call (one compiled signature whatever the router's type)."""
+    from ember.kernels.ops import ExpertWeights, Routing
+    from ember.kernels.raw_tensor import RawTensor
+    from ember.kernels.tensor_types import TensorType
 
     experts = {e: ExpertWeights(b.ffn.gate, b.ffn.up, b.ffn.down) for e, b in enumerate(net.blocks[:4])}
     x = np.ones((2, net.config.hidden), np.float32)
     token, expert, weight = np.array([0, 0, 1, 1]), np.array([0, 1, 1, 3]), np.ones(4, np.float32)
     net.ops.expert_ffn(x, experts, token, expert, weight, np.ones(2, bool))
+    table = net.ops.expert_table(experts, len(experts))
+    f32 = np.zeros((len(experts), net.config.hidden), np.float32)
+    router = net.ops.weight(RawTensor("router", TensorType.F32, f32.shape, f32))
+    for routing in (Routing(2, True), Routing(2, True, "sigmoid", np.zeros(len(experts), np.float32), 1.0, 2.0)):
+        net.ops.route(np.zeros((2, len(experts)), np.float32), *routing)
+        net.ops.routed_ffn(x, router, table, routing, np.ones(2, bool))
 
 
 def synthetic_model(types: Sequence[int] | None = None, arch: str = "qwen3"):  # type: ignore[no-untyped-def]
