@@ -73,7 +73,7 @@ class MoEFFN:
             out, ids = ops.routed_ffn(x, self.router, self.table, r, rows)
             self.manager.record(self.layer, ids.reshape(-1), n)
             return out
-        ids, weights = ops.route(ops.matmul(x, self.router, rows), r.k, r.normalize, r.gating, r.bias, r.softcap, r.scale)
+        ids, weights = ops.route(ops.matmul(x, self.router, rows), *r)
         token = np.repeat(np.arange(n), r.k)
         expert, weight = ids.reshape(-1), weights.reshape(-1)
         self.manager.record(self.layer, expert, n)

@@ -231,7 +231,7 @@ def config_from_gguf(meta: Mapping[str, Any], n_vocab_rows: int, source: str) ->
         n_experts_used=int(get("expert_used_count", 0)),
         expert_ffn=int(get("expert_feed_forward_length", 0)),
         rope_dim=int(get("rope.dimension_count", 0)),
-        linear=_gguf_linear(meta, arch, int(get("block_count")), source),
+        linear=_gguf_linear(meta, arch, n_layers, source),
         # llama.cpp renormalises llama (Mixtral) and qwen3moe experts whatever the file says
         expert_norm=bool(meta.get(f"{arch}.expert_weights_norm", True)),
         expert_gating=_GATING_FUNCS[gating],
