@@ -16,16 +16,22 @@ import pytest
 from ember.kernels.reference.quant import dequantize, quantize
 from ember.kernels.tensor_types import BLOCK_GEOMETRY, TensorType, row_bytes
 
-ALL_TYPES = [TensorType.F32, TensorType.F16, TensorType.BF16, TensorType.Q8_0,
-             TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K]
-QUANTIZED = [TensorType.Q8_0, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K]
-# Byte offsets of the f16 fields inside one block (d, and dmin for Q4_K/Q5_K).
-F16_FIELDS = {TensorType.Q8_0: [0], TensorType.Q4_K: [0, 2], TensorType.Q5_K: [0, 2],
-              TensorType.Q6_K: [208]}
-# RMS error of quantize -> dequantize relative to the weights' RMS, for N(0, 1) weights. Measured
-# (64x512 and 32000x768, any seed): Q4_K 0.0714, Q5_K 0.0362, Q6_K 0.0177, the same as llama.cpp's
-# own reference quantizer on the same data (0.0715, 0.0361, 0.0177). Bounds: measured + ~10%.
-K_QUANT_RMS_BOUND = {TensorType.Q4_K: 0.079, TensorType.Q5_K: 0.040, TensorType.Q6_K: 0.0195}
+QUANTIZED = [t for t in TensorType if t not in (TensorType.F32, TensorType.F16, TensorType.BF16)]
+ALL_TYPES = [TensorType.F32, TensorType.F16, TensorType.BF16, *QUANTIZED]
+# Byte offsets of the f16 fields inside one block (d, and dmin or m where the type has one).
+F16_FIELDS = {TensorType.Q8_0: [0], TensorType.Q4_K: [0, 2], TensorType.Q5_K: [0, 2], TensorType.Q6_K: [208],
+              TensorType.Q4_0: [0], TensorType.Q4_1: [0, 2], TensorType.Q5_0: [0], TensorType.Q5_1: [0, 2],
+              TensorType.IQ4_NL: [0], TensorType.Q2_K: [80, 82], TensorType.Q3_K: [108], TensorType.IQ4_XS: [0]}
+# The types whose reference quantizer is ggml's, bit for bit (gguf-py mirrors it).
+EXACT = [TensorType.F16, TensorType.BF16, TensorType.Q8_0, TensorType.Q4_0, TensorType.Q4_1, TensorType.Q5_0,
+         TensorType.Q5_1]
+# RMS error of quantize -> dequantize relative to the weights' RMS, for N(0, 1) weights 64 x 512.
+# Measured: Q4_K 0.0714, Q5_K 0.0362, Q6_K 0.0177, the same as llama.cpp's own reference quantizer on
+# the same data (0.0715, 0.0361, 0.0177); Q2_K 0.283, Q3_K 0.154, IQ4_NL 0.0766, IQ4_XS 0.0772 (llama.cpp,
+# 256 x 768 with outliers, test_quantizer_matches_llama_cpp's data: 0.332, 0.162, 0.0882, 0.0897 to
+# ours 0.314, 0.164, 0.0882, 0.0896). Bounds: measured + ~10%.
+K_QUANT_RMS_BOUND = {TensorType.Q4_K: 0.079, TensorType.Q5_K: 0.040, TensorType.Q6_K: 0.0195, TensorType.Q2_K: 0.31,
+                     TensorType.Q3_K: 0.17, TensorType.IQ4_NL: 0.085, TensorType.IQ4_XS: 0.085}
 
 
 def oracle(ttype: TensorType, data: np.ndarray, cols: int) -> np.ndarray:
@@ -90,16 +96,20 @@ def test_quantize_storage_convention(ttype: TensorType, rows: int, cols: int) ->
     assert data.dtype == expected[0] and data.shape == (rows, expected[1])
 
 
-@pytest.mark.parametrize("ttype", [TensorType.F16, TensorType.BF16, TensorType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("ttype", EXACT, ids=lambda t: t.name)
 def test_exact_quantizers_equal_gguf_bytes(ttype: TensorType) -> None:
     """F16, BF16 and Q8_0 have one right answer (ggml's, which gguf-py mirrors), ties, subnormals,
-    infinities and NaNs included; the reference gives it through kernels/convert.py."""
+    infinities and NaNs included; the reference gives it through kernels/convert.py. Q4_0, Q4_1, Q5_0
+    and Q5_1 are ggml's reference quantizers, bit for bit on finite weights."""
     rng = np.random.default_rng(8)
     w = rng.standard_normal((16, 256)).astype(np.float32)
     w[0, :8] = [2.5, -2.5, 0.5, -0.5, 127.0, 0.0, -0.0, 1e-40]  # q8_0 d = 1: roundf's ties
-    w[1, :4] = [np.inf, -np.inf, np.nan, 3.4028235e38]
     w[2, :32] = 1e-39  # a block whose 1 / d overflows
-    w[3] = rng.integers(0, 1 << 32, 256, dtype=np.uint64).astype(np.uint32).view(np.float32)  # any bit pattern
+    w[4, :32] = 0.0
+    w[5, :32] = 3.0  # a constant block: q4_1's step is 0
+    if ttype in (TensorType.F16, TensorType.BF16, TensorType.Q8_0):
+        w[1, :4] = [np.inf, -np.inf, np.nan, 3.4028235e38]
+        w[3] = rng.integers(0, 1 << 32, 256, dtype=np.uint64).astype(np.uint32).view(np.float32)  # any bit pattern
     with np.errstate(all="ignore"):  # gguf-py warns about the non-finite blocks
         theirs = np.asarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType(int(ttype))))
     ours = quantize(ttype, w)
@@ -115,7 +125,7 @@ def test_q8_0_error_is_half_a_step() -> None:
     assert np.all(err.max(axis=1) <= step * (0.5 + 127 * 2.0**-11) + 1e-12)
 
 
-@pytest.mark.parametrize("ttype", [TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ttype", list(K_QUANT_RMS_BOUND), ids=lambda t: t.name)
 def test_k_quant_rms_error(ttype: TensorType) -> None:
     w = np.random.default_rng(4).standard_normal((64, 512)).astype(np.float32)
     assert rel_rms(dequantize(ttype, quantize(ttype, w), 512), w) < K_QUANT_RMS_BOUND[ttype]
@@ -168,7 +178,8 @@ def _ggml_quantize_chunk():
 @pytest.mark.oracle
 @pytest.mark.parametrize("ttype", QUANTIZED, ids=lambda t: t.name)
 def test_quantizer_matches_llama_cpp(ttype: TensorType) -> None:
-    """Same blocks as ggml's reference quantizer up to float summation order, same error."""
+    """Same blocks as ggml's reference quantizer up to float summation order, same error; where the
+    scale search is a simpler one (Q2_K, Q3_K, IQ4_NL, IQ4_XS, see the module) the error within 2%."""
     quantize_chunk = _ggml_quantize_chunk()
     rows, cols = 256, 768
     w = np.random.default_rng(6).standard_normal((rows, cols)).astype(np.float32)
@@ -176,7 +187,8 @@ def test_quantizer_matches_llama_cpp(ttype: TensorType) -> None:
     theirs = np.zeros((rows, row_bytes(ttype, cols)), np.uint8)
     quantize_chunk(int(ttype), w.ctypes.data, theirs.ctypes.data, 0, rows, cols, None)
     ours = quantize(ttype, w)
-    assert np.mean(ours == theirs) > 0.99
+    simpler = ttype in (TensorType.Q2_K, TensorType.Q3_K, TensorType.IQ4_NL, TensorType.IQ4_XS)
+    assert np.mean(ours == theirs) > (0.6 if simpler else 0.99)
     ours_err = rel_rms(dequantize(ttype, ours, cols), w)
     theirs_err = rel_rms(dequantize(ttype, theirs, cols), w)
-    assert ours_err <= theirs_err * 1.01
+    assert ours_err <= theirs_err * (1.02 if simpler else 1.01)
