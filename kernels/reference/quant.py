@@ -454,7 +454,9 @@ def _truncate(v: np.ndarray) -> np.ndarray:
 
 
 def _inverse(d: np.ndarray) -> np.ndarray:
-    return np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    """1 / d, 0 where d is 0 (and inf where d is too small for float32, as in ggml)."""
+    with np.errstate(over="ignore"):
+        return np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
 
 
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:
