@@ -46,7 +46,7 @@ from ember.kernels.cpu.int8_dots import (Q4_K_TILES, Q5_K_TILES, Q6_K_OFFSET, Q6
                                         QK_K, ROW_PAIR, TILE_SIZES, TILE_TOKENS, quad_offsets, quantize_activation,
                                         quantize_activation_k, unpack_k4_levels)
 from ember.kernels.raw_tensor import RawTensor
-from ember.kernels.tensor_types import TensorType, row_bytes
+from ember.kernels.tensor_types import IQ4_LEVELS, TensorType, row_bytes
 
 __all__ = ["CpuWeight", "pack", "decode_flags", "matmul", "matmul_many", "swiglu_matmul", "embedding"]
 
@@ -57,6 +57,10 @@ _Q8_0 = int(TensorType.Q8_0)
 _Q4_K = int(TensorType.Q4_K)
 _Q5_K = int(TensorType.Q5_K)
 _Q6_K = int(TensorType.Q6_K)
+_Q4_0, _Q4_1, _Q5_0, _Q5_1 = (int(t) for t in (TensorType.Q4_0, TensorType.Q4_1, TensorType.Q5_0, TensorType.Q5_1))
+_Q2_K, _Q3_K = int(TensorType.Q2_K), int(TensorType.Q3_K)
+_IQ4_NL, _IQ4_XS = int(TensorType.IQ4_NL), int(TensorType.IQ4_XS)
+_IQ4_LEVELS = np.array(IQ4_LEVELS, np.float32)  # numba freezes a global array into the code
 
 _MATVEC_ROWS = 32  # rows per parallel work item of the matvec
 _PARALLEL_QUANTIZE_TOKENS = 4  # fewer decode tokens than this are quantized on the calling thread
@@ -287,31 +291,40 @@ def _bf16(typingctx, bits):
     return types.float32(bits), codegen
 
 
-@intrinsic
-def _quant(typingctx, lo, lo_shift, hi, hi_shift, hi_mask, bias):
-    """float32(((lo >> lo_shift) & 15 | ((hi >> hi_shift) & hi_mask) << 4) - bias), in 32-bit ints.
+def _bit_fields(low_bits):
+    """An intrinsic (lo, lo_shift, hi, hi_shift, hi_mask, bias) -> float32(((lo >> lo_shift) & low |
+    ((hi >> hi_shift) & hi_mask) << low_bits) - bias), low = 2**low_bits - 1, in 32-bit ints.
 
-    One quant of a Q4_K (hi_mask 0), Q5_K (hi_mask 1) or Q6_K (hi_mask 3, bias 32) block from its low
-    nibble byte and high-bits byte. Written as LLVM IR because numba widens small-int arithmetic to
-    int64, which LLVM then vectorizes in 64-bit lanes (4x fewer per instruction, plus conversions).
-    """
-    if not all(isinstance(a, types.Integer) for a in (lo, lo_shift, hi, hi_shift, hi_mask, bias)):
-        return None
+    Written as LLVM IR because numba widens small-int arithmetic to int64, which LLVM then vectorizes
+    in 64-bit lanes (4x fewer per instruction, plus conversions)."""
 
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
+    def typer(typingctx, lo, lo_shift, hi, hi_shift, hi_mask, bias):
+        if not all(isinstance(a, types.Integer) for a in (lo, lo_shift, hi, hi_shift, hi_mask, bias)):
+            return None
 
-        def as_i32(v):
-            if v.type.width > 32:
-                return builder.trunc(v, i32)
-            return builder.zext(v, i32) if v.type.width < 32 else v
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
 
-        lo_v, lo_s, hi_v, hi_s, hi_m, b = (as_i32(a) for a in args)
-        low = builder.and_(builder.lshr(lo_v, lo_s), ir.Constant(i32, 15))
-        high = builder.shl(builder.and_(builder.lshr(hi_v, hi_s), hi_m), ir.Constant(i32, 4))
-        return builder.sitofp(builder.sub(builder.or_(low, high), b), ir.FloatType())
+            def as_i32(v):
+                if v.type.width > 32:
+                    return builder.trunc(v, i32)
+                return builder.zext(v, i32) if v.type.width < 32 else v
 
-    return types.float32(lo, lo_shift, hi, hi_shift, hi_mask, bias), codegen
+            lo_v, lo_s, hi_v, hi_s, hi_m, b = (as_i32(a) for a in args)
+            low = builder.and_(builder.lshr(lo_v, lo_s), ir.Constant(i32, (1 << low_bits) - 1))
+            high = builder.shl(builder.and_(builder.lshr(hi_v, hi_s), hi_m), ir.Constant(i32, low_bits))
+            return builder.sitofp(builder.sub(builder.or_(low, high), b), ir.FloatType())
+
+        return types.float32(lo, lo_shift, hi, hi_shift, hi_mask, bias), codegen
+
+    typer.__name__ = f"bit_fields_{low_bits}"
+    return intrinsic(typer)
+
+
+# One quant from a low-bits byte and a high-bits byte: a nibble and 0-2 high bits (Q4_0 ... Q6_K:
+# hi_mask 0 for none), or 2 bits and a third one (Q2_K, Q3_K).
+_quant = _bit_fields(4)
+_quant3 = _bit_fields(2)
 
 
 @intrinsic
@@ -614,6 +627,16 @@ def _dequant_row(tt, u8, i8, u16, u32, r, out):
         _dequant_row_q5_k(u8, u16, u32, r, out)
     elif tt == _Q6_K:
         _dequant_row_q6_k(u8, i8, u16, r, out)
+    elif tt == _Q4_0 or tt == _Q5_0 or tt == _IQ4_NL:
+        _dequant_row_symmetric(tt, u8, u16, r, out)
+    elif tt == _Q4_1 or tt == _Q5_1:
+        _dequant_row_offset(tt, u8, u16, r, out)
+    elif tt == _Q2_K:
+        _dequant_row_q2_k(u8, u16, r, out)
+    elif tt == _Q3_K:
+        _dequant_row_q3_k(u8, u16, r, out)
+    elif tt == _IQ4_XS:
+        _dequant_row_iq4_xs(u8, u16, r, out)
     elif tt == _F16:
         for j in range(out.shape[0]):
             out[j] = _f16(u16[r, j])
@@ -696,6 +719,111 @@ def _dequant_row_q6_k(u8, i8, u16, r, out):
                     out[y + 32 + l] = s1 * _quant(b, 0, hb, 2, 3, 32)
                     out[y + 64 + l] = s2 * _quant(a, 4, hb, 4, 3, 32)
                     out[y + 96 + l] = s3 * _quant(b, 4, hb, 6, 3, 32)
+
+
+@njit(inline="always", **_EXACT)
+def _fifth_bits(u16, r, word):
+    """A Q5_0/Q5_1 block's qh: the little-endian u32 at 16-bit word `word` of row r."""
+    return np.uint32(u16[r, word]) | (np.uint32(u16[r, word + 1]) << np.uint32(16))
+
+
+@njit(**_EXACT)
+def _dequant_row_symmetric(tt, u8, u16, r, out):
+    """Q4_0, Q5_0 and IQ4_NL rows: d f16 | (qh u32) | qs[16], x = d * (q - 8), d * (q - 16), or
+    d * IQ4_LEVELS[q]."""
+    size = 22 if tt == _Q5_0 else 18
+    qs = 6 if tt == _Q5_0 else 2
+    for b in range(out.shape[0] // 32):
+        o, y = size * b, 32 * b
+        d = _f16(u16[r, o // 2])
+        if tt == _Q5_0:
+            qh = _fifth_bits(u16, r, o // 2 + 1)
+            for l in range(16):
+                v = u8[r, o + qs + l]
+                out[y + l] = d * _quant(v, 0, qh, l, 1, 16)
+                out[y + 16 + l] = d * _quant(v, 4, qh, l + 16, 1, 16)
+        elif tt == _Q4_0:
+            for l in range(16):
+                v = u8[r, o + qs + l]
+                out[y + l] = d * _quant(v, 0, v, 0, 0, 8)
+                out[y + 16 + l] = d * _quant(v, 4, v, 0, 0, 8)
+        else:
+            for l in range(16):
+                v = u8[r, o + qs + l]
+                out[y + l] = d * _IQ4_LEVELS[v & 15]
+                out[y + 16 + l] = d * _IQ4_LEVELS[v >> 4]
+
+
+@njit(**_EXACT)
+def _dequant_row_offset(tt, u8, u16, r, out):
+    """Q4_1 and Q5_1 rows: d f16 | m f16 | (qh u32) | qs[16], x = d * q + m."""
+    fifth = tt == _Q5_1
+    size = 24 if fifth else 20
+    for b in range(out.shape[0] // 32):
+        o, y = size * b, 32 * b
+        d, m = _f16(u16[r, o // 2]), _f16(u16[r, o // 2 + 1])
+        qh = _fifth_bits(u16, r, o // 2 + 2) if fifth else np.uint32(0)
+        qs = o + (8 if fifth else 4)
+        for l in range(16):
+            v = u8[r, qs + l]
+            out[y + l] = d * _quant(v, 0, qh, l, 1, 0) + m
+            out[y + 16 + l] = d * _quant(v, 4, qh, l + 16, 1, 0) + m
+
+
+@njit(**_EXACT)
+def _dequant_row_q2_k(u8, u16, r, out):
+    """scales[16] | qs[64] | d | dmin: value 128h + 32j + l is (qs[32h + l] >> 2j) & 3."""
+    for s in range(out.shape[0] // 256):
+        o = 84 * s
+        d, dmin = _f16(u16[r, 42 * s + 40]), _f16(u16[r, 42 * s + 41])
+        for h in range(2):
+            for j in range(4):
+                for half in range(2):
+                    sc = u8[r, o + 8 * h + 2 * j + half]
+                    dl, ml = d * np.float32(sc & 15), dmin * np.float32(sc >> 4)
+                    q, y = o + 16 + 32 * h + 16 * half, 256 * s + 128 * h + 32 * j + 16 * half
+                    for l in range(16):
+                        out[y + l] = dl * _quant3(u8[r, q + l], 2 * j, 0, 0, 0, 0) - ml
+
+
+@njit(inline="always", **_EXACT)
+def _q3_k_scale(u8, r, o, g):
+    """Group g's signed 6-bit scale s - 32 from a Q3_K super-block's 12 scale bytes at o + 96."""
+    low = (np.int32(u8[r, o + 96 + g]) & 15) if g < 8 else (np.int32(u8[r, o + 88 + g]) >> 4)
+    high = (np.int32(u8[r, o + 104 + g % 4]) >> (2 * (g // 4))) & 3
+    return np.float32((low | (high << 4)) - 32)
+
+
+@njit(**_EXACT)
+def _dequant_row_q3_k(u8, u16, r, out):
+    """hmask[32] | qs[64] | scales[12] | d: q2_K's low bits, bit 2 from hmask, q = u - 4."""
+    for s in range(out.shape[0] // 256):
+        o = 110 * s
+        d = _f16(u16[r, 55 * s + 54])
+        for h in range(2):
+            for j in range(4):
+                for half in range(2):
+                    dl = d * _q3_k_scale(u8, r, o, 8 * h + 2 * j + half)
+                    q, hm = o + 32 + 32 * h + 16 * half, o + 16 * half
+                    y = 256 * s + 128 * h + 32 * j + 16 * half
+                    for l in range(16):
+                        out[y + l] = dl * _quant3(u8[r, q + l], 2 * j, u8[r, hm + l], 4 * h + j, 1, 4)
+
+
+@njit(**_EXACT)
+def _dequant_row_iq4_xs(u8, u16, r, out):
+    """d f16 | scales_h u16 | scales_l[4] | qs[128]: eight IQ4_NL-like sub-blocks with 6-bit scales."""
+    for s in range(out.shape[0] // 256):
+        o = 136 * s
+        d, high = _f16(u16[r, 68 * s]), np.int32(u16[r, 68 * s + 1])
+        for j in range(8):
+            ls = ((np.int32(u8[r, o + 4 + j // 2]) >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)
+            dl = d * np.float32(ls - 32)
+            q, y = o + 8 + 16 * j, 256 * s + 32 * j
+            for l in range(16):
+                v = u8[r, q + l]
+                out[y + l] = dl * _IQ4_LEVELS[v & 15]
+                out[y + 16 + l] = dl * _IQ4_LEVELS[v >> 4]
 
 
 # --------------------------------------------------------------------------------------------------
