@@ -14,8 +14,10 @@ from numba import njit
 
 from ember.kernels.convert import f16_bits_to_f32, quantize_q8_0_split, quantize_q8_k_split
 from ember.kernels.cpu import int8_dots
+from ember.kernels.cpu.quant_matmul import INT8_TYPES
 from ember.kernels.reference.quant import dequantize, quantize
 from ember.kernels.tensor_types import TensorType
+from test_quant_reference import random_blocks
 
 pytestmark = pytest.mark.slow
 
@@ -57,30 +59,27 @@ def test_quantizer_is_ggmls_q8_0(x: np.ndarray) -> None:
 
 
 ONE_BY_ONE = int8_dots.TILE_SIZES.index(1)  # one row, one token
-_Q8_0, _Q4_K, _Q5_K, _Q6_K = (tiles[ONE_BY_ONE] for tiles in (int8_dots.Q8_0_TILES, int8_dots.Q4_K_TILES,
-                                                               int8_dots.Q5_K_TILES, int8_dots.Q6_K_TILES))
+TYPES = sorted(INT8_TYPES)
+Q8_0_ACTIVATIONS = [t for t in TYPES if t.name.endswith(("_0", "_1", "NL"))]  # 32-value blocks
 
 
-@njit
-def _dots(code, w, xq, xd, xs, xc, out):
-    """Row r . token 0 for every row, through each type's 1 x 1 tile."""
-    for r in range(out.shape[0]):
-        if code == 0:
-            out[r] = _Q8_0(w, r, xq, xd, xs, xc, 0)[0]
-        elif code == 1:
-            out[r] = _Q4_K(w, r, xq, xd, xs, xc, 0)[0]
-        elif code == 2:
-            out[r] = _Q5_K(w, r, xq, xd, xs, xc, 0)[0]
-        else:
-            out[r] = _Q6_K(w, r, xq, xd, xs, xc, 0)[0]
+def _row_dots_kernel(tile):
+    @njit
+    def dots(w, xq, xd, xs, xc, out):
+        """Row r . token 0 for every row, through a type's 1 x 1 tile."""
+        for r in range(out.shape[0]):
+            out[r] = tile(w, r, xq, xd, xs, xc, 0)[0]
+
+    return dots
 
 
-TYPES = [TensorType.Q8_0, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K]
+_DOTS = {t: _row_dots_kernel(getattr(int8_dots, f"{t.name}_TILES")[ONE_BY_ONE]) for t in TYPES}
 
 
 def row_dots(ttype: TensorType, data: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(kernel's row dots with x, x_hat as float64): q8_0 activations for Q8_0, q8_K for K-quants."""
-    if ttype == TensorType.Q8_0:
+    """(kernel's row dots with x, x_hat as float64): q8_0 activations for 32-value blocks, q8_K for
+    K-quants."""
+    if ttype in Q8_0_ACTIVATIONS:
         xq, xd, xs = quantized(x)
         x_hat = (xq.reshape(-1, 32) * xd[:, None].astype(np.float64)).reshape(-1)
     else:
@@ -88,9 +87,9 @@ def row_dots(ttype: TensorType, data: np.ndarray, x: np.ndarray) -> tuple[np.nda
         int8_dots.quantize_activation_k(np.ascontiguousarray(x, np.float32), xq, xd, xs)
         x_hat = (xq.reshape(-1, 256) * xd[:, None].astype(np.float64)).reshape(-1)
     xc = np.empty(x.size // 4, np.int32)
-    int8_dots.quad_offsets(xq, xc, int8_dots.Q8_0_OFFSET if ttype == TensorType.Q8_0 else int8_dots.Q6_K_OFFSET)
+    int8_dots.quad_offsets(xq, xc, int8_dots.Q8_0_OFFSET if ttype in Q8_0_ACTIVATIONS else int8_dots.Q6_K_OFFSET)
     out = np.empty(data.shape[0], np.float32)
-    _dots(TYPES.index(ttype), data, xq[None], xd[None], xs[None], xc[None], out)
+    _DOTS[ttype](data, xq[None], xd[None], xs[None], xc[None], out)
     return out, x_hat
 
 
@@ -121,6 +120,20 @@ def test_row_dots_equal_the_reference(ttype: TensorType, cols: int) -> None:
     assert np.all(np.abs(out - w64 @ x_hat) <= bound), np.abs(out - w64 @ x_hat) / bound
 
 
+@pytest.mark.parametrize("ttype", TYPES, ids=lambda t: t.name)
+def test_row_dots_of_random_blocks_equal_the_reference(ttype: TensorType) -> None:
+    """Random bytes are valid blocks: every code, scale and min (the extremes a quantizer rarely
+    writes: IQ4_XS's scale -32, Q3_K's level -4 under scale -32, Q2_K's min 15)."""
+    rng = np.random.default_rng(int(ttype))
+    cols = 768
+    data = random_blocks(ttype, 11, cols, rng)
+    x = (rng.standard_normal(cols) * rng.uniform(0.01, 10, cols)).astype(np.float32)
+    out, x_hat = row_dots(ttype, data, x)
+    w64 = dequantize(ttype, data, cols).astype(np.float64)
+    bound = 2e-6 * (np.abs(w64) @ np.abs(x_hat))
+    assert np.all(np.abs(out - w64 @ x_hat) <= bound), np.abs(out - w64 @ x_hat) / bound
+
+
 @pytest.mark.parametrize("blocks", [1, 3, 4, 5, 7, 12])
 def test_q8_0_rows_of_any_block_count(blocks: int) -> None:
     """Q8_0 rows run in units of 4 blocks, then a tail of 0-3 single blocks."""
@@ -136,7 +149,7 @@ _PRODUCTS = """
 import sys
 import numpy as np
 from ember.kernels.cpu import int8_dots
-from ember.kernels.cpu.quant_matmul import matmul, pack
+from ember.kernels.cpu.quant_matmul import INT8_TYPES, matmul, pack
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.reference.quant import quantize
 from ember.kernels.tensor_types import TensorType
@@ -144,7 +157,7 @@ assert (int8_dots._VNNI, int8_dots._AVX2) == {flags}, (int8_dots._VNNI, int8_dot
 rng = np.random.default_rng(0)
 x = rng.standard_normal((5, 512)).astype(np.float32)
 out = []
-for t in (TensorType.Q8_0, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K):
+for t in sorted(INT8_TYPES):
     w = rng.standard_normal((37, 512)).astype(np.float32)
     w[0, :32] = -127 * np.abs(w).max() / 127  # a block whose quants reach -127 (the sign trick's edge)
     out.append(matmul(x, pack(RawTensor("w", t, (37, 512), quantize(t, w))), True))

@@ -64,6 +64,17 @@ def random_storage(ttype: TensorType, rows: int, cols: int, rng: np.random.Gener
     return blocks.reshape(rows, row_bytes(ttype, cols))
 
 
+def random_blocks(ttype: TensorType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid blocks whose values are of order 1: random bits, f16 fields N(0, 1) / 64 (a
+    random f16 scale of up to 65504 would make a dot's rounding bound meaningless)."""
+    data = random_storage(ttype, rows, cols, rng)
+    blocks = data.reshape(-1, BLOCK_GEOMETRY[ttype][1])
+    for offset in F16_FIELDS[ttype]:
+        scale = (rng.standard_normal(blocks.shape[0]) / 64).astype(np.float16)
+        blocks[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return data
+
+
 def rel_rms(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.sqrt(np.mean((a.astype(np.float64) - b) ** 2) / np.mean(b.astype(np.float64) ** 2)))
 

@@ -41,7 +41,7 @@ from ember.kernels.cpu.dense import softplus_gate_row
 from ember.kernels.cpu.paged_attention import KVLayerStore, attention_task, store_row
 from ember.kernels.cpu.paged_attention import _Q8_0 as _KV_Q8_0
 from ember.kernels.cpu.paged_attention import _KERNELS as _ATTENTION
-from ember.kernels.cpu.quant_matmul import (_MATMUL_INT8, _MATMUL_INT8_MANY, _MATVEC_ROWS, _Q8_0, _SWIGLU_INT8,
+from ember.kernels.cpu.quant_matmul import (_MATMUL_INT8, _MATMUL_INT8_MANY, _MATVEC_ROWS, _Q8_0_ACTIVATIONS, _SWIGLU_INT8,
                                             INT8_PARALLEL_MIN_WORK, CpuWeight, _quantize_token, _quantized_tokens,
                                             _rows_times_activations, _silu_times)
 from ember.kernels.cpu.team import claim, counters_for, fail, failed, finish, join, wait
@@ -304,10 +304,11 @@ def _team_buffers(x, attn_in, attn_out):
     n, d = x.shape
     m = n if ffn else 0
     f_rows = gate.shape[0] if ffn else 0
-    h_room = _room(n, d, (codes == _Q8_0).any(), (codes != _Q8_0).any())
-    attn_room = _room(n, n_heads * head_dim, code_o == _Q8_0, code_o != _Q8_0)
-    h2_room = _room(m, d, code_g == _Q8_0 or code_u == _Q8_0, code_g != _Q8_0 or code_u != _Q8_0)
-    f_room = _room(m, f_rows, code_d == _Q8_0, code_d != _Q8_0)
+    h_room = _room(n, d, _Q8_0_ACTIVATIONS[codes].any(), not _Q8_0_ACTIVATIONS[codes].all())
+    attn_room = _room(n, n_heads * head_dim, _Q8_0_ACTIVATIONS[code_o], not _Q8_0_ACTIVATIONS[code_o])
+    h2_room = _room(m, d, _Q8_0_ACTIVATIONS[code_g] or _Q8_0_ACTIVATIONS[code_u],
+                    not (_Q8_0_ACTIVATIONS[code_g] and _Q8_0_ACTIVATIONS[code_u]))
+    f_room = _room(m, f_rows, _Q8_0_ACTIVATIONS[code_d], not _Q8_0_ACTIVATIONS[code_d])
     bufs = (np.empty_like(x), np.empty((n, wq.shape[0]), np.float32), np.empty((n, wk.shape[0]), np.float32),
             np.empty((n, wv.shape[0]), np.float32), np.empty((n, n_heads, head_dim), np.float32),
             np.empty((n, d), np.float32), np.empty((n, d), np.float32), np.empty((m, d), np.float32),

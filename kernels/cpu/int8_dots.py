@@ -46,9 +46,12 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ember.kernels.tensor_types import IQ4_LEVELS
+
 __all__ = ["quantize_activation", "quantize_activation_k", "quad_offsets", "Q8_0_OFFSET", "Q6_K_OFFSET",
-           "unpack_k4_levels", "TILE_TOKENS", "TILE_SIZES", "ROW_PAIR", "Q8_0_TILES", "Q4_K_TILES", "Q5_K_TILES",
-           "Q6_K_TILES"]
+           "unpack_k4_levels", "TILE_TOKENS", "TILE_SIZES", "ROW_PAIR", "Q8_0_TILES", "Q4_0_TILES", "Q4_1_TILES",
+           "Q5_0_TILES", "Q5_1_TILES", "IQ4_NL_TILES", "Q2_K_TILES", "Q3_K_TILES", "Q4_K_TILES", "Q5_K_TILES",
+           "Q6_K_TILES", "IQ4_XS_TILES"]
 
 QK = 32  # values per q8_0 activation block (ggml's QK8_0), and per sub-block sum
 QK_K = 256  # values per activation block against K-quant weights (one super-block)
@@ -176,9 +179,10 @@ def _pair_sums(builder, v, n):
     return builder.add(_pick(builder, v, range(0, n, 2)), _pick(builder, v, range(1, n, 2)))
 
 
-# How a chunk's 32 weight quants are stored: SIGNED int8 (Q8_0), UNSIGNED small levels (Q4_K 0..15,
-# Q5_K 0..31), or OFFSET32: unsigned 0..63 standing for q - 32 (Q6_K).
-SIGNED, UNSIGNED, OFFSET32 = range(3)
+# How a chunk's 32 weight quants are stored: SIGNED int8 (Q8_0, the IQ4 levels), UNSIGNED small
+# levels (Q4_K 0..15, Q5_K 0..31, Q2_K 0..3, Q4_1, Q5_1), or a positive offset k: unsigned u standing
+# for u - k (Q6_K 32, Q5_0 16, Q4_0 8, Q3_K 4).
+SIGNED, UNSIGNED = -1, 0
 
 _FEATURES = llvm.get_host_cpu_features()
 # x86: u8 x s8 byte products summed in fours by vpdpbusd (AVX-512 VNNI) or vpmaddubsw + vpmaddwd
@@ -217,7 +221,7 @@ def _u8_s8_quads(builder, u, s, start=None):
 def _chunk_dot(builder, wq, kind, xq, offsets):
     """32 weight quants (stored as `kind`) . 32 activation quants -> <8 x i32>, lane j the exact sum
     of products 4j..4j+3 (every instruction path gives the same integers). offsets: the chunk's
-    quad_offsets (<8 x i32>) for the weight's offset (128 for SIGNED, 32 for OFFSET32)."""
+    quad_offsets (<8 x i32>) for the weight's offset (128 for SIGNED, k for an offset kind)."""
     if kind == SIGNED and _VNNI:  # (w + 128) . x - 128 * sum(x): one vpdpbusd from the offsets
         return _u8_s8_quads(builder, builder.xor(wq, _splat_i8(-128)), xq, offsets)
     if kind == SIGNED:  # |w| . (x with w's sign), as llama.cpp does for signed pairs
@@ -228,8 +232,8 @@ def _chunk_dot(builder, wq, kind, xq, offsets):
         wide = ir.VectorType(_I32, 32)
         prod = builder.mul(builder.sext(wq, wide), builder.sext(xq, wide))
         return _pair_sums(builder, _pair_sums(builder, prod, 32), 16)
-    # OFFSET32: (q - 32) . x = q . x - 32 * sum(x), the offsets being -32 * sum(x)
-    return _u8_s8_quads(builder, wq, xq, offsets if kind == OFFSET32 else None)
+    # an offset k: (u - k) . x = u . x - k * sum(x), the offsets being -k * sum(x)
+    return _u8_s8_quads(builder, wq, xq, offsets if kind > 0 else None)
 
 
 def _tree_sum(builder, terms):
@@ -278,11 +282,16 @@ def unpack_k4_levels(builder, a, b, c):
 # for Q4_K/Q5_K, the 8 mins (dmin * m_j) that meet the activation's block sums
 # --------------------------------------------------------------------------------------------------
 class _Unit:
-    """The weight side of a Q8_0 unit: its chunks as (activation block offset, <32 x i8> quants, kind,
-    unused), and its float scales, one per block, as <4 x float> (0 beyond the unit's blocks)."""
+    """The weight side of a unit of 32-value blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL): its chunks
+    as (activation block offset, <32 x i8> quants, kind, unused), its float scales, one per block, as
+    <4 x float> (0 beyond the unit's blocks) and, for Q4_1/Q5_1, its blocks' -m as <4 x float>, which
+    meet the activation's block sums. Its activations are q8_0's (quad_offsets for 128)."""
 
-    def __init__(self, chunks, scales):
-        self.chunks, self.scales = chunks, scales
+    act_offset = Q8_0_OFFSET
+    int_mins = None
+
+    def __init__(self, chunks, scales, mins=None):
+        self.chunks, self.scales, self.mins = chunks, scales, mins
 
 
 class _KUnit:
@@ -291,27 +300,102 @@ class _KUnit:
     and for Q4_K/Q5_K the 8 mins (dmin * m_j) that meet the activation's 32-value sums. The chunks'
     products times their integer scales add up exactly in int32 (the activation has one scale per
     256 values, convert.quantize_q8_k_split), and become float once per super-block. scales16: per
-    chunk, its scale as <16 x i16> (unsigned chunks, on the x86 paths where _scaled_dots applies it)."""
+    chunk, its scale as <16 x i16> (unsigned chunks, on the x86 paths where _scaled_dots applies it).
+    int_mins (Q2_K, whose mins are per 16 values): (per chunk, its lanes' integer mins as <8 x i32>;
+    dmin), which meet the activation's 4-value sums in int32. Its activations are q8_K's
+    (quad_offsets for 32)."""
 
-    def __init__(self, chunks, d, mins=None, scales16=None):
-        self.chunks, self.d, self.mins, self.scales16 = chunks, d, mins, scales16
+    act_offset = Q6_K_OFFSET
+
+    def __init__(self, chunks, d, mins=None, scales16=None, int_mins=None):
+        self.chunks, self.d, self.mins, self.scales16, self.int_mins = chunks, d, mins, scales16, int_mins
 
 
-def _q8_0_blocks(count):
-    """`count` Q8_0 blocks (f16 d | int8 q[32], 34 bytes each) from block `first` of the row."""
+def _gather_f16(builder, blocks, at):
+    """<4 x float>: the f16 at byte `at` of each block pointer (0 beyond them), gathered first and
+    widened together (one vcvtph2ps per unit)."""
+    bits = ir.Constant(ir.VectorType(_I16, _Q8_0_LANES), [0] * _Q8_0_LANES)
+    for k, blk in enumerate(blocks):
+        bits = builder.insert_element(bits, builder.load(builder.bitcast(_at(builder, blk, at), _I16.as_pointer()),
+                                                         align=1), ir.Constant(_I32, k))
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), _Q8_0_LANES)),
+                         ir.VectorType(_F32, _Q8_0_LANES))
 
-    def weight_side(builder, row, first):
-        chunks, bits = [], ir.Constant(ir.VectorType(_I16, _Q8_0_LANES), [0] * _Q8_0_LANES)
-        for k in range(count):
-            blk = _at(builder, row, builder.mul(builder.add(first, ir.Constant(_I64, k)), ir.Constant(_I64, 34)))
-            chunks.append((k, _load_i8x32(builder, _at(builder, blk, 2)), SIGNED, None))
-            bits = builder.insert_element(bits, builder.load(builder.bitcast(blk, _I16.as_pointer()), align=1),
-                                          ir.Constant(_I32, k))
-        # the f16 bits gathered first and widened together: one vcvtph2ps for the unit
-        half = builder.bitcast(bits, ir.VectorType(ir.HalfType(), _Q8_0_LANES))
-        return _Unit(chunks, builder.fpext(half, ir.VectorType(_F32, _Q8_0_LANES)))
 
-    return weight_side
+def _blocks(size, quants, has_min=False):
+    """A weight side of `count` blocks of a 32-value type (size bytes each, d f16 first, then m f16
+    where has_min) from block `first` of the row; quants(builder, block) -> (<32 x i8>, kind)."""
+
+    def of(count):
+        def weight_side(builder, row, first):
+            blocks = [_at(builder, row, builder.mul(builder.add(first, ir.Constant(_I64, k)), ir.Constant(_I64, size)))
+                      for k in range(count)]
+            chunks = [(k, *quants(builder, blk), None) for k, blk in enumerate(blocks)]
+            mins = None
+            if has_min:  # x = d*q + m: the m's are subtracted as mins are, so negated here (exactly)
+                mins = builder.fmul(_gather_f16(builder, blocks, 2), ir.Constant(ir.VectorType(_F32, _Q8_0_LANES),
+                                                                                 [-1.0] * _Q8_0_LANES))
+            return _Unit(chunks, _gather_f16(builder, blocks, 0), mins)
+
+        return weight_side
+
+    return of
+
+
+def _nibbles(builder, ptr):
+    """<32 x i8> of the 16 bytes at ptr: low nibbles (values 0-15), then high nibbles (16-31)."""
+    v16 = ir.VectorType(_I8, 16)
+    packed = builder.load(builder.bitcast(ptr, v16.as_pointer()), align=1)
+    low = builder.and_(packed, ir.Constant(v16, [15] * 16))
+    high = builder.lshr(packed, ir.Constant(v16, [4] * 16))
+    return builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+
+
+def _fifth_bits(builder, ptr):
+    """<32 x i8>: 16 where bit l of the little-endian u32 at ptr is set, else 0 (Q5_0/Q5_1's qh), as
+    llama.cpp's bytes_from_bits_32: each lane takes its byte, then tests its bit."""
+    word = builder.load(builder.bitcast(ptr, ir.VectorType(_I8, 4).as_pointer()), align=1)
+    spread = builder.shuffle_vector(word, word, ir.Constant(ir.VectorType(_I32, 32), [l // 8 for l in range(32)]))
+    bits = builder.and_(spread, ir.Constant(_V32I8, [1 << (l % 8) for l in range(32)]))
+    return builder.select(builder.icmp_unsigned("!=", bits, _splat_i8(0)), _splat_i8(16), _splat_i8(0))
+
+
+_IQ4_TABLE = [v & 0xFF for v in IQ4_LEVELS]
+
+
+def _iq4_levels(builder, codes):
+    """<32 x i8> of 4-bit codes -> the signed IQ4 levels they index (vpshufb on x86, as llama.cpp)."""
+    if _AVX2:
+        table = ir.Constant(_V32I8, _IQ4_TABLE * 2)  # vpshufb looks up within each 16-byte half
+        return _call(builder, "llvm.x86.avx2.pshuf.b", _V32I8, table, codes)
+    out = _splat_i8(0)
+    for code, level in enumerate(_IQ4_TABLE):
+        out = builder.select(builder.icmp_unsigned("==", codes, _splat_i8(code)), _splat_i8(level), out)
+    return out
+
+
+def _q8_0_quants(builder, blk):
+    return _load_i8x32(builder, _at(builder, blk, 2)), SIGNED
+
+
+def _q4_0_quants(builder, blk):
+    return _nibbles(builder, _at(builder, blk, 2)), 8
+
+
+def _q4_1_quants(builder, blk):
+    return _nibbles(builder, _at(builder, blk, 4)), UNSIGNED
+
+
+def _q5_0_quants(builder, blk):
+    return builder.or_(_nibbles(builder, _at(builder, blk, 6)), _fifth_bits(builder, _at(builder, blk, 2))), 16
+
+
+def _q5_1_quants(builder, blk):
+    return builder.or_(_nibbles(builder, _at(builder, blk, 8)), _fifth_bits(builder, _at(builder, blk, 4))), UNSIGNED
+
+
+def _iq4_nl_quants(builder, blk):
+    return _iq4_levels(builder, _nibbles(builder, _at(builder, blk, 2))), SIGNED
 
 
 def _k4(size, nibbles_at, fifth_bit):
@@ -360,8 +444,94 @@ def _q6_k(builder, row, first):
             top = builder.and_(builder.lshr(high, _splat_i8(2 * k)), _splat_i8(3))
             q = builder.or_(low, builder.shl(top, _splat_i8(4)))
             # 8 lanes = 32 values in fours: lanes 0-3 are values 0-15 (scale 2k), 4-7 values 16-31
-            chunks.append((4 * h + k, q, OFFSET32, _pick(builder, sc, [8 * h + 2 * k] * 4 + [8 * h + 2 * k + 1] * 4)))
+            chunks.append((4 * h + k, q, Q6_K_OFFSET, _pick(builder, sc, [8 * h + 2 * k] * 4 + [8 * h + 2 * k + 1] * 4)))
     return _KUnit(chunks, _load_f16(builder, _at(builder, sb, 208)))
+
+
+def _super_block(builder, row, first, size):
+    """Pointer to the super-block (size bytes) holding activation block `first` of the row."""
+    return _at(builder, row, builder.mul(builder.udiv(first, ir.Constant(_I64, 8)), ir.Constant(_I64, size)))
+
+
+def _crumbs(builder, sb, at, chunk):
+    """Chunk `chunk`'s 2-bit fields of a Q2_K/Q3_K super-block whose qs start at byte `at`: chunk 4h + j
+    is (qs[32h + l] >> 2j) & 3 for l < 32."""
+    packed = _load_i8x32(builder, _at(builder, sb, at + 32 * (chunk // 4)))
+    return builder.and_(builder.lshr(packed, _splat_i8(2 * (chunk % 4))), _splat_i8(3))
+
+
+def _halves(builder, v, chunk):
+    """A chunk's 8 lanes from a <16 x iN> of per-16-value fields: lanes 0-3 field 2c, 4-7 field 2c + 1."""
+    return _pick(builder, v, [2 * chunk] * 4 + [2 * chunk + 1] * 4)
+
+
+def _q2_k(builder, row, first):
+    """A Q2_K super-block: scales[16] (low nibble the 16-value group's scale, high its min) | qs[64] |
+    f16 d | f16 dmin (84 bytes); x = d * sc * q - dmin * m."""
+    sb = _super_block(builder, row, first, 84)
+    v16 = ir.VectorType(_I8, 16)
+    raw = builder.load(builder.bitcast(sb, v16.as_pointer()), align=1)
+    sc8 = builder.and_(raw, ir.Constant(v16, [15] * 16))
+    sc, m = (builder.zext(v, ir.VectorType(_I32, 16)) for v in (sc8, builder.lshr(raw, ir.Constant(v16, [4] * 16))))
+    sc16 = builder.zext(sc8, ir.VectorType(_I16, 16))
+    chunks = [(c, _crumbs(builder, sb, 16, c), UNSIGNED, _halves(builder, sc, c)) for c in range(8)]
+    # pmaddubsw's 16 pair sums: lanes 0-7 are values 0-15 (scale 2c), 8-15 values 16-31
+    scales16 = [_pick(builder, sc16, [2 * c] * 8 + [2 * c + 1] * 8) for c in range(8)]
+    int_mins = ([_halves(builder, m, c) for c in range(8)], _load_f16(builder, _at(builder, sb, 82)))
+    return _KUnit(chunks, _load_f16(builder, _at(builder, sb, 80)), scales16=scales16 if _VNNI or _AVX2 else None,
+                  int_mins=int_mins)
+
+
+def _q3_k_scales(builder, sb):
+    """Q3_K's sixteen 6-bit scales minus 32, as <16 x i32>, from its 12 bytes at sb + 96 read as three
+    words (ggml's kmask unpacking, all at once)."""
+    a, b, c = (builder.load(builder.bitcast(_at(builder, sb, 96 + 4 * k), _I32.as_pointer()), align=1) for k in range(3))
+    low4, low2 = ir.Constant(_I32, 0x0F0F0F0F), ir.Constant(_I32, 0x03030303)
+
+    def top(shift):  # 2 high bits of each byte's scale, from c, moved to bits 4-5
+        return builder.shl(builder.and_(builder.lshr(c, ir.Constant(_I32, shift)), low2), ir.Constant(_I32, 4))
+
+    def low(v, shift):
+        return builder.and_(builder.lshr(v, ir.Constant(_I32, shift)), low4)
+
+    words = (builder.or_(low(a, 0), top(0)), builder.or_(low(b, 0), top(2)), builder.or_(low(a, 4), top(4)),
+             builder.or_(low(b, 4), top(6)))
+    vec = ir.Constant(ir.VectorType(_I32, 4), None)
+    for k, word in enumerate(words):
+        vec = builder.insert_element(vec, word, ir.Constant(_I32, k))
+    levels = builder.zext(builder.bitcast(vec, ir.VectorType(_I8, 16)), ir.VectorType(_I32, 16))
+    return builder.sub(levels, ir.Constant(ir.VectorType(_I32, 16), [32] * 16))
+
+
+def _q3_k(builder, row, first):
+    """A Q3_K super-block: hmask[32] | qs[64] | scales[12] | f16 d (110 bytes); chunk c's values are
+    q2_K's 2 bits plus bit c of hmask[l] as bit 2, u in 0..7 standing for u - 4."""
+    sb = _super_block(builder, row, first, 110)
+    hmask = _load_i8x32(builder, sb)
+    sc = _q3_k_scales(builder, sb)
+    chunks = []
+    for c in range(8):
+        top = builder.shl(builder.and_(builder.lshr(hmask, _splat_i8(c)), _splat_i8(1)), _splat_i8(2))
+        chunks.append((c, builder.or_(_crumbs(builder, sb, 32, c), top), 4, _halves(builder, sc, c)))
+    return _KUnit(chunks, _load_f16(builder, _at(builder, sb, 108)))
+
+
+def _iq4_xs(builder, row, first):
+    """An IQ4_XS super-block: f16 d | scales_h u16 | scales_l[4] | qs[128] (136 bytes): eight
+    IQ4_NL-like sub-blocks, sub-block j's scale (nibble j of scales_l | 2 bits of scales_h) - 32."""
+    sb = _super_block(builder, row, first, 136)
+    high = builder.zext(builder.load(builder.bitcast(_at(builder, sb, 2), _I16.as_pointer()), align=1), _I32)
+    low = builder.load(builder.bitcast(_at(builder, sb, 4), _I32.as_pointer()), align=1)
+    chunks = []
+    for j in range(8):
+        nibble = builder.and_(builder.lshr(low, ir.Constant(_I32, 4 * j)), ir.Constant(_I32, 15))
+        top = builder.shl(builder.and_(builder.lshr(high, ir.Constant(_I32, 2 * j)), ir.Constant(_I32, 3)),
+                          ir.Constant(_I32, 4))
+        scale = builder.sub(builder.or_(nibble, top), ir.Constant(_I32, 32))
+        splat = builder.insert_element(ir.Constant(ir.VectorType(_I32, 8), None), scale, ir.Constant(_I32, 0))
+        q = _iq4_levels(builder, _nibbles(builder, _at(builder, sb, 8 + 16 * j)))
+        chunks.append((j, q, SIGNED, _pick(builder, splat, [0] * 8)))
+    return _KUnit(chunks, _load_f16(builder, sb))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -386,7 +556,8 @@ class _Tokens:
 
 
 def _emit_unit(builder, weight_side, row, tokens, accs, mins, first):
-    """acc[t] += the unit starting at activation block `first`, for every token of the tile.
+    """acc[t] += the unit starting at activation block `first`, for every token of the tile, and
+    mins[t] += what its mins take off.
 
     Every token sees the same operations in the same order whatever the tile's size (strict IEEE
     adds and multiplies: no reassociation, no contraction), so a token's result does not depend on
@@ -399,25 +570,53 @@ def _emit_unit(builder, weight_side, row, tokens, accs, mins, first):
         if isinstance(unit, _KUnit) and unit.scales16 is not None:
             value = _k_value(builder, unit, _scaled_dots(builder, unit, xqs), xd, first)
         else:
-            dots = [_chunk_dot(builder, wq, kind, x, _offsets(builder, xc, b, kind))
+            dots = [_chunk_dot(builder, wq, kind, x, _offsets(builder, xc, b, kind, unit.act_offset))
                     for x, b, (k, wq, kind, _) in zip(xqs, blocks, unit.chunks)]
             if isinstance(unit, _KUnit):
                 value = _k_unit_value(builder, unit, dots, xd, first)
-            else:  # Q8_0: each block's exact integer dot times (weight scale x activation scale)
-                scales = builder.fmul(unit.scales, _activation_scales(builder, xd, first, len(unit.chunks)))
+            else:  # 32-value blocks: each block's exact integer dot times (weight scale x activation scale)
+                scales = builder.fmul(unit.scales, _block_floats(builder, xd, first, len(unit.chunks)))
                 value = builder.fmul(builder.sitofp(_block_sums(builder, dots), scales.type), scales)
         builder.store(builder.fadd(builder.load(accs[t]), value), accs[t])
-        if getattr(unit, "mins", None) is not None:
-            sums = _load_f32x8(builder, builder.gep(xs, [first], inbounds=True))
-            builder.store(builder.fadd(builder.load(mins[t]), builder.fmul(unit.mins, sums)), mins[t])
+        taken = _mins_value(builder, unit, xd, xs, xc, blocks, first)
+        if taken is not None:
+            builder.store(builder.fadd(builder.load(mins[t]), taken), mins[t])
 
 
-def _offsets(builder, xc, block, kind):
-    """<8 x i32>: the quad_offsets of 32-value block `block`, where a chunk of `kind` uses them."""
-    if kind == UNSIGNED or (kind == SIGNED and not _VNNI):
+def _mins_value(builder, unit, xd, xs, xc, blocks, first):
+    """What a unit's mins take off a token's result (None where it has none): float mins times the
+    activation's 32-value sums (Q4_K, Q5_K; Q4_1, Q5_1 with their -m), or Q2_K's integer mins times
+    its 4-value sums, exact in int32 and made float once per super-block."""
+    if unit.mins is not None:
+        count = unit.mins.type.count
+        sums = _load_f32x8(builder, builder.gep(xs, [first], inbounds=True)) if count == 8 else \
+            _block_floats(builder, xs, first, len(unit.chunks))
+        return builder.fmul(unit.mins, sums)
+    if unit.int_mins is None:
+        return None
+    lanes, dmin = unit.int_mins
+    total = None
+    for m, b in zip(lanes, blocks):  # xc holds -32 x each 4-value sum: the total is -32 x sum(m * sums)
+        part = builder.mul(m, _offsets(builder, xc, b, unit.act_offset, unit.act_offset))
+        total = part if total is None else builder.add(total, part)
+    exact = builder.neg(builder.ashr(total, ir.Constant(ir.VectorType(_I32, 8), [5] * 8)))
+    x_scale = builder.load(builder.gep(xd, [builder.udiv(first, ir.Constant(_I64, 8))], inbounds=True))
+    return builder.fmul(builder.sitofp(exact, _V8F), _splat(builder, builder.fmul(dmin, x_scale), 8))
+
+
+def _offsets(builder, xc, block, kind, act_offset):
+    """<8 x i32>: -k x the 4-value sums of 32-value block `block`, for the offset k a chunk of `kind`
+    needs (128 for SIGNED with VNNI), from quad_offsets xc made for act_offset (128 for q8_0, 32 for
+    q8_K activations): both are powers of two, so the rescaling is an exact shift."""
+    needed = 128 if kind == SIGNED and _VNNI else kind if kind > 0 else None
+    if needed is None:
         return None
     ptr = builder.gep(xc, [builder.mul(block, ir.Constant(_I64, 8))], inbounds=True)
-    return builder.load(builder.bitcast(ptr, ir.VectorType(_I32, 8).as_pointer()), align=4)
+    v = builder.load(builder.bitcast(ptr, ir.VectorType(_I32, 8).as_pointer()), align=4)
+    if needed == act_offset:
+        return v
+    shift = ir.Constant(ir.VectorType(_I32, 8), [abs(needed.bit_length() - act_offset.bit_length())] * 8)
+    return builder.shl(v, shift) if needed > act_offset else builder.ashr(v, shift)
 
 
 def _k_unit_value(builder, unit, dots, xd, first):
@@ -454,8 +653,9 @@ def _k_value(builder, unit, total, xd, first):
     return builder.fmul(builder.sitofp(total, _V8F), _splat(builder, builder.fmul(unit.d, x_scale), 8))
 
 
-def _activation_scales(builder, xd, first, count):
-    """<4 x float>: xd[first .. first + count - 1], the scales of a Q8_0 unit's blocks (0 beyond)."""
+def _block_floats(builder, xd, first, count):
+    """<4 x float>: xd[first .. first + count - 1] (0 beyond), a unit of 32-value blocks' activation
+    scales (xd) or block sums (xs)."""
     ptr = builder.gep(xd, [first], inbounds=True)
     if count == _Q8_0_LANES:
         return builder.load(builder.bitcast(ptr, ir.VectorType(_F32, count).as_pointer()), align=4)
@@ -504,10 +704,10 @@ def _tile(name, weight_side, blocks_per_unit, T, tail=None, lanes=8, R=1):
         r0 = _i64(builder, args[1])
         rows = [_at(builder, base, builder.mul(builder.add(r0, ir.Constant(_I64, i)), stride)) for i in range(R)]
         tokens = _Tokens(context, builder, sig, args, T)
-        zero8 = ir.Constant(_V8F, [0.0] * 8)
         accs = [[cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(_F32, lanes), [0.0] * lanes))
                  for _ in range(T)] for _ in range(R)]
-        mins = [[cgutils.alloca_once_value(builder, zero8) for _ in range(T)] for _ in range(R)]
+        mins = [[cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(_F32, lanes), [0.0] * lanes))
+                 for _ in range(T)] for _ in range(R)]
         unit = ir.Constant(_I64, blocks_per_unit)
         whole = builder.udiv(tokens.blocks, unit)
         for i in range(R):  # row after row: interleaved, two rows halved a DRAM-bound matvec's speed
@@ -553,7 +753,23 @@ TILE_SIZES = (TILE_TOKENS, 1)  # tokens per tile: whole tiles, then the rest one
 # the type switch) was ~5 ns, 5 Q8_0 blocks' worth on one thread, 30% of a 384-column row.
 ROW_PAIR = len(TILE_SIZES)  # index of the 2-row, 1-token tile in each type's tiles
 
-Q8_0_TILES = _tiles("q8_0", _q8_0_blocks(_Q8_0_LANES), _Q8_0_LANES, tail=_q8_0_blocks(1), lanes=_Q8_0_LANES)
+
+
+def _small_tiles(name, size, quants, has_min=False):
+    """The tiles of a 32-value type: units of 4 blocks, then a tail of single blocks."""
+    of = _blocks(size, quants, has_min)
+    return _tiles(name, of(_Q8_0_LANES), _Q8_0_LANES, tail=of(1), lanes=_Q8_0_LANES)
+
+
+Q8_0_TILES = _small_tiles("q8_0", 34, _q8_0_quants)
+Q4_0_TILES = _small_tiles("q4_0", 18, _q4_0_quants)
+Q4_1_TILES = _small_tiles("q4_1", 20, _q4_1_quants, has_min=True)
+Q5_0_TILES = _small_tiles("q5_0", 22, _q5_0_quants)
+Q5_1_TILES = _small_tiles("q5_1", 24, _q5_1_quants, has_min=True)
+IQ4_NL_TILES = _small_tiles("iq4_nl", 18, _iq4_nl_quants)
+Q2_K_TILES = _tiles("q2_k", _q2_k, 8)
+Q3_K_TILES = _tiles("q3_k", _q3_k, 8)
+IQ4_XS_TILES = _tiles("iq4_xs", _iq4_xs, 8)
 Q4_K_TILES = _tiles("q4_k", _k4(144, 16, False), 8)
 Q5_K_TILES = _tiles("q5_k", _k4(176, 48, True), 8)
 Q6_K_TILES = _tiles("q6_k", _q6_k, 8)

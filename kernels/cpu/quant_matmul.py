@@ -42,9 +42,9 @@ from numba.extending import intrinsic
 
 from ember.kernels.cpu import dense
 from ember.kernels.cpu.twin import Twin
-from ember.kernels.cpu.int8_dots import (Q4_K_TILES, Q5_K_TILES, Q6_K_OFFSET, Q6_K_TILES, Q8_0_OFFSET, Q8_0_TILES, QK,
-                                        QK_K, ROW_PAIR, TILE_SIZES, TILE_TOKENS, quad_offsets, quantize_activation,
-                                        quantize_activation_k, unpack_k4_levels)
+from ember.kernels.cpu import int8_dots
+from ember.kernels.cpu.int8_dots import (Q6_K_OFFSET, Q8_0_OFFSET, QK, QK_K, ROW_PAIR, TILE_SIZES, TILE_TOKENS,
+                                        quad_offsets, quantize_activation, quantize_activation_k, unpack_k4_levels)
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import IQ4_LEVELS, TensorType, row_bytes
 
@@ -66,8 +66,13 @@ _MATVEC_ROWS = 32  # rows per parallel work item of the matvec
 _PARALLEL_QUANTIZE_TOKENS = 4  # fewer decode tokens than this are quantized on the calling thread
 _MATMUL_ROWS = 16  # rows dequantized together by the n-token kernel: 16 x cols f32 stays in L2
 _FLOAT_TILE_TOKENS = 4  # tokens per register tile of the n-token kernel (_tile_product)
-# weights whose decode rows take the integer dots of int8_dots
-INT8_TYPES = frozenset({TensorType.Q8_0, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K})
+# weights whose decode rows take the integer dots of int8_dots: every block type
+INT8_TYPES = frozenset(t for t in TensorType if t not in (TensorType.F32, TensorType.F16, TensorType.BF16))
+# the types of 32-value blocks, whose decode rows meet q8_0 activations (the others, K-quants, q8_K's);
+# a table by type code, which numba freezes into the kernels
+_Q8_0_ACTIVATIONS = np.zeros(max(TensorType) + 1, np.bool_)
+_Q8_0_ACTIVATIONS[[TensorType.Q8_0, TensorType.Q4_0, TensorType.Q4_1, TensorType.Q5_0, TensorType.Q5_1,
+                   TensorType.IQ4_NL]] = True
 # 32 vector registers (AVX-512) fit 4-row tiles in the n-token kernel, 16 (AVX2) only 2-row ones;
 # numba folds this into the compiled code, and its cache is kept per CPU model and features
 _WIDE_TILES = bool(llvm.get_host_cpu_features().get("avx512f", False))
@@ -400,7 +405,10 @@ def _matvec_16bit(is_f16, u16, x, out):
 def _tile_call(shape):
     """An inlined kernel storing one tile (shape: an index into TILE_SIZES, one row, or ROW_PAIR, two
     rows by one token) into out, for any quantized weight type (the type's tile chosen by tt)."""
-    q8_0, q4_k, q5_k, q6_k = (tiles[shape] for tiles in (Q8_0_TILES, Q4_K_TILES, Q5_K_TILES, Q6_K_TILES))
+    q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs = (
+        getattr(int8_dots, f"{t.name}_TILES")[shape] for t in (
+            TensorType.Q8_0, TensorType.Q4_0, TensorType.Q4_1, TensorType.Q5_0, TensorType.Q5_1, TensorType.IQ4_NL,
+            TensorType.Q2_K, TensorType.Q3_K, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K, TensorType.IQ4_XS))
     T = 1 if shape == ROW_PAIR else TILE_SIZES[shape]
     R = 2 if shape == ROW_PAIR else 1
 
@@ -410,10 +418,26 @@ def _tile_call(shape):
             v = q8_0(u8, r, xq, xd, xs, xc, t)
         elif tt == _Q4_K:
             v = q4_k(u8, r, xq, xd, xs, xc, t)
+        elif tt == _Q6_K:
+            v = q6_k(u8, r, xq, xd, xs, xc, t)
         elif tt == _Q5_K:
             v = q5_k(u8, r, xq, xd, xs, xc, t)
+        elif tt == _Q4_0:
+            v = q4_0(u8, r, xq, xd, xs, xc, t)
+        elif tt == _IQ4_XS:
+            v = iq4_xs(u8, r, xq, xd, xs, xc, t)
+        elif tt == _Q3_K:
+            v = q3_k(u8, r, xq, xd, xs, xc, t)
+        elif tt == _Q2_K:
+            v = q2_k(u8, r, xq, xd, xs, xc, t)
+        elif tt == _Q5_0:
+            v = q5_0(u8, r, xq, xd, xs, xc, t)
+        elif tt == _Q4_1:
+            v = q4_1(u8, r, xq, xd, xs, xc, t)
+        elif tt == _Q5_1:
+            v = q5_1(u8, r, xq, xd, xs, xc, t)
         else:
-            v = q6_k(u8, r, xq, xd, xs, xc, t)
+            v = iq4_nl(u8, r, xq, xd, xs, xc, t)
         for i in range(R):
             for j in range(T):
                 out[t + j, r + i] = v[i * T + j]
@@ -493,7 +517,7 @@ def _rows_times_activations(tt, u8, first, end, q8_0, k_quants, out):
     """_rows_times_tokens with the activations of tt's format (picked once per row group: picking a
     tuple of arrays costs a reference count on each array, which per row made the serial matvec
     1.75x slower, 640 x 384 Q8_0: 31 -> 18 us)."""
-    if tt == _Q8_0:
+    if _Q8_0_ACTIVATIONS[tt]:
         _rows_times_tokens(tt, u8, first, end, q8_0[0], q8_0[1], q8_0[2], q8_0[3], out)
     else:
         _rows_times_tokens(tt, u8, first, end, k_quants[0], k_quants[1], k_quants[2], k_quants[3], out)
@@ -503,7 +527,7 @@ def _matmul_int8(tt, u8, x, out):
     """out[t, r] = row r . x_hat[t] for quantized weights: each token row quantized once (int8_dots),
     each weight row read once per call for all tokens."""
     rows = out.shape[1]
-    q8_0, k_quants = _activations(x, tt == _Q8_0, tt != _Q8_0)
+    q8_0, k_quants = _activations(x, _Q8_0_ACTIVATIONS[tt], not _Q8_0_ACTIVATIONS[tt])
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
         _rows_times_activations(tt, u8, c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS), q8_0, k_quants, out)
 
@@ -512,7 +536,7 @@ def _matmul_int8_many(tts, ws, x, outs):
     """_matmul_int8 of one x by several weights (a layer's q, k and v) in one parallel region: x is
     quantized once per activation format its weights need, and the threads share out all the
     weights' row groups together."""
-    q8_0, k_quants = _activations(x, (tts == _Q8_0).any(), (tts != _Q8_0).any())
+    q8_0, k_quants = _activations(x, _Q8_0_ACTIVATIONS[tts].any(), not _Q8_0_ACTIVATIONS[tts].all())
     groups = np.empty(len(ws) + 1, np.int64)
     groups[0] = 0
     for k in range(len(ws)):
@@ -530,7 +554,8 @@ def _swiglu_int8(tt_gate, gate, tt_up, up, x, out):
     """out = silu(x_hat @ gate^T) * (x_hat @ up^T): both products and the activation in one pass over
     each row group (one parallel region instead of three kernels)."""
     n, rows = x.shape[0], out.shape[1]
-    q8_0, k_quants = _activations(x, tt_gate == _Q8_0 or tt_up == _Q8_0, tt_gate != _Q8_0 or tt_up != _Q8_0)
+    q8_0, k_quants = _activations(x, _Q8_0_ACTIVATIONS[tt_gate] or _Q8_0_ACTIVATIONS[tt_up],
+                                  not (_Q8_0_ACTIVATIONS[tt_gate] and _Q8_0_ACTIVATIONS[tt_up]))
     g = np.empty((n, rows), np.float32)
     u = np.empty((n, rows), np.float32)
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
