@@ -24,8 +24,9 @@ from ember.kernels.reference.quant import dequantize, quantize
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType, row_bytes
 
-ALL_TYPES = [TensorType.F32, TensorType.F16, TensorType.BF16, TensorType.Q8_0,
-             TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K]
+ALL_TYPES = [TensorType.F32, TensorType.F16, TensorType.BF16, *sorted(qm.INT8_TYPES)]
+Q8_0_ACTIVATIONS = {TensorType.Q8_0, TensorType.Q4_0, TensorType.Q4_1, TensorType.Q5_0, TensorType.Q5_1,
+                    TensorType.IQ4_NL}
 TOKENS = (1, 2, 3, 5, 8, 17, 33)
 REL_TOL = 2e-5
 
@@ -47,9 +48,9 @@ def multiplied(x: np.ndarray, ttype: TensorType, decode_rows: np.ndarray | None)
 
 
 def x_hat(x: np.ndarray, ttype: TensorType) -> np.ndarray:
-    """x after the round trip the integer kernels put it through: q8_0 against Q8_0 weights, one
-    scale per 256 values (q8_K) against K-quants."""
-    if ttype == TensorType.Q8_0:
+    """x after the round trip the integer kernels put it through: q8_0 against weights of 32-value
+    blocks, one scale per 256 values (q8_K) against K-quants."""
+    if ttype in Q8_0_ACTIVATIONS:
         return dequantize_q8_0(quantize_q8_0(x), x.shape[-1]).astype(np.float64)
     scales, quants = quantize_q8_k_split(x)
     return (quants.reshape(*x.shape[:-1], -1, 256) * scales[..., None].astype(np.float64)).reshape(x.shape)
@@ -83,11 +84,12 @@ def test_matmul_matches_reference(ttype: TensorType, rows: int, superblocks: int
 # Q8_0 blocks per row: 1, 3, 8+1, 4+1, 4+3, 8+4 (the demo model's hidden 384), 8+4+2
 @pytest.mark.parametrize("ttype,cols", [(TensorType.Q8_0, 32), (TensorType.Q8_0, 96), (TensorType.Q8_0, 288),
                                         (TensorType.Q8_0, 160), (TensorType.Q8_0, 224), (TensorType.Q8_0, 384),
-                                        (TensorType.Q8_0, 448),
+                                        (TensorType.Q8_0, 448), (TensorType.Q4_0, 96), (TensorType.Q4_1, 160),
+                                        (TensorType.Q5_0, 224), (TensorType.Q5_1, 448), (TensorType.IQ4_NL, 288),
                                         (TensorType.F16, 40), (TensorType.BF16, 200), (TensorType.F16, 1000)],
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_matmul_rows_that_are_not_whole_super_blocks(ttype: TensorType, cols: int) -> None:
-    """Q8_0 rows of any number of 32-blocks and 16-bit rows of any length take the tail paths."""
+    """Rows of any number of 32-value blocks and 16-bit rows of any length take the tail paths."""
     weight, w64 = make_weight(ttype, 5, cols)
     for n in (1, 6):
         x = np.random.default_rng(n).standard_normal((n, cols)).astype(np.float32)
@@ -162,8 +164,7 @@ def test_pack_flattens_leading_dimensions() -> None:
     assert (weight.rows, weight.cols) == (6, 64) and weight.u8.shape == (6, 68)
 
 
-@pytest.mark.parametrize("ttype", [TensorType.Q8_0, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("ttype", sorted(qm.INT8_TYPES), ids=lambda t: t.name)
 def test_a_decode_rows_result_does_not_depend_on_the_other_rows(ttype: TensorType, monkeypatch) -> None:
     """Batching must not change a sequence's tokens: each decode row's product is bit-identical
     whether it runs alone (serial kernel), in a batch of any size (every tile shape; parallel
@@ -210,7 +211,9 @@ def test_kernels_release_the_gil() -> None:
 
 
 @pytest.mark.parametrize("types", [(TensorType.Q8_0,) * 3, (TensorType.Q4_K, TensorType.Q4_K, TensorType.Q6_K),
-                                   (TensorType.Q8_0, TensorType.F16, TensorType.Q8_0)], ids=lambda t: "-".join(x.name for x in t))
+                                   (TensorType.Q8_0, TensorType.F16, TensorType.Q8_0),
+                                   (TensorType.Q4_0, TensorType.IQ4_XS, TensorType.Q3_K),
+                                   (TensorType.Q2_K, TensorType.Q5_1, TensorType.IQ4_NL)], ids=lambda t: "-".join(x.name for x in t))
 def test_matmul_many_equals_separate_matmuls(types: tuple[TensorType, ...]) -> None:
     """q, k and v in one kernel: bit for bit what three matmuls give, for decode, prompt and mixed rows."""
     weights = [make_weight(t, rows, 512, seed=rows)[0] for t, rows in zip(types, (96, 32, 32))]
@@ -223,7 +226,8 @@ def test_matmul_many_equals_separate_matmuls(types: tuple[TensorType, ...]) -> N
 
 
 @pytest.mark.parametrize("types", [(TensorType.Q8_0, TensorType.Q8_0), (TensorType.Q4_K, TensorType.Q6_K),
-                                   (TensorType.BF16, TensorType.BF16)], ids=lambda t: "-".join(x.name for x in t))
+                                   (TensorType.BF16, TensorType.BF16), (TensorType.Q4_0, TensorType.Q3_K),
+                                   (TensorType.IQ4_XS, TensorType.Q5_0)], ids=lambda t: "-".join(x.name for x in t))
 def test_swiglu_matmul_equals_its_parts(types: tuple[TensorType, TensorType]) -> None:
     gate, up = (make_weight(t, 40, 256, seed=k)[0] for k, t in enumerate(types))
     x = np.random.default_rng(5).standard_normal((5, 256)).astype(np.float32)
