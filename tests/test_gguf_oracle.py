@@ -136,3 +136,32 @@ def test_yarn_files_from_llama_cpps_converter_match_it_and_transformers(hf_model
     ours = model.logits(ids)
     for theirs in (llama_cpp_logits(f32, ids), hf_logits(ref, ids)):
         assert np.abs(ours - theirs).max() <= 1e-5 * (theirs.max() - theirs.min())
+
+
+# llama.cpp's quantization types whose files bring ember's newer block types (each file also holds the
+# types llama.cpp mixes in: Q4_K, Q5_K or Q6_K for some tensors, Q8_0 or F32 where rows are short).
+LLAMA_CPP_FTYPES = {"Q4_0": TensorType.Q4_0, "Q4_1": TensorType.Q4_1, "Q5_0": TensorType.Q5_0,
+                    "Q5_1": TensorType.Q5_1, "IQ4_NL": TensorType.IQ4_NL, "IQ4_XS": TensorType.IQ4_XS,
+                    "Q2_K": TensorType.Q2_K, "Q3_K_S": TensorType.Q3_K}
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("ftype", LLAMA_CPP_FTYPES)
+def test_files_llama_cpp_quantized_match_it(hf_model, tmp_path: Path, ftype: str) -> None:
+    """A file llama.cpp quantized itself: its prompt logits (ember: float32 activations) and the logits
+    of greedily generated tokens (ember's integer decode dots, q8_0 / q8_K activations as llama.cpp's)
+    within the tolerance above of llama.cpp's on the same tokens."""
+    from llama_cpp_tools import quantize as llama_cpp_quantize
+    from test_hybrid import decode_logits
+
+    _, ref = hf_model("qwen3", **KQ)
+    f32 = write_gguf(tmp_path / "f32.gguf", ref.config, state_dict(ref), F32_ONLY)
+    path = llama_cpp_quantize(f32, tmp_path / f"{ftype}.gguf", ftype)
+    stored = {int(t.tensor_type) for t in gguf.GGUFReader(path).tensors}
+    assert int(LLAMA_CPP_FTYPES[ftype]) in stored, sorted(stored)
+    model = ember.load(path)
+    ids = prompts(model.config.vocab, (48,))[0]
+    assert assert_close_to_llama_cpp(model.logits(ids), llama_cpp_logits(path, ids)) >= 0.85
+    rows, tokens = decode_logits(model, ids[:16], 24)
+    theirs = llama_cpp_logits(path, ids[:16] + tokens[:-1])[15:]
+    assert assert_close_to_llama_cpp(rows, theirs) >= 0.85
