@@ -2,8 +2,8 @@
 
 Files: the trained demo model (daemon/assets, Q8_0) and a random-weight ~100M-parameter qwen3 shape
 (hidden 768, 12 layers, 12 heads on 4 KV heads, FFN 2048, vocab 32000, tied embeddings), written as F16
-and then quantized to Q8_0 and Q4_K_M by llama.cpp itself (`llama_model_quantize`; cached under
-benchmarks/.cache). For each file and engine, in a fresh process each (so load time and memory are that
+and then quantized to Q8_0 and Q4_K_M (by default; --files also takes Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
+IQ4_XS, Q2_K and Q3_K_M) by llama.cpp itself (`llama_model_quantize`; cached under benchmarks/.cache). For each file and engine, in a fresh process each (so load time and memory are that
 engine's alone): load seconds (ember's kernel cache warm), resident memory growth over the load, the
 decode and the prefill runs vs the file's size (measured after the same work has run once on a first
 instance of the model, freed since: the model's memory, not the code each engine brings in on first use;
@@ -19,7 +19,7 @@ rounds. Decode is also given as GB/s of weights read per token, and as a fractio
 memory bandwidth, measured here with the same threads. Prints ember/llama.cpp ratios.
 
     python benchmarks/cpu_decode.py [--tokens 128] [--repeats 3] [--rounds 3] [--threads N] [--prompt-tokens 512] [--batch 8]
-                                    [--context 1536] [--kv-dtype f32] [--files demo Q8_0 Q4_K_M]
+                                    [--context 1536] [--kv-dtype f32] [--files demo Q8_0 Q4_K_M ...]
 
 --kv-dtype: ember's KV cache (its default, f32; llama.cpp keeps its own default, f16, which reads half
 the bytes of f32 in the long-context figure).
@@ -45,7 +45,8 @@ sys.path.insert(0, str(REPO / "tests"))  # the GGUF writer the oracle tests use
 SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
              num_key_value_heads=4, head_dim=64, vocab_size=32000, max_position_embeddings=2048,
              rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
-LLAMA_FTYPES = {"Q8_0": 7, "Q4_K_M": 15}  # llama.h LLAMA_FTYPE_MOSTLY_Q8_0, LLAMA_FTYPE_MOSTLY_Q4_K_M
+# llama.cpp's quantization types (llama.h LLAMA_FTYPE_MOSTLY_*) the 100M shape is measured in
+LLAMA_FTYPES = ("Q8_0", "Q4_K_M", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K_M")
 
 
 def demo_file() -> Path:
@@ -94,7 +95,7 @@ def quantized_by_llama_cpp(name: str, threads: int) -> Path:
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.nthread = LLAMA_FTYPES[name], threads
+    params.ftype, params.nthread = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}"), threads
     tmp = path.with_suffix(".tmp")
     if llama_cpp.llama_model_quantize(str(f16_source()).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
         raise RuntimeError(f"llama_model_quantize failed for {name}")
@@ -299,7 +300,7 @@ def main() -> None:
                     help="ember's KV cache (llama.cpp's is its default, f16)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="engines alternated this many times per file, medians reported (this VM drifts 10-20%%)")
-    ap.add_argument("--files", nargs="+", default=["demo", "Q8_0", "Q4_K_M"], choices=["demo", "Q8_0", "Q4_K_M"])
+    ap.add_argument("--files", nargs="+", default=["demo", "Q8_0", "Q4_K_M"], choices=["demo", *LLAMA_FTYPES])
     ap.add_argument("--worker", nargs=2, metavar=("ENGINE", "FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:

@@ -25,6 +25,10 @@ Q4_K_M = {"*attn_v.weight": TensorType.Q6_K, "*ffn_down.weight": TensorType.Q6_K
 MIXED = {"*attn_q.weight": TensorType.Q4_K, "*attn_k.weight": TensorType.Q8_0, "*attn_v.weight": TensorType.Q6_K,
          "*attn_output.weight": TensorType.F16, "*ffn_gate.weight": TensorType.Q5_K, "*ffn_up.weight": TensorType.BF16,
          "*ffn_down.weight": TensorType.Q6_K, "token_embd.weight": TensorType.Q8_0, "*": TensorType.F32}
+# every newer block type in one file (K-quants need rows of whole 256-value super-blocks)
+NEWER = {"*attn_q.weight": TensorType.Q4_0, "*attn_k.weight": TensorType.Q5_1, "*attn_v.weight": TensorType.IQ4_NL,
+         "*attn_output.weight": TensorType.Q3_K, "*ffn_gate.weight": TensorType.Q2_K, "*ffn_up.weight": TensorType.IQ4_XS,
+         "*ffn_down.weight": TensorType.Q5_0, "token_embd.weight": TensorType.Q4_1, "*": TensorType.F32}
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -12,7 +12,7 @@ import ember
 from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.kernels.reference.quant import quantize
 from ember.kernels.tensor_types import TensorType
-from gguf_writer import MIXED, Q4_K_M, write_gguf
+from gguf_writer import MIXED, NEWER, Q4_K_M, write_gguf
 from references import hf_logits, llama_cpp_logits, state_dict
 from tiny_models import LLAMA3
 
@@ -59,13 +59,16 @@ def dequantized_copy(model, types) -> None:
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(t)))))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_quantized_gguf_equals_transformers_on_dequantized_weights(hf_model, tmp_path: Path, arch: str) -> None:
-    """Every tensor type (Q4_K, Q5_K, Q6_K, Q8_0, F16, BF16, F32) read exactly: ember on the quantized
-    file equals transformers running the same weights dequantized by gguf-py (an independent oracle)."""
+@pytest.mark.parametrize("arch,types", [("llama", MIXED), ("qwen3", MIXED), ("qwen3", NEWER)],
+                         ids=["llama", "qwen3", "qwen3-newer-types"])
+def test_quantized_gguf_equals_transformers_on_dequantized_weights(hf_model, tmp_path: Path, arch: str,
+                                                                   types: dict[str, TensorType]) -> None:
+    """Every tensor type (Q4_K, Q5_K, Q6_K, Q8_0, F16, BF16, F32; then Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
+    Q2_K, Q3_K, IQ4_XS) read exactly: ember on the quantized file equals transformers running the same
+    weights dequantized by gguf-py (an independent oracle)."""
     _, ref = hf_model(arch, **KQ)
-    path = write_gguf(tmp_path / "mixed.gguf", ref.config, state_dict(ref), MIXED)
-    dequantized_copy(ref, MIXED)
+    path = write_gguf(tmp_path / "mixed.gguf", ref.config, state_dict(ref), types)
+    dequantized_copy(ref, types)
     model = ember.load(path)
     for ids in prompts(model.config.vocab):
         expected = hf_logits(ref, ids)

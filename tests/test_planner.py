@@ -331,6 +331,21 @@ def test_demo_model_weights_match_the_file() -> None:
     assert w.total == matrices + 2 * vectors
 
 
+def test_every_block_type_sized_as_stored(hf_model, tmp_path: Path) -> None:
+    """A file of the newer block types (Q4_0 ... IQ4_XS): the plan's weights are the file's bytes."""
+    from gguf_writer import NEWER, write_gguf
+    from references import state_dict
+
+    _, ref = hf_model("qwen3", hidden_size=256, intermediate_size=512, head_dim=64)
+    path = write_gguf(tmp_path / "newer.gguf", ref.config, state_dict(ref), NEWER)
+    reader = gguf.GGUFReader(path)
+    assert {t.tensor_type.name for t in reader.tensors} >= {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K",
+                                                           "IQ4_XS"}
+    matrices = sum(int(t.n_bytes) for t in reader.tensors if len(t.shape) > 1)
+    vectors = sum(int(t.n_bytes) for t in reader.tensors if len(t.shape) == 1)
+    assert plan_model(path, PlanRequest.create([CPU], env={})).devices[0].weights.total == matrices + 2 * vectors
+
+
 # --- no weight is read ------------------------------------------------------------------------------------
 def resident_fraction(path: Path, start: int, end: int) -> float:
     """Fraction of the file's pages in [start, end) that are in the page cache (mincore)."""
