@@ -17,6 +17,7 @@ from ember.kernels.layer_stack import LayerStack
 from ember.kernels.tensor_types import TensorType as T
 
 INT8_TYPES = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+NEWER_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q2_K, T.Q3_K, T.IQ4_XS]
 
 
 def decode_states(net, kv_dtype: str, steps: int = 3) -> list[np.ndarray]:
@@ -51,6 +52,17 @@ def test_fused_decode_steps_equal_the_ops(arch: str, kv_dtype: str) -> None:
     """laguna: an output gate (by head and by element), a sliding window the decode steps pass,
     layers with different head counts."""
     net = synthetic_model(INT8_TYPES, arch)
+    assert all(f is not None for f in net.stack.fused)
+    fused = decode_states(net, kv_dtype)
+    without_fusion(net)
+    for a, b in zip(fused, decode_states(net, kv_dtype), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+def test_fused_decode_steps_equal_the_ops_on_the_newer_block_types(kv_dtype: str) -> None:
+    """A layer each of Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K and IQ4_XS."""
+    net = synthetic_model(NEWER_TYPES)
     assert all(f is not None for f in net.stack.fused)
     fused = decode_states(net, kv_dtype)
     without_fusion(net)

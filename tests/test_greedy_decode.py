@@ -25,6 +25,7 @@ from ember.kernels.sampling import SamplingParams
 from ember.kernels.tensor_types import TensorType as T
 
 INT8_TYPES = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+NEWER_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q2_K, T.Q3_K, T.IQ4_XS]
 PROMPTS = ([1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25])
 TABLES = ([0, 1], [2, 3], [4, 5])
 STEPS = 6
@@ -90,6 +91,14 @@ def assert_bursts_equal_steps(net: Transformer, kv_dtype: str = "f32") -> None:
 def test_a_greedy_burst_equals_single_steps(arch: str, variant: str, monkeypatch) -> None:
     monkeypatch.setattr(twin, "FORCE", variant)
     net = synthetic_model(INT8_TYPES, arch)
+    assert net.stack.whole is not None
+    assert_bursts_equal_steps(net)
+
+
+@pytest.mark.parametrize("variant", ["serial", "parallel"])
+def test_a_greedy_burst_on_the_newer_block_types_equals_single_steps(variant: str, monkeypatch) -> None:
+    monkeypatch.setattr(twin, "FORCE", variant)
+    net = synthetic_model(NEWER_TYPES)
     assert net.stack.whole is not None
     assert_bursts_equal_steps(net)
 
