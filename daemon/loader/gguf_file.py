@@ -12,7 +12,7 @@ from ember.daemon.loader.model_config import config_from_gguf
 from ember.daemon.loader.model_file import ModelFile
 from ember.daemon.loader.model_file_error import ModelFileError
 from ember.kernels.raw_tensor import RawTensor
-from ember.kernels.tensor_types import UnsupportedTensorType, row_bytes, tensor_type
+from ember.kernels.tensor_types import TensorType, UnsupportedTensorType, row_bytes, tensor_type
 
 
 def open_gguf(path: Path) -> ModelFile:
@@ -54,7 +54,7 @@ def _raw_tensor(t: TensorInfo, source: str) -> RawTensor:
         ttype = tensor_type(t.ggml_type)
     except UnsupportedTensorType:
         raise ModelFileError(source, f"tensor {t.name} has unsupported type {_type_name(t.ggml_type)} "
-                             "(supported: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K)") from None
+                             f"(supported: {', '.join(x.name for x in TensorType)})") from None
     shape = tuple(reversed(t.dims))  # ggml order -> numpy order
     expected = _tensor_bytes(t.ggml_type, t.dims)
     if expected is None:

@@ -2,7 +2,7 @@
 
 This module owns the CPU backend's fused form of a layer (ops.fuse_layer / ops.run_fused_layer):
 pre-norm attention (optional q/k/v biases and q/k head norms) and a gated FFN whose seven matrices
-all take the integer decode kernels (Q8_0, Q4_K, Q5_K, Q6_K), run for a step whose rows are all
+all take the integer decode kernels (every block type), run for a step whose rows are all
 decode rows. Run op by op, such a layer costs ~110 Python calls (wrappers, numba's argument typing
 for each kernel, array allocations): on the 12 MB demo model that host work was a third of a decode
 step. Here the whole layer is two numba functions, `_attention_in` (norm, q/k/v, q/k norm and rope)

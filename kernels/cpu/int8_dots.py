@@ -1,11 +1,12 @@
 """Integer dot products of quantized weight rows with int8-quantized activations: the decode kernels.
 
 This module owns the activation quantizers and the tiles (one weight row x 1 or TILE_TOKENS tokens)
-that quant_matmul.py's decode-row kernels are made of, for Q8_0, Q4_K, Q5_K and Q6_K weights. It is
-llama.cpp's approach: x is quantized once per matmul, into ggml's q8_0 against Q8_0 weights (32 int8
-values and one f16 scale, bit for bit as kernels/convert.py quantizes) and into 256-value blocks with
-one float32 scale against K-quants (convert.quantize_q8_k_split, after ggml's q8_K), and every 32
-weight quants meet 32 activation quants in integer arithmetic instead of being widened to float32.
+that quant_matmul.py's decode-row kernels are made of, for every block type (Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, IQ4_NL; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS). It is llama.cpp's approach: x is quantized once
+per matmul, into ggml's q8_0 against the 32-value block types (32 int8 values and one f16 scale, bit
+for bit as kernels/convert.py quantizes) and into 256-value blocks with one float32 scale against
+K-quants and IQ4_XS (convert.quantize_q8_k_split, after ggml's q8_K), and every 32 weight quants meet
+32 activation quants in integer arithmetic instead of being widened to float32.
 
 Why the kernels are LLVM IR (numba intrinsics) and look the way they do (measured on the 2-core Zen 4
 VM):
@@ -34,6 +35,11 @@ VM):
   depended on how many tokens shared its step. Now every (row, token) result is bit-identical
   whatever the batch, the tile shape or the serial/parallel variant.
 - Loads are unaligned (align 1): GGUF rows are only 2-byte aligned for Q8_0 (34-byte blocks).
+- The newer types reuse these paths: a stored offset (Q4_0 8, Q5_0 16, Q3_K 4, Q6_K 32) comes off
+  through the quad_offsets, shifted (exactly: powers of two) from the activation's own offset; Q4_1
+  and Q5_1 add d*q + m, their -m meeting the block sums as Q4_K's mins do; Q2_K's mins, one per 16
+  values, meet the 4-value sums in int32 and become float once per super-block; the IQ4 types' codes
+  become signed levels with vpshufb (a select chain on the portable path).
 """
 from __future__ import annotations
 

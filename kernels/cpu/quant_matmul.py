@@ -1,4 +1,4 @@
-"""CPU kernels that multiply by weights still in their file format (F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K).
+"""CPU kernels that multiply by weights still in their file format (F32, F16, BF16 and every block type).
 
 This module owns the CPU backend's weight layout (CpuWeight, made by pack) and its kernels: matmul
 with few tokens (decode, batched or not: quantized weights meet int8-quantized activations in
