@@ -6,7 +6,8 @@ backend paths of its own.
 A layer comes as a StackLayer: its op-by-op run, and where it is a standard decoder layer its
 weights (ops.LayerWeights), which a backend may compile (ops.fuse_layer). A compiled layer without its
 FFN (a MoE layer: the experts run as ops.expert_ffn) stops at the attention's residual, and the
-layer's own `finish` does the rest. When every layer is compiled with its FFN, a step that suits
+layer's own `finish` does the rest, or the backend's compiled form of it (ops.fuse_routed) while
+every expert is hot. When every layer is compiled with its FFN or such a finish, a step that suits
 them runs the whole stack in one backend call (ops.run_fused_layers: no Python between layers).
 """
 from __future__ import annotations
@@ -49,6 +50,9 @@ class StackLayer:
     shape: LayerShape | None = None
     kv_layer: int = 0  # its keys and values' layer in the cache
     finish: Callable[[Array, StepArrays], Array] | None = None  # h -> h + ffn(rmsnorm(h)), op by op
+    # a MoE layer: the backend's one-call form of `finish` (ops.fuse_routed) while it has one (every
+    # expert hot), else None
+    routed: Callable[[], Any | None] | None = None
 
 
 class LayerStack:
@@ -56,16 +60,30 @@ class LayerStack:
         """fused: per layer, the backend's compiled form (None: op by op only)."""
         self.ops, self.layers = ops, list(layers)
         self.fused = list(fused)
-        # every layer compiled with its FFN, layer i's K/V in cache layer i: the stack in one backend call
-        whole = all(f is not None and layer.weights is not None and layer.weights.gate is not None
-                    and layer.kv_layer == i for i, (f, layer) in enumerate(zip(self.fused, self.layers, strict=True)))
+        # every layer compiled with its FFN or finished by a routed one, layer i's K/V in cache layer i:
+        # the stack in one backend call
+        whole = all(f is not None and layer.weights is not None and layer.kv_layer == i
+                    and (layer.weights.gate is not None or layer.routed is not None)
+                    for i, (f, layer) in enumerate(zip(self.fused, self.layers, strict=True)))
         self.whole: list[Any] | None = list(self.fused) if whole and self.fused else None
+        self._routed = [i for i, layer in enumerate(self.layers) if layer.routed is not None]
+
+    def routed_now(self) -> list[Any | None] | None:
+        """Per layer, its routed FFN's compiled form as it stands (None for a dense layer), or None
+        where a MoE layer has none now (an expert not hot): the stack then runs layer by layer."""
+        parts: list[Any | None] = [None] * len(self.layers)
+        for i in self._routed:
+            parts[i] = self.layers[i].routed()  # type: ignore[misc]
+            if parts[i] is None:
+                return None
+        return parts
 
     def run(self, x: Array, step: StepArrays, cache: KVStores, tap: Callable[[int, Array], None] | None = None) -> Array:
         """Hidden states x [n, d] through every layer (f32 in, f32 out), their K/V written to `cache`;
         tap(i, x) sees the input of each layer i first (then no layer runs with the next)."""
-        if tap is None and self.whole is not None:
-            out = self.ops.run_fused_layers(self.whole, x, cache.k, cache.v, step)
+        routed = self.routed_now() if tap is None and self.whole is not None else None
+        if routed is not None:
+            out = self.ops.run_fused_layers(self.whole, x, cache.k, cache.v, step, routed)
             if out is not None:
                 return out
         for i in range(len(self.layers)):  # x is rebound: a layer's input is freed once the next has run

@@ -152,6 +152,15 @@ class Ops(ABC):
         token = np.repeat(np.arange(x.shape[0]), routing.k)
         return self.expert_ffn(x, table, token, ids.reshape(-1), weights.reshape(-1), decode_rows), ids
 
+    def fuse_routed(self, norm: Array, eps: float, router: Weight, table: Any, routing: Routing, counts: np.ndarray,
+                    half_life: float, routed: np.ndarray) -> Any | None:
+        """A backend's compiled form of a MoE layer's FFN after its fused attention: h + routed_ffn(
+        rmsnorm(h, norm)) with every expert hot (`table`: expert_table's), each step's chosen experts
+        recorded as RoutingStats.record does into `counts` (the layer's float64 row, in place, halving
+        every `half_life` tokens) and counted into `routed` (int64 [1]); for run_fused_layers and
+        greedy_plan. None (this default) where it has none: the layer then finishes op by op."""
+        return None
+
     def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
                    weight: np.ndarray, decode_rows: Array | None = None) -> Array:
         """The routed experts of one MoE layer: out[t] = sum over pairs p with token[p] == t of
@@ -195,11 +204,15 @@ class Ops(ABC):
         raise NotImplementedError(f"{self.name} fuses no layers")
 
     def run_fused_layers(self, fused: Sequence[Any], x: Array, ks: Sequence[Any], vs: Sequence[Any],
-                         step: StepArrays) -> Array | None:
-        """Layers fused with their FFNs, one after another (layer i's K/V in the stores ks[i] and vs[i]):
-        run_fused_layer on each, asked in one call so that a backend can keep Python off the way
-        between them; None, having done nothing, for a step the fused form does not take. Whether it
-        takes one depends on the step alone, so the first layer decides for all of them."""
+                         step: StepArrays, routed: Sequence[Any | None] = ()) -> Array | None:
+        """Layers fused with their FFNs, or without them where routed[i] (fuse_routed's) finishes
+        layer i, one after another (layer i's K/V in the stores ks[i] and vs[i]): run_fused_layer on
+        each, asked in one call so that a backend can keep Python off the way between them; None,
+        having done nothing, for a step the fused form does not take. Whether it takes one depends on
+        the step alone, so the first layer decides for all of them. This default has no routed
+        layers (fuse_routed gives none)."""
+        if any(r is not None for r in routed):
+            return None
         for i, (layer, k, v) in enumerate(zip(fused, ks, vs, strict=True)):
             out = self.run_fused_layer(layer, x, k, v, step)
             if out is None:
@@ -211,11 +224,11 @@ class Ops(ABC):
 
     # --- a greedy decode burst at once -----------------------------------------------------------
     def greedy_plan(self, stack: LayerStack, embed: Weight, norm: Array, eps: float, output: Weight,
-                    ks: Sequence[Any], vs: Sequence[Any]) -> Any | None:
+                    ks: Sequence[Any], vs: Sequence[Any], routed: Sequence[Any | None] = ()) -> Any | None:
         """A backend's compiled form of a whole model's greedy decode step (a stack whose layers are
-        all compiled with their FFNs, layer i's K/V in ks[i] and vs[i]; the embedding, final norm and
-        output projection), for greedy_burst; None (this default) where it has none: decode bursts
-        then step from Python."""
+        all compiled with their FFNs, or finished by routed[i], fuse_routed's; layer i's K/V in ks[i]
+        and vs[i]; the embedding, final norm and output projection), for greedy_burst; None (this
+        default) where it has none: decode bursts then step from Python."""
         return None
 
     def greedy_burst(self, plan: Any, steps: int, step: StepArrays, block_size: int,

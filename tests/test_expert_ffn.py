@@ -38,17 +38,40 @@ def decode_states(net, steps: int = 3) -> list[np.ndarray]:  # type: ignore[no-u
 
 @pytest.mark.parametrize("variant", [None, "serial", "parallel"])
 def test_decode_steps_equal_the_default_expert_ffn(net, variant: str | None, monkeypatch) -> None:
-    calls = []
+    """Three ways through a decode step, the same bits and the same routing statistics: the whole
+    stack in one backend call (each MoE layer finished by routed_finish), layer by layer (the compiled
+    attention, then the FFN from Python through routed_ffn's one call), and the ops API's defaults."""
+    monkeypatch.setattr(twin, "FORCE", variant)
+    stats, manager = net.experts.stats, net.experts
+    start, slots = stats.counts.copy(), int(manager.routed_slots[0])
+
+    def run() -> tuple[list[np.ndarray], np.ndarray, int]:
+        stats.counts[:] = start
+        manager.routed_slots[0] = slots
+        return decode_states(net), stats.counts.copy(), int(manager.routed_slots[0]) - slots
+
+    finishes, calls = [], []
+    whole = expert_ffn.routed_finish
+    monkeypatch.setattr(expert_ffn, "routed_finish", lambda *a: finishes.append(1) or whole(*a))
+    paths = [run()]
+    assert len(finishes) == 3 * net.config.n_layers  # every MoE layer of every step, no Python between layers
     fused = expert_ffn.routed_ffn
     monkeypatch.setattr(expert_ffn, "routed_ffn", lambda *a: calls.append(1) or fused(*a))
-    monkeypatch.setattr(twin, "FORCE", variant)
-    got = decode_states(net)
-    assert len(calls) == 3 * net.config.n_layers  # every MoE layer of every step: router to experts in one call
+    monkeypatch.setattr(net.stack, "whole", None)  # layer by layer
+    paths.append(run())
+    assert len(calls) == 3 * net.config.n_layers  # router to experts in one call
     monkeypatch.setattr(type(net.ops), "routed_ffn", Ops.routed_ffn)  # the API's default: router, route, experts
     monkeypatch.setattr(expert_ffn, "expert_ffn", lambda *a: None)  # and the experts through the default
     monkeypatch.setattr(net.stack, "fused", [None] * len(net.blocks))  # and the attention runs op by op
-    for a, b in zip(got, decode_states(net), strict=True):
-        np.testing.assert_array_equal(a, b)
+    paths.append(run())
+    (states, counts, routed), *others = paths
+    tokens = 5 + 2 + 3 + 3 * 3  # the prompts', then 3 steps of 3 sequences
+    assert routed == tokens * net.config.n_experts_used * net.config.n_layers and not np.array_equal(counts, start)
+    for other_states, other_counts, other_routed in others:
+        for a, b in zip(states, other_states, strict=True):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(counts, other_counts)
+        assert routed == other_routed
 
 
 def test_a_moe_layers_attention_is_fused_without_its_ffn(net) -> None:

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+import ember
 from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_MODEL
@@ -23,6 +24,7 @@ from ember.kernels.cpu.quant_matmul import pack
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.sampling import SamplingParams
 from ember.kernels.tensor_types import TensorType as T
+from tiny_models import FIXTURES
 
 INT8_TYPES = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 NEWER_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q2_K, T.Q3_K, T.IQ4_XS]
@@ -73,17 +75,25 @@ def assert_bursts_equal_steps(net: Transformer, kv_dtype: str = "f32") -> None:
     free, _ = step_by_step(net, cache, batch, np.full((3, 1), -1))
     # row 1 stops at its third token, row 0 at its fifth, row 2 runs on: the burst ends with the steps
     stops = np.array([[free[4, 0], -1], [-1, free[2, 1]], [-1, -1]])
+    counts = net.experts.stats.counts if net.experts is not None else np.zeros(0)  # a MoE model's routing
+    start = counts.copy()
     for stop_table in (np.full((3, 1), -1), stops):
         restore(cache, saved)
+        counts[:] = start
         want, want_logits = step_by_step(net, cache, batch, stop_table)
+        want_counts = counts.copy()
         restore(cache, saved)
-        plan = greedy_decode.plan(net.stack.whole, net.embed, net.norm, net.config.norm_eps, net.output, cache.k, cache.v)
+        counts[:] = start
+        routed = net.stack.routed_now()
+        plan = greedy_decode.plan(net.stack.whole, net.embed, net.norm, net.config.norm_eps, net.output, cache.k, cache.v,
+                                  routed)
         logits = np.zeros((STEPS, 3, net.config.vocab), np.float32)
         got = greedy_decode.burst(plan, STEPS, batch.ids, batch.positions, batch.kv_blocks, batch.kv_offsets,
                                   batch.tables, batch.token_seq, 16, stop_table, logits)
         np.testing.assert_array_equal(got, want)
         for step, expected in enumerate(want_logits):
             np.testing.assert_array_equal(logits[step], expected)  # bit for bit
+        np.testing.assert_array_equal(counts, want_counts)  # the routing recorded as single steps record it
 
 
 @pytest.mark.parametrize("variant", ["serial", "parallel"])
@@ -92,6 +102,16 @@ def test_a_greedy_burst_equals_single_steps(arch: str, variant: str, monkeypatch
     monkeypatch.setattr(twin, "FORCE", variant)
     net = synthetic_model(INT8_TYPES, arch)
     assert net.stack.whole is not None
+    assert_bursts_equal_steps(net)
+
+
+@pytest.mark.parametrize("variant", ["serial", "parallel"])
+def test_a_greedy_burst_of_a_moe_model_equals_single_steps(variant: str, monkeypatch) -> None:
+    """The trained MoE demo, every expert hot: each MoE layer's router, routing and experts inside the
+    burst (expert_ffn.routed_finish), its routing statistics as single steps leave them."""
+    monkeypatch.setattr(twin, "FORCE", variant)
+    net = ember.load(FIXTURES / "ember-demo-moe-q8_0.gguf").net
+    assert net.stack.whole is not None and all(p is not None for p in net.stack.routed_now())
     assert_bursts_equal_steps(net)
 
 

@@ -90,7 +90,8 @@ class ExpertManager:
             log.info("routing statistics from %s", self.stats_file)
         self.hot = place(self.stats.counts, expert_bytes, self.budget, self.floor)
         self.ffns: dict[int, MoEFFN] = {}
-        self.routed = self.cold = self.swaps = self.swapped_bytes = 0
+        self.cold = self.swaps = self.swapped_bytes = 0
+        self.routed_slots = np.zeros(1, np.int64)  # (token, expert) pairs routed; compiled code adds to it too
         self.cold_busy = self.cold_wait = 0.0
         self._saved_at = time.monotonic()
         self.pool: ColdPool | None = None
@@ -110,7 +111,7 @@ class ExpertManager:
 
     def record(self, layer: int, expert: np.ndarray, n_tokens: int) -> None:
         self.stats.record(layer, expert, n_tokens)
-        self.routed += expert.size
+        self.routed_slots[0] += expert.size
 
     def compute_cold(self, ops: Ops, layer: int, x: Array, rows: Array | None, token: np.ndarray,
                      expert: np.ndarray, weight: np.ndarray) -> _ColdResult | None:
@@ -185,7 +186,7 @@ class ExpertManager:
 
     def snapshot(self) -> ExpertStats:
         moe = [i for i, b in enumerate(self.expert_bytes) if b]
-        return ExpertStats(int(self.hot[moe].sum()), len(moe) * self.hot.shape[1], self.routed, self.cold,
+        return ExpertStats(int(self.hot[moe].sum()), len(moe) * self.hot.shape[1], int(self.routed_slots[0]), self.cold,
                            self.swaps, self.swapped_bytes, self.pool.restarts if self.pool else 0,
                            self.cold_busy, self.cold_wait)
 

@@ -45,9 +45,23 @@ class MoEFFN:
     hot: dict[int, ExpertWeights] = field(default_factory=dict)
     is_hot: np.ndarray = field(init=False)  # bool [experts]: the keys of `hot`
     table: Any = None  # `hot` as ops.routed_ffn takes it (ops.expert_table), rebuilt as it changes
+    # the backend's one-call form of this FFN with its norm (ops.fuse_routed), and the table it was made of
+    _compiled: tuple[Any, Any] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.is_hot = np.zeros(len(self.files), bool)
+
+    def compiled(self, ops: Ops, norm: Array, eps: float) -> Any | None:
+        """h -> h + this FFN of rmsnorm(h, norm), its routing recorded, in one backend call
+        (ops.fuse_routed), while every expert is hot; else None (the FFN then runs as __call__)."""
+        if not self.is_hot.all():
+            return None
+        if self._compiled is None or self._compiled[0] is not self.table:
+            stats = self.manager.stats
+            self._compiled = (self.table, ops.fuse_routed(norm, eps, self.router, self.table, self.routing,
+                                                          stats.counts[self.layer], stats.half_life,
+                                                          self.manager.routed_slots))
+        return self._compiled[1]
 
     @property
     def n_experts(self) -> int:

@@ -157,7 +157,8 @@ class Transformer:
         self.norm = _norm(mf, ops, "output_norm.weight") if self.runs_last else None
         # tied embeddings: the output projection is the embedding matrix, shared, not loaded twice
         self.output = None if not self.runs_last else self.embed if tied else ops.weight(mf.tensors["output.weight"])
-        # per KV cache, the backend's greedy decode step over it (ops.greedy_plan; None: it has none)
+        # per KV cache, the backend's greedy decode step over it (ops.greedy_plan; None: it has none), with
+        # the routed FFNs it was made with
         self._greedy_plans: weakref.WeakKeyDictionary[PagedKVCache, Any] = weakref.WeakKeyDictionary()
 
     @property
@@ -224,11 +225,15 @@ class Transformer:
                 or len(batch.logit_rows) != n or not np.array_equal(batch.logit_rows, np.arange(n))
                 or not np.all(batch.decode_rows)):
             return None
-        plan = self._greedy_plans.get(cache, False)
-        if plan is False:
-            plan = self.ops.greedy_plan(self.stack, self.embed, self.norm, self.config.norm_eps, self.output,
-                                        cache.k, cache.v)
-            self._greedy_plans[cache] = plan
+        routed = self.stack.routed_now()  # a MoE layer's compiled FFN changes as its experts are swapped
+        if routed is None:
+            return None
+        known = self._greedy_plans.get(cache)
+        if known is None or len(known[0]) != len(routed) or any(a is not b for a, b in zip(known[0], routed)):
+            known = (routed, self.ops.greedy_plan(self.stack, self.embed, self.norm, self.config.norm_eps, self.output,
+                                                  cache.k, cache.v, routed))
+            self._greedy_plans[cache] = known
+        plan = known[1]
         if plan is None:
             return None
         return self.ops.greedy_burst(plan, steps, batch, cache.block_size, stops)
@@ -327,7 +332,7 @@ def stack_layer(block: Block, ops: Ops, cfg: ModelConfig) -> StackLayer:
     """The block as the backend's layer stack takes it: its op-by-op run, and where it is a standard
     decoder layer (softmax attention, a laguna output gate and sliding window included) its weights,
     which the backend may compile — with the FFN where it is a dense one (a MoE layer's experts run
-    as ops.expert_ffn, after the compiled attention)."""
+    as ops.expert_ffn after the compiled attention, or, while all are hot, as ops.fuse_routed's form)."""
     def run(x: Array, step: StepBatch, cache: PagedKVCache) -> Array:
         return block(ops, cfg, x, cache, step)
 
@@ -336,13 +341,18 @@ def stack_layer(block: Block, ops: Ops, cfg: ModelConfig) -> StackLayer:
         return StackLayer(run)
     ffn = block.ffn
     dense = isinstance(ffn, DenseFFN)
+    routed = None
+    if isinstance(ffn, MoEFFN):
+        def routed() -> Any | None:
+            return ffn.compiled(ops, block.ffn_norm, cfg.norm_eps)
+
     weights = LayerWeights(block.attn_norm, attn.wq, attn.wk, attn.wv, attn.wo, attn.bq, attn.bk, attn.bv,
                            attn.q_norm, attn.k_norm, block.ffn_norm,
                            *((ffn.gate, ffn.up, ffn.down) if dense else (None,) * 3),  # type: ignore[union-attr]
                            attn.out_gate)
     shape = LayerShape(attn.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, attn.rope.inv_freq,
                        attn.rope.interleaved, attn.window, attn.scale)
-    return StackLayer(run, weights, shape, attn.kv_layer, lambda h, step: block.finish(ops, cfg, h, step))
+    return StackLayer(run, weights, shape, attn.kv_layer, lambda h, step: block.finish(ops, cfg, h, step), routed)
 
 
 def _norm(mf: ModelFile, ops: Ops, name: str) -> Array:

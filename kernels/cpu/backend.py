@@ -61,18 +61,19 @@ class CpuOps(Ops):
                                  step.kv_offsets, step.tables, step.token_seq)
 
     def run_fused_layers(self, fused: Sequence[decoder_layer.FusedLayer], x: Array, ks: Sequence[KVLayerStore],
-                         vs: Sequence[KVLayerStore], step: StepArrays) -> np.ndarray | None:
+                         vs: Sequence[KVLayerStore], step: StepArrays,
+                         routed: Sequence[expert_ffn.FusedRouted | None] = ()) -> np.ndarray | None:
         if kernel_tiers.first_tier_only() or self._flags(step.decode_rows) is not True:
             return None
         return decoder_layer.run_stack(fused, x, ks, vs, self.kv_write, step.positions, step.attends_to,
-                                       step.kv_blocks, step.kv_offsets, step.tables, step.token_seq)
+                                       step.kv_blocks, step.kv_offsets, step.tables, step.token_seq, routed)
 
     def greedy_plan(self, stack: LayerStack, embed: quant_matmul.CpuWeight, norm: Array, eps: float,
-                    output: quant_matmul.CpuWeight, ks: Sequence[KVLayerStore],
-                    vs: Sequence[KVLayerStore]) -> greedy_decode.GreedyPlan | None:
+                    output: quant_matmul.CpuWeight, ks: Sequence[KVLayerStore], vs: Sequence[KVLayerStore],
+                    routed: Sequence[expert_ffn.FusedRouted | None] = ()) -> greedy_decode.GreedyPlan | None:
         if stack.whole is None:
             return None
-        return greedy_decode.plan(stack.whole, embed, np.asarray(norm), eps, output, ks, vs)
+        return greedy_decode.plan(stack.whole, embed, np.asarray(norm), eps, output, ks, vs, routed)
 
     def greedy_burst(self, plan: greedy_decode.GreedyPlan, steps: int, step: StepArrays, block_size: int,
                      stops: np.ndarray) -> np.ndarray | None:
@@ -93,6 +94,11 @@ class CpuOps(Ops):
         if table.complete and (router.int8 or router.f32 is not None) and self._flags(decode_rows) is True:
             return expert_ffn.routed_ffn(x, router, table, routing)  # router, routing, experts: one compiled call
         return super().routed_ffn(x, router, table, routing, decode_rows)
+
+    def fuse_routed(self, norm: Array, eps: float, router: quant_matmul.CpuWeight, table: expert_ffn.ExpertTable,
+                    routing: Routing, counts: np.ndarray, half_life: float,
+                    routed: np.ndarray) -> expert_ffn.FusedRouted | None:
+        return expert_ffn.fuse_routed(np.asarray(norm), eps, router, table, routing, counts, half_life, routed)
 
     def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
                    weight: np.ndarray, decode_rows: Array | None = None) -> np.ndarray:

@@ -123,23 +123,34 @@ def run(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, kv_w
 
 def run_stack(layers: Sequence[FusedLayer], x: np.ndarray, ks: Sequence[KVLayerStore], vs: Sequence[KVLayerStore],
               kv_write: Any, positions: np.ndarray, seen: np.ndarray, kv_blocks: np.ndarray, kv_offsets: np.ndarray,
-              tables: np.ndarray, token_seq: np.ndarray) -> np.ndarray:
-    """`layers` one after another on x, layer i's K/V in ks[i] and vs[i], each as `run` runs it. The
-    step's choices are made once, and nothing else runs between the layers' compiled calls: Python
-    right after the kernels runs several times slower than at rest (docs/runtime.md)."""
+              tables: np.ndarray, token_seq: np.ndarray, routed: Sequence[Any | None] = ()) -> np.ndarray:
+    """`layers` one after another on x, layer i's K/V in ks[i] and vs[i], each as `run` runs it, and
+    where routed[i] is given (expert_ffn.FusedRouted: a layer fused without its FFN) its routed FFN
+    after it. The step's choices are made once, and nothing else runs between the layers' compiled
+    calls: Python right after the kernels runs several times slower than at rest (docs/runtime.md)."""
     force, threads = twin.force_code(), twin.threads()
     x = _f32_rows(x)
-    for layer, k, v in zip(layers, ks, vs, strict=True):
-        if k.mode == _KV_Q8_0:
-            x = _layer_quantized_kv(layer, x, k, v, kv_write, positions, seen, kv_blocks, kv_offsets, tables, token_seq,
-                                    force)
-        elif force == 2 or (force == 0 and layer.work * x.shape[0] >= INT8_PARALLEL_MIN_WORK):
-            x = _layer_team(threads, x, positions, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, k.lut, kv_blocks,
-                            kv_offsets, tables, token_seq, seen, layer.attn_in, layer.attn_out)
-        else:  # an f32, f16 or bf16 row is stored in compiled code: the whole layer in one call
-            x = _layer_stored_kv(x, positions, force, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, k.lut,
-                                 kv_blocks, kv_offsets, tables, token_seq, seen, layer.attn_in, layer.attn_out)
+    for i, (layer, k, v) in enumerate(zip(layers, ks, vs, strict=True)):
+        x = _stack_layer(layer, x, k, v, kv_write, positions, seen, kv_blocks, kv_offsets, tables, token_seq, force,
+                         threads)
+        if i < len(routed) and routed[i] is not None:
+            x = routed[i](x, force)
     return x
+
+
+def _stack_layer(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, kv_write: Any,
+                 positions: np.ndarray, seen: np.ndarray, kv_blocks: np.ndarray, kv_offsets: np.ndarray,
+                 tables: np.ndarray, token_seq: np.ndarray, force: int, threads: int) -> np.ndarray:
+    """One layer of run_stack, in the variant its work and the KV cache call for."""
+    if k.mode == _KV_Q8_0:
+        return _layer_quantized_kv(layer, x, k, v, kv_write, positions, seen, kv_blocks, kv_offsets, tables, token_seq,
+                                   force)
+    if force == 2 or (force == 0 and layer.work * x.shape[0] >= INT8_PARALLEL_MIN_WORK):
+        return _layer_team(threads, x, positions, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, k.lut, kv_blocks,
+                           kv_offsets, tables, token_seq, seen, layer.attn_in, layer.attn_out)
+    # an f32, f16 or bf16 row is stored in compiled code: the whole layer in one call
+    return _layer_stored_kv(x, positions, force, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, k.lut, kv_blocks,
+                            kv_offsets, tables, token_seq, seen, layer.attn_in, layer.attn_out)
 
 
 def _layer_quantized_kv(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, kv_write: Any,

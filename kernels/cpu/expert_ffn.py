@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numba
 import numpy as np
@@ -29,12 +30,13 @@ from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
 from ember.kernels.cpu import twin
-from ember.kernels.cpu.decoder_layer import _SWIGLU_PARALLEL, _SWIGLU_SERIAL, _matmul_int8, _parallel
+from ember.kernels.cpu.decoder_layer import _SWIGLU_PARALLEL, _SWIGLU_SERIAL, _f32, _matmul_int8, _parallel, _rmsnorm
 from ember.kernels.cpu.quant_matmul import _FLOAT_TILE_TOKENS, INT8_PARALLEL_MIN_WORK, CpuWeight, _matmul_f32
+from ember.kernels.cpu.quant_matmul import _read_only as _read_only_view
 from ember.kernels.cpu.routing import route_rows
 from ember.kernels.ops import ExpertWeights, Routing
 
-__all__ = ["ExpertTable", "expert_ffn", "expert_table", "routed_ffn"]
+__all__ = ["ExpertTable", "FusedRouted", "expert_ffn", "expert_table", "fuse_routed", "routed_ffn"]
 
 _NO_BIAS = np.zeros(0, np.float32)
 
@@ -86,6 +88,41 @@ def routed_ffn(x: np.ndarray, router: CpuWeight, table: ExpertTable, routing: Ro
             twin.force_code(), out, ids, weights)
     return out, ids
 
+
+
+@dataclass(frozen=True)
+class FusedRouted:
+    """A MoE layer's FFN after its fused attention, in one compiled call (ops.fuse_routed): the norm,
+    the router, the routing and every expert (all hot), the residual, and the routing recorded into
+    the layer's row of the statistics as RoutingStats.record does. Called as the layer stack's step
+    (decoder_layer.run_stack) and the greedy burst's (greedy_decode) run it: args are routed_finish's
+    after x and force, arrays of the same numba types for every model (one compiled signature)."""
+
+    args: tuple[Any, ...]
+
+    def __call__(self, x: np.ndarray, force: int) -> np.ndarray:
+        return routed_finish(x, force, *self.args)
+
+
+def fuse_routed(norm: np.ndarray, eps: float, router: CpuWeight, table: ExpertTable, routing: Routing,
+                counts: np.ndarray, half_life: float, routed: np.ndarray) -> FusedRouted | None:
+    """The layer's FFN as FusedRouted, or None where routed_ffn's compiled form does not take it (an
+    expert not hot or without integer kernels, a 16-bit router). counts: the layer's float64 row of
+    RoutingStats.counts (updated in place); routed: an int64 [1] count of routed pairs, added to."""
+    if not table.complete or not (router.int8 or router.f32 is not None):
+        return None
+    f32 = router.f32 if router.f32 is not None else _read_only_view(np.zeros((0, router.cols), np.float32))
+    bias = _NO_BIAS if routing.bias is None else np.array(routing.bias, np.float32)
+    return FusedRouted((_f32(norm), float(eps), f32, router.code, router.u8, routing.k, routing.normalize,
+                        routing.gating == "sigmoid", bias, np.float32(routing.softcap), np.float32(routing.scale),
+                        table.rows, counts, float(half_life), routed))
+
+
+def no_routed_layer(cols: int) -> tuple[Any, ...]:
+    """FusedRouted.args' stand-ins for a layer without routed experts: the same numba types, never read."""
+    return (_NO_BIAS, 0.0, _read_only_view(np.zeros((0, cols), np.float32)), 0,
+            _read_only_view(np.zeros((0, cols), np.uint8)), 0, False, False, _NO_BIAS, np.float32(0), np.float32(1),
+            np.zeros((0, 12), np.int64), np.zeros(0, np.float64), 1.0, np.zeros(1, np.int64))
 
 
 def expert_ffn(x: np.ndarray, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
@@ -188,6 +225,29 @@ def _routed(x, f32, code, u8, k, normalize, sigmoid, bias, softcap, scale, table
             counts[ids[t, r]] += 1
             token[slot], weight[slot] = t, weights[t, r]
     _groups(x, sub, bounds, token, weight, force, out)
+
+
+@njit(cache=True, nogil=True)  # no fast-math: the statistics round as numpy's
+def routed_finish(x, force, norm, eps, f32, code, u8, k, normalize, sigmoid, bias, softcap, scale, table, counts,
+                  half_life, routed):
+    """x + the routed FFN of rmsnorm(x), as Block.finish computes it through ops.rmsnorm and
+    routed_ffn, with the chosen experts recorded as RoutingStats.record and ExpertManager.record do."""
+    n = x.shape[0]
+    h = np.empty_like(x)
+    _rmsnorm(x, norm, eps, h, force)
+    out = np.zeros(x.shape, np.float32)
+    ids, weights = np.empty((n, k), np.int64), np.empty((n, k), np.float32)
+    _routed(h, f32, code, u8, k, normalize, sigmoid, bias, softcap, scale, table, force, out, ids, weights)
+    decay = 0.5 ** (n / half_life)
+    tally = np.zeros(counts.shape[0], np.int64)
+    for t in range(n):
+        for r in range(k):
+            tally[ids[t, r]] += 1
+    for e in range(counts.shape[0]):
+        counts[e] *= decay
+        counts[e] += tally[e]
+    routed[0] += n * k
+    return x + out
 
 
 @njit(cache=True, nogil=True)  # no fast-math: the weighted sum rounds as numpy's

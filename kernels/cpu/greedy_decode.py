@@ -7,7 +7,8 @@ the final norm and output projection, the argmax, the burst's bookkeeping. Right
 that Python runs several times slower than at rest (docs/runtime.md): on the 12 MB demo model it was
 ~110 us of a ~900 us token. Where every sequence of the burst samples greedily (no penalties, no
 logprobs), nothing in a step needs Python, so here the whole burst is one compiled loop: embedding,
-every layer (decoder_layer's thread team), the final rmsnorm, the output projection and each row's
+every layer (decoder_layer's thread team; a MoE layer's routed FFN after it, expert_ffn.routed_finish,
+while every expert is hot), the final rmsnorm, the output projection and each row's
 argmax, then the next position's KV slot, until every sequence has met one of its stop ids or the
 burst is over.
 
@@ -37,6 +38,7 @@ from numba import njit, typed
 
 from ember.kernels.cpu import twin
 from ember.kernels.cpu.decoder_layer import _KV_Q8_0, FusedLayer, _layer_team, _matmul_int8, _parallel, _rmsnorm
+from ember.kernels.cpu.expert_ffn import FusedRouted, no_routed_layer, routed_finish
 from ember.kernels.cpu.paged_attention import KVLayerStore
 from ember.kernels.cpu.quant_matmul import _GATHER_ROWS, INT8_PARALLEL_MIN_WORK, CpuWeight, _read_only
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
@@ -50,7 +52,9 @@ _GATHER_SERIAL, _GATHER_PARALLEL = _GATHER_ROWS.serial, _GATHER_ROWS.parallel
 class GreedyPlan:
     """A whole model's decode step over one f32, f16 or bf16 KV cache, as the compiled loop takes it."""
 
-    items: list[tuple[Any, ...]]  # per layer: attn_in, attn_out, work, KV mode, k f32, k u16, k i8, k scales, v f32, v u16, lut
+    # per layer: attn_in, attn_out, work, KV mode, k f32, k u16, k i8, k scales, v f32, v u16, lut, whether a
+    # routed FFN finishes it, and that FFN's routed_finish arguments (no_routed_layer's stand-ins if none)
+    items: list[tuple[Any, ...]]
     embed: tuple[Any, ...]  # the embedding's code, u8, i8, u16, u32 and f32 (empty unless F32) views, columns
     norm: np.ndarray  # the final rmsnorm's weight, float32
     eps: float
@@ -69,14 +73,18 @@ class GreedyPlan:
 
 
 def plan(fused: Sequence[FusedLayer], embed: CpuWeight, norm: np.ndarray, eps: float, head: CpuWeight,
-         ks: Sequence[KVLayerStore], vs: Sequence[KVLayerStore]) -> GreedyPlan | None:
-    """The plan for these layers over these KV stores, or None where the per-step path computes what
-    this loop does not: a q8_0 KV cache (its rows are stored from Python), an output projection without
-    integer decode kernels (F16, BF16, F32)."""
+         ks: Sequence[KVLayerStore], vs: Sequence[KVLayerStore],
+         routed: Sequence[FusedRouted | None] = ()) -> GreedyPlan | None:
+    """The plan for these layers over these KV stores (layer i finished by routed[i] where given: a
+    MoE layer), or None where the per-step path computes what this loop does not: a q8_0 KV cache (its
+    rows are stored from Python), an output projection without integer decode kernels (F16, BF16, F32)."""
     if not head.int8 or any(s.mode == _KV_Q8_0 for s in (*ks, *vs)):
         return None
-    items = [(layer.attn_in, layer.attn_out, layer.work, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, k.lut)
-             for layer, k, v in zip(fused, ks, vs, strict=True)]
+    parts = list(routed) + [None] * (len(fused) - len(routed))
+    none = no_routed_layer(embed.cols)
+    items = [(layer.attn_in, layer.attn_out, layer.work, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, k.lut,
+              part is not None, *(none if part is None else part.args))
+             for layer, k, v, part in zip(fused, ks, vs, parts, strict=True)]
     # (read-only, as an F32 embedding's rows are: one compiled signature either way)
     f32 = embed.f32 if embed.f32 is not None else _read_only(np.empty((0, embed.cols), np.float32))
     return GreedyPlan(items, (embed.code, embed.u8, embed.i8, embed.u16, embed.u32, f32, embed.cols),
@@ -121,12 +129,15 @@ def _burst(steps, threads, force, ids, positions, kv_blocks, kv_offsets, tables,
                 raise IndexError("token id out of the embedding's range")
         x = _embedding(ids, e_code, e_u8, e_i8, e_u16, e_u32, e_f32, e_cols, force)
         for k in range(len(layers)):
-            attn_in, attn_out, work, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut = layers[k]
+            layer = layers[k]
+            attn_in, attn_out, work, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut = layer[:11]
             # run_stack's choice of threads; one member where it would run the serial _layer_stored_kv, whose
             # numbers the team's are (calling that too would double this library: +15 MB resident)
             members = threads if force == 2 or (force == 0 and work * n >= INT8_PARALLEL_MIN_WORK) else 1
             x = _layer_team(members, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks,
                             kv_offsets, tables, token_seq, positions, attn_in, attn_out)
+            if layer[11]:
+                x = routed_finish(x, force, *layer[12:])
         h = np.empty_like(x)
         _rmsnorm(x, norm, eps, h, force)
         out = np.empty((n, h_u8.shape[0]), np.float32)
