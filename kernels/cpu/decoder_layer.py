@@ -43,7 +43,7 @@ from ember.kernels.cpu.paged_attention import _Q8_0 as _KV_Q8_0
 from ember.kernels.cpu.paged_attention import _KERNELS as _ATTENTION
 from ember.kernels.cpu.quant_matmul import (_MATMUL_INT8, _MATMUL_INT8_MANY, _MATVEC_ROWS, _Q8_0_ACTIVATIONS, _SWIGLU_INT8,
                                             INT8_PARALLEL_MIN_WORK, CpuWeight, _quantize_token, _quantized_tokens,
-                                            _rows_times_activations, _silu_times)
+                                            _rows_times_tokens, _silu_times)
 from ember.kernels.cpu.team import claim, counters_for, fail, failed, finish, join, wait
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 
@@ -350,7 +350,11 @@ def _groups(rows):
 def _group_rows(tt, w, group, room, out):
     """Row group `group` of w times the quantized tokens in `room` -> out's columns of those rows."""
     first = group * _MATVEC_ROWS
-    _rows_times_activations(tt, w, first, min(w.shape[0], first + _MATVEC_ROWS), room[:4], room[4:], out)
+    end = min(w.shape[0], first + _MATVEC_ROWS)
+    if _Q8_0_ACTIVATIONS[tt]:  # the room's arrays by index: no variable that is one array or another
+        _rows_times_tokens(tt, w, first, end, room[0], room[1], room[2], room[3], out)
+    else:
+        _rows_times_tokens(tt, w, first, end, room[4], room[5], room[6], room[7], out)
 
 
 @njit(inline="always", cache=True, nogil=True)

@@ -402,51 +402,43 @@ def _matvec_16bit(is_f16, u16, x, out):
             out[r] = _dot_16bit(is_f16, u16, r, x)
 
 
-def _tile_call(shape):
-    """An inlined kernel storing one tile (shape: an index into TILE_SIZES, one row, or ROW_PAIR, two
-    rows by one token) into out, for any quantized weight type (the type's tile chosen by tt)."""
-    q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs = (
-        getattr(int8_dots, f"{t.name}_TILES")[shape] for t in (
-            TensorType.Q8_0, TensorType.Q4_0, TensorType.Q4_1, TensorType.Q5_0, TensorType.Q5_1, TensorType.IQ4_NL,
-            TensorType.Q2_K, TensorType.Q3_K, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K, TensorType.IQ4_XS))
-    T = 1 if shape == ROW_PAIR else TILE_SIZES[shape]
-    R = 2 if shape == ROW_PAIR else 1
+def _rows_loop(tiles):
+    """An inlined loop over rows first..end-1 and every token with one type's tiles (int8_dots'
+    *_TILES): per row, tiles of TILE_TOKENS tokens, then the tokens left over (the one token of plain
+    decode) with two rows per tile. Each type's loop is its own code, so the type is switched on once
+    per call, not once per row: a per-row switch over twelve types' tiles cost 1 us of a 4 us
+    256 x 256 Q8_0 matvec."""
+    tile, tile_1, tile_pair = tiles[TILE_SIZES.index(TILE_TOKENS)], tiles[TILE_SIZES.index(1)], tiles[ROW_PAIR]
 
     @njit(inline="always", **_STRICT)
-    def call(tt, u8, r, xq, xd, xs, xc, t, out):
-        if tt == _Q8_0:
-            v = q8_0(u8, r, xq, xd, xs, xc, t)
-        elif tt == _Q4_K:
-            v = q4_k(u8, r, xq, xd, xs, xc, t)
-        elif tt == _Q6_K:
-            v = q6_k(u8, r, xq, xd, xs, xc, t)
-        elif tt == _Q5_K:
-            v = q5_k(u8, r, xq, xd, xs, xc, t)
-        elif tt == _Q4_0:
-            v = q4_0(u8, r, xq, xd, xs, xc, t)
-        elif tt == _IQ4_XS:
-            v = iq4_xs(u8, r, xq, xd, xs, xc, t)
-        elif tt == _Q3_K:
-            v = q3_k(u8, r, xq, xd, xs, xc, t)
-        elif tt == _Q2_K:
-            v = q2_k(u8, r, xq, xd, xs, xc, t)
-        elif tt == _Q5_0:
-            v = q5_0(u8, r, xq, xd, xs, xc, t)
-        elif tt == _Q4_1:
-            v = q4_1(u8, r, xq, xd, xs, xc, t)
-        elif tt == _Q5_1:
-            v = q5_1(u8, r, xq, xd, xs, xc, t)
-        else:
-            v = iq4_nl(u8, r, xq, xd, xs, xc, t)
-        for i in range(R):
-            for j in range(T):
-                out[t + j, r + i] = v[i * T + j]
+    def loop(u8, first, end, xq, xd, xs, xc, out):
+        n = xq.shape[0]
+        whole = n - n % TILE_TOKENS
+        r = first
+        while r < end:
+            pair = r + 2 <= end
+            for i in range(2 if pair else 1):
+                t = 0
+                while t < whole:
+                    v = tile(u8, r + i, xq, xd, xs, xc, t)
+                    for j in range(TILE_TOKENS):
+                        out[t + j, r + i] = v[j]
+                    t += TILE_TOKENS
+            for t in range(whole, n):
+                if pair:
+                    v2 = tile_pair(u8, r, xq, xd, xs, xc, t)
+                    out[t, r], out[t, r + 1] = v2[0], v2[1]
+                else:
+                    out[t, r] = tile_1(u8, r, xq, xd, xs, xc, t)[0]
+            r += 2 if pair else 1
 
-    return call
+    return loop
 
 
-_TILE, _TILE_1 = (_tile_call(k) for k in range(len(TILE_SIZES)))
-_TILE_PAIR = _tile_call(ROW_PAIR)
+(_ROWS_Q8_0, _ROWS_Q4_0, _ROWS_Q4_1, _ROWS_Q5_0, _ROWS_Q5_1, _ROWS_IQ4_NL, _ROWS_Q2_K, _ROWS_Q3_K, _ROWS_Q4_K, _ROWS_Q5_K,
+ _ROWS_Q6_K, _ROWS_IQ4_XS) = (_rows_loop(getattr(int8_dots, f"{t.name}_TILES")) for t in (
+    TensorType.Q8_0, TensorType.Q4_0, TensorType.Q4_1, TensorType.Q5_0, TensorType.Q5_1, TensorType.IQ4_NL,
+    TensorType.Q2_K, TensorType.Q3_K, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K, TensorType.IQ4_XS))
 
 
 @njit(inline="always", **_STRICT)
@@ -486,57 +478,67 @@ def _quantize_token(x, t, q8_0, xq, xd, xs, xc, k_quants, kq, kd, ks, kc):
 
 @njit(**_STRICT)
 def _rows_times_tokens(tt, u8, first, end, xq, xd, xs, xc, out):
-    """out[t, r] = row r . x_hat[t] for rows first..end-1 and every token: per row, tiles of
-    TILE_TOKENS tokens, then the tokens left over (the one token of plain decode) with two rows per
-    tile. Every (row, token) result is computed by the same operations whichever tile computes it
-    (int8_dots guarantees it), so batching changes no token's result.
+    """out[t, r] = row r . x_hat[t] for rows first..end-1 and every token, by tt's row loop
+    (_rows_loop) over the activations of its format (q8_0's for 32-value blocks, q8_K's for
+    K-quants: _activations_for). Every (row, token) result is computed by the same operations
+    whichever tile computes it (int8_dots guarantees it), so batching changes no token's result.
 
     One compiled function (not inlined) that the serial and the parallel variant of every driver
     call alike: inlined into the parallel variant's outlined loop body, the same loop ran 1.25x slower
-    per thread than in the serial variant (8192 x 384 Q8_0, one thread: 224 vs 182 us)."""
-    n = xq.shape[0]
-    whole = n - n % TILE_TOKENS
-    r = first
-    while r < end:
-        pair = r + 2 <= end
-        for i in range(2 if pair else 1):
-            t = 0
-            while t < whole:
-                _TILE(tt, u8, r + i, xq, xd, xs, xc, t, out)
-                t += TILE_TOKENS
-        for t in range(whole, n):
-            if pair:
-                _TILE_PAIR(tt, u8, r, xq, xd, xs, xc, t, out)
-            else:
-                _TILE_1(tt, u8, r, xq, xd, xs, xc, t, out)
-        r += 2 if pair else 1
+    per thread than in the serial variant (8192 x 384 Q8_0, one thread: 224 vs 182 us). The drivers
+    pick each weight's activation arrays once, before their row-group loops: a variable that is one
+    array or another, set in the loop, cost reference counts on every group (a 256 x 256 Q8_0 matvec
+    2.9 us against 2.2 in compiled code)."""
+    if tt == _Q8_0:
+        _ROWS_Q8_0(u8, first, end, xq, xd, xs, xc, out)
+    elif tt == _Q4_K:
+        _ROWS_Q4_K(u8, first, end, xq, xd, xs, xc, out)
+    elif tt == _Q6_K:
+        _ROWS_Q6_K(u8, first, end, xq, xd, xs, xc, out)
+    elif tt == _Q5_K:
+        _ROWS_Q5_K(u8, first, end, xq, xd, xs, xc, out)
+    elif tt == _Q4_0:
+        _ROWS_Q4_0(u8, first, end, xq, xd, xs, xc, out)
+    elif tt == _IQ4_XS:
+        _ROWS_IQ4_XS(u8, first, end, xq, xd, xs, xc, out)
+    elif tt == _Q3_K:
+        _ROWS_Q3_K(u8, first, end, xq, xd, xs, xc, out)
+    elif tt == _Q2_K:
+        _ROWS_Q2_K(u8, first, end, xq, xd, xs, xc, out)
+    elif tt == _Q5_0:
+        _ROWS_Q5_0(u8, first, end, xq, xd, xs, xc, out)
+    elif tt == _Q4_1:
+        _ROWS_Q4_1(u8, first, end, xq, xd, xs, xc, out)
+    elif tt == _Q5_1:
+        _ROWS_Q5_1(u8, first, end, xq, xd, xs, xc, out)
+    else:
+        _ROWS_IQ4_NL(u8, first, end, xq, xd, xs, xc, out)
 
 
 @njit(inline="always", **_STRICT)
-def _rows_times_activations(tt, u8, first, end, q8_0, k_quants, out):
-    """_rows_times_tokens with the activations of tt's format (picked once per row group: picking a
-    tuple of arrays costs a reference count on each array, which per row made the serial matvec
-    1.75x slower, 640 x 384 Q8_0: 31 -> 18 us)."""
-    if _Q8_0_ACTIVATIONS[tt]:
-        _rows_times_tokens(tt, u8, first, end, q8_0[0], q8_0[1], q8_0[2], q8_0[3], out)
-    else:
-        _rows_times_tokens(tt, u8, first, end, k_quants[0], k_quants[1], k_quants[2], k_quants[3], out)
+def _activations_for(acts, q8_0):
+    """The arrays (quants, scales, sums, quad offsets) of _activations' result `acts` in one format."""
+    return acts[0] if q8_0 else acts[1]
 
 
 def _matmul_int8(tt, u8, x, out):
     """out[t, r] = row r . x_hat[t] for quantized weights: each token row quantized once (int8_dots),
     each weight row read once per call for all tokens."""
     rows = out.shape[1]
-    q8_0, k_quants = _activations(x, _Q8_0_ACTIVATIONS[tt], not _Q8_0_ACTIVATIONS[tt])
+    q8_0 = _Q8_0_ACTIVATIONS[tt]
+    xq, xd, xs, xc = _activations_for(_activations(x, q8_0, not q8_0), q8_0)
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
-        _rows_times_activations(tt, u8, c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS), q8_0, k_quants, out)
+        _rows_times_tokens(tt, u8, c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS), xq, xd, xs, xc, out)
 
 
 def _matmul_int8_many(tts, ws, x, outs):
     """_matmul_int8 of one x by several weights (a layer's q, k and v) in one parallel region: x is
     quantized once per activation format its weights need, and the threads share out all the
     weights' row groups together."""
-    q8_0, k_quants = _activations(x, _Q8_0_ACTIVATIONS[tts].any(), not _Q8_0_ACTIVATIONS[tts].all())
+    formats = _Q8_0_ACTIVATIONS[tts]
+    acts = _activations(x, formats.any(), not formats.all())
+    xq, xd, xs, xc = _activations_for(acts, formats[0])  # the first weight's format
+    oq, od, osum, oc = _activations_for(acts, not formats[0])  # the other (only a mixed layer has it)
     groups = np.empty(len(ws) + 1, np.int64)
     groups[0] = 0
     for k in range(len(ws)):
@@ -547,22 +549,28 @@ def _matmul_int8_many(tts, ws, x, outs):
             k += 1
         u8, out = ws[k], outs[k]
         first = (c - groups[k]) * _MATVEC_ROWS
-        _rows_times_activations(tts[k], u8, first, min(u8.shape[0], first + _MATVEC_ROWS), q8_0, k_quants, out)
+        end = min(u8.shape[0], first + _MATVEC_ROWS)
+        if formats[k] == formats[0]:
+            _rows_times_tokens(tts[k], u8, first, end, xq, xd, xs, xc, out)
+        else:
+            _rows_times_tokens(tts[k], u8, first, end, oq, od, osum, oc, out)
 
 
 def _swiglu_int8(tt_gate, gate, tt_up, up, x, out):
     """out = silu(x_hat @ gate^T) * (x_hat @ up^T): both products and the activation in one pass over
     each row group (one parallel region instead of three kernels)."""
     n, rows = x.shape[0], out.shape[1]
-    q8_0, k_quants = _activations(x, _Q8_0_ACTIVATIONS[tt_gate] or _Q8_0_ACTIVATIONS[tt_up],
-                                  not (_Q8_0_ACTIVATIONS[tt_gate] and _Q8_0_ACTIVATIONS[tt_up]))
+    q8_gate, q8_up = _Q8_0_ACTIVATIONS[tt_gate], _Q8_0_ACTIVATIONS[tt_up]
+    acts = _activations(x, q8_gate or q8_up, not (q8_gate and q8_up))
+    gq, gd, gs, gc = _activations_for(acts, q8_gate)
+    uq, ud, us, uc = _activations_for(acts, q8_up)
     g = np.empty((n, rows), np.float32)
     u = np.empty((n, rows), np.float32)
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
         end = min(rows, (c + 1) * _MATVEC_ROWS)
         # the group's gate rows, then its up rows: one contiguous stream at a time for the prefetcher
-        _rows_times_activations(tt_gate, gate, c * _MATVEC_ROWS, end, q8_0, k_quants, g)
-        _rows_times_activations(tt_up, up, c * _MATVEC_ROWS, end, q8_0, k_quants, u)
+        _rows_times_tokens(tt_gate, gate, c * _MATVEC_ROWS, end, gq, gd, gs, gc, g)
+        _rows_times_tokens(tt_up, up, c * _MATVEC_ROWS, end, uq, ud, us, uc, u)
         _silu_times(g, u, c * _MATVEC_ROWS, end, out)
 
 
