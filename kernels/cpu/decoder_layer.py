@@ -42,8 +42,8 @@ from ember.kernels.cpu.paged_attention import KVLayerStore, attention_task, stor
 from ember.kernels.cpu.paged_attention import _Q8_0 as _KV_Q8_0
 from ember.kernels.cpu.paged_attention import _KERNELS as _ATTENTION
 from ember.kernels.cpu.quant_matmul import (_MATMUL_INT8, _MATMUL_INT8_MANY, _MATVEC_ROWS, _Q8_0_ACTIVATIONS, _SWIGLU_INT8,
-                                            INT8_PARALLEL_MIN_WORK, CpuWeight, _quantize_token, _quantized_tokens,
-                                            _rows_times_tokens, _silu_times)
+                                            INT8_PARALLEL_MIN_WORK, SERIAL_GROUP, CpuWeight, _quantize_token,
+                                            _quantized_tokens, _rows_times_tokens, _silu_times)
 from ember.kernels.cpu.team import claim, counters_for, fail, failed, finish, join, wait
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 
@@ -191,9 +191,9 @@ def _attention_in(x, positions, force, store, mode, k_f32, k_u16, v_f32, v_u16, 
     k = np.empty((n, wk.shape[0]), np.float32)
     v = np.empty((n, wv.shape[0]), np.float32)
     if _parallel(force, (wq.size + wk.size + wv.size) * n, INT8_PARALLEL_MIN_WORK):
-        _QKV_PARALLEL(codes, (wq, wk, wv), h, (q, k, v))
+        _QKV_PARALLEL(codes, (wq, wk, wv), h, (q, k, v), _MATVEC_ROWS)
     else:
-        _QKV_SERIAL(codes, (wq, wk, wv), h, (q, k, v))
+        _QKV_SERIAL(codes, (wq, wk, wv), h, (q, k, v), SERIAL_GROUP)
     g = np.empty((n, wog.shape[0] if gated else 0), np.float32)
     if gated:
         _matmul_int8(code_og, wog, h, g, force)

@@ -63,6 +63,7 @@ _IQ4_NL, _IQ4_XS = int(TensorType.IQ4_NL), int(TensorType.IQ4_XS)
 _IQ4_LEVELS = np.array(IQ4_LEVELS, np.float32)  # numba freezes a global array into the code
 
 _MATVEC_ROWS = 32  # rows per parallel work item of the matvec
+SERIAL_GROUP = 1 << 40  # _matmul_int8_many's group rows on one thread: every weight whole
 _PARALLEL_QUANTIZE_TOKENS = 4  # fewer decode tokens than this are quantized on the calling thread
 _MATMUL_ROWS = 16  # rows dequantized together by the n-token kernel: 16 x cols f32 stays in L2
 _FLOAT_TILE_TOKENS = 4  # tokens per register tile of the n-token kernel (_tile_product)
@@ -221,7 +222,8 @@ def matmul_many(x: np.ndarray, ws: tuple[CpuWeight, ...], decode_rows: Rows = No
     n = x2.shape[0]
     outs = tuple(np.empty((n, w.rows), np.float32) for w in ws)
     codes = np.array([w.code for w in ws])
-    _MATMUL_INT8_MANY.pick(sum(w.nbytes for w in ws) * n)(codes, tuple(w.u8 for w in ws), x2, outs)
+    kernel = _MATMUL_INT8_MANY.pick(sum(w.nbytes for w in ws) * n)
+    kernel(codes, tuple(w.u8 for w in ws), x2, outs, _MATVEC_ROWS if kernel is _MATMUL_INT8_MANY.parallel else SERIAL_GROUP)
     return [y[0] for y in outs] if x.ndim == 1 else list(outs)
 
 
@@ -531,10 +533,12 @@ def _matmul_int8(tt, u8, x, out):
         _rows_times_tokens(tt, u8, c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS), xq, xd, xs, xc, out)
 
 
-def _matmul_int8_many(tts, ws, x, outs):
+def _matmul_int8_many(tts, ws, x, outs, group_rows):
     """_matmul_int8 of one x by several weights (a layer's q, k and v) in one parallel region: x is
     quantized once per activation format its weights need, and the threads share out all the
-    weights' row groups together."""
+    weights' row groups of group_rows rows together. The serial variant takes each weight whole
+    (group_rows = SERIAL_GROUP): a group's weight is picked per group, a variable that is one array
+    or another, and the reference counts of 16 groups were a sixth of a 512 x 256 Q8_0 q/k/v (4.6 us)."""
     formats = _Q8_0_ACTIVATIONS[tts]
     acts = _activations(x, formats.any(), not formats.all())
     xq, xd, xs, xc = _activations_for(acts, formats[0])  # the first weight's format
@@ -542,14 +546,14 @@ def _matmul_int8_many(tts, ws, x, outs):
     groups = np.empty(len(ws) + 1, np.int64)
     groups[0] = 0
     for k in range(len(ws)):
-        groups[k + 1] = groups[k] + (ws[k].shape[0] + _MATVEC_ROWS - 1) // _MATVEC_ROWS
+        groups[k + 1] = groups[k] + (ws[k].shape[0] + group_rows - 1) // group_rows
     for c in prange(groups[-1]):
         k = 0
         while c >= groups[k + 1]:
             k += 1
         u8, out = ws[k], outs[k]
-        first = (c - groups[k]) * _MATVEC_ROWS
-        end = min(u8.shape[0], first + _MATVEC_ROWS)
+        first = (c - groups[k]) * group_rows
+        end = min(u8.shape[0], first + group_rows)
         if formats[k] == formats[0]:
             _rows_times_tokens(tts[k], u8, first, end, xq, xd, xs, xc, out)
         else:
