@@ -204,9 +204,9 @@ def test_a_prompt_rows_result_does_not_depend_on_the_other_rows(ttype: TensorTyp
 
 def test_kernels_release_the_gil() -> None:
     """The daemon's event loop runs beside these kernels: every jitted entry point must be nogil."""
-    twins = (qm._MATMUL_INT8, qm._MATMUL_INT8_MANY, qm._SWIGLU_INT8)
+    twins = (qm._MATMUL_INT8, qm._MATMUL_INT8_MANY, qm._SWIGLU_INT8, qm._MATMUL_F32)
     twins += (qm._GATHER_ROWS,)
-    for kernel in (qm._matvec_16bit, qm._matmul, qm._matmul_f32, *(v for t in twins for v in (t.serial, t.parallel))):
+    for kernel in (qm._matvec_16bit, qm._matmul, *(v for t in twins for v in (t.serial, t.parallel))):
         assert kernel.targetoptions.get("nogil") is True
 
 

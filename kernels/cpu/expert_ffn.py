@@ -31,7 +31,8 @@ from numba.extending import intrinsic
 
 from ember.kernels.cpu import twin
 from ember.kernels.cpu.decoder_layer import _SWIGLU_PARALLEL, _SWIGLU_SERIAL, _f32, _matmul_int8, _parallel, _rmsnorm
-from ember.kernels.cpu.quant_matmul import _FLOAT_TILE_TOKENS, INT8_PARALLEL_MIN_WORK, CpuWeight, _matmul_f32
+from ember.kernels.cpu.quant_matmul import _FLOAT_TILE_TOKENS, _MATMUL_F32, INT8_PARALLEL_MIN_WORK, CpuWeight
+from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 from ember.kernels.cpu.quant_matmul import _read_only as _read_only_view
 from ember.kernels.cpu.routing import route_rows
 from ember.kernels.ops import ExpertWeights, Routing
@@ -39,6 +40,7 @@ from ember.kernels.ops import ExpertWeights, Routing
 __all__ = ["ExpertTable", "FusedRouted", "expert_ffn", "expert_table", "fuse_routed", "routed_ffn"]
 
 _NO_BIAS = np.zeros(0, np.float32)
+_F32_SERIAL, _F32_PARALLEL = _MATMUL_F32.serial, _MATMUL_F32.parallel
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,10 @@ def _routed(x, f32, code, u8, k, normalize, sigmoid, bias, softcap, scale, table
         padded = np.zeros((n + (-n) % _FLOAT_TILE_TOKENS, d), np.float32)
         padded[:n] = x
         tiled = np.empty((padded.shape[0], n_experts), np.float32)
-        _matmul_f32(f32, padded, tiled)
+        if _parallel(force, f32.size * padded.shape[0], PARALLEL_MIN_WORK):  # _MATMUL_F32.pick's choice
+            _F32_PARALLEL(f32, padded, tiled)
+        else:
+            _F32_SERIAL(f32, padded, tiled)
         logits[:] = tiled[:n]
     else:
         _matmul_int8(code, u8, x, logits, force)
