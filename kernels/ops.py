@@ -153,12 +153,13 @@ class Ops(ABC):
         return self.expert_ffn(x, table, token, ids.reshape(-1), weights.reshape(-1), decode_rows), ids
 
     def fuse_routed(self, norm: Array, eps: float, router: Weight, table: Any, routing: Routing, counts: np.ndarray,
-                    half_life: float, routed: np.ndarray) -> Any | None:
+                    half_life: float, routed: np.ndarray, shared: ExpertWeights | None = None) -> Any | None:
         """A backend's compiled form of a MoE layer's FFN after its fused attention: h + routed_ffn(
-        rmsnorm(h, norm)) with every expert hot (`table`: expert_table's), each step's chosen experts
-        recorded as RoutingStats.record does into `counts` (the layer's float64 row, in place, halving
-        every `half_life` tokens) and counted into `routed` (int64 [1]); for run_fused_layers and
-        greedy_plan. None (this default) where it has none: the layer then finishes op by op."""
+        rmsnorm(h, norm)) (+ the ungated `shared` expert's SwiGLU of it) with every expert hot
+        (`table`: expert_table's), each step's chosen experts recorded as RoutingStats.record does into
+        `counts` (the layer's float64 row, in place, halving every `half_life` tokens) and counted into
+        `routed` (int64 [1]); for run_fused_layers and greedy_plan. None (this default) where it has
+        none: the layer then finishes op by op."""
         return None
 
     def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,

@@ -3,6 +3,8 @@ layer's router, routing and experts, compute what the ops API's defaults compute
 token's result never depends on which ran it."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -16,9 +18,38 @@ from tiny_models import FIXTURES
 MOE = FIXTURES / "ember-demo-moe-q8_0.gguf"
 
 
-@pytest.fixture(scope="module")
-def net():  # type: ignore[no-untyped-def]
-    return ember.load(MOE).net
+def requantized_laguna(tmp: Path):  # type: ignore[no-untyped-def]
+    """The tiny random Laguna (tiny_models; a dense lead layer, then routed experts with an ungated
+    shared expert, sigmoid routing, sliding windows, an output gate) with every matrix but the routers
+    in Q8_0, so that its layers take the integer kernels and the compiled stack."""
+    from dataclasses import replace
+
+    from ember.daemon.loader.model_file import open_model_file
+    from ember.daemon.models.transformer import Transformer
+    from ember.kernels import get_ops
+    from ember.kernels.raw_tensor import RawTensor
+    from ember.kernels.reference.quant import quantize
+    from ember.kernels.tensor_types import TensorType
+    from tiny_models import build_hf_model
+
+    path, _ = build_hf_model("laguna", tmp / "laguna")
+    mf = open_model_file(path)
+
+    def q8_0(t: RawTensor) -> RawTensor:
+        if len(t.shape) < 2 or t.name.endswith("ffn_gate_inp.weight"):
+            return t
+        data = quantize(TensorType.Q8_0, np.asarray(t.rows2d(), np.float32)).reshape(*t.shape[:-1], -1)
+        return RawTensor(t.name, TensorType.Q8_0, t.shape, data)
+
+    return Transformer(replace(mf, tensors={k: q8_0(t) for k, t in mf.tensors.items()}), get_ops("cpu"))
+
+
+@pytest.fixture(scope="module", params=["qwen3moe", "laguna"])
+def net(request, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The trained MoE demo; the tiny Laguna in Q8_0 (shared experts inside the compiled step)."""
+    if request.param == "qwen3moe":
+        return ember.load(MOE).net
+    return requantized_laguna(tmp_path_factory.mktemp("laguna"))
 
 
 def decode_states(net, steps: int = 3) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
@@ -54,19 +85,20 @@ def test_decode_steps_equal_the_default_expert_ffn(net, variant: str | None, mon
     whole = expert_ffn.routed_finish
     monkeypatch.setattr(expert_ffn, "routed_finish", lambda *a: finishes.append(1) or whole(*a))
     paths = [run()]
-    assert len(finishes) == 3 * net.config.n_layers  # every MoE layer of every step, no Python between layers
+    moe = len(net.experts.ffns)  # the MoE layers (Laguna's first is dense)
+    assert len(finishes) == 3 * moe  # every MoE layer of every step, no Python between layers
     fused = expert_ffn.routed_ffn
     monkeypatch.setattr(expert_ffn, "routed_ffn", lambda *a: calls.append(1) or fused(*a))
     monkeypatch.setattr(net.stack, "whole", None)  # layer by layer
     paths.append(run())
-    assert len(calls) == 3 * net.config.n_layers  # router to experts in one call
+    assert len(calls) == 3 * moe  # router to experts in one call
     monkeypatch.setattr(type(net.ops), "routed_ffn", Ops.routed_ffn)  # the API's default: router, route, experts
     monkeypatch.setattr(expert_ffn, "expert_ffn", lambda *a: None)  # and the experts through the default
     monkeypatch.setattr(net.stack, "fused", [None] * len(net.blocks))  # and the attention runs op by op
     paths.append(run())
     (states, counts, routed), *others = paths
     tokens = 5 + 2 + 3 + 3 * 3  # the prompts', then 3 steps of 3 sequences
-    assert routed == tokens * net.config.n_experts_used * net.config.n_layers and not np.array_equal(counts, start)
+    assert routed == tokens * net.config.n_experts_used * moe and not np.array_equal(counts, start)
     for other_states, other_counts, other_routed in others:
         for a, b in zip(states, other_states, strict=True):
             np.testing.assert_array_equal(a, b)
@@ -75,13 +107,15 @@ def test_decode_steps_equal_the_default_expert_ffn(net, variant: str | None, mon
 
 
 def test_a_moe_layers_attention_is_fused_without_its_ffn(net) -> None:
-    assert all(f is not None and layer.weights.gate is None for f, layer in zip(net.stack.fused, net.stack.layers))
+    moe = set(net.experts.ffns)
+    assert all(f is not None and (layer.weights.gate is None) == (i in moe)
+               for i, (f, layer) in enumerate(zip(net.stack.fused, net.stack.layers)))
 
 
 def test_one_call_equals_the_default_on_the_same_pairs(net) -> None:
     """Ops.expert_ffn (the API's default, which the CPU falls back to) on the same arguments: experts
     with one and with several tokens, pairs in no particular order."""
-    ffn = net.blocks[0].ffn
+    ffn = next(iter(net.experts.ffns.values()))
     x = np.random.default_rng(0).standard_normal((3, net.config.hidden)).astype(np.float32)
     token, expert = np.array([0, 0, 1, 1, 2, 2]), np.array([3, 7, 7, 1, 3, 0])
     weight = np.random.default_rng(1).random(6).astype(np.float32)
@@ -100,7 +134,7 @@ def test_one_call_routing_equals_the_default_routing(net, router_type: str, rout
     from ember.kernels.reference.quant import quantize
     from ember.kernels.tensor_types import TensorType
 
-    ffn = net.blocks[0].ffn
+    ffn = next(iter(net.experts.ffns.values()))
     rng = np.random.default_rng(2)
     logits = rng.standard_normal((ffn.n_experts, net.config.hidden)).astype(np.float32) * 0.2
     ttype = TensorType[router_type]

@@ -106,12 +106,16 @@ def test_a_greedy_burst_equals_single_steps(arch: str, variant: str, monkeypatch
 
 
 @pytest.mark.parametrize("variant", ["serial", "parallel"])
-def test_a_greedy_burst_of_a_moe_model_equals_single_steps(variant: str, monkeypatch) -> None:
-    """The trained MoE demo, every expert hot: each MoE layer's router, routing and experts inside the
-    burst (expert_ffn.routed_finish), its routing statistics as single steps leave them."""
+@pytest.mark.parametrize("model", ["qwen3moe", "laguna"])
+def test_a_greedy_burst_of_a_moe_model_equals_single_steps(model: str, variant: str, monkeypatch, tmp_path) -> None:
+    """The trained MoE demo and the tiny Laguna in Q8_0 (its shared experts), every expert hot: each
+    MoE layer's router, routing and experts inside the burst (expert_ffn.routed_finish), its routing
+    statistics as single steps leave them."""
+    from test_expert_ffn import requantized_laguna
+
     monkeypatch.setattr(twin, "FORCE", variant)
-    net = ember.load(FIXTURES / "ember-demo-moe-q8_0.gguf").net
-    assert net.stack.whole is not None and all(p is not None for p in net.stack.routed_now())
+    net = ember.load(FIXTURES / "ember-demo-moe-q8_0.gguf").net if model == "qwen3moe" else requantized_laguna(tmp_path)
+    assert net.stack.whole is not None and net.stack.routed_now() is not None
     assert_bursts_equal_steps(net)
 
 

@@ -51,16 +51,17 @@ class MoEFFN:
     def __post_init__(self) -> None:
         self.is_hot = np.zeros(len(self.files), bool)
 
-    def compiled(self, ops: Ops, norm: Array, eps: float) -> Any | None:
-        """h -> h + this FFN of rmsnorm(h, norm), its routing recorded, in one backend call
-        (ops.fuse_routed), while every expert is hot; else None (the FFN then runs as __call__)."""
+    def compiled(self, ops: Ops, norm: Array, eps: float, shared: ExpertWeights | None = None) -> Any | None:
+        """h -> h + this FFN of rmsnorm(h, norm) (+ an ungated `shared` expert's), its routing recorded,
+        in one backend call (ops.fuse_routed), while every expert is hot; else None (the FFN then runs
+        as __call__)."""
         if not self.is_hot.all():
             return None
         if self._compiled is None or self._compiled[0] is not self.table:
             stats = self.manager.stats
             self._compiled = (self.table, ops.fuse_routed(norm, eps, self.router, self.table, self.routing,
                                                           stats.counts[self.layer], stats.half_life,
-                                                          self.manager.routed_slots))
+                                                          self.manager.routed_slots, shared))
         return self._compiled[1]
 
     @property

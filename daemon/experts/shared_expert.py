@@ -11,10 +11,10 @@ on the engine's device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ember.daemon.experts.moe_ffn import MoEFFN
-from ember.kernels.ops import Array, Ops, Weight
+from ember.kernels.ops import Array, ExpertWeights, Ops, Weight
 from ember.kernels.raw_tensor import RawTensor
 
 if TYPE_CHECKING:
@@ -28,6 +28,12 @@ class SharedExpertMoE:
     up: Weight
     down: Weight
     gate_inp: Weight | None  # [1, hidden]: the shared expert's gate logit (None: ungated)
+
+    def compiled(self, ops: Ops, norm: Array, eps: float) -> Any | None:
+        """MoEFFN.compiled with this shared expert inside, where it is ungated (Laguna's); else None."""
+        if self.gate_inp is not None:
+            return None
+        return self.routed.compiled(ops, norm, eps, ExpertWeights(self.gate, self.up, self.down))
 
     def __call__(self, ops: Ops, x: Array, rows: Array) -> Array:
         out = self.routed(ops, x, rows)

@@ -342,7 +342,7 @@ def stack_layer(block: Block, ops: Ops, cfg: ModelConfig) -> StackLayer:
     ffn = block.ffn
     dense = isinstance(ffn, DenseFFN)
     routed = None
-    if isinstance(ffn, MoEFFN):
+    if isinstance(ffn, (MoEFFN, SharedExpertMoE)):
         def routed() -> Any | None:
             return ffn.compiled(ops, block.ffn_norm, cfg.norm_eps)
 

@@ -96,9 +96,9 @@ class CpuOps(Ops):
         return super().routed_ffn(x, router, table, routing, decode_rows)
 
     def fuse_routed(self, norm: Array, eps: float, router: quant_matmul.CpuWeight, table: expert_ffn.ExpertTable,
-                    routing: Routing, counts: np.ndarray, half_life: float,
-                    routed: np.ndarray) -> expert_ffn.FusedRouted | None:
-        return expert_ffn.fuse_routed(np.asarray(norm), eps, router, table, routing, counts, half_life, routed)
+                    routing: Routing, counts: np.ndarray, half_life: float, routed: np.ndarray,
+                    shared: ExpertWeights | None = None) -> expert_ffn.FusedRouted | None:
+        return expert_ffn.fuse_routed(np.asarray(norm), eps, router, table, routing, counts, half_life, routed, shared)
 
     def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
                    weight: np.ndarray, decode_rows: Array | None = None) -> np.ndarray:

@@ -107,24 +107,37 @@ class FusedRouted:
 
 
 def fuse_routed(norm: np.ndarray, eps: float, router: CpuWeight, table: ExpertTable, routing: Routing,
-                counts: np.ndarray, half_life: float, routed: np.ndarray) -> FusedRouted | None:
+                counts: np.ndarray, half_life: float, routed: np.ndarray,
+                shared: ExpertWeights | None = None) -> FusedRouted | None:
     """The layer's FFN as FusedRouted, or None where routed_ffn's compiled form does not take it (an
     expert not hot or without integer kernels, a 16-bit router). counts: the layer's float64 row of
-    RoutingStats.counts (updated in place); routed: an int64 [1] count of routed pairs, added to."""
+    RoutingStats.counts (updated in place); routed: an int64 [1] count of routed pairs, added to;
+    shared: an ungated shared expert every token also goes through (Laguna's), added to the routed sum."""
     if not table.complete or not (router.int8 or router.f32 is not None):
+        return None
+    if shared is not None and _row(shared) is None:
         return None
     f32 = router.f32 if router.f32 is not None else _read_only_view(np.zeros((0, router.cols), np.float32))
     bias = _NO_BIAS if routing.bias is None else np.array(routing.bias, np.float32)
     return FusedRouted((_f32(norm), float(eps), f32, router.code, router.u8, routing.k, routing.normalize,
                         routing.gating == "sigmoid", bias, np.float32(routing.softcap), np.float32(routing.scale),
-                        table.rows, counts, float(half_life), routed))
+                        table.rows, counts, float(half_life), routed, *_shared_args(shared, router.cols)))
+
+
+def _shared_args(shared: ExpertWeights | None, cols: int) -> tuple[Any, ...]:
+    """routed_finish's shared-expert arguments: whether there is one, its matrices' codes and bytes."""
+    if shared is None:
+        none = _read_only_view(np.zeros((0, cols), np.uint8))
+        return (False, 0, none, 0, none, 0, none)
+    g, u, d = shared
+    return (True, g.code, g.u8, u.code, u.u8, d.code, d.u8)
 
 
 def no_routed_layer(cols: int) -> tuple[Any, ...]:
     """FusedRouted.args' stand-ins for a layer without routed experts: the same numba types, never read."""
     return (_NO_BIAS, 0.0, _read_only_view(np.zeros((0, cols), np.float32)), 0,
             _read_only_view(np.zeros((0, cols), np.uint8)), 0, False, False, _NO_BIAS, np.float32(0), np.float32(1),
-            np.zeros((0, 12), np.int64), np.zeros(0, np.float64), 1.0, np.zeros(1, np.int64))
+            np.zeros((0, 12), np.int64), np.zeros(0, np.float64), 1.0, np.zeros(1, np.int64), *_shared_args(None, cols))
 
 
 def expert_ffn(x: np.ndarray, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
@@ -234,9 +247,10 @@ def _routed(x, f32, code, u8, k, normalize, sigmoid, bias, softcap, scale, table
 
 @njit(cache=True, nogil=True)  # no fast-math: the statistics round as numpy's
 def routed_finish(x, force, norm, eps, f32, code, u8, k, normalize, sigmoid, bias, softcap, scale, table, counts,
-                  half_life, routed):
-    """x + the routed FFN of rmsnorm(x), as Block.finish computes it through ops.rmsnorm and
-    routed_ffn, with the chosen experts recorded as RoutingStats.record and ExpertManager.record do."""
+                  half_life, routed, has_shared, code_g, gate, code_u, up, code_d, down):
+    """x + the routed FFN of rmsnorm(x) (+ the shared expert's, where has_shared), as Block.finish
+    computes it through ops.rmsnorm, routed_ffn and (SharedExpertMoE) swiglu_matmul and matmul, with
+    the chosen experts recorded as RoutingStats.record and ExpertManager.record do."""
     n = x.shape[0]
     h = np.empty_like(x)
     _rmsnorm(x, norm, eps, h, force)
@@ -252,6 +266,15 @@ def routed_finish(x, force, norm, eps, f32, code, u8, k, normalize, sigmoid, bia
         counts[e] *= decay
         counts[e] += tally[e]
     routed[0] += n * k
+    if has_shared:
+        f = np.empty((n, gate.shape[0]), np.float32)
+        if _parallel(force, 2 * gate.size * n, INT8_PARALLEL_MIN_WORK):
+            _SWIGLU_PARALLEL(code_g, gate, code_u, up, h, f)
+        else:
+            _SWIGLU_SERIAL(code_g, gate, code_u, up, h, f)
+        y = np.empty((n, down.shape[0]), np.float32)
+        _matmul_int8(code_d, down, f, y, force)
+        out = out + y
     return x + out
 
 
