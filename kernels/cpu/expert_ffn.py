@@ -30,10 +30,10 @@ from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
 from ember.kernels.cpu import twin
-from ember.kernels.cpu.decoder_layer import _SWIGLU_PARALLEL, _SWIGLU_SERIAL, _f32, _matmul_int8, _parallel, _rmsnorm
-from ember.kernels.cpu.quant_matmul import _FLOAT_TILE_TOKENS, _MATMUL_F32, INT8_PARALLEL_MIN_WORK, CpuWeight
-from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
+from ember.kernels.cpu.decoder_layer import _f32, _matmul_int8, _parallel, _rmsnorm, swiglu_ffn
+from ember.kernels.cpu.quant_matmul import _FLOAT_TILE_TOKENS, _MATMUL_F32, CpuWeight
 from ember.kernels.cpu.quant_matmul import _read_only as _read_only_view
+from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 from ember.kernels.cpu.routing import route_rows
 from ember.kernels.ops import ExpertWeights, Routing
 
@@ -267,14 +267,7 @@ def routed_finish(x, force, norm, eps, f32, code, u8, k, normalize, sigmoid, bia
         counts[e] += tally[e]
     routed[0] += n * k
     if has_shared:
-        f = np.empty((n, gate.shape[0]), np.float32)
-        if _parallel(force, 2 * gate.size * n, INT8_PARALLEL_MIN_WORK):
-            _SWIGLU_PARALLEL(code_g, gate, code_u, up, h, f)
-        else:
-            _SWIGLU_SERIAL(code_g, gate, code_u, up, h, f)
-        y = np.empty((n, down.shape[0]), np.float32)
-        _matmul_int8(code_d, down, f, y, force)
-        out = out + y
+        out = out + swiglu_ffn(code_g, gate, code_u, up, code_d, down, h, force)
     return x + out
 
 
@@ -288,14 +281,8 @@ def _groups(x, table, bounds, token, weight, force, out):
         xt = np.empty((n, d), np.float32)
         for i in range(n):
             xt[i] = x[token[first + i]]
-        gate, up, down = _matrix(table, g, 0), _matrix(table, g, 1), _matrix(table, g, 2)
-        f = np.empty((n, gate.shape[0]), np.float32)
-        if _parallel(force, 2 * gate.size * n, INT8_PARALLEL_MIN_WORK):
-            _SWIGLU_PARALLEL(table[g, 0], gate, table[g, 4], up, xt, f)
-        else:
-            _SWIGLU_SERIAL(table[g, 0], gate, table[g, 4], up, xt, f)
-        y = np.empty((n, down.shape[0]), np.float32)
-        _matmul_int8(table[g, 8], down, f, y, force)
+        y = swiglu_ffn(table[g, 0], _matrix(table, g, 0), table[g, 4], _matrix(table, g, 1), table[g, 8],
+                       _matrix(table, g, 2), xt, force)
         for i in range(n):
             w, t = weight[first + i], token[first + i]
             for j in range(d):
