@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ember.daemon.engine.decode_burst import DECODE_BURST
+from ember.daemon.engine.decode_burst import DECODE_BURST, MAX_BURST, BurstClock
 from ember.daemon.step.defaults import KV_BLOCK, PREFILL_CHUNK
 from ember.daemon.engine.engine_core import EngineCore, StepOutput
 from ember.daemon.heap import release_free_heap
@@ -93,6 +93,7 @@ class Model(TextModel):
             at = DeviceName("cpu") if pipeline is not None else name
             self._draft = DFlashDraft(draft, self.net) if is_dflash(draft) else Transformer(draft, backend_for(at).ops(at))
         self._spec_stats = SpecStats()
+        self._burst_clocks: dict[tuple[float, int], BurstClock] = {}
 
     def __repr__(self) -> str:
         c = self.config
@@ -140,6 +141,10 @@ class Model(TextModel):
         (more sequences: EngineCore's options, e.g. max_running, max_context, prefix_caching)."""
         options.setdefault("prefix_caching", False)
         options.setdefault("decode_burst", DECODE_BURST)
+        # one clock per burst setting for this model's engines: each generate() makes an engine, and its
+        # bursts start at the size the steps before it measured (a fresh clock starts at one step)
+        key = (options["decode_burst"], options.get("max_burst", MAX_BURST))
+        options.setdefault("burst_clock", self._burst_clocks.setdefault(key, BurstClock(*key)))
         options.setdefault("grammars", self.grammars)
         options.setdefault("max_step_tokens", self.pipeline.max_tokens if self.pipeline else PREFILL_CHUNK)
         blocks = -(-capacity // KV_BLOCK)

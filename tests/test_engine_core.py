@@ -285,3 +285,26 @@ def test_in_process_generation_trims_the_heap_after_dropping_its_engine(model, m
     assert len(alone(model, model.tokenize(SNIPPETS[0]), 5)) == 5
     model.logits(model.tokenize(SNIPPETS[1]))
     assert alive_at_trim == [False, False]
+
+
+def test_a_burst_clock_believes_a_faster_step_at_once() -> None:
+    """One stall (a first burst loading its compiled code) must not keep later bursts at one step."""
+    from ember.daemon.engine.decode_burst import BurstClock
+
+    clock = BurstClock(0.008, 32)
+    assert clock.size() == 1  # nothing timed yet
+    clock.timed(0.2, 1)
+    assert clock.size() == 1
+    clock.timed(0.001, 1)
+    assert clock.size() == 8
+    clock.timed(0.004, 2)  # slower steps are averaged in: 0.75 * 1 ms + 0.25 * 2 ms
+    assert clock.size() == 6
+
+
+def test_engines_of_one_model_share_a_burst_clock() -> None:
+    """Model.generate makes an engine a call: its bursts start at the size the calls before measured."""
+    model = ember.load(DEMO_MODEL)
+    assert model.engine(64)._bursts is model.engine(64)._bursts
+    assert model.engine(64, decode_burst=0.004)._bursts is not model.engine(64)._bursts
+    list(model.generate(model.tokenize("def f(x):"), max_tokens=8, ignore_eos=True))
+    assert model.engine(64)._bursts.size() > 1

@@ -32,6 +32,12 @@ class BurstClock:
         return max(1, int(min(self.max_steps, self.seconds / max(self._step_s, 1e-9))))
 
     def timed(self, seconds: float, steps: int) -> None:
-        """A burst of `steps` decode steps (or a single one) took `seconds`."""
+        """A burst of `steps` decode steps (or a single one) took `seconds`. A faster step is believed
+        at once, a slower one averaged in: one stall (the first burst loads its compiled code, ~0.1 s)
+        would otherwise keep the bursts of a clock that outlives its engine (Model.engine's) at one
+        step for dozens of steps."""
         step_s = seconds / steps
-        self._step_s = step_s if self._step_s is None else 0.75 * self._step_s + 0.25 * step_s
+        if self._step_s is None or step_s < self._step_s:
+            self._step_s = step_s
+        else:
+            self._step_s = 0.75 * self._step_s + 0.25 * step_s

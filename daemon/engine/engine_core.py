@@ -83,7 +83,8 @@ class EngineCore:
                  prefix_caching: bool = True, max_context: int | None = None,
                  draft: StepRunner | FeatureProposer | None = None, draft_tokens: int = 4,
                  spec_stats: SpecStats | None = None, draft_min_prob: float = DRAFT_MIN_PROB,
-                 decode_burst: float = 0.0, max_burst: int = MAX_BURST, grammars: Grammars | None = None) -> None:
+                 decode_burst: float = 0.0, max_burst: int = MAX_BURST, grammars: Grammars | None = None,
+                 burst_clock: BurstClock | None = None) -> None:
         """max_context: tokens per sequence at most (default and upper bound: the model's context).
         draft: a runner of the draft model whose KV cache has as many blocks, of the same size, as
         the target's; each sequence then gets up to draft_tokens proposals a step, fewer where the
@@ -97,7 +98,9 @@ class EngineCore:
         before: the engine's host work once for them all, the tokens those of single steps. 0: one
         token a step. Through a pipelined layer split the lanes' bursts interleave
         (executor/pipeline_executor.py). Not with a draft (its lookahead is the proposals') or
-        recurrent state.
+        recurrent state. burst_clock: a BurstClock shared with earlier engines of the same model (for
+        decode_burst and max_burst: Model.engine passes its own), so that a new engine's first burst is
+        sized from their steps instead of starting at one step.
 
         grammars: the model's (daemon/text/grammar.py), for sequences with a grammar to follow.
 
@@ -132,7 +135,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context, lookahead, align, feature)
         self._flights: dict[int, _Flight] = {}  # id(work) -> its step, while the executor has it
         bursts = draft is None and not runner.stateful
-        self._bursts = BurstClock(decode_burst if bursts else 0.0, max_burst)
+        self._bursts = burst_clock if bursts and burst_clock is not None else BurstClock(decode_burst if bursts else 0.0,
+                                                                                          max_burst)
         self.grammars = grammars
 
     def add(self, seq: Sequence) -> None:
