@@ -28,7 +28,9 @@ from ember.kernels.reference.quant import quantize
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import BLOCK_GEOMETRY, TensorType
 
-SHAPES = [(256, 256), (160, 256), (256, 160), (8192, 256), (640, 384), (1024, 384), (384, 1024), (2048, 768), (768, 2048), (32000, 768)]  # the demo's, the 100M's
+# the trained MoE's (attention, an expert's gate/up and down, the head), the demo's, the 100M's
+SHAPES = [(256, 256), (160, 256), (256, 160), (8192, 256), (640, 384), (1024, 384), (384, 1024), (2048, 768),
+          (768, 2048), (32000, 768)]
 TYPES = ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
 
 
