@@ -83,12 +83,19 @@ def routed_ffn(x: np.ndarray, router: CpuWeight, table: ExpertTable, routing: Ro
     n, k = x.shape[0], routing.k
     out = np.zeros(x.shape, np.float32)
     ids, weights = np.empty((n, k), np.int64), np.empty((n, k), np.float32)
-    f32 = router.f32 if router.f32 is not None else np.zeros((0, x.shape[1]), np.float32)
-    bias = _NO_BIAS if routing.bias is None else np.asarray(routing.bias, np.float32)
-    _routed(np.ascontiguousarray(x, np.float32), f32, router.code, router.u8, k, routing.normalize,
-            routing.gating == "sigmoid", bias, np.float32(routing.softcap), np.float32(routing.scale), table.rows,
-            twin.force_code(), out, ids, weights)
+    _routed(np.ascontiguousarray(x, np.float32), *_router_args(router, routing), table.rows, twin.force_code(), out,
+            ids, weights)
     return out, ids
+
+
+def _router_args(router: CpuWeight, routing: Routing) -> tuple[Any, ...]:
+    """_routed's router and routing arguments (f32, code, u8, k, normalize, sigmoid, bias, softcap,
+    scale): a float32 router's rows, or an empty read-only stand-in beside an integer one's bytes (one
+    numba type either way)."""
+    f32 = router.f32 if router.f32 is not None else _read_only_view(np.zeros((0, router.cols), np.float32))
+    bias = _NO_BIAS if routing.bias is None else np.array(routing.bias, np.float32)
+    return (f32, router.code, router.u8, routing.k, routing.normalize, routing.gating == "sigmoid", bias,
+            np.float32(routing.softcap), np.float32(routing.scale))
 
 
 
@@ -117,11 +124,8 @@ def fuse_routed(norm: np.ndarray, eps: float, router: CpuWeight, table: ExpertTa
         return None
     if shared is not None and _row(shared) is None:
         return None
-    f32 = router.f32 if router.f32 is not None else _read_only_view(np.zeros((0, router.cols), np.float32))
-    bias = _NO_BIAS if routing.bias is None else np.array(routing.bias, np.float32)
-    return FusedRouted((_f32(norm), float(eps), f32, router.code, router.u8, routing.k, routing.normalize,
-                        routing.gating == "sigmoid", bias, np.float32(routing.softcap), np.float32(routing.scale),
-                        table.rows, counts, float(half_life), routed, *_shared_args(shared, router.cols)))
+    return FusedRouted((_f32(norm), float(eps), *_router_args(router, routing), table.rows, counts, float(half_life),
+                        routed, *_shared_args(shared, router.cols)))
 
 
 def _shared_args(shared: ExpertWeights | None, cols: int) -> tuple[Any, ...]:

@@ -388,10 +388,8 @@ def _make_qx_scales(x: np.ndarray, nmax: int) -> np.ndarray:
     and keeps the one maximising sumlx^2/suml2 (least-squares optimal scale per level choice).
     """
     f32 = np.float32
-    absx = np.abs(x)
-    idx = absx.argmax(axis=-1)[..., None]  # first largest |x|, as the C loop's strict `>`
-    amax = np.take_along_axis(absx, idx, axis=-1)[..., 0]
-    signed_max = np.take_along_axis(x, idx, axis=-1)[..., 0]
+    signed_max = _signed_max(x)
+    amax = np.abs(signed_max)
     zero = amax < GROUP_MAX_EPS
     signed_max = np.where(zero, f32(1), signed_max)
     w = x * x
@@ -421,8 +419,7 @@ def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
     n = x.shape[0]
     xs = x.reshape(n, 16, 16)
     scales = _make_qx_scales(xs, 32)  # [n, 16]
-    idx = np.abs(scales).argmax(axis=1)[:, None]
-    max_scale = np.take_along_axis(scales, idx, axis=1)[:, 0]
+    max_scale = _signed_max(scales)
     live_block = np.abs(max_scale) >= GROUP_MAX_EPS
     iscale = f32(-128) / np.where(live_block, max_scale, f32(1))
     d16 = f32_to_f16_bits(np.where(live_block, f32(1) / iscale, f32(0)))
@@ -442,8 +439,9 @@ def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
 
 
 def _signed_max(x: np.ndarray) -> np.ndarray:
-    """Per row of x [n, k]: the value of largest magnitude, sign kept (the first, as ggml's strict `<`)."""
-    return np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)[:, 0]
+    """Per group along x's last axis: the value of largest magnitude, sign kept (the first such, as
+    ggml's loops with a strict comparison)."""
+    return np.take_along_axis(x, np.abs(x).argmax(axis=-1)[..., None], axis=-1)[..., 0]
 
 
 def _truncate(v: np.ndarray) -> np.ndarray:
