@@ -200,6 +200,32 @@ def test_paged_attention_matches_dense_reference(dtype: str, parallel: bool, mon
         np.testing.assert_allclose(got[i : i + 1], expected, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", pa.KV_DTYPES)
+@pytest.mark.parametrize("block_size,window", [(1, 0), (3, 5), (5, 7), (16, 0), (16, 9), (6, 30)])
+def test_rows_found_across_blocks_and_windows(dtype: str, block_size: int, window: int) -> None:
+    """The kernel walks a sequence's blocks four rows at a time without dividing: blocks smaller than
+    four rows, sizes four does not divide, and sliding windows whose first key sits anywhere in a
+    block, against the dense reference over the same stored values."""
+    hkv, hq, hd, n = 2, 4, 64, 37
+    n_blocks = -(-n // block_size)
+    k_store = pa.KVLayerStore.allocate(dtype, n_blocks + 3, block_size, hkv, hd)
+    v_store = pa.KVLayerStore.allocate(dtype, n_blocks + 3, block_size, hkv, hd)
+    tables = rng.permutation(n_blocks + 3)[None, :n_blocks].astype(np.int32)
+    k, v = rng.standard_normal((n, hkv, hd)).astype(np.float32), rng.standard_normal((n, hkv, hd)).astype(np.float32)
+    pos = np.arange(n)
+    k_store.write(tables[0, pos // block_size], pos % block_size, k)
+    v_store.write(tables[0, pos // block_size], pos % block_size, v)
+    keys = reference_values(dtype, reference_storage(dtype, k)).transpose(1, 0, 2)
+    values = reference_values(dtype, reference_storage(dtype, v)).transpose(1, 0, 2)
+    positions = np.array([0, 1, 2, 3, 4, 5, 17, 30, 35, 36])  # every row count mod 4, window edges
+    q = rng.standard_normal((len(positions), hq, hd)).astype(np.float32)
+    got = pa.paged_attention(q, k_store, v_store, tables, np.zeros(len(positions), np.int32), positions, hd**-0.5,
+                             window)
+    for i, p in enumerate(positions):
+        expected = reference.attention(q[i : i + 1], keys, values, int(p), hd**-0.5, window)
+        np.testing.assert_allclose(got[i : i + 1], expected, rtol=1e-4, atol=2e-5)
+
+
 @pytest.mark.parametrize("dtype,bound", [("f16", 1e-3), ("bf16", 8e-3), ("q8_0", 1 / 127)])
 def test_storage_round_trip_error(dtype: str, bound: float) -> None:
     """Error of rows written to a store and decoded without ember: half an ulp for f16/bf16; for q8_0
@@ -216,32 +242,27 @@ def test_storage_round_trip_error(dtype: str, bound: float) -> None:
         assert (err <= np.abs(rows) * bound / 2 + 1e-30).all()
 
 
-def test_lookup_tables_decode_every_pattern() -> None:
-    """The kernel's f16/bf16 tables, bit for bit (NaNs included) against numpy and the bf16 layout."""
-    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    f16_values = bits.view(np.float16).astype(np.float32)
-    np.testing.assert_array_equal(pa.F16_TABLE.view(np.uint32), f16_values.view(np.uint32))
-    np.testing.assert_array_equal(pa.BF16_TABLE.view(np.uint32), bits.astype(np.uint32) << 16)
-
-
 @njit
-def _decoded_row(bits: np.ndarray, mode: int, lut: np.ndarray) -> np.ndarray:
-    """One stored row of 16-bit patterns [1, 1, 1, n] as the attention kernel decodes it."""
-    out = np.empty(bits.shape[3], np.float32)
-    unused_f32, unused_i8 = np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1, 1, 1), np.int8)
-    pa._load_row(unused_f32, bits, unused_i8, bits, mode, 0, 0, 0, lut, out)
+def _widened(bits: np.ndarray, bf16: bool) -> np.ndarray:
+    """Every value of `bits` as the attention kernel widens a stored value, in a loop that vectorizes
+    as the kernel's do."""
+    out = np.empty(bits.size, np.float32)
+    for j in range(bits.size):
+        out[j] = pa._bf16_value(bits[j]) if bf16 else pa._f16_value(bits[j])
     return out
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
-def test_rows_widened_as_the_tables_decode(dtype: str) -> None:
-    """The kernel widens f16/bf16 rows eight values at a time, the rest through the table: every bit
-    pattern (a row of 65536 + 5: the last five take the table) decodes to the table's value, bit for
-    bit; NaNs stay NaN (a signaling one may come back quieted, as the CPU converts it)."""
+def test_stored_values_widened_exactly(dtype: str) -> None:
+    """Every 16-bit pattern (and a row's odd tail: 65536 + 5 values) widens to its value, bit for bit
+    against numpy's float16 and bf16's layout; NaNs stay NaN (a signaling one may come back quieted,
+    as the CPU converts it)."""
     patterns = np.concatenate([np.arange(1 << 16), [0x3C00, 0x7C01, 0x0001, 0x8000, 0xFFFF]]).astype(np.uint16)
-    lut = pa.BF16_TABLE if dtype == "bf16" else pa.F16_TABLE
-    got = _decoded_row(patterns.reshape(1, 1, 1, -1), pa.MODE[dtype], lut)
-    want = lut[patterns]
+    if dtype == "bf16":
+        want = (patterns.astype(np.uint32) << 16).view(np.float32)
+    else:
+        want = patterns.view(np.float16).astype(np.float32)
+    got = _widened(patterns, dtype == "bf16")
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(got), nan)
     np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))

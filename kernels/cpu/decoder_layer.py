@@ -146,10 +146,10 @@ def _stack_layer(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerSt
         return _layer_quantized_kv(layer, x, k, v, kv_write, positions, seen, kv_blocks, kv_offsets, tables, token_seq,
                                    force)
     if force == 2 or (force == 0 and layer.work * x.shape[0] >= INT8_PARALLEL_MIN_WORK):
-        return _layer_team(threads, x, positions, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, k.lut, kv_blocks,
+        return _layer_team(threads, x, positions, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, kv_blocks,
                            kv_offsets, tables, token_seq, seen, layer.attn_in, layer.attn_out)
     # an f32, f16 or bf16 row is stored in compiled code: the whole layer in one call
-    return _layer_stored_kv(x, positions, force, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, k.lut, kv_blocks,
+    return _layer_stored_kv(x, positions, force, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, kv_blocks,
                             kv_offsets, tables, token_seq, seen, layer.attn_in, layer.attn_out)
 
 
@@ -161,7 +161,7 @@ def _layer_quantized_kv(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KV
                                  *layer.attn_in)
     kv_write(k, kv_blocks, kv_offsets, kr)
     kv_write(v, kv_blocks, kv_offsets, vr)
-    return _attention_out(x, q, g, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, k.lut, tables,
+    return _attention_out(x, q, g, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, tables,
                           token_seq, seen, force, *layer.attn_out)
 
 
@@ -216,19 +216,19 @@ def _attention_in(x, positions, force, store, mode, k_f32, k_u16, v_f32, v_u16, 
 
 
 @njit(cache=True, nogil=True)
-def _layer_stored_kv(x, positions, force, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets,
+def _layer_stored_kv(x, positions, force, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, kv_blocks, kv_offsets,
                      tables, token_seq, seen, attn_in, attn_out):
     """The layer over an f32, f16 or bf16 KV cache in one call (i8, scales: the store's unused q8_0
     arrays, as are the f32 ones of a 16-bit store and the u16 ones of an f32 store): one dispatch and
     no returned q/k/v between the halves."""
     q, _, _, g = _attention_in(x, positions, force, True, mode, k_f32, k_u16, v_f32, v_u16, kv_blocks, kv_offsets,
                                *attn_in)
-    return _attention_out(x, q, g, k_f32, k_u16, i8, scales, v_f32, v_u16, i8, scales, mode, lut, tables, token_seq,
+    return _attention_out(x, q, g, k_f32, k_u16, i8, scales, v_f32, v_u16, i8, scales, mode, tables, token_seq,
                           seen, force, *attn_out)
 
 
 @njit(cache=True, nogil=True)
-def _attention_out(x, q, g, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq, seen,
+def _attention_out(x, q, g, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, tables, token_seq, seen,
                    force, scale, code_o, wo, ffn, ffn_norm, eps, code_g, gate, code_u, up, code_d, down, window):
     """Attention over the paged cache (the last `window` keys of each token where window > 0), the
     output gate where g has columns, the output projection and residual, then (if `ffn`) rmsnorm,
@@ -238,10 +238,10 @@ def _attention_out(x, q, g, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, 
     attn = np.empty_like(q)
     context = seen[-1] + 1  # paged_attention's measure of the work, as the op picks its variant
     if _parallel(force, q.size * 2 * (min(context, window) if window > 0 else context), PARALLEL_MIN_WORK):
-        _ATTENTION_PARALLEL(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq,
+        _ATTENTION_PARALLEL(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, tables, token_seq,
                             seen, window, scale, attn)
     else:
-        _ATTENTION_SERIAL(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq,
+        _ATTENTION_SERIAL(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, tables, token_seq,
                           seen, window, scale, attn)
     if g.shape[1]:
         for i in range(n):
@@ -292,7 +292,7 @@ _PHASES = _DOWN + 1
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _layer_team(threads, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets, tables,
+def _layer_team(threads, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, kv_blocks, kv_offsets, tables,
                 token_seq, seen, attn_in, attn_out):
     """_layer_stored_kv's layer in one parallel region instead of one a kernel: the threads run
     _team_member's phases together (team.py), `threads` of them (numba's count, read by the caller:
@@ -304,7 +304,7 @@ def _layer_team(threads, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_
     bufs, h_room, attn_room, h2_room, f_room = _team_buffers(x, attn_in, attn_out)
     counters = counters_for(_PHASES, threads)
     for _ in prange(threads):
-        _team_member(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets,
+        _team_member(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, kv_blocks, kv_offsets,
                      tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room)
     if failed(counters):
         raise RuntimeError("the fused decoder layer failed in a thread of its team")
@@ -373,17 +373,17 @@ def _add_rows(a, b, group, out):
 
 
 @njit(cache=True, nogil=True)
-def _team_member(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets,
+def _team_member(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, kv_blocks, kv_offsets,
                  tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room):
     try:
-        _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets,
+        _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, kv_blocks, kv_offsets,
                      tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room)
     except Exception:  # noqa: BLE001 (numba catches no narrower)
         fail(counters)
 
 
 @njit(cache=True, nogil=True)
-def _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks, kv_offsets,
+def _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, kv_blocks, kv_offsets,
                  tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room):
     """One thread's run of the layer's phases: in each, it claims items until none is left, then
     waits for the items others claimed. Each phase's items: tokens, row groups or attention tasks."""
@@ -435,7 +435,7 @@ def _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, 
 
     c = claim(counters, _ATTEND, me, n * n_kv_heads)
     while c < n * n_kv_heads:
-        attention_task(c, q3, k_f32, k_u16, i8, scales, v_f32, v_u16, i8, scales, mode, lut, tables, token_seq, seen,
+        attention_task(c, q3, k_f32, k_u16, i8, scales, v_f32, v_u16, i8, scales, mode, tables, token_seq, seen,
                        window, scale, attn)
         finish(counters, _ATTEND)
         c = claim(counters, _ATTEND, me, n * n_kv_heads)

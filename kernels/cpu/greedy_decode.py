@@ -52,7 +52,7 @@ _GATHER_SERIAL, _GATHER_PARALLEL = _GATHER_ROWS.serial, _GATHER_ROWS.parallel
 class GreedyPlan:
     """A whole model's decode step over one f32, f16 or bf16 KV cache, as the compiled loop takes it."""
 
-    # per layer: attn_in, attn_out, work, KV mode, k f32, k u16, k i8, k scales, v f32, v u16, lut, whether a
+    # per layer: attn_in, attn_out, work, KV mode, k f32, k u16, k i8, k scales, v f32, v u16, whether a
     # routed FFN finishes it, and that FFN's routed_finish arguments (no_routed_layer's stand-ins if none)
     items: list[tuple[Any, ...]]
     embed: tuple[Any, ...]  # the embedding's code, u8, i8, u16, u32 and f32 (empty unless F32) views, columns
@@ -82,7 +82,7 @@ def plan(fused: Sequence[FusedLayer], embed: CpuWeight, norm: np.ndarray, eps: f
         return None
     parts = list(routed) + [None] * (len(fused) - len(routed))
     none = no_routed_layer(embed.cols)
-    items = [(layer.attn_in, layer.attn_out, layer.work, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, k.lut,
+    items = [(layer.attn_in, layer.attn_out, layer.work, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16,
               part is not None, *(none if part is None else part.args))
              for layer, k, v, part in zip(fused, ks, vs, parts, strict=True)]
     # (read-only, as an F32 embedding's rows are: one compiled signature either way)
@@ -130,14 +130,14 @@ def _burst(steps, threads, force, ids, positions, kv_blocks, kv_offsets, tables,
         x = _embedding(ids, e_code, e_u8, e_i8, e_u16, e_u32, e_f32, e_cols, force)
         for k in range(len(layers)):
             layer = layers[k]
-            attn_in, attn_out, work, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut = layer[:11]
+            attn_in, attn_out, work, mode, k_f32, k_u16, i8, scales, v_f32, v_u16 = layer[:10]
             # run_stack's choice of threads; one member where it would run the serial _layer_stored_kv, whose
             # numbers the team's are (calling that too would double this library: +15 MB resident)
             members = threads if force == 2 or (force == 0 and work * n >= INT8_PARALLEL_MIN_WORK) else 1
-            x = _layer_team(members, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, lut, kv_blocks,
+            x = _layer_team(members, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, kv_blocks,
                             kv_offsets, tables, token_seq, positions, attn_in, attn_out)
-            if layer[11]:
-                x = routed_finish(x, force, *layer[12:])
+            if layer[10]:
+                x = routed_finish(x, force, *layer[11:])
         h = np.empty_like(x)
         _rmsnorm(x, norm, eps, h, force)
         out = np.empty((n, h_u8.shape[0]), np.float32)

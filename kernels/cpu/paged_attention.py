@@ -3,13 +3,14 @@
 A layer's cache is `n_blocks` blocks of `block_size` token rows, each row [kv_heads, head_dim] stored
 as f32, f16 or bf16 bits (uint16), or q8_0 (int8 values plus one f16 scale per 32 values, ggml's
 block_q8_0 split into two arrays). Writes convert with kernels/convert.py, the one implementation of
-each conversion (numpy: a step writes a few rows); the attention kernel dequantizes key/value rows as it
-reads them, so no f32 copy of the cache ever exists: f16 and bf16 rows eight values at a time by the
-CPU's own exact widening (`fpext` of `<8 x half>`: F16C's vcvtph2ps on x86; bf16: the bits moved up
-16), the same values as the lookup tables built from those conversions, which take a row's last
-values when head_dim is no multiple of 8 (a value at a time through the table made an f16 cache's
-attention 2.9x slower than an f32 one's at 2048 positions; widened, it runs about as fast, reading
-half the bytes), and q8_0 through the f16 table for its scales.
+each conversion (numpy: a step writes a few rows); the attention kernel reads key/value rows where
+they are stored, in every dtype, so no f32 copy of the cache ever exists: its dot products load f16
+and bf16 values through the CPU's own exact widening (`fpext` of half: F16C's vcvtph2ps on x86,
+vectorized with the loop; bf16: the bits moved up 16), and q8_0 values as integers, each 32-value
+group's sum times its f16 scale. Measured on the 2-core Zen 5 VM, 1536 positions, 12 query heads on
+4 KV heads of 64, per layer with 12 layers' caches taking turns (so read from memory): f32 174 us,
+f16 62 us, bf16 62 us, q8_0 73 us (widened into a scratch row first, as before 2026-11-29: f16 72 us,
+q8_0 196 us).
 """
 from __future__ import annotations
 
@@ -20,20 +21,13 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ember.kernels.convert import (_BF16_QUIET, KV_DTYPES, QK8_0, bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits,
-                                   f32_to_f16_bits, quantize_q8_0_split)
-from ember.kernels.cpu.quant_matmul import four_dots
+from ember.kernels.convert import _BF16_QUIET, KV_DTYPES, QK8_0, f32_to_bf16_bits, f32_to_f16_bits, quantize_q8_0_split
 from ember.kernels.cpu.twin import Twin
 
 MODE = {name: i for i, name in enumerate(KV_DTYPES)}
 # The kernel branches on these (numba freezes module-level ints into constants), so it does not
 # depend on the order of KV_DTYPES.
 _F32, _F16, _BF16, _Q8_0 = MODE["f32"], MODE["f16"], MODE["bf16"], MODE["q8_0"]
-
-# f16 and bf16 bit patterns -> float32 (numba has no float16; a table lookup is exact and cheap)
-_ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-F16_TABLE = f16_bits_to_f32(_ALL_BITS)
-BF16_TABLE = bf16_bits_to_f32(_ALL_BITS)
 
 
 @dataclass
@@ -61,12 +55,6 @@ class KVLayerStore:
             i8=np.zeros(shape if dtype == "q8_0" else tiny, np.int8),
             scales=np.zeros(shape[:3] + (head_dim // QK8_0,) if dtype == "q8_0" else tiny, np.uint16),
         )
-
-    @property
-    def lut(self) -> np.ndarray:
-        """The float32 values of this store's 16-bit patterns (bf16, else f16: q8_0's scales are f16s;
-        an f32 store reads none), as the attention kernel takes them."""
-        return BF16_TABLE if self.mode == _BF16 else F16_TABLE
 
     @property
     def nbytes(self) -> int:
@@ -133,72 +121,44 @@ def store_row(mode, row, f32, u16, blk, off):  # type: ignore[no-untyped-def]
             dst[h, j] = _f16_bits(row[h, j]) if mode == _F16 else _bf16_bits(row[h, j])
 
 
-def _widen8(bf16: bool):  # type: ignore[no-untyped-def]
-    """An intrinsic (bits, i, out, j): out[j:j+8] = the f16 (or bf16) values of bits[i:i+8], exactly."""
-    def typer(typingctx, bits, i, out, j):  # type: ignore[no-untyped-def]
-        if not (bits == types.Array(types.uint16, 1, "C") and out == types.Array(types.float32, 1, "C")
-                and isinstance(i, types.Integer) and isinstance(j, types.Integer)):
-            return None
+@intrinsic
+def _f16_value(typingctx, bits):  # type: ignore[no-untyped-def]
+    """The float32 value of f16 bits, exactly (LLVM's fpext: a loop of them vectorizes to F16C's
+    vcvtph2ps on x86)."""
+    if bits != types.uint16:
+        return None
 
-        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-            src, dst = (context.make_array(sig.args[k])(context, builder, args[k]) for k in (0, 2))
-            i, j = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 3))
-            v8i16, v8f = ir.VectorType(ir.IntType(16), 8), ir.VectorType(ir.FloatType(), 8)
-            ptr = builder.gep(builder.bitcast(src.data, ir.IntType(16).as_pointer()), [i])
-            v = builder.load(builder.bitcast(ptr, v8i16.as_pointer()), align=2)
-            if bf16:  # a bf16 is the top half of a float32
-                v8i32 = ir.VectorType(ir.IntType(32), 8)
-                wide = builder.bitcast(builder.shl(builder.zext(v, v8i32), ir.Constant(v8i32, [16] * 8)), v8f)
-            else:
-                wide = builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 8)), v8f)
-            out = builder.gep(builder.bitcast(dst.data, ir.FloatType().as_pointer()), [j])
-            builder.store(wide, builder.bitcast(out, v8f.as_pointer()), align=4)
-            return context.get_dummy_value()
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
 
-        return types.void(bits, i, out, j), codegen
-
-    typer.__name__ = "_widen_bf16x8" if bf16 else "_widen_f16x8"
-    return intrinsic(typer)
+    return types.float32(bits), codegen
 
 
-_WIDEN_F16, _WIDEN_BF16 = _widen8(False), _widen8(True)
+@intrinsic
+def _bf16_value(typingctx, bits):  # type: ignore[no-untyped-def]
+    """The float32 value of bf16 bits: the top half of a float32."""
+    if bits != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        i32 = ir.IntType(32)
+        return builder.bitcast(builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16)), ir.FloatType())
+
+    return types.float32(bits), codegen
 
 
-@njit(inline="always", fastmath=True, nogil=True, cache=True)
-def _load_row(s_f32, s_u16, s_i8, s_scales, mode, blk, off, h, lut, out):  # type: ignore[no-untyped-def]
-    hd = out.size
-    if mode == _F32:
-        for j in range(hd):
-            out[j] = s_f32[blk, off, h, j]
-    elif mode == _Q8_0:
-        for g in range(hd // QK8_0):
-            d = lut[s_scales[blk, off, h, g]]  # the f16 table: scales are f16 whatever the mode
-            for j in range(QK8_0):
-                out[g * QK8_0 + j] = s_i8[blk, off, h, g * QK8_0 + j] * d
-    else:
-        bits, whole = s_u16[blk, off, h], hd - hd % 8
-        if mode == _BF16:
-            for j in range(0, whole, 8):
-                _WIDEN_BF16(bits, j, out, j)
-        else:
-            for j in range(0, whole, 8):
-                _WIDEN_F16(bits, j, out, j)
-        for j in range(whole, hd):
-            out[j] = lut[bits[j]]
-
-
-def _paged_attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut,  # type: ignore[no-untyped-def]
+def _paged_attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode,  # type: ignore[no-untyped-def]
                      tables, token_seq, positions, window, scale, out):
     # One task per (token, KV head): each key and value row is read (and decoded) once for all the
     # query heads that share it (GQA), and f32 rows are read in place.
     kv_heads = max(k_f32.shape[2], k_u16.shape[2], k_i8.shape[2])
     for task in prange(q.shape[0] * kv_heads):  # int64: prange's index is unsigned, a second signature
-        attention_task(np.int64(task), q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut, tables, token_seq,
+        attention_task(np.int64(task), q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, tables, token_seq,
                        positions, window, scale, out)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def attention_task(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, lut,  # type: ignore[no-untyped-def]
+def attention_task(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode,  # type: ignore[no-untyped-def]
                    tables, token_seq, positions, window, scale, out):
     """Task `task` of _paged_attention: token task // kv_heads, KV head task % kv_heads, all the
     query heads that read it. One compiled function that the serial and the parallel kernel and the
@@ -210,47 +170,110 @@ def attention_task(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, 
     256-token prompt chunk at positions 256-511 and on 8 decode tokens. A token's last group may
     reach past its last key: those slots repeat the last key and get weight 0. How keys are grouped
     depends only on the token's own position, so a token's output never depends on the rest of its
-    batch. An f32 cache is read in place by code of its own: rows that may come from the cache or
-    from a decoding scratch buffer made the loops as slow as one key at a time. The other dtypes have
-    code of their own each too: with the mode a branch in every row's decoding, an f16 cache's
-    attention took twice as long with its rows in cache (231 -> 113 us, 1536 positions, 6 query heads
-    on 2 KV heads, 2 threads) and 1.5x with them in memory (497 -> 333 us)."""
+    batch. Each dtype has code of its own: with the mode a branch in every row's decoding, an f16
+    cache's attention took twice as long with its rows in cache (231 -> 113 us, 1536 positions, 6
+    query heads on 2 KV heads, 2 threads) and 1.5x with them in memory (497 -> 333 us). Rows are
+    addressed by index, never as array views (a view costs reference counting), and found block by
+    block with no division (one per row cost a tenth of the time at 1536 positions)."""
     if mode == _F32:
-        _ATTEND_F32(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, lut, tables, token_seq, positions,
+        _ATTEND_F32(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, tables, token_seq, positions,
                     window, scale, out)
     elif mode == _F16:
-        _ATTEND_F16(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, lut, tables, token_seq, positions,
+        _ATTEND_F16(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, tables, token_seq, positions,
                     window, scale, out)
     elif mode == _BF16:
-        _ATTEND_BF16(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, lut, tables, token_seq, positions,
+        _ATTEND_BF16(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, tables, token_seq, positions,
                      window, scale, out)
     else:
-        _ATTEND_Q8_0(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, lut, tables, token_seq, positions,
+        _ATTEND_Q8_0(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, tables, token_seq, positions,
                      window, scale, out)
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _row(table, n, off, block_size):  # type: ignore[no-untyped-def]
+    """(block, row) of the position `off` rows past the start of block table[n] (at most 3 past a
+    block's end)."""
+    while off >= block_size:
+        off -= block_size
+        n += 1
+    return table[n], off
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _four_rows(table, n, off, block_size, beyond):  # type: ignore[no-untyped-def]
+    """(block, row) of each of the four positions from row `off` of block table[n] on; those past the
+    last real one (`beyond` positions on) repeat it (they get weight 0)."""
+    b0, o0 = _row(table, n, off, block_size)
+    b1, o1 = _row(table, n, off + min(1, beyond), block_size)
+    b2, o2 = _row(table, n, off + min(2, beyond), block_size)
+    b3, o3 = _row(table, n, off + min(3, beyond), block_size)
+    return b0, o0, b1, o1, b2, o2, b3, o3
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _advance(n, off, block_size):  # type: ignore[no-untyped-def]
+    """The (table index, row) four positions on."""
+    off += 4
+    while off >= block_size:
+        off -= block_size
+        n += 1
+    return n, off
 
 
 def _attend_for(mode: int):  # type: ignore[no-untyped-def]
-    """attention_task's body for a store of `mode`, its rows read in place (f32) or decoded into a
-    scratch buffer (`mode` is a constant of the compiled code: no variant branches on it)."""
-    in_place = mode == _F32
+    """attention_task's body for a store of `mode` (a constant of the compiled code: no variant
+    branches on it), its rows read in place: f16 and bf16 values widened as the dot products load
+    them, q8_0 values scaled once per 32-value group of each dot."""
+    width = QK8_0 if mode == _Q8_0 else 0  # values per scale; 0: the whole row, unscaled
 
     @njit(inline="always", fastmath=True, nogil=True, cache=True)
-    def four_rows(s_f32, s_u16, s_i8, s_scales, tables, seq, t, last, block_size, kv, lut, scratch):  # type: ignore[no-untyped-def]
-        """The stored rows of positions t .. t + 3 (past `last`: the row of `last` again) as float32."""
-        t1, t2, t3 = min(t + 1, last), min(t + 2, last), min(t + 3, last)
-        b0, b1, b2, b3 = tables[seq, t // block_size], tables[seq, t1 // block_size], tables[seq, t2 // block_size], \
-            tables[seq, t3 // block_size]
-        o0, o1, o2, o3 = t % block_size, t1 % block_size, t2 % block_size, t3 % block_size
-        if in_place:
-            return s_f32[b0, o0, kv], s_f32[b1, o1, kv], s_f32[b2, o2, kv], s_f32[b3, o3, kv]
-        _load_row(s_f32, s_u16, s_i8, s_scales, mode, b0, o0, kv, lut, scratch[0])
-        _load_row(s_f32, s_u16, s_i8, s_scales, mode, b1, o1, kv, lut, scratch[1])
-        _load_row(s_f32, s_u16, s_i8, s_scales, mode, b2, o2, kv, lut, scratch[2])
-        _load_row(s_f32, s_u16, s_i8, s_scales, mode, b3, o3, kv, lut, scratch[3])
-        return scratch[0], scratch[1], scratch[2], scratch[3]
+    def value(s_f32, s_u16, s_i8, b, o, kv, k):  # type: ignore[no-untyped-def]
+        if mode == _F32:
+            return s_f32[b, o, kv, k]
+        if mode == _F16:
+            return _f16_value(s_u16[b, o, kv, k])
+        if mode == _BF16:
+            return _bf16_value(s_u16[b, o, kv, k])
+        return np.float32(s_i8[b, o, kv, k])
 
     @njit(inline="always", fastmath=True, nogil=True, cache=True)
-    def attend(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, lut,  # type: ignore[no-untyped-def]
+    def scale(s_sc, b, o, kv, group):  # type: ignore[no-untyped-def]
+        return _f16_value(s_sc[b, o, kv, group]) if mode == _Q8_0 else np.float32(1)
+
+    @njit(inline="always", fastmath=True, nogil=True, cache=True)
+    def four_scores(q, i, h, s_f32, s_u16, s_i8, s_sc, kv, b0, o0, b1, o1, b2, o2, b3, o3):  # type: ignore[no-untyped-def]
+        """q[i, h] . the four stored rows, in four independent vector sums (one pass over q)."""
+        hd = q.shape[2]
+        w = width if width else hd
+        a0 = a1 = a2 = a3 = np.float32(0)
+        for grp in range(hd // w):
+            c0 = c1 = c2 = c3 = np.float32(0)
+            for k in range(grp * w, grp * w + w):
+                x = q[i, h, k]
+                c0 += x * value(s_f32, s_u16, s_i8, b0, o0, kv, k)
+                c1 += x * value(s_f32, s_u16, s_i8, b1, o1, kv, k)
+                c2 += x * value(s_f32, s_u16, s_i8, b2, o2, kv, k)
+                c3 += x * value(s_f32, s_u16, s_i8, b3, o3, kv, k)
+            a0 += c0 * scale(s_sc, b0, o0, kv, grp)
+            a1 += c1 * scale(s_sc, b1, o1, kv, grp)
+            a2 += c2 * scale(s_sc, b2, o2, kv, grp)
+            a3 += c3 * scale(s_sc, b3, o3, kv, grp)
+        return a0, a1, a2, a3
+
+    @njit(inline="always", fastmath=True, nogil=True, cache=True)
+    def add_four(acc, g, p0, p1, p2, p3, s_f32, s_u16, s_i8, s_sc, kv, b0, o0, b1, o1, b2, o2, b3, o3):  # type: ignore[no-untyped-def]
+        """acc[g] += p0 row0 + p1 row1 + p2 row2 + p3 row3, in a fixed order."""
+        hd = acc.shape[1]
+        w = width if width else hd
+        for grp in range(hd // w):
+            w0, w1 = p0 * scale(s_sc, b0, o0, kv, grp), p1 * scale(s_sc, b1, o1, kv, grp)
+            w2, w3 = p2 * scale(s_sc, b2, o2, kv, grp), p3 * scale(s_sc, b3, o3, kv, grp)
+            for d in range(grp * w, grp * w + w):
+                acc[g, d] += (w0 * value(s_f32, s_u16, s_i8, b0, o0, kv, d) + w1 * value(s_f32, s_u16, s_i8, b1, o1, kv, d)) \
+                    + (w2 * value(s_f32, s_u16, s_i8, b2, o2, kv, d) + w3 * value(s_f32, s_u16, s_i8, b3, o3, kv, d))
+
+    @njit(inline="always", fastmath=True, nogil=True, cache=True)
+    def attend(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc,  # type: ignore[no-untyped-def]
                tables, token_seq, positions, window, scale, out):
         n, hq, hd = q.shape
         block_size = max(k_f32.shape[1], k_u16.shape[1], k_i8.shape[1])
@@ -262,12 +285,15 @@ def _attend_for(mode: int):  # type: ignore[no-untyped-def]
         last, count = visible - 1, visible - first
         padded = (count + 3) // 4 * 4
         scores = np.empty((group, padded), np.float32)
-        scratch = np.empty((4, hd), np.float32)
+        table, n0, off0 = tables[seq], first // block_size, first % block_size
+        nb, off = n0, off0
         for t in range(first, visible, 4):
-            k0, k1, k2, k3 = four_rows(k_f32, k_u16, k_i8, k_sc, tables, seq, t, last, block_size, kv, lut, scratch)
+            b0, o0, b1, o1, b2, o2, b3, o3 = _four_rows(table, nb, off, block_size, last - t)
+            nb, off = _advance(nb, off, block_size)
             j = t - first
             for g in range(group):
-                s0, s1, s2, s3 = four_dots(q[i, kv * group + g], k0, k1, k2, k3)
+                s0, s1, s2, s3 = four_scores(q, i, kv * group + g, k_f32, k_u16, k_i8, k_sc, kv,
+                                             b0, o0, b1, o1, b2, o2, b3, o3)
                 scores[g, j], scores[g, j + 1] = s0 * scale, s1 * scale
                 scores[g, j + 2], scores[g, j + 3] = s2 * scale, s3 * scale
         for g in range(group):
@@ -283,18 +309,19 @@ def _attend_for(mode: int):  # type: ignore[no-untyped-def]
         # team and the parallel kernel must give the same bits)
         total = np.zeros(group, np.float32)
         acc = np.zeros((group, hd), np.float32)
+        nb, off = n0, off0
         for t in range(first, visible, 4):
-            v0, v1, v2, v3 = four_rows(v_f32, v_u16, v_i8, v_sc, tables, seq, t, last, block_size, kv, lut, scratch)
+            b0, o0, b1, o1, b2, o2, b3, o3 = _four_rows(table, nb, off, block_size, last - t)
+            nb, off = _advance(nb, off, block_size)
             j = t - first
             for g in range(group):
-                p0, p1, p2, p3, a = scores[g, j], scores[g, j + 1], scores[g, j + 2], scores[g, j + 3], acc[g]
+                p0, p1, p2, p3 = scores[g, j], scores[g, j + 1], scores[g, j + 2], scores[g, j + 3]
                 total[g] += (p0 + p1) + (p2 + p3)
-                for d in range(hd):
-                    a[d] += (p0 * v0[d] + p1 * v1[d]) + (p2 * v2[d] + p3 * v3[d])
+                add_four(acc, g, p0, p1, p2, p3, v_f32, v_u16, v_i8, v_sc, kv, b0, o0, b1, o1, b2, o2, b3, o3)
         for g in range(group):
-            o, a, inv = out[i, kv * group + g], acc[g], np.float32(1) / total[g]
+            inv = np.float32(1) / total[g]
             for d in range(hd):
-                o[d] = a[d] * inv
+                out[i, kv * group + g, d] = acc[g, d] * inv
 
     return attend
 
@@ -348,6 +375,6 @@ def paged_attention(q: np.ndarray, k: KVLayerStore, v: KVLayerStore, tables: np.
     out = np.empty_like(q)
     context = int(positions[-1]) + 1  # the last token's context stands for the step's (cheap)
     work = q.size * 2 * (min(context, window) if window > 0 else context)
-    _KERNELS.pick(work)(q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, k.lut,
+    _KERNELS.pick(work)(q, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode,
                         tables, token_seq, positions, np.int64(window), np.float32(scale), out)
     return out
