@@ -19,10 +19,10 @@ rounds. Decode is also given as GB/s of weights read per token, and as a fractio
 memory bandwidth, measured here with the same threads. Prints ember/llama.cpp ratios.
 
     python benchmarks/cpu_decode.py [--tokens 128] [--repeats 3] [--rounds 3] [--threads N] [--prompt-tokens 512] [--batch 8]
-                                    [--context 1536] [--kv-dtype f32] [--files demo Q8_0 Q4_K_M ...]
+                                    [--context 1536] [--kv-dtype f16] [--files demo Q8_0 Q4_K_M ...]
 
---kv-dtype: ember's KV cache (its default, f32; llama.cpp keeps its own default, f16, which reads half
-the bytes of f32 in the long-context figure).
+--kv-dtype: ember's KV cache (default f16, ember's default and llama.cpp's; f32 reads twice the bytes
+in the long-context figure).
 """
 from __future__ import annotations
 
@@ -296,8 +296,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1536,
                     help=f"prompt tokens before a second decode figure ({LONG_TOKENS} tokens; 0: none)")
     # ember.kernels.convert.KV_DTYPES, written out: importing ember.kernels loads numba in the llama.cpp worker too
-    ap.add_argument("--kv-dtype", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
-                    help="ember's KV cache (llama.cpp's is its default, f16)")
+    ap.add_argument("--kv-dtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"],
+                    help="ember's KV cache (default f16, as ember's and llama.cpp's defaults)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="engines alternated this many times per file, medians reported (this VM drifts 10-20%%)")
     ap.add_argument("--files", nargs="+", default=["demo", "Q8_0", "Q4_K_M"], choices=["demo", *LLAMA_FTYPES])

@@ -141,7 +141,7 @@ DEFAULT_CTX = 4096  # tokens per sequence when `ctx` is not set (and the model a
 
 class EngineConfig(_Section):
     device: str = "cpu"  # cpu or cuda:N
-    kv_dtype: str = ""  # f32, f16, bf16 or q8_0; "": the precision policy's (EMBER_KV_DTYPE, else f32)
+    kv_dtype: str = ""  # f32, f16, bf16 or q8_0; "": the precision policy's (EMBER_KV_DTYPE, else f16)
     ctx: int = 0  # tokens per sequence, prompt and output; 0: the model's context length, at most DEFAULT_CTX
     max_active: int = 4  # sequences generated together (continuous batching); the KV cache holds ctx for each
     max_queued: int = 32  # admitted requests beyond max_active waiting their turn; beyond: Error{code: "busy"}

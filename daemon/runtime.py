@@ -45,7 +45,7 @@ from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.text.grammar import compile_grammar
 from ember.daemon.text.text_model import TextModel, sampling_of, tokenizer_of
 from ember.daemon.text.tokenizer import Tokenizer
-from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES
+from ember.kernels.convert import DECODE_ACTIVATIONS, DEFAULT_KV_DTYPE, KV_DTYPES
 from ember.kernels.cuda.native_kernels import CUDA_KERNELS
 from ember.kernels.cuda.native_launch import NativeOps
 from ember.kernels.sampling import SamplingParams
@@ -59,7 +59,7 @@ _DFLASH_BESIDE_SPLIT = ("a feature-conditioned (DFlash) draft reads the target's
 
 
 class Model(TextModel):
-    def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str = "cpu", kv_dtype: str = "f32",
+    def __init__(self, mf: ModelFile, tokenizer: Tokenizer, device: str = "cpu", kv_dtype: str = DEFAULT_KV_DTYPE,
                  decode_act: str = "q8_0", pipeline: Pipeline | None = None,
                  experts: ExpertOptions | None = None, draft: ModelFile | None = None, draft_tokens: int = 4,
                  feature_dtype: str = "f32", on_layer: Callable[[int, int], None] | None = None,
@@ -274,7 +274,7 @@ def _native_decoder(mf: ModelFile, name: DeviceName, kv_dtype: str, decode_act: 
     return NativeDecoder.from_file(mf, ops, n_blocks=1, block_size=KV_BLOCK, kv_dtype=kv_dtype, max_context=KV_BLOCK)
 
 
-def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_act: str = "q8_0",
+def load(path: str | Path, device: str = "cpu", kv_dtype: str = DEFAULT_KV_DTYPE, decode_act: str = "q8_0",
          devices: str | Sequence[str] | None = None, split: str | Sequence[int] | None = None,
          act_dtype: str = "auto", max_step_tokens: int = PREFILL_CHUNK, stage_threads: int = 0, shm_owner: str | None = None,
          expert_budget: int | str | None = None, cold_workers: int | None = None, cold_policy: str = "exact",
@@ -284,7 +284,7 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = "f32", decode_ac
     """Open a GGUF file or Hugging Face directory (or a model named on the Hugging Face hub, owner/repo
     or owner/repo:QUANT: fetched into its cache first, daemon/loader/hub.py) and place the model on
     `device` ("cpu"); its KV
-    cache holds `kv_dtype` (f32, f16, bf16 or q8_0); generated tokens meet quantized weights with
+    cache holds `kv_dtype` (f16, the default, f32, bf16 or q8_0); generated tokens meet quantized weights with
     `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do).
 
     devices (["cpu:0", "cpu:1"] or "cpu:0,cpu:1"; plain "cpu" last: that stage on the engine's own

@@ -69,7 +69,7 @@ def test_quantized_gguf_equals_transformers_on_dequantized_weights(hf_model, tmp
     _, ref = hf_model(arch, **KQ)
     path = write_gguf(tmp_path / "mixed.gguf", ref.config, state_dict(ref), types)
     dequantized_copy(ref, types)
-    model = ember.load(path)
+    model = ember.load(path, kv_dtype="f32")
     for ids in prompts(model.config.vocab):
         expected = hf_logits(ref, ids)
         assert np.abs(model.logits(ids) - expected).max() <= 1e-4 * (expected.max() - expected.min())
@@ -133,7 +133,7 @@ def test_yarn_files_from_llama_cpps_converter_match_it_and_transformers(hf_model
 
     path, ref = hf_model(arch, rope_parameters=YARN | {"rope_theta": 10000.0})
     f32 = convert(path, tmp_path / "f32.gguf", "f32")
-    model = ember.load(f32)
+    model = ember.load(f32, kv_dtype="f32")
     assert model.config.rope_scaling.kind == "yarn" and model.config.rope_attn_factor == pytest.approx(1 + 0.1 * np.log(4))
     ids = prompts(model.config.vocab, (40,))[0]
     ours = model.logits(ids)

@@ -27,7 +27,7 @@ ARCH_CASES = {
 def test_logits_and_greedy_match_transformers(hf_model, case: str) -> None:
     arch, extra = ARCH_CASES[case]
     path, ref = hf_model(arch, **extra)
-    model = ember.load(path)
+    model = ember.load(path, kv_dtype="f32")
     rng = np.random.default_rng(1)
     for n in (1, 2, 7, 33, 64):
         ids = rng.integers(1, model.config.vocab, n).tolist()
@@ -42,7 +42,7 @@ def test_logits_and_greedy_match_transformers(hf_model, case: str) -> None:
 
 def test_text_prompt_generation_matches_transformers(hf_model) -> None:
     path, ref = hf_model("qwen3")
-    model = ember.load(path)
+    model = ember.load(path, kv_dtype="f32")
     ids = model.tokenize("def fibonacci(n):")
     assert list(model.generate("def fibonacci(n):", max_tokens=8, ignore_eos=True)) == hf_greedy(ref, ids, 8)
 

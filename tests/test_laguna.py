@@ -42,7 +42,7 @@ def test_laguna_matches_transformers(hf_model, case: str) -> None:
     """Logits within 1e-4 of their range at 1, 7 and 40 tokens (past the window of 8), and 64 greedy
     tokens, as transformers' LagunaForCausalLM gives them; routing only on the sparse layers."""
     path, ref = hf_model("laguna", **CASES[case])
-    model = ember.load(path)
+    model = ember.load(path, kv_dtype="f32")
     c = model.config
     assert (c.arch, c.expert_gating, c.expert_scale) == ("laguna", "sigmoid", 2.5)
     if case == "xs2":
@@ -63,7 +63,7 @@ def test_laguna_matches_transformers(hf_model, case: str) -> None:
     assert all(stats[i].sum() > 0 for i in range(LAYERS) if i not in dense)
     assert [i for i, hot in enumerate(model.placement()) if not hot] == dense
     prompt = rng.integers(1, c.vocab, 6).tolist()
-    model32 = ember.load(path, decode_act="f32")
+    model32 = ember.load(path, decode_act="f32", kv_dtype="f32")
     assert list(model32.generate(prompt, max_tokens=64, ignore_eos=True)) == hf_greedy(ref, prompt, 64)
 
 
@@ -240,7 +240,7 @@ def test_yarn_gguf_matches_llama_cpp_and_transformers(tmp_path: Path) -> None:
 
     path, ref = build_hf_model("laguna", tmp_path / "hf", **(GGUF_SHAPE | CASES["yarn"]))
     f32 = convert(path, tmp_path / "f32.gguf", "f32")
-    model = ember.load(f32)
+    model = ember.load(f32, kv_dtype="f32")
     assert model.config.rope_scaling == ember.load(path).config.rope_scaling
     ids = np.random.default_rng(5).integers(1, 8192, 40).tolist()
     ours = model.logits(ids)

@@ -44,9 +44,9 @@ def plan(cfg: ModelConfig, devices: tuple[Device, ...] = (CPU,), kv: str | None 
 
 # --- KV cache ---------------------------------------------------------------------------------------
 def test_kv_cache_qwen3_8b_by_hand() -> None:
-    # 36 layers x 8 kv heads x 128 x 2 (K and V) x ctx x bytes
-    assert plan(QWEN3_8B, ctx=4096).devices[0].kv_cache == 36 * 8 * 128 * 2 * 4096 * 4 == 1_207_959_552
-    assert plan(QWEN3_8B, ctx=4096, kv="f16").devices[0].kv_cache == 603_979_776
+    # 36 layers x 8 kv heads x 128 x 2 (K and V) x ctx x bytes (f16 by default)
+    assert plan(QWEN3_8B, ctx=4096).devices[0].kv_cache == 36 * 8 * 128 * 2 * 4096 * 2 == 603_979_776
+    assert plan(QWEN3_8B, ctx=4096, kv="f32").devices[0].kv_cache == 1_207_959_552
     assert plan(QWEN3_8B, ctx=4096, kv="bf16").devices[0].kv_cache == 603_979_776
     # q8_0: each head's 128 values are 4 blocks of 34 bytes
     assert plan(QWEN3_8B, ctx=4096, kv="q8_0").devices[0].kv_cache == 36 * 8 * (4 * 34) * 2 * 4096 == 320_864_256
@@ -158,7 +158,7 @@ def test_split_staging_and_kv_per_device() -> None:
     assert p.request.policy.act == "f16"  # common to both: cuda:1 has no native bf16
     d0, d1 = p.devices
     assert (d0.layers, d1.layers) == ((0, 18), (18, 36))  # proportional to equal budgets
-    assert d0.kv_cache == d1.kv_cache == 18 * 8 * 128 * 2 * 4096 * 4 == 603_979_776
+    assert d0.kv_cache == d1.kv_cache == 18 * 8 * 128 * 2 * 4096 * 2 == 301_989_888
     # one boundary: hidden x tokens per step (256) x 2 bytes (f16) x 2 buffers, on the receiving device;
     # and the last stage's logits rows: 2 lanes x 256 tokens x vocab x 4 bytes
     assert (d0.staging, d1.staging) == (0, 4096 * 256 * 2 * 2 + 2 * 256 * 151936 * 4) == (0, 315_359_232)
@@ -255,9 +255,10 @@ def moe_inventory() -> ModelHeaders:
 
 def test_hot_experts_fill_what_remains_with_offload() -> None:
     info = moe_inventory()
-    # fixed on the GPU: embeddings 6800 + KV 2 layers x 2 x 2 heads x 16 x 64 tokens x 4 + activations capped at 1000
-    fixed = 6800 + 2 * 2 * 2 * 16 * 64 * 4 + 1000
-    assert fixed == 40568
+    # fixed on the GPU: embeddings 6800 + KV 2 layers x 2 x 2 heads x 16 x 64 tokens x 2 (f16) + activations capped
+    # at 1000
+    fixed = 6800 + 2 * 2 * 2 * 16 * 64 * 2 + 1000
+    assert fixed == 24184
     one_expert = 3 * 8704 // 4  # its gate, up and down rows in one layer
     gpu = Device("cuda:0", fixed + 3 * one_expert + 100)
     common = dict(env={}, ctx=64, act_cap=1000, graph_headroom=0)
@@ -401,16 +402,17 @@ def test_refused_before_any_weight_is_read(tmp_path: Path) -> None:
 
 # --- the refusal message ----------------------------------------------------------------------------------
 def test_message_names_the_component_and_working_fixes() -> None:
-    p = plan_model(DEMO_MODEL, PlanRequest.create([Device("cpu", 30 * MiB)], env={}, ctx=4096, cpu_threads=2))
+    p = plan_model(DEMO_MODEL, PlanRequest.create([Device("cpu", 30 * MiB)], env={}, ctx=4096, seqs=2,
+                                                 cpu_threads=2))
     assert not p.fits
     with pytest.raises(PlanDoesNotFit) as e:
         p.check()
     message = str(e.value)
     assert e.value.plan is p
     assert "ember-demo-dense-q8_0.gguf does not fit cpu" in message
-    assert "Too big: the KV cache (20.00 MiB" in message  # 5 layers x 2 heads x 64 x 2 x 4096 x 4 B
-    assert "--kv-dtype f16" in message and "another device" in message
-    assert with_request(p, policy=replace(p.request.policy, kv="f16")).fits
+    assert "Too big: the KV cache (20.00 MiB" in message  # 5 layers x 2 heads x 64 x 2 x 4096 x 2 seqs x 2 B (f16)
+    assert "--kv-dtype q8_0" in message and "another device" in message
+    assert with_request(p, policy=replace(p.request.policy, kv="q8_0")).fits
     ctx = int(re.search(r"--ctx (\d+) fits", message).group(1))
     assert with_request(p, ctx=ctx).fits and not with_request(p, ctx=ctx + 16).fits
 
@@ -527,7 +529,7 @@ def test_a_draft_that_does_not_fit_is_named() -> None:
     two = plan_model(DEMO_MODEL, request, DEMO_DRAFT, 2).devices[0].required
     for budget, fix in ((two, r"fewer draft tokens \(--draft-tokens 2\)"), (alone + MiB, "no draft model")):
         tight = replace(request, devices=(Device("cpu", budget),))
-        with pytest.raises(PlanDoesNotFit, match=r"draft model 1\d\d.\d\d MiB\..*\n.*" + fix):
+        with pytest.raises(PlanDoesNotFit, match=r"draft model \d+.\d\d MiB\..*\n.*" + fix):
             plan_model(DEMO_MODEL, tight, DEMO_DRAFT, 4).check()
     with pytest.raises(PlanError, match="draft's vocabulary"):
         build_plan(read_model_info(DEMO_MODEL), PlanRequest.create([CPU], env={}), DraftModel(shape_only(QWEN3_8B)))
@@ -558,6 +560,6 @@ def test_cli_counts_the_draft(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", str(DEMO_MODEL), "--ctx", "1024", "--device", "cpu=1GiB", "--draft", str(DEMO_DRAFT),
                  "--draft-tokens", "3", "--json"]) == 0
     (dev,) = json.loads(capsys.readouterr().out)["devices"]
-    assert dev["draft"]["kv_cache"] == 2 * 2 * 64 * 4 * 2 * 1024
+    assert dev["draft"]["kv_cache"] == 2 * 2 * 64 * 2 * 2 * 1024  # f16
     assert dev["draft"]["total"] == dev["draft"]["weights"] + dev["draft"]["kv_cache"] + dev["draft"]["proposals"]
     assert dev["required"] == (dev["weights"]["total"] + dev["kv_cache"] + dev["activations"]["bytes"] + dev["draft"]["total"])

@@ -297,7 +297,7 @@ def test_auto_activation_dtype(devices: list[DeviceCaps], expected: str) -> None
 
 def test_defaults_and_sources() -> None:
     p = resolve_policy([DeviceCaps.of("cpu")], env={})
-    assert (p.act, p.feature, p.kv) == ("f32", "f32", "f32")
+    assert (p.act, p.feature, p.kv) == ("f32", "f32", "f16")  # f16 KV, as llama.cpp's
     assert dict(p.sources) == {"act": "auto", "feature": "default", "kv": "default"}
 
 

@@ -33,7 +33,7 @@ def add_daemon_commands(sub: Any) -> None:
     serve.add_argument("--device", help="cpu or cuda:N")
     serve.add_argument("--ctx", type=int, help="tokens per sequence (default: the model's context, at most 4096)")
     serve.add_argument("--max-active", type=int, help="sequences generated together (default 4)")
-    serve.add_argument("--kv-dtype", metavar="T", help="KV cache dtype: f32, f16, bf16 or q8_0 (default: EMBER_KV_DTYPE, else f32)")
+    serve.add_argument("--kv-dtype", metavar="T", help="KV cache dtype: f32, f16, bf16 or q8_0 (default: EMBER_KV_DTYPE, else f16)")
     serve.add_argument("--decode-act", metavar="P", choices=("q8_0", "f32"),
                        help="activations of generated tokens against quantized weights: q8_0 (default; integer dot "
                             "products, as llama.cpp) or f32 (exact, slower)")

@@ -5,7 +5,7 @@
            devices, f32 on the CPU; across the devices of a split, the first of bf16, f16, f32 that
            every device handles natively, so both sides of every boundary agree.
   feature  the speculative-decoding feature mirror: f32 (default), f16, bf16 or q8_0.
-  kv       the KV cache: f32 (default), f16, bf16 or q8_0.
+  kv       the KV cache: f16 (default, as llama.cpp's), f32, bf16 or q8_0.
 
 Each is chosen by, lowest to highest precedence: the default (auto for act), the config file, the
 environment (EMBER_ACT_DTYPE, EMBER_FEATURE_DTYPE, EMBER_KV_DTYPE), the command line. Storage may be
@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ember.kernels.convert import KV_DTYPES, STORAGE_DTYPES, decode_rows, encode_rows
+from ember.kernels.convert import DEFAULT_KV_DTYPE, KV_DTYPES, STORAGE_DTYPES, decode_rows, encode_rows
 
 ACT_DTYPES = ("f32", "f16", "bf16")  # the dtypes devices compute in (DeviceCaps.native): never q8_0
 FEATURE_DTYPES = STORAGE_DTYPES  # the feature mirror takes any storage dtype
 # KV_DTYPES (kernels/convert.py) is imported above for CHOICES and re-exported to this module's callers.
 CHOICES = {"act": ACT_DTYPES, "feature": FEATURE_DTYPES, "kv": KV_DTYPES}
 ENV_VARS = {"act": "EMBER_ACT_DTYPE", "feature": "EMBER_FEATURE_DTYPE", "kv": "EMBER_KV_DTYPE"}
-DEFAULTS = {"feature": "f32", "kv": "f32"}  # act has no fixed default: it follows the devices
+DEFAULTS = {"feature": "f32", "kv": DEFAULT_KV_DTYPE}  # act has no fixed default: it follows the devices
 _ACT_PREFERENCE = ("bf16", "f16", "f32")  # narrowest first: halves boundary traffic where native
 
 

@@ -22,7 +22,7 @@ from ember.daemon.runner.row_sampler import RowSampler, plain_greedy
 from ember.daemon.runner.step_run import PendingStep, StepRun
 from ember.daemon.step.row_sampling import RowSampling
 from ember.daemon.step.step_batch import StepBatch
-from ember.kernels.convert import DECODE_ACTIVATIONS
+from ember.kernels.convert import DECODE_ACTIVATIONS, DEFAULT_KV_DTYPE
 from ember.kernels.ops import Array
 from ember.kernels.sampling import Choice
 
@@ -33,7 +33,7 @@ def check_decode_act(decode_act: str) -> None:
 
 
 class ModelRunner:
-    def __init__(self, net: Transformer, kv_blocks: int, block_size: int = 16, kv_dtype: str = "f32",
+    def __init__(self, net: Transformer, kv_blocks: int, block_size: int = 16, kv_dtype: str = DEFAULT_KV_DTYPE,
                  decode_act: str = "q8_0", max_sequences: int = 64) -> None:
         """max_sequences: sequences running at once at most (a hybrid model's recurrent state slots)."""
         check_decode_act(decode_act)

@@ -23,6 +23,7 @@ from ember.daemon.runner.stage_process import CacheSpec
 from ember.daemon.runner.step_run import PendingStep, StepRun
 from ember.daemon.step.row_sampling import RowSampling
 from ember.daemon.step.step_batch import StepBatch
+from ember.kernels.convert import DEFAULT_KV_DTYPE
 from ember.kernels.sampling import Choice
 
 
@@ -31,7 +32,7 @@ class SplitRunner:
     step_alignment = 1
     capture: tuple[int, ...] = ()  # hidden states stay in the stages: no feature-conditioned draft reads them
 
-    def __init__(self, pipeline: Pipeline, kv_blocks: int, block_size: int = 16, kv_dtype: str = "f32",
+    def __init__(self, pipeline: Pipeline, kv_blocks: int, block_size: int = 16, kv_dtype: str = DEFAULT_KV_DTYPE,
                  decode_act: str = "q8_0") -> None:
         check_decode_act(decode_act)
         self.pipeline, self.decode_act = pipeline, decode_act

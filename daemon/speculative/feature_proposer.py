@@ -26,10 +26,11 @@ from ember.daemon.step.step_batch import StepBatch
 from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB
 from ember.daemon.speculative.feature_mirror import FeatureMirror
 from ember.daemon.speculative.verification import Proposal, draft_choice, draft_confidence
+from ember.kernels.convert import DEFAULT_KV_DTYPE
 
 
 class FeatureProposer:
-    def __init__(self, draft: DFlashDraft, target: ModelRunner, kv_dtype: str = "f32", feature_dtype: str = "f32",
+    def __init__(self, draft: DFlashDraft, target: ModelRunner, kv_dtype: str = DEFAULT_KV_DTYPE, feature_dtype: str = "f32",
                  min_prob: float = DRAFT_MIN_PROB) -> None:
         """The draft's KV cache and the feature mirror get the target runner's blocks and block size;
         the target runner is set to capture the draft's target layers. min_prob: a block's proposals
