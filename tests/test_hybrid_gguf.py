@@ -32,7 +32,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, P
 
 def test_converted_file_equals_transformers(converted) -> None:
     f32, ref, _ = converted
-    model = ember.load(f32, decode_act="f32")
+    model = ember.load(f32, decode_act="f32", kv_dtype="f32")
     assert model.config.arch == "qwen35" and model.config.linear.recurrent == (True, True, True, False)
     prompt = np.random.default_rng(3).integers(1, 8192, 300).tolist()
     expected = hf_logits(ref, prompt)
@@ -60,7 +60,7 @@ def assert_within_noise(ours: np.ndarray, theirs: np.ndarray, noise: float) -> N
 
 
 def check_against_llama_cpp(path: Path, noise: float) -> None:
-    model = ember.load(path)
+    model = ember.load(path, kv_dtype="f32")
     prompt = np.random.default_rng(4).integers(1, 8192, 120).tolist()
     assert_within_noise(model.logits(prompt), llama_cpp_logits(path, prompt), noise)
     rows, tokens = decode_logits(model, prompt[:40], 8)  # decode steps: the recurrence, q8_0 activations
@@ -93,9 +93,9 @@ def test_moe_variant_converted_and_quantized_by_llama_cpp(tmp_path: Path) -> Non
     prompt = np.random.default_rng(4).integers(1, 8192, 120).tolist()
     expected, exact = hf_logits(ref, prompt), llama_cpp_logits(f32, prompt)
     span = expected.max() - expected.min()
-    got = ember.load(f32, decode_act="f32").logits(prompt)
+    got = ember.load(f32, decode_act="f32", kv_dtype="f32").logits(prompt)
     assert np.abs(got - expected).max() <= 1e-4 * span
     assert np.abs(got - exact).max() <= 1e-3 * span
     q8 = quantize(f32, tmp_path / "q8_0.gguf")
     theirs = llama_cpp_logits(q8, prompt)
-    assert np.abs(ember.load(q8).logits(prompt) - theirs).mean() <= np.abs(theirs - exact).mean()
+    assert np.abs(ember.load(q8, kv_dtype="f32").logits(prompt) - theirs).mean() <= np.abs(theirs - exact).mean()

@@ -154,7 +154,7 @@ def test_laguna_gguf_matches_llama_cpp(converted, tmp_path: Path, ftype: str) ->
 
     f32, ref = converted
     path = f32 if ftype == "F32" else quantize(f32, tmp_path / f"{ftype}.gguf", ftype)
-    model = ember.load(path)
+    model = ember.load(path, kv_dtype="f32")
     c = model.config
     assert (c.sliding_layers, c.sliding_window, c.layer_heads) == ((False, True, True, True, False), 8, (4, 8, 8, 8, 4))
     ids = np.random.default_rng(5).integers(1, c.vocab, 40).tolist()
@@ -166,7 +166,7 @@ def test_laguna_gguf_matches_llama_cpp(converted, tmp_path: Path, ftype: str) ->
     if ftype == "F32":
         expected = hf_logits(ref, ids)
         assert np.abs(ours - expected).max() <= 1e-4 * (expected.max() - expected.min())
-        model32 = ember.load(path, decode_act="f32")  # decode steps, past the window
+        model32 = ember.load(path, decode_act="f32", kv_dtype="f32")  # decode steps, past the window
         assert list(model32.generate(ids[:6], max_tokens=24, ignore_eos=True)) == hf_greedy(ref, ids[:6], 24)
     else:
         theirs = llama_cpp_logits(path, ids)
@@ -196,9 +196,9 @@ def test_which_layers_slide_is_read_from_the_file_as_llama_cpp_reads_it(converte
     expected = hf_logits(ref, ids)
     span = expected.max() - expected.min()
     for f in (as_converted, fixed):
-        ours, theirs = ember.load(f).logits(ids), llama_cpp_logits(f, ids)
+        ours, theirs = ember.load(f, kv_dtype="f32").logits(ids), llama_cpp_logits(f, ids)
         assert np.abs(ours - theirs).max() <= 1e-5 * span, f.name
-    assert np.abs(ember.load(fixed).logits(ids) - expected).max() <= 1e-4 * span
+    assert np.abs(ember.load(fixed, kv_dtype="f32").logits(ids) - expected).max() <= 1e-4 * span
     pattern = copy_gguf(as_converted, tmp_path / "pattern.gguf", element=gguf.GGUFValueType.BOOL,
                         add={"laguna.attention.sliding_window_pattern": ([False, True] * 2 + [False],
                                                                          gguf.GGUFValueType.ARRAY)})

@@ -17,8 +17,8 @@ def test_cold_experts_on_cpu_workers_beside_a_cuda_device(tmp_path, monkeypatch)
 
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
     path, _ = build_hf_model("qwen3_moe", tmp_path / "moe", vocab_size=512)
-    want = ember.load(path, device="cuda:0").logits(PROMPT)
-    model = ember.load(path, device="cuda:0", expert_budget="25%", cold_workers=2)
+    want = ember.load(path, device="cuda:0", kv_dtype="f32").logits(PROMPT)
+    model = ember.load(path, device="cuda:0", expert_budget="25%", cold_workers=2, kv_dtype="f32")
     try:
         assert model.placement() == [[0, 1], [0, 1]] and model.net.experts.pool is not None
         got = model.logits(PROMPT)

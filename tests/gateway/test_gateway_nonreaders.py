@@ -35,10 +35,15 @@ def setup(request: pytest.FixtureRequest) -> Iterator[tuple[int, DaemonProcess, 
 
 
 def nonreader(url: str) -> socket.socket:
-    """An HTTP client that asks for a long stream and reads nothing of it."""
+    """An HTTP client that asks for a long stream and reads nothing of it. Its receive buffer is small,
+    so its output backs up well before the demo model's context ends the stream: with the kernel's
+    default buffers a fast engine finished some of these streams (4096 tokens, about 600 kB) before
+    their backlog reached the gateway, and such a stream, done, never gets held."""
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps(LONG).encode()
-    sock = socket.create_connection((host, int(port)))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)  # before connect: it sets the window
+    sock.connect((host, int(port)))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     return sock
