@@ -42,6 +42,7 @@ from ember.daemon.loader.dflash_file import is_dflash
 from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB
 from ember.daemon.speculative.feature_proposer import FeatureProposer
 from ember.daemon.speculative.spec_stats import SpecStats
+from ember.daemon.speculative.spec_switch import SpecSwitch
 from ember.daemon.text.grammar import compile_grammar
 from ember.daemon.text.text_model import TextModel, sampling_of, tokenizer_of
 from ember.daemon.text.tokenizer import Tokenizer
@@ -84,6 +85,10 @@ class Model(TextModel):
         self.draft_path = None if draft is None else draft.path
         self.draft_tokens = draft_tokens
         self.draft_min_prob = DRAFT_MIN_PROB  # the draft stops after a proposal it is less sure of (0: never)
+        # a draft model speculates only where that measures faster than decoding without it (SpecSwitch,
+        # shared by this model's engines); False: on every step
+        self.adaptive_draft = True
+        self._spec_switch = SpecSwitch()
         self.feature_dtype = feature_dtype
         self._draft: Transformer | DFlashDraft | None = None
         if draft is not None and pipeline is not None and is_dflash(draft):
@@ -167,6 +172,8 @@ class Model(TextModel):
         if self._draft is not None:
             options.setdefault("draft_tokens", self.draft_tokens)
             options.setdefault("draft_min_prob", self.draft_min_prob)
+            options.setdefault("adaptive_draft", self.adaptive_draft)
+            options.setdefault("spec_switch", self._spec_switch)
             options.setdefault("spec_stats", self._spec_stats)
         return EngineCore(runner, max_running=max_running, **options)
 

@@ -300,6 +300,8 @@ class StatsReport(Wire, tag="stats_report"):
     cold_worker_restarts: int = 0
     spec_acceptance_rate: float = 0.0  # speculative decoding: share of draft tokens the models kept
     spec_mean_accepted_length: float = 0.0  # tokens per verification pass, the target's own one included (0: none)
+    spec_plain_tokens: int = 0  # tokens decoded without speculating although a draft was loaded (it measured slower)
+    spec_saved_s_per_token: float = 0.0  # what speculating saves a token, as last measured (negative: costs; 0: unknown)
     prefix_hits: int = 0  # full prompt blocks found in the prefix cache (not computed again), since the start
     held: int = 0  # requests held now because their clients take no output (a full backlog, Hold, a full ring)
 

@@ -31,9 +31,16 @@ def target() -> ember.Model:
     return ember.load(DEMO_MODEL)
 
 
+def speculating(model: ember.Model) -> ember.Model:
+    """model, its draft speculating on every step (not only where that measures faster: these tests
+    are about the speculative path itself; tests/test_spec_switch.py has the switch)."""
+    model.adaptive_draft = False
+    return model
+
+
 @pytest.fixture(scope="module")
 def spec() -> ember.Model:
-    return ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=4)
+    return speculating(ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=4))
 
 
 def engine_of(model: ember.Model, kv_blocks: int, block_size: int = 16, draft_tokens: int = 4,
@@ -44,6 +51,7 @@ def engine_of(model: ember.Model, kv_blocks: int, block_size: int = 16, draft_to
         draft: ModelRunner | FeatureProposer | None = FeatureProposer(model._draft, runner, feature_dtype=feature_dtype)
     else:
         draft = ModelRunner(model._draft, kv_blocks, block_size) if model._draft is not None else None
+    options.setdefault("adaptive_draft", False)
     return EngineCore(runner, draft=draft, draft_tokens=draft_tokens, **options)
 
 
@@ -60,7 +68,7 @@ def greedy(target: ember.Model, prompt: str | list[int], max_tokens: int) -> lis
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_is_token_identical(target, k: int) -> None:
-    spec = ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=k)
+    spec = speculating(ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=k))
     for text in SNIPPETS[:3]:
         assert list(spec.generate(text, max_tokens=80, ignore_eos=True)) == greedy(target, text, 80), text
     stats = spec.spec_stats()

@@ -285,9 +285,13 @@ def _status(args: argparse.Namespace) -> int:
     print(f"  batching: {stats.tokens_per_s:.1f} tokens/s, KV blocks {stats.kv_blocks_used} used / "
           f"{stats.kv_blocks_free} free, prefix cache hit rate {stats.prefix_hit_rate:.0%}, "
           f"{stats.preemptions} preemptions")
-    if stats.spec_mean_accepted_length:
+    if stats.spec_mean_accepted_length or stats.spec_plain_tokens:
+        saved = stats.spec_saved_s_per_token
+        verdict = "" if not saved else f", saves {saved * 1e6:.0f} us a token" if saved > 0 else \
+            f", costs {-saved * 1e6:.0f} us a token"
         print(f"  speculative decoding: {stats.spec_acceptance_rate:.0%} of draft tokens accepted, "
-              f"{stats.spec_mean_accepted_length:.2f} tokens per verification")
+              f"{stats.spec_mean_accepted_length:.2f} tokens per verification{verdict}; "
+              f"{stats.spec_plain_tokens} tokens decoded without the draft (it measured slower)")
     if stats.total_experts:
         print(f"  experts: {stats.hot_experts} of {stats.total_experts} hot, {stats.cold_share:.0%} of routed slots "
               f"computed cold, {stats.expert_swaps} swapped in, {stats.cold_worker_restarts} worker restarts")

@@ -10,8 +10,8 @@ Two sources, one page:
   the daemon's own totals. `ember_daemon_up` is 0 (and the rest absent) when the daemon does not answer.
 
 A registry per gateway (not prometheus_client's global one), so that several gateways in one process
-(the tests) do not collide. MoE (cold share, swaps) and speculative decoding (acceptance) metrics come
-with those features: the daemon has neither yet.
+(the tests) do not collide. Speculative decoding has its acceptance and what it saves a token
+(`ember_spec_*`); MoE figures (cold share, swaps) are in `ember status`.
 """
 from __future__ import annotations
 
@@ -88,6 +88,14 @@ class DaemonCollector(Collector):
             (CounterMetricFamily, "ember_daemon_busy", "Generates refused because the daemon's queue was full",
              s.busy_total),
             (CounterMetricFamily, "ember_daemon_errors", "Error replies of any code", s.errors_total),
+            (GaugeMetricFamily, "ember_spec_acceptance_rate", "Share of draft tokens the models kept",
+             s.spec_acceptance_rate),
+            (GaugeMetricFamily, "ember_spec_tokens_per_verification", "Tokens a verification pass yields "
+             "(0: none ran)", s.spec_mean_accepted_length),
+            (CounterMetricFamily, "ember_spec_plain_tokens", "Tokens decoded without speculating although a draft "
+             "was loaded (it measured slower)", s.spec_plain_tokens),
+            (GaugeMetricFamily, "ember_spec_saved_seconds_per_token", "What speculating saves a token, as last "
+             "measured (negative: what it costs)", s.spec_saved_s_per_token),
         )
         for family, name, doc, value in figures:
             yield family(name, doc, value=float(value))

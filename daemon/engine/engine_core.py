@@ -31,6 +31,7 @@ from ember.daemon.runner.step_runner import StepRunner
 from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB, DraftProposer
 from ember.daemon.speculative.feature_proposer import FeatureProposer
 from ember.daemon.speculative.spec_stats import SpecStats
+from ember.daemon.speculative.spec_switch import SpecSwitch
 from ember.daemon.step.step_work import StepOutcome, StepWork, WorkChunk
 from ember.daemon.text.grammar import Grammars
 
@@ -76,6 +77,10 @@ class _Flight:
     work: StepWork  # the plan as the executor took it
     before: list[int]  # per chunk: its tokens generated before the step (-1: it samples none)
     start: float  # perf_counter() at its submit
+    speculative: bool = False  # its chunks' lookahead is for a draft's proposals
+    catch_up: bool = False  # the draft also reads tokens it missed while steps ran without it
+    running: int = 0  # sequences running when its mode was chosen (the SpecSwitch's batch class)
+    decodes: bool = False  # every chunk samples a generated token's successor (no prompt in it)
 
 
 class EngineCore:
@@ -84,13 +89,19 @@ class EngineCore:
                  draft: StepRunner | FeatureProposer | None = None, draft_tokens: int = 4,
                  spec_stats: SpecStats | None = None, draft_min_prob: float = DRAFT_MIN_PROB,
                  decode_burst: float = 0.0, max_burst: int = MAX_BURST, grammars: Grammars | None = None,
-                 burst_clock: BurstClock | None = None) -> None:
+                 burst_clock: BurstClock | None = None, spec_switch: SpecSwitch | None = None,
+                 adaptive_draft: bool = True) -> None:
         """max_context: tokens per sequence at most (default and upper bound: the model's context).
         draft: a runner of the draft model whose KV cache has as many blocks, of the same size, as
         the target's; each sequence then gets up to draft_tokens proposals a step, fewer where the
         draft is unsure (DraftProposer's min_prob = draft_min_prob), counted in spec_stats (a new
         SpecStats if not given). Or a feature-conditioned draft built over `runner`
         (FeatureProposer): at most its block less one proposals a step, all from one pass.
+        adaptive_draft (a draft model, not a feature draft): each decode step speculates or decodes
+        plainly (decode bursts included) as `spec_switch` finds faster from the steps it measured
+        (daemon/speculative/spec_switch.py; a new SpecSwitch if None, Model.engine passes its
+        model's); the draft catches up on the tokens it missed when speculation resumes. False:
+        every step speculates.
 
         decode_burst: seconds a step may spend decoding in one go. While every runnable sequence
         decodes and nobody waits, a step then runs up to max_burst decode steps back to back (a
@@ -98,7 +109,7 @@ class EngineCore:
         before: the engine's host work once for them all, the tokens those of single steps. 0: one
         token a step. Through a pipelined layer split the lanes' bursts interleave
         (executor/pipeline_executor.py). Not with a draft (its lookahead is the proposals') or
-        recurrent state. burst_clock: a BurstClock shared with earlier engines of the same model (for
+        recurrent state; with a draft model only in the steps that do not speculate. burst_clock: a BurstClock shared with earlier engines of the same model (for
         decode_burst and max_burst: Model.engine passes its own), so that a new engine's first burst is
         sized from their steps instead of starting at one step.
 
@@ -130,11 +141,15 @@ class EngineCore:
                 self.proposer = DraftProposer(draft, runner.config.vocab, draft_min_prob)
         self.executor: Executor = executor_for(runner, self.proposer, self.spec_stats)
         lookahead = draft_tokens if draft is not None else 0
+        self._draft_tokens = lookahead
+        adaptive = adaptive_draft and isinstance(self.proposer, DraftProposer) and self.executor.depth == 1
+        self.spec_switch: SpecSwitch | None = (spec_switch or SpecSwitch()) if adaptive else None
+        self._speculating = draft is not None  # the mode of the step being scheduled (and of _work)
         # aligned prompt runs only where decodes can never take the whole budget (else prompts could wait forever)
         align = runner.step_alignment if max_step_tokens >= runner.step_alignment + max_running else 1
         self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context, lookahead, align, feature)
         self._flights: dict[int, _Flight] = {}  # id(work) -> its step, while the executor has it
-        bursts = draft is None and not runner.stateful
+        bursts = (draft is None or self.spec_switch is not None) and not runner.stateful
         self._bursts = burst_clock if bursts and burst_clock is not None else BurstClock(decode_burst if bursts else 0.0,
                                                                                           max_burst)
         self.grammars = grammars
@@ -175,6 +190,7 @@ class EngineCore:
             if not self._flights and not self.scheduler.running:
                 self._revive()
             while len(self._flights) < self.executor.depth:
+                running = self._choose_mode()
                 self.scheduler.decode_lookahead = self._bursts.size() - 1
                 plan = self.scheduler.schedule(max_seqs=self._share())
                 if not plan.chunks:
@@ -189,7 +205,7 @@ class EngineCore:
                 except Exception as e:  # refused before it ran: find whose it was, in step
                     outputs, failed = self._isolate(plan, e)
                     return StepResult(plan.n_tokens, outputs, plan.started, failed)
-                self._flights[id(work)] = self._flight(plan, work)
+                self._flights[id(work)] = self._flight(plan, work, running)
             if not self._flights:
                 return StepResult(0)
             try:
@@ -208,6 +224,8 @@ class EngineCore:
                 raise
             except Exception as e:
                 outputs, failed = self._isolate(plan, e)
+            else:
+                self._measured(flight)
             return StepResult(plan.n_tokens, outputs, plan.started, failed)
         except KVStateLost as e:
             for flight in self._flights.values():
@@ -225,16 +243,69 @@ class EngineCore:
         return max(1, -(-(len(self.scheduler.running) + len(self.scheduler.waiting)) // self.executor.depth))
 
     def _work(self, plan: StepPlan) -> StepWork:
-        """The plan as the executor takes it: plain data, and the decode steps it may run."""
+        """The plan as the executor takes it: plain data, and the decode steps it may run. In a step
+        that speculates, a sequence whose draft fell behind (steps ran without it) has the tokens the
+        draft missed go first; in one that does not, the draft falls behind from the chunk on."""
         chunks = [WorkChunk(c.seq.tokens[c.start : c.start + c.length], c.start, c.seq.table, c.lookahead,
                             len(c.seq.prompt), c.seq.sampling, c.samples, c.seq.state_slot, c.seq.prompt_logits,
-                            c.seq.wants_logits) for c in plan.chunks]
-        return StepWork(chunks, self._decode_steps(plan))
+                            c.seq.wants_logits, self._missed(c)) for c in plan.chunks]
+        return StepWork(chunks, self._decode_steps(plan), propose=self._speculating)
 
-    def _flight(self, plan: StepPlan, work: StepWork) -> _Flight:
+    def _missed(self, chunk: ScheduledChunk) -> list[int]:
+        """The tokens before `chunk` that the draft has not read, where this step speculates."""
+        seq = chunk.seq
+        if self.spec_switch is None:
+            return []
+        if not self._speculating:
+            if seq.draft_pos is None:
+                seq.draft_pos = chunk.start
+            return []
+        if seq.draft_pos is None:
+            return []
+        return seq.tokens[min(seq.draft_pos, chunk.start) : chunk.start]
+
+    def _choose_mode(self) -> int:
+        """Whether the step about to be scheduled speculates (the SpecSwitch's choice for the
+        sequences running now, where it has one): the scheduler's lookahead follows. -> their number."""
+        running = len(self.scheduler.running)
+        if self.spec_switch is not None:
+            self._speculating = self.spec_switch.speculate(running) or self._seeded()
+            self.scheduler.lookahead = self._draft_tokens if self._speculating else 0
+        return running
+
+    def _seeded(self) -> bool:
+        """A seeded sampled request is running or waiting: its steps speculate whatever the switch
+        measured, since verification draws its random numbers otherwise than plain sampling, and the
+        seed must give the same tokens however fast each mode ran (greedy requests give the same
+        tokens in either mode)."""
+        return any(s.seed is not None and not s.params.greedy
+                   for s in (*self.scheduler.running, *self.scheduler.waiting))
+
+    def _flight(self, plan: StepPlan, work: StepWork, running: int = 0) -> _Flight:
         for chunk in plan.chunks:
             chunk.seq.in_flight = True
-        return _Flight(plan, work, _generated_before(plan), time.perf_counter())
+        catch_up = any(c.draft_prefix for c in work.chunks)
+        decodes = bool(plan.chunks) and all(c.samples and c.start >= len(c.seq.prompt) for c in plan.chunks)
+        return _Flight(plan, work, _generated_before(plan), time.perf_counter(), work.propose and self.proposer is not None,
+                       catch_up, running, decodes)
+
+    def _measured(self, flight: _Flight) -> None:
+        """Tell the SpecSwitch how a decode step went (a step with prompt tokens says nothing of
+        either mode's rate); a speculative one has caught its draft up."""
+        if self.spec_switch is None:
+            return
+        chunks = flight.plan.chunks
+        if flight.speculative:
+            for chunk in chunks:
+                chunk.seq.draft_pos = None
+        if not flight.decodes:
+            return
+        tokens = sum(len(c.seq.generated) - before for c, before in zip(chunks, flight.before, strict=True))
+        self.spec_switch.record(flight.running, flight.speculative, time.perf_counter() - flight.start, tokens,
+                                flight.catch_up)
+        if not flight.speculative:
+            self.spec_stats.plain_tokens += tokens
+        self.spec_stats.spec_s_per_token, self.spec_stats.plain_s_per_token = self.spec_switch.rates(flight.running)
 
     def _landed(self, work: StepWork) -> _Flight:
         """The flight of a step the executor gave back: its sequences may be scheduled again."""
@@ -247,7 +318,7 @@ class EngineCore:
         """How many decode steps the plan runs when it is a decode step (every chunk one token that
         samples, no draft: timed for the burst size), 0 when it is not: a burst where every chunk
         has slots for one."""
-        if self.proposer is not None or not all(c.samples and c.length == 1 for c in plan.chunks):
+        if (self.proposer is not None and self._speculating) or not all(c.samples and c.length == 1 for c in plan.chunks):
             return 0
         return 1 + min(c.lookahead for c in plan.chunks)
 

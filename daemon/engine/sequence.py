@@ -33,6 +33,9 @@ class Sequence:
     choices: list[Choice] = field(default_factory=list)
     table: list[int] = field(default_factory=list)  # KV block ids
     n_computed: int = 0  # tokens whose K/V are in the cache
+    # where a draft model's K/V ends when it fell behind (steps ran without it: SpecSwitch chose plain
+    # decoding); None: it has read every token the target has
+    draft_pos: int | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     preemptions: int = 0

@@ -55,11 +55,12 @@ class LocalExecutor:
         return self.runner.revive()
 
     def run(self, work: StepWork) -> StepOutcome:
-        proposals = self.proposer.propose(work.chunks) if self.proposer else {}
+        proposing = self.proposer is not None and work.propose
+        proposals = self.proposer.propose(work.chunks) if proposing else {}
         # the draft may stop short of the lookahead: the step verifies what it proposed
         chunks = [replace(c, lookahead=len(proposals[i].tokens)) if i in proposals else c
                   for i, c in enumerate(work.chunks)]
-        rows = LogitRows(chunks, self.proposer is not None)
+        rows = LogitRows(chunks, proposing)
         if work.steps and not (work.steps == 1 and rows.keep):  # a single step too, unless logits go back
             choices, failed = self._burst(chunks, rows, work.steps)
             return StepOutcome(choices, failed=failed, steps=work.steps)  # type: ignore[arg-type]

@@ -392,6 +392,14 @@ class EngineThread:
             held=sum(r.seq is not None and r.seq.held for r in self._live.values()) if self._holding else 0,
             preemptions=sum(p.preemptions for p in parts),
             tokens_per_s=self._recent_tokens / span if span > 0 else 0.0,
-            spec=SpecStats(sum(p.spec.proposed for p in parts), sum(p.spec.accepted for p in parts),
-                           sum(p.spec.steps for p in parts)),
+            spec=_spec_of(parts),
         )
+
+
+def _spec_of(parts: list[Any]) -> SpecStats:
+    """The models' speculative decoding together: counts summed; the per-token costs those of the
+    model that measured them (the first, where several did)."""
+    measured = next((p.spec for p in parts if p.spec.spec_s_per_token and p.spec.plain_s_per_token), SpecStats())
+    return SpecStats(sum(p.spec.proposed for p in parts), sum(p.spec.accepted for p in parts),
+                     sum(p.spec.steps for p in parts), sum(p.spec.plain_tokens for p in parts),
+                     measured.spec_s_per_token, measured.plain_s_per_token)

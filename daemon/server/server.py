@@ -375,7 +375,8 @@ class Server:
             prefix_hit_rate=round(e.prefix_hit_rate, 4), preemptions=e.preemptions,
             tokens_per_s=round(e.tokens_per_s, 2), **self._expert_stats(),
             spec_acceptance_rate=round(e.spec.acceptance_rate, 4),
-            spec_mean_accepted_length=round(e.spec.mean_accepted_length, 3), prefix_hits=e.prefix_hits,
+            spec_mean_accepted_length=round(e.spec.mean_accepted_length, 3), spec_plain_tokens=e.spec.plain_tokens,
+            spec_saved_s_per_token=round(e.spec.saved_s_per_token, 7), prefix_hits=e.prefix_hits,
             held=e.held))
 
     def _expert_stats(self) -> dict[str, Any]:

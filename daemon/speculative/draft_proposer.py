@@ -46,7 +46,10 @@ class DraftProposer:
         token for each speculating one; each further pass runs one token for each still drafting."""
         spec = [i for i, c in enumerate(chunks) if c.lookahead]
         proposals = {i: Proposal([], []) for i in spec}
-        specs = [(c.tokens, c.start, c.table) for c in chunks]
+        # a chunk whose draft fell behind reads the tokens it missed first (their K/V; the logits wanted
+        # are still only its last token's)
+        specs = [(list(c.draft_prefix) + list(c.tokens), c.start - len(c.draft_prefix), c.table) if c.draft_prefix
+                 else (c.tokens, c.start, c.table) for c in chunks]
         active, wants = list(range(len(chunks))), [bool(c.lookahead) for c in chunks]
         for r in range(max((c.lookahead for c in chunks), default=0) or 1):  # once at least: the K/V
             logits = self._forward(specs, [chunks[i] for i in active], wants)

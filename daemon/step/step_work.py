@@ -25,6 +25,9 @@ class WorkChunk:
     state_slot: int = 0  # its recurrent state's slot (hybrid models)
     all_logits: bool = False  # every position's logits go back (a prompt-logits request)
     wants_logits: bool = False  # the logits its token is sampled from go back
+    # the tokens before `start` a draft model has not read (it fell behind while steps ran without it,
+    # engine_core.py): a proposer reads them first
+    draft_prefix: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class StepWork:
     # decode steps to run in a row (a decode burst: every chunk one token that samples, no proposer),
     # each one's sampled tokens the next one's input; 0: the step is not a plain decode step
     steps: int = 0
+    propose: bool = True  # a proposer, where the executor has one, proposes after the chunks with lookahead
 
 
 @dataclass(frozen=True)

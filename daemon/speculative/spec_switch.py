@@ -1,0 +1,105 @@
+"""SpecSwitch: whether the engine's next decode step speculates with its draft model or decodes plainly
+(a compiled decode burst), from what each has measured here: seconds per generated token.
+
+Speculation pays only where a draft pass is cheap beside a target step and its proposals are often
+accepted; otherwise it is slower than plain decoding (the demo pair on 2 cores: 0.64x of plain greedy
+bursts, issue 45). Nobody can tell which in advance for a pair, a machine, a batch and a text, so the
+switch measures both, keeps the faster, and probes the other now and then:
+
+- Per batch-size class (1, 2-3, 4-7, ... running sequences: verification costs more as the batch
+  grows, as vLLM's dynamic speculation observes), an exponential moving average of each mode's
+  seconds per generated token over the decode steps that ran in it.
+- A class starts speculating; after WARM measured steps it probes plain decoding, then keeps the
+  faster mode. Every `interval` tokens it probes the other mode for PROBE_STEPS steps: when the
+  probe wins, it switches (and the interval drops back to FIRST_INTERVAL); when it loses, the interval
+  doubles up to MAX_INTERVAL, so a mode that keeps losing costs less and less.
+- The first speculative step after plain steps also catches the draft up on the tokens it missed
+  (engine_core.py): its time is a switching cost, not the mode's rate, and is left out of the average.
+
+Which mode runs never changes a token's law: plain steps sample exactly, and verification is lossless
+(greedy output is the same token for token; tests/test_spec_switch.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+WARM = 4  # measured steps of a mode before its rate counts
+PROBE_STEPS = 4  # measured steps a probe of the other mode runs
+FIRST_INTERVAL = 256  # generated tokens between probes after a switch
+MAX_INTERVAL = 16384
+_ALPHA = 0.3  # weight of a new step in a mode's moving average
+
+
+@dataclass
+class _ModeRate:
+    seconds_per_token: float = 0.0
+    steps: int = 0  # measured steps
+
+    def add(self, seconds_per_token: float) -> None:
+        first = self.steps == 0
+        self.seconds_per_token = seconds_per_token if first else \
+            (1 - _ALPHA) * self.seconds_per_token + _ALPHA * seconds_per_token
+        self.steps += 1
+
+
+@dataclass
+class _ClassState:
+    """One batch-size class: each mode's rate, the mode kept, and the probe under way."""
+    rates: dict[bool, _ModeRate] = field(default_factory=lambda: {True: _ModeRate(), False: _ModeRate()})
+    speculate: bool = True  # the mode kept
+    probing: bool = False  # the other mode is being probed
+    probe_steps: int = 0  # measured steps of the probe so far
+    interval: int = FIRST_INTERVAL
+    tokens: int = 0  # generated since the last decision
+
+    def mode(self) -> bool:
+        return self.speculate != self.probing
+
+
+@dataclass
+class SpecSwitch:
+    """Shared by the engines of one model (Model.engine makes one per generate call): what one
+    request measured, the next one uses."""
+    classes: dict[int, _ClassState] = field(default_factory=dict)
+    switches: int = 0  # times a class changed the mode it keeps
+
+    def speculate(self, running: int) -> bool:
+        """The mode for the next decode step of `running` sequences: True to speculate."""
+        return self._state(running).mode()
+
+    def record(self, running: int, speculated: bool, seconds: float, tokens: int, catch_up: bool = False) -> None:
+        """A decode step of `running` sequences ran in mode `speculated`, taking `seconds` for
+        `tokens` generated tokens; `catch_up`: it also ran the draft over tokens it had missed."""
+        state = self._state(running)
+        if tokens <= 0 or speculated != state.mode():
+            return  # (a step scheduled before the class changed its mode)
+        state.tokens += tokens
+        if catch_up:
+            return
+        rate = state.rates[speculated]
+        rate.add(seconds / tokens)
+        if state.probing:
+            state.probe_steps += 1
+            if state.probe_steps >= PROBE_STEPS:
+                self._decide(state)
+        elif rate.steps >= WARM and (state.rates[not speculated].steps == 0 or state.tokens >= state.interval):
+            state.probing, state.probe_steps = True, 0
+
+    def _decide(self, state: _ClassState) -> None:
+        """The probe is over: keep the faster mode (by the moving averages)."""
+        kept, probed = state.rates[state.speculate], state.rates[not state.speculate]
+        if probed.seconds_per_token < kept.seconds_per_token:
+            state.speculate = not state.speculate
+            state.interval = FIRST_INTERVAL
+            self.switches += 1
+        else:
+            state.interval = min(2 * state.interval, MAX_INTERVAL)
+        state.probing, state.probe_steps, state.tokens = False, 0, 0
+
+    def _state(self, running: int) -> _ClassState:
+        return self.classes.setdefault(max(1, running).bit_length(), _ClassState())
+
+    def rates(self, running: int) -> tuple[float, float]:
+        """(speculative, plain) seconds per generated token measured for `running` sequences (0: not yet)."""
+        state = self._state(running)
+        return state.rates[True].seconds_per_token, state.rates[False].seconds_per_token

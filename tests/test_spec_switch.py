@@ -1,0 +1,155 @@
+"""Adaptive speculation (daemon/speculative/spec_switch.py): the switch keeps whichever of speculating
+and plain decoding measured faster, probes the other now and then, and tells batch sizes apart; in
+the engine, steps of either mode mix without changing a greedy token, the draft catches up on what
+it missed (its acceptance stays that of a draft that never missed anything), and a seeded sampled
+request always speculates, so that its seed reproduces its tokens."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import ember
+from ember.daemon.engine.engine_core import EngineCore
+from ember.daemon.engine.sequence import Sequence
+from ember.daemon.loader.demo_model import DEMO_DRAFT, DEMO_MODEL
+from ember.daemon.runner.model_runner import ModelRunner
+from ember.daemon.speculative import spec_switch
+from ember.daemon.speculative.spec_switch import SpecSwitch
+from ember.kernels.sampling import SamplingParams
+from test_engine_core import run
+
+SNIPPETS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):"]
+
+
+def steps(switch: SpecSwitch, running: int, seconds_per_token: dict[bool, float], n: int, tokens: int = 4) -> None:
+    """n decode steps in whatever mode the switch picks, each `tokens` tokens at that mode's cost; the
+    first speculative step after plain ones is a catch-up (the engine says so)."""
+    last = None
+    for _ in range(n):
+        mode = switch.speculate(running)
+        switch.record(running, mode, seconds_per_token[mode] * tokens, tokens, catch_up=mode and last is False)
+        last = mode
+
+
+def test_slower_speculation_is_turned_off_and_probed_less_and_less() -> None:
+    switch = SpecSwitch()
+    cost = {True: 2e-3, False: 1e-3}
+    assert switch.speculate(1)  # a class starts speculating
+    steps(switch, 1, cost, spec_switch.WARM)
+    assert not switch.speculate(1)  # then probes plain decoding
+    steps(switch, 1, cost, spec_switch.PROBE_STEPS)
+    assert not switch.speculate(1) and switch.switches == 1  # plain is faster: kept
+    state = switch.classes[1]
+    assert state.interval == spec_switch.FIRST_INTERVAL and not state.probing
+    steps(switch, 1, cost, spec_switch.FIRST_INTERVAL // 4)
+    assert switch.speculate(1)  # a probe of speculation, after `interval` tokens
+    steps(switch, 1, cost, spec_switch.PROBE_STEPS + 1)  # its catch-up step, then the measured ones
+    assert not switch.speculate(1) and switch.switches == 1  # it lost: plain again, probed half as often
+    assert state.interval == 2 * spec_switch.FIRST_INTERVAL
+    assert switch.rates(1) == pytest.approx((2e-3, 1e-3))
+
+
+def test_faster_speculation_is_kept() -> None:
+    switch = SpecSwitch()
+    cost = {True: 0.5e-3, False: 1e-3}
+    steps(switch, 1, cost, spec_switch.WARM + spec_switch.PROBE_STEPS)
+    assert switch.speculate(1) and switch.switches == 0
+    steps(switch, 1, cost, 200)
+    assert switch.speculate(1) and switch.classes[1].interval > spec_switch.FIRST_INTERVAL
+
+
+def test_catch_up_steps_are_not_a_rate() -> None:
+    """The first speculative step after plain ones also runs the draft over what it missed: a cost of
+    switching, left out of speculation's rate."""
+    switch = SpecSwitch()
+    switch.record(1, True, 1.0, 4, catch_up=True)
+    assert switch.rates(1) == (0.0, 0.0)
+    switch.record(1, True, 4e-3, 4)
+    assert switch.rates(1) == (1e-3, 0.0)
+
+
+def test_batch_sizes_are_measured_apart() -> None:
+    """Verification costs more as the batch grows: a batch of 8 keeps its own choice."""
+    switch = SpecSwitch()
+    steps(switch, 1, {True: 2e-3, False: 1e-3}, spec_switch.WARM + spec_switch.PROBE_STEPS)
+    assert not switch.speculate(1) and switch.speculate(8)
+    steps(switch, 8, {True: 1e-3, False: 2e-3}, spec_switch.WARM + spec_switch.PROBE_STEPS)
+    assert switch.speculate(8) and switch.speculate(6) and not switch.speculate(1)
+
+
+class Alternating(SpecSwitch):
+    """Speculates on every other step, whatever it measures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def speculate(self, running: int) -> bool:
+        self.calls += 1
+        return self.calls % 2 == 0
+
+
+class Never(SpecSwitch):
+    def speculate(self, running: int) -> bool:
+        return False
+
+
+@pytest.fixture(scope="module")
+def target() -> ember.Model:
+    return ember.load(DEMO_MODEL)
+
+
+@pytest.fixture(scope="module")
+def pair() -> ember.Model:
+    return ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=4)
+
+
+def engine_of(model: ember.Model, switch: SpecSwitch, **options) -> EngineCore:
+    runner = ModelRunner(model.net, 256, 16)
+    return EngineCore(runner, draft=ModelRunner(model._draft, 256, 16), draft_tokens=4, spec_switch=switch,
+                      decode_burst=math.inf, max_burst=4, **options)
+
+
+def test_mixed_modes_give_the_targets_greedy_tokens_and_the_draft_catches_up(target, pair) -> None:
+    """Steps alternate: plain decode bursts (the draft reads nothing), then a speculative step whose
+    draft first reads the tokens it missed. The tokens are the target's, alone and batched; the
+    proposals are accepted as often as a draft that never fell behind gets them accepted (a draft
+    that skipped what it missed proposes from a context with holes)."""
+    switch = Alternating()
+    engine = engine_of(pair, switch, max_running=3)
+    seqs = [Sequence(target.tokenize(t), 40) for t in SNIPPETS]
+    run(engine, {0: seqs})
+    for seq, text in zip(seqs, SNIPPETS, strict=True):
+        assert seq.generated == list(target.generate(text, max_tokens=40, ignore_eos=True)), text
+    stats = engine.spec_stats
+    assert stats.steps > 0 and stats.plain_tokens > 0 and switch.calls > 4
+    assert stats.acceptance_rate > 0.5  # the trained pair agrees (77% at k = 4)
+
+
+def test_a_seeded_sampled_request_always_speculates(pair) -> None:
+    """Verification draws its random numbers otherwise than plain sampling: a seeded sampled request
+    speculates on every step, so its seed gives the same tokens however fast each mode ran; a greedy
+    request follows the switch."""
+    sampled = SamplingParams(temperature=0.8, top_p=0.95)
+    engine = engine_of(pair, Never())
+    seeded = Sequence(pair.tokenize(SNIPPETS[0]), 24, sampled, seed=7)
+    run(engine, {0: [seeded]})
+    assert engine.spec_stats.steps > 0 and engine.spec_stats.plain_tokens == 0
+    again = engine_of(pair, Never(), adaptive_draft=False)
+    twin = Sequence(pair.tokenize(SNIPPETS[0]), 24, sampled, seed=7)
+    run(again, {0: [twin]})
+    assert twin.generated == seeded.generated
+    greedy = engine_of(pair, Never())
+    run(greedy, {0: [Sequence(pair.tokenize(SNIPPETS[0]), 24)]})
+    assert greedy.spec_stats.steps == 0 and greedy.spec_stats.plain_tokens >= 23
+
+
+def test_a_models_engines_share_its_switch(pair) -> None:
+    """Model.engine makes an engine per generate call: what one measured, the next one uses."""
+    assert pair.engine(64).spec_switch is pair.engine(64).spec_switch is not None
+    pair.adaptive_draft = False
+    try:
+        assert pair.engine(64).spec_switch is None
+    finally:
+        pair.adaptive_draft = True
