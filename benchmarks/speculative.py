@@ -15,8 +15,15 @@ L x t_step / (P x t_draft + t_verify(1 + P)) for mean accepted length L and P pr
 A feature draft ("dflash k=") proposes its k tokens in one pass over a block of k + 1 rows:
 its round costs t_block(k + 1) + t_verify(1 + k) instead.
 
+The "draft k=" configurations speculate on every step; "adaptive k=" is the default, where the
+engine speculates only while that measures faster than decoding without the draft (its compiled
+decode bursts included; daemon/speculative/spec_switch.py): its row says what share of the tokens
+were decoded plainly. The sampled mode has no seed (a seeded sampled request always speculates, so
+that its seed reproduces it). Then --streams sequences decoded together (aggregate tok/s) for the
+autoregressive, adaptive and always-speculating configurations.
+
     python benchmarks/speculative.py [--tokens 128] [--rounds 3] [--k 3,4,6] [--full-k 4] [--feature-k 2,4,7]
-                                     [--threads N]
+                                     [--adaptive-k 4] [--streams 8] [--threads N]
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ from ember.kernels.sampling import SamplingParams
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
            "for i in range(10):\n    print("]
-MODES = {"greedy": {}, "t=0.7": {"temperature": 0.7, "seed": 1}}
+MODES = {"greedy": {}, "t=0.7": {"temperature": 0.7}}
 
 
 def decode(model: ember.Model, tokens: int, options: dict) -> tuple[float, SpecStats]:
@@ -52,9 +59,27 @@ def decode(model: ember.Model, tokens: int, options: dict) -> tuple[float, SpecS
         t0 = time.perf_counter()
         generated += sum(1 for _ in stream)
         elapsed += time.perf_counter() - t0
-    after = model.spec_stats()
-    return generated / elapsed, SpecStats(after.proposed - before.proposed, after.accepted - before.accepted,
-                                          after.steps - before.steps)
+    return generated / elapsed, _spent(before, model.spec_stats())
+
+
+def _spent(before: SpecStats, after: SpecStats) -> SpecStats:
+    return SpecStats(after.proposed - before.proposed, after.accepted - before.accepted, after.steps - before.steps,
+                     after.plain_tokens - before.plain_tokens)
+
+
+def decode_together(model: ember.Model, streams: int, tokens: int, options: dict) -> tuple[float, SpecStats]:
+    """Aggregate tok/s of `streams` sequences stepped together (timed from every prompt's first token on)."""
+    params = SamplingParams(**options)
+    engine = model.engine(streams * (32 + tokens + 1), max_running=streams)
+    seqs = [Sequence(model.tokenize(PROMPTS[i % len(PROMPTS)]) + [100 + i], tokens + 1, params) for i in range(streams)]
+    for seq in seqs:
+        engine.add(seq)
+    while any(not seq.generated for seq in seqs):
+        engine.step()
+    before, done, t0 = model.spec_stats(), sum(len(s.generated) for s in seqs), time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    return (sum(len(s.generated) for s in seqs) - done) / (time.perf_counter() - t0), _spent(before, model.spec_stats())
 
 
 def forward_ms(net, n: int, context: int = 64, reps: int = 200) -> float:  # type: ignore[no-untyped-def]
@@ -88,7 +113,7 @@ def sampled_verification_ms(k: int, vocab: int, reps: int = 100) -> float:
     """The host work of one sampled round at temperature 0.7 (k draft choices, then verifying k + 1
     rows with every proposal accepted: the most rows a round reads), in milliseconds."""
     rows = np.random.default_rng(0).normal(size=(k + 1, vocab)).astype(np.float32) * 3
-    seq = Sequence([1, 2, 3], 1000, SamplingParams(temperature=0.7), seed=0)
+    seq = Sequence([1, 2, 3], 1000, SamplingParams(temperature=0.7), seed=0).sampling
 
     def one_round() -> None:
         tokens, probs = [], []
@@ -117,6 +142,8 @@ def main() -> None:
     ap.add_argument("--k", default="3,4,6", help="draft tokens per step to try")
     ap.add_argument("--full-k", type=int, default=4, help="also this k drafting every token (no early stop; 0: skip)")
     ap.add_argument("--feature-k", default="2,4,7", help="the DFlash draft's tokens per step to try ('': none)")
+    ap.add_argument("--adaptive-k", type=int, default=4, help="the adaptive draft's tokens per step (0: skip)")
+    ap.add_argument("--streams", type=int, default=8, help="sequences decoded together in the batched figure (0: skip)")
     ap.add_argument("--threads", type=int, default=0, help="numba threads (default: all cores)")
     args = ap.parse_args()
     if args.threads:
@@ -126,10 +153,13 @@ def main() -> None:
     ks = [int(k) for k in args.k.split(",")]
     target = ember.load(DEMO_MODEL)
     configs = {"autoregressive": target}
-    configs |= {f"draft k={k}": ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=k) for k in ks}
+    configs |= {f"draft k={k}": always(ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=k)) for k in ks}
     if args.full_k:
-        full = configs[f"draft k={args.full_k} full"] = ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=args.full_k)
+        full = configs[f"draft k={args.full_k} full"] = always(ember.load(DEMO_MODEL, draft=DEMO_DRAFT,
+                                                                          draft_tokens=args.full_k))
         full.draft_min_prob = 0.0
+    if args.adaptive_k:
+        configs[f"adaptive k={args.adaptive_k}"] = ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=args.adaptive_k)
     fks = [int(k) for k in args.feature_k.split(",") if k]
     configs |= {f"dflash k={k}": ember.load(DEMO_MODEL, draft=DEMO_DFLASH, draft_tokens=k) for k in fks}
     print(f"demo dense (Q8_0) + demo draft (Q8_0) + demo DFlash draft (Q8_0), {args.tokens} tokens x {len(PROMPTS)} prompts, "
@@ -143,7 +173,8 @@ def main() -> None:
             for name, model in configs.items():
                 runs[name].append(decode(model, args.tokens, options))
         results[mode] = {name: (statistics.median(r[0] for r in rs), SpecStats(
-            *(sum(getattr(r[1], f) for r in rs) for f in ("proposed", "accepted", "steps")))) for name, rs in runs.items()}
+            *(sum(getattr(r[1], f) for r in rs) for f in ("proposed", "accepted", "steps", "plain_tokens"))))
+            for name, rs in runs.items()}
 
     most = max(ks + [args.full_k] + fks) + 1
     verify_ms = [0.0] + [forward_ms(target.net, n) for n in range(1, most + 1)]  # verify_ms[n]: n tokens
@@ -160,13 +191,14 @@ def main() -> None:
         print(f"\n{mode}:\n| config | tok/s | speedup | acceptance | mean accepted length | proposals per pass "
               f"| round cost (target steps) | predicted speedup |\n|---|---|---|---|---|---|---|---|")
         for name, (rate, stats) in table.items():
+            plain = f" ({stats.plain_tokens} tokens plain)" if stats.plain_tokens else ""
             if not stats.steps:
-                print(f"| {name} | {rate:.0f} | {rate / base:.2f}x | - | - | - | 1.00 | 1.00x |")
+                print(f"| {name}{plain} | {rate:.0f} | {rate / base:.2f}x | - | - | - | 1.00 | 1.00x |")
                 continue
             per = stats.proposed / stats.steps
             drafting = block_ms[name] if name in block_ms else per * draft  # a feature draft: one block pass
             cost = drafting / step + verify_steps(1 + per)
-            print(f"| {name} | {rate:.0f} | {rate / base:.2f}x | {stats.acceptance_rate:.0%} | "
+            print(f"| {name}{plain} | {rate:.0f} | {rate / base:.2f}x | {stats.acceptance_rate:.0%} | "
                   f"{stats.mean_accepted_length:.2f} | {per:.2f} | {cost:.2f} | {stats.mean_accepted_length / cost:.2f}x |")
     print(f"\nwhat bounds it: target decode step {step:.3f} ms, draft step {draft:.3f} ms ({draft / step:.2f} of a step); "
           f"sampled host work of a k=4 round (4 draft choices, 5 rows verified) {sampling:.3f} ms ({sampling / step:.2f} of a step)")
@@ -175,6 +207,35 @@ def main() -> None:
     print("| tokens verified | ms | target steps | per token |\n|---|---|---|---|")
     for n in range(1, most + 1):
         print(f"| {n} | {verify_ms[n]:.3f} | {verify_ms[n] / step:.2f} | {verify_ms[n] / n / step:.2f} |")
+    if args.streams:
+        batched(configs, args)
+
+
+def batched(configs: dict[str, ember.Model], args: argparse.Namespace) -> None:
+    """--streams sequences together: autoregressive, adaptive and always speculating, alternated."""
+    names = [n for n in configs if n == "autoregressive" or n.startswith("adaptive") or n == f"draft k={args.adaptive_k}"]
+    print(f"\n{args.streams} streams together, aggregate tok/s (medians of {args.rounds} rounds):\n"
+          f"| mode | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+    for mode, options in MODES.items():
+        for name in names:
+            decode_together(configs[name], args.streams, 16, options)  # warm: this batch's kernel shapes
+        runs: dict[str, list[tuple[float, SpecStats]]] = {name: [] for name in names}
+        for _ in range(args.rounds):
+            for name in names:
+                runs[name].append(decode_together(configs[name], args.streams, args.tokens, options))
+        base = statistics.median(r[0] for r in runs["autoregressive"])
+        cells = []
+        for name in names:
+            rate = statistics.median(r[0] for r in runs[name])
+            plain = sum(r[1].plain_tokens for r in runs[name])
+            cells.append(f"{rate:.0f} ({rate / base:.2f}x{f', {plain} plain' if plain else ''})")
+        print(f"| {mode} | " + " | ".join(cells) + " |")
+
+
+def always(model: ember.Model) -> ember.Model:
+    """model, its draft speculating on every step (the adaptive switch off)."""
+    model.adaptive_draft = False
+    return model
 
 
 if __name__ == "__main__":

@@ -69,6 +69,20 @@ def test_catch_up_steps_are_not_a_rate() -> None:
     assert switch.rates(1) == (1e-3, 0.0)
 
 
+def test_a_probe_of_speculation_waits_for_a_draft_nearly_caught_up() -> None:
+    """Catching up costs in proportion to what the draft missed: a probe of speculation starts only
+    when little is left to read (the next request's start), and plain steps meanwhile still count."""
+    switch = SpecSwitch()
+    cost = {True: 2e-3, False: 1e-3}
+    steps(switch, 1, cost, spec_switch.WARM + spec_switch.PROBE_STEPS + spec_switch.FIRST_INTERVAL // 4)
+    assert switch.speculate(1) and switch.classes[1].probing  # due
+    far = spec_switch.CATCH_UP_LIMIT + 1
+    assert not switch.speculate(1, behind=far)
+    switch.record(1, False, 4 * 0.5e-3, 4)  # a plain step while it waits: its rate counts
+    assert switch.rates(1)[1] < 1e-3 and switch.classes[1].probing
+    assert switch.speculate(1, behind=spec_switch.CATCH_UP_LIMIT)
+
+
 def test_batch_sizes_are_measured_apart() -> None:
     """Verification costs more as the batch grows: a batch of 8 keeps its own choice."""
     switch = SpecSwitch()
@@ -85,13 +99,13 @@ class Alternating(SpecSwitch):
         super().__init__()
         self.calls = 0
 
-    def speculate(self, running: int) -> bool:
+    def speculate(self, running: int, behind: int = 0) -> bool:
         self.calls += 1
         return self.calls % 2 == 0
 
 
 class Never(SpecSwitch):
-    def speculate(self, running: int) -> bool:
+    def speculate(self, running: int, behind: int = 0) -> bool:
         return False
 
 

@@ -266,10 +266,12 @@ class EngineCore:
 
     def _choose_mode(self) -> int:
         """Whether the step about to be scheduled speculates (the SpecSwitch's choice for the
-        sequences running now, where it has one): the scheduler's lookahead follows. -> their number."""
-        running = len(self.scheduler.running)
+        sequences running and waiting now, where it has one): the scheduler's lookahead follows. -> their
+        number."""
+        running = len(self.scheduler.running) + len(self.scheduler.waiting)  # the batch it may be
         if self.spec_switch is not None:
-            self._speculating = self.spec_switch.speculate(running) or self._seeded()
+            behind = sum(s.n_computed - s.draft_pos for s in self.scheduler.running if s.draft_pos is not None)
+            self._speculating = self.spec_switch.speculate(running, behind) or self._seeded()
             self.scheduler.lookahead = self._draft_tokens if self._speculating else 0
         return running
 

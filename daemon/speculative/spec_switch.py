@@ -15,6 +15,11 @@ switch measures both, keeps the faster, and probes the other now and then:
   doubles up to MAX_INTERVAL, so a mode that keeps losing costs less and less.
 - The first speculative step after plain steps also catches the draft up on the tokens it missed
   (engine_core.py): its time is a switching cost, not the mode's rate, and is left out of the average.
+  That cost grows with the tokens missed (the draft reads them all: on the demo pair, 500 missed
+  tokens cost as much as ~100 plain ones), so speculation waits until the draft has at most
+  CATCH_UP_LIMIT tokens a sequence to read (in practice the next request's start, whose prompt the
+  draft reads with the target's) unless it measured faster: a probe does, and so does a batch-size
+  class that has not measured it yet (a batch's last sequences, finishing, fall into smaller classes).
 
 Which mode runs never changes a token's law: plain steps sample exactly, and verification is lossless
 (greedy output is the same token for token; tests/test_spec_switch.py).
@@ -27,6 +32,7 @@ WARM = 4  # measured steps of a mode before its rate counts
 PROBE_STEPS = 4  # measured steps a probe of the other mode runs
 FIRST_INTERVAL = 256  # generated tokens between probes after a switch
 MAX_INTERVAL = 16384
+CATCH_UP_LIMIT = 16  # tokens a sequence's draft may have to catch up on for a probe of speculation to start
 _ALPHA = 0.3  # weight of a new step in a mode's moving average
 
 
@@ -47,6 +53,7 @@ class _ClassState:
     """One batch-size class: each mode's rate, the mode kept, and the probe under way."""
     rates: dict[bool, _ModeRate] = field(default_factory=lambda: {True: _ModeRate(), False: _ModeRate()})
     speculate: bool = True  # the mode kept
+    decided: bool = False  # by comparing both modes' rates (not yet: the class's first mode)
     probing: bool = False  # the other mode is being probed
     probe_steps: int = 0  # measured steps of the probe so far
     interval: int = FIRST_INTERVAL
@@ -63,27 +70,41 @@ class SpecSwitch:
     classes: dict[int, _ClassState] = field(default_factory=dict)
     switches: int = 0  # times a class changed the mode it keeps
 
-    def speculate(self, running: int) -> bool:
-        """The mode for the next decode step of `running` sequences: True to speculate."""
-        return self._state(running).mode()
+    def speculate(self, running: int, behind: int = 0) -> bool:
+        """The mode for the next step of `running` sequences: True to speculate. behind: the tokens
+        their draft would have to catch up on first (a probe of speculation waits while they are
+        more than CATCH_UP_LIMIT a sequence)."""
+        state = self._state(running)
+        mode = state.mode()
+        if mode and behind > CATCH_UP_LIMIT * max(1, running) and not self._measured_faster(state):
+            return False  # a probe, or a class that never measured speculation here: not worth the catch-up
+        return mode
 
     def record(self, running: int, speculated: bool, seconds: float, tokens: int, catch_up: bool = False) -> None:
         """A decode step of `running` sequences ran in mode `speculated`, taking `seconds` for
         `tokens` generated tokens; `catch_up`: it also ran the draft over tokens it had missed."""
         state = self._state(running)
-        if tokens <= 0 or speculated != state.mode():
-            return  # (a step scheduled before the class changed its mode)
+        if tokens <= 0:
+            return
+        rate = state.rates[speculated]
+        if not catch_up:
+            rate.add(seconds / tokens)
+        if speculated != state.mode():
+            return  # a plain step while a probe of speculation waits for the draft to be nearly caught up
         state.tokens += tokens
         if catch_up:
             return
-        rate = state.rates[speculated]
-        rate.add(seconds / tokens)
         if state.probing:
             state.probe_steps += 1
             if state.probe_steps >= PROBE_STEPS:
                 self._decide(state)
         elif rate.steps >= WARM and (state.rates[not speculated].steps == 0 or state.tokens >= state.interval):
             state.probing, state.probe_steps = True, 0
+
+    @staticmethod
+    def _measured_faster(state: _ClassState) -> bool:
+        """The class keeps speculation because it measured it faster than plain decoding."""
+        return state.speculate and state.decided and not state.probing
 
     def _decide(self, state: _ClassState) -> None:
         """The probe is over: keep the faster mode (by the moving averages)."""
@@ -94,7 +115,7 @@ class SpecSwitch:
             self.switches += 1
         else:
             state.interval = min(2 * state.interval, MAX_INTERVAL)
-        state.probing, state.probe_steps, state.tokens = False, 0, 0
+        state.probing, state.probe_steps, state.tokens, state.decided = False, 0, 0, True
 
     def _state(self, running: int) -> _ClassState:
         return self.classes.setdefault(max(1, running).bit_length(), _ClassState())
