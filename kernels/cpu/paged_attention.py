@@ -74,28 +74,34 @@ class KVLayerStore:
             self.scales[blocks, offsets] = scales
 
 
-@intrinsic
-def _f16_bits(typingctx, v):  # type: ignore[no-untyped-def]
-    """float32 -> the bits of the nearest IEEE half, ties to even (LLVM's fptrunc: vcvtps2ph with F16C),
-    as convert.f32_to_f16_bits (numpy's astype) rounds: out of range is infinity, a NaN stays NaN."""
-    if v != types.float32:
-        return None
+def _conversion(name: str, arg, ret, emit):  # type: ignore[no-untyped-def]
+    """An intrinsic name(v) -> ret for a v of numba type `arg`, its value emit(builder, v) in LLVM IR
+    (numba has no half type and no bitcast)."""
+    def typer(typingctx, v):  # type: ignore[no-untyped-def]
+        if v != arg:
+            return None
 
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+            return emit(builder, args[0])
 
-    return types.uint16(v), codegen
+        return ret(v), codegen
+
+    typer.__name__ = name
+    return intrinsic(typer)
 
 
-@intrinsic
-def _f32_bits(typingctx, v):  # type: ignore[no-untyped-def]
-    if v != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(v), codegen
+_I16, _I32 = ir.IntType(16), ir.IntType(32)
+# float32 -> the bits of the nearest IEEE half, ties to even (LLVM's fptrunc: vcvtps2ph with F16C), as
+# convert.f32_to_f16_bits (numpy's astype) rounds: out of range is infinity, a NaN stays NaN
+_f16_bits = _conversion("_f16_bits", types.float32, types.uint16,
+                        lambda b, v: b.bitcast(b.fptrunc(v, ir.HalfType()), _I16))
+_f32_bits = _conversion("_f32_bits", types.float32, types.uint32, lambda b, v: b.bitcast(v, _I32))
+# the float32 value of f16 bits, exactly (LLVM's fpext: a loop of them vectorizes to F16C's vcvtph2ps)
+_f16_value = _conversion("_f16_value", types.uint16, types.float32,
+                         lambda b, v: b.fpext(b.bitcast(v, ir.HalfType()), ir.FloatType()))
+# the float32 value of bf16 bits: the top half of a float32
+_bf16_value = _conversion("_bf16_value", types.uint16, types.float32,
+                          lambda b, v: b.bitcast(b.shl(b.zext(v, _I32), ir.Constant(_I32, 16)), ir.FloatType()))
 
 
 @njit(inline="always", cache=True, nogil=True)
@@ -119,32 +125,6 @@ def store_row(mode, row, f32, u16, blk, off):  # type: ignore[no-untyped-def]
     for h in range(row.shape[0]):
         for j in range(row.shape[1]):
             dst[h, j] = _f16_bits(row[h, j]) if mode == _F16 else _bf16_bits(row[h, j])
-
-
-@intrinsic
-def _f16_value(typingctx, bits):  # type: ignore[no-untyped-def]
-    """The float32 value of f16 bits, exactly (LLVM's fpext: a loop of them vectorizes to F16C's
-    vcvtph2ps on x86)."""
-    if bits != types.uint16:
-        return None
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return types.float32(bits), codegen
-
-
-@intrinsic
-def _bf16_value(typingctx, bits):  # type: ignore[no-untyped-def]
-    """The float32 value of bf16 bits: the top half of a float32."""
-    if bits != types.uint16:
-        return None
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        i32 = ir.IntType(32)
-        return builder.bitcast(builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16)), ir.FloatType())
-
-    return types.float32(bits), codegen
 
 
 def _paged_attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode,  # type: ignore[no-untyped-def]
