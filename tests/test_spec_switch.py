@@ -45,8 +45,8 @@ def test_slower_speculation_is_turned_off_and_probed_less_and_less() -> None:
     steps(switch, 1, cost, spec_switch.FIRST_INTERVAL // 4)
     assert switch.speculate(1)  # a probe of speculation, after `interval` tokens
     steps(switch, 1, cost, spec_switch.PROBE_STEPS + 1)  # its catch-up step, then the measured ones
-    assert not switch.speculate(1) and switch.switches == 1  # it lost: plain again, probed half as often
-    assert state.interval == 2 * spec_switch.FIRST_INTERVAL
+    assert not switch.speculate(1) and switch.switches == 1  # it lost: plain again, probed less often
+    assert state.interval == 2 * 2 * spec_switch.FIRST_INTERVAL  # twice the interval times the ratio of rates
     assert switch.rates(1) == pytest.approx((2e-3, 1e-3))
 
 

@@ -12,7 +12,8 @@ switch measures both, keeps the faster, and probes the other now and then:
 - A class starts speculating; after WARM measured steps it probes plain decoding, then keeps the
   faster mode. Every `interval` tokens it probes the other mode for PROBE_STEPS steps: when the
   probe wins, it switches (and the interval drops back to FIRST_INTERVAL); when it loses, the interval
-  doubles up to MAX_INTERVAL, so a mode that keeps losing costs less and less.
+  grows by twice the ratio of the two rates (a probe twice as slow: four times the interval), up to
+  MAX_INTERVAL, so a mode that keeps losing costs less and less.
 - The first speculative step after plain steps also catches the draft up on the tokens it missed
   (engine_core.py): its time is a switching cost, not the mode's rate, and is left out of the average.
   That cost grows with the tokens missed (the draft reads them all: on the demo pair, 500 missed
@@ -113,8 +114,9 @@ class SpecSwitch:
             state.speculate = not state.speculate
             state.interval = FIRST_INTERVAL
             self.switches += 1
-        else:
-            state.interval = min(2 * state.interval, MAX_INTERVAL)
+        else:  # the further behind the probe was, the less likely it is to win soon
+            behind = probed.seconds_per_token / max(kept.seconds_per_token, 1e-12)
+            state.interval = min(int(2 * state.interval * behind), MAX_INTERVAL)
         state.probing, state.probe_steps, state.tokens, state.decided = False, 0, 0, True
 
     def _state(self, running: int) -> _ClassState:
