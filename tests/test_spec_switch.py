@@ -119,10 +119,11 @@ def pair() -> ember.Model:
     return ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=4)
 
 
-def engine_of(model: ember.Model, switch: SpecSwitch, **options) -> EngineCore:
-    runner = ModelRunner(model.net, 256, 16)
-    return EngineCore(runner, draft=ModelRunner(model._draft, 256, 16), draft_tokens=4, spec_switch=switch,
-                      decode_burst=math.inf, max_burst=4, **options)
+def engine_of(model: ember.Model, switch: SpecSwitch, kv_blocks: int = 256, block_size: int = 16,
+              **options) -> EngineCore:
+    runner = ModelRunner(model.net, kv_blocks, block_size)
+    return EngineCore(runner, draft=ModelRunner(model._draft, kv_blocks, block_size), draft_tokens=4,
+                      spec_switch=switch, decode_burst=math.inf, max_burst=4, **options)
 
 
 def test_mixed_modes_give_the_targets_greedy_tokens_and_the_draft_catches_up(target, pair) -> None:
@@ -139,6 +140,35 @@ def test_mixed_modes_give_the_targets_greedy_tokens_and_the_draft_catches_up(tar
     stats = engine.spec_stats
     assert stats.steps > 0 and stats.plain_tokens > 0 and switch.calls > 4
     assert stats.acceptance_rate > 0.5  # the trained pair agrees (77% at k = 4)
+
+
+def test_preempted_sequences_catch_their_draft_up_from_where_they_run_again(target, pair) -> None:
+    """A preempted sequence loses its blocks, the draft's K/V with them: when it runs again in plain
+    steps, the draft is behind from where it restarts, and catches up from there (not from where it
+    had got to before). Tokens stay the target's; proposals keep being accepted."""
+    switch = Alternating()
+    engine = engine_of(pair, switch, kv_blocks=12, block_size=4, max_step_tokens=32)  # they preempt each other
+    prompts = [pair.tokenize(t) for t in SNIPPETS]
+    seqs = [Sequence(p, 24) for p in prompts]
+    run(engine, {0: seqs})
+    assert engine.scheduler.preemptions > 0
+    for seq, text in zip(seqs, SNIPPETS, strict=True):
+        assert seq.generated == list(target.generate(text, max_tokens=24, ignore_eos=True)), text
+    assert engine.spec_stats.acceptance_rate > 0.5
+
+
+def test_the_draft_catches_up_from_where_a_preempted_sequence_runs_again(pair) -> None:
+    """Preempted, a sequence loses its blocks and the draft's K/V with them: running again in plain
+    steps from position 0, its draft is behind from 0, not from where it had read to before."""
+    from ember.daemon.engine.scheduler import ScheduledChunk
+
+    engine = engine_of(pair, Never())
+    seq = Sequence(pair.tokenize(SNIPPETS[2]), 8)
+    seq.draft_pos = 12  # read to 12 before the preemption
+    engine._speculating = False
+    assert engine._missed(ScheduledChunk(seq, 0, 8)) == [] and seq.draft_pos == 0
+    engine._speculating = True
+    assert engine._missed(ScheduledChunk(seq, 10, 1)) == seq.tokens[:10]
 
 
 def test_a_seeded_sampled_request_always_speculates(pair) -> None:

@@ -256,9 +256,8 @@ class EngineCore:
         seq = chunk.seq
         if self.spec_switch is None:
             return []
-        if not self._speculating:
-            if seq.draft_pos is None:
-                seq.draft_pos = chunk.start
+        if not self._speculating:  # (a chunk before draft_pos: the sequence was preempted and runs again)
+            seq.draft_pos = chunk.start if seq.draft_pos is None else min(seq.draft_pos, chunk.start)
             return []
         if seq.draft_pos is None:
             return []
@@ -270,7 +269,7 @@ class EngineCore:
         number."""
         running = len(self.scheduler.running) + len(self.scheduler.waiting)  # the batch it may be
         if self.spec_switch is not None:
-            behind = sum(s.n_computed - s.draft_pos for s in self.scheduler.running if s.draft_pos is not None)
+            behind = sum(max(0, s.n_computed - s.draft_pos) for s in self.scheduler.running if s.draft_pos is not None)
             self._speculating = self.spec_switch.speculate(running, behind) or self._seeded()
             self.scheduler.lookahead = self._draft_tokens if self._speculating else 0
         return running
