@@ -249,6 +249,7 @@ def load_models(launch: EngineLaunch, reports: Reports) -> dict[str, Model]:
                      draft=spec.draft or None, draft_tokens=spec.draft_tokens,
                      feature_dtype=launch.feature_dtypes[name], env=_cache_env(launch),
                      on_layer=_loading(reports, name), **spec.experts)
+        model.adaptive_draft = spec.adaptive_draft
         models[name] = model
         if model.pipeline is not None:
             model.pipeline.heartbeat = reports.beat  # while its stages restart, on the engine's thread

@@ -43,7 +43,9 @@ def test_per_model_config_keys(tmp_path) -> None:  # type: ignore[no-untyped-def
     file = tmp_path / "ember.toml"
     file.write_text(f'[[models]]\npath = "{DEMO_MODEL}"\ndraft = "{DEMO_DRAFT}"\ndraft_tokens = 6\n')
     (model,) = load_config(file, env={}).models
-    assert (model.draft, model.draft_tokens) == (str(DEMO_DRAFT), 6)
+    assert (model.draft, model.draft_tokens, model.adaptive_draft) == (str(DEMO_DRAFT), 6, True)
+    file.write_text(f'[[models]]\npath = "{DEMO_MODEL}"\ndraft = "{DEMO_DRAFT}"\nadaptive_draft = false\n')
+    assert not load_config(file, env={}).models[0].adaptive_draft
     file.write_text(f'[[models]]\npath = "{DEMO_MODEL}"\ndraft_tokens = 0\n')
     with pytest.raises(ConfigError, match="draft_tokens"):
         load_config(file, env={})
