@@ -3,6 +3,8 @@ keys): streams equal in-process generation, greedy without a draft and seeded sa
 Stats report how speculation went."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -37,6 +39,10 @@ def test_streams_equal_in_process_generation(spec_daemon, demo_model) -> None:  
         assert ids == list(demo_model.generate(prompt, max_tokens=48, ignore_eos=True)), prompt
     assert got[-1] == list(spec.generate(PROMPTS[0], max_tokens=48, ignore_eos=True, **sampled))
     assert stats.spec_acceptance_rate > 0.5 and stats.spec_mean_accepted_length > 1.5
+    status = subprocess.run([sys.executable, "-m", "ember.client.cli", "status", "--socket", str(spec_daemon.socket)],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and "speculative decoding:" in status.stdout
+    assert f"{stats.spec_plain_tokens} tokens decoded without the draft" in status.stdout
 
 
 def test_per_model_config_keys(tmp_path) -> None:  # type: ignore[no-untyped-def]

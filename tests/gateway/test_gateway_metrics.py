@@ -71,6 +71,9 @@ def test_daemon_figures(fresh_gateway: GatewayThread, native: Any) -> None:
     assert m[("ember_preemptions_total", ())] == stats.preemptions
     assert m[("ember_daemon_requests_total", ())] <= stats.requests_total
     assert m[("ember_daemon_cancelled_total", ())] <= stats.cancelled_total
+    # no draft here: speculative decoding's figures are there, at zero
+    assert m[("ember_spec_plain_tokens_total", ())] == stats.spec_plain_tokens == 0
+    assert m[("ember_spec_acceptance_rate", ())] == m[("ember_spec_saved_seconds_per_token", ())] == 0
 
 
 def test_without_a_daemon(tmp_path: Any) -> None:
