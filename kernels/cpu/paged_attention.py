@@ -130,11 +130,16 @@ def store_row(mode, row, f32, u16, blk, off):  # type: ignore[no-untyped-def]
 def _paged_attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode,  # type: ignore[no-untyped-def]
                      tables, token_seq, positions, window, scale, out):
     # One task per (token, KV head): each key and value row is read (and decoded) once for all the
-    # query heads that share it (GQA), and f32 rows are read in place.
+    # query heads that share it (GQA). The threads take contiguous shares of the loop, and a prompt
+    # chunk's later tokens see more keys: the tokens are taken from both ends in turn (0, n-1, 1,
+    # n-2, ...), so that each share holds early and late ones alike.
     kv_heads = max(k_f32.shape[2], k_u16.shape[2], k_i8.shape[2])
-    for task in prange(q.shape[0] * kv_heads):  # int64: prange's index is unsigned, a second signature
-        attention_task(np.int64(task), q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, tables, token_seq,
-                       positions, window, scale, out)
+    n = q.shape[0]
+    for p in prange(n * kv_heads):  # int64 below: prange's index is unsigned, a second signature
+        i = np.int64(p) // kv_heads
+        token = i // 2 if i % 2 == 0 else n - 1 - i // 2  # zigzag: see below
+        attention_task(token * kv_heads + np.int64(p) % kv_heads, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8,
+                       v_sc, mode, tables, token_seq, positions, window, scale, out)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
