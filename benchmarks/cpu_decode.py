@@ -158,7 +158,8 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
     load_s = time.perf_counter() - t
     step_s, prefill_s = decode_and_prefill(model, args)
     rss = rss_bytes() - rss0  # the work llama.cpp's figure covers: load, decode, prefill
-    batched = statistics.median(batched_decode(model, args.batch, args.tokens) for _ in range(args.repeats))
+    batched = statistics.median(batched_decode(model, args.batch, args.tokens) for _ in range(args.repeats)) \
+        if args.batch else 0.0
     batch_rss = rss_bytes() - rss0 - rss
     long_step_s = decode_after(model, long_context_prompt(args), LONG_TOKENS, args.repeats) if args.context else 0.0
     before = rss_bytes()
@@ -325,11 +326,12 @@ def main() -> None:
             print(f"{label:16} {engine:9} {size / 1e6:6.1f} {r['load_s']:7.2f} {r['rss'] / size:8.2f} "
                   f"{1 / r['step_s']:12.1f} {gbs:5.1f} {gbs / bandwidth:5.0%} {args.prompt_tokens / r['prefill_s']:13.1f}")
         e, ll = results["ember"], results["llama.cpp"]
+        batched = (f"; ember {args.batch} streams batched: {e['batch_tok_s']:.0f} tok/s = "
+                   f"{e['batch_tok_s'] * e['step_s']:.2f}x one stream (its KV cache and buffers: RSS "
+                   f"+{e['batch_rss'] / 1e6:.1f} MB)") if args.batch else ""
         print(f"{label:16} ratio ember/llama.cpp: decode {ll['step_s'] / e['step_s']:.2f}x, "
-              f"prefill {ll['prefill_s'] / e['prefill_s']:.2f}x; ember {args.batch} streams batched: "
-              f"{e['batch_tok_s']:.0f} tok/s = {e['batch_tok_s'] * e['step_s']:.2f}x one stream (its KV cache and "
-              f"buffers: RSS +{e['batch_rss'] / 1e6:.1f} MB); its tokenizer's BPE, built by the first text encode: "
-              f"RSS +{e['bpe_rss'] / 1e6:.1f} MB")
+              f"prefill {ll['prefill_s'] / e['prefill_s']:.2f}x{batched}; its tokenizer's BPE, built by the first "
+              f"text encode: RSS +{e['bpe_rss'] / 1e6:.1f} MB")
         if args.context:
             print(f"{label:16} decode after a {args.context}-token prompt: ember {1 / e['long_step_s']:.1f} tok/s, "
                   f"llama.cpp {1 / ll['long_step_s']:.1f} tok/s, ratio {ll['long_step_s'] / e['long_step_s']:.2f}x")
