@@ -175,12 +175,19 @@ def attention_task(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, 
 
 
 @njit(inline="always", nogil=True, cache=True)
-def _row(table, n, off, block_size):  # type: ignore[no-untyped-def]
-    """(block, row) of the position `off` rows past the start of block table[n] (at most 3 past a
-    block's end)."""
+def _carried(n, off, block_size):  # type: ignore[no-untyped-def]
+    """(table index, row) of the position `off` rows past the start of block table[n], a few rows at
+    most (a loop, not a division: one per row cost a tenth of the kernel's time)."""
     while off >= block_size:
         off -= block_size
         n += 1
+    return n, off
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _row(table, n, off, block_size):  # type: ignore[no-untyped-def]
+    """(block, row) of that position."""
+    n, off = _carried(n, off, block_size)
     return table[n], off
 
 
@@ -193,16 +200,6 @@ def _four_rows(table, n, off, block_size, beyond):  # type: ignore[no-untyped-de
     b2, o2 = _row(table, n, off + min(2, beyond), block_size)
     b3, o3 = _row(table, n, off + min(3, beyond), block_size)
     return b0, o0, b1, o1, b2, o2, b3, o3
-
-
-@njit(inline="always", nogil=True, cache=True)
-def _advance(n, off, block_size):  # type: ignore[no-untyped-def]
-    """The (table index, row) four positions on."""
-    off += 4
-    while off >= block_size:
-        off -= block_size
-        n += 1
-    return n, off
 
 
 def _attend_for(mode: int):  # type: ignore[no-untyped-def]
@@ -222,7 +219,7 @@ def _attend_for(mode: int):  # type: ignore[no-untyped-def]
         return np.float32(s_i8[b, o, kv, k])
 
     @njit(inline="always", fastmath=True, nogil=True, cache=True)
-    def scale(s_sc, b, o, kv, group):  # type: ignore[no-untyped-def]
+    def group_scale(s_sc, b, o, kv, group):  # type: ignore[no-untyped-def]
         return _f16_value(s_sc[b, o, kv, group]) if mode == _Q8_0 else np.float32(1)
 
     @njit(inline="always", fastmath=True, nogil=True, cache=True)
@@ -239,10 +236,10 @@ def _attend_for(mode: int):  # type: ignore[no-untyped-def]
                 c1 += x * value(s_f32, s_u16, s_i8, b1, o1, kv, k)
                 c2 += x * value(s_f32, s_u16, s_i8, b2, o2, kv, k)
                 c3 += x * value(s_f32, s_u16, s_i8, b3, o3, kv, k)
-            a0 += c0 * scale(s_sc, b0, o0, kv, grp)
-            a1 += c1 * scale(s_sc, b1, o1, kv, grp)
-            a2 += c2 * scale(s_sc, b2, o2, kv, grp)
-            a3 += c3 * scale(s_sc, b3, o3, kv, grp)
+            a0 += c0 * group_scale(s_sc, b0, o0, kv, grp)
+            a1 += c1 * group_scale(s_sc, b1, o1, kv, grp)
+            a2 += c2 * group_scale(s_sc, b2, o2, kv, grp)
+            a3 += c3 * group_scale(s_sc, b3, o3, kv, grp)
         return a0, a1, a2, a3
 
     @njit(inline="always", fastmath=True, nogil=True, cache=True)
@@ -251,8 +248,8 @@ def _attend_for(mode: int):  # type: ignore[no-untyped-def]
         hd = acc.shape[1]
         w = width if width else hd
         for grp in range(hd // w):
-            w0, w1 = p0 * scale(s_sc, b0, o0, kv, grp), p1 * scale(s_sc, b1, o1, kv, grp)
-            w2, w3 = p2 * scale(s_sc, b2, o2, kv, grp), p3 * scale(s_sc, b3, o3, kv, grp)
+            w0, w1 = p0 * group_scale(s_sc, b0, o0, kv, grp), p1 * group_scale(s_sc, b1, o1, kv, grp)
+            w2, w3 = p2 * group_scale(s_sc, b2, o2, kv, grp), p3 * group_scale(s_sc, b3, o3, kv, grp)
             for d in range(grp * w, grp * w + w):
                 acc[g, d] += (w0 * value(s_f32, s_u16, s_i8, b0, o0, kv, d) + w1 * value(s_f32, s_u16, s_i8, b1, o1, kv, d)) \
                     + (w2 * value(s_f32, s_u16, s_i8, b2, o2, kv, d) + w3 * value(s_f32, s_u16, s_i8, b3, o3, kv, d))
@@ -274,7 +271,7 @@ def _attend_for(mode: int):  # type: ignore[no-untyped-def]
         nb, off = n0, off0
         for t in range(first, visible, 4):
             b0, o0, b1, o1, b2, o2, b3, o3 = _four_rows(table, nb, off, block_size, last - t)
-            nb, off = _advance(nb, off, block_size)
+            nb, off = _carried(nb, off + 4, block_size)
             j = t - first
             for g in range(group):
                 s0, s1, s2, s3 = four_scores(q, i, kv * group + g, k_f32, k_u16, k_i8, k_sc, kv,
@@ -297,7 +294,7 @@ def _attend_for(mode: int):  # type: ignore[no-untyped-def]
         nb, off = n0, off0
         for t in range(first, visible, 4):
             b0, o0, b1, o1, b2, o2, b3, o3 = _four_rows(table, nb, off, block_size, last - t)
-            nb, off = _advance(nb, off, block_size)
+            nb, off = _carried(nb, off + 4, block_size)
             j = t - first
             for g in range(group):
                 p0, p1, p2, p3 = scores[g, j], scores[g, j + 1], scores[g, j + 2], scores[g, j + 3]
