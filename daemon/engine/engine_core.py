@@ -77,10 +77,8 @@ class _Flight:
     work: StepWork  # the plan as the executor took it
     before: list[int]  # per chunk: its tokens generated before the step (-1: it samples none)
     start: float  # perf_counter() at its submit
-    speculative: bool = False  # its chunks' lookahead is for a draft's proposals
-    catch_up: bool = False  # the draft also reads tokens it missed while steps ran without it
-    running: int = 0  # sequences running when its mode was chosen (the SpecSwitch's batch class)
-    decodes: bool = False  # every chunk samples a generated token's successor (no prompt in it)
+    running: int  # sequences running and waiting when its mode was chosen (the SpecSwitch's batch class)
+    decodes: bool  # every chunk samples a generated token's successor (no prompt in it)
 
 
 class EngineCore:
@@ -108,10 +106,11 @@ class EngineCore:
         decode burst, executor/burst.py), as many as fit in that time at the rate of the steps
         before: the engine's host work once for them all, the tokens those of single steps. 0: one
         token a step. Through a pipelined layer split the lanes' bursts interleave
-        (executor/pipeline_executor.py). Not with a draft (its lookahead is the proposals') or
-        recurrent state; with a draft model only in the steps that do not speculate. burst_clock: a BurstClock shared with earlier engines of the same model (for
-        decode_burst and max_burst: Model.engine passes its own), so that a new engine's first burst is
-        sized from their steps instead of starting at one step.
+        (executor/pipeline_executor.py). Not with a feature draft (its lookahead is the proposals'),
+        with a draft model only in the steps that do not speculate, not with recurrent state.
+        burst_clock: a BurstClock shared with earlier engines of the same model (for decode_burst and
+        max_burst: Model.engine passes its own), so that a new engine's first burst is sized from
+        their steps instead of starting at one step.
 
         grammars: the model's (daemon/text/grammar.py), for sequences with a grammar to follow.
 
@@ -282,29 +281,28 @@ class EngineCore:
         return any(s.seed is not None and not s.params.greedy
                    for s in (*self.scheduler.running, *self.scheduler.waiting))
 
-    def _flight(self, plan: StepPlan, work: StepWork, running: int = 0) -> _Flight:
+    def _flight(self, plan: StepPlan, work: StepWork, running: int) -> _Flight:
         for chunk in plan.chunks:
             chunk.seq.in_flight = True
-        catch_up = any(c.draft_prefix for c in work.chunks)
+        # (after the step a chunk no longer samples: its sequence has the token)
         decodes = bool(plan.chunks) and all(c.samples and c.start >= len(c.seq.prompt) for c in plan.chunks)
-        return _Flight(plan, work, _generated_before(plan), time.perf_counter(), work.propose and self.proposer is not None,
-                       catch_up, running, decodes)
+        return _Flight(plan, work, _generated_before(plan), time.perf_counter(), running, decodes)
 
     def _measured(self, flight: _Flight) -> None:
         """Tell the SpecSwitch how a decode step went (a step with prompt tokens says nothing of
         either mode's rate); a speculative one has caught its draft up."""
         if self.spec_switch is None:
             return
-        chunks = flight.plan.chunks
-        if flight.speculative:
+        chunks, speculative = flight.plan.chunks, flight.work.propose
+        if speculative:
             for chunk in chunks:
                 chunk.seq.draft_pos = None
         if not flight.decodes:
             return
         tokens = sum(len(c.seq.generated) - before for c, before in zip(chunks, flight.before, strict=True))
-        self.spec_switch.record(flight.running, flight.speculative, time.perf_counter() - flight.start, tokens,
-                                flight.catch_up)
-        if not flight.speculative:
+        catch_up = any(c.draft_prefix for c in flight.work.chunks)
+        self.spec_switch.record(flight.running, speculative, time.perf_counter() - flight.start, tokens, catch_up)
+        if not speculative:
             self.spec_stats.plain_tokens += tokens
         self.spec_stats.spec_s_per_token, self.spec_stats.plain_s_per_token = self.spec_switch.rates(flight.running)
 
@@ -319,7 +317,7 @@ class EngineCore:
         """How many decode steps the plan runs when it is a decode step (every chunk one token that
         samples, no draft: timed for the burst size), 0 when it is not: a burst where every chunk
         has slots for one."""
-        if (self.proposer is not None and self._speculating) or not all(c.samples and c.length == 1 for c in plan.chunks):
+        if self._speculating or not all(c.samples and c.length == 1 for c in plan.chunks):
             return 0
         return 1 + min(c.lookahead for c in plan.chunks)
 
