@@ -112,6 +112,10 @@ class Ops(ABC):
         """swiglu(matmul(x, gate), matmul(x, up)): a gated FFN's first half, which a backend may fuse."""
         return self.swiglu(self.matmul(x, gate, decode_rows), self.matmul(x, up, decode_rows))
 
+    def geglu_matmul(self, x: Array, gate: Weight, up: Weight, decode_rows: Array | None = None) -> Array:
+        """geglu(matmul(x, gate), matmul(x, up)): swiglu_matmul with GELU-tanh (gemma4's FFN)."""
+        return self.geglu(self.matmul(x, gate, decode_rows), self.matmul(x, up, decode_rows))
+
     def route(self, logits: Array, k: int, normalize: bool, gating: str = "softmax", bias: np.ndarray | None = None,
               softcap: float = 0.0, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """Top-k routing of router logits [n, experts] -> (expert ids int64 [n, k], their weights
@@ -354,6 +358,18 @@ class Ops(ABC):
     @abstractmethod
     def swiglu(self, gate: Array, up: Array) -> Array:
         """silu(gate) * up, elementwise."""
+
+    def geglu(self, gate: Array, up: Array) -> Array:
+        """gelu_tanh(gate) * up, elementwise. Default: the numpy reference."""
+        from ember.kernels.reference.dense import geglu
+
+        return self.to_device(geglu(self.to_numpy(gate), self.to_numpy(up)))
+
+    def softcap(self, x: Array, cap: float) -> Array:
+        """cap * tanh(x / cap), elementwise (gemma4's final logits). Default: the numpy reference."""
+        from ember.kernels.reference.dense import softcap
+
+        return self.to_device(softcap(self.to_numpy(x), cap))
 
     @abstractmethod
     def softmax(self, x: Array) -> Array:

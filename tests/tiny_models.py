@@ -22,7 +22,7 @@ QWEN35 = dict(num_hidden_layers=4, head_dim=64, linear_num_key_heads=2, linear_n
               linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4)
 HF_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
               "mixtral": "MixtralConfig", "qwen35": "Qwen3_5TextConfig", "qwen35moe": "Qwen3_5MoeTextConfig",
-              "laguna": "LagunaConfig"}
+              "laguna": "LagunaConfig", "gemma4": "Gemma4TextConfig"}
 # MoE: 8 experts of width 64, top-2; the router is randomised too (HF inits it to zeros)
 TINY_MOE = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
             "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
@@ -35,6 +35,16 @@ TINY_MOE = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermed
                            layer_types=["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"],
                            num_attention_heads_per_layer=[4, 6, 6, 6, 4], moe_router_logit_softcapping=4.0,
                            moe_routed_scaling_factor=2.5)}
+# Gemma 4's features at a small scale: sliding layers (window 8, head_dim 32) around two full layers
+# of their own shape (head_dim 64, one KV head, values from the keys' projection), the last two
+# layers sharing K/V (with a double-wide FFN), per-layer embeddings and a soft-capped head
+GEMMA4 = dict(num_hidden_layers=6, sliding_window=8, global_head_dim=64, num_global_key_value_heads=1,
+              attention_k_eq_v=True, layer_types=["sliding_attention"] * 2 + ["full_attention"]
+              + ["sliding_attention"] * 2 + ["full_attention"], hidden_size_per_layer_input=16,
+              vocab_size_per_layer_input=8192, num_kv_shared_layers=2, use_double_wide_mlp=True,
+              final_logit_softcapping=30.0, tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
+              eos_token_id=1)
+TINY_ARCH = TINY_MOE | {"gemma4": GEMMA4}
 
 
 def build_hf_model(arch: str, out: Path, seed: int = 0, **overrides: Any) -> tuple[Path, Any]:
@@ -42,7 +52,7 @@ def build_hf_model(arch: str, out: Path, seed: int = 0, **overrides: Any) -> tup
     give it the demo tokenizer. Returns (directory, the torch model in eval mode)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    config = getattr(transformers, HF_CLASSES[arch])(**(TINY | TINY_MOE.get(arch, {}) | overrides))
+    config = getattr(transformers, HF_CLASSES[arch])(**(TINY | TINY_ARCH.get(arch, {}) | overrides))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF inits norms to 1 and biases to 0: randomise them so they are tested
@@ -54,6 +64,11 @@ def build_hf_model(arch: str, out: Path, seed: int = 0, **overrides: Any) -> tup
             elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):  # MoE routers
                 # laguna's sigmoid scores saturate at logits of O(10): O(1) there, as trained routers have
                 p.copy_(torch.randn_like(p) * (0.1 if arch == "laguna" else 1.0))
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # gemma4's, 1 at init
+                p.copy_(1.0 + torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # gemma4's per-layer output scale (a buffer, saved)
+                b.copy_(torch.rand_like(b) + 0.5)
     model.eval()
     model.save_pretrained(out)
     for f in ("tokenizer.json", "tokenizer_config.json"):

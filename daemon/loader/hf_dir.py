@@ -59,6 +59,12 @@ _RENAMED = (("model.language_model.", "model."), (".linear_attn.dt_bias", ".line
 _PARAM_SUFFIXES = (".weight", ".bias")
 # a per-expert tensor: (the module path up to "experts") (expert index) (the projection and parameter)
 _PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(.*)")
+# tensors the converter names by hand (gemma4's Gemma4Model.filter_tensors and modify_tensors): the
+# router's input scale and per-expert output scale, the layer's output scalar, the stacked experts
+_BY_HAND = {"gemma4": tuple((re.compile(rf"model\.layers\.(\d+)\.{hf}"), gguf) for hf, gguf in (
+    (r"router\.scale", "blk.{}.ffn_gate_inp.scale"), (r"router\.per_expert_scale", "blk.{}.ffn_down_exps.scale"),
+    (r"layer_scalar", "blk.{}.layer_output_scale.weight"), (r"experts\.gate_up_proj", "blk.{}.ffn_gate_up_exps.weight"),
+    (r"experts\.down_proj", "blk.{}.ffn_down_exps.weight")))}
 
 
 def open_hf_dir(path: Path) -> ModelFile:
@@ -153,6 +159,9 @@ def gguf_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     for old, new in _RENAMED:  # as the converter does before mapping
         if old in hf_name:
             hf_name = hf_name.replace(old, new)
+    for pattern, name in _BY_HAND.get(arch, ()):
+        if (hand := pattern.fullmatch(hf_name)) is not None:
+            return name.format(hand.group(1))
     expert = _PER_EXPERT.fullmatch(hf_name)
     if expert is not None:
         merged = gguf_name(f"{expert.group(1)}.{expert.group(3)}", arch, n_layers)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -16,13 +16,14 @@ from ember.daemon.loader.model_file_error import ModelFileError
 # HF model_type -> the GGUF architecture name ember uses internally
 HF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "mixtral",
                     "qwen3_5": "qwen35", "qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe",
-                    "qwen3_5_moe_text": "qwen35moe", "laguna": "laguna"}
+                    "qwen3_5_moe_text": "qwen35moe", "laguna": "laguna",
+                    "gemma4": "gemma4", "gemma4_text": "gemma4"}
 
 # architectures with linear-attention (Gated DeltaNet) layers beside full attention
 HYBRID_ARCHES = ("qwen35", "qwen35moe")
 # architectures with sliding-window layers, and which layers slide in a GGUF file that does not say
 # (no attention.sliding_window_pattern): llama.cpp's default, every n-th layer full from layer 0
-SLIDING_PATTERNS = {"laguna": 4}
+SLIDING_PATTERNS = {"laguna": 4, "gemma4": 6}
 # GGUF expert_gating_func (gguf.ExpertGatingFuncType) -> ModelConfig.expert_gating
 _GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 
@@ -103,8 +104,9 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> int:
-        """Layers with a KV cache: all but a hybrid model's linear-attention layers."""
-        return self.n_layers - (self.linear.n_layers if self.linear else 0)
+        """Layers with a KV cache of their own: all but a hybrid model's linear-attention layers and
+        gemma4's KV-shared ones."""
+        return self.n_layers - (self.linear.n_layers if self.linear else 0) - self.kv_shared_layers
 
     def state_bytes(self) -> int:
         """Bytes of one sequence's recurrent state (hybrid models; 0 for others): float32, every linear layer."""
@@ -125,10 +127,49 @@ class ModelConfig:
     # the sliding layers' own rope (laguna), unscaled: 0 takes rope_theta / all of head_dim
     rope_theta_swa: float = 0.0
     rope_dim_swa: int = 0
+    # gemma4's full layers rotate by "proportional" rope: the first share of a head's frequency
+    # pairs turn, the rest have frequency 0 (1.0: every pair turns)
+    rope_turning: float = 1.0
+    # per layer, where they differ (gemma4's full-attention layers): KV heads and head_dim; n_kv_heads
+    # and head_dim are then the largest
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_head_dims: tuple[int, ...] = ()
+    # gemma4: the last kv_shared_layers layers compute no K/V; each attends over that of the last
+    # earlier layer of its kind (sliding or full) — see kv_source
+    kv_shared_layers: int = 0
+    k_eq_v: bool = False  # gemma4: a full layer's values are its keys' projection, normed apart (no attn_v)
+    attn_scale: float = 0.0  # the scores' scale (0: head_dim^-1/2; gemma4's is 1, its q/k norms scale)
+    ffn_act: str = "silu"  # the gated FFN's activation: "silu" or "gelu_tanh" (gemma4)
+    embed_scale: float = 1.0  # the embedding's rows times this (gemma4: sqrt(hidden))
+    logit_softcap: float = 0.0  # the logits soft-capped to +-this (0: not)
+    # gemma4's per-layer embedding (PLE): a layer_input_dim-wide input per layer and token (0: none)
+    layer_input_dim: int = 0
+    # gemma4's MoE block: routed experts beside each layer's dense FFN (not in its place)
+    parallel_experts: bool = False
 
     def heads(self, layer: int) -> int:
         """Query heads of `layer`."""
         return self.layer_heads[layer] if self.layer_heads else self.n_heads
+
+    def kv_heads(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.n_kv_heads
+
+    def head_dim_at(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values `layer` attends over: itself, or for gemma4's KV-shared
+        layers the last layer of the same kind before the first of them (transformers'
+        kv_sharing_modes)."""
+        first = self.n_layers - self.kv_shared_layers
+        if layer < first:
+            return layer
+        kind = self.window(layer)
+        return max(i for i in range(first) if self.window(i) == kind)
+
+    def owns_kv(self, layer: int) -> bool:
+        """Whether `layer` keeps K/V of its own: an attention layer that shares none."""
+        return (self.linear is None or not self.linear.recurrent[layer]) and self.kv_source(layer) == layer
 
     def window(self, layer: int) -> int:
         """The keys `layer` attends to back from each token, itself included (0: all of them)."""
@@ -150,6 +191,7 @@ class ModelConfig:
             inv = inv / freq_factors.astype(np.float64)
         elif self.rope_scaling is not None:
             inv = _scaled_inv_freq(inv, self.rope_scaling, self.rope_theta, dim)
+        inv[int(self.rope_turning * dim // 2):] = 0.0  # proportional rope's still pairs (transformers' int())
         return inv.astype(np.float32)
 
 
@@ -314,7 +356,7 @@ def config_from_hf(cfg: Mapping[str, Any], source: str) -> ModelConfig:
     layer_heads = [int(h) for h in cfg.get("num_attention_heads_per_layer") or [n_heads]]
     sliding = _hf_sliding(cfg, n_layers)
     laguna = model_type == "laguna"
-    return ModelConfig(
+    config = ModelConfig(
         arch=HF_ARCHITECTURES[model_type],
         n_layers=n_layers,
         hidden=hidden,
@@ -342,6 +384,44 @@ def config_from_hf(cfg: Mapping[str, Any], source: str) -> ModelConfig:
         rope_theta_swa=float(swa_rope.get("rope_theta", 0.0)),
         rope_dim_swa=_hf_rope_dim(cfg, swa_rope, hidden // n_heads) if swa_rope else 0,
     )
+    return _hf_gemma4(config, cfg, rope, source) if config.arch == "gemma4" else config
+
+
+def _hf_gemma4(config: ModelConfig, cfg: Mapping[str, Any], rope: Mapping[str, Any], source: str) -> ModelConfig:
+    """What Gemma4TextConfig adds: its layer types (every 6th layer full by default, the last always),
+    the full layers' own head_dim and KV heads (per_layer_config, else global_head_dim and
+    num_global_key_value_heads), KV sharing, per-layer embeddings, the MoE block beside the FFN,
+    GELU-tanh, unscaled scores, the embedding scale and the final soft-cap."""
+    n = config.n_layers
+    types = list(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
+    types[n - 1] = "full_attention"
+    sliding = tuple(t == "sliding_attention" for t in types[:n])
+    per_layer = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    global_kv = cfg.get("num_global_key_value_heads") if k_eq_v else None
+    full = {"head_dim": int(cfg.get("global_head_dim") or 512)} | ({"num_key_value_heads": int(global_kv)} if global_kv
+                                                                   else {})
+    overrides = [per_layer.get(i, {}) if per_layer else ({} if sliding[i] else full) for i in range(n)]
+    head_dims = [int(o.get("head_dim", config.head_dim)) for o in overrides]
+    kv_heads = [int(o.get("num_key_value_heads", config.n_kv_heads)) for o in overrides]
+    shared = int(cfg.get("num_kv_shared_layers") or 0)
+    first_shared = n - shared
+    if shared and {s for s in sliding[first_shared:]} - {s for s in sliding[:first_shared]}:
+        raise ModelFileError(source, "a KV-shared layer has no earlier layer of its kind to share with")
+    moe = bool(cfg.get("enable_moe_block", False))
+    softcap = cfg.get("final_logit_softcapping")
+    return replace(
+        config, n_kv_heads=max(kv_heads), head_dim=max(head_dims),
+        layer_kv_heads=_varying(kv_heads, n), layer_head_dims=_varying(head_dims, n),
+        sliding_layers=sliding if any(sliding) else (), sliding_window=int(cfg.get("sliding_window") or 0) if any(sliding) else 0,
+        rope_theta_swa=config.rope_theta_swa or 10000.0, rope_dim_swa=int(cfg.get("head_dim") or config.head_dim),
+        rope_dim=0, rope_turning=float(rope.get("partial_rotary_factor", 1.0)) if rope.get("rope_type") == "proportional" else 1.0,
+        rope_theta=float(rope.get("rope_theta", 1_000_000.0)),
+        kv_shared_layers=shared, k_eq_v=k_eq_v, attn_scale=1.0, ffn_act="gelu_tanh",
+        embed_scale=float(config.hidden) ** 0.5, logit_softcap=float(softcap or 0.0),
+        layer_input_dim=int(cfg.get("hidden_size_per_layer_input") or 0),
+        n_experts=int(cfg.get("num_experts") or 0) if moe else 0, n_experts_used=int(cfg.get("top_k_experts") or 0) if moe else 0,
+        expert_ffn=int(cfg.get("moe_intermediate_size") or 0) if moe else 0, parallel_experts=moe)
 
 
 def _hf_sliding(cfg: Mapping[str, Any], n_layers: int) -> tuple[bool, ...]:
@@ -372,8 +452,10 @@ def _hf_linear(cfg: Mapping[str, Any], arch: str) -> LinearAttention | None:
 
 def _hf_rope_scaling(rope: Mapping[str, Any], source: str, cfg: Mapping[str, Any]) -> RopeScaling | None:
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
+    if kind == "default" or (kind == "proportional" and float(rope.get("factor", 1.0)) == 1.0):
         return None
+    if kind == "proportional":  # gemma4: its frequencies divided by the factor (ModelConfig.rope_turning: which turn)
+        return RopeScaling("linear", float(rope["factor"]))
     if kind == "yarn":
         return _hf_yarn(rope, cfg)
     if kind == "linear":

@@ -27,6 +27,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # sigmoid-routed experts with a shared one, dense lead layers, per-layer heads, sliding-window
     # layers with a rope of their own (ModelConfig)
     "laguna": ArchSpec(qk_norm=True, output_gate=True),
+    # sandwich-normed layers, per-layer embeddings, KV sharing, full layers of their own shape (gemma4.py)
+    "gemma4": ArchSpec(qk_norm=True),
 }
 
 

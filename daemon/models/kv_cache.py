@@ -11,11 +11,15 @@ from ember.kernels.ops import Array, Ops
 
 class PagedKVCache:
     def __init__(self, ops: Ops, n_layers: int, kv_heads: int, head_dim: int, n_blocks: int,
-                 block_size: int = 16, dtype: str = "f32", state: RecurrentState | None = None) -> None:
+                 block_size: int = 16, dtype: str = "f32", state: RecurrentState | None = None,
+                 shapes: list[tuple[int, int]] | None = None) -> None:
+        """n_layers layers of [kv_heads, head_dim] rows, or per layer its own (kv_heads, head_dim)
+        where `shapes` gives them (gemma4's full layers)."""
         self.ops, self.n_blocks, self.block_size, self.dtype = ops, n_blocks, block_size, dtype
         self.state = state
-        self.k = [ops.kv_store(dtype, n_blocks, block_size, kv_heads, head_dim) for _ in range(n_layers)]
-        self.v = [ops.kv_store(dtype, n_blocks, block_size, kv_heads, head_dim) for _ in range(n_layers)]
+        self.shapes = shapes or [(kv_heads, head_dim)] * n_layers
+        self.k = [ops.kv_store(dtype, n_blocks, block_size, h, d) for h, d in self.shapes]
+        self.v = [ops.kv_store(dtype, n_blocks, block_size, h, d) for h, d in self.shapes]
 
     def write(self, layer: int, blocks: Array, offsets: Array, k: Array, v: Array) -> None:
         """Store k, v [n, kv_heads, head_dim] at row offsets[i] of block blocks[i]."""

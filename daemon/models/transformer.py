@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile
 from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.architectures import ArchSpec, architecture
+from ember.daemon.models.gemma4 import Gemma4Block, load_gemma4_block, load_per_layer_embedding, ones
 from ember.daemon.models.linear_attention import GatedDeltaNet, load_gated_delta_net
 from ember.daemon.models.recurrent_state import RecurrentState
 from ember.daemon.step.step_batch import StepBatch
@@ -70,22 +71,16 @@ class Attention:
     out_gate: Weight | None = None
     scale: float = 0.0  # the scores' scale (0: head_dim^-1/2)
     bo: Array | None = None  # the output projection's bias (laguna's attention_bias)
+    # gemma4: a layer's own head_dim and KV heads (0: the model's), its values RMS-normed unscaled
+    # (v_norm, ones), wv None where they are the keys' projection (k_eq_v), and wk None too on a
+    # KV-shared layer, which reads kv_layer's keys and values and writes none
+    head_dim: int = 0
+    kv_heads: int = 0
+    v_norm: Array | None = None
 
     def __call__(self, ops: Ops, cfg: ModelConfig, x: Array, cache: PagedKVCache, batch: StepBatch) -> Array:
-        n, rows, heads, hd = x.shape[0], batch.decode_rows, self.n_heads, cfg.head_dim
-        q, k, v = ops.matmul_many(x, (self.wq, self.wk, self.wv), rows)
-        if self.bq is not None:
-            q, k, v = q + self.bq, k + self.bk, v + self.bv
-        gate = None
-        if self.gated:
-            both = q.reshape(n, heads, 2, hd)
-            q, gate = both[:, :, 0], both[:, :, 1].reshape(n, heads * hd)
-        q = q.reshape(n, heads, hd)
-        k = k.reshape(n, cfg.n_kv_heads, hd)
-        v = v.reshape(n, cfg.n_kv_heads, hd)
-        q, k = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, cfg.norm_eps, batch.positions, self.rope.inv_freq,
-                                self.rope.interleaved)
-        cache.write(self.kv_layer, batch.kv_blocks, batch.kv_offsets, k, v)
+        n, rows, heads, hd = x.shape[0], batch.decode_rows, self.n_heads, self.head_dim or cfg.head_dim
+        q, gate = self._queries(ops, cfg, x, cache, batch)
         seen = batch.positions if batch.attn_end is None else batch.attn_end  # causal unless told otherwise
         out = ops.paged_attention(q, cache.k[self.kv_layer], cache.v[self.kv_layer], batch.tables, batch.token_seq,
                                   seen, self.scale or hd**-0.5, self.window).reshape(n, heads * hd)
@@ -96,15 +91,45 @@ class Attention:
         out = ops.matmul(out, self.wo, rows)
         return out if self.bo is None else out + self.bo
 
+    def _queries(self, ops: Ops, cfg: ModelConfig, x: Array, cache: PagedKVCache, batch: StepBatch
+                 ) -> tuple[Array, Array | None]:
+        """The step's queries [n, heads, hd], normed and rotated, and a gated layer's output gates;
+        this layer's keys and values written to the cache on the way (none on a KV-shared layer)."""
+        n, rows, heads, hd = x.shape[0], batch.decode_rows, self.n_heads, self.head_dim or cfg.head_dim
+        if self.wk is None:
+            q = ops.rmsnorm(ops.matmul(x, self.wq, rows).reshape(n, heads, hd), self.q_norm, cfg.norm_eps)
+            return ops.rope(q, batch.positions, self.rope.inv_freq, self.rope.interleaved), None
+        if self.wv is None:
+            q, k = ops.matmul_many(x, (self.wq, self.wk), rows)
+            v = k
+        else:
+            q, k, v = ops.matmul_many(x, (self.wq, self.wk, self.wv), rows)
+        if self.bq is not None:
+            q, k, v = q + self.bq, k + self.bk, v + self.bv
+        gate = None
+        if self.gated:
+            both = q.reshape(n, heads, 2, hd)
+            q, gate = both[:, :, 0], both[:, :, 1].reshape(n, heads * hd)
+        kv_heads = self.kv_heads or cfg.n_kv_heads
+        k, v = k.reshape(n, kv_heads, hd), v.reshape(n, kv_heads, hd)
+        if self.v_norm is not None:  # a new array: v no longer shares k's, which qk_norm_rope may change in place
+            v = ops.rmsnorm(v, self.v_norm, cfg.norm_eps)
+        q, k = ops.qk_norm_rope(q.reshape(n, heads, hd), k, self.q_norm, self.k_norm, cfg.norm_eps, batch.positions,
+                                self.rope.inv_freq, self.rope.interleaved)
+        cache.write(self.kv_layer, batch.kv_blocks, batch.kv_offsets, k, v)
+        return q, gate
+
 
 @dataclass
 class DenseFFN:
     gate: Weight
     up: Weight
     down: Weight
+    gelu: bool = False  # GELU-tanh gating (gemma4) rather than SiLU
 
     def __call__(self, ops: Ops, x: Array, rows: Array) -> Array:
-        return ops.matmul(ops.swiglu_matmul(x, self.gate, self.up, rows), self.down, rows)
+        gated = (ops.geglu_matmul if self.gelu else ops.swiglu_matmul)(x, self.gate, self.up, rows)
+        return ops.matmul(gated, self.down, rows)
 
 
 @dataclass
@@ -143,6 +168,7 @@ class Transformer:
         tied = "output.weight" not in mf.tensors
         embed = self.runs_first or (self.runs_last and tied)
         self.embed = ops.weight(mf.tensor("token_embd.weight")) if embed else None
+        self.per_layer = load_per_layer_embedding(mf, ops) if self.runs_first else None  # gemma4's PLE
         factors = mf.tensors.get("rope_freqs.weight")
         rope = Rope.of(ops, mf.config.inv_freq(None if factors is None else ops.to_numpy(ops.vector(factors))),
                        mf.rope_interleaved)
@@ -180,20 +206,30 @@ class Transformer:
         max_sequences - 1). The whole model only: a layer split of a hybrid is refused (Pipeline)."""
         c = self.config
         state = RecurrentState(self.ops, c.linear, max_sequences) if c.linear else None
-        attention = sum(isinstance(b.attn, Attention) for b in self.blocks)
-        return PagedKVCache(self.ops, attention, c.n_kv_heads, c.head_dim, n_blocks, block_size, dtype, state)
+        shapes = [(c.kv_heads(i), c.head_dim_at(i)) for i in self.layers if c.owns_kv(i)]
+        return PagedKVCache(self.ops, len(shapes), c.n_kv_heads, c.head_dim, n_blocks, block_size, dtype, state,
+                            shapes if len(set(shapes)) > 1 else None)
 
     def forward(self, batch: StepBatch, cache: PagedKVCache) -> Array:
         """Run one step's tokens (from any number of sequences) through the model, writing their K/V
         into `cache`. Returns logits [len(batch.logit_rows), vocab]."""
         # the stack takes the embedding itself: no frame of ours keeps it alive through the layers
+        batch = self.with_layer_inputs(batch)
         return self.head(self.stack.run(self.embed_tokens(batch), batch, cache), batch)
 
     def embed_tokens(self, batch: StepBatch) -> Array:
         """The hidden states [n, hidden] the first layer reads."""
         if not self.runs_first:
             raise ValueError(f"layers {self.layers.start}-{self.layers.stop - 1} do not start the model: no embedding here")
-        return self.ops.embedding(self.embed, batch.ids)
+        x = self.ops.embedding(self.embed, batch.ids)
+        return x if self.config.embed_scale == 1.0 else x * self.config.embed_scale
+
+    def with_layer_inputs(self, batch: StepBatch) -> StepBatch:
+        """The batch with gemma4's per-layer inputs (StepBatch.layer_inputs), where the model has them."""
+        if self.per_layer is None or batch.layer_inputs is not None:
+            return batch
+        return replace(batch, layer_inputs=self.per_layer(self.ops, self.config, self.embed_tokens(batch), batch.ids,
+                                                          batch.decode_rows))
 
     def forward_with_features(self, batch: StepBatch, cache: PagedKVCache, layers: Sequence[int]
                               ) -> tuple[Array, list[Array]]:
@@ -206,6 +242,7 @@ class Transformer:
             if self.layers.start + i in layers:
                 taps[self.layers.start + i] = x  # a layer returns a new array: this one stays as it is
 
+        batch = self.with_layer_inputs(batch)
         x = self.stack.run(self.embed_tokens(batch), batch, cache, tap)
         taps[self.layers.stop] = x
         return self.head(x, batch), [taps[i] for i in layers]
@@ -220,7 +257,9 @@ class Transformer:
         every row has met one of its stop ids (stops [n, m], -1 pads) -> host tokens [steps taken, n],
         those forward() and argmax would give step by step; None, having done nothing, where the
         backend has no compiled form of the whole step (ops.greedy_plan) or the batch is not such a step."""
-        n = len(batch.ids)
+        n, c = len(batch.ids), self.config
+        if (c.embed_scale != 1.0 or c.logit_softcap or self.per_layer is not None):  # the compiled step has none
+            return None
         if (not (self.runs_first and self.runs_last) or batch.attn_end is not None
                 or len(batch.logit_rows) != n or not np.array_equal(batch.logit_rows, np.arange(n))
                 or not np.all(batch.decode_rows)):
@@ -245,8 +284,9 @@ class Transformer:
         if batch.n_logits == 0:  # prompt chunks only: their K/V is all this step produces
             return self.ops.zeros((0, self.config.vocab))
         x = x[batch.logit_rows]
-        return self.ops.matmul(self.ops.rmsnorm(x, self.norm, self.config.norm_eps), self.output,
-                               batch.decode_rows[batch.logit_rows])
+        logits = self.ops.matmul(self.ops.rmsnorm(x, self.norm, self.config.norm_eps), self.output,
+                                 batch.decode_rows[batch.logit_rows])
+        return self.ops.softcap(logits, self.config.logit_softcap) if self.config.logit_softcap else logits
 
 
 def _expert_manager(mf: ModelFile, options: ExpertOptions) -> ExpertManager | None:
@@ -261,7 +301,7 @@ def _expert_manager(mf: ModelFile, options: ExpertOptions) -> ExpertManager | No
 
 
 def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, experts: ExpertManager | None, rope: Rope,
-               sliding_rope: Rope | None = None) -> Block:
+               sliding_rope: Rope | None = None) -> Block | Gemma4Block:
     """Layer i of a Transformer whose first layer is `first` (its cache's layers count from there),
     rotating by `rope`, or by `sliding_rope` if it is a sliding-window layer."""
     def w(name: str) -> Weight:
@@ -271,6 +311,8 @@ def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, expe
         return ops.vector(mf.tensor(f"blk.{i}.{name}"))
 
     cfg = mf.config
+    if cfg.arch == "gemma4":
+        return _gemma4_block(mf, ops, i, first, rope, sliding_rope)
     if experts is not None and mf.is_moe_layer(i):
         ffn: DenseFFN | MoEFFN | SharedExpertMoE = load_moe_ffn(mf, ops, i, experts)
         if has_shared_expert(mf, i):  # qwen35moe, laguna
@@ -308,6 +350,25 @@ def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, expe
     return Block(vec("attn_norm.weight"), _rope_factor(mf, ops, attn), vec("ffn_norm.weight"), ffn)
 
 
+def _gemma4_block(mf: ModelFile, ops: Ops, i: int, first: int, rope: Rope, sliding_rope: Rope | None) -> Gemma4Block:
+    """Gemma 4's layer i (gemma4.py): its attention shares an earlier layer's K/V past the model's
+    first KV-shared layer, and takes its values from its keys' projection on full layers with k_eq_v."""
+    def w(name: str) -> Weight:
+        return ops.weight(mf.tensor(f"blk.{i}.{name}.weight"))
+
+    cfg, source = mf.config, mf.config.kv_source(i)
+    own, window, head_dim = source == i, cfg.window(i), cfg.head_dim_at(i)
+    attn = Attention(
+        wq=w("attn_q"), wk=w("attn_k") if own else None,
+        wv=w("attn_v") if own and not (cfg.k_eq_v and not window) else None, wo=w("attn_output"),
+        bq=None, bk=None, bv=None, q_norm=_norm(mf, ops, f"blk.{i}.attn_q_norm.weight"),
+        k_norm=_norm(mf, ops, f"blk.{i}.attn_k_norm.weight") if own else None,
+        kv_layer=sum(cfg.owns_kv(j) for j in range(first, source)),
+        rope=sliding_rope if window and sliding_rope is not None else rope, n_heads=cfg.heads(i), window=window,
+        scale=cfg.attn_scale, head_dim=head_dim, kv_heads=cfg.kv_heads(i), v_norm=ones(ops, head_dim) if own else None)
+    return load_gemma4_block(mf, ops, i, attn, DenseFFN(w("ffn_gate"), w("ffn_up"), w("ffn_down"), gelu=True))
+
+
 def _rope_factor(mf: ModelFile, ops: Ops, attn: Attention) -> Attention:
     """The attention with yarn's factor m on cos and sin (ModelConfig.rope_attn_factor; sliding layers
     rotate unscaled): the rotated dimensions of q and k times m. Rope is linear and rotates pairs
@@ -336,11 +397,13 @@ def stack_layer(block: Block, ops: Ops, cfg: ModelConfig) -> StackLayer:
     def run(x: Array, step: StepBatch, cache: PagedKVCache) -> Array:
         return block(ops, cfg, x, cache, step)
 
+    if isinstance(block, Gemma4Block):
+        return StackLayer(run)
     attn = block.attn
     if not isinstance(attn, Attention) or attn.gated or attn.bo is not None:
         return StackLayer(run)
     ffn = block.ffn
-    dense = isinstance(ffn, DenseFFN)
+    dense = isinstance(ffn, DenseFFN) and not ffn.gelu
     routed = None
     if isinstance(ffn, (MoEFFN, SharedExpertMoE)):
         def routed() -> Any | None:

@@ -131,7 +131,7 @@ class NativeDecoder:
         c = mf.config
         spec = architecture(c.arch, str(mf.path))
         if (c.linear is not None or c.n_experts or c.sliding_window or c.layer_heads or spec.output_gate
-                or c.rope_attn_factor != 1.0):
+                or c.rope_attn_factor != 1.0 or c.arch == "gemma4"):
             raise NativeDecoderUnsupported(f"{c.arch}: the native decode step runs dense attention models only "
                                            "(every layer alike, no sliding window, no output gate, no yarn)")
         _check_head_dim(c.head_dim)  # before any weight goes to the device

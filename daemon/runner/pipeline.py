@@ -97,6 +97,9 @@ class Pipeline:
         after the daemon's socket (staging.Segment.create)."""
         if config.linear is not None:  # stages would each need the sequences' recurrent state slots
             raise ValueError(f"{model_path}: a layer split of a hybrid model ({config.arch}) is not supported")
+        if config.layer_input_dim or config.kv_shared_layers:  # later stages would need the first one's inputs, K/V
+            raise ValueError(f"{model_path}: a layer split of a model with per-layer embeddings or shared K/V "
+                             f"({config.arch}) is not supported")
         self.config, self.act_dtype, self.max_tokens = config, act_dtype, max_tokens
         self.specs = tuple(stages)
         self.lanes = len(stages)  # micro-batches in flight at most: one per stage keeps every stage busy

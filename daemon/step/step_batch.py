@@ -32,6 +32,9 @@ class StepBatch:
     # [n] the last position each token attends to; None: its own (causal). A DFlash draft's noise block
     # sees the whole block (daemon/models/dflash.py).
     attn_end: Any = None
+    # gemma4's per-layer inputs [n, layers, P] (models/gemma4.py), which the model adds once it has
+    # embedded the step's tokens
+    layer_inputs: Any = None
 
     @property
     def n_logits(self) -> int:

@@ -133,6 +133,12 @@ class CpuOps(Ops):
     def sigmoid_mul(self, x: Array, gate: Array) -> np.ndarray:
         return dense.sigmoid_mul(x, gate)
 
+    def geglu(self, gate: Array, up: Array) -> np.ndarray:
+        return dense.geglu(gate, up)
+
+    def softcap(self, x: Array, cap: float) -> np.ndarray:
+        return dense.softcap(x, cap)
+
     def softplus_gate(self, x: Array, gate: Array) -> np.ndarray:
         return dense.softplus_gate(x, gate)
 

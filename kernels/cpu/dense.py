@@ -120,6 +120,40 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return out
 
 
+def _geglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    g, u, o = gate.reshape(-1), up.reshape(-1), out.reshape(-1)
+    for i in prange(g.size):
+        x = np.float64(g[i])
+        o[i] = 0.5 * x * (1.0 + math.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))) * u[i]
+
+
+_GEGLU = Twin(_geglu)
+
+
+def geglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gelu_tanh(gate) * up (kernels/reference/dense.py), in float64 like the reference."""
+    gate = np.ascontiguousarray(gate, np.float32)
+    out = np.empty_like(gate)
+    _GEGLU.pick(gate.size * 16)(gate, np.ascontiguousarray(up, np.float32), out)
+    return out
+
+
+def _softcap(x: np.ndarray, cap: float, out: np.ndarray) -> None:
+    a, o = x.reshape(-1), out.reshape(-1)
+    for i in prange(a.size):
+        o[i] = cap * math.tanh(np.float64(a[i]) / cap)
+
+
+_SOFTCAP = Twin(_softcap)
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty_like(x)
+    _SOFTCAP.pick(x.size * 16)(x, float(cap), out)
+    return out
+
+
 def _sigmoid_mul(x: np.ndarray, gate: np.ndarray, out: np.ndarray) -> None:
     a, g, o = x.reshape(-1), gate.reshape(-1), out.reshape(-1)
     for i in prange(a.size):

@@ -70,6 +70,21 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return (g / (1.0 + np.exp(-g)) * up).astype(np.float32)
 
 
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh approximation (torch's gelu(approximate="tanh"), transformers' gelu_pytorch_tanh)."""
+    x64 = np.asarray(x, np.float64)
+    return 0.5 * x64 * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x64 + 0.044715 * x64**3)))
+
+
+def geglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    return (gelu_tanh(gate) * up).astype(np.float32)
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """cap * tanh(x / cap): x squashed into (-cap, cap), near x where |x| << cap."""
+    return (cap * np.tanh(np.asarray(x, np.float64) / cap)).astype(np.float32)
+
+
 def sigmoid_mul(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
     return (x.astype(np.float64) / (1.0 + np.exp(-gate.astype(np.float64)))).astype(np.float32)
 
