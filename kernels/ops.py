@@ -22,11 +22,13 @@ Weight = Any  # a backend's packed matrix (keeps the file's quantization)
 
 
 class ExpertWeights(NamedTuple):
-    """One MoE expert's gated FFN, as the backend holds it: down(silu(gate x) * up x)."""
+    """One MoE expert's gated FFN, as the backend holds it: down(silu(gate x) * up x), or with
+    GELU-tanh in silu's place where `gelu` (gemma4)."""
 
     gate: Weight
     up: Weight
     down: Weight
+    gelu: bool = False
 
 
 class Routing(NamedTuple):
@@ -183,7 +185,7 @@ class Ops(ABC):
             t = token[group]  # distinct: a token's top-k experts are distinct
             rows = None if decode_rows is None else decode_rows[self.to_device(t)]
             xt = x[self.to_device(t)]
-            y = self.matmul(self.swiglu_matmul(xt, w.gate, w.up, rows), w.down, rows)
+            y = self.matmul((self.geglu_matmul if w.gelu else self.swiglu_matmul)(xt, w.gate, w.up, rows), w.down, rows)
             out[self.to_device(t)] += y * self.to_device(weight[group])[:, None]
         return out
 

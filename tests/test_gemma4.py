@@ -15,6 +15,8 @@ CASES = {
     # the large dense models' layout: no per-layer embedding, no KV sharing, values projected apart
     "31b": dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False,
                 attention_k_eq_v=False, final_logit_softcapping=None),
+    # the 26B-A4B layout: routed experts beside every layer's dense FFN
+    "moe": dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=64),
     # the sliding layers alone share (the full layers compute their own): sharing by layer kind
     "shared_sliding": dict(layer_types=["sliding_attention", "full_attention"] + ["sliding_attention"] * 3
                            + ["full_attention"], num_kv_shared_layers=3),

@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
 
     mf = open_model_file(path)
     ops = get_ops("cpu")
-    hidden = mf.config.hidden
+    hidden, gelu = mf.config.hidden, mf.config.ffn_act == "gelu_tanh"
     slots = ColdSlots.over(map_segment(seg_fd, ColdSlots.nbytes(capacity, hidden)), capacity, hidden)
     sock = socket.socket(fileno=sock_fd)
     experts: dict[tuple[int, int], ExpertWeights] = {}  # packed on first use: views of the mapped file
@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
         for e in ids.tolist():
             if (layer, e) not in experts:
                 g, u, d = (mf.experts(layer, p)[e] for p in ("gate", "up", "down"))
-                experts[layer, e] = ExpertWeights(ops.weight(g), ops.weight(u), ops.weight(d))
+                experts[layer, e] = ExpertWeights(ops.weight(g), ops.weight(u), ops.weight(d), gelu)
         return {e: experts[layer, e] for e in ids.tolist()}
 
     sock.sendall(READY)

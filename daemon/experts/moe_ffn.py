@@ -47,6 +47,8 @@ class MoEFFN:
     table: Any = None  # `hot` as ops.routed_ffn takes it (ops.expert_table), rebuilt as it changes
     # the backend's one-call form of this FFN with its norm (ops.fuse_routed), and the table it was made of
     _compiled: tuple[Any, Any] | None = field(default=None, init=False, repr=False)
+    gelu: bool = False  # the experts gate with GELU-tanh (gemma4), not SiLU
+    out_scale: np.ndarray | None = None  # per expert, its routed weight's factor (gemma4's per_expert_scale)
 
     def __post_init__(self) -> None:
         self.is_hot = np.zeros(len(self.files), bool)
@@ -55,7 +57,7 @@ class MoEFFN:
         """h -> h + this FFN of rmsnorm(h, norm) (+ an ungated `shared` expert's), its routing recorded,
         in one backend call (ops.fuse_routed), while every expert is hot; else None (the FFN then runs
         as __call__)."""
-        if not self.is_hot.all():
+        if not self.is_hot.all() or not self._plain:
             return None
         if self._compiled is None or self._compiled[0] is not self.table:
             stats = self.manager.stats
@@ -65,13 +67,19 @@ class MoEFFN:
         return self._compiled[1]
 
     @property
+    def _plain(self) -> bool:
+        """Whether the backend's routed forms (routed_ffn, fuse_routed) compute this FFN: SiLU experts
+        weighted by their routing alone."""
+        return not self.gelu and self.out_scale is None
+
+    @property
     def n_experts(self) -> int:
         return len(self.files)
 
     def promote(self, ops: Ops, experts: list[int]) -> None:
         for e in experts:
             t = self.files[e]
-            self.hot[e] = ExpertWeights(ops.weight(t.gate), ops.weight(t.up), ops.weight(t.down))
+            self.hot[e] = ExpertWeights(ops.weight(t.gate), ops.weight(t.up), ops.weight(t.down), self.gelu)
             self.is_hot[e] = True
         self.table = ops.expert_table(self.hot, self.n_experts)
 
@@ -81,14 +89,17 @@ class MoEFFN:
             self.is_hot[e] = False
         self.table = ops.expert_table(self.hot, self.n_experts)
 
-    def __call__(self, ops: Ops, x: Array, rows: Array) -> Array:
+    def __call__(self, ops: Ops, x: Array, rows: Array, route_x: Array | None = None) -> Array:
+        """The experts of x [n, d], routed by x, or by route_x where the router reads another input (gemma4)."""
         n = x.shape[0]
         r = self.routing
-        if self.is_hot.all():  # routing and experts in one backend call
+        if self.is_hot.all() and self._plain and route_x is None:  # routing and experts in one backend call
             out, ids = ops.routed_ffn(x, self.router, self.table, r, rows)
             self.manager.record(self.layer, ids.reshape(-1), n)
             return out
-        ids, weights = ops.route(ops.matmul(x, self.router, rows), *r)
+        ids, weights = ops.route(ops.matmul(x if route_x is None else route_x, self.router, rows), *r)
+        if self.out_scale is not None:
+            weights = weights * self.out_scale[ids]
         token = np.repeat(np.arange(n), r.k)
         expert, weight = ids.reshape(-1), weights.reshape(-1)
         self.manager.record(self.layer, expert, n)
@@ -111,8 +122,10 @@ def load_moe_ffn(mf: ModelFile, ops: Ops, layer: int, manager: ExpertManager) ->
     bias = mf.tensors.get(f"blk.{layer}.exp_probs_b.bias")
     routing = Routing(c.n_experts_used, c.expert_norm, c.expert_gating,
                       None if bias is None else ops.to_numpy(ops.vector(bias)), c.router_softcap, c.expert_scale)
+    scale = mf.tensors.get(f"blk.{layer}.ffn_down_exps.scale")
     ffn = MoEFFN(layer, ops.weight(mf.tensor(f"blk.{layer}.ffn_gate_inp.weight")), expert_files(mf, layer), routing,
-                 manager)
+                 manager, gelu=c.ffn_act == "gelu_tanh",
+                 out_scale=None if scale is None else ops.to_numpy(ops.vector(scale)).astype(np.float32))
     ffn.promote(ops, manager.hot_experts(layer))
     manager.register(ffn)
     return ffn

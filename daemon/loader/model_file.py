@@ -42,6 +42,14 @@ class ModelFile:
         each a view of the file: slices of GGUF's stacked blk.N.ffn_{proj}_exps.weight [experts, rows,
         cols], or the HF directory's own per-expert tensors (blk.N.ffn_{proj}_exps.E.weight)."""
         n = self.config.n_experts
+        fused = self.tensors.get(f"blk.{layer}.ffn_gate_up_exps.weight") if proj in ("gate", "up") else None
+        if fused is not None:  # gemma4: each expert's gate rows, then its up rows, in one tensor
+            if len(fused.shape) != 3 or fused.shape[0] != n or fused.shape[1] % 2:
+                raise ModelFileError(str(self.path), f"{fused.name} has shape {fused.shape}, not [{n}, 2 x rows, cols]")
+            half = fused.shape[1] // 2
+            part = slice(0, half) if proj == "gate" else slice(half, None)
+            return [RawTensor(f"{fused.name}[{e}].{proj}", fused.ttype, (half, fused.shape[2]), fused.data[e, part])
+                    for e in range(n)]
         stacked = self.tensors.get(f"blk.{layer}.ffn_{proj}_exps.weight")
         if stacked is not None:
             if len(stacked.shape) != 3 or stacked.shape[0] != n:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ember.daemon.experts.expert_manager import ExpertManager
+from ember.daemon.experts.moe_ffn import MoEFFN, load_moe_ffn
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile
 from ember.daemon.models.kv_cache import PagedKVCache
@@ -62,6 +64,24 @@ class PerLayerEmbedding:
 
 
 @dataclass
+class RoutedBeside:
+    """The MoE block: routed experts beside the dense FFN, both reading the layer's h:
+    norm_1(dense) + norm_2(experts(pre_norm_2(h))), the experts routed by rmsnorm(h) * scale / sqrt(hidden)
+    and their weights times a factor per expert (MoEFFN.out_scale)."""
+
+    experts: MoEFFN
+    router_norm: Array  # the router's input scale / sqrt(hidden), as an RMSNorm weight
+    in_norm: Array
+    dense_norm: Array
+    routed_norm: Array
+
+    def __call__(self, ops: Ops, cfg: ModelConfig, h: Array, dense: Array, rows: Array) -> Array:
+        eps = cfg.norm_eps
+        routed = self.experts(ops, ops.rmsnorm(h, self.in_norm, eps), rows, ops.rmsnorm(h, self.router_norm, eps))
+        return ops.rmsnorm(dense, self.dense_norm, eps) + ops.rmsnorm(routed, self.routed_norm, eps)
+
+
+@dataclass
 class Gemma4Block:
     index: int  # the model's layer index (its column of the per-layer inputs)
     attn_norm: Array
@@ -70,6 +90,7 @@ class Gemma4Block:
     ffn_norm: Array
     ffn: DenseFFN
     post_ffn_norm: Array
+    moe: RoutedBeside | None
     layer_input: LayerInput | None
     out_scale: float
 
@@ -77,7 +98,10 @@ class Gemma4Block:
         eps, rows = cfg.norm_eps, batch.decode_rows
         h = x + ops.rmsnorm(self.attn(ops, cfg, ops.rmsnorm(x, self.attn_norm, eps), cache, batch), self.post_attn_norm,
                             eps)
-        h = h + ops.rmsnorm(self.ffn(ops, ops.rmsnorm(h, self.ffn_norm, eps), rows), self.post_ffn_norm, eps)
+        ffn = self.ffn(ops, ops.rmsnorm(h, self.ffn_norm, eps), rows)
+        if self.moe is not None:
+            ffn = self.moe(ops, cfg, h, ffn, rows)
+        h = h + ops.rmsnorm(ffn, self.post_ffn_norm, eps)
         if self.layer_input is not None:
             h = self.layer_input(ops, cfg, h, batch.layer_inputs[:, self.index], rows)
         return h * self.out_scale if self.out_scale != 1.0 else h
@@ -91,8 +115,10 @@ def load_per_layer_embedding(mf: ModelFile, ops: Ops) -> PerLayerEmbedding | Non
                              ops.vector(mf.tensor("per_layer_proj_norm.weight")))
 
 
-def load_gemma4_block(mf: ModelFile, ops: Ops, i: int, attn: Attention, ffn: DenseFFN) -> Gemma4Block:
-    """Layer i around its attention and dense FFN (transformer.load_block builds those)."""
+def load_gemma4_block(mf: ModelFile, ops: Ops, i: int, attn: Attention, ffn: DenseFFN,
+                      experts: ExpertManager | None) -> Gemma4Block:
+    """Layer i around its attention and dense FFN (transformer.load_block builds those); its routed
+    experts placed by `experts` where it has them."""
     def vec(name: str) -> Array:
         return ops.vector(mf.tensor(f"blk.{i}.{name}.weight"))
 
@@ -101,8 +127,13 @@ def load_gemma4_block(mf: ModelFile, ops: Ops, i: int, attn: Attention, ffn: Den
     if mf.config.layer_input_dim:
         layer_input = LayerInput(ops.weight(mf.tensor(f"blk.{i}.inp_gate.weight")),
                                  ops.weight(mf.tensor(f"blk.{i}.proj.weight")), vec("post_norm"))
+    moe = None
+    if experts is not None and mf.is_moe_layer(i):
+        moe = RoutedBeside(load_moe_ffn(mf, ops, i, experts),
+                           ops.vector(mf.tensor(f"blk.{i}.ffn_gate_inp.scale")) * mf.config.hidden**-0.5,
+                           vec("pre_ffw_norm_2"), vec("post_ffw_norm_1"), vec("post_ffw_norm_2"))
     return Gemma4Block(i, vec("attn_norm"), attn, vec("post_attention_norm"), vec("ffn_norm"), ffn, vec("post_ffw_norm"),
-                       layer_input, 1.0 if scalar is None else float(ops.to_numpy(ops.vector(scalar)).reshape(-1)[0]))
+                       moe, layer_input, 1.0 if scalar is None else float(ops.to_numpy(ops.vector(scalar)).reshape(-1)[0]))
 
 
 def ones(ops: Ops, n: int) -> Array:

@@ -312,7 +312,7 @@ def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, expe
 
     cfg = mf.config
     if cfg.arch == "gemma4":
-        return _gemma4_block(mf, ops, i, first, rope, sliding_rope)
+        return _gemma4_block(mf, ops, i, first, experts, rope, sliding_rope)
     if experts is not None and mf.is_moe_layer(i):
         ffn: DenseFFN | MoEFFN | SharedExpertMoE = load_moe_ffn(mf, ops, i, experts)
         if has_shared_expert(mf, i):  # qwen35moe, laguna
@@ -350,7 +350,8 @@ def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, expe
     return Block(vec("attn_norm.weight"), _rope_factor(mf, ops, attn), vec("ffn_norm.weight"), ffn)
 
 
-def _gemma4_block(mf: ModelFile, ops: Ops, i: int, first: int, rope: Rope, sliding_rope: Rope | None) -> Gemma4Block:
+def _gemma4_block(mf: ModelFile, ops: Ops, i: int, first: int, experts: ExpertManager | None, rope: Rope,
+                  sliding_rope: Rope | None) -> Gemma4Block:
     """Gemma 4's layer i (gemma4.py): its attention shares an earlier layer's K/V past the model's
     first KV-shared layer, and takes its values from its keys' projection on full layers with k_eq_v."""
     def w(name: str) -> Weight:
@@ -366,7 +367,7 @@ def _gemma4_block(mf: ModelFile, ops: Ops, i: int, first: int, rope: Rope, slidi
         kv_layer=sum(cfg.owns_kv(j) for j in range(first, source)),
         rope=sliding_rope if window and sliding_rope is not None else rope, n_heads=cfg.heads(i), window=window,
         scale=cfg.attn_scale, head_dim=head_dim, kv_heads=cfg.kv_heads(i), v_norm=ones(ops, head_dim) if own else None)
-    return load_gemma4_block(mf, ops, i, attn, DenseFFN(w("ffn_gate"), w("ffn_up"), w("ffn_down"), gelu=True))
+    return load_gemma4_block(mf, ops, i, attn, DenseFFN(w("ffn_gate"), w("ffn_up"), w("ffn_down"), gelu=True), experts)
 
 
 def _rope_factor(mf: ModelFile, ops: Ops, attn: Attention) -> Attention:

@@ -103,7 +103,8 @@ class CpuOps(Ops):
     def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
                    weight: np.ndarray, decode_rows: Array | None = None) -> np.ndarray:
         out = None
-        if self._flags(decode_rows) is True:  # decode steps: every expert group in one compiled call
+        # decode steps: every expert group in one compiled call (SiLU's: GELU's go op by op)
+        if self._flags(decode_rows) is True and not any(w.gelu for w in experts.values()):
             out = expert_ffn.expert_ffn(x, experts, token, expert, weight)
         return super().expert_ffn(x, experts, token, expert, weight, decode_rows) if out is None else out
 

@@ -67,7 +67,7 @@ class ExpertTable(Mapping):
 def expert_table(experts: Mapping[int, ExpertWeights], n_experts: int) -> ExpertTable:
     held = dict(experts)
     rows = np.zeros((n_experts, 12), np.int64)
-    complete = len(held) == n_experts
+    complete = len(held) == n_experts and not any(ws.gelu for ws in held.values())  # the kernels gate with SiLU
     for e, ws in held.items():
         row = _row(ws)
         if row is None:
@@ -133,7 +133,7 @@ def _shared_args(shared: ExpertWeights | None, cols: int) -> tuple[Any, ...]:
     if shared is None:
         none = _read_only_view(np.zeros((0, cols), np.uint8))
         return (False, 0, none, 0, none, 0, none)
-    g, u, d = shared
+    g, u, d = shared.gate, shared.up, shared.down
     return (True, g.code, g.u8, u.code, u.u8, d.code, d.u8)
 
 
@@ -166,7 +166,7 @@ def expert_ffn(x: np.ndarray, experts: Mapping[int, ExpertWeights], token: np.nd
 
 def _row(ws: ExpertWeights) -> tuple[int, ...] | None:
     """An expert's row of the table, or None where the default computes it with other kernels."""
-    g, u, d = ws
+    g, u, d = ws.gate, ws.up, ws.down
     if not (g.int8 and u.int8 and d.int8 and (g.rows, g.cols) == (u.rows, u.cols)):
         return None
     return (g.code, g.address, *g.u8.shape, u.code, u.address, *u.u8.shape, d.code, d.address, *d.u8.shape)

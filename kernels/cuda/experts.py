@@ -31,7 +31,7 @@ def expert_ffn(ops: Ops, x: DeviceArray, experts: Mapping[int, ExpertWeights], t
         w = experts[int(expert[group[0]])]
         rows = ops.to_device(np.ascontiguousarray(token[group], np.int64))
         flags = None if decode_rows is None else decode_rows[rows]
-        y = ops.matmul(ops.swiglu_matmul(x[rows], w.gate, w.up, flags), w.down, flags)
+        y = ops.matmul((ops.geglu_matmul if w.gelu else ops.swiglu_matmul)(x[rows], w.gate, w.up, flags), w.down, flags)
         scale = ops.to_device(np.ascontiguousarray(weight[group], np.float32))
         _scatter_add[flat_grid(y.size)](out.raw, y.raw, rows.raw, scale.raw)
     return out
