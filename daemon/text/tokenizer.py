@@ -4,6 +4,8 @@ GGUF vocabularies (`tokenizer.ggml.*`) are rebuilt as a `tokenizers` BPE model s
 llama.cpp's (src/llama-vocab.cpp):
 - `gpt2`: byte-level BPE over the words that the pre-tokenizer regexes llama.cpp uses for the file's
   `tokenizer.ggml.pre` cut the text into (PRE_TOKENIZERS lists the values supported);
+- `gemma4`: BPE over the text's characters (not bytes) with "▁" for spaces, on each line and each run of
+  newlines apart (a run that is a token is that token), byte tokens <0xXX> for what no token covers;
 - `llama`: SentencePiece BPE as llama.cpp runs it: from the text's characters, tokens or not, the pair
   whose merged piece has the best score merges first (merges ranked by that score), "▁" for spaces, a
   space before text at the start and after each special token, byte tokens <0xXX> for characters that are
@@ -20,6 +22,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -161,14 +164,16 @@ class Tokenizer:
     def from_gguf(cls, meta: Mapping[str, Any]) -> Tokenizer:
         """From GGUF metadata as `{f.name: f.contents() for f in GGUFReader(path).fields.values()}`."""
         kind, tokens, table, types = _read_vocabulary(meta)
-        if kind == "gpt2":  # what the BPE is built from is checked here, the BPE built on the first encode
-            add_bos, bos, eos = _pre_tokenizer(meta.get("tokenizer.ggml.pre")).add_bos, None, None
+        if kind in ("gpt2", "gemma4"):  # what the BPE is built from is checked here, the BPE built on the first encode
+            add_bos = kind == "gemma4" or _pre_tokenizer(meta.get("tokenizer.ggml.pre")).add_bos
+            bos, eos = None, None
             _merge_list(meta)
         else:  # with llama.cpp's defaults for SentencePiece files
             _read_numbers(meta, "tokenizer.ggml.scores", len(tokens), 0.0, float)
             add_bos, bos, eos = True, 1, 2
         bos, eos = _token_id(meta, "bos", len(tokens), bos), _token_id(meta, "eos", len(tokens), eos)
         add_bos, add_eos = _add_flags(meta, add_bos, bos, eos)
+        add_bos = add_bos or kind == "gemma4"  # llama.cpp overrides a gemma4 file's false (its PR 21500)
         eog = _end_of_generation_ids(meta, tokens, eos)
         _drop_message_ends(tokens, types, eog)
         space_prefix = kind == "llama" and bool(meta.get("tokenizer.ggml.add_space_prefix", True))
@@ -227,7 +232,7 @@ class Tokenizer:
                 continue
             if self._gguf.space_prefix and after_special:
                 piece = " " + piece
-            ids.extend(self._gguf.resolve(self._gguf.bpe().encode(piece, add_special_tokens=False).ids))
+            ids.extend(self._gguf.encode_text(piece))
             after_special = False
         if add_special and self.add_eos:
             ids.append(self.eos_id)  # type: ignore[arg-type]
@@ -344,6 +349,9 @@ class _GgufVocab:
         self.tokens = tokens
         self.types = bytes(ty if 0 <= ty < 256 else 0 for ty in types)  # a type no token has: as llama.cpp's undefined
         self.space_prefix, self.byte_level = space_prefix, byte_level
+        # gemma4: the runs of newlines that are tokens (llama.cpp takes such a run whole, its PR 21343)
+        self.newline_runs = ({t: i for i, t in enumerate(tokens) if t and not t.strip("\n")}
+                             if meta.get("tokenizer.ggml.model") == "gemma4" else {})
         self._meta, self._lock = {k: meta[k] for k in _BPE_KEYS if k in meta}, threading.Lock()
         self._bpe: CoreTokenizer | None = None
         self.unmerged: Mapping[int, list[int]] = {}  # SentencePiece: the BPE's ids past the vocabulary -> byte tokens
@@ -394,6 +402,19 @@ class _GgufVocab:
         if not complete:
             return None
         return max(len(self.piece(i, False)) for i in range(len(self.tokens)))
+
+    def encode_text(self, text: str) -> list[int]:
+        """The ids of a fragment with no special token in it."""
+        if not self.newline_runs:
+            return self.resolve(self.bpe().encode(text, add_special_tokens=False).ids)
+        ids: list[int] = []
+        for part in _NEWLINE_RUNS.split(text):  # gemma4: a run of newlines that is a token is that token
+            whole = self.newline_runs.get(part)
+            if whole is not None:
+                ids.append(whole)
+            elif part:
+                ids.extend(self.bpe().encode(part, add_special_tokens=False).ids)
+        return ids
 
     def resolve(self, ids: list[int]) -> list[int]:
         """The BPE's ids with the characters it left unmerged that are no token as their byte tokens."""
@@ -446,6 +467,8 @@ def _gguf_bpe(meta: Mapping[str, Any]) -> tuple[CoreTokenizer, dict[int, list[in
     kind, tokens, _, types = _read_vocabulary(meta)  # the types before _drop_message_ends: only UNKNOWN counts
     if kind == "gpt2":
         return _gpt2_core(tokens, _read_merges(meta), _pre_tokenizer(meta.get("tokenizer.ggml.pre"))), {}
+    if kind == "gemma4":
+        return _gemma4_core(tokens, _read_merges(meta)), {}
     return _spm_core(tokens, _read_numbers(meta, "tokenizer.ggml.scores", len(tokens), 0.0, float), types)
 
 
@@ -461,6 +484,19 @@ def _gpt2_core(tokens: list[str], merges: list[tuple[str, str]], pre: PreTokeniz
     core.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                      use_regex=False)])
     return core  # no decoder: decode joins the tokens' bytes (_GgufVocab.piece), as llama.cpp does
+
+
+def _gemma4_core(tokens: list[str], merges: list[tuple[str, str]]) -> CoreTokenizer:
+    """llama.cpp's gemma4 BPE: merges over characters with "▁" for spaces, each line cut apart (the
+    runs of newlines between are _GgufVocab.encode_text's), <0xXX> tokens for characters no merge
+    reaches."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = [(a, b) for a, b in merges if a in vocab and b in vocab and a + b in vocab]
+    core = CoreTokenizer(models.BPE(_producible(vocab, merges, also=_BYTE_TOKENS), merges, fuse_unk=False,
+                                    byte_fallback=True))
+    core.normalizer = normalizers.Replace(" ", "\u2581")
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+    return core
 
 
 def _spm_core(tokens: list[str], scores: list[float],
@@ -497,6 +533,7 @@ def _spm_core(tokens: list[str], scores: list[float],
 _BPE_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
              "tokenizer.ggml.pre", "tokenizer.ggml.scores")
 _BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]  # SentencePiece's byte_fallback pieces
+_NEWLINE_RUNS = re.compile("(\n+)")
 
 
 def _producible(vocab: Mapping[str, int], merges: Sequence[tuple[str, str]],
@@ -527,8 +564,9 @@ def _read_vocabulary(meta: Mapping[str, Any]) -> tuple[str, list[str], StringTab
     kind = meta.get("tokenizer.ggml.model")
     if kind is None or meta.get("tokenizer.ggml.tokens") is None:
         raise TokenizerError("no tokenizer in the file (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
-    if kind not in ("gpt2", "llama"):
-        raise TokenizerError(f"unsupported tokenizer model {kind!r} (tokenizer.ggml.model; supported: gpt2, llama)")
+    if kind not in ("gpt2", "llama", "gemma4"):
+        raise TokenizerError(f"unsupported tokenizer model {kind!r} (tokenizer.ggml.model; supported: gpt2, llama, "
+                             "gemma4)")
     table = meta["tokenizer.ggml.tokens"]
     tokens = list(table) if isinstance(table, list | StringTable) else []
     if not tokens or not all(isinstance(t, str) for t in tokens):
