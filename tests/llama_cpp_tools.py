@@ -17,8 +17,11 @@ import pytest
 from ember.daemon.loader.llama_cpp_converter import convert_hf
 
 CACHE = Path(os.environ.get("EMBER_TOOL_CACHE", Path.home() / ".cache" / "ember" / "tools"))
-# what the converter needs of the sdist's vendor/llama.cpp (it imports its own gguf-py)
-_CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+# what the tests need of the sdist's vendor/llama.cpp: the converter (it imports its own gguf-py), and
+# Gemma 4's vocabulary with llama.cpp's test vectors for it and its chat template
+_CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-gemma-4.gguf",
+                    "models/templates/google-gemma-4-31B-it.jinja")
+_DONE = "done-2"  # the marker of an unpacked sdist holding all of _CONVERTER_PARTS
 
 
 def converter_script() -> Path:
@@ -44,7 +47,7 @@ def llama_cpp_src() -> Path | None:
         return None
     root = CACHE / f"llama-cpp-python-{version}"
     src = root / "vendor" / "llama.cpp"
-    if (root / "done").exists():
+    if (root / _DONE).exists():
         return src
     root.mkdir(parents=True, exist_ok=True)
     fetched = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
@@ -62,8 +65,17 @@ def llama_cpp_src() -> Path | None:
                 members.append(m)
         tar.extractall(src, members, filter="data")
     sdists[0].unlink()  # 77 MB, of which the converter needs 6
-    (root / "done").touch()
+    (root / _DONE).touch()
     return src
+
+
+def llama_cpp_file(relative: str) -> Path:
+    """A file of the sdist's vendor/llama.cpp (one of _CONVERTER_PARTS); skips the test where it cannot be had."""
+    src = llama_cpp_src()
+    path = None if src is None else src / relative
+    if path is None or not path.exists():
+        pytest.skip(f"llama.cpp's {relative} not found ({path or 'no llama-cpp-python sdist to fetch'})")
+    return path
 
 
 def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:

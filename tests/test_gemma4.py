@@ -8,7 +8,12 @@ import pytest
 
 import ember
 from ember.daemon.loader.model_file import open_model_file
+from ember.daemon.text.chat_template import ChatTemplate
+from ember.daemon.text.tokenizer import Tokenizer
+from llama_cpp_tools import llama_cpp_file
 from references import hf_greedy, hf_logits
+from tiny_models import DEMO_TOKENIZER
+from tokenizer_fixtures import corpus, gguf_metadata
 
 CASES = {
     "e2b": {},  # tiny_models.GEMMA4: every feature of the small models
@@ -63,3 +68,64 @@ def test_config_and_names_from_a_directory(hf_model) -> None:
             "blk.0.inp_gate.weight", "blk.0.proj.weight", "blk.0.post_norm.weight", "blk.0.layer_output_scale.weight",
             "blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight", "blk.0.attn_v.weight"} <= names
     assert "blk.2.attn_v.weight" not in names and "blk.4.attn_k.weight" not in names
+
+
+# --- tokenizer and chat template ----------------------------------------------------------------------
+def test_tokenizer_equals_llama_cpp_test_vectors() -> None:
+    """Gemma 4's vocabulary (262144 tokens, llama.cpp's ggml-vocab-gemma-4.gguf): every one of
+    llama.cpp's test texts (multilingual, whitespace runs, emoji; the ids transformers' tokenizer gave
+    them when llama.cpp made the file) encodes to its ids, and decodes back to the text."""
+    vocab = llama_cpp_file("models/ggml-vocab-gemma-4.gguf")
+    tok = Tokenizer.from_gguf(gguf_metadata(vocab))
+    texts = vocab.with_suffix(".gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    expected = vocab.with_suffix(".gguf.out").read_text(encoding="utf-8").split("\n")
+    assert len(texts) >= 40
+    for text, ids in zip(texts, expected, strict=False):
+        got = tok.encode(text, add_special=False)
+        assert got == [int(i) for i in ids.split()], repr(text)
+        assert tok.decode(got) == text
+    assert tok.encode("Hi")[0] == tok.bos_id == 2 and tok.add_bos  # llama.cpp adds BOS to every gemma4 prompt
+
+
+@pytest.mark.oracle
+def test_tokenizer_equals_llama_cpp() -> None:
+    """The tokenizer corpus with Gemma 4's turn markers mixed in, special tokens parsed, BOS added: the
+    ids llama.cpp gives on the same vocabulary."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    vocab = llama_cpp_file("models/ggml-vocab-gemma-4.gguf")
+    tok = Tokenizer.from_gguf(gguf_metadata(vocab))
+    llm = llama_cpp.Llama(model_path=str(vocab), vocab_only=True, verbose=False)
+    for text in corpus(300, specials=("<|turn>", "<turn|>", "<eos>")):
+        assert tok.encode(text) == llm.tokenize(text.encode(), add_bos=True, special=True), repr(text)
+
+
+CONVERSATIONS = [
+    ([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Bonjour ! Ça va ?"},
+      {"role": "assistant", "content": "Oui, merci."}, {"role": "user", "content": "日本語で答えて。"}], {}),
+    ([{"role": "user", "content": "Think first: 17 * 23?"}], {"enable_thinking": True}),
+    ([{"role": "user", "content": "Weather in Paris?"},
+      {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+          "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+      {"role": "tool", "name": "get_weather", "content": "{\"temp\": 21, \"sky\": \"sunny\"}"},
+      {"role": "assistant", "content": "21 °C and sunny."}], {"tools": [{"type": "function", "function": {
+          "name": "get_weather", "description": "The weather in a city.", "parameters": {
+              "type": "object", "properties": {"city": {"type": "string"},
+                                               "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+              "required": ["city"]}}}]}),
+]
+
+
+@pytest.mark.parametrize("generation_prompt", [True, False])
+@pytest.mark.parametrize("case", range(len(CONVERSATIONS)))
+def test_chat_template_equals_transformers(case: int, generation_prompt: bool) -> None:
+    """Gemma 4's own chat template (google-gemma-4-31B-it.jinja, as llama.cpp keeps it) renders each
+    conversation (system, multilingual turns, thinking, tools with calls and results) as transformers'
+    apply_chat_template does."""
+    transformers = pytest.importorskip("transformers")
+    source = llama_cpp_file("models/templates/google-gemma-4-31B-it.jinja").read_text(encoding="utf-8")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(DEMO_TOKENIZER / "tokenizer.json"),
+                                              bos_token="<bos>", eos_token="<eos>")
+    messages, extra = CONVERSATIONS[case]
+    expected = hf.apply_chat_template(messages, chat_template=source, tokenize=False,
+                                      add_generation_prompt=generation_prompt, **extra)
+    assert ChatTemplate(source, "<bos>", "<eos>").render(messages, generation_prompt, **extra) == expected
