@@ -1,7 +1,13 @@
 """Gemma 4: tiny random configurations against transformers' Gemma4ForCausalLM (HF directories):
 sliding and full layers of their own shapes, values from the keys' projection, KV sharing, per-layer
-embeddings, the double-wide FFN of the shared layers and the soft-capped head."""
+embeddings, the double-wide FFN of the shared layers, the MoE block and the soft-capped head; the
+same models converted and quantized by llama.cpp against llama.cpp; Gemma 4's tokenizer and chat
+template against llama.cpp's test vectors and transformers."""
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -10,6 +16,7 @@ import ember
 from ember.daemon.loader.model_file import open_model_file
 from ember.daemon.text.chat_template import ChatTemplate
 from ember.daemon.text.tokenizer import Tokenizer
+from ember.kernels.cpu.backend import CpuOps
 from llama_cpp_tools import llama_cpp_file
 from references import hf_greedy, hf_logits
 from tiny_models import DEMO_TOKENIZER
@@ -38,7 +45,7 @@ def test_gemma4_matches_transformers(hf_model, case: str) -> None:
     if case == "e2b":
         assert c.layer_head_dims == (32, 32, 64, 32, 32, 64) and c.layer_kv_heads == (2, 2, 1, 2, 2, 1)
         assert [c.kv_source(i) for i in range(6)] == [0, 1, 2, 3, 3, 2] and c.attention_layers == 4
-        assert (c.k_eq_v, c.layer_input_dim, c.logit_softcap, c.rope_turning) == (True, 16, 30.0, 0.25)
+        assert (c.layer_input_dim, c.logit_softcap, c.rope_turning) == (16, 30.0, 0.25)
     rng = np.random.default_rng(3)
     for n in (1, 7, 40):
         ids = rng.integers(1, c.vocab, n).tolist()
@@ -68,6 +75,84 @@ def test_config_and_names_from_a_directory(hf_model) -> None:
             "blk.0.inp_gate.weight", "blk.0.proj.weight", "blk.0.post_norm.weight", "blk.0.layer_output_scale.weight",
             "blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight", "blk.0.attn_v.weight"} <= names
     assert "blk.2.attn_v.weight" not in names and "blk.4.attn_k.weight" not in names
+
+
+# --- GGUF files made by llama.cpp -------------------------------------------------------------------
+# quantizable shapes (rows of 256 values) and a Gemma-style tokenizer (what the converter takes)
+GGUF_SHAPE = dict(hidden_size=256, intermediate_size=256, head_dim=64, global_head_dim=128)
+
+
+def converted_model(tmp: Path, **overrides: Any) -> tuple[Path, Any]:
+    """(the float32 file llama.cpp's converter makes of a tiny Gemma 4, the transformers model)."""
+    from llama_cpp_tools import convert
+    from tiny_models import build_hf_model, write_gemma_tokenizer
+
+    (tmp / "tokenizer").mkdir(parents=True)
+    n = write_gemma_tokenizer(tmp / "tokenizer")
+    path, ref = build_hf_model("gemma4", tmp / "hf", **(GGUF_SHAPE | dict(vocab_size=n, vocab_size_per_layer_input=n)
+                                                        | overrides))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tmp / "tokenizer" / f, path / f)
+    return convert(path, tmp / "f32.gguf", "f32"), ref
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def unshared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """Converted without KV sharing (llama.cpp aborts on it: docs/models.md), dense and with the MoE block."""
+    moe = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=256)
+    return converted_model(tmp_path_factory.mktemp(f"gemma4-{request.param}"), num_kv_shared_layers=0,
+                           **(moe if request.param == "moe" else {}))
+
+
+@pytest.mark.oracle
+def test_gguf_with_shared_kv_matches_transformers(tmp_path: Path) -> None:
+    """The small models' layout (KV sharing, per-layer embeddings, k_eq_v) converted by llama.cpp:
+    ember reads every key and tensor the converter writes (the full layers' proportional rope as its
+    rope_freqs divisors, values from attn_k where attn_v is absent) and gives transformers' logits."""
+    path, ref = converted_model(tmp_path)
+    model = ember.load(path, kv_dtype="f32")
+    c = model.config
+    assert (c.kv_shared_layers, c.layer_input_dim, c.layer_head_dims) == (2, 16, (64, 64, 128, 64, 64, 128))
+    ids = np.random.default_rng(5).integers(1, c.vocab, 40).tolist()
+    expected = hf_logits(ref, ids)
+    assert np.abs(model.logits(ids) - expected).max() <= 1e-4 * (expected.max() - expected.min())
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("ftype", ["F32", "Q8_0", "Q4_K_M"])
+def test_gguf_matches_llama_cpp(unshared, tmp_path: Path, monkeypatch, ftype: str) -> None:
+    """The converted file and llama.cpp's quantizations of it, against llama.cpp on the same weights
+    at float32 (a dequantized copy). llama.cpp's CPU GELU is a float16 table (references.ggml_gelu),
+    ~1e-3 off per value: it moves its logits from transformers' by up to ~1e-2 of the range here.
+    ember keeps the exact GELU, so it differs from llama.cpp by what llama.cpp differs from
+    transformers; with llama.cpp's table in the GELU's place it equals llama.cpp to 2e-3 of the range
+    (what is left: upstream float rounding sending a value across a float16 step). On the quantized
+    files llama.cpp quantizes its activations too: ember differs from it by no more than llama.cpp
+    differs from itself at float32 plus what the GELU table makes them differ by on the same weights
+    (docs/models.md)."""
+    from gguf_copy import copy_gguf
+    from llama_cpp_tools import quantize
+    from references import ggml_gelu, llama_cpp_logits
+
+    f32, ref = unshared
+    path = f32 if ftype == "F32" else quantize(f32, tmp_path / f"{ftype}.gguf", ftype)
+    ids = np.random.default_rng(5).integers(1, ember.load(f32).config.vocab, 40).tolist()
+    ours = ember.load(path, kv_dtype="f32").logits(ids)
+    same_weights = path if ftype == "F32" else copy_gguf(path, tmp_path / "dequantized.gguf", dequantize=True)
+    exact = llama_cpp_logits(same_weights, ids)
+    span = exact.max() - exact.min()
+    if ftype == "F32":
+        expected = hf_logits(ref, ids)
+        assert np.abs(ours - expected).max() <= 1e-4 * span
+        assert np.abs(ours - exact).max() <= np.abs(exact - expected).max() + 1e-4 * span
+    else:
+        theirs = llama_cpp_logits(path, ids)
+        noise = np.abs(theirs - exact).max(axis=1)
+        gelu = np.abs(ours - exact).max()  # on the same weights: llama.cpp's GELU table, as at float32
+        assert (np.abs(ours - theirs).max(axis=1) <= noise + gelu + 1e-4 * span).all()
+    monkeypatch.setattr(CpuOps, "geglu", lambda self, gate, up: ggml_gelu(gate) * up)
+    as_llama_cpp = ember.load(path, kv_dtype="f32").logits(ids)
+    assert np.abs(as_llama_cpp - exact).max() <= min(2e-3 * span, np.abs(ours - exact).max())
 
 
 # --- tokenizer and chat template ----------------------------------------------------------------------

@@ -79,3 +79,28 @@ def build_hf_model(arch: str, out: Path, seed: int = 0, **overrides: Any) -> tup
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 LLAMA3 = {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                               "original_max_position_embeddings": 32, "rope_theta": 500000.0}}
+
+
+def write_gemma_tokenizer(out: Path) -> int:
+    """A small tokenizer of Gemma's kind into `out` (tokenizer.json, tokenizer_config.json): BPE over
+    characters with "▁" for spaces and <0xXX> byte fallback, lines cut apart, Gemma's special tokens
+    first (pad, eos, bos, unk at 0-3), trained on the tokenizer tests' text. It is what llama.cpp's
+    converter takes for a gemma4 vocabulary (gguf-py's LlamaHfVocab). Returns its size."""
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as CoreTokenizer
+
+    from tokenizer_fixtures import FIXED, TRAIN_TEXT
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>"]
+    tok = CoreTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[^\\n]+|\\n+"), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    trainer = trainers.BpeTrainer(vocab_size=2000, show_progress=False,
+                                  special_tokens=specials + [f"<0x{b:02X}>" for b in range(256)])
+    tok.train_from_iterator(TRAIN_TEXT * 3 + FIXED, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>", '
+        '"unk_token": "<unk>", "pad_token": "<pad>", "add_bos_token": true}')
+    return tok.get_vocab_size()

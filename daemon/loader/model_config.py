@@ -137,7 +137,6 @@ class ModelConfig:
     # gemma4: the last kv_shared_layers layers compute no K/V; each attends over that of the last
     # earlier layer of its kind (sliding or full) — see kv_source
     kv_shared_layers: int = 0
-    k_eq_v: bool = False  # gemma4: a full layer's values are its keys' projection, normed apart (no attn_v)
     attn_scale: float = 0.0  # the scores' scale (0: head_dim^-1/2; gemma4's is 1, its q/k norms scale)
     ffn_act: str = "silu"  # the gated FFN's activation: "silu" or "gelu_tanh" (gemma4)
     embed_scale: float = 1.0  # the embedding's rows times this (gemma4: sqrt(hidden))
@@ -241,9 +240,9 @@ def config_from_gguf(meta: Mapping[str, Any], n_vocab_rows: int, source: str) ->
     hidden = int(get("embedding_length"))
     layer_heads = _per_layer(get("attention.head_count"))
     n_heads = max(layer_heads)
-    kv_heads = set(_per_layer(get("attention.head_count_kv", n_heads)))
-    if len(kv_heads) != 1:
-        raise ModelFileError(source, f"KV heads differ between layers ({sorted(kv_heads)}): not supported")
+    layer_kv_heads = _per_layer(get("attention.head_count_kv", n_heads))
+    if len(set(layer_kv_heads)) != 1 and arch != "gemma4":
+        raise ModelFileError(source, f"KV heads differ between layers ({sorted(set(layer_kv_heads))}): not supported")
     n_layers = int(get("block_count"))
     window = int(meta.get(f"{arch}.attention.sliding_window", 0)) if arch in SLIDING_PATTERNS else 0
     gating = int(meta.get(f"{arch}.expert_gating_func", 2 if arch == "laguna" else 1))
@@ -256,14 +255,14 @@ def config_from_gguf(meta: Mapping[str, Any], n_vocab_rows: int, source: str) ->
             raise ModelFileError(source, f"unsupported rope scaling type {kind!r} (supported: linear, llama3, yarn)")
         scaling = (RopeScaling("linear", float(get("rope.scaling.factor"))) if kind == "linear"
                    else _gguf_yarn(meta, arch, float(get("rope.scaling.factor")), int(get("context_length", 4096))))
-    return ModelConfig(
+    config = ModelConfig(
         arch=arch,
         n_layers=n_layers,
         hidden=hidden,
         n_heads=n_heads,
-        n_kv_heads=kv_heads.pop(),
+        n_kv_heads=max(layer_kv_heads),
         head_dim=int(get("attention.key_length", hidden // n_heads)),
-        ffn=int(get("feed_forward_length", 0)),
+        ffn=max(_per_layer(get("feed_forward_length", 0))),
         vocab=int(meta.get(f"{arch}.vocab_size", n_vocab_rows)),
         context_length=int(get("context_length", 4096)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
@@ -284,6 +283,25 @@ def config_from_gguf(meta: Mapping[str, Any], n_vocab_rows: int, source: str) ->
         rope_theta_swa=float(meta.get(f"{arch}.rope.freq_base_swa", 0.0)) if window else 0.0,
         rope_dim_swa=int(meta.get(f"{arch}.rope.dimension_count_swa", 0)) if window else 0,
     )
+    return _gguf_gemma4(config, meta, layer_kv_heads) if arch == "gemma4" else config
+
+
+def _gguf_gemma4(config: ModelConfig, meta: Mapping[str, Any], kv_heads: list[int]) -> ModelConfig:
+    """What llama.cpp's gemma4 reads beside the common keys: the sliding layers' own head_dim
+    (key_length_swa; key_length is the full layers'), KV heads per layer, shared KV layers, the
+    per-layer embedding width and the final soft-cap. Full layers' proportional rope comes as the
+    rope_freqs tensor (a divisor of 1e30 on the pairs that stay still)."""
+    n = config.n_layers
+    swa_dim = int(meta.get("gemma4.attention.key_length_swa", config.head_dim))
+    head_dims = [swa_dim if config.window(i) else config.head_dim for i in range(n)]
+    kv_heads = kv_heads * n if len(kv_heads) == 1 else kv_heads[:n]
+    return replace(
+        config, layer_kv_heads=_varying(kv_heads, n), layer_head_dims=_varying(head_dims, n),
+        rope_theta_swa=config.rope_theta_swa or 10000.0, rope_dim_swa=config.rope_dim_swa or swa_dim,
+        kv_shared_layers=int(meta.get("gemma4.attention.shared_kv_layers", 0)), attn_scale=1.0, ffn_act="gelu_tanh",
+        embed_scale=float(config.hidden) ** 0.5, logit_softcap=float(meta.get("gemma4.final_logit_softcapping", 0.0)),
+        layer_input_dim=int(meta.get("gemma4.embedding_length_per_layer_input", 0)),
+        parallel_experts=config.n_experts > 0)
 
 
 def _gguf_yarn(meta: Mapping[str, Any], arch: str, factor: float, context: int) -> RopeScaling:
@@ -417,7 +435,7 @@ def _hf_gemma4(config: ModelConfig, cfg: Mapping[str, Any], rope: Mapping[str, A
         rope_theta_swa=config.rope_theta_swa or 10000.0, rope_dim_swa=int(cfg.get("head_dim") or config.head_dim),
         rope_dim=0, rope_turning=float(rope.get("partial_rotary_factor", 1.0)) if rope.get("rope_type") == "proportional" else 1.0,
         rope_theta=float(rope.get("rope_theta", 1_000_000.0)),
-        kv_shared_layers=shared, k_eq_v=k_eq_v, attn_scale=1.0, ffn_act="gelu_tanh",
+        kv_shared_layers=shared, attn_scale=1.0, ffn_act="gelu_tanh",
         embed_scale=float(config.hidden) ** 0.5, logit_softcap=float(softcap or 0.0),
         layer_input_dim=int(cfg.get("hidden_size_per_layer_input") or 0),
         n_experts=int(cfg.get("num_experts") or 0) if moe else 0, n_experts_used=int(cfg.get("top_k_experts") or 0) if moe else 0,

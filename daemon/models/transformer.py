@@ -353,7 +353,7 @@ def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, expe
 def _gemma4_block(mf: ModelFile, ops: Ops, i: int, first: int, experts: ExpertManager | None, rope: Rope,
                   sliding_rope: Rope | None) -> Gemma4Block:
     """Gemma 4's layer i (gemma4.py): its attention shares an earlier layer's K/V past the model's
-    first KV-shared layer, and takes its values from its keys' projection on full layers with k_eq_v."""
+    first KV-shared layer, and takes its values from its keys' projection where it has no attn_v."""
     def w(name: str) -> Weight:
         return ops.weight(mf.tensor(f"blk.{i}.{name}.weight"))
 
@@ -361,7 +361,8 @@ def _gemma4_block(mf: ModelFile, ops: Ops, i: int, first: int, experts: ExpertMa
     own, window, head_dim = source == i, cfg.window(i), cfg.head_dim_at(i)
     attn = Attention(
         wq=w("attn_q"), wk=w("attn_k") if own else None,
-        wv=w("attn_v") if own and not (cfg.k_eq_v and not window) else None, wo=w("attn_output"),
+        # attention_k_eq_v: no attn_v, the values are the keys' projection (normed apart), as llama.cpp reads it
+        wv=w("attn_v") if own and f"blk.{i}.attn_v.weight" in mf.tensors else None, wo=w("attn_output"),
         bq=None, bk=None, bv=None, q_norm=_norm(mf, ops, f"blk.{i}.attn_q_norm.weight"),
         k_norm=_norm(mf, ops, f"blk.{i}.attn_k_norm.weight") if own else None,
         kv_layer=sum(cfg.owns_kv(j) for j in range(first, source)),
