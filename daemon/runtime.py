@@ -158,7 +158,8 @@ class Model(TextModel):
             runner = NativeRunner(self._native.with_cache(blocks, KV_BLOCK, self.kv_dtype, context), self.config,
                                   max_running)
         elif self.pipeline is None:
-            runner = ModelRunner(self.net, blocks, KV_BLOCK, self.kv_dtype, self.decode_act, max_running)
+            runner = ModelRunner(self.net, blocks, KV_BLOCK, self.kv_dtype, self.decode_act, max_running,
+                                 options["max_step_tokens"])
         elif options["max_step_tokens"] > self.pipeline.max_tokens:
             raise ValueError(f"max_step_tokens {options['max_step_tokens']} is over the {self.pipeline.max_tokens} "
                              f"tokens the split's staging holds (load(..., max_step_tokens=))")

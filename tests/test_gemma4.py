@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import ember
+from ember.daemon.engine.sequence import Sequence as EngineSequence
 from ember.daemon.loader.model_file import open_model_file
 from ember.daemon.text.chat_template import ChatTemplate
 from ember.daemon.text.tokenizer import Tokenizer
@@ -64,6 +65,33 @@ def test_shared_layers_keep_no_cache(hf_model) -> None:
     cache = model.net.new_cache(4, 16, "f32")
     assert cache.shapes == [(2, 32), (2, 32), (1, 64), (2, 32)]
     assert len(cache.k) == len(cache.v) == 4
+
+
+def test_window_layers_keep_only_their_window(hf_model) -> None:
+    """With at most 16 positions a step, the sliding layers (window 8) keep a ring of 2 blocks a
+    sequence (7 + 16 live positions): three sequences of 6 + 90 tokens (decode bursts included) wrap
+    their rings twice over and give
+    transformers' greedy tokens, while the rings' bytes stay what they were at the start and the full
+    layers' blocks grow with the sequences (prefix reuse is off: no block holds a ring's keys)."""
+    path, ref = hf_model("gemma4")
+    model = ember.load(path, decode_act="f32", kv_dtype="f32")
+    engine = model.engine(3 * 112, max_running=3, max_step_tokens=16)
+    cache = engine.runner.cache
+    assert cache.ring == 2 and cache.windowed == [True, True, False, True]
+    rings = cache.bytes_of(True)
+    # 3 sliding layers' K and V: 3 slots of 2 blocks of 16 positions, 2 KV heads of 32 float32s
+    assert rings == 3 * 2 * (3 * 2) * 16 * 2 * 32 * 4 and not engine.blocks.prefix_caching
+    rng = np.random.default_rng(4)
+    seqs = [EngineSequence(rng.integers(1, 8192, 40).tolist(), 60, stop_ids=frozenset()) for _ in range(3)]
+    for seq in seqs:
+        engine.add(seq)
+    most = 0
+    while engine.has_work:
+        engine.step()
+        most = max(most, engine.blocks.n_blocks - engine.blocks.num_free)
+    assert cache.bytes_of(True) == rings and most >= 7  # 100 positions: 7 full-layer blocks a sequence
+    for seq in seqs:
+        assert seq.generated == hf_greedy(ref, seq.prompt, 60)
 
 
 def test_config_and_names_from_a_directory(hf_model) -> None:

@@ -117,13 +117,14 @@ class EngineCore:
         A hybrid model (runner.stateful) runs without prefix reuse: cached KV blocks would skip the
         tokens whose recurrent state the sequence still needs (docs/hybrid.md); nor with a draft
         (rejected proposals would have to be taken out of the recurrent state)."""
-        if runner.stateful and max_running > runner.max_sequences:
-            raise ValueError(f"max_running {max_running} exceeds the runner's {runner.max_sequences} recurrent state slots")
+        if (runner.stateful or not runner.prefix_reuse) and max_running > runner.max_sequences:
+            raise ValueError(f"max_running {max_running} exceeds the runner's {runner.max_sequences} sequence slots "
+                             "(recurrent state slots, window rings)")
         feature = isinstance(draft, FeatureProposer)
         if draft is not None and (runner.stateful or (not feature and draft.stateful)):
             raise ValueError("speculative decoding needs attention-only models (no recurrent state)")
         self.runner = runner
-        self.blocks = BlockManager(runner.kv_blocks, runner.block_size, prefix_caching and not runner.stateful)
+        self.blocks = BlockManager(runner.kv_blocks, runner.block_size, prefix_caching and runner.prefix_reuse)
         context = min(max_context or runner.config.context_length, runner.config.context_length)
         self.proposer: DraftProposer | FeatureProposer | None = None
         self.spec_stats = spec_stats or SpecStats()

@@ -25,7 +25,7 @@ import numpy as np
 from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions
 from ember.daemon.experts.moe_ffn import MoEFFN, expert_files, load_moe_ffn
 from ember.daemon.experts.shared_expert import SharedExpertMoE, has_shared_expert, with_shared_expert
-from ember.daemon.models.kv_cache import PagedKVCache
+from ember.daemon.models.kv_cache import PagedKVCache, window_ring
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile
 from ember.daemon.loader.model_file_error import ModelFileError
@@ -82,7 +82,8 @@ class Attention:
         n, rows, heads, hd = x.shape[0], batch.decode_rows, self.n_heads, self.head_dim or cfg.head_dim
         q, gate = self._queries(ops, cfg, x, cache, batch)
         seen = batch.positions if batch.attn_end is None else batch.attn_end  # causal unless told otherwise
-        out = ops.paged_attention(q, cache.k[self.kv_layer], cache.v[self.kv_layer], batch.tables, batch.token_seq,
+        tables = batch.window_tables if cache.windowed[self.kv_layer] else batch.tables
+        out = ops.paged_attention(q, cache.k[self.kv_layer], cache.v[self.kv_layer], tables, batch.token_seq,
                                   seen, self.scale or hd**-0.5, self.window).reshape(n, heads * hd)
         if gate is not None:
             out = ops.sigmoid_mul(out, gate)
@@ -116,7 +117,8 @@ class Attention:
             v = ops.rmsnorm(v, self.v_norm, cfg.norm_eps)
         q, k = ops.qk_norm_rope(q.reshape(n, heads, hd), k, self.q_norm, self.k_norm, cfg.norm_eps, batch.positions,
                                 self.rope.inv_freq, self.rope.interleaved)
-        cache.write(self.kv_layer, batch.kv_blocks, batch.kv_offsets, k, v)
+        blocks = batch.window_blocks if cache.windowed[self.kv_layer] else batch.kv_blocks
+        cache.write(self.kv_layer, blocks, batch.kv_offsets, k, v)
         return q, gate
 
 
@@ -200,21 +202,29 @@ class Transformer:
         """Whether sequences carry recurrent state beside their KV blocks (hybrid models)."""
         return self.config.linear is not None
 
-    def new_cache(self, n_blocks: int, block_size: int = 16, dtype: str = "f32", max_sequences: int = 64) -> PagedKVCache:
+    def new_cache(self, n_blocks: int, block_size: int = 16, dtype: str = "f32", max_sequences: int = 64,
+                  step_tokens: int = 0) -> PagedKVCache:
         """A KV cache for the attention layers this object holds (cache layer 0 is the first of them);
         for a hybrid model also the recurrent state of `max_sequences` sequences (slots 0 ..
-        max_sequences - 1). The whole model only: a layer split of a hybrid is refused (Pipeline)."""
+        max_sequences - 1). The whole model only: a layer split of a hybrid is refused (Pipeline).
+        step_tokens > 0: positions a sequence runs in one step at most; sliding-window layers then
+        keep only their window, in a ring per sequence slot (kv_cache.py), where that takes less
+        memory than n_blocks (gemma4: its layers run op by op, the compiled ones read one table)."""
         c = self.config
         state = RecurrentState(self.ops, c.linear, max_sequences) if c.linear else None
-        shapes = [(c.kv_heads(i), c.head_dim_at(i)) for i in self.layers if c.owns_kv(i)]
+        owners = [i for i in self.layers if c.owns_kv(i)]
+        shapes = [(c.kv_heads(i), c.head_dim_at(i)) for i in owners]
+        ring = window_ring(c.sliding_window, step_tokens, block_size) if c.sliding_window and step_tokens else 0
+        if c.arch != "gemma4" or ring * max_sequences >= n_blocks:
+            ring = 0
         return PagedKVCache(self.ops, len(shapes), c.n_kv_heads, c.head_dim, n_blocks, block_size, dtype, state,
-                            shapes if len(set(shapes)) > 1 else None)
+                            shapes, [c.window(i) > 0 for i in owners], ring, max_sequences)
 
     def forward(self, batch: StepBatch, cache: PagedKVCache) -> Array:
         """Run one step's tokens (from any number of sequences) through the model, writing their K/V
         into `cache`. Returns logits [len(batch.logit_rows), vocab]."""
         # the stack takes the embedding itself: no frame of ours keeps it alive through the layers
-        batch = self.with_layer_inputs(batch)
+        batch = self.prepared(batch, cache)
         return self.head(self.stack.run(self.embed_tokens(batch), batch, cache), batch)
 
     def embed_tokens(self, batch: StepBatch) -> Array:
@@ -224,12 +234,19 @@ class Transformer:
         x = self.ops.embedding(self.embed, batch.ids)
         return x if self.config.embed_scale == 1.0 else x * self.config.embed_scale
 
-    def with_layer_inputs(self, batch: StepBatch) -> StepBatch:
-        """The batch with gemma4's per-layer inputs (StepBatch.layer_inputs), where the model has them."""
-        if self.per_layer is None or batch.layer_inputs is not None:
-            return batch
-        return replace(batch, layer_inputs=self.per_layer(self.ops, self.config, self.embed_tokens(batch), batch.ids,
-                                                          batch.decode_rows))
+    def prepared(self, batch: StepBatch, cache: PagedKVCache) -> StepBatch:
+        """The batch with what this model's layers read beside it: gemma4's per-layer inputs
+        (StepBatch.layer_inputs), and where the cache keeps windows in rings, their tables and blocks."""
+        if self.per_layer is not None and batch.layer_inputs is None:
+            batch = replace(batch, layer_inputs=self.per_layer(self.ops, self.config, self.embed_tokens(batch),
+                                                               batch.ids, batch.decode_rows))
+        if cache.ring and batch.window_tables is None:
+            ops, slots = self.ops, self.ops.to_numpy(batch.state_slots).astype(np.int64)
+            logical = ops.to_numpy(batch.positions) // cache.block_size
+            blocks = slots[ops.to_numpy(batch.token_seq)] * cache.ring + logical % cache.ring
+            batch = replace(batch, window_tables=ops.to_device(cache.ring_tables(slots, batch.tables.shape[1])),
+                            window_blocks=ops.to_device(blocks))
+        return batch
 
     def forward_with_features(self, batch: StepBatch, cache: PagedKVCache, layers: Sequence[int]
                               ) -> tuple[Array, list[Array]]:
@@ -242,7 +259,7 @@ class Transformer:
             if self.layers.start + i in layers:
                 taps[self.layers.start + i] = x  # a layer returns a new array: this one stays as it is
 
-        batch = self.with_layer_inputs(batch)
+        batch = self.prepared(batch, cache)
         x = self.stack.run(self.embed_tokens(batch), batch, cache, tap)
         taps[self.layers.stop] = x
         return self.head(x, batch), [taps[i] for i in layers]

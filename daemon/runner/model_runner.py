@@ -34,14 +34,16 @@ def check_decode_act(decode_act: str) -> None:
 
 class ModelRunner:
     def __init__(self, net: Transformer, kv_blocks: int, block_size: int = 16, kv_dtype: str = DEFAULT_KV_DTYPE,
-                 decode_act: str = "q8_0", max_sequences: int = 64) -> None:
-        """max_sequences: sequences running at once at most (a hybrid model's recurrent state slots)."""
+                 decode_act: str = "q8_0", max_sequences: int = 64, step_tokens: int = 0) -> None:
+        """max_sequences: sequences running at once at most (a hybrid model's recurrent state slots);
+        step_tokens: positions a sequence runs in one step at most, where known (sliding-window
+        layers then keep only their window: Transformer.new_cache)."""
         check_decode_act(decode_act)
         self.net = net
         self.ops = net.ops
         self.config = net.config
         self.decode_act = decode_act
-        self.cache: PagedKVCache = net.new_cache(kv_blocks, block_size, kv_dtype, max_sequences)
+        self.cache: PagedKVCache = net.new_cache(kv_blocks, block_size, kv_dtype, max_sequences, step_tokens)
         self.max_sequences = max_sequences
         self.sampler = RowSampler(self.ops)
         # model layers whose input hidden states each step hands back (StepRun.features): what a
@@ -53,6 +55,12 @@ class ModelRunner:
         """Sequences carry recurrent state (hybrid models): a step cannot be run twice, and a cached
         prefix's blocks do not bring back the state after it."""
         return self.net.stateful
+
+    @property
+    def prefix_reuse(self) -> bool:
+        """Whether a cached prefix's blocks bring back all a sequence needs of it: not where sequences
+        carry recurrent state, nor where window layers keep only the window (no block holds theirs)."""
+        return not self.stateful and not self.cache.ring
 
     @property
     def step_alignment(self) -> int:

@@ -46,6 +46,10 @@ class NativeRunner:
         return False
 
     @property
+    def prefix_reuse(self) -> bool:
+        return True
+
+    @property
     def step_alignment(self) -> int:
         return 1
 

@@ -29,6 +29,7 @@ from ember.kernels.sampling import Choice
 
 class SplitRunner:
     stateful = False  # Pipeline refuses hybrid models
+    prefix_reuse = True
     step_alignment = 1
     capture: tuple[int, ...] = ()  # hidden states stay in the stages: no feature-conditioned draft reads them
 

@@ -24,6 +24,11 @@ class StepRunner(Protocol):
     def stateful(self) -> bool: ...
 
     @property
+    def prefix_reuse(self) -> bool:
+        """Whether cached prefix blocks may stand for a sequence's first tokens (ModelRunner.prefix_reuse)."""
+        ...
+
+    @property
     def step_alignment(self) -> int: ...
 
     @property

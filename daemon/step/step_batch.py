@@ -35,6 +35,10 @@ class StepBatch:
     # gemma4's per-layer inputs [n, layers, P] (models/gemma4.py), which the model adds once it has
     # embedded the step's tokens
     layer_inputs: Any = None
+    # sliding-window layers that keep their window in a ring per sequence (models/kv_cache.py): their
+    # block tables and each token's block, which the model adds (Transformer.prepared)
+    window_tables: Any = None
+    window_blocks: Any = None
 
     @property
     def n_logits(self) -> int:
