@@ -15,6 +15,8 @@ import pytest
 import ember
 from ember.daemon.engine.sequence import Sequence as EngineSequence
 from ember.daemon.loader.model_file import open_model_file
+from ember.daemon.planning.planner import Device, PlanRequest, plan_model
+from ember.daemon.planning.precision import DeviceCaps, resolve_policy
 from ember.daemon.text.chat_template import ChatTemplate
 from ember.daemon.text.tokenizer import Tokenizer
 from ember.kernels.cpu.backend import CpuOps
@@ -92,6 +94,23 @@ def test_window_layers_keep_only_their_window(hf_model) -> None:
     assert cache.bytes_of(True) == rings and most >= 7  # 100 positions: 7 full-layer blocks a sequence
     for seq in seqs:
         assert seq.generated == hf_greedy(ref, seq.prompt, 60)
+
+
+@pytest.mark.parametrize(("ctx", "seqs", "ring"), [(32, 2, 0), (512, 3, 2)])
+def test_plan_kv_equals_what_the_cache_allocates(hf_model, ctx: int, seqs: int, ring: int) -> None:
+    """ember plan's KV cache for the tiny Gemma 4 equals the bytes the engine's cache holds for the
+    same request: the full layers' own shapes over every position, nothing for the shared layers, and
+    the sliding layers' rings where they take less than every position (512 positions, steps of 16)."""
+    path, _ = hf_model("gemma4")
+    request = PlanRequest(devices=(Device("cpu", 1 << 34),), policy=resolve_policy([DeviceCaps.of("cpu")]),
+                          ctx=ctx, seqs=seqs, prefill_chunk=16)
+    plan = plan_model(path, request)
+    model = ember.load(path, kv_dtype=request.policy.kv)
+    cache = model.engine(seqs * ctx, max_running=seqs, max_step_tokens=16).runner.cache
+    assert cache.ring == ring and plan.devices[0].kv_cache == sum(cache.layer_bytes)
+    # K and V in f16 over every position: three sliding layers of 2 heads of 32, one full of 1 head of 64
+    full = 2 * (seqs * ctx) * (3 * 2 * 32 * 2 + 1 * 64 * 2)
+    assert ring or plan.devices[0].kv_cache == full
 
 
 def test_config_and_names_from_a_directory(hf_model) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions
 from ember.daemon.experts.moe_ffn import MoEFFN, expert_files, load_moe_ffn
 from ember.daemon.experts.shared_expert import SharedExpertMoE, has_shared_expert, with_shared_expert
-from ember.daemon.models.kv_cache import PagedKVCache, window_ring
+from ember.daemon.models.kv_cache import PagedKVCache, ring_for
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile
 from ember.daemon.loader.model_file_error import ModelFileError
@@ -208,15 +208,12 @@ class Transformer:
         for a hybrid model also the recurrent state of `max_sequences` sequences (slots 0 ..
         max_sequences - 1). The whole model only: a layer split of a hybrid is refused (Pipeline).
         step_tokens > 0: positions a sequence runs in one step at most; sliding-window layers then
-        keep only their window, in a ring per sequence slot (kv_cache.py), where that takes less
-        memory than n_blocks (gemma4: its layers run op by op, the compiled ones read one table)."""
+        keep only their window, in a ring per sequence slot (kv_cache.ring_for)."""
         c = self.config
         state = RecurrentState(self.ops, c.linear, max_sequences) if c.linear else None
         owners = [i for i in self.layers if c.owns_kv(i)]
         shapes = [(c.kv_heads(i), c.head_dim_at(i)) for i in owners]
-        ring = window_ring(c.sliding_window, step_tokens, block_size) if c.sliding_window and step_tokens else 0
-        if c.arch != "gemma4" or ring * max_sequences >= n_blocks:
-            ring = 0
+        ring = ring_for(c, n_blocks, block_size, max_sequences, step_tokens)
         return PagedKVCache(self.ops, len(shapes), c.n_kv_heads, c.head_dim, n_blocks, block_size, dtype, state,
                             shapes, [c.window(i) > 0 for i in owners], ring, max_sequences)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile, open_model_file
+from ember.daemon.models.kv_cache import ring_for
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.kernels.convert import storage_bytes
 from ember.daemon.step.defaults import KV_BLOCK, PREFILL_CHUNK
@@ -89,8 +90,9 @@ def headers_of(mf: ModelFile) -> ModelHeaders:
 
 
 def weight_class(name: str) -> str:
-    if name in ("token_embd.weight", "model.embed_tokens.weight"):
-        return "embeddings"
+    if name in ("token_embd.weight", "model.embed_tokens.weight", "per_layer_token_embd.weight",
+                "model.embed_tokens_per_layer.weight", "model.language_model.embed_tokens_per_layer.weight"):
+        return "embeddings"  # gemma4's per-layer embedding table too
     if name in ("output.weight", "output_norm.weight", "lm_head.weight", "model.norm.weight"):
         return "output"
     if "_exps." in name or ".experts." in name:  # GGUF ffn_*_exps; HF mlp.experts.N / block_sparse_moe.experts.N
@@ -300,20 +302,21 @@ def build_plan(info: ModelHeaders, request: PlanRequest, draft: DraftModel | Non
     if ctx > cfg.context_length:
         raise PlanError(f"ctx {ctx} exceeds the model's context length {cfg.context_length}")
     kv_dtype = request.policy.kv
-    if kv_dtype == "q8_0" and cfg.head_dim % 32:
-        raise PlanError(f"a q8_0 KV cache needs head_dim divisible by 32; this model's is {cfg.head_dim}")
+    if kv_dtype == "q8_0" and any(cfg.head_dim_at(i) % 32 for i in range(cfg.n_layers)):
+        raise PlanError(f"a q8_0 KV cache needs head_dim divisible by 32; this model's is "
+                        f"{cfg.head_dim if not cfg.layer_head_dims else sorted(set(cfg.layer_head_dims))}")
     if draft is not None:
         _check_draft(draft, cfg, request)
     bounds = split_layers(cfg.n_layers, devices, request.split, LayerWeights.of(info))
     weights = _weights_by_device(info, bounds, devices)
     kv_tokens = -(-ctx // request.kv_block) * request.kv_block * request.seqs
-    kv_per_layer = 2 * cfg.n_kv_heads * storage_bytes(kv_dtype, cfg.head_dim) * kv_tokens
+    kv = _kv_by_layer(cfg, request, kv_tokens)
     plans = []
     for i, (dev, (first, end)) in enumerate(zip(devices, bounds, strict=True)):
         last = i == len(devices) - 1
         plans.append(DevicePlan(
             device=dev, layers=(first, end), weights=weights[i],
-            kv_cache=_attention_layers(cfg, first, end) * kv_per_layer,
+            kv_cache=sum(kv[first:end]),
             recurrent_state=(end - first - _attention_layers(cfg, first, end)) * _state_per_layer(cfg) * request.seqs,
             # with a draft, each sequence's step has logits for its last token and every proposal
             activations=activation_reservation(cfg, request, dev, ctx, logits_rows=(
@@ -366,6 +369,19 @@ def _draft_bytes(draft: DraftModel, request: PlanRequest, kv_tokens: int, device
         draft_proposals=request.seqs * draft.tokens * d.vocab * 8)
 
 
+def _kv_by_layer(cfg: ModelConfig, request: PlanRequest, kv_tokens: int) -> list[int]:
+    """Per layer, its KV cache's bytes as the runtime allocates them (Transformer.new_cache): K and V
+    of its own KV heads and head_dim over every sequence's positions; none for a linear-attention
+    layer or one that shares another's K/V (gemma4); a sliding-window layer's ring per sequence
+    where the cache keeps only the window (kv_cache.ring_for: the engine's step, prefill_chunk
+    positions at most)."""
+    ring = ring_for(cfg, kv_tokens // request.kv_block, request.kv_block, request.seqs, request.prefill_chunk)
+    window_tokens = ring * request.kv_block * request.seqs
+    return [2 * cfg.kv_heads(i) * storage_bytes(request.policy.kv, cfg.head_dim_at(i))
+            * (window_tokens if ring and cfg.window(i) else kv_tokens) if cfg.owns_kv(i) else 0
+            for i in range(cfg.n_layers)]
+
+
 def _attention_layers(cfg: ModelConfig, first: int, end: int) -> int:
     """Layers in [first, end) with a KV cache (all, but for a hybrid model's linear-attention layers)."""
     return (end - first) - (sum(cfg.linear.recurrent[first:end]) if cfg.linear else 0)
@@ -389,7 +405,9 @@ def activation_reservation(cfg: ModelConfig, request: PlanRequest, device: Devic
     on 64.
     """
     cap = _per_kind(request.act_cap, ACT_CAP, device)
-    widest = max(cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.ffn, expert_ffn(cfg) * cfg.n_experts_used)
+    # gemma4: a step's per-layer inputs, every layer's at once (models/gemma4.PerLayerEmbedding)
+    widest = max(cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.ffn, expert_ffn(cfg) * cfg.n_experts_used,
+                 cfg.n_layers * cfg.layer_input_dim)
     tokens = max(request.seqs, request.prefill_chunk)
     cpu = device.kind == "cpu"
     elem = 4 if cpu else storage_bytes(request.policy.act, 1)
