@@ -15,7 +15,9 @@ import pytest
 import ember
 from ember.daemon.engine.sequence import Sequence as EngineSequence
 from ember.daemon.loader.model_file import open_model_file
-from ember.daemon.planning.planner import Device, PlanRequest, plan_model
+from ember.daemon.loader.model_config import ModelConfig
+from ember.daemon.planning.planner import (GiB, Device, ModelHeaders, PlanRequest, TensorInfo, build_plan, explain,
+                                          plan_model)
 from ember.daemon.planning.precision import DeviceCaps, resolve_policy
 from ember.daemon.text.chat_template import ChatTemplate
 from ember.daemon.text.tokenizer import Tokenizer
@@ -261,3 +263,48 @@ def test_chat_template_equals_transformers(case: int, generation_prompt: bool) -
     expected = hf.apply_chat_template(messages, chat_template=source, tokenize=False,
                                       add_generation_prompt=generation_prompt, **extra)
     assert ChatTemplate(source, "<bos>", "<eos>").render(messages, generation_prompt, **extra) == expected
+
+
+# --- the seed's 24 GB card (modular PR #6698) ---------------------------------------------------------
+# Gemma 4 31B's published shape: 60 layers, every 6th full (head_dim 512, 4 KV heads assumed, values
+# from keys), the rest sliding over 1024 positions (head_dim 256, 16 KV heads), 32 query heads,
+# hidden 5376, FFN 21504, 262144 tokens; weights at 4.5 bits (Q4_K's 144 bytes a 256-value row)
+GEMMA4_31B = ModelConfig(
+    arch="gemma4", n_layers=60, hidden=5376, n_heads=32, n_kv_heads=16, head_dim=512, ffn=21504, vocab=262144,
+    context_length=262144, rope_theta=1e6, norm_eps=1e-6, sliding_layers=tuple((i + 1) % 6 != 0 for i in range(60)),
+    sliding_window=1024, rope_theta_swa=1e4, rope_dim_swa=256, rope_turning=0.25,
+    layer_kv_heads=tuple(4 if (i + 1) % 6 == 0 else 16 for i in range(60)),
+    layer_head_dims=tuple(512 if (i + 1) % 6 == 0 else 256 for i in range(60)), attn_scale=1.0, ffn_act="gelu_tanh",
+    embed_scale=5376**0.5, logit_softcap=30.0)
+FLAT_RULE = 15 * 10**9  # what the seed's engine reserved for activations on every device
+
+
+def four_bit(cfg: ModelConfig) -> ModelHeaders:
+    def q4(name: str, rows: int, cols: int) -> TensorInfo:
+        return TensorInfo(name, (rows, cols), rows * cols // 256 * 144)
+
+    tensors = [q4("token_embd.weight", cfg.vocab, cfg.hidden)]
+    for i in range(cfg.n_layers):
+        q, kv = cfg.heads(i) * cfg.head_dim_at(i), cfg.kv_heads(i) * cfg.head_dim_at(i)
+        tensors += [q4(f"blk.{i}.attn_q.weight", q, cfg.hidden), q4(f"blk.{i}.attn_k.weight", kv, cfg.hidden),
+                    q4(f"blk.{i}.attn_output.weight", cfg.hidden, q),
+                    *(q4(f"blk.{i}.ffn_{p}.weight", cfg.ffn, cfg.hidden) for p in ("gate", "up")),
+                    q4(f"blk.{i}.ffn_down.weight", cfg.hidden, cfg.ffn)]
+        tensors += [] if not cfg.window(i) else [q4(f"blk.{i}.attn_v.weight", kv, cfg.hidden)]
+    return ModelHeaders("/models/gemma-4-31b-q4.gguf", "gguf", cfg, tuple(tensors))
+
+
+@pytest.mark.parametrize("ctx", [4096, 32768])
+def test_31b_on_a_24gib_card(ctx: int) -> None:
+    """The seed: a 4-bit Gemma 4 31B on a 24 GiB GPU, refused by a flat 15 GB activation reservation,
+    fits ember's plan: activations sized from the batch and the dimensions (the 21504-wide FFN
+    over a 256-token step), the sliding layers' KV a ring of their window."""
+    request = PlanRequest.create((Device("cuda:0", 24 * GiB, (8, 9)),), env={}, ctx=ctx, seqs=1)
+    plan = build_plan(four_bit(GEMMA4_31B), request)
+    device = plan.devices[0]
+    assert plan.fits, explain(plan)
+    assert device.activations.bytes < 1 * GiB < FLAT_RULE
+    assert device.weights.total + device.kv_cache + FLAT_RULE > 24 * GiB  # the flat rule refuses it
+    # KV in f16: 10 full layers of 4 heads of 512 over ctx, 50 sliding ones of 16 heads of 256 over a
+    # ring of (1023 + 256) positions rounded up to whole blocks (1280)
+    assert device.kv_cache == 2 * 2 * (10 * 4 * 512 * ctx + 50 * 16 * 256 * 1280)
