@@ -3,7 +3,9 @@
 Files: the trained demo model (daemon/assets, Q8_0) and a random-weight ~100M-parameter qwen3 shape
 (hidden 768, 12 layers, 12 heads on 4 KV heads, FFN 2048, vocab 32000, tied embeddings), written as F16
 and then quantized to Q8_0 and Q4_K_M (by default; --files also takes Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
-IQ4_XS, Q2_K and Q3_K_M) by llama.cpp itself (`llama_model_quantize`; cached under benchmarks/.cache). For each file and engine, in a fresh process each (so load time and memory are that
+IQ4_XS, Q2_K and Q3_K_M) by llama.cpp itself (`llama_model_quantize`; cached under benchmarks/.cache);
+and `gemma4`, Gemma 4 31B's layout at ~86M parameters (GEMMA4_SHAPE: transformers' random init,
+converted by llama.cpp's converter, Q4_K_M). For each file and engine, in a fresh process each (so load time and memory are that
 engine's alone): load seconds (ember's kernel cache warm), resident memory growth over the load, the
 decode and the prefill runs vs the file's size (measured after the same work has run once on a first
 instance of the model, freed since: the model's memory, not the code each engine brings in on first use;
@@ -47,6 +49,13 @@ SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_
              rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
 # llama.cpp's quantization types (llama.h LLAMA_FTYPE_MOSTLY_*) the 100M shape is measured in
 LLAMA_FTYPES = ("Q8_0", "Q4_K_M", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K_M")
+# Gemma 4 31B's layout at ~100M parameters: every 6th layer full (head_dim 128, 2 KV heads, values from
+# keys, proportional rope), the rest sliding over 512 positions (head_dim 64, 4 KV heads), GELU-tanh
+# FFN, sandwich norms, a soft-capped head; no KV sharing (llama.cpp aborts on it: docs/gemma4.md)
+GEMMA4_SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                    num_key_value_heads=4, head_dim=64, global_head_dim=128, num_global_key_value_heads=2,
+                    attention_k_eq_v=True, sliding_window=512, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+                    final_logit_softcapping=30.0, max_position_embeddings=4096, tie_word_embeddings=True)
 
 
 def demo_file() -> Path:
@@ -100,6 +109,33 @@ def quantized_by_llama_cpp(name: str, threads: int) -> Path:
     if llama_cpp.llama_model_quantize(str(f16_source()).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
         raise RuntimeError(f"llama_model_quantize failed for {name}")
     tmp.rename(path)
+    return path
+
+
+def gemma4_file(threads: int) -> Path:
+    """The Gemma 4 shape: transformers' random init, with a Gemma-style tokenizer trained on the tests'
+    text (its vocabulary, ~1100 tokens, is what the converter keeps), converted and quantized to
+    Q4_K_M by llama.cpp."""
+    path = HERE / ".cache" / "gemma4-100m-q4_k_m-llamacpp.gguf"
+    if path.exists():
+        return path
+    import shutil
+
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    from llama_cpp_tools import convert, quantize
+    from tiny_models import write_gemma_tokenizer
+
+    work = HERE / ".cache" / "gemma4-100m-work"
+    (work / "hf").mkdir(parents=True, exist_ok=True)
+    vocab = write_gemma_tokenizer(work / "hf")
+    torch.manual_seed(0)
+    config = Gemma4TextConfig(**GEMMA4_SHAPE, vocab_size=vocab, vocab_size_per_layer_input=vocab)
+    Gemma4ForCausalLM(config).eval().save_pretrained(work / "hf")
+    f16 = convert(work / "hf", work / "f16.gguf", "f16")
+    quantize(f16, path.with_suffix(".tmp"), "Q4_K_M").rename(path)
+    shutil.rmtree(work)
     return path
 
 
@@ -204,7 +240,7 @@ LONG_TOKENS = 32  # tokens decoded after the --context prompt
 
 
 def long_context_prompt(args: argparse.Namespace) -> list[int]:
-    return [100 + i % 5000 for i in range(args.context)]  # ids every file's vocabulary holds
+    return [100 + i % 1000 for i in range(args.context)]  # ids every file's vocabulary holds (gemma4: ~1100)
 
 
 def batched_decode(model, streams: int, tokens: int) -> float:  # type: ignore[no-untyped-def]
@@ -301,7 +337,8 @@ def main() -> None:
                     help="ember's KV cache (default f16, as ember's and llama.cpp's defaults)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="engines alternated this many times per file, medians reported (this VM drifts 10-20%%)")
-    ap.add_argument("--files", nargs="+", default=["demo", "Q8_0", "Q4_K_M"], choices=["demo", *LLAMA_FTYPES])
+    ap.add_argument("--files", nargs="+", default=["demo", "Q8_0", "Q4_K_M", "gemma4"],
+                    choices=["demo", "gemma4", *LLAMA_FTYPES])
     ap.add_argument("--worker", nargs=2, metavar=("ENGINE", "FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -315,12 +352,13 @@ def main() -> None:
     print(f"{'file':16} {'engine':9} {'MB':>6} {'load s':>7} {'RSS/file':>8} {'decode tok/s':>12} {'GB/s':>5} "
           f"{'of bw':>5} {'prefill tok/s':>13}")
     for name in args.files:
-        path = demo_file() if name == "demo" else quantized_by_llama_cpp(name, args.threads)
+        path = (demo_file() if name == "demo" else gemma4_file(args.threads) if name == "gemma4"
+                else quantized_by_llama_cpp(name, args.threads))
         size, per_token = path.stat().st_size, bytes_per_token(path)
         rounds = [{engine: measure(engine, path, args) for engine in ("ember", "llama.cpp")} for _ in range(args.rounds)]
         results = {engine: {key: statistics.median(r[engine][key] for r in rounds) for key in rounds[0][engine]}
                    for engine in ("ember", "llama.cpp")}
-        label = "demo Q8_0" if name == "demo" else f"100M {name}"
+        label = {"demo": "demo Q8_0", "gemma4": "gemma4 Q4_K_M"}.get(name, f"100M {name}")
         for engine, r in results.items():
             gbs = per_token / r["step_s"] / 1e9
             print(f"{label:16} {engine:9} {size / 1e6:6.1f} {r['load_s']:7.2f} {r['rss'] / size:8.2f} "
