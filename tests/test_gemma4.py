@@ -61,6 +61,24 @@ def test_gemma4_matches_transformers(hf_model, case: str) -> None:
     assert list(model32.generate(prompt, max_tokens=64, ignore_eos=True)) == hf_greedy(ref, prompt, 64)
 
 
+def test_speculative_decoding_keeps_the_output(hf_model) -> None:
+    """A Gemma 4 draft proposing for a Gemma 4 target (itself: greedy proposals are all accepted),
+    always speculating: greedy tokens as without a draft, past the window, and sampled tokens of one
+    seed alike run after run."""
+    path, _ = hf_model("gemma4")
+    plain = ember.load(path)
+    spec = ember.load(path, draft=path, draft_tokens=3)
+    spec.adaptive_draft = False
+    prompt = np.random.default_rng(6).integers(1, 8192, 12).tolist()
+    assert list(spec.generate(prompt, max_tokens=40, ignore_eos=True)) == list(
+        plain.generate(prompt, max_tokens=40, ignore_eos=True))
+    stats = spec.spec_stats()
+    assert stats.steps > 0 and stats.accepted == stats.proposed > 0  # its own proposals: all kept
+    sampled = [list(spec.generate(prompt, max_tokens=24, temperature=0.9, top_k=50, seed=3, ignore_eos=True))
+               for _ in range(2)]
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 24
+
+
 def test_shared_layers_keep_no_cache(hf_model) -> None:
     """The KV cache holds the four layers that compute K/V, each in its own shape; the two that share
     hold none."""
