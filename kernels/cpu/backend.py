@@ -40,6 +40,10 @@ class CpuOps(Ops):
                       decode_rows: Array | None = None) -> np.ndarray:
         return quant_matmul.swiglu_matmul(x, gate, up, self._flags(decode_rows))
 
+    def geglu_matmul(self, x: Array, gate: quant_matmul.CpuWeight, up: quant_matmul.CpuWeight,
+                     decode_rows: Array | None = None) -> np.ndarray:
+        return quant_matmul.swiglu_matmul(x, gate, up, self._flags(decode_rows), gelu=True)
+
     def _flags(self, decode_rows: Array | None) -> bool | np.ndarray:
         """decode_flags of a step's mask, computed once per step: every layer passes the same array.
         One tuple, read and replaced whole, so threads stepping other runners of the model are safe."""

@@ -262,9 +262,9 @@ def swiglu_ffn(code_g, gate, code_u, up, code_d, down, h, force):
     a routed expert's, a shared expert's."""
     f = np.empty((h.shape[0], gate.shape[0]), np.float32)
     if _parallel(force, 2 * gate.size * h.shape[0], INT8_PARALLEL_MIN_WORK):
-        _SWIGLU_PARALLEL(code_g, gate, code_u, up, h, f)
+        _SWIGLU_PARALLEL(code_g, gate, code_u, up, h, f, False)
     else:
-        _SWIGLU_SERIAL(code_g, gate, code_u, up, h, f)
+        _SWIGLU_SERIAL(code_g, gate, code_u, up, h, f, False)
     y = np.empty((h.shape[0], down.shape[0]), np.float32)
     _matmul_int8(code_d, down, f, y, force)
     return y

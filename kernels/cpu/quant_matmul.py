@@ -227,18 +227,20 @@ def matmul_many(x: np.ndarray, ws: tuple[CpuWeight, ...], decode_rows: Rows = No
     return [y[0] for y in outs] if x.ndim == 1 else list(outs)
 
 
-def swiglu_matmul(x: np.ndarray, gate: CpuWeight, up: CpuWeight, decode_rows: Rows = None) -> np.ndarray:
-    """silu(x @ gate^T) * (x @ up^T), the decode rows of quantized weights in one kernel."""
+def swiglu_matmul(x: np.ndarray, gate: CpuWeight, up: CpuWeight, decode_rows: Rows = None,
+                  gelu: bool = False) -> np.ndarray:
+    """silu(x @ gate^T) * (x @ up^T) (GELU-tanh in silu's place where `gelu`), the decode rows of
+    quantized weights in one kernel."""
     rows = decode_flags(decode_rows)
     if rows is False or not (gate.int8 and up.int8 and (up.rows, up.cols) == (gate.rows, gate.cols)):
-        return dense.swiglu(matmul(x, gate, rows), matmul(x, up, rows))
+        return (dense.geglu if gelu else dense.swiglu)(matmul(x, gate, rows), matmul(x, up, rows))
     x2 = _as_rows(x, gate.cols)
     out = np.empty((x2.shape[0], gate.rows), np.float32)
     if rows is True:
-        _SWIGLU_INT8.pick(2 * gate.nbytes * x2.shape[0])(gate.code, gate.u8, up.code, up.u8, x2, out)
+        _SWIGLU_INT8.pick(2 * gate.nbytes * x2.shape[0])(gate.code, gate.u8, up.code, up.u8, x2, out, gelu)
     else:  # decode rows through the fused kernel wherever they are: their result must not depend on the step
-        out[rows] = swiglu_matmul(x2[rows], gate, up, True)
-        out[~rows] = swiglu_matmul(x2[~rows], gate, up, False)
+        out[rows] = swiglu_matmul(x2[rows], gate, up, True, gelu)
+        out[~rows] = swiglu_matmul(x2[~rows], gate, up, False, gelu)
     return out[0] if x.ndim == 1 else out
 
 
@@ -560,9 +562,9 @@ def _matmul_int8_many(tts, ws, x, outs, group_rows):
             _rows_times_tokens(tts[k], u8, first, end, oq, od, osum, oc, out)
 
 
-def _swiglu_int8(tt_gate, gate, tt_up, up, x, out):
-    """out = silu(x_hat @ gate^T) * (x_hat @ up^T): both products and the activation in one pass over
-    each row group (one parallel region instead of three kernels)."""
+def _swiglu_int8(tt_gate, gate, tt_up, up, x, out, gelu):
+    """out = silu(x_hat @ gate^T) * (x_hat @ up^T) (gelu_tanh where `gelu`): both products and the
+    activation in one pass over each row group (one parallel region instead of three kernels)."""
     n, rows = x.shape[0], out.shape[1]
     q8_gate, q8_up = _Q8_0_ACTIVATIONS[tt_gate], _Q8_0_ACTIVATIONS[tt_up]
     acts = _activations(x, q8_gate or q8_up, not (q8_gate and q8_up))
@@ -575,7 +577,18 @@ def _swiglu_int8(tt_gate, gate, tt_up, up, x, out):
         # the group's gate rows, then its up rows: one contiguous stream at a time for the prefetcher
         _rows_times_tokens(tt_gate, gate, c * _MATVEC_ROWS, end, gq, gd, gs, gc, g)
         _rows_times_tokens(tt_up, up, c * _MATVEC_ROWS, end, uq, ud, us, uc, u)
-        _silu_times(g, u, c * _MATVEC_ROWS, end, out)
+        if gelu:
+            _gelu_times(g, u, c * _MATVEC_ROWS, end, out)
+        else:
+            _silu_times(g, u, c * _MATVEC_ROWS, end, out)
+
+
+@njit(inline="always", **_STRICT)
+def _gelu_times(g, u, first, end, out):
+    """out = gelu_tanh(g) * u on columns first..end-1 of every token, as dense.geglu computes it."""
+    for t in range(out.shape[0]):
+        for r in range(first, end):
+            out[t, r] = dense.gelu_tanh(g[t, r]) * u[t, r]
 
 
 @njit(inline="always", **_STRICT)
