@@ -89,6 +89,35 @@ def test_shared_layers_keep_no_cache(hf_model) -> None:
     assert len(cache.k) == len(cache.v) == 4
 
 
+def test_released_checkpoints_layout(tmp_path: Path) -> None:
+    """The released checkpoints' layout (Gemma4ForConditionalGeneration, model_type gemma4): the text
+    config nested in text_config, the language model's weights under model.language_model., vision
+    and audio towers beside it. ember takes the language model alone and gives transformers' text
+    logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tiny_models import GEMMA4, TINY
+
+    config = transformers.Gemma4Config(
+        text_config=transformers.Gemma4TextConfig(**(TINY | GEMMA4)),
+        vision_config=transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                      num_attention_heads=2, num_key_value_heads=2, head_dim=16),
+        audio_config=transformers.Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                    output_proj_dims=32, subsampling_conv_channels=[8, 4]))
+    torch.manual_seed(0)
+    ref = transformers.Gemma4ForConditionalGeneration(config).eval()
+    ref.save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_TOKENIZER / f, tmp_path / f)
+    names = set(open_model_file(tmp_path).tensors)
+    assert "per_layer_token_embd.weight" in names and not any("vision" in n or "audio" in n for n in names)
+    ids = np.random.default_rng(3).integers(1, 8192, 40).tolist()
+    with torch.no_grad():
+        expected = ref(input_ids=torch.tensor([ids])).logits[0].numpy()
+    got = ember.load(tmp_path, kv_dtype="f32").logits(ids)
+    assert np.abs(got - expected).max() <= 1e-4 * (expected.max() - expected.min())
+
+
 def test_window_layers_keep_only_their_window(hf_model) -> None:
     """With at most 16 positions a step, the sliding layers (window 8) keep a ring of 2 blocks a
     sequence (7 + 16 live positions): three sequences of 6 + 90 tokens (decode bursts included) wrap
