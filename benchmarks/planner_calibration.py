@@ -19,6 +19,12 @@ CPU only: ember has no CUDA backend yet. With one, the same steps would be measu
 cupy.get_default_memory_pool().get_total_bytes() peaks (see docs/planner.md).
 
     python benchmarks/planner_calibration.py [--quick] [--json FILE]
+    python benchmarks/planner_calibration.py --gemma4
+
+--gemma4 measures a whole footprint instead: a Gemma 4 shape (GEMMA4_SHAPE) loaded, its KV cache for
+one sequence of 4k, 32k and 128k positions sized as the engine sizes it (sliding layers in window
+rings) with every page written, and the peak of the step over the last prefill chunk, against
+ember plan's weights + KV cache + activations.
 """
 from __future__ import annotations
 
@@ -164,6 +170,92 @@ def run_child(path: Path, tokens: int, seqs: int) -> dict[str, int]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# --- a Gemma 4 shape's whole footprint at long contexts -------------------------------------------
+# Gemma 4's small-model layout (E2B's: per-layer embeddings, the last layers sharing K/V with a
+# double-wide FFN, values from keys on full layers) at ~30M parameters, its context 131072, sliding
+# layers over 1024 positions (31B's window)
+GEMMA4_SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=8,
+                    num_key_value_heads=4, head_dim=64, global_head_dim=128, num_global_key_value_heads=2,
+                    attention_k_eq_v=True, sliding_window=1024, hidden_size_per_layer_input=64,
+                    vocab_size_per_layer_input=8192, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                    final_logit_softcapping=30.0, vocab_size=8192, max_position_embeddings=131072,
+                    tie_word_embeddings=True)
+GEMMA4_CONTEXTS = (4096, 32768, 131072)
+
+
+def gemma4_dir() -> Path:
+    """The shape's random weights (transformers' init), an F32 Hugging Face directory, cached."""
+    path = CACHE / "gemma4-e2b-shape-f32"
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    torch.manual_seed(0)
+    Gemma4ForCausalLM(Gemma4TextConfig(**GEMMA4_SHAPE)).eval().save_pretrained(path)
+    return path
+
+
+def measure_footprint(path: str, ctx: int, chunk: int) -> dict[str, int]:
+    """Bytes this process holds above its start with the model loaded, a cache for one sequence of
+    `ctx` positions as the engine sizes it (its pages written: a full cache), and the peak while the
+    step of its last `chunk` positions runs (forward + sampling): the memory ember plan counts."""
+    from ember.daemon.loader.model_file import open_model_file
+    from ember.daemon.models.transformer import Transformer
+    from ember.daemon.planning.precision import DeviceCaps, resolve_policy
+    from ember.daemon.step.step_batch import StepBatch
+    from ember.kernels import get_ops
+    from ember.kernels.sampling import SamplingParams, sample
+
+    start = _status("VmRSS")
+    block, kv = 16, resolve_policy([DeviceCaps.of("cpu")]).kv
+    net = Transformer(open_model_file(path), get_ops("cpu"))
+    cache = net.new_cache(-(-ctx // block), block, kv, max_sequences=1, step_tokens=chunk)
+    for store in (*cache.k, *cache.v):  # every page written, as a full context leaves them
+        for a in vars(store).values():
+            if isinstance(a, np.ndarray) and a.flags.writeable:
+                a.fill(0)
+    table = list(range(cache.n_blocks))
+    batch = StepBatch.build([(list(np.arange(chunk) % 1000 + 1), ctx - chunk, table)], block, state_slots=[0])
+    params, rng = SamplingParams(temperature=0.8, top_p=0.9), np.random.default_rng(0)
+
+    def step() -> None:
+        for row in net.ops.to_numpy(net.forward(batch, cache)):
+            sample(row, params, rng, [1, 2, 3], [])
+
+    step()
+    gc.collect()
+    resident = _status("VmRSS") - start
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    step()
+    return {"resident": resident, "peak": _status("VmHWM") - start, "kv": sum(cache.layer_bytes)}
+
+
+def gemma4_rows(chunk: int = 256) -> list[dict[str, float]]:
+    """Planned (ember plan: weights, KV cache, activations on the CPU) against measured, per context."""
+    from ember.daemon.planning.planner import GiB, Device, PlanRequest, plan_model
+
+    path, rows = gemma4_dir(), []
+    print(f"{'gemma4 E2B shape':<18} {'ctx':>7} {'planned':>13} {'measured':>13} {'plan/meas':>9} "
+          f"{'KV planned':>12} {'KV held':>12}")
+    for ctx in GEMMA4_CONTEXTS:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+        out = subprocess.run([sys.executable, __file__, "--gemma4-child", str(path), str(ctx), str(chunk)],
+                             env=env, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"measuring gemma4 at ctx {ctx} failed:\n{out.stderr}")
+        m = json.loads(out.stdout.strip().splitlines()[-1])
+        d = plan_model(path, PlanRequest.create([Device("cpu", 64 * GiB)], env={}, ctx=ctx, seqs=1,
+                                                prefill_chunk=chunk)).devices[0]
+        plan = d.weights.total + d.kv_cache + d.activations.bytes
+        rows.append(dict(model="gemma4", ctx=ctx, planned=plan, measured=m["peak"], ratio=plan / m["peak"],
+                         kv_planned=d.kv_cache, kv_held=m["kv"]))
+        print(f"{'gemma4 E2B shape':<18} {ctx:>7} {plan:>13,} {m['peak']:>13,} {plan / m['peak']:>9.3f} "
+              f"{d.kv_cache:>12,} {m['kv']:>12,}", flush=True)
+    return rows
+
+
 # --- planned vs measured ------------------------------------------------------------------------
 def planned(path: Path, tokens: int, seqs: int) -> tuple[int, dict[str, float]]:
     from ember.daemon.planning.planner import GiB, Device, PlanRequest, plan_model
@@ -179,11 +271,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the demo model and one synthetic shape, 3 steps")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    parser.add_argument("--gemma4", action="store_true",
+                        help="only the Gemma 4 shape's whole footprint at 4k, 32k and 128k context")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--gemma4-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure_step(args.child[0], int(args.child[1]), int(args.child[2]))))
         return 0
+    if args.gemma4_child:
+        print(json.dumps(measure_footprint(args.gemma4_child[0], int(args.gemma4_child[1]), int(args.gemma4_child[2]))))
+        return 0
+    if args.gemma4:
+        ratios = [r["ratio"] for r in gemma4_rows()]
+        print(f"planned/measured: min {min(ratios):.3f}, max {max(ratios):.3f}")
+        return 0 if min(ratios) >= 1.0 else 1
     models = [("demo (qwen3 d384)", Path(DEMO_MODEL))] + [(s.name, model_file(s)) for s in SHAPES[: 1 if args.quick else None]]
     rows = []
     print(f"{'model':<18} {'T':>4} {'S':>3} {'planned':>12} {'rss':>12} {'traced':>12} {'plan/meas':>9} {'implied':>8}")

@@ -141,10 +141,7 @@ _GEGLU = Twin(_geglu)
 
 def geglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """gelu_tanh(gate) * up (kernels/reference/dense.py)."""
-    gate = np.ascontiguousarray(gate, np.float32)
-    out = np.empty_like(gate)
-    _GEGLU.pick(gate.size * 16)(gate, np.ascontiguousarray(up, np.float32), out)
-    return out
+    return _elementwise(_GEGLU, gate, up, 16)
 
 
 def _softcap(x: np.ndarray, cap: float, out: np.ndarray) -> None:
@@ -173,9 +170,15 @@ _SIGMOID_MUL = Twin(_sigmoid_mul)
 
 
 def sigmoid_mul(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    return _elementwise(_SIGMOID_MUL, x, gate, 8)
+
+
+def _elementwise(kernel: Twin, x: np.ndarray, other: np.ndarray, cost: int) -> np.ndarray:
+    """kernel(x, other, out) over float32 C-contiguous copies (views where they already are), run
+    parallel from `cost` x size work on (Twin.pick)."""
     x = np.ascontiguousarray(x, np.float32)
     out = np.empty_like(x)
-    _SIGMOID_MUL.pick(x.size * 8)(x, np.ascontiguousarray(gate, np.float32), out)
+    kernel.pick(x.size * cost)(x, np.ascontiguousarray(other, np.float32), out)
     return out
 
 
