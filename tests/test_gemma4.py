@@ -247,6 +247,8 @@ def test_gguf_matches_llama_cpp(unshared, tmp_path: Path, monkeypatch, ftype: st
         gelu = np.abs(ours - exact).max()  # on the same weights: llama.cpp's GELU table, as at float32
         assert (np.abs(ours - theirs).max(axis=1) <= noise + gelu + 1e-4 * span).all()
     monkeypatch.setattr(CpuOps, "geglu", lambda self, gate, up: ggml_gelu(gate) * up)
+    monkeypatch.setattr(CpuOps, "geglu_matmul", lambda self, x, gate, up, rows=None:
+                        ggml_gelu(self.matmul(x, gate, rows)) * self.matmul(x, up, rows))
     as_llama_cpp = ember.load(path, kv_dtype="f32").logits(ids)
     assert np.abs(as_llama_cpp - exact).max() <= min(2e-3 * span, np.abs(ours - exact).max())
 
@@ -355,3 +357,29 @@ def test_31b_on_a_24gib_card(ctx: int) -> None:
     # KV in f16: 10 full layers of 4 heads of 512 over ctx, 50 sliding ones of 16 heads of 256 over a
     # ring of (1023 + 256) positions rounded up to whole blocks (1280)
     assert device.kv_cache == 2 * 2 * (10 * 4 * 512 * ctx + 50 * 16 * 256 * 1280)
+
+
+# --- hot and cold experts -----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_cold_experts_on_gemma4_equal_all_hot(hf_model, tmp_path: Path, monkeypatch) -> None:
+    """The MoE block with half of each layer's experts hot and the rest computed by two cold workers
+    (GELU experts, scaled per expert, there too): the logits of a 40-token prompt (past the window) and
+    24 decoded tokens are the all-hot model's; the lossy `mask` policy runs and differs."""
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))  # routing statistics of this test only
+    path, _ = hf_model("gemma4", **CASES["moe"])
+    ids = np.random.default_rng(7).integers(1, 8192, 40).tolist()
+    all_hot = ember.load(path)
+    expected = all_hot.logits(ids)
+    tokens = list(all_hot.generate(ids[:5], max_tokens=24, ignore_eos=True))
+    model = ember.load(path, expert_budget="50%", cold_workers=2)
+    try:
+        assert np.abs(model.logits(ids) - expected).max() <= 1e-5 * np.abs(expected).max()
+        assert list(model.generate(ids[:5], max_tokens=24, ignore_eos=True)) == tokens
+        hot = [len(h) for h in model.placement()]
+        assert sum(hot) == 24 and all(0 < h < 8 for h in hot)  # 6 layers of 8 experts, half hot
+        s = model.expert_stats()
+        assert s.total_experts == 48 and s.cold_slots > 0 and s.worker_restarts == 0
+    finally:
+        model.close()
+    masked = ember.load(path, expert_budget="50%", cold_policy="mask").logits(ids)
+    assert np.isfinite(masked).all() and np.abs(masked - expected).max() > 1e-3 * np.abs(expected).max()

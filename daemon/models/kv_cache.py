@@ -7,8 +7,8 @@ Sliding-window layers may keep only their window (`ring` > 0): each running sequ
 (Sequence.state_slot) owns `ring` blocks of those layers' stores, which its positions take in turn
 (logical block b in block b % ring of the slot's run). A ring of ceil((window - 1 + step) / block)
 blocks, `step` the most positions a sequence runs in one step, holds every key a step reads even
-after that step's writes (window_ring). Their memory then stays flat however long the sequences
-grow; the full layers' blocks grow with them, as the BlockManager hands them out.
+after that step's writes (step/window_ring.py). Their memory then stays flat however long the
+sequences grow; the full layers' blocks grow with them, as the BlockManager hands them out.
 """
 from __future__ import annotations
 
@@ -16,28 +16,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.models.recurrent_state import RecurrentState
 from ember.kernels.convert import storage_bytes
 from ember.kernels.ops import Array, Ops
-
-
-def window_ring(window: int, step_tokens: int, block_size: int) -> int:
-    """Blocks a sequence's window layers need: a step writes up to `step_tokens` positions and reads
-    from `window` - 1 before the first, so window - 1 + step_tokens consecutive positions are live at
-    once; a ring takes position p at slot p mod (ring * block_size), distinct for any such run."""
-    return -(-(window - 1 + step_tokens) // block_size)
-
-
-def ring_for(config: ModelConfig, n_blocks: int, block_size: int, max_sequences: int, step_tokens: int) -> int:
-    """The blocks a sequence slot's ring holds in a model's sliding-window layers, or 0 where they
-    page over every position: rings where the most positions a step runs are known (step_tokens),
-    the model's window layers run op by op (gemma4: the compiled layers read one table) and rings take
-    less memory than n_blocks."""
-    if not (config.sliding_window and step_tokens and config.arch == "gemma4"):
-        return 0
-    ring = window_ring(config.sliding_window, step_tokens, block_size)
-    return ring if ring * max_sequences < n_blocks else 0
 
 
 class PagedKVCache:

@@ -25,7 +25,7 @@ import numpy as np
 from ember.daemon.experts.expert_manager import ExpertManager, ExpertOptions
 from ember.daemon.experts.moe_ffn import MoEFFN, expert_files, load_moe_ffn
 from ember.daemon.experts.shared_expert import SharedExpertMoE, has_shared_expert, with_shared_expert
-from ember.daemon.models.kv_cache import PagedKVCache, ring_for
+from ember.daemon.models.kv_cache import PagedKVCache
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile
 from ember.daemon.loader.model_file_error import ModelFileError
@@ -34,6 +34,7 @@ from ember.daemon.models.gemma4 import Gemma4Block, load_gemma4_block, load_per_
 from ember.daemon.models.linear_attention import GatedDeltaNet, load_gated_delta_net
 from ember.daemon.models.recurrent_state import RecurrentState
 from ember.daemon.step.step_batch import StepBatch
+from ember.daemon.step.window_ring import ring_for
 from ember.kernels.layer_stack import StackLayer
 from ember.kernels.ops import Array, LayerShape, LayerWeights, Ops, Weight
 from ember.kernels.raw_tensor import RawTensor
@@ -208,7 +209,7 @@ class Transformer:
         for a hybrid model also the recurrent state of `max_sequences` sequences (slots 0 ..
         max_sequences - 1). The whole model only: a layer split of a hybrid is refused (Pipeline).
         step_tokens > 0: positions a sequence runs in one step at most; sliding-window layers then
-        keep only their window, in a ring per sequence slot (kv_cache.ring_for)."""
+        keep only their window, in a ring per sequence slot (step/window_ring.ring_for)."""
         c = self.config
         state = RecurrentState(self.ops, c.linear, max_sequences) if c.linear else None
         owners = [i for i in self.layers if c.owns_kv(i)]

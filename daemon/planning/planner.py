@@ -17,10 +17,10 @@ from typing import Any
 
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.loader.model_file import ModelFile, open_model_file
-from ember.daemon.models.kv_cache import ring_for
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
 from ember.kernels.convert import storage_bytes
 from ember.daemon.step.defaults import KV_BLOCK, PREFILL_CHUNK
+from ember.daemon.step.window_ring import ring_for
 from ember.daemon.planning.staging_bytes import boundary_bytes, logits_rows_bytes  # what the split runner allocates
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -373,8 +373,8 @@ def _kv_by_layer(cfg: ModelConfig, request: PlanRequest, kv_tokens: int) -> list
     """Per layer, its KV cache's bytes as the runtime allocates them (Transformer.new_cache): K and V
     of its own KV heads and head_dim over every sequence's positions; none for a linear-attention
     layer or one that shares another's K/V (gemma4); a sliding-window layer's ring per sequence
-    where the cache keeps only the window (kv_cache.ring_for: the engine's step, prefill_chunk
-    positions at most)."""
+    where the cache keeps only the window (step/window_ring.ring_for: the engine's step,
+    prefill_chunk positions at most)."""
     ring = ring_for(cfg, kv_tokens // request.kv_block, request.kv_block, request.seqs, request.prefill_chunk)
     window_tokens = ring * request.kv_block * request.seqs
     return [2 * cfg.kv_heads(i) * storage_bytes(request.policy.kv, cfg.head_dim_at(i))
