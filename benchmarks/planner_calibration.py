@@ -197,9 +197,12 @@ def gemma4_dir() -> Path:
 
 
 def measure_footprint(path: str, ctx: int, chunk: int) -> dict[str, int]:
-    """Bytes this process holds above its start with the model loaded, a cache for one sequence of
-    `ctx` positions as the engine sizes it (its pages written: a full cache), and the peak while the
-    step of its last `chunk` positions runs (forward + sampling): the memory ember plan counts."""
+    """Bytes this process gains loading the model, allocating a cache for one sequence of `ctx`
+    positions as the engine sizes it (its pages written: a full cache; the embedding tables' every
+    row read, as a long context reads rows of any token) and running the step of its last `chunk`
+    positions (forward + sampling), at that step's peak: the memory ember plan counts.
+    The same work runs first on another instance of the model, freed since, so that the figure is the
+    model's and not the code and runtime the process brings in on first use (as cpu_decode.py's RSS)."""
     from ember.daemon.loader.model_file import open_model_file
     from ember.daemon.models.transformer import Transformer
     from ember.daemon.planning.precision import DeviceCaps, resolve_policy
@@ -207,29 +210,32 @@ def measure_footprint(path: str, ctx: int, chunk: int) -> dict[str, int]:
     from ember.kernels import get_ops
     from ember.kernels.sampling import SamplingParams, sample
 
-    start = _status("VmRSS")
-    block, kv = 16, resolve_policy([DeviceCaps.of("cpu")]).kv
-    net = Transformer(open_model_file(path), get_ops("cpu"))
-    cache = net.new_cache(-(-ctx // block), block, kv, max_sequences=1, step_tokens=chunk)
-    for store in (*cache.k, *cache.v):  # every page written, as a full context leaves them
-        for a in vars(store).values():
-            if isinstance(a, np.ndarray) and a.flags.writeable:
-                a.fill(0)
-    table = list(range(cache.n_blocks))
-    batch = StepBatch.build([(list(np.arange(chunk) % 1000 + 1), ctx - chunk, table)], block, state_slots=[0])
+    block, kv, ops = 16, resolve_policy([DeviceCaps.of("cpu")]).kv, get_ops("cpu")
     params, rng = SamplingParams(temperature=0.8, top_p=0.9), np.random.default_rng(0)
 
-    def step() -> None:
+    def run(peak: bool) -> dict[str, int]:
+        start = _status("VmRSS")
+        net = Transformer(open_model_file(path), ops)
+        cache = net.new_cache(-(-ctx // block), block, kv, max_sequences=1, step_tokens=chunk)
+        for store in (*cache.k, *cache.v):  # every page written, as a full context leaves them
+            for a in vars(store).values():
+                if isinstance(a, np.ndarray) and a.flags.writeable:
+                    a.fill(0)
+        for table in (net.embed, net.per_layer.table if net.per_layer else None):  # every row read: a long
+            if table is not None:  # context reads rows of any token; one step reads its own alone
+                float((table.f32 if table.f32 is not None else table.u8).sum())
+        batch = StepBatch.build([(list(np.arange(chunk) % 1000 + 1), ctx - chunk, list(range(cache.n_blocks)))],
+                                block, state_slots=[0])
+        if peak:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := VmRSS
         for row in net.ops.to_numpy(net.forward(batch, cache)):
             sample(row, params, rng, [1, 2, 3], [])
+        return {"peak": _status("VmHWM") - start, "kv": sum(cache.layer_bytes)}
 
-    step()
+    run(False)  # the code and runtime a first step brings in
     gc.collect()
-    resident = _status("VmRSS") - start
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    step()
-    return {"resident": resident, "peak": _status("VmHWM") - start, "kv": sum(cache.layer_bytes)}
+    return run(True)
 
 
 def gemma4_rows(chunk: int = 256) -> list[dict[str, float]]:
