@@ -256,6 +256,12 @@ class Ops(ABC):
     def rmsnorm(self, x: Array, w: Array, eps: float) -> Array:
         """RMS-normalise over the last axis and scale by w; x is [..., d]."""
 
+    def add_rmsnorm(self, x: Array, y: Array, w: Array, eps: float, scale: float = 1.0) -> Array:
+        """(x + rmsnorm(y, w)) * scale: a residual stream x taking a normed branch y (Gemma's post-norms),
+        which a backend may fuse."""
+        out = x + self.rmsnorm(y, w, eps)
+        return out if scale == 1.0 else out * scale
+
     @abstractmethod
     def rope(self, x: Array, positions: np.ndarray, inv_freq: Array, interleaved: bool) -> Array:
         """Rotary embedding of x [n, h, hd] at positions [n] (in place, returns x).

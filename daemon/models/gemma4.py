@@ -41,9 +41,10 @@ class LayerInput:
     proj: Weight  # [hidden, P]
     norm: Array
 
-    def __call__(self, ops: Ops, cfg: ModelConfig, h: Array, p: Array, rows: Array) -> Array:
+    def __call__(self, ops: Ops, cfg: ModelConfig, h: Array, p: Array, rows: Array, scale: float = 1.0) -> Array:
+        """(h + this) * scale."""
         mixed = ops.geglu(ops.matmul(h, self.gate, rows), p)
-        return h + ops.rmsnorm(ops.matmul(mixed, self.proj, rows), self.norm, cfg.norm_eps)
+        return ops.add_rmsnorm(h, ops.matmul(mixed, self.proj, rows), self.norm, cfg.norm_eps, scale)
 
 
 @dataclass
@@ -96,15 +97,15 @@ class Gemma4Block:
 
     def __call__(self, ops: Ops, cfg: ModelConfig, x: Array, cache: PagedKVCache, batch: StepBatch) -> Array:
         eps, rows = cfg.norm_eps, batch.decode_rows
-        h = x + ops.rmsnorm(self.attn(ops, cfg, ops.rmsnorm(x, self.attn_norm, eps), cache, batch), self.post_attn_norm,
-                            eps)
+        h = ops.add_rmsnorm(x, self.attn(ops, cfg, ops.rmsnorm(x, self.attn_norm, eps), cache, batch),
+                            self.post_attn_norm, eps)
         ffn = self.ffn(ops, ops.rmsnorm(h, self.ffn_norm, eps), rows)
         if self.moe is not None:
             ffn = self.moe(ops, cfg, h, ffn, rows)
-        h = h + ops.rmsnorm(ffn, self.post_ffn_norm, eps)
-        if self.layer_input is not None:
-            h = self.layer_input(ops, cfg, h, batch.layer_inputs[:, self.index], rows)
-        return h * self.out_scale if self.out_scale != 1.0 else h
+        if self.layer_input is None:  # the layer's scalar on its last residual add
+            return ops.add_rmsnorm(h, ffn, self.post_ffn_norm, eps, self.out_scale)
+        h = ops.add_rmsnorm(h, ffn, self.post_ffn_norm, eps)
+        return self.layer_input(ops, cfg, h, batch.layer_inputs[:, self.index], rows, self.out_scale)
 
 
 def load_per_layer_embedding(mf: ModelFile, ops: Ops) -> PerLayerEmbedding | None:

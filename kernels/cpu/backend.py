@@ -118,6 +118,9 @@ class CpuOps(Ops):
     def rmsnorm(self, x: Array, w: Array, eps: float) -> np.ndarray:
         return dense.rmsnorm(x, w, eps)
 
+    def add_rmsnorm(self, x: Array, y: Array, w: Array, eps: float, scale: float = 1.0) -> np.ndarray:
+        return dense.add_rmsnorm(x, y, w, eps, scale)
+
     def rope(self, x: Array, positions: np.ndarray, inv_freq: Array, interleaved: bool) -> np.ndarray:
         return dense.rope(x, positions, inv_freq, interleaved)
 

@@ -31,6 +31,34 @@ def _rmsnorm_rows(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> 
 _RMSNORM = Twin(_rmsnorm_rows)
 
 
+@njit(inline="always", **JIT)
+def _add_norm_row(x, y, w, eps, scale, out):  # type: ignore[no-untyped-def]
+    """out = (x + y / rms(y) * w) * scale for one row."""
+    d = y.shape[0]
+    ss = 0.0
+    for j in range(d):
+        ss += y[j] * y[j]
+    inv = 1.0 / math.sqrt(ss / d + eps)
+    for j in range(d):
+        out[j] = (x[j] + y[j] * inv * w[j]) * scale
+
+
+def _add_rmsnorm_rows(x: np.ndarray, y: np.ndarray, w: np.ndarray, eps: float, scale: float, out: np.ndarray) -> None:
+    for r in prange(x.shape[0]):
+        _add_norm_row(x[r], y[r], w, eps, scale, out[r])
+
+
+_ADD_RMSNORM = Twin(_add_rmsnorm_rows)
+
+
+def add_rmsnorm(x: np.ndarray, y: np.ndarray, w: np.ndarray, eps: float, scale: float = 1.0) -> np.ndarray:
+    """(x + rmsnorm(y, w)) * scale: a residual add of a normed branch (Gemma's post-norms), one kernel."""
+    x2, y2 = f32_rows(x), f32_rows(y)
+    out = np.empty_like(x2)
+    _ADD_RMSNORM.pick(y2.size)(x2, y2, w, eps, scale, out)
+    return out.reshape(x.shape)
+
+
 def f32_rows(x: np.ndarray) -> np.ndarray:
     """x as C-contiguous float32 rows [-1, last axis]: a view when it already is (the decode path)."""
     if x.dtype != np.float32 or not x.flags.c_contiguous:
