@@ -12,14 +12,19 @@ from ember.kernels.cpu.twin import JIT, Twin
 
 
 @njit(inline="always", **JIT)
-def _norm_row(x, w, eps, out):  # type: ignore[no-untyped-def]
-    """out = x / rms(x) * w for one row (out may be x itself: every value is read before it is written)."""
+def _inv_rms(x, eps):  # type: ignore[no-untyped-def]
     d = x.shape[0]
     ss = 0.0
     for j in range(d):
         ss += x[j] * x[j]
-    inv = 1.0 / math.sqrt(ss / d + eps)
-    for j in range(d):
+    return 1.0 / math.sqrt(ss / d + eps)
+
+
+@njit(inline="always", **JIT)
+def _norm_row(x, w, eps, out):  # type: ignore[no-untyped-def]
+    """out = x / rms(x) * w for one row (out may be x itself: every value is read before it is written)."""
+    inv = _inv_rms(x, eps)
+    for j in range(x.shape[0]):
         out[j] = x[j] * inv * w[j]
 
 
@@ -34,12 +39,8 @@ _RMSNORM = Twin(_rmsnorm_rows)
 @njit(inline="always", **JIT)
 def _add_norm_row(x, y, w, eps, scale, out):  # type: ignore[no-untyped-def]
     """out = (x + y / rms(y) * w) * scale for one row."""
-    d = y.shape[0]
-    ss = 0.0
-    for j in range(d):
-        ss += y[j] * y[j]
-    inv = 1.0 / math.sqrt(ss / d + eps)
-    for j in range(d):
+    inv = _inv_rms(y, eps)
+    for j in range(y.shape[0]):
         out[j] = (x[j] + y[j] * inv * w[j]) * scale
 
 
