@@ -222,7 +222,8 @@ class Transformer:
         """Run one step's tokens (from any number of sequences) through the model, writing their K/V
         into `cache`. Returns logits [len(batch.logit_rows), vocab]."""
         # the stack takes the embedding itself: no frame of ours keeps it alive through the layers
-        return self.head(self.stack.run(*self._inputs(batch, cache), cache), batch)
+        batch = self.prepared(batch, cache)
+        return self.head(self.stack.run(self.embed_tokens(batch), batch, cache), batch)
 
     def embed_tokens(self, batch: StepBatch) -> Array:
         """The hidden states [n, hidden] the first layer reads."""
@@ -231,17 +232,12 @@ class Transformer:
         x = self.ops.embedding(self.embed, batch.ids)
         return x if self.config.embed_scale == 1.0 else x * self.config.embed_scale
 
-    def _inputs(self, batch: StepBatch, cache: PagedKVCache) -> tuple[Array, StepBatch]:
-        """The first layer's hidden states and the batch its layers read (prepared)."""
-        x = self.embed_tokens(batch)
-        return x, self.prepared(batch, cache, x)
-
-    def prepared(self, batch: StepBatch, cache: PagedKVCache, x: Array) -> StepBatch:
-        """The batch with what this model's layers read beside it (x: the embedded tokens): gemma4's
-        per-layer inputs (StepBatch.layer_inputs), and where the cache keeps windows in rings, their
-        tables and blocks."""
+    def prepared(self, batch: StepBatch, cache: PagedKVCache) -> StepBatch:
+        """The batch with what this model's layers read beside it: gemma4's per-layer inputs
+        (StepBatch.layer_inputs), and where the cache keeps windows in rings, their tables and blocks."""
         if self.per_layer is not None and batch.layer_inputs is None:
-            batch = replace(batch, layer_inputs=self.per_layer(self.ops, self.config, x, batch.ids, batch.decode_rows))
+            batch = replace(batch, layer_inputs=self.per_layer(self.ops, self.config, self.embed_tokens(batch),
+                                                               batch.ids, batch.decode_rows))
         if cache.ring and batch.window_tables is None:
             ops, slots = self.ops, self.ops.to_numpy(batch.state_slots).astype(np.int64)
             logical = ops.to_numpy(batch.positions) // cache.block_size
@@ -261,7 +257,8 @@ class Transformer:
             if self.layers.start + i in layers:
                 taps[self.layers.start + i] = x  # a layer returns a new array: this one stays as it is
 
-        x = self.stack.run(*self._inputs(batch, cache), cache, tap)
+        batch = self.prepared(batch, cache)
+        x = self.stack.run(self.embed_tokens(batch), batch, cache, tap)
         taps[self.layers.stop] = x
         return self.head(x, batch), [taps[i] for i in layers]
 
