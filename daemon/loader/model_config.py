@@ -143,8 +143,6 @@ class ModelConfig:
     logit_softcap: float = 0.0  # the logits soft-capped to +-this (0: not)
     # gemma4's per-layer embedding (PLE): a layer_input_dim-wide input per layer and token (0: none)
     layer_input_dim: int = 0
-    # gemma4's MoE block: routed experts beside each layer's dense FFN (not in its place)
-    parallel_experts: bool = False
 
     def heads(self, layer: int) -> int:
         """Query heads of `layer`."""
@@ -297,11 +295,17 @@ def _gguf_gemma4(config: ModelConfig, meta: Mapping[str, Any], kv_heads: list[in
     kv_heads = kv_heads * n if len(kv_heads) == 1 else kv_heads[:n]
     return replace(
         config, layer_kv_heads=_varying(kv_heads, n), layer_head_dims=_varying(head_dims, n),
-        rope_theta_swa=config.rope_theta_swa or 10000.0, rope_dim_swa=config.rope_dim_swa or swa_dim,
-        kv_shared_layers=int(meta.get("gemma4.attention.shared_kv_layers", 0)), attn_scale=1.0, ffn_act="gelu_tanh",
-        embed_scale=float(config.hidden) ** 0.5, logit_softcap=float(meta.get("gemma4.final_logit_softcapping", 0.0)),
-        layer_input_dim=int(meta.get("gemma4.embedding_length_per_layer_input", 0)),
-        parallel_experts=config.n_experts > 0)
+        rope_dim_swa=config.rope_dim_swa or swa_dim,
+        kv_shared_layers=int(meta.get("gemma4.attention.shared_kv_layers", 0)),
+        logit_softcap=float(meta.get("gemma4.final_logit_softcapping", 0.0)),
+        layer_input_dim=int(meta.get("gemma4.embedding_length_per_layer_input", 0)), **_gemma4_fixed(config))
+
+
+def _gemma4_fixed(config: ModelConfig) -> dict[str, Any]:
+    """What every Gemma 4 has, whatever its file says: unscaled scores (the q/k norms scale), GELU-tanh,
+    the embedding times sqrt(hidden), the sliding layers' rope theta 10000 unless given."""
+    return dict(attn_scale=1.0, ffn_act="gelu_tanh", embed_scale=float(config.hidden) ** 0.5,
+                rope_theta_swa=config.rope_theta_swa or 10000.0)
 
 
 def _gguf_yarn(meta: Mapping[str, Any], arch: str, factor: float, context: int) -> RopeScaling:
@@ -432,14 +436,13 @@ def _hf_gemma4(config: ModelConfig, cfg: Mapping[str, Any], rope: Mapping[str, A
         config, n_kv_heads=max(kv_heads), head_dim=max(head_dims),
         layer_kv_heads=_varying(kv_heads, n), layer_head_dims=_varying(head_dims, n),
         sliding_layers=sliding if any(sliding) else (), sliding_window=int(cfg.get("sliding_window") or 0) if any(sliding) else 0,
-        rope_theta_swa=config.rope_theta_swa or 10000.0, rope_dim_swa=int(cfg.get("head_dim") or config.head_dim),
+        rope_dim_swa=int(cfg.get("head_dim") or config.head_dim),
         rope_dim=0, rope_turning=float(rope.get("partial_rotary_factor", 1.0)) if rope.get("rope_type") == "proportional" else 1.0,
         rope_theta=float(rope.get("rope_theta", 1_000_000.0)),
-        kv_shared_layers=shared, attn_scale=1.0, ffn_act="gelu_tanh",
-        embed_scale=float(config.hidden) ** 0.5, logit_softcap=float(softcap or 0.0),
+        kv_shared_layers=shared, logit_softcap=float(softcap or 0.0),
         layer_input_dim=int(cfg.get("hidden_size_per_layer_input") or 0),
         n_experts=int(cfg.get("num_experts") or 0) if moe else 0, n_experts_used=int(cfg.get("top_k_experts") or 0) if moe else 0,
-        expert_ffn=int(cfg.get("moe_intermediate_size") or 0) if moe else 0, parallel_experts=moe)
+        expert_ffn=int(cfg.get("moe_intermediate_size") or 0) if moe else 0, **_gemma4_fixed(config))
 
 
 def _hf_sliding(cfg: Mapping[str, Any], n_layers: int) -> tuple[bool, ...]:
