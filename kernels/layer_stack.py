@@ -4,7 +4,8 @@ not. The model hands over its layers once and runs every step through the stack,
 backend paths of its own.
 
 A layer comes as a StackLayer: its op-by-op run, and where it is a standard decoder layer its
-weights (ops.LayerWeights), which a backend may compile (ops.fuse_layer). A compiled layer without its
+weights (ops.LayerWeights; a dense gemma4 layer's: ops.SandwichWeights), which a backend may compile
+(ops.fuse_layer). A compiled layer without its
 FFN (a MoE layer: the experts run as ops.expert_ffn) stops at the attention's residual, and the
 layer's own `finish` does the rest, or the backend's compiled form of it (ops.fuse_routed) while
 every expert is hot. When every layer is compiled with its FFN or such a finish, a step that suits
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from ember.kernels.ops import LayerShape, LayerWeights, Ops
+    from ember.kernels.ops import LayerShape, LayerWeights, Ops, SandwichShape, SandwichWeights
 
 Array = Any  # numpy.ndarray on cpu, cupy.ndarray on cuda
 
@@ -31,6 +32,11 @@ class StepArrays(Protocol):
     tables: Array
     token_seq: Array
     decode_rows: Array
+    # where a KV cache keeps sliding layers' windows in rings, their tables and blocks (else None);
+    # gemma4's per-layer inputs [n, layers, P] (else None)
+    window_tables: Array | None
+    window_blocks: Array | None
+    layer_inputs: Array | None
 
     @property
     def attends_to(self) -> Array: ...
@@ -46,8 +52,8 @@ class KVStores(Protocol):
 class StackLayer:
     run: Callable[[Array, StepArrays, KVStores], Array]  # the whole layer, op by op
     # a standard decoder layer's parts, for a backend to compile (None: it always runs op by op)
-    weights: LayerWeights | None = None
-    shape: LayerShape | None = None
+    weights: LayerWeights | SandwichWeights | None = None
+    shape: LayerShape | SandwichShape | None = None
     kv_layer: int = 0  # its keys and values' layer in the cache
     finish: Callable[[Array, StepArrays], Array] | None = None  # h -> h + ffn(rmsnorm(h)), op by op
     # a MoE layer: the backend's one-call form of `finish` (ops.fuse_routed) while it has one (every

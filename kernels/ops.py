@@ -76,6 +76,46 @@ class LayerShape(NamedTuple):
     scale: float = 0.0  # the attention scores' scale (0: head_dim^-1/2)
 
 
+class SandwichWeights(NamedTuple):
+    """Gemma 4's dense layer (ops.fuse_layer), norms on both sides of each part:
+    h = x + post_attn_norm(attention(attn_norm(x))), then y = h + post_ffn_norm(ffn(ffn_norm(h))),
+    the FFN down(gelu_tanh(gate x) * up x); with a per-layer input p, y + input_norm(input_proj(
+    gelu_tanh(input_gate y) * p)); all of it times the layer's scalar. The attention's values are
+    RMS-normed (v_norm, no weight of its own), taken from the keys' projection where wv is None; a
+    KV-shared layer has neither wk nor wv and reads another layer's keys and values."""
+
+    attn_norm: Array
+    wq: Weight
+    wk: Weight | None
+    wv: Weight | None
+    wo: Weight
+    q_norm: Array
+    k_norm: Array | None
+    v_norm: Array | None
+    post_attn_norm: Array
+    ffn_norm: Array
+    gate: Weight
+    up: Weight
+    down: Weight
+    post_ffn_norm: Array
+    input_gate: Weight | None  # the per-layer input's (None: the model has none)
+    input_proj: Weight | None
+    input_norm: Array | None
+
+
+class SandwichShape(NamedTuple):
+    n_heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    inv_freq: Array
+    interleaved: bool
+    window: int  # a sliding-window layer's keys (0: all); a ring's tables where the step has them
+    scale: float  # the scores' scale
+    out_scale: float  # the layer's scalar
+    layer: int  # the model's layer index: its column of the step's per-layer inputs
+
+
 class Ops(ABC):
     name: str
     # tokens per chunk of gated_delta_net's chunked form, counted from each run's first token (the
@@ -196,9 +236,9 @@ class Ops(ABC):
         return LayerStack(self, layers, [None if layer.weights is None or layer.shape is None
                                          else self.fuse_layer(layer.weights, layer.shape) for layer in layers])
 
-    def fuse_layer(self, w: LayerWeights, shape: LayerShape) -> Any | None:
-        """A backend's compiled form of a standard layer, for run_fused_layer; None (this default)
-        where it has none: the layer then always runs op by op."""
+    def fuse_layer(self, w: LayerWeights | SandwichWeights, shape: LayerShape | SandwichShape) -> Any | None:
+        """A backend's compiled form of a standard layer (or a sandwich-normed one: gemma4), for
+        run_fused_layer; None (this default) where it has none: the layer then always runs op by op."""
         return None
 
     def run_fused_layer(self, fused: Any, x: Array, k: Any, v: Any, step: StepArrays) -> Array | None:

@@ -36,7 +36,7 @@ from ember.daemon.models.recurrent_state import RecurrentState
 from ember.daemon.step.step_batch import StepBatch
 from ember.daemon.step.window_ring import ring_for
 from ember.kernels.layer_stack import StackLayer
-from ember.kernels.ops import Array, LayerShape, LayerWeights, Ops, Weight
+from ember.kernels.ops import Array, LayerShape, LayerWeights, Ops, SandwichShape, SandwichWeights, Weight
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType
 
@@ -415,7 +415,7 @@ def stack_layer(block: Block, ops: Ops, cfg: ModelConfig) -> StackLayer:
         return block(ops, cfg, x, cache, step)
 
     if isinstance(block, Gemma4Block):
-        return StackLayer(run)
+        return _sandwich_layer(block, run, cfg)
     attn = block.attn
     if not isinstance(attn, Attention) or attn.gated or attn.bo is not None:
         return StackLayer(run)
@@ -433,6 +433,22 @@ def stack_layer(block: Block, ops: Ops, cfg: ModelConfig) -> StackLayer:
     shape = LayerShape(attn.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, attn.rope.inv_freq,
                        attn.rope.interleaved, attn.window, attn.scale)
     return StackLayer(run, weights, shape, attn.kv_layer, lambda h, step: block.finish(ops, cfg, h, step), routed)
+
+
+def _sandwich_layer(block: Gemma4Block, run: Callable[[Array, StepBatch, PagedKVCache], Array],
+                    cfg: ModelConfig) -> StackLayer:
+    """A Gemma 4 block as the layer stack takes it: with its weights where it is dense (a MoE
+    block's experts beside its FFN always run op by op)."""
+    if block.moe is not None:
+        return StackLayer(run)
+    attn, ffn, extra = block.attn, block.ffn, block.layer_input
+    weights = SandwichWeights(block.attn_norm, attn.wq, attn.wk, attn.wv, attn.wo, attn.q_norm, attn.k_norm,
+                              attn.v_norm, block.post_attn_norm, block.ffn_norm, ffn.gate, ffn.up, ffn.down,
+                              block.post_ffn_norm, *((extra.gate, extra.proj, extra.norm) if extra else (None,) * 3))
+    shape = SandwichShape(attn.n_heads, attn.kv_heads or cfg.n_kv_heads, attn.head_dim or cfg.head_dim, cfg.norm_eps,
+                          attn.rope.inv_freq, attn.rope.interleaved, attn.window,
+                          attn.scale or (attn.head_dim or cfg.head_dim)**-0.5, block.out_scale, block.index)
+    return StackLayer(run, weights, shape, attn.kv_layer)
 
 
 def _norm(mf: ModelFile, ops: Ops, name: str) -> Array:

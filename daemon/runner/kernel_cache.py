@@ -252,14 +252,19 @@ def _forward_passes(variant: str | None):  # type: ignore[no-untyped-def]
     from ember.kernels.cpu import twin
     from ember.kernels.convert import KV_DTYPES
 
+    from ember.kernels.tensor_types import TensorType as T
+
     twin.FORCE = variant
     net = synthetic_model()
+    # gemma4's layers and ops: sliding (through rings), full and KV-shared layers, per-layer inputs
+    gemma4 = synthetic_gemma4([T.Q8_0, T.Q4_K, T.Q8_0], shared=1, per_layer_input=True)
     for dtype in KV_DTYPES:
-        cache = net.new_cache(2, 16, dtype)
-        net.forward(StepBatch.build([([1, 2, 3, 4, 5], 0, [0, 1])], 16, all_logits=True), cache)
-        net.forward(StepBatch.build([([6], 5, [0, 1])], 16, prompt_lengths=[5]), cache)  # one generated token
-        net.forward(StepBatch.build([([7], 6, [0, 1]), ([8, 9], 0, [1])], 16, prompt_lengths=[5, 2]), cache)
-        net.forward(StepBatch.build([([7], 6, [0, 1]), ([8], 1, [1])], 16, prompt_lengths=[5, 2]), cache)
+        for model, cache in ((net, net.new_cache(2, 16, dtype)),
+                             (gemma4, gemma4.new_cache(16, 16, dtype, max_sequences=2, step_tokens=16))):
+            model.forward(StepBatch.build([([1, 2, 3, 4, 5], 0, [0, 1])], 16, all_logits=True), cache)
+            model.forward(StepBatch.build([([6], 5, [0, 1])], 16, prompt_lengths=[5]), cache)  # one generated token
+            model.forward(StepBatch.build([([7], 6, [0, 1]), ([8, 9], 0, [1])], 16, prompt_lengths=[5, 2]), cache)
+            model.forward(StepBatch.build([([7], 6, [0, 1]), ([8], 1, [1])], 16, prompt_lengths=[5, 2]), cache)
     return net
 
 
@@ -365,6 +370,60 @@ def synthetic_model(types: Sequence[int] | None = None, arch: str = "qwen3"):  #
             add(f"blk.{i}.{name}.weight", ttype, *shape)
         for name, width in vectors:
             add(f"blk.{i}.{name}", T.F32, width)
+    return Transformer(ModelFile(Path("<kernel cache>"), "gguf", cfg, tensors), get_ops("cpu"))
+
+
+def synthetic_gemma4(types: Sequence[int], shared: int = 0, per_layer_input: bool = False):  # type: ignore[no-untyped-def]
+    """A small Gemma 4 of random weights, layer i stored in types[i]: sliding layers (even i: a window
+    of 3 keys, head_dim 64, 2 KV heads) and full ones (odd i: head_dim 128, 1 KV head, values from the
+    keys' projection, proportional rope), sandwich norms, GELU-tanh, layer scalars, a soft-capped
+    head; the last `shared` layers KV-shared, per-layer inputs (64 wide, Q8_0) where asked."""
+    from ember.daemon.loader.model_config import ModelConfig
+    from ember.daemon.loader.model_file import ModelFile
+    from ember.daemon.models.transformer import Transformer
+    from ember.kernels import get_ops
+    from ember.kernels.raw_tensor import RawTensor
+    from ember.kernels.reference.quant import quantize
+    from ember.kernels.tensor_types import TensorType as T
+
+    n, hidden, width = len(types), 256, 64 if per_layer_input else 0
+    sliding = tuple(i % 2 == 0 for i in range(n))
+    kv_heads, head_dims = tuple(2 if s else 1 for s in sliding), tuple(64 if s else 128 for s in sliding)
+    cfg = ModelConfig(arch="gemma4", n_layers=n, hidden=hidden, n_heads=4, n_kv_heads=2, head_dim=128, ffn=256,
+                      vocab=64, context_length=64, rope_theta=1e6, norm_eps=1e-6, sliding_layers=sliding,
+                      sliding_window=3, rope_theta_swa=10000.0, rope_dim_swa=64, rope_turning=0.25,
+                      layer_kv_heads=kv_heads, layer_head_dims=head_dims, kv_shared_layers=shared, attn_scale=1.0,
+                      ffn_act="gelu_tanh", embed_scale=hidden**0.5, logit_softcap=30.0, layer_input_dim=width)
+    rng = np.random.default_rng(0)
+    tensors: dict[str, RawTensor] = {}
+
+    def add(name: str, ttype: T, *shape: int, scale: float = 0.1, offset: float = 0.0) -> None:
+        data = quantize(ttype, rng.standard_normal(shape).astype(np.float32) * scale + offset)
+        tensors[name] = RawTensor(name, ttype, shape, data.reshape(*shape[:-1], -1) if len(shape) > 1 else data.reshape(-1))
+
+    add("token_embd.weight", T.Q8_0, cfg.vocab, hidden)
+    add("output_norm.weight", T.F32, hidden, offset=1.0)
+    if width:
+        add("per_layer_token_embd.weight", T.Q8_0, cfg.vocab, n * width)
+        add("per_layer_model_proj.weight", T.Q8_0, n * width, hidden)
+        add("per_layer_proj_norm.weight", T.F32, width, offset=1.0)
+    for i, ttype in enumerate(types):
+        q, kv, own = 4 * head_dims[i], kv_heads[i] * head_dims[i], i < n - shared
+        mats = [("attn_q", (q, hidden)), ("attn_output", (hidden, q)), ("ffn_gate", (cfg.ffn, hidden)),
+                ("ffn_up", (cfg.ffn, hidden)), ("ffn_down", (hidden, cfg.ffn))]
+        mats += [("attn_k", (kv, hidden))] if own else []
+        mats += [("attn_v", (kv, hidden))] if own and sliding[i] else []
+        for name, shape in mats:
+            add(f"blk.{i}.{name}.weight", ttype, *shape)
+        norms = [("attn_norm", hidden), ("attn_q_norm", head_dims[i]), ("post_attention_norm", hidden),
+                 ("ffn_norm", hidden), ("post_ffw_norm", hidden)] + ([("attn_k_norm", head_dims[i])] if own else [])
+        for name, size in norms:
+            add(f"blk.{i}.{name}.weight", T.F32, size, offset=1.0)
+        add(f"blk.{i}.layer_output_scale.weight", T.F32, 1, scale=0.0, offset=0.5 + 0.1 * i)
+        if width:
+            add(f"blk.{i}.inp_gate.weight", T.Q8_0, width, hidden)
+            add(f"blk.{i}.proj.weight", T.Q8_0, hidden, width)
+            add(f"blk.{i}.post_norm.weight", T.F32, hidden, offset=1.0)
     return Transformer(ModelFile(Path("<kernel cache>"), "gguf", cfg, tensors), get_ops("cpu"))
 
 

@@ -5,11 +5,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ember.kernels.cpu import decoder_layer, dense, expert_ffn, greedy_decode, kernel_tiers, linear_attention, quant_matmul
+from ember.kernels.cpu import (decoder_layer, dense, expert_ffn, greedy_decode, kernel_tiers, linear_attention, quant_matmul,
+                               sandwich_layer)
 from ember.kernels.cpu.paged_attention import KVLayerStore, paged_attention
 from ember.kernels.cpu.routing import route as compiled_route
 from ember.kernels.layer_stack import LayerStack, StepArrays
-from ember.kernels.ops import Array, ExpertWeights, LayerShape, LayerWeights, Ops, Routing
+from ember.kernels.ops import Array, ExpertWeights, LayerShape, LayerWeights, Ops, Routing, SandwichShape, SandwichWeights
 from ember.kernels.reference.quant import dequantize
 from ember.kernels.raw_tensor import RawTensor
 
@@ -53,14 +54,19 @@ class CpuOps(Ops):
             self._last_rows = (decode_rows, flags)
         return flags
 
-    def fuse_layer(self, w: LayerWeights, shape: LayerShape) -> decoder_layer.FusedLayer | None:
+    def fuse_layer(self, w: LayerWeights | SandwichWeights, shape: LayerShape | SandwichShape
+                   ) -> decoder_layer.FusedLayer | sandwich_layer.SandwichLayer | None:
+        if isinstance(w, SandwichWeights):
+            return sandwich_layer.fuse(*w, *shape)
         return decoder_layer.fuse(*w, *shape)
 
-    def run_fused_layer(self, fused: decoder_layer.FusedLayer, x: Array, k: KVLayerStore, v: KVLayerStore,
-                        step: StepArrays) -> np.ndarray | None:
+    def run_fused_layer(self, fused: decoder_layer.FusedLayer | sandwich_layer.SandwichLayer, x: Array,
+                        k: KVLayerStore, v: KVLayerStore, step: StepArrays) -> np.ndarray | None:
         # prompt rows take the float kernels: op by op; so does every row while the fused layers compile
         if kernel_tiers.first_tier_only() or self._flags(step.decode_rows) is not True:
             return None
+        if isinstance(fused, sandwich_layer.SandwichLayer):
+            return sandwich_layer.run(fused, x, k, v, step)
         return decoder_layer.run(fused, x, k, v, self.kv_write, step.positions, step.attends_to, step.kv_blocks,
                                  step.kv_offsets, step.tables, step.token_seq)
 
@@ -69,13 +75,15 @@ class CpuOps(Ops):
                          routed: Sequence[expert_ffn.FusedRouted | None] = ()) -> np.ndarray | None:
         if kernel_tiers.first_tier_only() or self._flags(step.decode_rows) is not True:
             return None
+        if isinstance(fused[0], sandwich_layer.SandwichLayer):  # a gemma4 stack: layer by layer
+            return super().run_fused_layers(fused, x, ks, vs, step, routed)
         return decoder_layer.run_stack(fused, x, ks, vs, self.kv_write, step.positions, step.attends_to,
                                        step.kv_blocks, step.kv_offsets, step.tables, step.token_seq, routed)
 
     def greedy_plan(self, stack: LayerStack, embed: quant_matmul.CpuWeight, norm: Array, eps: float,
                     output: quant_matmul.CpuWeight, ks: Sequence[KVLayerStore], vs: Sequence[KVLayerStore],
                     routed: Sequence[expert_ffn.FusedRouted | None] = ()) -> greedy_decode.GreedyPlan | None:
-        if stack.whole is None:
+        if stack.whole is None or not all(isinstance(f, decoder_layer.FusedLayer) for f in stack.whole):
             return None
         return greedy_decode.plan(stack.whole, embed, np.asarray(norm), eps, output, ks, vs, routed)
 

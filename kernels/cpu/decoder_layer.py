@@ -253,18 +253,18 @@ def _attention_out(x, q, g, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, 
         return x
     h = np.empty_like(x)
     _rmsnorm(x, ffn_norm, eps, h, force)
-    return x + swiglu_ffn(code_g, gate, code_u, up, code_d, down, h, force)
+    return x + gated_ffn(code_g, gate, code_u, up, code_d, down, h, force, False)
 
 
 @njit(inline="always", cache=True, nogil=True)
-def swiglu_ffn(code_g, gate, code_u, up, code_d, down, h, force):
-    """down(silu(gate(h)) * up(h)) for decode rows h, in the variants the ops would pick: a dense FFN's,
-    a routed expert's, a shared expert's."""
+def gated_ffn(code_g, gate, code_u, up, code_d, down, h, force, gelu):
+    """down(silu(gate(h)) * up(h)) (gelu_tanh in silu's place where `gelu`) for decode rows h, in the
+    variants the ops would pick: a dense FFN's, a routed expert's, a shared expert's, gemma4's."""
     f = np.empty((h.shape[0], gate.shape[0]), np.float32)
     if _parallel(force, 2 * gate.size * h.shape[0], INT8_PARALLEL_MIN_WORK):
-        _SWIGLU_PARALLEL(code_g, gate, code_u, up, h, f, False)
+        _SWIGLU_PARALLEL(code_g, gate, code_u, up, h, f, gelu)
     else:
-        _SWIGLU_SERIAL(code_g, gate, code_u, up, h, f, False)
+        _SWIGLU_SERIAL(code_g, gate, code_u, up, h, f, gelu)
     y = np.empty((h.shape[0], down.shape[0]), np.float32)
     _matmul_int8(code_d, down, f, y, force)
     return y

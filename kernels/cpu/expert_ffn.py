@@ -30,7 +30,7 @@ from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
 from ember.kernels.cpu import twin
-from ember.kernels.cpu.decoder_layer import _f32, _matmul_int8, _parallel, _rmsnorm, swiglu_ffn
+from ember.kernels.cpu.decoder_layer import _f32, _matmul_int8, _parallel, _rmsnorm, gated_ffn
 from ember.kernels.cpu.quant_matmul import _FLOAT_TILE_TOKENS, _MATMUL_F32, CpuWeight
 from ember.kernels.cpu.quant_matmul import _read_only as _read_only_view
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
@@ -271,7 +271,7 @@ def routed_finish(x, force, norm, eps, f32, code, u8, k, normalize, sigmoid, bia
         counts[e] += tally[e]
     routed[0] += n * k
     if has_shared:
-        out = out + swiglu_ffn(code_g, gate, code_u, up, code_d, down, h, force)
+        out = out + gated_ffn(code_g, gate, code_u, up, code_d, down, h, force, False)
     return x + out
 
 
@@ -285,8 +285,8 @@ def _groups(x, table, bounds, token, weight, force, out):
         xt = np.empty((n, d), np.float32)
         for i in range(n):
             xt[i] = x[token[first + i]]
-        y = swiglu_ffn(table[g, 0], _matrix(table, g, 0), table[g, 4], _matrix(table, g, 1), table[g, 8],
-                       _matrix(table, g, 2), xt, force)
+        y = gated_ffn(table[g, 0], _matrix(table, g, 0), table[g, 4], _matrix(table, g, 1), table[g, 8],
+                      _matrix(table, g, 2), xt, force, False)
         for i in range(n):
             w, t = weight[first + i], token[first + i]
             for j in range(d):
