@@ -116,6 +116,19 @@ class SandwichShape(NamedTuple):
     layer: int  # the model's layer index: its column of the step's per-layer inputs
 
 
+class SandwichModel(NamedTuple):
+    """What a Gemma 4 model's greedy decode step adds around its sandwich-normed layers (greedy_plan):
+    the embedding's scale, the logits' soft cap, the per-layer inputs' weights (PerLayerEmbedding's;
+    None where the model has none) and whether the KV cache keeps the sliding layers in rings."""
+
+    embed_scale: float
+    logit_softcap: float  # 0: none
+    input_table: Weight | None  # [vocab, layers * width]
+    input_proj: Weight | None  # [layers * width, hidden]
+    input_norm: Array | None  # [width]
+    rings: bool
+
+
 class Ops(ABC):
     name: str
     # tokens per chunk of gated_delta_net's chunked form, counted from each run's first token (the
@@ -271,11 +284,14 @@ class Ops(ABC):
 
     # --- a greedy decode burst at once -----------------------------------------------------------
     def greedy_plan(self, stack: LayerStack, embed: Weight, norm: Array, eps: float, output: Weight,
-                    ks: Sequence[Any], vs: Sequence[Any], routed: Sequence[Any | None] = ()) -> Any | None:
+                    ks: Sequence[Any], vs: Sequence[Any], routed: Sequence[Any | None] = (),
+                    sandwich: SandwichModel | None = None) -> Any | None:
         """A backend's compiled form of a whole model's greedy decode step (a stack whose layers are
         all compiled with their FFNs, or finished by routed[i], fuse_routed's; layer i's K/V in ks[i]
         and vs[i]; the embedding, final norm and output projection), for greedy_burst; None (this
-        default) where it has none: decode bursts then step from Python."""
+        default) where it has none: decode bursts then step from Python. sandwich: a Gemma 4 model's
+        (its layers all fused sandwich layers, each reading cache layer stack.layers[i].kv_layer of
+        ks and vs)."""
         return None
 
     def greedy_burst(self, plan: Any, steps: int, step: StepArrays, block_size: int,

@@ -36,7 +36,8 @@ from ember.daemon.models.recurrent_state import RecurrentState
 from ember.daemon.step.step_batch import StepBatch
 from ember.daemon.step.window_ring import ring_for
 from ember.kernels.layer_stack import StackLayer
-from ember.kernels.ops import Array, LayerShape, LayerWeights, Ops, SandwichShape, SandwichWeights, Weight
+from ember.kernels.ops import (Array, LayerShape, LayerWeights, Ops, SandwichModel, SandwichShape, SandwichWeights,
+                               Weight)
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import TensorType
 
@@ -272,9 +273,7 @@ class Transformer:
         every row has met one of its stop ids (stops [n, m], -1 pads) -> host tokens [steps taken, n],
         those forward() and argmax would give step by step; None, having done nothing, where the
         backend has no compiled form of the whole step (ops.greedy_plan) or the batch is not such a step."""
-        n, c = len(batch.ids), self.config
-        if (c.embed_scale != 1.0 or c.logit_softcap or self.per_layer is not None):  # the compiled step has none
-            return None
+        n = len(batch.ids)
         if (not (self.runs_first and self.runs_last) or batch.attn_end is not None
                 or len(batch.logit_rows) != n or not np.array_equal(batch.logit_rows, np.arange(n))
                 or not np.all(batch.decode_rows)):
@@ -285,12 +284,20 @@ class Transformer:
         known = self._greedy_plans.get(cache)
         if known is None or len(known[0]) != len(routed) or any(a is not b for a, b in zip(known[0], routed)):
             known = (routed, self.ops.greedy_plan(self.stack, self.embed, self.norm, self.config.norm_eps, self.output,
-                                                  cache.k, cache.v, routed))
+                                                  cache.k, cache.v, routed, self._sandwich(cache)))
             self._greedy_plans[cache] = known
         plan = known[1]
         if plan is None:
             return None
-        return self.ops.greedy_burst(plan, steps, batch, cache.block_size, stops)
+        return self.ops.greedy_burst(plan, steps, self.prepared(batch, cache), cache.block_size, stops)
+
+    def _sandwich(self, cache: PagedKVCache) -> SandwichModel | None:
+        """What a Gemma 4 step adds around its layers, for the backend's greedy step (None: another model)."""
+        if self.config.arch != "gemma4":
+            return None
+        c, extra = self.config, self.per_layer
+        return SandwichModel(c.embed_scale, c.logit_softcap, *((extra.table, extra.proj, extra.norm) if extra else (None,) * 3),
+                             cache.ring > 0)
 
     def head(self, x: Array, batch: StepBatch) -> Array:
         """The final norm and output projection of the rows whose logits are wanted -> [n_logits, vocab]."""
