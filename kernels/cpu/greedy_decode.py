@@ -144,18 +144,25 @@ def _burst(steps, threads, force, ids, positions, kv_blocks, kv_offsets, tables,
         _matmul_int8(h_code, h_u8, h, out, force)
         if keep.shape[0]:
             keep[step] = out
-        for i in range(n):
-            best = np.argmax(out[i])
-            tokens[step, i] = best
-            if done[i]:
-                continue  # its block has ended: it keeps its stop token as input
-            ids[i] = best
-            for s in range(stops.shape[1]):
-                if stops[i, s] == best:
-                    done[i] = True
-        if done.all():
+        if take_argmax(out, step, tokens, ids, done, stops):
             return step + 1
     return steps
+
+
+@njit(inline="always", cache=True, nogil=True)
+def take_argmax(logits, step, tokens, ids, done, stops):
+    """Each row's argmax into tokens[step] and, unless its block has ended (it keeps its stop token
+    as input), into ids, marking the rows that met a stop id -> whether every row has."""
+    for i in range(logits.shape[0]):
+        best = np.argmax(logits[i])
+        tokens[step, i] = best
+        if done[i]:
+            continue
+        ids[i] = best
+        for s in range(stops.shape[1]):
+            if stops[i, s] == best:
+                done[i] = True
+    return done.all()
 
 
 @njit(cache=True, nogil=True)

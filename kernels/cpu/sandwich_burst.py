@@ -26,7 +26,7 @@ from numba import njit
 
 from ember.kernels.cpu import dense, twin
 from ember.kernels.cpu.decoder_layer import _matmul_int8, _parallel, _rmsnorm
-from ember.kernels.cpu.greedy_decode import _append, _embedding, _new_list
+from ember.kernels.cpu.greedy_decode import _append, _embedding, _new_list, take_argmax
 from ember.kernels.cpu.paged_attention import _Q8_0 as _KV_Q8_0
 from ember.kernels.cpu.paged_attention import KVLayerStore
 from ember.kernels.cpu.quant_matmul import CpuWeight, _read_only
@@ -152,16 +152,7 @@ def _burst(steps, force, ids, positions, tables, rings, token_seq, block_size, s
             else:
                 _SOFTCAP_SERIAL(out, softcap, capped)
             out = capped
-        for i in range(n):
-            best = np.argmax(out[i])
-            tokens[step, i] = best
-            if done[i]:
-                continue  # its block has ended: it keeps its stop token as input
-            ids[i] = best
-            for s in range(stops.shape[1]):
-                if stops[i, s] == best:
-                    done[i] = True
-        if done.all():
+        if take_argmax(out, step, tokens, ids, done, stops):
             return step + 1
     return steps
 
