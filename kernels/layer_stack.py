@@ -66,12 +66,12 @@ class LayerStack:
         """fused: per layer, the backend's compiled form (None: op by op only)."""
         self.ops, self.layers = ops, list(layers)
         self.fused = list(fused)
-        # every layer compiled with its FFN or finished by a routed one, layer i's K/V in cache layer i:
-        # the stack in one backend call
-        whole = all(f is not None and layer.weights is not None and layer.kv_layer == i
+        # every layer compiled with its FFN or finished by a routed one: the stack in one backend call
+        whole = all(f is not None and layer.weights is not None
                     and (layer.weights.gate is not None or layer.routed is not None)
-                    for i, (f, layer) in enumerate(zip(self.fused, self.layers, strict=True)))
+                    for f, layer in zip(self.fused, self.layers, strict=True))
         self.whole: list[Any] | None = list(self.fused) if whole and self.fused else None
+        self.kv_layers = [layer.kv_layer for layer in self.layers]  # each layer's cache layer (KV-shared: another's)
         self._routed = [i for i, layer in enumerate(self.layers) if layer.routed is not None]
 
     def routed_now(self) -> list[Any | None] | None:
@@ -89,7 +89,8 @@ class LayerStack:
         tap(i, x) sees the input of each layer i first (then no layer runs with the next)."""
         routed = self.routed_now() if tap is None and self.whole is not None else None
         if routed is not None:
-            out = self.ops.run_fused_layers(self.whole, x, cache.k, cache.v, step, routed)
+            out = self.ops.run_fused_layers(self.whole, x, [cache.k[i] for i in self.kv_layers],
+                                            [cache.v[i] for i in self.kv_layers], step, routed)
             if out is not None:
                 return out
         for i in range(len(self.layers)):  # x is rebound: a layer's input is freed once the next has run

@@ -1,5 +1,5 @@
-"""Gemma 4's fused decode layer (kernels/cpu/sandwich_layer.py) computes what the ops compute one by
-one, bit for bit: sliding layers (through their rings, past the window and round the ring), full
+"""Gemma 4's fused decode layer (kernels/cpu/sandwich_layer.py), alone and as a stack in one call
+(kernels/cpu/sandwich_stack.py), computes what the ops compute one by one, bit for bit: sliding layers (through their rings, past the window and round the ring), full
 layers with values from the keys' projection, KV-shared layers, per-layer inputs and layer scalars,
 in every integer weight type, KV dtype and kernel variant."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from ember.daemon.runner.kernel_cache import synthetic_gemma4
 from ember.daemon.step.step_batch import StepBatch
-from ember.kernels.cpu import sandwich_layer, twin
+from ember.kernels.cpu import sandwich_layer, sandwich_stack, twin
 from ember.kernels.layer_stack import LayerStack
 from ember.kernels.tensor_types import TensorType as T
 from test_decoder_layer import INT8_TYPES, NEWER_TYPES
@@ -36,17 +36,27 @@ def decode_states(net, kv_dtype: str, steps: int = 12) -> list[np.ndarray]:  # t
     return out
 
 
-def fused_and_ops(net, kv_dtype: str, monkeypatch) -> tuple[list[np.ndarray], list[np.ndarray], int]:  # type: ignore[no-untyped-def]
-    """The decode states with the fused layers, then op by op, and how many layer runs were fused."""
+def fused_and_ops(net, kv_dtype: str, monkeypatch, whole: bool = True  # type: ignore[no-untyped-def]
+                  ) -> tuple[list[np.ndarray], list[np.ndarray], int]:
+    """The decode states with the fused layers (in one call for the stack, or one a layer where not
+    `whole`), then op by op, and how many layer runs were fused."""
     runs = []
-    run = sandwich_layer.run
+    run, run_stack = sandwich_layer.run, sandwich_stack.run_stack
 
     def counted(*args):  # type: ignore[no-untyped-def]
         out = run(*args)
         runs.append(out is not None)
         return out
 
+    def counted_stack(fused, *args):  # type: ignore[no-untyped-def]
+        out = run_stack(fused, *args)
+        runs.extend([out is not None] * len(fused))
+        return out
+
     monkeypatch.setattr(sandwich_layer, "run", counted)
+    monkeypatch.setattr(sandwich_stack, "run_stack", counted_stack)
+    if not whole:
+        net.stack.whole = None
     fused = decode_states(net, kv_dtype)
     net.stack = LayerStack(net.ops, net.stack.layers, [None] * len(net.stack.layers))
     return fused, decode_states(net, kv_dtype), sum(runs)
@@ -54,12 +64,15 @@ def fused_and_ops(net, kv_dtype: str, monkeypatch) -> tuple[list[np.ndarray], li
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "bf16", "q8_0"])
 @pytest.mark.parametrize("shared, per_layer_input", [(0, False), (2, True)])
-def test_fused_decode_steps_equal_the_ops(kv_dtype: str, shared: int, per_layer_input: bool, monkeypatch) -> None:
-    """Every layer fused, each decode step's every layer run so (a q8_0 cache's layers op by op: its
-    rows are stored from Python), the same bits as op by op."""
+@pytest.mark.parametrize("whole", [True, False])
+def test_fused_decode_steps_equal_the_ops(kv_dtype: str, shared: int, per_layer_input: bool, whole: bool,
+                                          monkeypatch) -> None:
+    """Every layer fused, each decode step's every layer run so, the stack in one call
+    (sandwich_stack.run_stack) or a call a layer (a q8_0 cache's layers op by op: its rows are
+    stored from Python), the same bits as op by op."""
     net = synthetic_gemma4(INT8_TYPES, shared, per_layer_input)
     assert all(f is not None for f in net.stack.fused)
-    fused, ops, runs = fused_and_ops(net, kv_dtype, monkeypatch)
+    fused, ops, runs = fused_and_ops(net, kv_dtype, monkeypatch, whole)
     assert runs == (0 if kv_dtype == "q8_0" else 12 * len(INT8_TYPES))
     for a, b in zip(fused, ops, strict=True):
         np.testing.assert_array_equal(a, b)

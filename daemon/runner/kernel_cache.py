@@ -271,7 +271,7 @@ def _forward_passes(variant: str | None):  # type: ignore[no-untyped-def]
 def _greedy_kernels() -> None:
     """A greedy decode burst (kernels/cpu/greedy_decode.py) of a model whose every layer is fused: one
     signature for any depth and weight types (its layers go in a typed List); a Gemma 4's
-    (kernels/cpu/sandwich_burst.py), one for any Gemma 4."""
+    (kernels/cpu/sandwich_stack.py), one for any Gemma 4."""
     from ember.daemon.step.step_batch import StepBatch
     from ember.kernels.tensor_types import TensorType as T
 
@@ -280,7 +280,7 @@ def _greedy_kernels() -> None:
     batch = StepBatch.build([([6], 5, [0, 1])], 16, prompt_lengths=[5])
     if net.greedy_steps(batch, cache, 2, np.full((1, 1), -1, np.int64)) is None:
         raise RuntimeError("the kernel cache's model takes no greedy decode bursts")
-    gemma4 = synthetic_gemma4([T.Q8_0, T.Q4_K, T.Q8_0], shared=1, per_layer_input=True)  # sandwich_burst.py's
+    gemma4 = synthetic_gemma4([T.Q8_0, T.Q4_K, T.Q8_0], shared=1, per_layer_input=True)  # sandwich_stack.py's
     cache = gemma4.new_cache(16, 16, "f32", max_sequences=2, step_tokens=16)
     gemma4.forward(StepBatch.build([([1, 2, 3, 4, 5], 0, [0, 1])], 16), cache)
     if gemma4.greedy_steps(batch, cache, 2, np.full((1, 1), -1, np.int64)) is None:

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ember.kernels.cpu import (decoder_layer, dense, expert_ffn, greedy_decode, kernel_tiers, linear_attention, quant_matmul,
-                               sandwich_burst, sandwich_layer)
+                               sandwich_stack, sandwich_layer)
 from ember.kernels.cpu.paged_attention import KVLayerStore, paged_attention
 from ember.kernels.cpu.routing import route as compiled_route
 from ember.kernels.layer_stack import LayerStack, StepArrays
@@ -76,28 +76,28 @@ class CpuOps(Ops):
                          routed: Sequence[expert_ffn.FusedRouted | None] = ()) -> np.ndarray | None:
         if kernel_tiers.first_tier_only() or self._flags(step.decode_rows) is not True:
             return None
-        if isinstance(fused[0], sandwich_layer.SandwichLayer):  # a gemma4 stack: layer by layer
-            return super().run_fused_layers(fused, x, ks, vs, step, routed)
+        if isinstance(fused[0], sandwich_layer.SandwichLayer):  # a gemma4 stack
+            return sandwich_stack.run_stack(fused, x, ks, vs, step)
         return decoder_layer.run_stack(fused, x, ks, vs, self.kv_write, step.positions, step.attends_to,
                                        step.kv_blocks, step.kv_offsets, step.tables, step.token_seq, routed)
 
     def greedy_plan(self, stack: LayerStack, embed: quant_matmul.CpuWeight, norm: Array, eps: float,
                     output: quant_matmul.CpuWeight, ks: Sequence[KVLayerStore], vs: Sequence[KVLayerStore],
                     routed: Sequence[expert_ffn.FusedRouted | None] = (), sandwich: SandwichModel | None = None
-                    ) -> greedy_decode.GreedyPlan | sandwich_burst.SandwichPlan | None:
+                    ) -> greedy_decode.GreedyPlan | sandwich_stack.SandwichPlan | None:
         if sandwich is not None:
-            return sandwich_burst.plan(stack.fused, [layer.kv_layer for layer in stack.layers], embed, np.asarray(norm),
-                                       eps, output, ks, vs, *sandwich)
+            return sandwich_stack.plan(stack.fused, stack.kv_layers, embed, np.asarray(norm), eps, output, ks, vs,
+                                       *sandwich)
         if stack.whole is None or not all(isinstance(f, decoder_layer.FusedLayer) for f in stack.whole):
             return None
         return greedy_decode.plan(stack.whole, embed, np.asarray(norm), eps, output, ks, vs, routed)
 
-    def greedy_burst(self, plan: greedy_decode.GreedyPlan | sandwich_burst.SandwichPlan, steps: int, step: StepArrays,
+    def greedy_burst(self, plan: greedy_decode.GreedyPlan | sandwich_stack.SandwichPlan, steps: int, step: StepArrays,
                      block_size: int, stops: np.ndarray) -> np.ndarray | None:
         if kernel_tiers.first_tier_only():  # the burst's loop is compiled in the second tier
             return None
-        if isinstance(plan, sandwich_burst.SandwichPlan):
-            return sandwich_burst.burst(plan, steps, step, block_size, stops)
+        if isinstance(plan, sandwich_stack.SandwichPlan):
+            return sandwich_stack.burst(plan, steps, step, block_size, stops)
         return greedy_decode.burst(plan, steps, step.ids, step.positions, step.kv_blocks, step.kv_offsets, step.tables,
                                    step.token_seq, block_size, stops)
 

@@ -30,7 +30,7 @@ MODE = {name: i for i, name in enumerate(KV_DTYPES)}
 _F32, _F16, _BF16, _Q8_0 = MODE["f32"], MODE["f16"], MODE["bf16"], MODE["q8_0"]
 
 
-@dataclass
+@dataclass(eq=False)  # a store is itself, not its arrays' values: hashed by identity (a weak key)
 class KVLayerStore:
     """One layer's K or V storage; the arrays a mode does not use are 1-element placeholders so one
     compiled kernel serves every dtype."""

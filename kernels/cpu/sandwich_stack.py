@@ -1,22 +1,28 @@
-"""Gemma 4's greedy decode bursts in one compiled call: the CPU backend's ops.greedy_plan /
-ops.greedy_burst for a model of sandwich-normed layers (sandwich_layer.py).
+"""Gemma 4's layer stack in one compiled call: a decode step's (the CPU backend's ops.run_fused_layers
+for sandwich layers, sandwich_layer.py) and a whole greedy burst's (ops.greedy_plan / greedy_burst).
 
-greedy_decode.py runs a standard model's burst; a Gemma 4 step has more around its layers: the
-embedding scaled by sqrt(hidden), the per-layer inputs (PLE: a projection of that embedding, normed,
-plus a second embedding table's rows, both scaled), KV-shared layers reading another layer's cache,
-sliding layers reading theirs through the ring's tables, and the logits soft-capped before the
-argmax. Stepped from Python, that is ~15 calls a step around the fused layers (a tenth of a decode
-token on the 86M benchmark shape); here the whole burst is one loop.
+Called layer by layer from Python, the fused layers ran 10-20% slower than the same compiled code
+back to back: Python between the parallel regions lets the thread pool's workers go idle, and each
+layer's call types ~40 arguments. Here the layers go to one loop as a numba typed List of per-layer
+tuples (its fused form and the K/V stores it reads: its own, or the shared layer's), built once per
+KV cache.
+
+A greedy burst goes further (greedy_decode.py does it for a standard model): around the layers a
+Gemma 4 step has the embedding scaled by sqrt(hidden), the per-layer inputs (PLE: a projection of
+that embedding, normed, plus a second embedding table's rows, both scaled) and the logits
+soft-capped before the argmax. Stepped from Python, that is ~15 calls a step around the layers; here
+the whole burst is one loop.
 
 The numbers are the per-step path's, bit for bit: the loop calls the compiled functions the ops
 call (the embedding's row gather, sandwich_layer's halves, rmsnorm, the integer matmul, the soft
 cap), each in the variant its op picks for the same work, and numpy's float32 products by a Python
-float are float32 products by that float rounded to float32 here too (tests/test_sandwich_burst.py
-compares every step's logits).
+float are float32 products by that float rounded to float32 here too (tests/test_sandwich_stack.py
+compares every step's tokens and the K/V they leave).
 """
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +31,7 @@ import numpy as np
 from numba import njit
 
 from ember.kernels.cpu import dense, twin
-from ember.kernels.cpu.decoder_layer import _matmul_int8, _parallel, _rmsnorm
+from ember.kernels.cpu.decoder_layer import _f32_rows, _matmul_int8, _parallel, _rmsnorm
 from ember.kernels.cpu.greedy_decode import _append, _embedding, _new_list, take_argmax
 from ember.kernels.cpu.paged_attention import _Q8_0 as _KV_Q8_0
 from ember.kernels.cpu.paged_attention import KVLayerStore
@@ -33,7 +39,7 @@ from ember.kernels.cpu.quant_matmul import CpuWeight, _read_only
 from ember.kernels.cpu.sandwich_layer import _NO_INPUTS, SandwichLayer, _attention, _ffn
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 
-__all__ = ["SandwichPlan", "burst", "plan"]
+__all__ = ["SandwichPlan", "burst", "plan", "run_stack"]
 
 _SOFTCAP_SERIAL, _SOFTCAP_PARALLEL = dense._SOFTCAP.serial, dense._SOFTCAP.parallel
 
@@ -57,11 +63,7 @@ class SandwichPlan:
 
     @functools.cached_property
     def layers(self) -> Any:
-        """items as a numba typed List (greedy_decode.GreedyPlan.layers: why it is built here)."""
-        layers = _new_list(self.items[0])
-        for item in self.items[1:]:
-            _append(layers, item)
-        return layers
+        return _typed(self.items)
 
 
 def plan(fused: Sequence[Any], kv_layers: Sequence[int], embed: CpuWeight, norm: np.ndarray, eps: float,
@@ -76,11 +78,7 @@ def plan(fused: Sequence[Any], kv_layers: Sequence[int], embed: CpuWeight, norm:
         return None
     if any(s.mode == _KV_Q8_0 for s in (*ks, *vs)) or input_proj is not None and not input_proj.int8:
         return None
-    items = []
-    for layer, c in zip(fused, kv_layers, strict=True):
-        k, v = ks[c], vs[c]
-        items.append((layer.attn, layer.ffn, rings and layer.window > 0, k.mode, k.f32, k.u16, k.i8, k.scales,
-                      v.f32, v.u16, v.i8, v.scales))
+    items = _items(fused, [ks[c] for c in kv_layers], [vs[c] for c in kv_layers], rings)
     width = 0 if input_norm is None else int(np.asarray(input_norm).shape[0])
     factors = (np.float32(embed.cols**-0.5), np.float32(width**0.5), np.float32(2.0**-0.5))  # as numpy rounds them
     if input_table is None:  # stand-ins the loop never reads (width 0)
@@ -90,6 +88,44 @@ def plan(fused: Sequence[Any], kv_layers: Sequence[int], embed: CpuWeight, norm:
                   np.ascontiguousarray(input_norm, np.float32), width, *factors)
     return SandwichPlan(items, _views(embed), np.float32(embed_scale), inputs, np.ascontiguousarray(norm, np.float32),
                         float(eps), (head.code, head.u8), float(softcap))
+
+
+def _items(fused: Sequence[SandwichLayer], ks: Sequence[KVLayerStore], vs: Sequence[KVLayerStore],
+           rings: bool) -> list[tuple[Any, ...]]:
+    """Per layer: its fused form, whether it reads the rings, and the arrays of the K/V stores it reads."""
+    return [(layer.attn, layer.ffn, rings and layer.window > 0, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16,
+             v.i8, v.scales) for layer, k, v in zip(fused, ks, vs, strict=True)]
+
+
+def _typed(items: list[tuple[Any, ...]]) -> Any:
+    """items as a numba typed List (greedy_decode.GreedyPlan.layers: why compiled code builds it)."""
+    layers = _new_list(items[0])
+    for item in items[1:]:
+        _append(layers, item)
+    return layers
+
+
+# per first K store of a cache, the typed List of the layers that read it (run_stack), and the layers'
+# fused forms it was made of
+_STACKS: weakref.WeakKeyDictionary[KVLayerStore, tuple[Sequence[Any], Any]] = weakref.WeakKeyDictionary()
+
+
+def run_stack(fused: Sequence[Any], x: np.ndarray, ks: Sequence[KVLayerStore], vs: Sequence[KVLayerStore],
+              step: Any) -> np.ndarray | None:
+    """A decode step's layers (every row a decode row; layer i reading ks[i] and vs[i]) in one call ->
+    the last layer's output; None, having done nothing, where one layer would run op by op (a q8_0
+    KV cache)."""
+    if any(k.mode == _KV_Q8_0 for k in ks):
+        return None
+    known = _STACKS.get(ks[0])
+    if known is None or known[0] is not fused:
+        known = (fused, _typed(_items(fused, ks, vs, step.window_tables is not None)))
+        _STACKS[ks[0]] = known
+    ringed = step.window_tables is not None
+    inputs = step.layer_inputs if fused[0].per_layer_input else _NO_INPUTS
+    return _layers(_f32_rows(x), step.positions, twin.force_code(), step.kv_blocks,
+                   step.window_blocks if ringed else step.kv_blocks, step.kv_offsets, step.tables,
+                   step.window_tables if ringed else step.tables, step.token_seq, step.attends_to, inputs, known[1])
 
 
 def _views(w: CpuWeight) -> tuple[Any, ...]:
@@ -134,13 +170,8 @@ def _burst(steps, force, ids, positions, tables, rings, token_seq, block_size, s
             for j in range(x.shape[1]):
                 x[i, j] = x[i, j] * embed_scale
         per_layer = _per_layer_inputs(x, ids, force, eps, len(layers), inputs)
-        for k in range(len(layers)):
-            layer = layers[k]
-            attn, ffn, ringed, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc = layer
-            x = _attention(x, positions, force, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc,
-                           ring_blocks if ringed else kv_blocks, kv_offsets, rings if ringed else tables, token_seq,
-                           positions, *attn)
-            x = _ffn(x, per_layer, force, *ffn)
+        x = _layers(x, positions, force, kv_blocks, ring_blocks, kv_offsets, tables, rings, token_seq, positions,
+                    per_layer, layers)
         h = np.empty_like(x)
         _rmsnorm(x, norm, eps, h, force)
         out = np.empty((n, h_u8.shape[0]), np.float32)
@@ -155,6 +186,18 @@ def _burst(steps, force, ids, positions, tables, rings, token_seq, block_size, s
         if take_argmax(out, step, tokens, ids, done, stops):
             return step + 1
     return steps
+
+
+@njit(cache=True, nogil=True)
+def _layers(x, positions, force, kv_blocks, ring_blocks, kv_offsets, tables, rings, token_seq, seen, per_layer, layers):
+    """Every layer of `layers` on x (a layer that reads the rings through their tables and blocks)."""
+    for k in range(len(layers)):
+        attn, ffn, ringed, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc = layers[k]
+        x = _attention(x, positions, force, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc,
+                       ring_blocks if ringed else kv_blocks, kv_offsets, rings if ringed else tables, token_seq,
+                       seen, *attn)
+        x = _ffn(x, per_layer, force, *ffn)
+    return x
 
 
 @njit(cache=True, nogil=True)

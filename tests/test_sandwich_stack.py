@@ -1,4 +1,4 @@
-"""Gemma 4's greedy decode burst in one compiled call (kernels/cpu/sandwich_burst.py) computes what the
+"""Gemma 4's greedy decode burst in one compiled call (kernels/cpu/sandwich_stack.py) computes what the
 per-step path computes, bit for bit: every step's tokens and the K/V it leaves, with sliding layers
 going round their rings, KV-shared layers, per-layer inputs and the soft-capped head, in every
 kernel variant; the model's bursts run through it, and it declines what it would compute otherwise."""
@@ -9,7 +9,7 @@ import pytest
 
 from ember.daemon.runner.kernel_cache import synthetic_gemma4
 from ember.daemon.step.step_batch import StepBatch
-from ember.kernels.cpu import sandwich_burst, twin
+from ember.kernels.cpu import sandwich_stack, twin
 from ember.kernels.tensor_types import TensorType as T
 from test_decoder_layer import INT8_TYPES, NEWER_TYPES
 from test_greedy_decode import restore, snapshot
@@ -67,8 +67,8 @@ def assert_bursts_equal_steps(net, kv_dtype: str = "f16") -> None:  # type: igno
 def test_a_greedy_burst_equals_single_steps(variant: str, shared: int, per_layer_input: bool, monkeypatch) -> None:
     monkeypatch.setattr(twin, "FORCE", variant)
     runs = []
-    burst = sandwich_burst.burst
-    monkeypatch.setattr(sandwich_burst, "burst", lambda *a: runs.append(1) or burst(*a))
+    burst = sandwich_stack.burst
+    monkeypatch.setattr(sandwich_stack, "burst", lambda *a: runs.append(1) or burst(*a))
     assert_bursts_equal_steps(synthetic_gemma4(INT8_TYPES, shared, per_layer_input))
     assert len(runs) == 2
 
