@@ -112,16 +112,27 @@ def test_a_moe_layers_attention_is_fused_without_its_ffn(net) -> None:
                for i, (f, layer) in enumerate(zip(net.stack.fused, net.stack.layers)))
 
 
-def test_one_call_equals_the_default_on_the_same_pairs(net) -> None:
+@pytest.mark.parametrize("gelu", [False, True])
+def test_one_call_equals_the_default_on_the_same_pairs(net, gelu: bool, monkeypatch) -> None:
     """Ops.expert_ffn (the API's default, which the CPU falls back to) on the same arguments: experts
-    with one and with several tokens, pairs in no particular order."""
+    with one and with several tokens, pairs in no particular order; gated by SiLU, and by GELU-tanh
+    (gemma4's experts), which the one call runs too."""
     ffn = next(iter(net.experts.ffns.values()))
+    hot = {e: w._replace(gelu=gelu) for e, w in ffn.hot.items()}
     x = np.random.default_rng(0).standard_normal((3, net.config.hidden)).astype(np.float32)
     token, expert = np.array([0, 0, 1, 1, 2, 2]), np.array([3, 7, 7, 1, 3, 0])
     weight = np.random.default_rng(1).random(6).astype(np.float32)
-    want = Ops.expert_ffn(net.ops, x, ffn.hot, token, expert, weight, np.ones(3, bool))
+    want = Ops.expert_ffn(net.ops, x, hot, token, expert, weight, np.ones(3, bool))
     assert np.abs(want).min() > 0  # every token got its experts' outputs
-    np.testing.assert_array_equal(net.ops.expert_ffn(x, ffn.hot, token, expert, weight, np.ones(3, bool)), want)
+    calls = []
+    one_call = expert_ffn.expert_ffn
+    monkeypatch.setattr(expert_ffn, "expert_ffn", lambda *a: calls.append(1) or one_call(*a))
+    got = net.ops.expert_ffn(x, hot, token, expert, weight, np.ones(3, bool))
+    assert calls and one_call(x, hot, token, expert, weight) is not None  # not the default's fallback
+    np.testing.assert_array_equal(got, want)
+    if gelu:  # the gating is not the same: the comparison can fail
+        silu = Ops.expert_ffn(net.ops, x, ffn.hot, token, expert, weight, np.ones(3, bool))
+        assert not np.array_equal(got, silu)
 
 
 @pytest.mark.parametrize("router_type", ["F32", "Q8_0"])

@@ -90,7 +90,8 @@ class CpuOps(Ops):
                                        *sandwich)
         if stack.whole is None or not all(isinstance(f, decoder_layer.FusedLayer) for f in stack.whole):
             return None
-        return greedy_decode.plan(stack.whole, embed, np.asarray(norm), eps, output, ks, vs, routed)
+        return greedy_decode.plan(stack.whole, embed, np.asarray(norm), eps, output, [ks[i] for i in stack.kv_layers],
+                                  [vs[i] for i in stack.kv_layers], routed)
 
     def greedy_burst(self, plan: greedy_decode.GreedyPlan | sandwich_stack.SandwichPlan, steps: int, step: StepArrays,
                      block_size: int, stops: np.ndarray) -> np.ndarray | None:
@@ -122,8 +123,8 @@ class CpuOps(Ops):
     def expert_ffn(self, x: Array, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
                    weight: np.ndarray, decode_rows: Array | None = None) -> np.ndarray:
         out = None
-        # decode steps: every expert group in one compiled call (SiLU's: GELU's go op by op)
-        if self._flags(decode_rows) is True and not any(w.gelu for w in experts.values()):
+        # decode steps: every expert group in one compiled call
+        if self._flags(decode_rows) is True:
             out = expert_ffn.expert_ffn(x, experts, token, expert, weight)
         return super().expert_ffn(x, experts, token, expert, weight, decode_rows) if out is None else out
 

@@ -147,20 +147,23 @@ def no_routed_layer(cols: int) -> tuple[Any, ...]:
 def expert_ffn(x: np.ndarray, experts: Mapping[int, ExpertWeights], token: np.ndarray, expert: np.ndarray,
                weight: np.ndarray) -> np.ndarray | None:
     """ops.expert_ffn for a step whose rows are all decode rows; None, having done nothing, if an
-    expert's matrices do not all take the integer kernels (the default then runs it)."""
+    expert's matrices do not all take the integer kernels, or its experts gate differently (SiLU and
+    GELU: the default then runs it)."""
     out = np.zeros(x.shape, np.float32)
     if expert.size == 0:
         return out
     order = np.argsort(expert, kind="stable")
     sorted_experts = expert[order]
     firsts = np.concatenate(([0], np.flatnonzero(np.diff(sorted_experts)) + 1))
-    rows = [_row(experts[int(e)]) for e in sorted_experts[firsts]]
-    if None in rows:
+    chosen = [experts[int(e)] for e in sorted_experts[firsts]]
+    rows = [_row(ws) for ws in chosen]
+    gelu = {ws.gelu for ws in chosen}
+    if None in rows or len(gelu) > 1:
         return None
     table = np.array(rows, np.int64)
     _groups(np.ascontiguousarray(x, np.float32), table, np.append(firsts, order.size),
             np.ascontiguousarray(token[order], np.int64), np.ascontiguousarray(weight[order], np.float32),
-            twin.force_code(), out)
+            twin.force_code(), out, gelu.pop())
     return out
 
 
@@ -246,7 +249,7 @@ def _routed(x, f32, code, u8, k, normalize, sigmoid, bias, softcap, scale, table
             slot = counts[ids[t, r]]
             counts[ids[t, r]] += 1
             token[slot], weight[slot] = t, weights[t, r]
-    _groups(x, sub, bounds, token, weight, force, out)
+    _groups(x, sub, bounds, token, weight, force, out, False)  # a complete table's experts gate with SiLU
 
 
 @njit(cache=True, nogil=True)  # no fast-math: the statistics round as numpy's
@@ -276,9 +279,10 @@ def routed_finish(x, force, norm, eps, f32, code, u8, k, normalize, sigmoid, bia
 
 
 @njit(cache=True, nogil=True)  # no fast-math: the weighted sum rounds as numpy's
-def _groups(x, table, bounds, token, weight, force, out):
+def _groups(x, table, bounds, token, weight, force, out, gelu):
     """out[token[p]] += weight[p] * expert(x[token[p]]) for the pairs p of each group g (bounds[g] to
-    bounds[g + 1], one expert, its matrices in table[g]), group by group."""
+    bounds[g + 1], one expert, its matrices in table[g]), group by group; the experts gated by
+    GELU-tanh where `gelu` (gemma4's), else by SiLU."""
     d = x.shape[1]
     for g in range(table.shape[0]):
         first, n = bounds[g], bounds[g + 1] - bounds[g]
@@ -286,7 +290,7 @@ def _groups(x, table, bounds, token, weight, force, out):
         for i in range(n):
             xt[i] = x[token[first + i]]
         y = gated_ffn(table[g, 0], _matrix(table, g, 0), table[g, 4], _matrix(table, g, 1), table[g, 8],
-                      _matrix(table, g, 2), xt, force, False)
+                      _matrix(table, g, 2), xt, force, gelu)
         for i in range(n):
             w, t = weight[first + i], token[first + i]
             for j in range(d):
