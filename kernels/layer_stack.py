@@ -4,12 +4,13 @@ not. The model hands over its layers once and runs every step through the stack,
 backend paths of its own.
 
 A layer comes as a StackLayer: its op-by-op run, and where it is a standard decoder layer its
-weights (ops.LayerWeights; a dense gemma4 layer's: ops.SandwichWeights), which a backend may compile
-(ops.fuse_layer). A compiled layer without its
-FFN (a MoE layer: the experts run as ops.expert_ffn) stops at the attention's residual, and the
-layer's own `finish` does the rest, or the backend's compiled form of it (ops.fuse_routed) while
-every expert is hot. When every layer is compiled with its FFN or such a finish, a step that suits
-them runs the whole stack in one backend call (ops.run_fused_layers: no Python between layers).
+weights (ops.LayerWeights; a dense gemma4 layer's: ops.SandwichWeights), which a backend may
+compile (ops.fuse_layer). A compiled layer without its FFN (a MoE layer: the experts run as
+ops.expert_ffn) stops at the attention's residual, and the layer's own `finish` does the rest, or
+the backend's compiled form of it (ops.fuse_routed) while every expert is hot. When every layer is
+compiled with its FFN or such a finish, a step that suits them runs the whole stack in one backend
+call (ops.run_fused_layers: no Python between layers), each layer given the K/V stores it reads
+(a KV-shared layer: another layer's).
 """
 from __future__ import annotations
 
