@@ -149,22 +149,29 @@ def test_write_stores_the_reference_bits(dtype: str) -> None:
             assert not array[untouched].any()
 
 
+_Q8_0 = pa.MODE["q8_0"]
+
+
 @njit
-def _store_rows(mode, rows, f32, u16, blocks, offsets):  # type: ignore[no-untyped-def]
+def _store_rows(mode, rows, f32, u16, i8, scales, blocks, offsets):  # type: ignore[no-untyped-def]
     for i in range(rows.shape[0]):
-        pa.store_row(mode, rows[i], f32, u16, blocks[i], offsets[i])
+        if mode == _Q8_0:
+            pa.store_row_q8_0(rows[i], i8, scales, blocks[i], offsets[i])
+        else:
+            pa.store_row(mode, rows[i], f32, u16, blocks[i], offsets[i])
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("dtype", pa.KV_DTYPES)
 def test_compiled_row_store_stores_the_reference_bits(dtype: str) -> None:
-    """The fused layers store their K/V rows in compiled code (store_row), not through write: the same
-    bits, hostile values included (ties, overflow, subnormals, infinities, NaN payloads)."""
+    """The fused layers store their K/V rows in compiled code (store_row, store_row_q8_0), not
+    through write: the same bits, hostile values included (ties, overflow, subnormals, infinities,
+    NaN payloads; q8_0: a NaN's block, blocks too small for 1 / d)."""
     n_blocks, block_size, hkv, hd = 12, 4, 2, 64
     store = pa.KVLayerStore.allocate(dtype, n_blocks, block_size, hkv, hd)
     rows = np.concatenate([rng.standard_normal((7, hkv, hd)).astype(np.float32) * 3, hostile_rows(hkv, hd)])
     slots = rng.choice(n_blocks * block_size, size=len(rows), replace=False)
     blocks, offsets = slots // block_size, slots % block_size
-    _store_rows(pa.MODE[dtype], rows, store.f32, store.u16, blocks, offsets)
+    _store_rows(pa.MODE[dtype], rows, store.f32, store.u16, store.i8, store.scales, blocks, offsets)
     assert_same_storage(dtype, stored(store, dtype, blocks, offsets), reference_storage(dtype, rows))
 
 

@@ -68,12 +68,11 @@ def fused_and_ops(net, kv_dtype: str, monkeypatch, whole: bool = True  # type: i
 def test_fused_decode_steps_equal_the_ops(kv_dtype: str, shared: int, per_layer_input: bool, whole: bool,
                                           monkeypatch) -> None:
     """Every layer fused, each decode step's every layer run so, the stack in one call
-    (sandwich_stack.run_stack) or a call a layer (a q8_0 cache's layers op by op: its rows are
-    stored from Python), the same bits as op by op."""
+    (sandwich_stack.run_stack) or a call a layer, the same bits as op by op."""
     net = synthetic_gemma4(INT8_TYPES, shared, per_layer_input)
     assert all(f is not None for f in net.stack.fused)
     fused, ops, runs = fused_and_ops(net, kv_dtype, monkeypatch, whole)
-    assert runs == (0 if kv_dtype == "q8_0" else 12 * len(INT8_TYPES))
+    assert runs == 12 * len(INT8_TYPES)
     for a, b in zip(fused, ops, strict=True):
         np.testing.assert_array_equal(a, b)
 

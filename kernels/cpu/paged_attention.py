@@ -22,6 +22,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ember.kernels.convert import _BF16_QUIET, KV_DTYPES, QK8_0, f32_to_bf16_bits, f32_to_f16_bits, quantize_q8_0_split
+from ember.kernels.cpu.int8_dots import _round_half_away
 from ember.kernels.cpu.twin import Twin
 
 MODE = {name: i for i, name in enumerate(KV_DTYPES)}
@@ -117,7 +118,7 @@ def _bf16_bits(v):  # type: ignore[no-untyped-def]
 def store_row(mode, row, f32, u16, blk, off):  # type: ignore[no-untyped-def]
     """A K or V row (float32 [kv_heads, head_dim]) into an f32, f16 or bf16 store at (blk, off), in
     compiled code, converted bit for bit as KVLayerStore.write converts it (kernels/convert.py; the
-    fused layers store their rows with it; q8_0 rows are stored by write alone)."""
+    fused layers store their rows with it; q8_0 rows: store_row_q8_0)."""
     if mode == _F32:
         f32[blk, off] = row
         return
@@ -125,6 +126,27 @@ def store_row(mode, row, f32, u16, blk, off):  # type: ignore[no-untyped-def]
     for h in range(row.shape[0]):
         for j in range(row.shape[1]):
             dst[h, j] = _f16_bits(row[h, j]) if mode == _F16 else _bf16_bits(row[h, j])
+
+
+@njit(inline="always", cache=True, nogil=True)
+def store_row_q8_0(row, i8, scales, blk, off):  # type: ignore[no-untyped-def]
+    """A K or V row (float32 [kv_heads, head_dim]) into a q8_0 store at (blk, off), in compiled code,
+    quantized as KVLayerStore.write quantizes it (convert.quantize_q8_0_split), inputs it leaves
+    undefined included: a NaN makes its block's scale NaN, and a value whose x * (1/d) is not finite
+    is stored as 0. No fast-math (the caller's): the rounding is float32's."""
+    for h in range(row.shape[0]):
+        for b in range(row.shape[1] // QK8_0):
+            amax = np.float32(0)
+            for j in range(b * QK8_0, (b + 1) * QK8_0):
+                a = abs(row[h, j])
+                if a > amax or (a != a and amax == amax):  # numpy's max: the first NaN wins
+                    amax = a
+            d = amax / np.float32(127)
+            inv = np.float32(0) if d == 0 else np.float32(1) / d
+            scales[blk, off, h, b] = _f16_bits(d)
+            for j in range(b * QK8_0, (b + 1) * QK8_0):
+                v = row[h, j] * inv
+                i8[blk, off, h, j] = np.int8(_round_half_away(v)) if np.isfinite(v) else np.int8(0)
 
 
 def _paged_attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode,  # type: ignore[no-untyped-def]

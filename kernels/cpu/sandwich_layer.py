@@ -5,7 +5,7 @@ Run op by op, a Gemma 4 layer is ~25 ops and ~120 Python calls around them (wrap
 argument typing, allocations, the KV write): on the 86M-parameter benchmark shape that was a fifth of
 a decode step. Here it is one numba function: rmsnorm, q/k/v (one integer kernel; q/k alone where
 the values are the keys' projection, q alone on a KV-shared layer), the unscaled value norm, the q/k
-head norms and rope, the K/V store (f32, f16 or bf16 rows; a q8_0 cache's layer runs op by op),
+head norms and rope, the K/V store (in every KV dtype: q8_0 rows quantized as KVLayerStore.write does),
 attention over the layer's own or a shared layer's cache (a sliding layer through its ring's
 tables), the output projection, the post-attention norm and residual, the GELU-tanh FFN, the
 post-FFN norm and residual, the per-layer input (PLE) where the model has one, and the layer's
@@ -30,7 +30,7 @@ from ember.kernels.cpu.decoder_layer import (_ATTENTION_PARALLEL, _ATTENTION_SER
                                              _ROPE_PARALLEL, _ROPE_SERIAL, _f32, _f32_rows, _matmul_int8, _parallel,
                                              _rmsnorm, gated_ffn)
 from ember.kernels.cpu.paged_attention import _Q8_0 as _KV_Q8_0
-from ember.kernels.cpu.paged_attention import KVLayerStore, store_row
+from ember.kernels.cpu.paged_attention import KVLayerStore, store_row, store_row_q8_0
 from ember.kernels.cpu.quant_matmul import _MATVEC_ROWS, INT8_PARALLEL_MIN_WORK, SERIAL_GROUP, CpuWeight
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 
@@ -88,13 +88,10 @@ def fuse(attn_norm: np.ndarray, wq: CpuWeight, wk: CpuWeight | None, wv: CpuWeig
     return SandwichLayer(attn, ffn, int(window), ple)
 
 
-def run(layer: SandwichLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, step: Any) -> np.ndarray | None:
+def run(layer: SandwichLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, step: Any) -> np.ndarray:
     """The layer on x [n, hidden] (every row a decode row) -> its output [n, hidden], its K/V written
-    (unless KV-shared) and read as the ops do; None, having done nothing, over a q8_0 KV cache (its
-    rows are stored from Python: the layer runs op by op). step: the step's arrays (StepArrays), a
-    sliding layer's ring tables and blocks included where the cache keeps rings."""
-    if k.mode == _KV_Q8_0:
-        return None
+    (unless KV-shared) and read as the ops do. step: the step's arrays (StepArrays), a sliding
+    layer's ring tables and blocks included where the cache keeps rings."""
     ring = layer.window > 0 and step.window_tables is not None
     tables, blocks = (step.window_tables, step.window_blocks) if ring else (step.tables, step.kv_blocks)
     inputs = step.layer_inputs if layer.per_layer_input else _NO_INPUTS
@@ -114,9 +111,9 @@ def _attention(x, positions, force, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16
     _rmsnorm(x, attn_norm, eps, h, force)
     q = np.empty((n, wq.shape[0]), np.float32)
     if own:
-        q3 = _own_queries(h, positions, force, mode, k_f32, k_u16, v_f32, v_u16, kv_blocks, kv_offsets, codes, wq,
-                          wk, wv, k_eq_v, q_norm, k_norm, v_norm, inv_freq, interleaved, n_heads, kv_heads, head_dim,
-                          eps, q)
+        q3 = _own_queries(h, positions, force, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks,
+                          kv_offsets, codes, wq, wk, wv, k_eq_v, q_norm, k_norm, v_norm, inv_freq, interleaved, n_heads,
+                          kv_heads, head_dim, eps, q)
     else:  # a KV-shared layer: q alone, normed, then roped (ops.rmsnorm and ops.rope)
         _matmul_int8(codes[0], wq, h, q, force)
         q3 = np.empty((n, n_heads, head_dim), np.float32)
@@ -141,8 +138,9 @@ def _attention(x, positions, force, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16
 
 
 @njit(cache=True, nogil=True)
-def _own_queries(h, positions, force, mode, k_f32, k_u16, v_f32, v_u16, kv_blocks, kv_offsets, codes, wq, wk, wv,
-                 k_eq_v, q_norm, k_norm, v_norm, inv_freq, interleaved, n_heads, kv_heads, head_dim, eps, q):
+def _own_queries(h, positions, force, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks, kv_offsets,
+                 codes, wq, wk, wv, k_eq_v, q_norm, k_norm, v_norm, inv_freq, interleaved, n_heads, kv_heads, head_dim,
+                 eps, q):
     """Attention._queries of a layer with its own K/V: q, k (and v) in one integer kernel, the values
     normed (from the keys' projection where k_eq_v), q and k normed and roped, k and v stored ->
     the queries [n, heads, head_dim]."""
@@ -169,8 +167,12 @@ def _own_queries(h, positions, force, mode, k_f32, k_u16, v_f32, v_u16, kv_block
     else:
         _ROPE_SERIAL(q3, k3, q_norm, k_norm, True, eps, positions, inv_freq, interleaved)
     for i in range(n):
-        store_row(mode, k3[i], k_f32, k_u16, kv_blocks[i], kv_offsets[i])
-        store_row(mode, v3[i], v_f32, v_u16, kv_blocks[i], kv_offsets[i])
+        if mode == _KV_Q8_0:
+            store_row_q8_0(k3[i], k_i8, k_sc, kv_blocks[i], kv_offsets[i])
+            store_row_q8_0(v3[i], v_i8, v_sc, kv_blocks[i], kv_offsets[i])
+        else:
+            store_row(mode, k3[i], k_f32, k_u16, kv_blocks[i], kv_offsets[i])
+            store_row(mode, v3[i], v_f32, v_u16, kv_blocks[i], kv_offsets[i])
     return q3
 
 

@@ -33,7 +33,6 @@ from numba import njit
 from ember.kernels.cpu import dense, twin
 from ember.kernels.cpu.decoder_layer import _f32_rows, _matmul_int8, _parallel, _rmsnorm
 from ember.kernels.cpu.greedy_decode import _append, _embedding, _new_list, take_argmax
-from ember.kernels.cpu.paged_attention import _Q8_0 as _KV_Q8_0
 from ember.kernels.cpu.paged_attention import KVLayerStore
 from ember.kernels.cpu.quant_matmul import CpuWeight, _read_only
 from ember.kernels.cpu.sandwich_layer import _NO_INPUTS, SandwichLayer, _attention, _ffn
@@ -72,11 +71,10 @@ def plan(fused: Sequence[Any], kv_layers: Sequence[int], embed: CpuWeight, norm:
          input_norm: np.ndarray | None, rings: bool) -> SandwichPlan | None:
     """The plan for these fused layers (layer i reading cache layer kv_layers[i] of ks and vs), or None
     where the per-step path computes what this loop does not: a layer not fused (MoE, a matrix
-    without integer decode kernels), a q8_0 KV cache, a head or per-layer projection without integer
-    decode kernels."""
+    without integer decode kernels), a head or per-layer projection without integer decode kernels."""
     if not all(isinstance(f, SandwichLayer) for f in fused) or not head.int8:
         return None
-    if any(s.mode == _KV_Q8_0 for s in (*ks, *vs)) or input_proj is not None and not input_proj.int8:
+    if input_proj is not None and not input_proj.int8:
         return None
     items = _items(fused, [ks[c] for c in kv_layers], [vs[c] for c in kv_layers], rings)
     width = 0 if input_norm is None else int(np.asarray(input_norm).shape[0])
@@ -111,12 +109,9 @@ _STACKS: weakref.WeakKeyDictionary[KVLayerStore, tuple[Sequence[Any], Any]] = we
 
 
 def run_stack(fused: Sequence[Any], x: np.ndarray, ks: Sequence[KVLayerStore], vs: Sequence[KVLayerStore],
-              step: Any) -> np.ndarray | None:
+              step: Any) -> np.ndarray:
     """A decode step's layers (every row a decode row; layer i reading ks[i] and vs[i]) in one call ->
-    the last layer's output; None, having done nothing, where one layer would run op by op (a q8_0
-    KV cache)."""
-    if any(k.mode == _KV_Q8_0 for k in ks):
-        return None
+    the last layer's output."""
     known = _STACKS.get(ks[0])
     if known is None or known[0] is not fused:
         known = (fused, _typed(_items(fused, ks, vs, step.window_tables is not None)))
