@@ -128,9 +128,10 @@ def test_a_greedy_burst_on_the_newer_block_types_equals_single_steps(variant: st
 
 
 @pytest.mark.parametrize("variant", ["serial", "parallel"])
-@pytest.mark.parametrize("kv_dtype", ["f16", "bf16"])
-def test_a_greedy_burst_over_a_16_bit_kv_cache_equals_single_steps(kv_dtype: str, variant: str, monkeypatch) -> None:
-    """The burst stores f16 and bf16 rows in compiled code, as the per-step path's fused layers do."""
+@pytest.mark.parametrize("kv_dtype", ["f16", "bf16", "q8_0"])
+def test_a_greedy_burst_over_a_converting_kv_cache_equals_single_steps(kv_dtype: str, variant: str,
+                                                                       monkeypatch) -> None:
+    """The burst stores f16, bf16 and q8_0 rows in compiled code, as the per-step path's fused layers do."""
     monkeypatch.setattr(twin, "FORCE", variant)
     assert_bursts_equal_steps(synthetic_model(INT8_TYPES), kv_dtype)
     assert_bursts_equal_steps(Transformer(open_model_file(DEMO_MODEL), get_ops("cpu")), kv_dtype)
@@ -152,8 +153,6 @@ def test_a_greedy_burst_of_the_trained_demo_model_equals_single_steps() -> None:
 def test_steps_the_burst_would_compute_otherwise_are_declined() -> None:
     net = synthetic_model(INT8_TYPES)
     none = np.full((3, 1), -1)
-    cache, batch = first_decode_step(net, "q8_0")  # a converted KV row is stored from Python
-    assert net.greedy_steps(batch, cache, 2, none) is None
     cache, batch = first_decode_step(net)
     prompt_rows = StepBatch.build([([11], len(PROMPTS[0]), TABLES[0])], 16)  # no prompt lengths: not decode rows
     assert net.greedy_steps(prompt_rows, cache, 2, none[:1]) is None

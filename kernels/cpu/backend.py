@@ -68,7 +68,7 @@ class CpuOps(Ops):
             return None
         if isinstance(fused, sandwich_layer.SandwichLayer):
             return sandwich_layer.run(fused, x, k, v, step)
-        return decoder_layer.run(fused, x, k, v, self.kv_write, step.positions, step.attends_to, step.kv_blocks,
+        return decoder_layer.run(fused, x, k, v, step.positions, step.attends_to, step.kv_blocks,
                                  step.kv_offsets, step.tables, step.token_seq)
 
     def run_fused_layers(self, fused: Sequence[decoder_layer.FusedLayer], x: Array, ks: Sequence[KVLayerStore],
@@ -78,7 +78,7 @@ class CpuOps(Ops):
             return None
         if isinstance(fused[0], sandwich_layer.SandwichLayer):  # a gemma4 stack
             return sandwich_stack.run_stack(fused, x, ks, vs, step)
-        return decoder_layer.run_stack(fused, x, ks, vs, self.kv_write, step.positions, step.attends_to,
+        return decoder_layer.run_stack(fused, x, ks, vs, step.positions, step.attends_to,
                                        step.kv_blocks, step.kv_offsets, step.tables, step.token_seq, routed)
 
     def greedy_plan(self, stack: LayerStack, embed: quant_matmul.CpuWeight, norm: Array, eps: float,

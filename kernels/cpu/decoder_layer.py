@@ -5,11 +5,11 @@ pre-norm attention (optional q/k/v biases and q/k head norms) and a gated FFN wh
 all take the integer decode kernels (every block type), run for a step whose rows are all
 decode rows. Run op by op, such a layer costs ~110 Python calls (wrappers, numba's argument typing
 for each kernel, array allocations): on the 12 MB demo model that host work was a third of a decode
-step. Here the whole layer is two numba functions, `_attention_in` (norm, q/k/v, q/k norm and rope)
-and `_attention_out` (attention, output projection, residual, norm, SwiGLU FFN, residual), with the
-KV write between them through the backend's kv_write (q8_0 rows). Over an f32, f16 or bf16 KV cache
-a row is stored in compiled code (paged_attention.store_row, bit for bit the conversions of
-kernels/convert.py): `_layer_stored_kv` runs both halves and the store in one call, and where the
+step. Here the whole layer is two numba functions, `_attention_in` (norm, q/k/v, q/k norm and rope,
+the K/V store) and `_attention_out` (attention, output projection, residual, norm, SwiGLU FFN,
+residual). The K/V rows are stored in compiled code in every KV dtype (paged_attention.store_kv_rows,
+bit for bit KVLayerStore.write's conversions and q8_0 quantization; until 2026-11-29 a q8_0 row went
+through Python, two calls a layer). `_layer_stored_kv` runs both halves in one call, and where the
 layer's work is worth the threads, `_layer_team` runs it in one parallel region instead of one per
 parallel kernel: its threads share out each phase's items (tokens, row groups, attention tasks) and
 wait for each other only between phases (kernels/cpu/team.py). Decode tokens 2-7% faster on the demo
@@ -38,8 +38,7 @@ from numba import njit, prange
 
 from ember.kernels.cpu import dense, twin
 from ember.kernels.cpu.dense import softplus_gate_row
-from ember.kernels.cpu.paged_attention import KVLayerStore, attention_task, store_row
-from ember.kernels.cpu.paged_attention import _Q8_0 as _KV_Q8_0
+from ember.kernels.cpu.paged_attention import KVLayerStore, attention_task, store_kv_rows
 from ember.kernels.cpu.paged_attention import _KERNELS as _ATTENTION
 from ember.kernels.cpu.quant_matmul import (_MATMUL_INT8, _MATMUL_INT8_MANY, _MATVEC_ROWS, _Q8_0_ACTIVATIONS, _SWIGLU_INT8,
                                             INT8_PARALLEL_MIN_WORK, SERIAL_GROUP, CpuWeight, _quantize_token,
@@ -112,17 +111,17 @@ def _f32(v: np.ndarray | None) -> np.ndarray:
     return _NONE if v is None else np.array(v, np.float32)
 
 
-def run(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, kv_write: Any, positions: np.ndarray,
+def run(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, positions: np.ndarray,
         seen: np.ndarray, kv_blocks: np.ndarray, kv_offsets: np.ndarray, tables: np.ndarray,
         token_seq: np.ndarray) -> np.ndarray:
     """The layer on x [n, hidden] (every row a decode row, roped at `positions`, token i attending
-    to its sequence's keys 0 .. seen[i]), its K/V written by `kv_write(store, blocks, offsets,
-    rows)` -> the layer's output [n, hidden]."""
-    return run_stack((layer,), x, (k,), (v,), kv_write, positions, seen, kv_blocks, kv_offsets, tables, token_seq)
+    to its sequence's keys 0 .. seen[i]), its K/V written as KVLayerStore.write writes them -> the
+    layer's output [n, hidden]."""
+    return run_stack((layer,), x, (k,), (v,), positions, seen, kv_blocks, kv_offsets, tables, token_seq)
 
 
 def run_stack(layers: Sequence[FusedLayer], x: np.ndarray, ks: Sequence[KVLayerStore], vs: Sequence[KVLayerStore],
-              kv_write: Any, positions: np.ndarray, seen: np.ndarray, kv_blocks: np.ndarray, kv_offsets: np.ndarray,
+              positions: np.ndarray, seen: np.ndarray, kv_blocks: np.ndarray, kv_offsets: np.ndarray,
               tables: np.ndarray, token_seq: np.ndarray, routed: Sequence[Any | None] = ()) -> np.ndarray:
     """`layers` one after another on x, layer i's K/V in ks[i] and vs[i], each as `run` runs it, and
     where routed[i] is given (expert_ffn.FusedRouted: a layer fused without its FFN) its routed FFN
@@ -131,38 +130,21 @@ def run_stack(layers: Sequence[FusedLayer], x: np.ndarray, ks: Sequence[KVLayerS
     force, threads = twin.force_code(), twin.threads()
     x = _f32_rows(x)
     for i, (layer, k, v) in enumerate(zip(layers, ks, vs, strict=True)):
-        x = _stack_layer(layer, x, k, v, kv_write, positions, seen, kv_blocks, kv_offsets, tables, token_seq, force,
-                         threads)
+        x = _stack_layer(layer, x, k, v, positions, seen, kv_blocks, kv_offsets, tables, token_seq, force, threads)
         if i < len(routed) and routed[i] is not None:
             x = routed[i](x, force)
     return x
 
 
-def _stack_layer(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, kv_write: Any,
-                 positions: np.ndarray, seen: np.ndarray, kv_blocks: np.ndarray, kv_offsets: np.ndarray,
-                 tables: np.ndarray, token_seq: np.ndarray, force: int, threads: int) -> np.ndarray:
-    """One layer of run_stack, in the variant its work and the KV cache call for."""
-    if k.mode == _KV_Q8_0:
-        return _layer_quantized_kv(layer, x, k, v, kv_write, positions, seen, kv_blocks, kv_offsets, tables, token_seq,
-                                   force)
+def _stack_layer(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, positions: np.ndarray,
+                 seen: np.ndarray, kv_blocks: np.ndarray, kv_offsets: np.ndarray, tables: np.ndarray,
+                 token_seq: np.ndarray, force: int, threads: int) -> np.ndarray:
+    """One layer of run_stack, in the variant its work calls for: the thread team, or one serial call."""
     if force == 2 or (force == 0 and layer.work * x.shape[0] >= INT8_PARALLEL_MIN_WORK):
-        return _layer_team(threads, x, positions, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, kv_blocks,
-                           kv_offsets, tables, token_seq, seen, layer.attn_in, layer.attn_out)
-    # an f32, f16 or bf16 row is stored in compiled code: the whole layer in one call
-    return _layer_stored_kv(x, positions, force, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, kv_blocks,
-                            kv_offsets, tables, token_seq, seen, layer.attn_in, layer.attn_out)
-
-
-def _layer_quantized_kv(layer: FusedLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, kv_write: Any,
-                        positions: np.ndarray, seen: np.ndarray, kv_blocks: np.ndarray, kv_offsets: np.ndarray,
-                        tables: np.ndarray, token_seq: np.ndarray, force: int) -> np.ndarray:
-    """The layer over a q8_0 KV cache, whose rows Python stores: attention in, the K/V store, attention out."""
-    q, kr, vr, g = _attention_in(x, positions, force, False, k.mode, k.f32, k.u16, v.f32, v.u16, kv_blocks, kv_offsets,
-                                 *layer.attn_in)
-    kv_write(k, kv_blocks, kv_offsets, kr)
-    kv_write(v, kv_blocks, kv_offsets, vr)
-    return _attention_out(x, q, g, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales, k.mode, tables,
-                          token_seq, seen, force, *layer.attn_out)
+        return _layer_team(threads, x, positions, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales,
+                           kv_blocks, kv_offsets, tables, token_seq, seen, layer.attn_in, layer.attn_out)
+    return _layer_stored_kv(x, positions, force, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8, v.scales,
+                            kv_blocks, kv_offsets, tables, token_seq, seen, layer.attn_in, layer.attn_out)
 
 
 def _f32_rows(x: np.ndarray) -> np.ndarray:
@@ -176,9 +158,9 @@ def _parallel(force, work, threshold):
 
 
 @njit(cache=True, nogil=True)
-def _attention_in(x, positions, force, store, mode, k_f32, k_u16, v_f32, v_u16, kv_blocks, kv_offsets, attn_norm, codes,
-                  wq, wk, wv, biased, bq, bk, bv, normed, q_norm, k_norm, inv_freq, interleaved, n_heads, n_kv_heads,
-                  head_dim, eps, gated, code_og, wog):
+def _attention_in(x, positions, force, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks, kv_offsets,
+                  attn_norm, codes, wq, wk, wv, biased, bq, bk, bv, normed, q_norm, k_norm, inv_freq, interleaved,
+                  n_heads, n_kv_heads, head_dim, eps, gated, code_og, wog):
     """rmsnorm, then q, k, v (one integer kernel), biases, q/k head norms and rope -> q [n, heads, hd],
     k, v [n, kv_heads, hd] and the output gate's logits g [n, gate rows] (0 columns if not `gated`):
     Block's attention up to the KV write, with the ops' kernels; with `store`, k and v written to the
@@ -208,22 +190,20 @@ def _attention_in(x, positions, force, store, mode, k_f32, k_u16, v_f32, v_u16, 
         _ROPE_PARALLEL(q3, k3, qn, kn, normed, eps, positions, inv_freq, interleaved)
     else:
         _ROPE_SERIAL(q3, k3, qn, kn, normed, eps, positions, inv_freq, interleaved)
-    if store:
-        for i in range(n):
-            store_row(mode, k3[i], k_f32, k_u16, kv_blocks[i], kv_offsets[i])
-            store_row(mode, v3[i], v_f32, v_u16, kv_blocks[i], kv_offsets[i])
-    return q3, k3, v3, g
+    for i in range(n):
+        store_kv_rows(mode, k3[i], v3[i], k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks[i],
+                      kv_offsets[i])
+    return q3, g
 
 
 @njit(cache=True, nogil=True)
-def _layer_stored_kv(x, positions, force, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, kv_blocks, kv_offsets,
-                     tables, token_seq, seen, attn_in, attn_out):
-    """The layer over an f32, f16 or bf16 KV cache in one call (i8, scales: the store's unused q8_0
-    arrays, as are the f32 ones of a 16-bit store and the u16 ones of an f32 store): one dispatch and
-    no returned q/k/v between the halves."""
-    q, _, _, g = _attention_in(x, positions, force, True, mode, k_f32, k_u16, v_f32, v_u16, kv_blocks, kv_offsets,
-                               *attn_in)
-    return _attention_out(x, q, g, k_f32, k_u16, i8, scales, v_f32, v_u16, i8, scales, mode, tables, token_seq,
+def _layer_stored_kv(x, positions, force, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks,
+                     kv_offsets, tables, token_seq, seen, attn_in, attn_out):
+    """The layer in one serial call, its K/V stored in the cache's dtype (the arrays a mode does not
+    use are the store's 1-element placeholders): one dispatch and no returned q/k/v between the halves."""
+    q, g = _attention_in(x, positions, force, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks,
+                         kv_offsets, *attn_in)
+    return _attention_out(x, q, g, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, tables, token_seq,
                           seen, force, *attn_out)
 
 
@@ -292,8 +272,8 @@ _PHASES = _DOWN + 1
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _layer_team(threads, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, kv_blocks, kv_offsets, tables,
-                token_seq, seen, attn_in, attn_out):
+def _layer_team(threads, x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks, kv_offsets,
+                tables, token_seq, seen, attn_in, attn_out):
     """_layer_stored_kv's layer in one parallel region instead of one a kernel: the threads run
     _team_member's phases together (team.py), `threads` of them (numba's count, read by the caller:
     reading it here would keep this function out of the cache). The same compiled row, token and
@@ -304,8 +284,8 @@ def _layer_team(threads, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_
     bufs, h_room, attn_room, h2_room, f_room = _team_buffers(x, attn_in, attn_out)
     counters = counters_for(_PHASES, threads)
     for _ in prange(threads):
-        _team_member(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, kv_blocks, kv_offsets,
-                     tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room)
+        _team_member(counters, x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks,
+                     kv_offsets, tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room)
     if failed(counters):
         raise RuntimeError("the fused decoder layer failed in a thread of its team")
     return bufs[11] if attn_out[3] else bufs[6]
@@ -373,18 +353,18 @@ def _add_rows(a, b, group, out):
 
 
 @njit(cache=True, nogil=True)
-def _team_member(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, kv_blocks, kv_offsets,
-                 tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room):
+def _team_member(counters, x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks,
+                 kv_offsets, tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room):
     try:
-        _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, kv_blocks, kv_offsets,
-                     tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room)
+        _team_phases(counters, x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks,
+                     kv_offsets, tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room)
     except Exception:  # noqa: BLE001 (numba catches no narrower)
         fail(counters)
 
 
 @njit(cache=True, nogil=True)
-def _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, kv_blocks, kv_offsets,
-                 tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room):
+def _team_phases(counters, x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks,
+                 kv_offsets, tables, token_seq, seen, attn_in, attn_out, bufs, h_room, attn_room, h2_room, f_room):
     """One thread's run of the layer's phases: in each, it claims items until none is left, then
     waits for the items others claimed. Each phase's items: tokens, row groups or attention tasks."""
     (attn_norm, codes, wq, wk, wv, biased, bq, bk, bv, normed, q_norm, k_norm, inv_freq, interleaved, n_heads,
@@ -426,8 +406,8 @@ def _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, 
             _add_bias(k[i], bk)
             _add_bias(v[i], bv)
         _ROPE_SERIAL(q3[i:i + 1], k3[i:i + 1], qn, kn, normed, eps, positions[i:i + 1], inv_freq, interleaved)
-        store_row(mode, k3[i], k_f32, k_u16, kv_blocks[i], kv_offsets[i])
-        store_row(mode, v3[i], v_f32, v_u16, kv_blocks[i], kv_offsets[i])
+        store_kv_rows(mode, k3[i], v3[i], k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks[i],
+                      kv_offsets[i])
         finish(counters, _ROPE_STORE)
         i = claim(counters, _ROPE_STORE, me, n)
     if not wait(counters, _ROPE_STORE, n):
@@ -435,7 +415,7 @@ def _team_phases(counters, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, 
 
     c = claim(counters, _ATTEND, me, n * n_kv_heads)
     while c < n * n_kv_heads:
-        attention_task(c, q3, k_f32, k_u16, i8, scales, v_f32, v_u16, i8, scales, mode, tables, token_seq, seen,
+        attention_task(c, q3, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode, tables, token_seq, seen,
                        window, scale, attn)
         finish(counters, _ATTEND)
         c = claim(counters, _ATTEND, me, n * n_kv_heads)

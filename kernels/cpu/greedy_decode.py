@@ -37,7 +37,7 @@ import numpy as np
 from numba import njit, typed
 
 from ember.kernels.cpu import twin
-from ember.kernels.cpu.decoder_layer import _KV_Q8_0, FusedLayer, _layer_team, _matmul_int8, _parallel, _rmsnorm
+from ember.kernels.cpu.decoder_layer import FusedLayer, _layer_team, _matmul_int8, _parallel, _rmsnorm
 from ember.kernels.cpu.expert_ffn import FusedRouted, no_routed_layer, routed_finish
 from ember.kernels.cpu.paged_attention import KVLayerStore
 from ember.kernels.cpu.quant_matmul import _GATHER_ROWS, INT8_PARALLEL_MIN_WORK, CpuWeight, _read_only
@@ -50,10 +50,10 @@ _GATHER_SERIAL, _GATHER_PARALLEL = _GATHER_ROWS.serial, _GATHER_ROWS.parallel
 
 @dataclass(frozen=True)
 class GreedyPlan:
-    """A whole model's decode step over one f32, f16 or bf16 KV cache, as the compiled loop takes it."""
+    """A whole model's decode step over one KV cache, as the compiled loop takes it."""
 
-    # per layer: attn_in, attn_out, work, KV mode, k f32, k u16, k i8, k scales, v f32, v u16, whether a
-    # routed FFN finishes it, and that FFN's routed_finish arguments (no_routed_layer's stand-ins if none)
+    # per layer: attn_in, attn_out, work, KV mode, k f32, k u16, k i8, k scales, v f32, v u16, v i8, v scales,
+    # whether a routed FFN finishes it, and that FFN's routed_finish arguments (no_routed_layer's stand-ins if none)
     items: list[tuple[Any, ...]]
     embed: tuple[Any, ...]  # the embedding's code, u8, i8, u16, u32 and f32 (empty unless F32) views, columns
     norm: np.ndarray  # the final rmsnorm's weight, float32
@@ -76,14 +76,14 @@ def plan(fused: Sequence[FusedLayer], embed: CpuWeight, norm: np.ndarray, eps: f
          ks: Sequence[KVLayerStore], vs: Sequence[KVLayerStore],
          routed: Sequence[FusedRouted | None] = ()) -> GreedyPlan | None:
     """The plan for these layers over these KV stores (layer i finished by routed[i] where given: a
-    MoE layer), or None where the per-step path computes what this loop does not: a q8_0 KV cache (its
-    rows are stored from Python), an output projection without integer decode kernels (F16, BF16, F32)."""
-    if not head.int8 or any(s.mode == _KV_Q8_0 for s in (*ks, *vs)):
+    MoE layer), or None where the per-step path computes what this loop does not: an output projection
+    without integer decode kernels (F16, BF16, F32)."""
+    if not head.int8:
         return None
     parts = list(routed) + [None] * (len(fused) - len(routed))
     none = no_routed_layer(embed.cols)
-    items = [(layer.attn_in, layer.attn_out, layer.work, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16,
-              part is not None, *(none if part is None else part.args))
+    items = [(layer.attn_in, layer.attn_out, layer.work, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8,
+              v.scales, part is not None, *(none if part is None else part.args))
              for layer, k, v, part in zip(fused, ks, vs, parts, strict=True)]
     # (read-only, as an F32 embedding's rows are: one compiled signature either way)
     f32 = embed.f32 if embed.f32 is not None else _read_only(np.empty((0, embed.cols), np.float32))
@@ -130,14 +130,14 @@ def _burst(steps, threads, force, ids, positions, kv_blocks, kv_offsets, tables,
         x = _embedding(ids, e_code, e_u8, e_i8, e_u16, e_u32, e_f32, e_cols, force)
         for k in range(len(layers)):
             layer = layers[k]
-            attn_in, attn_out, work, mode, k_f32, k_u16, i8, scales, v_f32, v_u16 = layer[:10]
+            attn_in, attn_out, work, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc = layer[:12]
             # run_stack's choice of threads; one member where it would run the serial _layer_stored_kv, whose
             # numbers the team's are (calling that too would double this library: +15 MB resident)
             members = threads if force == 2 or (force == 0 and work * n >= INT8_PARALLEL_MIN_WORK) else 1
-            x = _layer_team(members, x, positions, mode, k_f32, k_u16, i8, scales, v_f32, v_u16, kv_blocks,
-                            kv_offsets, tables, token_seq, positions, attn_in, attn_out)
-            if layer[10]:
-                x = routed_finish(x, force, *layer[11:])
+            x = _layer_team(members, x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc,
+                            kv_blocks, kv_offsets, tables, token_seq, positions, attn_in, attn_out)
+            if layer[12]:
+                x = routed_finish(x, force, *layer[13:])
         h = np.empty_like(x)
         _rmsnorm(x, norm, eps, h, force)
         out = np.empty((n, h_u8.shape[0]), np.float32)

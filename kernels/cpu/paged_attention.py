@@ -149,6 +149,18 @@ def store_row_q8_0(row, i8, scales, blk, off):  # type: ignore[no-untyped-def]
                 i8[blk, off, h, j] = np.int8(_round_half_away(v)) if np.isfinite(v) else np.int8(0)
 
 
+@njit(inline="always", cache=True, nogil=True)
+def store_kv_rows(mode, k_row, v_row, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, blk, off):  # type: ignore[no-untyped-def]
+    """A token's K and V rows into their stores at (blk, off), in any KV dtype, as KVLayerStore.write
+    stores them: the fused layers' K/V write."""
+    if mode == _Q8_0:
+        store_row_q8_0(k_row, k_i8, k_sc, blk, off)
+        store_row_q8_0(v_row, v_i8, v_sc, blk, off)
+    else:
+        store_row(mode, k_row, k_f32, k_u16, blk, off)
+        store_row(mode, v_row, v_f32, v_u16, blk, off)
+
+
 def _paged_attention(q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, mode,  # type: ignore[no-untyped-def]
                      tables, token_seq, positions, window, scale, out):
     # One task per (token, KV head): each key and value row is read (and decoded) once for all the

@@ -29,8 +29,7 @@ from ember.kernels.cpu import dense, twin
 from ember.kernels.cpu.decoder_layer import (_ATTENTION_PARALLEL, _ATTENTION_SERIAL, _QKV_PARALLEL, _QKV_SERIAL,
                                              _ROPE_PARALLEL, _ROPE_SERIAL, _f32, _f32_rows, _matmul_int8, _parallel,
                                              _rmsnorm, gated_ffn)
-from ember.kernels.cpu.paged_attention import _Q8_0 as _KV_Q8_0
-from ember.kernels.cpu.paged_attention import KVLayerStore, store_row, store_row_q8_0
+from ember.kernels.cpu.paged_attention import KVLayerStore, store_kv_rows
 from ember.kernels.cpu.quant_matmul import _MATVEC_ROWS, INT8_PARALLEL_MIN_WORK, SERIAL_GROUP, CpuWeight
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 
@@ -167,12 +166,8 @@ def _own_queries(h, positions, force, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u
     else:
         _ROPE_SERIAL(q3, k3, q_norm, k_norm, True, eps, positions, inv_freq, interleaved)
     for i in range(n):
-        if mode == _KV_Q8_0:
-            store_row_q8_0(k3[i], k_i8, k_sc, kv_blocks[i], kv_offsets[i])
-            store_row_q8_0(v3[i], v_i8, v_sc, kv_blocks[i], kv_offsets[i])
-        else:
-            store_row(mode, k3[i], k_f32, k_u16, kv_blocks[i], kv_offsets[i])
-            store_row(mode, v3[i], v_f32, v_u16, kv_blocks[i], kv_offsets[i])
+        store_kv_rows(mode, k3[i], v3[i], k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks[i],
+                      kv_offsets[i])
     return q3
 
 
