@@ -186,14 +186,24 @@ def _attention_in(x, positions, force, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_
     v3 = v.reshape(n, n_kv_heads, head_dim)
     qn = q_norm if normed else inv_freq[:0]
     kn = k_norm if normed else inv_freq[:0]
+    rope_and_store(q3, k3, v3, qn, kn, normed, eps, positions, inv_freq, interleaved, force, mode, k_f32, k_u16, k_i8,
+                   k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks, kv_offsets)
+    return q3, g
+
+
+@njit(inline="always", cache=True, nogil=True)
+def rope_and_store(q3, k3, v3, q_norm, k_norm, normed, eps, positions, inv_freq, interleaved, force, mode, k_f32, k_u16,
+                   k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks, kv_offsets):
+    """q and k head-normed (where `normed`) and roped in place (ops.qk_norm_rope's variant), then
+    each token's k and v rows stored in the cache's dtype: the attention's last steps before the
+    scores (this layer's and gemma4's, sandwich_layer.py)."""
     if _parallel(force, (q3.size + k3.size) * 8, PARALLEL_MIN_WORK):
-        _ROPE_PARALLEL(q3, k3, qn, kn, normed, eps, positions, inv_freq, interleaved)
+        _ROPE_PARALLEL(q3, k3, q_norm, k_norm, normed, eps, positions, inv_freq, interleaved)
     else:
-        _ROPE_SERIAL(q3, k3, qn, kn, normed, eps, positions, inv_freq, interleaved)
-    for i in range(n):
+        _ROPE_SERIAL(q3, k3, q_norm, k_norm, normed, eps, positions, inv_freq, interleaved)
+    for i in range(q3.shape[0]):
         store_kv_rows(mode, k3[i], v3[i], k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks[i],
                       kv_offsets[i])
-    return q3, g
 
 
 @njit(cache=True, nogil=True)

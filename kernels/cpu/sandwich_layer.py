@@ -26,10 +26,9 @@ import numpy as np
 from numba import njit
 
 from ember.kernels.cpu import dense, twin
-from ember.kernels.cpu.decoder_layer import (_ATTENTION_PARALLEL, _ATTENTION_SERIAL, _QKV_PARALLEL, _QKV_SERIAL,
-                                             _ROPE_PARALLEL, _ROPE_SERIAL, _f32, _f32_rows, _matmul_int8, _parallel,
-                                             _rmsnorm, gated_ffn)
-from ember.kernels.cpu.paged_attention import KVLayerStore, store_kv_rows
+from ember.kernels.cpu.decoder_layer import (_ATTENTION_PARALLEL, _ATTENTION_SERIAL, _QKV_PARALLEL, _QKV_SERIAL, _f32,
+                                             _f32_rows, _matmul_int8, _parallel, _rmsnorm, gated_ffn, rope_and_store)
+from ember.kernels.cpu.paged_attention import KVLayerStore
 from ember.kernels.cpu.quant_matmul import _MATVEC_ROWS, INT8_PARALLEL_MIN_WORK, SERIAL_GROUP, CpuWeight
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 
@@ -161,13 +160,8 @@ def _own_queries(h, positions, force, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u
     _rmsnorm(projected.reshape(n * kv_heads, head_dim), v_norm, eps, v3.reshape(n * kv_heads, head_dim), force)
     q3 = q.reshape(n, n_heads, head_dim)
     k3 = k.reshape(n, kv_heads, head_dim)
-    if _parallel(force, (q3.size + k3.size) * 8, PARALLEL_MIN_WORK):
-        _ROPE_PARALLEL(q3, k3, q_norm, k_norm, True, eps, positions, inv_freq, interleaved)
-    else:
-        _ROPE_SERIAL(q3, k3, q_norm, k_norm, True, eps, positions, inv_freq, interleaved)
-    for i in range(n):
-        store_kv_rows(mode, k3[i], v3[i], k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks[i],
-                      kv_offsets[i])
+    rope_and_store(q3, k3, v3, q_norm, k_norm, True, eps, positions, inv_freq, interleaved, force, mode, k_f32, k_u16,
+                   k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks, kv_offsets)
     return q3
 
 
