@@ -239,6 +239,10 @@ class Transformer:
         if self.per_layer is not None and batch.layer_inputs is None:
             batch = replace(batch, layer_inputs=self.per_layer(self.ops, self.config, self.embed_tokens(batch),
                                                                batch.ids, batch.decode_rows))
+        return self._ringed(batch, cache)
+
+    def _ringed(self, batch: StepBatch, cache: PagedKVCache) -> StepBatch:
+        """The batch with the rings' tables and blocks where the cache keeps windows in rings."""
         if cache.ring and batch.window_tables is None:
             ops, slots = self.ops, self.ops.to_numpy(batch.state_slots).astype(np.int64)
             logical = ops.to_numpy(batch.positions) // cache.block_size
@@ -289,7 +293,8 @@ class Transformer:
         plan = known[1]
         if plan is None:
             return None
-        return self.ops.greedy_burst(plan, steps, self.prepared(batch, cache), cache.block_size, stops)
+        # the rings' tables (the burst computes each step's per-layer inputs itself)
+        return self.ops.greedy_burst(plan, steps, self._ringed(batch, cache), cache.block_size, stops)
 
     def _sandwich(self, cache: PagedKVCache) -> SandwichModel | None:
         """What a Gemma 4 step adds around its layers, for the backend's greedy step (None: another model)."""
