@@ -12,6 +12,7 @@ import ember
 from ember.daemon.loader.model_file import open_model_file
 from ember.kernels import get_ops
 from ember.kernels.reference import moe as ref_moe
+from cold_experts import cold_equals_all_hot
 from references import hf_greedy, hf_logits
 from tiny_models import YARN
 
@@ -212,22 +213,9 @@ def test_cold_experts_on_laguna_equal_all_hot(hf_model) -> None:
     40-token prompt (past the window) and 24 decoded tokens are the all-hot model's; placement and
     statistics leave the dense lead layer out; the lossy `mask` policy runs and differs."""
     path, _ = hf_model("laguna")
-    ids = np.random.default_rng(7).integers(1, 8192, 40).tolist()
-    all_hot = ember.load(path)
-    expected = all_hot.logits(ids)
-    tokens = list(all_hot.generate(ids[:5], max_tokens=24, ignore_eos=True))
-    model = ember.load(path, expert_budget="60%", cold_workers=2)
-    try:
-        assert np.abs(model.logits(ids) - expected).max() <= 1e-5 * np.abs(expected).max()
-        assert list(model.generate(ids[:5], max_tokens=24, ignore_eos=True)) == tokens
-        hot = [len(h) for h in model.placement()]
-        assert hot[0] == 0 and all(0 < h < 8 for h in hot[1:]) and sum(hot) == int(0.6 * 32)
-        s = model.expert_stats()
-        assert (s.hot_experts, s.total_experts) == (sum(hot), 32) and s.cold_slots > 0 and s.worker_restarts == 0
-    finally:
-        model.close()
-    masked = ember.load(path, expert_budget="60%", cold_policy="mask").logits(ids)
-    assert np.isfinite(masked).all() and np.abs(masked - expected).max() > 1e-3 * np.abs(expected).max()
+    hot, s = cold_equals_all_hot(path, "60%")
+    assert hot[0] == 0 and all(0 < h < 8 for h in hot[1:]) and sum(hot) == int(0.6 * 32)
+    assert (s.hot_experts, s.total_experts) == (sum(hot), 32) and s.cold_slots > 0 and s.worker_restarts == 0
 
 
 @pytest.mark.oracle

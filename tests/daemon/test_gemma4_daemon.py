@@ -3,7 +3,6 @@ positions), concurrent streams with greedy and sampled decoding each equal their
 generation, and a cancelled stream frees its slot (and ring) for the next request."""
 from __future__ import annotations
 
-import asyncio
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import ember
-from ember.client import AsyncClient
+from concurrent_streams import streams_after_a_cancel
 from daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.slow
@@ -38,13 +37,4 @@ async def test_concurrent_streams_equal_their_solo_runs(gemma4) -> None:  # type
     daemon, path = gemma4
     model = ember.load(path)
     solo = [list(model.generate(p, **o)) for p, o in JOBS]
-    async with AsyncClient(daemon.socket) as client:
-        async def read(prompt: str, options: dict) -> list[int]:  # type: ignore[type-arg]
-            return [t async for chunk in client.generate(prompt, **options) for t in chunk.token_ids]
-
-        first = client.generate("import os\n", max_tokens=200, ignore_eos=True)  # cancelled mid-stream below
-        async for _ in first:
-            break
-        first.cancel()
-        got = await asyncio.gather(*[read(p, o) for p, o in JOBS])  # 6 streams on 3 running slots
-    assert got == solo
+    assert await streams_after_a_cancel(daemon.socket, JOBS, 200) == solo  # 6 streams on 3 running slots

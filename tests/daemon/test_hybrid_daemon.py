@@ -3,14 +3,13 @@ batched together, each equal to its solo in-process generation; a cancelled stre
 slot for the next request."""
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import ember
-from ember.client import AsyncClient
+from concurrent_streams import streams_after_a_cancel
 from daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.slow
@@ -31,14 +30,4 @@ def hybrid_daemon() -> Iterator[DaemonProcess]:
 async def test_concurrent_streams_equal_their_solo_runs(hybrid_daemon) -> None:  # type: ignore[no-untyped-def]
     model = ember.load(FIXTURE)
     solo = [list(model.generate(p, **o)) for p, o in JOBS]
-
-    async with AsyncClient(hybrid_daemon.socket) as client:
-        async def read(prompt: str, options: dict) -> list[int]:  # type: ignore[type-arg]
-            return [t async for chunk in client.generate(prompt, **options) for t in chunk.token_ids]
-
-        first = client.generate("import os\n", max_tokens=400, ignore_eos=True)  # cancelled mid-stream below
-        async for _ in first:
-            break
-        first.cancel()
-        got = await asyncio.gather(*[read(p, o) for p, o in JOBS])  # 6 streams on 3 running slots
-    assert got == solo
+    assert await streams_after_a_cancel(hybrid_daemon.socket, JOBS, 400) == solo  # 6 streams on 3 running slots
