@@ -43,7 +43,7 @@ from ember.kernels.cpu.paged_attention import KVLayerStore
 from ember.kernels.cpu.quant_matmul import _GATHER_ROWS, INT8_PARALLEL_MIN_WORK, CpuWeight, _read_only
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 
-__all__ = ["GreedyPlan", "burst", "plan"]
+__all__ = ["GreedyPlan", "burst", "embedding_views", "plan", "take_argmax"]
 
 _GATHER_SERIAL, _GATHER_PARALLEL = _GATHER_ROWS.serial, _GATHER_ROWS.parallel
 
@@ -85,10 +85,16 @@ def plan(fused: Sequence[FusedLayer], embed: CpuWeight, norm: np.ndarray, eps: f
     items = [(layer.attn_in, layer.attn_out, layer.work, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8,
               v.scales, part is not None, *(none if part is None else part.args))
              for layer, k, v, part in zip(fused, ks, vs, parts, strict=True)]
-    # (read-only, as an F32 embedding's rows are: one compiled signature either way)
-    f32 = embed.f32 if embed.f32 is not None else _read_only(np.empty((0, embed.cols), np.float32))
-    return GreedyPlan(items, (embed.code, embed.u8, embed.i8, embed.u16, embed.u32, f32, embed.cols),
-                      np.ascontiguousarray(norm, np.float32), float(eps), (head.code, head.u8), head.rows)
+    return GreedyPlan(items, embedding_views(embed), np.ascontiguousarray(norm, np.float32), float(eps),
+                      (head.code, head.u8), head.rows)
+
+
+def embedding_views(w: CpuWeight) -> tuple[Any, ...]:
+    """An embedding table as _embedding takes it: its code, u8, i8, u16, u32 and f32 views (an empty
+    read-only f32 unless it is F32, as an F32 embedding's rows are: one compiled signature either
+    way), columns."""
+    f32 = w.f32 if w.f32 is not None else _read_only(np.empty((0, w.cols), np.float32))
+    return w.code, w.u8, w.i8, w.u16, w.u32, f32, w.cols
 
 
 def burst(p: GreedyPlan, steps: int, ids: np.ndarray, positions: np.ndarray, kv_blocks: np.ndarray,

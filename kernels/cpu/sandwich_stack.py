@@ -32,9 +32,9 @@ from numba import njit
 
 from ember.kernels.cpu import dense, twin
 from ember.kernels.cpu.decoder_layer import _f32_rows, _matmul_int8, _parallel, _rmsnorm
-from ember.kernels.cpu.greedy_decode import _append, _embedding, _new_list, take_argmax
+from ember.kernels.cpu.greedy_decode import _append, _embedding, _new_list, embedding_views, take_argmax
 from ember.kernels.cpu.paged_attention import KVLayerStore
-from ember.kernels.cpu.quant_matmul import CpuWeight, _read_only
+from ember.kernels.cpu.quant_matmul import CpuWeight
 from ember.kernels.cpu.sandwich_layer import _NO_INPUTS, SandwichLayer, _attention, _ffn
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 
@@ -45,7 +45,7 @@ _SOFTCAP_SERIAL, _SOFTCAP_PARALLEL = dense._SOFTCAP.serial, dense._SOFTCAP.paral
 
 @dataclass(frozen=True)
 class SandwichPlan:
-    """A whole Gemma 4 decode step over one f32, f16 or bf16 KV cache, as the compiled loop takes it."""
+    """A whole Gemma 4 decode step over one KV cache, as the compiled loop takes it."""
 
     # per layer: attn, ffn, whether it reads the rings, and its K and V stores' arrays (mode, f32,
     # u16, i8, scales each)
@@ -80,11 +80,11 @@ def plan(fused: Sequence[Any], kv_layers: Sequence[int], embed: CpuWeight, norm:
     width = 0 if input_norm is None else int(np.asarray(input_norm).shape[0])
     factors = (np.float32(embed.cols**-0.5), np.float32(width**0.5), np.float32(2.0**-0.5))  # as numpy rounds them
     if input_table is None:  # stand-ins the loop never reads (width 0)
-        inputs = (*_views(embed), head.code, head.u8, np.ascontiguousarray(norm, np.float32), 0, *factors)
+        inputs = (*embedding_views(embed), head.code, head.u8, np.ascontiguousarray(norm, np.float32), 0, *factors)
     else:
-        inputs = (*_views(input_table), input_proj.code, input_proj.u8,  # type: ignore[union-attr]
+        inputs = (*embedding_views(input_table), input_proj.code, input_proj.u8,  # type: ignore[union-attr]
                   np.ascontiguousarray(input_norm, np.float32), width, *factors)
-    return SandwichPlan(items, _views(embed), np.float32(embed_scale), inputs, np.ascontiguousarray(norm, np.float32),
+    return SandwichPlan(items, embedding_views(embed), np.float32(embed_scale), inputs, np.ascontiguousarray(norm, np.float32),
                         float(eps), (head.code, head.u8), float(softcap))
 
 
@@ -121,12 +121,6 @@ def run_stack(fused: Sequence[Any], x: np.ndarray, ks: Sequence[KVLayerStore], v
     return _layers(_f32_rows(x), step.positions, twin.force_code(), step.kv_blocks,
                    step.window_blocks if ringed else step.kv_blocks, step.kv_offsets, step.tables,
                    step.window_tables if ringed else step.tables, step.token_seq, step.attends_to, inputs, known[1])
-
-
-def _views(w: CpuWeight) -> tuple[Any, ...]:
-    """An embedding table as greedy_decode._embedding takes it."""
-    f32 = w.f32 if w.f32 is not None else _read_only(np.empty((0, w.cols), np.float32))
-    return w.code, w.u8, w.i8, w.u16, w.u32, f32, w.cols
 
 
 def burst(p: SandwichPlan, steps: int, step: Any, block_size: int, stops: np.ndarray) -> np.ndarray:
