@@ -252,12 +252,8 @@ def _forward_passes(variant: str | None):  # type: ignore[no-untyped-def]
     from ember.kernels.cpu import twin
     from ember.kernels.convert import KV_DTYPES
 
-    from ember.kernels.tensor_types import TensorType as T
-
     twin.FORCE = variant
-    net = synthetic_model()
-    # gemma4's layers and ops: sliding (through rings), full and KV-shared layers, per-layer inputs
-    gemma4 = synthetic_gemma4([T.Q8_0, T.Q4_K, T.Q8_0], shared=1, per_layer_input=True)
+    net, gemma4 = synthetic_model(), _cache_gemma4()
     for dtype in KV_DTYPES:
         for model, cache in ((net, net.new_cache(2, 16, dtype)),
                              (gemma4, gemma4.new_cache(16, 16, dtype, max_sequences=2, step_tokens=16))):
@@ -280,7 +276,7 @@ def _greedy_kernels() -> None:
     batch = StepBatch.build([([6], 5, [0, 1])], 16, prompt_lengths=[5])
     if net.greedy_steps(batch, cache, 2, np.full((1, 1), -1, np.int64)) is None:
         raise RuntimeError("the kernel cache's model takes no greedy decode bursts")
-    gemma4 = synthetic_gemma4([T.Q8_0, T.Q4_K, T.Q8_0], shared=1, per_layer_input=True)  # sandwich_stack.py's
+    gemma4 = _cache_gemma4()  # sandwich_stack.py's burst
     cache = gemma4.new_cache(16, 16, "f32", max_sequences=2, step_tokens=16)
     gemma4.forward(StepBatch.build([([1, 2, 3, 4, 5], 0, [0, 1])], 16), cache)
     if gemma4.greedy_steps(batch, cache, 2, np.full((1, 1), -1, np.int64)) is None:
@@ -377,6 +373,14 @@ def synthetic_model(types: Sequence[int] | None = None, arch: str = "qwen3"):  #
         for name, width in vectors:
             add(f"blk.{i}.{name}", T.F32, width)
     return Transformer(ModelFile(Path("<kernel cache>"), "gguf", cfg, tensors), get_ops("cpu"))
+
+
+def _cache_gemma4():  # type: ignore[no-untyped-def]
+    """The kernel cache's Gemma 4: sliding layers (through rings), a full layer, a KV-shared layer and
+    per-layer inputs, so that its runs reach every Gemma 4 kernel signature."""
+    from ember.kernels.tensor_types import TensorType as T
+
+    return synthetic_gemma4([T.Q8_0, T.Q4_K, T.Q8_0], shared=1, per_layer_input=True)
 
 
 def synthetic_gemma4(types: Sequence[int], shared: int = 0, per_layer_input: bool = False):  # type: ignore[no-untyped-def]

@@ -93,10 +93,10 @@ def run(layer: SandwichLayer, x: np.ndarray, k: KVLayerStore, v: KVLayerStore, s
     ring = layer.window > 0 and step.window_tables is not None
     tables, blocks = (step.window_tables, step.window_blocks) if ring else (step.tables, step.kv_blocks)
     inputs = step.layer_inputs if layer.per_layer_input else _NO_INPUTS
-    h = _attention(_f32_rows(x), step.positions, twin.force_code(), k.mode, k.f32, k.u16, k.i8, k.scales, v.f32,
-                   v.u16, v.i8, v.scales, blocks, step.kv_offsets, tables, step.token_seq, step.attends_to,
-                   *layer.attn)
-    return _ffn(h, inputs, twin.force_code(), *layer.ffn)
+    force = twin.force_code()
+    h = _attention(_f32_rows(x), step.positions, force, k.mode, k.f32, k.u16, k.i8, k.scales, v.f32, v.u16, v.i8,
+                   v.scales, blocks, step.kv_offsets, tables, step.token_seq, step.attends_to, *layer.attn)
+    return _ffn(h, inputs, force, *layer.ffn)
 
 
 @njit(cache=True, nogil=True)

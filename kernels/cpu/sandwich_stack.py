@@ -112,11 +112,11 @@ def run_stack(fused: Sequence[Any], x: np.ndarray, ks: Sequence[KVLayerStore], v
               step: Any) -> np.ndarray:
     """A decode step's layers (every row a decode row; layer i reading ks[i] and vs[i]) in one call ->
     the last layer's output."""
+    ringed = step.window_tables is not None
     known = _STACKS.get(ks[0])
     if known is None or known[0] is not fused:
-        known = (fused, _typed(_items(fused, ks, vs, step.window_tables is not None)))
+        known = (fused, _typed(_items(fused, ks, vs, ringed)))
         _STACKS[ks[0]] = known
-    ringed = step.window_tables is not None
     inputs = step.layer_inputs if fused[0].per_layer_input else _NO_INPUTS
     return _layers(_f32_rows(x), step.positions, twin.force_code(), step.kv_blocks,
                    step.window_blocks if ringed else step.kv_blocks, step.kv_offsets, step.tables,
