@@ -7,6 +7,7 @@ Subcommands:
   ember pull NAME, list      models by name in the Hugging Face cache (client/cli/hub_commands.py)
   ember serve, generate, chat, status    the daemon and its clients (client/cli/daemon_commands.py)
   ember gateway              the OpenAI-compatible HTTP API in front of the daemon (client/cli/gateway_command.py)
+  ember cluster serve        replicas of the daemon on Ray behind one HTTP endpoint (client/cli/cluster_command.py)
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     run.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
     run.set_defaults(func=_run)
+    from ember.client.cli.cluster_command import add_cluster_parser
     from ember.client.cli.daemon_commands import add_daemon_commands
     from ember.client.cli.gateway_command import add_gateway_parser
     from ember.client.cli.hub_commands import add_hub_commands
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_hub_commands(sub)
     add_gateway_parser(sub)
     add_plan_parser(sub)
+    add_cluster_parser(sub)
     return parser
 
 

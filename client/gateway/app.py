@@ -78,7 +78,7 @@ GATEWAY = web.AppKey("gateway", Gateway)
 def build_app(gateway: Gateway) -> web.Application:
     app = web.Application(client_max_size=gateway.config.max_body_bytes,
                           middlewares=[_errors_middleware(gateway), _options_middleware,
-                                       _auth_middleware(gateway.config.api_key)])
+                                       auth_middleware(gateway.config.api_key)])
     app[GATEWAY] = gateway
     for path, method, handler in (("/v1/models", "GET", _models), ("/v1/chat/completions", "POST", _chat),
                                   ("/v1/completions", "POST", _completions), ("/v1/responses", "POST", _responses),
@@ -259,23 +259,26 @@ async def _model_cards(gateway: Gateway) -> list[ModelCard]:
 
 
 async def _body(request: web.Request) -> bytes:
-    """The whole body, or 413 before reading more than max_body_bytes of it."""
-    limit = _gateway(request).config.max_body_bytes
+    return await read_body(request, _gateway(request).config.max_body_bytes)
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole body, or 413 before reading more than `limit` bytes of it."""
     if request.content_length is not None and request.content_length > limit:
-        raise _too_large(request.content_length, limit)
+        raise too_large(request.content_length, limit)
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise _too_large(None, limit) from None
+        raise too_large(None, limit) from None
 
 
-def _too_large(size: int | None, limit: int) -> ApiError:
+def too_large(size: int | None, limit: int) -> ApiError:
     what = f"{size} bytes" if size is not None else "over the limit"
     return ApiError(413, f"the request body is {what}: the gateway takes at most {limit} bytes (--max-body-bytes)",
                     code="request_too_large")
 
 
-def _error(request: web.Request, error: ApiError) -> web.Response:
+def error_reply(request: web.Request, error: ApiError) -> web.Response:
     """OpenAI's error object, or Ollama's {"error": "..."} on its paths."""
     return error_response(error) if request.path.startswith("/api/") else _json(error.body(), error.status)
 
@@ -318,7 +321,7 @@ def _cors_headers(origins: tuple[str, ...]) -> Callable[[web.Request, web.Stream
     return add
 
 
-def _auth_middleware(api_key: str | None) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def auth_middleware(api_key: str | None) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
     expected = f"Bearer {api_key}".encode() if api_key is not None else None
 
     @web.middleware
@@ -348,15 +351,15 @@ def _errors_middleware(gateway: Gateway) -> Callable[[web.Request, Handler], Awa
             return response
         except ApiError as e:
             status = e.status
-            return _error(request, e)
+            return error_reply(request, e)
         except web.HTTPException as e:  # aiohttp's own: unknown path, wrong method, body too large
             status = e.status
             if e.status == 413:
-                error = _too_large(None, gateway.config.max_body_bytes)
+                error = too_large(None, gateway.config.max_body_bytes)
             else:
                 error = ApiError(e.status, f"{request.method} {request.path}: {e.reason}",
                                  code="not_found" if e.status == 404 else None)
-            response = _error(request, error)
+            response = error_reply(request, error)
             if "Allow" in e.headers:  # 405 names the methods the path takes
                 response.headers["Allow"] = e.headers["Allow"]
             return response
@@ -366,7 +369,7 @@ def _errors_middleware(gateway: Gateway) -> Callable[[web.Request, Handler], Awa
             status = 500
             get_logger().exception("gateway error", method=request.method, path=request.path)
             error = ApiError(500, "internal error in the ember gateway (its log has the traceback)", SERVER_ERROR)
-            return _error(request, error)
+            return error_reply(request, error)
         finally:
             STREAM_STATUS.reset(reset)
             counter.labels(endpoint, str(status)).inc()
