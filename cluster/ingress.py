@@ -11,7 +11,8 @@ gateway (cluster/replica.py), chosen by prefix (cluster/prefix_router.py), and i
   a truncated body from a whole one by its length or its JSON).
 - A client that leaves cancels its stream at the replica, which cancels the request in its daemon.
 - `GET /v1/cluster/replicas` (ember's own) lists the replicas, each with its node and its daemon's
-  counters (prefix-cache hits among them): the requests ask each replica by name.
+  counters (prefix-cache hits among them), or an error for one that did not answer in STATS_TIMEOUT
+  (one still starting): the requests ask each replica by name.
 """
 from __future__ import annotations
 
@@ -56,11 +57,20 @@ class Ingress:
 
     async def replicas(self, request: web.Request) -> web.Response:
         ids = await asyncio.to_thread(self.replica_ids)
-        async with asyncio.timeout(STATS_TIMEOUT):
-            reports = await asyncio.gather(*(self.handle.stats.remote(replica=i) for i in ids), return_exceptions=True)
-        data = [msgspec.json.decode(r) if isinstance(r, bytes) else {"replica": i, "error": str(r)}
+        reports = await asyncio.gather(*(self._stats(i) for i in ids), return_exceptions=True)
+        data = [msgspec.json.decode(r) if isinstance(r, bytes) else {"replica": i, "error": _short(r) or "no answer"}
                 for i, r in zip(ids, reports, strict=True)]
         return web.json_response({"object": "list", "data": data})
+
+    async def _stats(self, replica: str) -> bytes:
+        """One replica's counters; TimeoutError when it does not answer (one still starting, one dying)."""
+        response = self.handle.stats.remote(replica=replica)
+        try:
+            async with asyncio.timeout(STATS_TIMEOUT):
+                return await response
+        except BaseException:
+            response.cancel()
+            raise
 
     async def _answer(self, request: web.Request, key: str, payload: bytes) -> web.StreamResponse:
         from ray.serve.exceptions import BackPressureError

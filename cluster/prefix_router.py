@@ -5,9 +5,12 @@ Serve asks `choose_replicas` for ranked groups of replicas and sends the request
 replica of the first group that has room (its queue below max_ongoing_requests). This router puts the
 replica with the longest remembered prefix (cluster/prefix_index.py) alone in the first group when it
 matches at least `min_match` of the prompt's blocks and carries at most `max_imbalance` requests more
-than the least loaded; every other replica follows, as one group. So a new prompt, or one whose
-replica is swamped, goes to the least loaded, as Serve's default would send it. What was routed where
-is remembered when Serve reports the routing (`on_request_routed`).
+than the least loaded; every other replica follows, as one group. A new prompt, or one whose replica
+is swamped, goes to the least loaded replica, and among equally loaded ones to the one that holds the
+fewest prefixes (as Ray's own PrefixCacheAffinityRouter picks its "smallest tenant"): new prefixes
+spread over the replicas' caches. A prompt's blocks are remembered on the replica chosen first, at
+once (requests that arrive together are chosen for before any is routed), and on the one that took
+it when Serve reports the routing (`on_request_routed`).
 
 A request may also name its replica (keyword `replica=`, a replica's unique id): the ingress asks each
 replica for its counters that way. A named replica that is gone gets the request nowhere, and the
@@ -34,6 +37,10 @@ class PrefixRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # every candidate is considered at once: when none takes the request, Serve must back off
+            # before asking again (without this flag it asks again at once, spinning a core)
+            pending_request.routing_context.should_backoff = True
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if not by_id:
             return []
@@ -41,14 +48,21 @@ class PrefixRouter(RequestRouter):
         if pinned is not None:
             return [[by_id[pinned]]] if pinned in by_id else []
         blocks = self.index.blocks(_routing_text(pending_request))
+        loads = await self._loads(candidate_replicas)
         if blocks:
             matches = self.index.matches(blocks, list(by_id))
-            loads = await self._loads(candidate_replicas)
-            least = min(loads.values())
             best = max(by_id, key=lambda r: (matches[r], -loads[r]))
-            if matches[best] >= max(1.0, self.min_match * len(blocks)) and loads[best] - least <= self.max_imbalance:
+            if matches[best] >= max(1.0, self.min_match * len(blocks)) and \
+                    loads[best] - min(loads.values()) <= self.max_imbalance:
+                self.index.insert(best, blocks)
                 return [[by_id[best]], [r for r in candidate_replicas if r is not by_id[best]]]
-        return [candidate_replicas]
+        # the least loaded first; among equals, the one holding the fewest prefixes, so that new ones
+        # spread over the replicas' caches (Serve takes the first rank with room)
+        ranked = sorted(by_id, key=lambda r: (loads[r], self.index.size(r)))
+        # remembered now, not only once routed: requests that arrive together are chosen for together,
+        # before any is routed, and the second of a new prefix must find where the first goes
+        self.index.insert(ranked[0], blocks)
+        return [[by_id[r]] for r in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         if pending_request.kwargs.get("replica") is None:
