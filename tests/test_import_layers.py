@@ -1,4 +1,5 @@
-"""The daemon's packages form layers without cycles, and kernels, protocol and loader stay leaves:
+"""The daemon's packages form layers without cycles, kernels, protocol and loader stay leaves, and
+nothing below the cluster (Ray) imports it:
 pyproject.toml's import-linter contracts, checked on the source as it is."""
 from __future__ import annotations
 
@@ -14,4 +15,4 @@ LINT = ("import sys; from importlinter.cli import lint_imports; "
 def test_the_import_contracts_hold() -> None:
     run = subprocess.run([sys.executable, "-c", LINT], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "2 kept, 0 broken" in run.stdout
+    assert "3 kept, 0 broken" in run.stdout
