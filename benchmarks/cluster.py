@@ -1,0 +1,167 @@
+"""What the cluster costs and gives, on this machine, in one run: one daemon behind its gateway vs two
+replicas on a two-node Ray cluster behind the ingress (`ember cluster serve`, its own process).
+
+- Throughput: N greedy streams of /v1/completions started together (`--tokens` each, ignore_eos,
+  different prompts), aggregate tokens/s, at 8 and 32 streams; `--repeats` rounds of each path,
+  alternating, medians.
+- Added latency per request: sequential one-token chat requests, the median wall time through each
+  path; the difference is the ingress, the Serve handle, the relay and the loopback hop to the
+  replica's gateway.
+- Where the cluster path's CPU goes: each process's CPU time (/proc) over the cluster rounds, by its
+  part (ingress, replica actors, their gateways, daemons and engine processes, Ray's own), per token.
+
+Fair on one machine: the lone daemon's kernels get every core (--threads default), each replica's
+its one Ray CPU (replicas.cpus = cores / 2). On this 2-core VM both paths share the same two cores,
+so the replicas cannot add throughput here; the figures show what the path costs. What they mean on
+real nodes: docs/cluster.md.
+
+    python benchmarks/cluster.py [--model PATH] [--tokens 128] [--repeats 3] [--requests 40]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests" / "daemon"))
+
+from daemon_process import DaemonProcess, children  # noqa: E402
+from gateway import cpu_seconds, free_port, gateway_round, timed  # noqa: E402
+
+DAEMON_CONFIG = "[engine]\nmax_active = 8\nmax_per_process = 0\n[limits]\nmax_tokens = 32768\n"
+
+
+async def wait_models(url: str, timeout: float) -> str:
+    """The first model's name, once `url` serves /v1/models."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                async with session.get(f"{url}/v1/models") as r:
+                    if r.status == 200:
+                        return str((await r.json())["data"][0]["id"])
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not come up in {timeout:.0f} s")
+            await asyncio.sleep(0.2)
+
+
+async def latency(url: str, model: str, requests: int) -> float:
+    """Median seconds of a one-token chat request, sent one after another."""
+    times = []
+    async with aiohttp.ClientSession() as session:
+        for i in range(requests):
+            body = {"model": model, "max_tokens": 1, "temperature": 0,
+                    "messages": [{"role": "user", "content": f"Say a word about {i}."}]}
+            t0 = time.perf_counter()
+            async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])  # the first requests load code
+
+
+ROLES = (("ingress", "cluster serve"), ("replica actors", "ServeReplica"), ("replica gateways", "daemon_child gateway"),
+         ("replica daemons", "daemon_child serve"), ("replica engines", "engine_main"), ("ray", "ray"))
+
+
+def cpu_by_role(exclude: set[int]) -> dict[str, float]:
+    """CPU seconds so far of this machine's processes, by their part in the cluster path (by command
+    line; `exclude`: the lone daemon's processes)."""
+    out = dict.fromkeys([r for r, _ in ROLES], 0.0)
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) in exclude:
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            seconds = cpu_seconds(int(proc.name))
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        for role, needle in ROLES:
+            if needle in cmdline:
+                out[role] += seconds
+                break
+    return out
+
+
+async def compare(args: argparse.Namespace, single: str, cluster: str, lone: set[int]) -> None:
+    model = await wait_models(single, 60)
+    await wait_models(cluster, 600)
+    print(f"model {model}, {args.tokens} tokens a stream, {args.repeats} rounds each, "
+          f"{os.cpu_count()} cores", flush=True)
+    for n in (8, 32):
+        rates: dict[str, list[float]] = {"single": [], "cluster": []}
+        spent = dict.fromkeys([r for r, _ in ROLES], 0.0)
+        for r in range(args.repeats):
+            for name in (("single", "cluster") if r % 2 == 0 else ("cluster", "single")):
+                url = single if name == "single" else cluster
+                before = cpu_by_role(lone)
+                rates[name].append(await timed(lambda k, t, u=url: gateway_round(u, model, k, t), n, args.tokens))
+                if name == "cluster":
+                    spent = {k: v + cpu_by_role(lone)[k] - before[k] for k, v in spent.items()}
+        s, c = statistics.median(rates["single"]), statistics.median(rates["cluster"])
+        print(f"{n:3d} streams: one daemon {s:8.1f} tok/s, two replicas {c:8.1f} tok/s, ratio {c / s:.2f}x", flush=True)
+        tokens = n * args.tokens * args.repeats
+        print("     cluster CPU ms per token: " + ", ".join(f"{k} {v * 1e3 / tokens:.3f}" for k, v in spent.items()),
+              flush=True)
+    async with aiohttp.ClientSession() as session, session.get(f"{cluster}/v1/cluster/replicas") as r:
+        served = [d["stats"]["requests_total"] for d in (await r.json())["data"] if "stats" in d]
+    print(f"requests per replica: {served}", flush=True)
+    lone, spread = await latency(single, model, args.requests), await latency(cluster, model, args.requests)
+    print(f"one-token request: one daemon {lone * 1e3:.1f} ms, through the cluster {spread * 1e3:.1f} ms, "
+          f"added {(spread - lone) * 1e3:.1f} ms", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="a model file or directory (default: the built-in demo model)")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per stream (default 128)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of each path per stream count (default 3)")
+    parser.add_argument("--requests", type=int, default=40, help="sequential requests for the latency (default 40)")
+    args = parser.parse_args()
+    import ray
+    from ray.cluster_utils import Cluster
+
+    model_args = ["--model", args.model] if args.model else []
+    cores = os.cpu_count() or 2
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": max(1, cores // 2)})
+    nodes.add_node(num_cpus=max(1, cores // 2))
+    work = Path(tempfile.mkdtemp(prefix="ember-cluster-bench-"))
+    (work / "ember.toml").write_text(DAEMON_CONFIG)
+    port = free_port()
+    (work / "cluster.toml").write_text(
+        f'[ingress]\nlisten = "127.0.0.1:{port}"\n[replicas]\nmin = 2\nmax = 2\ncpus = {max(1, cores // 2)}\n'
+        f'max_ongoing_requests = 64\n[daemon]\nconfig = "{work / "ember.toml"}"\nargs = {model_args!r}\n'.replace("'", '"'))
+    env = {k: v for k, v in os.environ.items() if k != "EMBER_API_KEY"}
+    ingress = subprocess.Popen([sys.executable, "-m", "ember.client.cli", "cluster", "serve", str(work / "cluster.toml"),
+                                "--address", nodes.address], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    daemon = DaemonProcess(DAEMON_CONFIG, args=tuple(model_args)).wait_ready(600)
+    gport = free_port()
+    gateway = subprocess.Popen([sys.executable, "-m", "ember.client.cli", "gateway", "--listen", f"127.0.0.1:{gport}",
+                                "--socket", str(daemon.socket)], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        lone = {daemon.proc.pid, gateway.pid, *children(daemon.proc.pid)}
+        asyncio.run(compare(args, f"http://127.0.0.1:{gport}", f"http://127.0.0.1:{port}", lone))
+    finally:
+        for p in (gateway, ingress):
+            p.terminate()
+            p.wait(60)
+        daemon.stop()
+        ray.shutdown()
+        nodes.shutdown()
+
+
+if __name__ == "__main__":
+    main()
