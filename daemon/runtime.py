@@ -33,8 +33,8 @@ from ember.daemon.runner.native_decoder import NativeDecoder
 from ember.daemon.runner.native_runner import NativeRunner
 from ember.daemon.runner.pipeline import Pipeline
 from ember.daemon.runner.split_runner import SplitRunner
-from ember.daemon.runner.split_spec import (cpu_stages, parse_devices, parse_split, plan_stages, stage_budgets,
-                                            stage_threads_for)
+from ember.daemon.runner.split_spec import (SplitSpecError, cpu_stages, parse_devices, parse_split, plan_stages,
+                                            stage_budgets, stage_threads_for)
 from ember.daemon.config import DEFAULT_CTX
 from ember.daemon.planning.planner import Device, LayerWeights, PlanRequest, headers_of, plan_model, read_model_info
 from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, PrecisionSettings, resolve_policy
@@ -364,6 +364,15 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = DEFAULT_KV_DTYPE
         raise ValueError(_DFLASH_BESIDE_SPLIT)
     weights = None if counts is not None else LayerWeights.of(headers_of(mf))  # (an HF model's headers are read again)
     stages = plan_stages(names, counts, mf.config.n_layers, stage_budgets(names), weights)
+    if any(n.kind == "ray" for n in names):
+        if not all(n.kind == "ray" for n in names):
+            raise SplitSpecError(f"devices {','.join(map(str, names))}: a split on Ray runs every stage on Ray "
+                                 "(ray:0/cpu,ray:1/cpu,...), none in local processes")
+        from ember.daemon.runner.ray_pipeline import RayPipeline
+
+        on_ray = RayPipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, stage_threads)
+        return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, on_ray, draft=draft_file,  # type: ignore[arg-type]
+                     draft_tokens=draft_tokens)
     threads = stage_threads_for(stage_threads, max(1, cpu_stages(names)), len(os.sched_getaffinity(0)))
     pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads, shm_owner)
     return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, pipeline, draft=draft_file,

@@ -45,7 +45,7 @@ class DeviceCaps:
     def of(cls, device: str, compute_capability: tuple[int, int] | None = None) -> DeviceCaps:
         """cpu: f32 only (numba has no half types). cuda: bf16 from compute capability 8.0 (Ampere);
         f16 otherwise, and when the capability is unknown (every CUDA GPU ember supports has f16)."""
-        if device == "cpu" or device.startswith("cpu:"):
+        if device == "cpu" or device.startswith(("cpu:", "ray:")):  # ray:N/cpu: CPU kernels on a Ray node
             return cls(device, ("f32",))
         if not device.startswith("cuda"):
             raise PrecisionError(f"unknown device {device!r} (cpu, cpu:N or cuda:N)")

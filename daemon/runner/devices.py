@@ -26,19 +26,25 @@ class DeviceName:
 
     @classmethod
     def parse(cls, text: str) -> DeviceName:
+        ray = re.fullmatch(r"ray:(\d+)(?:/cpu)?", text.strip())
+        if ray is not None:  # a layer-split stage on the N-th node of a Ray cluster (runner/ray_pipeline.py)
+            return cls("ray", int(ray.group(1)))
         m = re.fullmatch(r"(cpu|cuda)(?::(\d+))?", text.strip())
         if m is None:
-            raise ValueError(f"not a device: {text!r} (cpu, cpu:N, cuda or cuda:N)")
+            raise ValueError(f"not a device: {text!r} (cpu, cpu:N, cuda, cuda:N or ray:N/cpu)")
         if m.group(1) == "cuda":
             return cls("cuda", int(m.group(2) or 0))
         return cls("cpu", None if m.group(2) is None else int(m.group(2)))
 
     @property
     def in_process(self) -> bool:
-        """Whether the engine's own process runs this device (plain `cpu`; `cpu:N` is a worker)."""
-        return self.kind != "cpu" or self.index is None
+        """Whether the engine's own process runs this device (plain `cpu`, or `cuda`; `cpu:N` is a
+        worker process, `ray:N/cpu` an actor on a Ray node)."""
+        return self.kind == "cuda" or (self.kind == "cpu" and self.index is None)
 
     def __str__(self) -> str:
+        if self.kind == "ray":
+            return f"ray:{self.index}/cpu"
         return self.kind if self.index is None else f"{self.kind}:{self.index}"
 
 
@@ -172,7 +178,28 @@ class CudaBackend:
             raise CudaUnavailable(f"{device}: no such device (this machine has {len(cuda.gpus)} CUDA device(s))")
 
 
-BACKENDS: dict[str, Backend] = {"cpu": CpuBackend(), "cuda": CudaBackend()}
+class RayBackend(CpuBackend):
+    """`ray:N/cpu`: a stage on a Ray node, which runs the CPU kernels there (runner/ray_pipeline.py).
+    The engine's process needs Ray to reach it, and plans with this host's memory as each node's."""
+    kind = "ray"
+
+    def ops(self, device: DeviceName) -> Ops:
+        self._check(device)
+        return super().ops(device)
+
+    def available_memory(self, device: DeviceName) -> int:
+        self._check(device)
+        return super().available_memory(device)
+
+    @staticmethod
+    def _check(device: DeviceName) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise OSError(f"{device}: a layer split on Ray needs Ray (pip install 'ember[cluster]')")
+
+
+BACKENDS: dict[str, Backend] = {"cpu": CpuBackend(), "cuda": CudaBackend(), "ray": RayBackend()}
 
 
 def backend_for(device: str | DeviceName) -> Backend:

@@ -1,7 +1,5 @@
-"""Replicas on a real Ray cluster of two nodes on this machine (ray.cluster_utils.Cluster, as Ray's own
-tests make one): two EmberReplicas, one per node, behind the ingress, against one daemon alone.
-
-Skipped where Ray Serve is not installed (the `cluster` extra; CI installs it)."""
+"""Replicas on a real Ray cluster of two nodes on this machine (conftest.py): two EmberReplicas, one per
+node, behind the ingress, against one daemon alone."""
 from __future__ import annotations
 
 import asyncio
@@ -57,25 +55,18 @@ class IngressThread:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    """Two Ray nodes of one CPU each, two replicas (one CPU each: one per node); the ingress's URL."""
-    import ray
+def cluster(ray_nodes: str, tmp_path_factory) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    """Two replicas (one CPU each: one per node) behind the ingress; its URL."""
     from ray import serve
-    from ray.cluster_utils import Cluster
 
     daemon_config = tmp_path_factory.mktemp("cluster") / "ember.toml"
     daemon_config.write_text(DAEMON_CONFIG)
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    nodes.add_node(num_cpus=1)
-    ray.init(address=nodes.address, namespace="ember", log_to_driver=False)
     config = ClusterConfig(replicas=ReplicaOptions(min=2, max=2, cpus=1),
                            daemon=DaemonOptions(config=str(daemon_config)))
     ingress = IngressThread(deploy(config), config)
     yield ingress.url
     ingress.stop()
-    serve.shutdown()
-    ray.shutdown()
-    nodes.shutdown()
+    serve.shutdown()  # the replicas' CPUs go back: the split's stages take them next
 
 
 @pytest.fixture(scope="module")
