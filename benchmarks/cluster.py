@@ -16,6 +16,10 @@ so the replicas cannot add throughput here; the figures show what the path costs
 real nodes: docs/cluster.md.
 
     python benchmarks/cluster.py [--model PATH] [--tokens 128] [--repeats 3] [--requests 40]
+    python benchmarks/cluster.py --split [--model PATH] [--tokens 128] [--repeats 3]
+
+`--split`: a layer split across two Ray nodes of this machine vs the same split in local stage
+processes (split_hop): decode tok/s at 1 and 8 streams and the hop's cost per token.
 """
 from __future__ import annotations
 
@@ -123,13 +127,56 @@ async def compare(args: argparse.Namespace, single: str, cluster: str, lone: set
           f"added {(spread - lone) * 1e3:.1f} ms", flush=True)
 
 
+def split_hop(args: argparse.Namespace) -> None:
+    """The same split (3 + 2 layers, f32 staging, one kernel thread a stage) as two local stage processes
+    (shared memory) and as two Ray actors on two nodes of this machine (object store): decode rates at
+    1 and 8 streams, alternating, medians, and what the Ray hop adds per token of one stream."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import ember
+    from ember.daemon.loader.demo_model import DEMO_MODEL
+    from layer_split import decode
+
+    path = args.model or str(DEMO_MODEL)
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    nodes.add_node(num_cpus=1)
+    ray.init(address=nodes.address, log_to_driver=False)
+    split = None if args.model else [3, 2]
+    models = {"local cpu:0,cpu:1": ember.load(path, devices="cpu:0,cpu:1", split=split, act_dtype="f32", stage_threads=1),
+              "ray:0/cpu,ray:1/cpu": ember.load(path, devices=["ray:0/cpu", "ray:1/cpu"], split=split, act_dtype="f32",
+                                               stage_threads=1)}
+    try:
+        print(f"{path}: split {[(s.first, s.end) for s in models['local cpu:0,cpu:1'].pipeline.specs]}, "
+              f"{args.tokens} greedy tokens a stream, {args.repeats} rounds each, alternating", flush=True)
+        for streams in (1, 8):
+            rates: dict[str, list[float]] = {name: [] for name in models}
+            for r in range(args.repeats):
+                for name in (list(models) if r % 2 == 0 else list(models)[::-1]):
+                    rates[name].append(decode(models[name], streams, args.tokens).rate)
+            local, remote = (statistics.median(v) for v in rates.values())
+            line = f"{streams} stream(s): local stages {local:7.1f} tok/s, Ray stages {remote:7.1f} tok/s ({remote / local:.2f}x)"
+            if streams == 1:
+                line += f"; the Ray hops add {(1 / remote - 1 / local) * 1e3:.2f} ms a token (two hops and the logits)"
+            print(line, flush=True)
+    finally:
+        for m in models.values():
+            m.close()
+        ray.shutdown()
+        nodes.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a model file or directory (default: the built-in demo model)")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per stream (default 128)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of each path per stream count (default 3)")
     parser.add_argument("--requests", type=int, default=40, help="sequential requests for the latency (default 40)")
+    parser.add_argument("--split", action="store_true", help="a layer split on two Ray nodes vs the same in local "
+                                                             "processes: the hop's cost per token")
     args = parser.parse_args()
+    if args.split:
+        return split_hop(args)
     import ray
     from ray.cluster_utils import Cluster
 

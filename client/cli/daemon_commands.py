@@ -56,7 +56,9 @@ def add_daemon_commands(sub: Any) -> None:
     serve.add_argument("--devices", metavar="D,D,..",
                        help="split the layers across stage processes, e.g. cpu:0,cpu:1 or cuda:0,cpu:0 (cpu:N: a "
                             "worker bound to NUMA node N where there is one; cuda:N: a worker on GPU N; plain cpu, "
-                            "last only: the engine's own thread runs the last stage); see docs/layer_split.md")
+                            "last only: the engine's own thread runs the last stage; ray:N/cpu: an actor on its own "
+                            "node of the Ray cluster at RAY_ADDRESS, every stage then on Ray); see docs/layer_split.md, "
+                            "docs/cluster.md")
     serve.add_argument("--split", metavar="N,N,..",
                        help="layers per device of --devices (default: their weights' bytes in proportion to the "
                             "devices' memory, the output head counted on the last)")
