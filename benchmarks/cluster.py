@@ -159,6 +159,11 @@ def split_hop(args: argparse.Namespace) -> None:
             if streams == 1:
                 line += f"; the Ray hops add {(1 / remote - 1 / local) * 1e3:.2f} ms a token (two hops and the logits)"
             print(line, flush=True)
+            for name, m in models.items():  # each stage's own time (the last rounds' decode micro-batches)
+                p = m.pipeline
+                print(f"    {name}: " + ", ".join(f"stage {i} {1e3 * t / max(n, 1):.3f} ms x {n}"
+                                                 for i, (t, n) in enumerate(zip(p.run_seconds, p.runs, strict=True))),
+                      flush=True)
     finally:
         for m in models.values():
             m.close()

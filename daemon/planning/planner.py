@@ -121,7 +121,10 @@ class Device:
 
     @property
     def kind(self) -> str:
-        return self.name.split(":")[0]  # cpu, cpu:N (a split's stage process) or cuda:N
+        # cpu, cpu:N (a split's stage process) or cuda:N; ray:N/cpu, a stage on a Ray node, plans as a
+        # CPU (its node's memory, which the plan takes to be this host's: docs/cluster.md)
+        kind = self.name.split(":")[0]
+        return "cpu" if kind == "ray" else kind
 
     @property
     def caps(self) -> DeviceCaps:

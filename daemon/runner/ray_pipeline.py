@@ -33,7 +33,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -81,19 +81,20 @@ class RayStage:
     def drop_cache(self, cache: int) -> None:
         self.caches.pop(cache, None)
 
-    def run(self, cache: int, packed: bytes, hidden: np.ndarray | None) -> tuple[np.ndarray, float]:
-        """This stage's layers on a micro-batch: hidden states (in act_dtype) out, or the last stage's
-        logits rows (f32); and its own seconds on it."""
+    def run(self, cache: int, packed: bytes, before: tuple[np.ndarray, list[float]] | None) -> tuple[np.ndarray, list[float]]:
+        """This stage's layers on a micro-batch, after what the stage before returned (None: the first
+        stage): hidden states (in act_dtype) out, or the last stage's logits rows (f32), with every
+        stage's own seconds on it so far (one object a call: each is a message to the engine)."""
         start = time.perf_counter()
         ops = self.net.ops
         batch = unpack_batch(_decode_batch(packed)).on(ops)
-        if hidden is None:
-            x = self.net.embed_tokens(batch)
+        if before is None:
+            x, seconds = self.net.embed_tokens(batch), []
         else:  # widened to f32 here, before the first norm of this stage's first layer
-            x = ops.to_device(decode_rows(hidden, self.act_dtype, self.net.config.hidden))
+            x, seconds = ops.to_device(decode_rows(before[0], self.act_dtype, self.net.config.hidden)), before[1]
         x = self.net.run_layers(x, batch, self.caches[cache])
         out = ops.to_numpy(self.net.head(x, batch)) if self.net.runs_last else encode_rows(ops.to_numpy(x), self.act_dtype)
-        return out, time.perf_counter() - start
+        return out, [*seconds, time.perf_counter() - start]
 
 
 @dataclass
@@ -119,8 +120,7 @@ class RayTicket:
     micro_batch: int
     cache: int
     epoch: int  # the stages' deaths seen before it was submitted
-    ref: Any  # the last stage's logits
-    refs: list[Any] = field(default_factory=list)  # every stage's seconds on it
+    ref: Any  # the last stage's (logits, every stage's seconds)
 
 
 class RayPipeline:
@@ -214,13 +214,11 @@ class RayPipeline:
                 self._lost.discard(cache)
                 raise KVStateLost("a layer-split stage on Ray died and was restarted: this runner's KV cache is lost")
             packed = _encode(pack_batch(batch))
-            hidden, refs = None, []
+            out = None
             for s in self.stages:
-                out = s.actor.run.options(num_returns=2).remote(cache, packed, hidden)
-                hidden = out[0]
-                refs.append(out[1])
+                out = s.actor.run.remote(cache, packed, out)
             self._next += 1
-            return RayTicket(self._next, cache, self._epoch, hidden, refs)
+            return RayTicket(self._next, cache, self._epoch, out)
 
     def collect(self, ticket: RayTicket) -> np.ndarray:
         """The logits [n_logits, vocab] f32 of a submitted micro-batch (waits for it)."""
@@ -228,8 +226,7 @@ class RayPipeline:
         from ray.exceptions import RayActorError, RayTaskError
 
         try:
-            logits = ray.get(ticket.ref)
-            seconds = ray.get(ticket.refs)
+            logits, seconds = ray.get(ticket.ref)
         except RayActorError as e:
             raise KVStateLost(self._stage_died(e, ticket)) from None
         except RayTaskError as e:
