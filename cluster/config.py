@@ -50,6 +50,8 @@ class ReplicaOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     cpus: float = 1.0  # reserved per replica on its node; its daemon gets --threads max(1, int(cpus))
     gpus: float = 0.0  # a replica with a GPU serves on cuda:0 of the GPUs Ray gave it (add --device to args)
     target_ongoing_requests: float = 4.0  # per replica; Serve adds replicas above, removes below
+    upscale_delay_s: float = 30.0  # how long the load must stay above the target before a replica is added
+    downscale_delay_s: float = 600.0  # ... below, before one is removed
     max_ongoing_requests: int = 32  # a replica carrying this many gets no more until one ends
     health_check_period_s: float = 5.0
     start_timeout_s: float = 600.0  # the daemon's start: the first one after an install compiles kernels
@@ -82,7 +84,8 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         _check(r.cpus > 0 and r.gpus >= 0, f"replicas.cpus must be > 0 and gpus >= 0, got {r.cpus} and {r.gpus}")
         _check(r.target_ongoing_requests > 0 and r.max_ongoing_requests >= 1,
                "replicas.target_ongoing_requests must be > 0 and max_ongoing_requests >= 1")
-        _check(r.health_check_period_s > 0 and r.start_timeout_s > 0, "replica timeouts must be positive")
+        _check(r.health_check_period_s > 0 and r.start_timeout_s > 0 and r.upscale_delay_s >= 0
+               and r.downscale_delay_s >= 0, "replica timeouts and delays must be positive")
         g = self.routing
         _check(g.block_chars >= 1 and g.max_blocks >= 1 and g.max_imbalance >= 0 and 0 <= g.min_match <= 1,
                "routing: block_chars, max_blocks >= 1, max_imbalance >= 0, min_match in [0, 1]")

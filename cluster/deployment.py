@@ -40,7 +40,10 @@ def deploy(config: ClusterConfig) -> Any:
     if r.max > r.min:
         scaling = {"autoscaling_config": {"min_replicas": r.min, "max_replicas": r.max,
                                           "initial_replicas": r.initial or r.min,
-                                          "target_ongoing_requests": r.target_ongoing_requests}}
+                                          "target_ongoing_requests": r.target_ongoing_requests,
+                                          "upscale_delay_s": r.upscale_delay_s, "downscale_delay_s": r.downscale_delay_s,
+                                          "metrics_interval_s": min(10.0, max(0.5, r.upscale_delay_s / 2)),
+                                          "look_back_period_s": min(30.0, max(1.0, r.upscale_delay_s))}}
     else:
         scaling = {"num_replicas": r.min}
     router = RequestRouterConfig(request_router_class="ember.cluster.prefix_router:PrefixRouter",
