@@ -14,11 +14,11 @@ import shutil
 import signal
 import stat
 
-import numpy as np
 import pytest
 
 import ember
 from burst_cases import SAMPLING, SAMPLING_IDS, burst_sequences
+from split_checks import assert_narrow_staging_tracks_f32, generated_logits, rel_error
 from ember.daemon.step.defaults import KV_BLOCK
 from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence
@@ -52,10 +52,6 @@ def split(request) -> ember.Model:
     model.close()
 
 
-def rel_error(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.abs(got - want).max() / np.abs(want).max())
-
-
 def run_batched(model: ember.Model, seqs: list[Sequence], lanes: int | None = None) -> None:
     """Staggered arrivals, so prompt chunks meet decodes and steps hold several sequences (lanes: the
     steps the engine keeps in flight, if not the runner's own)."""
@@ -82,15 +78,8 @@ def test_f32_staging_logits_equal_unsplit(unsplit, split) -> None:
 
 def test_generated_tokens_logits_equal_unsplit(unsplit, split) -> None:
     """Decode rows (int8 activations, the fast path) cross the boundary too: their logits agree."""
-    def logits_of(model: ember.Model) -> np.ndarray:
-        engine = model.engine(128)
-        engine.add(Sequence(unsplit.tokenize(SNIPPETS[2]), 10, wants_logits=True))
-        rows = []
-        while engine.has_work:
-            rows += [out.logits[0] for out in engine.step().outputs]
-        return np.stack(rows)
-
-    assert rel_error(logits_of(split), logits_of(unsplit)) <= 1e-6
+    ids = unsplit.tokenize(SNIPPETS[2])
+    assert rel_error(generated_logits(split, ids), generated_logits(unsplit, ids)) <= 1e-6
 
 
 def test_greedy_and_seeded_sampling_identical(unsplit, split) -> None:
@@ -434,12 +423,7 @@ def test_narrow_staging_tracks_f32(act_dtype: str) -> None:
                        decode_act="f32")
     try:
         assert model.pipeline.staging_bytes == [0, 2 * STEP * 384 * 2 + 2 * STEP * 8192 * 4]
-        for text in SNIPPETS[:2]:
-            ids = whole.tokenize(text)
-            got, want = model.logits(ids), whole.logits(ids)
-            assert 0 < rel_error(got, want) < 0.01
-            assert np.array_equal(got.argmax(1), want.argmax(1))
-            assert list(model.generate(ids, 48, ignore_eos=True)) == list(whole.generate(ids, 48, ignore_eos=True))
+        assert_narrow_staging_tracks_f32(model, whole, SNIPPETS[:2])
     finally:
         model.close()
 

@@ -106,9 +106,8 @@ def test_two_replicas_answer_32_concurrent_requests_as_one_daemon_does(cluster: 
     with ThreadPoolExecutor(32) as pool:
         alone = list(pool.map(lambda a: _ask(single, *a)[0], asks))
     assert [text for text, _ in spread] == alone
-    assert len({replica for _, replica in spread}) == 2  # both replicas served
-    for g in range(4):  # and each prompt prefix stayed on one replica
-        assert len({replica for (text, replica), a in zip(spread, asks, strict=True) if a[0] == GROUPS[g]}) == 1
+    # both replicas served (a prefix may be on both here: 32 at once, load wins past routing.max_imbalance)
+    assert len({replica for _, replica in spread}) == 2
 
 
 def test_requests_that_share_a_prefix_go_to_the_replica_that_holds_it(cluster: str) -> None:

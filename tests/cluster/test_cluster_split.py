@@ -2,14 +2,18 @@
 Ray actor on a node of its own, the hidden states through Ray's object store, against the unsplit model."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
-import numpy as np
 import pytest
 
 import ember
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_MODEL
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from split_checks import generated_logits, rel_error  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SNIPPETS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
@@ -29,10 +33,6 @@ def split(ray_nodes: str) -> Iterator[ember.Model]:
     model.close()
 
 
-def rel_error(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.abs(got - want).max() / np.abs(want).max())
-
-
 def test_each_stage_runs_on_a_node_of_its_own(split: ember.Model) -> None:
     stages = split.pipeline.stages
     assert [str(s.spec.device) for s in stages] == ON_RAY and [(s.spec.first, s.spec.end) for s in stages] == [(0, 3), (3, 5)]
@@ -44,15 +44,8 @@ def test_f32_staging_logits_equal_unsplit(unsplit: ember.Model, split: ember.Mod
         ids = unsplit.tokenize(text)
         assert rel_error(split.logits(ids), unsplit.logits(ids)) <= 1e-6
 
-    def generated_logits(model: ember.Model) -> np.ndarray:  # decode rows (int8 activations) cross too
-        engine = model.engine(128)
-        engine.add(Sequence(unsplit.tokenize(SNIPPETS[2]), 10, wants_logits=True))
-        rows = []
-        while engine.has_work:
-            rows += [out.logits[0] for out in engine.step().outputs]
-        return np.stack(rows)
-
-    assert rel_error(generated_logits(split), generated_logits(unsplit)) <= 1e-6
+    ids = unsplit.tokenize(SNIPPETS[2])  # decode rows (int8 activations) cross too
+    assert rel_error(generated_logits(split, ids), generated_logits(unsplit, ids)) <= 1e-6
 
 
 def test_greedy_and_seeded_sampling_give_the_unsplit_tokens(unsplit: ember.Model, split: ember.Model) -> None:
