@@ -40,25 +40,14 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "daemon"))
 
 from daemon_process import DaemonProcess, children  # noqa: E402
-from gateway import cpu_seconds, free_port, gateway_round, timed  # noqa: E402
+from gateway import cpu_seconds, free_port, gateway_round, timed, wait_http  # noqa: E402
 
 DAEMON_CONFIG = "[engine]\nmax_active = 8\nmax_per_process = 0\n[limits]\nmax_tokens = 32768\n"
 
 
-async def wait_models(url: str, timeout: float) -> str:
-    """The first model's name, once `url` serves /v1/models."""
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while True:
-            try:
-                async with session.get(f"{url}/v1/models") as r:
-                    if r.status == 200:
-                        return str((await r.json())["data"][0]["id"])
-            except aiohttp.ClientError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url} did not come up in {timeout:.0f} s")
-            await asyncio.sleep(0.2)
+async def model_name(url: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/models") as r:
+        return str((await r.json())["data"][0]["id"])
 
 
 async def latency(url: str, model: str, requests: int) -> float:
@@ -100,8 +89,9 @@ def cpu_by_role(exclude: set[int]) -> dict[str, float]:
 
 
 async def compare(args: argparse.Namespace, single: str, cluster: str, lone: set[int]) -> None:
-    model = await wait_models(single, 60)
-    await wait_models(cluster, 600)
+    await wait_http(single, 60)
+    await wait_http(cluster, 600)  # its /health is a replica's gateway's: up once a daemon serves
+    model = await model_name(single)
     print(f"model {model}, {args.tokens} tokens a stream, {args.repeats} rounds each, "
           f"{os.cpu_count()} cores", flush=True)
     for n in (8, 32):

@@ -1,11 +1,12 @@
 """Checks a layer split's tests make on any split, local stage processes or Ray actors (tests/
 test_layer_split.py, tests/cluster/): its logits against the unsplit model's, for a prompt's rows and
-for generated tokens, and what 16-bit staging may move."""
+for generated tokens, what 16-bit staging may move, and engines under way for a stage to die under."""
 from __future__ import annotations
 
 import numpy as np
 
 import ember
+from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence
 
 
@@ -33,3 +34,18 @@ def assert_narrow_staging_tracks_f32(model: ember.Model, whole: ember.Model, tex
         assert 0 < rel_error(got, want) < 0.01
         assert np.array_equal(got.argmax(1), want.argmax(1))
         assert list(model.generate(ids, 48, ignore_eos=True)) == list(whole.generate(ids, 48, ignore_eos=True))
+
+
+def engines_under_way(model: ember.Model, unsplit: ember.Model, texts: list[str]) -> tuple[EngineCore, EngineCore,
+                                                                                           list[Sequence]]:
+    """Two engines over the model's stages, three steps into their sequences (texts 0 and 1, and text
+    3): a stage that dies then fails the first's, and the second learns at its next step that its cache
+    is lost."""
+    engine, other = model.engine(256, max_running=2), model.engine(256)
+    seqs = [Sequence(unsplit.tokenize(t), 50) for t in texts[:2]]
+    for seq in seqs:
+        engine.add(seq)
+    other.add(Sequence(unsplit.tokenize(texts[3]), 50))
+    for _ in range(3):
+        engine.step(), other.step()
+    return engine, other, seqs

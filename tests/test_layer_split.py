@@ -18,7 +18,7 @@ import pytest
 
 import ember
 from burst_cases import SAMPLING, SAMPLING_IDS, burst_sequences
-from split_checks import assert_narrow_staging_tracks_f32, generated_logits, rel_error
+from split_checks import assert_narrow_staging_tracks_f32, engines_under_way, generated_logits, rel_error
 from ember.daemon.step.defaults import KV_BLOCK
 from ember.daemon.engine.engine_core import EngineCore
 from ember.daemon.engine.sequence import Sequence
@@ -248,19 +248,6 @@ def test_a_micro_batch_a_stage_fails_passes_the_next_and_names_that_stage(unspli
     assert list(split.generate(ids, 12, ignore_eos=True)) == list(unsplit.generate(ids, 12, ignore_eos=True))
 
 
-def engines_under_way(model: ember.Model, unsplit: ember.Model) -> tuple[EngineCore, EngineCore, list[Sequence]]:
-    """Two engines over the model's stages, three steps into their sequences (two, and one): a stage
-    that dies then fails the first's, and the second learns at its next step that its cache is lost."""
-    engine, other = model.engine(256, max_running=2), model.engine(256)
-    seqs = [Sequence(unsplit.tokenize(t), 50) for t in SNIPPETS[:2]]
-    for seq in seqs:
-        engine.add(seq)
-    other.add(Sequence(unsplit.tokenize(SNIPPETS[3]), 50))
-    for _ in range(3):
-        engine.step(), other.step()
-    return engine, other, seqs
-
-
 def killed_mid_stream(stage: ProcessStage, engine: EngineCore, steps: int) -> list[tuple[Sequence, str]]:
     """SIGKILL a stage worker, then step the engine `steps` times: the sequences that failed, and why."""
     os.kill(stage.process.pid, signal.SIGKILL)
@@ -285,7 +272,7 @@ def test_the_engines_own_stage_fails_a_micro_batch_by_name_and_empties_its_cache
         result = engine.step()
         assert result.failed == [(seq, f"RuntimeError: stage cpu (layers 3-4): KeyError: {engine.runner.cache_id}")]
 
-        engine, other, seqs = engines_under_way(model, unsplit)
+        engine, other, seqs = engines_under_way(model, unsplit, SNIPPETS)
         before = dict(stage.caches)
         failed = killed_mid_stream(model.pipeline.stages[0], engine, 3)
         assert sorted(s.seq_id for s, _ in failed) == sorted(s.seq_id for s in seqs)
@@ -520,7 +507,7 @@ def test_a_stage_that_dies_fails_its_sequences_and_is_restarted(unsplit, monkeyp
     model.pipeline.heartbeat = lambda: ticks.append(1)  # the daemon's watchdog, petted while stages load
     monkeypatch.setattr("ember.daemon.runner.stage_process.READY_TICK", 0.001)
     try:
-        engine, other, seqs = engines_under_way(model, unsplit)
+        engine, other, seqs = engines_under_way(model, unsplit, SNIPPETS)
         stage = model.pipeline.stages[1]
         os.kill(stage.process.pid, signal.SIGKILL)
         for _ in range(3):  # a step that was done before the kill still comes back

@@ -13,7 +13,7 @@ from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_MODEL
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from split_checks import generated_logits, rel_error  # noqa: E402
+from split_checks import engines_under_way, generated_logits, rel_error  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SNIPPETS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
@@ -72,13 +72,7 @@ def test_concurrent_sequences_pipeline_through_the_nodes(unsplit: ember.Model, s
 def test_a_stage_actor_killed_fails_its_sequences_and_ray_restarts_it(unsplit: ember.Model, split: ember.Model) -> None:
     import ray
 
-    engine, other = split.engine(256, max_running=2), split.engine(256)
-    seqs = [Sequence(unsplit.tokenize(t), 50) for t in SNIPPETS[:2]]
-    for s in seqs:
-        engine.add(s)
-    other.add(Sequence(unsplit.tokenize(SNIPPETS[3]), 50))
-    for _ in range(3):
-        engine.step(), other.step()
+    engine, other, seqs = engines_under_way(split, unsplit, SNIPPETS)
     stage = split.pipeline.stages[1]
     before = stage.pid
     ray.kill(stage.actor, no_restart=False)
