@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
+from typing import NoReturn
 from pathlib import Path
 
 import aiohttp
@@ -129,6 +131,9 @@ class EmberReplica:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
+        if hasattr(self, "_dir"):
+            shutil.rmtree(self._dir, ignore_errors=True)  # the socket's directory and the children's log
 
     # --- the children ------------------------------------------------------------------------------
     def _start(self, *args: str, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
@@ -143,9 +148,7 @@ class EmberReplica:
         while time.monotonic() < deadline:
             for name, proc in (("daemon", self._daemon), ("gateway", self._gateway)):
                 if proc.poll() is not None:
-                    self.__del__()
-                    raise ReplicaStartError(f"the replica's {name} exited with status {proc.returncode}:\n"
-                                            f"{self._log_tail()}")
+                    self._fail(f"the replica's {name} exited with status {proc.returncode}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=HEALTH_TIMEOUT) as r:
                     if r.status == 200:
@@ -153,12 +156,14 @@ class EmberReplica:
             except (urllib.error.URLError, OSError):
                 pass  # not yet listening, or 503 while the daemon loads
             time.sleep(0.1)
-        self.__del__()
-        raise ReplicaStartError(f"the replica's daemon was not ready after {timeout:.0f} s:\n{self._log_tail()}")
+        self._fail(f"the replica's daemon was not ready after {timeout:.0f} s")
 
-    def _log_tail(self, size: int = 4000) -> str:
-        data = (self._dir / "children.log").read_bytes()
-        return data[-size:].decode(errors="replace")
+    def _fail(self, why: str, tail: int = 4000) -> NoReturn:
+        """Stop the children and raise ReplicaStartError with the end of their log (read first: the
+        stop removes it)."""
+        log = (self._dir / "children.log").read_bytes()[-tail:].decode(errors="replace")
+        self.__del__()
+        raise ReplicaStartError(f"{why}:\n{log}")
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -195,11 +200,11 @@ async def coalesced(content: aiohttp.StreamReader, window: float) -> AsyncIterat
 
 
 def _replica_id() -> str:
-    from ray import serve
-
     try:
+        from ray import serve
+
         return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # noqa: BLE001 -- outside Serve (a test's own actor): the process is the replica
+    except Exception:  # noqa: BLE001 -- outside Serve (made directly, as a test does): the process names it
         return f"pid{os.getpid()}"
 
 

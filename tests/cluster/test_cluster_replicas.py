@@ -146,3 +146,16 @@ def test_a_replica_killed_mid_stream_ends_its_stream_clearly_and_the_cluster_ser
 def _serving(url: str) -> set[str]:
     """The replicas that answer for their counters."""
     return {r for r, d in _replicas(url).items() if "stats" in d}
+
+
+def test_a_replica_whose_daemon_cannot_start_says_why_and_leaves_nothing(tmp_path: Path) -> None:
+    import glob
+    import tempfile
+
+    from ember.cluster.replica import EmberReplica, ReplicaStartError
+
+    made = f"{tempfile.gettempdir()}/ember-replica-*"
+    before = set(glob.glob(made))
+    with pytest.raises(ReplicaStartError, match=r"(?s)the replica's daemon exited with status 1.*nonexistent\.gguf"):
+        EmberReplica(["--model", str(tmp_path / "nonexistent.gguf")], start_timeout=120)
+    assert set(glob.glob(made)) == before  # its socket directory and log are gone
