@@ -10,11 +10,13 @@ speaks (OpenAI, Responses, Ollama) works through the cluster as it does on one m
 but loopback ever reaches the daemon.
 
 A replica whose daemon or gateway exits fails its health check, and Serve replaces it; a replica
-stopped by Serve (scaling down, a redeploy) stops its children, which drain what they carry.
+stopped by Serve (scaling down, a redeploy) stops its children, which drain what they carry, and
+removes its directory. A SIGKILLed one cannot: the next replica to start on its node sweeps it.
 """
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import shutil
 import signal
@@ -33,12 +35,15 @@ import aiohttp
 import msgspec
 
 from ember.client.async_client import AsyncClient
+from ember.protocol.endpoint import lock_path
 
 # headers that describe one HTTP connection, not the answer: never relayed
 HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "date", "server",
                          "upgrade", "proxy-connection", "te", "trailer"})
 STOP_GRACE = 35.0  # seconds the children may drain after SIGTERM (the gateway's shutdown_timeout and more)
 HEALTH_TIMEOUT = 5.0
+DIR_PREFIX, SOCKET_NAME = "ember-replica-", "ember.sock"
+STALE_AFTER = 3600.0  # seconds: a replica directory with no daemon lock yet is a start that died
 COALESCE = 0.05  # seconds between a relayed answer's pieces at least (Ray Serve LLM batches its streams by 50 ms too)
 
 
@@ -75,8 +80,9 @@ class EmberReplica:
     def __init__(self, daemon_args: list[str], daemon_config: str = "", threads: int = 1,
                  start_timeout: float = 600.0) -> None:
         self.replica = _replica_id()
-        self._dir = Path(tempfile.mkdtemp(prefix="ember-replica-"))  # 0700: the daemon's socket directory
-        self.socket = self._dir / "ember.sock"
+        sweep_stale_dirs(Path(tempfile.gettempdir()))
+        self._dir = Path(tempfile.mkdtemp(prefix=DIR_PREFIX))  # 0700: the daemon's socket directory
+        self.socket = self._dir / SOCKET_NAME
         self._log = open(self._dir / "children.log", "ab")  # noqa: SIM115 -- the children write to it for life
         config = ["--config", daemon_config] if daemon_config else []
         self._daemon = self._start("serve", "--socket", str(self.socket), "--threads", str(threads),
@@ -197,6 +203,28 @@ async def coalesced(content: aiohttp.StreamReader, window: float) -> AsyncIterat
             pending, last = b"", loop.time()
     if pending:
         yield pending
+
+
+def sweep_stale_dirs(parent: Path) -> list[Path]:
+    """Remove the directories of this user's replicas that died without stopping (SIGKILLed: nothing ran
+    their __del__): those whose daemon's socket lock nobody holds. A directory without a lock yet is
+    a replica starting now, left alone unless STALE_AFTER seconds old. What was removed."""
+    removed = []
+    for d in parent.glob(DIR_PREFIX + "*"):
+        try:
+            if d.stat().st_uid != os.geteuid():
+                continue
+            lock = lock_path(d / SOCKET_NAME)
+            if lock.exists():
+                with open(lock, "a") as f:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live daemon holds it
+            elif time.time() - d.stat().st_mtime < STALE_AFTER:
+                continue
+        except (BlockingIOError, FileNotFoundError, PermissionError):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
 
 
 def _replica_id() -> str:

@@ -85,3 +85,25 @@ def test_the_configuration_refuses_what_would_not_run(tmp_path) -> None:  # type
         load_cluster_config(tmp_path / "missing.toml")
     with pytest.raises(ValueError, match="API key"):  # exposure is refused before anything starts
         load('[ingress]\nlisten = "0.0.0.0:8000"\n').gateway(None)
+
+
+def test_a_replica_sweeps_the_directories_of_replicas_that_died_and_only_those(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import fcntl
+    import os
+
+    from ember.cluster.replica import DIR_PREFIX, STALE_AFTER, sweep_stale_dirs
+
+    def made(name: str, lock: bool, age: float = 0.0):  # type: ignore[no-untyped-def]
+        d = tmp_path / (DIR_PREFIX + name)
+        d.mkdir()
+        if lock:
+            (d / "ember.sock.lock").touch()
+        os.utime(d, (d.stat().st_atime - age, d.stat().st_mtime - age))
+        return d
+
+    live, dead, starting, failed = made("live", True), made("dead", True), made("starting", False), \
+        made("failed", False, age=STALE_AFTER + 60)
+    with open(live / "ember.sock.lock", "a") as held:  # a running daemon holds its lock for its life
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert sorted(sweep_stale_dirs(tmp_path)) == sorted([dead, failed])
+    assert live.exists() and starting.exists() and not dead.exists() and not failed.exists()
