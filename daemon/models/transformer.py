@@ -304,6 +304,15 @@ class Transformer:
         return SandwichModel(c.embed_scale, c.logit_softcap, *((extra.table, extra.proj, extra.norm) if extra else (None,) * 3),
                              cache.ring > 0)
 
+    def run_stage(self, hidden: np.ndarray | None, batch: StepBatch, cache: PagedKVCache) -> np.ndarray:
+        """A layer split's stage on a step (`batch` already on this model's device): the token ids
+        embedded (`hidden` None: the first stage) or the stage before's hidden states (f32, widened
+        before the first norm of this stage's first layer), these layers, and the head where they end
+        the model -> the logits rows, else the hidden states, on the host."""
+        x = self.embed_tokens(batch) if hidden is None else self.ops.to_device(hidden)
+        x = self.run_layers(x, batch, cache)
+        return self.ops.to_numpy(self.head(x, batch) if self.runs_last else x)
+
     def head(self, x: Array, batch: StepBatch) -> Array:
         """The final norm and output projection of the rows whose logits are wanted -> [n_logits, vocab]."""
         if not self.runs_last:

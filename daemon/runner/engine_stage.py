@@ -63,12 +63,11 @@ class EngineStage:
         """The logits rows [n_logits, vocab] of a micro-batch whose hidden states wait in `lane`'s slot,
         and the seconds it took."""
         start = time.perf_counter()
-        ops, outer = self.net.ops, numba.get_num_threads()
+        outer = numba.get_num_threads()
         numba.set_num_threads(self.threads)
         try:
-            on = batch.on(ops)
-            x = ops.to_device(self.inbox.read(lane, len(batch.ids)))  # f32 from here, before the first norm
-            logits = ops.to_numpy(self.net.head(self.net.run_layers(x, on, self.caches[cache]), on))
+            hidden = self.inbox.read(lane, len(batch.ids))
+            logits = self.net.run_stage(hidden, batch.on(self.net.ops), self.caches[cache])
         finally:
             numba.set_num_threads(outer)
         return logits, time.perf_counter() - start

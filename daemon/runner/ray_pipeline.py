@@ -86,15 +86,12 @@ class RayStage:
         stage): hidden states (in act_dtype) out, or the last stage's logits rows (f32), with every
         stage's own seconds on it so far (one object a call: each is a message to the engine)."""
         start = time.perf_counter()
-        ops = self.net.ops
-        batch = unpack_batch(_decode_batch(packed)).on(ops)
-        if before is None:
-            x, seconds = self.net.embed_tokens(batch), []
-        else:  # widened to f32 here, before the first norm of this stage's first layer
-            x, seconds = ops.to_device(decode_rows(before[0], self.act_dtype, self.net.config.hidden)), before[1]
-        x = self.net.run_layers(x, batch, self.caches[cache])
-        out = ops.to_numpy(self.net.head(x, batch)) if self.net.runs_last else encode_rows(ops.to_numpy(x), self.act_dtype)
-        return out, [*seconds, time.perf_counter() - start]
+        batch = unpack_batch(_decode_batch(packed)).on(self.net.ops)
+        hidden = None if before is None else decode_rows(before[0], self.act_dtype, self.net.config.hidden)
+        out = self.net.run_stage(hidden, batch, self.caches[cache])
+        if not self.net.runs_last:
+            out = encode_rows(out, self.act_dtype)
+        return out, [*(before[1] if before else []), time.perf_counter() - start]
 
 
 @dataclass
@@ -237,9 +234,6 @@ class RayPipeline:
             self.run_seconds[i] += t
             self.runs[i] += 1
         return np.asarray(logits)
-
-    def forward(self, batch: StepBatch, cache: int) -> np.ndarray:
-        return self.collect(self.submit(batch, cache))
 
     def close(self) -> None:
         import ray

@@ -150,20 +150,14 @@ class StageWorker:
         self.caches: dict[int, PagedKVCache] = {}
 
     def run(self, msg: Run) -> None:
-        ops = self.net.ops
-        batch = unpack_batch(msg.batch).on(ops)
-        n = len(batch.ids)
-        if self.inbox is None:
-            x = self.net.embed_tokens(batch)
-        else:  # widened to f32 here, before the first norm of this stage's first layer
-            x = ops.to_device(self.inbox.read(msg.lane, n))
-        x = self.net.run_layers(x, batch, self.caches[msg.cache])
+        batch = unpack_batch(msg.batch).on(self.net.ops)
+        hidden = None if self.inbox is None else self.inbox.read(msg.lane, len(batch.ids))
+        out = self.net.run_stage(hidden, batch, self.caches[msg.cache])
         if self.logits is not None:
-            logits = self.net.head(x, batch)
-            self.logits.rows(msg.lane * self.max_tokens, batch.n_logits)[:] = ops.to_numpy(logits)
+            self.logits.rows(msg.lane * self.max_tokens, batch.n_logits)[:] = out
         else:
             assert self.outbox is not None
-            self.outbox.write(msg.lane, ops.to_numpy(x))
+            self.outbox.write(msg.lane, out)
 
     def step(self, msg: Run) -> Run:
         """Run a micro-batch unless a stage before failed it; what goes on to the next stage."""
