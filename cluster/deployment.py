@@ -10,14 +10,12 @@ the way out: the replicas live as long as the command that made them.
 from __future__ import annotations
 
 import asyncio
-import signal
 from typing import Any
 
 import uvloop
-from aiohttp import web
 
 from ember.client.gateway.config import GatewayConfig
-from ember.client.gateway.server import ListenError, listen_url
+from ember.client.gateway.server import serve_app
 from ember.cluster.config import ClusterConfig
 from ember.cluster.ingress import Ingress, build_ingress_app
 from ember.cluster.replica import STOP_GRACE, EmberReplica
@@ -83,25 +81,12 @@ async def serve_ingress(ingress: Ingress, stop: asyncio.Event | None = None,
                         started: asyncio.Future[str] | None = None) -> int:
     """The ingress on this loop until `stop` is set (default: SIGTERM or SIGINT); `started` gets its URL."""
     log = get_logger()
-    runner = web.AppRunner(build_ingress_app(ingress), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=ingress.config.shutdown_timeout, keepalive_timeout=ingress.config.header_timeout)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, ingress.config.host, ingress.config.port, reuse_address=True)
-        try:
-            await site.start()
-        except OSError as e:
-            raise ListenError(f"cannot listen on {ingress.config.host}:{ingress.config.port}: {e.strerror or e}") from None
-        if stop is None:
-            stop = asyncio.Event()
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                asyncio.get_running_loop().add_signal_handler(signum, stop.set)
-        url = listen_url(runner, ingress.config)
+
+    def listening(url: str) -> None:
         log.info("cluster ingress listening", url=url, api_key=ingress.config.api_key is not None)
         if started is not None:
             started.set_result(url)
-        await stop.wait()
-        log.info("cluster ingress stopping", in_flight=ingress.in_flight)
-    finally:
-        await runner.cleanup()
+
+    await serve_app(build_ingress_app(ingress), ingress.config, None, stop, listening,
+                    lambda: log.info("cluster ingress stopping", in_flight=ingress.in_flight))
     return 0

@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 import socket
+from collections.abc import Callable
 
 import uvloop
 from aiohttp import web
@@ -36,9 +37,26 @@ async def serve(config: GatewayConfig, sock: socket.socket | None = None,
     """The gateway on this loop, until `stop` is set (default: SIGTERM or SIGINT)."""
     log = get_logger()
     gateway = Gateway(config)
+    try:
+        await serve_app(build_app(gateway), config, sock, stop,
+                        lambda url: log.info("gateway listening", url=url, daemon_socket=str(config.socket or "default"),
+                                             api_key=config.api_key is not None),
+                        lambda: log.info("gateway stopping", in_flight=gateway.pool.in_flight))
+    finally:
+        await gateway.close()
+    log.info("gateway exit")
+    return 0
+
+
+async def serve_app(app: web.Application, config: GatewayConfig, sock: socket.socket | None,
+                    stop: asyncio.Event | None, listening: Callable[[str], None],
+                    stopping: Callable[[], None]) -> None:
+    """`app` on `sock` (or config's address) until `stop` is set (default: SIGTERM or SIGINT), with the
+    gateway's timeouts and its graceful stop; `listening(url)` once it listens, `stopping()` when told
+    to stop. ListenError when the address cannot be bound. (The cluster's ingress serves this way too.)"""
     # aiohttp closes a connection that has not sent a whole request's headers keepalive_timeout seconds
     # after it opened or its last answer ended (its own default is an hour): the header timeout
-    runner = web.AppRunner(build_app(gateway), handler_cancellation=True, shutdown_timeout=config.shutdown_timeout,
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.shutdown_timeout,
                            access_log=None, keepalive_timeout=config.header_timeout)
     await runner.setup()
     try:
@@ -57,15 +75,11 @@ async def serve(config: GatewayConfig, sock: socket.socket | None = None,
             loop = asyncio.get_running_loop()
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, stop.set)
-        log.info("gateway listening", url=listen_url(runner, config), daemon_socket=str(config.socket or "default"),
-                 api_key=config.api_key is not None)
+        listening(listen_url(runner, config))
         await stop.wait()
-        log.info("gateway stopping", in_flight=gateway.pool.in_flight)
+        stopping()
     finally:
         await runner.cleanup()
-        await gateway.close()
-    log.info("gateway exit")
-    return 0
 
 
 def listen_url(runner: web.AppRunner, config: GatewayConfig) -> str:
