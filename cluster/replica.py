@@ -118,9 +118,9 @@ class EmberReplica:
     async def check_health(self) -> None:
         """Serve's health check: a child that exited, or a gateway that says the daemon is down, fails it
         (and Serve replaces the replica)."""
-        for name, proc in (("daemon", self._daemon), ("gateway", self._gateway)):
-            if proc.poll() is not None:
-                raise RuntimeError(f"the replica's {name} exited with status {proc.returncode}")
+        exited = self._exited()
+        if exited is not None:
+            raise RuntimeError(exited)
         async with self._client().get(self.url + "/health", timeout=aiohttp.ClientTimeout(HEALTH_TIMEOUT)) as r:
             if r.status != 200:
                 raise RuntimeError(f"the replica's gateway answers /health with {r.status}: {await r.text()}")
@@ -152,9 +152,9 @@ class EmberReplica:
         """Until the gateway says the daemon is ok; ReplicaStartError if a child exits or time runs out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for name, proc in (("daemon", self._daemon), ("gateway", self._gateway)):
-                if proc.poll() is not None:
-                    self._fail(f"the replica's {name} exited with status {proc.returncode}")
+            exited = self._exited()
+            if exited is not None:
+                self._fail(exited)
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=HEALTH_TIMEOUT) as r:
                     if r.status == 200:
@@ -163,6 +163,13 @@ class EmberReplica:
                 pass  # not yet listening, or 503 while the daemon loads
             time.sleep(0.1)
         self._fail(f"the replica's daemon was not ready after {timeout:.0f} s")
+
+    def _exited(self) -> str | None:
+        """Which child exited, and how (None: both run)."""
+        for name, proc in (("daemon", self._daemon), ("gateway", self._gateway)):
+            if proc.poll() is not None:
+                return f"the replica's {name} exited with status {proc.returncode}"
+        return None
 
     def _fail(self, why: str, tail: int = 4000) -> NoReturn:
         """Stop the children and raise ReplicaStartError with the end of their log (read first: the
