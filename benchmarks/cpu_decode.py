@@ -184,13 +184,13 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
     import ember
 
     numba.set_num_threads(args.threads)
-    first = ember.load(path, kv_dtype=args.kv_dtype)  # compiles or loads the kernels: the timed load finds them ready
+    first = ember.load(path, kv_dtype=args.kv_dtype, prompt_act=args.prompt_act)  # compiles or loads the kernels: the timed load finds them ready
     warm_up(first.generate, args)  # and the code that runs below is loaded (a decode burst's alone: ~13 MB, once)
     del first
     gc.collect()
     rss0 = rss_bytes()
     t = time.perf_counter()
-    model = ember.load(path, kv_dtype=args.kv_dtype)
+    model = ember.load(path, kv_dtype=args.kv_dtype, prompt_act=args.prompt_act)
     load_s = time.perf_counter() - t
     step_s, prefill_s = decode_and_prefill(model, args)
     rss = rss_bytes() - rss0  # the work llama.cpp's figure covers: load, decode, prefill
@@ -310,7 +310,7 @@ def _llama_generate(llm, prompt: list[int], max_tokens: int) -> list[int]:  # ty
 
 def measure(engine: str, path: Path, args: argparse.Namespace) -> dict[str, float]:
     return run_worker(__file__, engine, path, args, ["--batch", str(args.batch), "--context", str(args.context),
-                                                   "--kv-dtype", args.kv_dtype])
+                                                   "--kv-dtype", args.kv_dtype, "--prompt-act", args.prompt_act])
 
 
 def run_worker(script: str, engine: str, path: Path, args: argparse.Namespace, extra: list[str]) -> dict[str, float]:
@@ -335,6 +335,8 @@ def main() -> None:
     # ember.kernels.convert.KV_DTYPES, written out: importing ember.kernels loads numba in the llama.cpp worker too
     ap.add_argument("--kv-dtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"],
                     help="ember's KV cache (default f16, as ember's and llama.cpp's defaults)")
+    ap.add_argument("--prompt-act", default="f32", choices=["f32", "q8_0"],
+                    help="ember's prompt activations against quantized weights (llama.cpp's: int8)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="engines alternated this many times per file, medians reported (this VM drifts 10-20%%)")
     ap.add_argument("--files", nargs="+", default=["demo", "Q8_0", "Q4_K_M", "gemma4"],

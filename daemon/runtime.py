@@ -46,9 +46,10 @@ from ember.daemon.speculative.spec_switch import SpecSwitch
 from ember.daemon.text.grammar import compile_grammar
 from ember.daemon.text.text_model import TextModel, sampling_of, tokenizer_of
 from ember.daemon.text.tokenizer import Tokenizer
-from ember.kernels.convert import DECODE_ACTIVATIONS, DEFAULT_KV_DTYPE, KV_DTYPES
+from ember.kernels.convert import DECODE_ACTIVATIONS, DEFAULT_KV_DTYPE, KV_DTYPES, PROMPT_ACTIVATIONS
 from ember.kernels.cuda.native_kernels import CUDA_KERNELS
 from ember.kernels.cuda.native_launch import NativeOps
+from ember.kernels.ops import Ops
 from ember.kernels.sampling import SamplingParams
 from ember.protocol.messages import Grammar
 
@@ -64,7 +65,7 @@ class Model(TextModel):
                  decode_act: str = "q8_0", pipeline: Pipeline | None = None,
                  experts: ExpertOptions | None = None, draft: ModelFile | None = None, draft_tokens: int = 4,
                  feature_dtype: str = "f32", on_layer: Callable[[int, int], None] | None = None,
-                 cuda_kernels: str = "numba", native_ops: NativeOps | None = None) -> None:
+                 cuda_kernels: str = "numba", native_ops: NativeOps | None = None, prompt_act: str = "f32") -> None:
         """On `device`, or split across `pipeline`'s stages (its workers already loaded); a MoE
         model's experts placed by `experts`; `draft` proposes `draft_tokens` tokens a step (a DFlash
         draft reads the target's features, mirrored in `feature_dtype`); on_layer(placed, in all) as
@@ -80,8 +81,9 @@ class Model(TextModel):
         self.device = ",".join(str(s.device) for s in pipeline.specs) if pipeline else str(name)
         self._native = None if cuda_kernels == "numba" else _native_decoder(mf, name, kv_dtype, decode_act, pipeline,
                                                                            draft, native_ops)
-        self._net = None if pipeline or self._native else Transformer(mf, backend_for(name).ops(name),
-                                                                      experts=experts, on_layer=on_layer)
+        self.prompt_act = prompt_act
+        self._net = None if pipeline or self._native else Transformer(mf, self._ops(name), experts=experts,
+                                                                      on_layer=on_layer)
         self.draft_path = None if draft is None else draft.path
         self.draft_tokens = draft_tokens
         self.draft_min_prob = DRAFT_MIN_PROB  # the draft stops after a proposal it is less sure of (0: never)
@@ -96,9 +98,15 @@ class Model(TextModel):
         if draft is not None:
             # beside a split the draft runs where sampling does: the engine's process, on the host CPU
             at = DeviceName("cpu") if pipeline is not None else name
-            self._draft = DFlashDraft(draft, self.net) if is_dflash(draft) else Transformer(draft, backend_for(at).ops(at))
+            self._draft = DFlashDraft(draft, self.net) if is_dflash(draft) else Transformer(draft, self._ops(at))
         self._spec_stats = SpecStats()
         self._burst_clocks: dict[tuple[float, int], BurstClock] = {}
+
+    def _ops(self, name: DeviceName) -> Ops:
+        """The backend's ops for `name`, computing prompt rows with this model's prompt_act."""
+        ops = backend_for(name).ops(name)
+        ops.prompt_act = self.prompt_act
+        return ops
 
     def __repr__(self) -> str:
         c = self.config
@@ -288,12 +296,14 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = DEFAULT_KV_DTYPE
          expert_budget: int | str | None = None, cold_workers: int | None = None, cold_policy: str = "exact",
          draft: str | Path | None = None, draft_tokens: int = 4, feature_dtype: str | None = None,
          env: Mapping[str, str] | None = None, on_layer: Callable[[int, int], None] | None = None,
-         cuda_kernels: str = "numba") -> Model:
+         cuda_kernels: str = "numba", prompt_act: str = "f32") -> Model:
     """Open a GGUF file or Hugging Face directory (or a model named on the Hugging Face hub, owner/repo
     or owner/repo:QUANT: fetched into its cache first, daemon/loader/hub.py) and place the model on
     `device` ("cpu"); its KV
     cache holds `kv_dtype` (f16, the default, f32, bf16 or q8_0); generated tokens meet quantized weights with
-    `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do).
+    `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do), prompt tokens
+    with `prompt_act` ones (f32, exactly; or q8_0, each 32 values quantized to int8 as llama.cpp does,
+    about twice as fast a prefill on the CPU; docs/runtime.md).
 
     devices (["cpu:0", "cpu:1"] or "cpu:0,cpu:1"; plain "cpu" last: that stage on the engine's own
     thread) splits the layers across stage processes: `split`
@@ -332,6 +342,8 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = DEFAULT_KV_DTYPE
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
     if decode_act not in DECODE_ACTIVATIONS:
         raise ValueError(f"unknown decode activation precision {decode_act!r} (choose from {', '.join(DECODE_ACTIVATIONS)})")
+    if prompt_act not in PROMPT_ACTIVATIONS:
+        raise ValueError(f"unknown prompt activation precision {prompt_act!r} (choose from {', '.join(PROMPT_ACTIVATIONS)})")
     if cuda_kernels not in CUDA_KERNELS:
         raise ValueError(f"unknown cuda_kernels {cuda_kernels!r} (choose from {', '.join(CUDA_KERNELS)})")
     names = parse_devices(devices) if devices is not None else [DeviceName.parse(device)]
@@ -359,7 +371,7 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = DEFAULT_KV_DTYPE
             experts = replace(experts, device_room=_expert_room(mf.path, names[0], replace(policy, kv=kv_dtype), experts))
         return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, experts=experts, draft=draft_file,
                      draft_tokens=draft_tokens, feature_dtype=policy.feature, on_layer=on_layer,
-                     cuda_kernels=cuda_kernels if names[0].kind == "cuda" else "numba")
+                     cuda_kernels=cuda_kernels if names[0].kind == "cuda" else "numba", prompt_act=prompt_act)
     if draft_file is not None and is_dflash(draft_file):
         raise ValueError(_DFLASH_BESIDE_SPLIT)
     weights = None if counts is not None else LayerWeights.of(headers_of(mf))  # (an HF model's headers are read again)

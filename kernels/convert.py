@@ -42,6 +42,10 @@ DEFAULT_KV_DTYPE = "f16"
 # "q8_0" quantizes them as llama.cpp does, for integer dot products (1.5-2.5x faster CPU decode);
 # "f32" computes them exactly like prompt rows.
 DECODE_ACTIVATIONS = ("q8_0", "f32")
+# Activations that prompt rows meet quantized weights with: "q8_0" quantizes each 32 values to int8
+# (one float32 scale) for integer products, as llama.cpp computes prompts (~2x faster CPU prefill);
+# "f32" multiplies x itself, exactly.
+PROMPT_ACTIVATIONS = ("q8_0", "f32")
 QK8_0 = 32  # values per q8_0 block
 QK_K_ACT = 256  # values per block of the integer kernels' activations against K-quant weights (q8_K)
 Q8_0_BLOCK_BYTES = 2 + QK8_0  # f16 scale + 32 int8

@@ -136,6 +136,9 @@ class Ops(ABC):
     linear_attention_chunk: int = 64
     # the kernels read host memory: to_device is the identity (a step's metadata is not moved at all)
     host_memory: bool = False
+    # activations of prompt rows against quantized weights (convert.PROMPT_ACTIVATIONS): "f32" exact,
+    # "q8_0" each 32 values quantized to int8 for integer products, where a backend has them (the CPU)
+    prompt_act: str = "f32"
 
     # --- placing weights ------------------------------------------------------------------------
     @abstractmethod

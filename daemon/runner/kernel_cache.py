@@ -261,6 +261,9 @@ def _forward_passes(variant: str | None):  # type: ignore[no-untyped-def]
             model.forward(StepBatch.build([([6], 5, [0, 1])], 16, prompt_lengths=[5]), cache)  # one generated token
             model.forward(StepBatch.build([([7], 6, [0, 1]), ([8, 9], 0, [1])], 16, prompt_lengths=[5, 2]), cache)
             model.forward(StepBatch.build([([7], 6, [0, 1]), ([8], 1, [1])], 16, prompt_lengths=[5, 2]), cache)
+    net.ops.prompt_act = "q8_0"  # prompt rows through kernels/cpu/int8_prompt.py (the prompt_act policy)
+    net.forward(StepBatch.build([([1, 2, 3, 4, 5], 0, [0, 1])], 16, all_logits=True), net.new_cache(2, 16))
+    net.ops.prompt_act = "f32"
     return net
 
 

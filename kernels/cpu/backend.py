@@ -33,18 +33,19 @@ class CpuOps(Ops):
         return w.rows
 
     def matmul(self, x: Array, w: quant_matmul.CpuWeight, decode_rows: Array | None = None) -> np.ndarray:
-        return quant_matmul.matmul(x, w, self._flags(decode_rows))
+        return quant_matmul.matmul(x, w, self._flags(decode_rows), self.prompt_act == "q8_0")
 
     def matmul_many(self, x: Array, ws: tuple[quant_matmul.CpuWeight, ...], decode_rows: Array | None = None) -> list[np.ndarray]:
-        return quant_matmul.matmul_many(x, ws, self._flags(decode_rows))
+        return quant_matmul.matmul_many(x, ws, self._flags(decode_rows), self.prompt_act == "q8_0")
 
     def swiglu_matmul(self, x: Array, gate: quant_matmul.CpuWeight, up: quant_matmul.CpuWeight,
                       decode_rows: Array | None = None) -> np.ndarray:
-        return quant_matmul.swiglu_matmul(x, gate, up, self._flags(decode_rows))
+        return quant_matmul.swiglu_matmul(x, gate, up, self._flags(decode_rows), int8_prompts=self.prompt_act == "q8_0")
 
     def geglu_matmul(self, x: Array, gate: quant_matmul.CpuWeight, up: quant_matmul.CpuWeight,
                      decode_rows: Array | None = None) -> np.ndarray:
-        return quant_matmul.swiglu_matmul(x, gate, up, self._flags(decode_rows), gelu=True)
+        return quant_matmul.swiglu_matmul(x, gate, up, self._flags(decode_rows), gelu=True,
+                                          int8_prompts=self.prompt_act == "q8_0")
 
     def _flags(self, decode_rows: Array | None) -> bool | np.ndarray:
         """decode_flags of a step's mask, computed once per step: every layer passes the same array.

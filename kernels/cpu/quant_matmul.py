@@ -15,13 +15,13 @@ Why the kernels look the way they do (each point measured on the 2-core Zen 4 VM
   either way. It is llama.cpp's numerics: the product is with x_hat, x after the q8_0 round trip.
 - The F16/BF16 row dot is one reduction that LLVM vectorizes into register accumulators; numba
   rewrites every a[k] as a[k + n if k < 0 else k], and where LLVM cannot prove k >= 0 that select
-  turns consecutive loads into gathers (10x slower), so hot loads use _ld/_ld1, which skip it.
-- numba has no float16; the _f16 intrinsic bitcasts the raw bits to LLVM `half` and widens them,
+  turns consecutive loads into gathers (10x slower), so hot loads use ld/ld1, which skip it.
+- numba has no float16; the f16 intrinsic bitcasts the raw bits to LLVM `half` and widens them,
   which becomes F16C vcvtph2ps: f16 scales cost one instruction and F16 weights vectorize, with no
   lookup table (a gather per block).
 - numba widens small-int arithmetic to int64, which LLVM vectorizes in 64-bit lanes; quant bit fields
-  are therefore extracted by an intrinsic (_quant) in 32-bit IR, and Q4_K/Q5_K 6-bit scales are
-  unpacked by another (_k4_header) with ggml's 32-bit mask trick, as one vector.
+  are therefore extracted by an intrinsic (quant) in 32-bit IR, and Q4_K/Q5_K 6-bit scales are
+  unpacked by another (k4_header) with ggml's 32-bit mask trick, as one vector.
 - The n-token kernel dequantizes 16 rows at a time (each block once per call) into an L2-resident
   float32 buffer, then multiplies it with register tiles of 4 tokens by 4 rows (AVX-512) or 2 rows
   (AVX2: 16 vector registers; 4-row tiles spilled there). It runs in float32 (activations never
@@ -35,16 +35,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import llvmlite.binding as llvm
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from ember.kernels.cpu import dense
 from ember.kernels.cpu.twin import Twin
-from ember.kernels.cpu import int8_dots
+from ember.kernels.cpu import int8_dots, int8_prompt
+from ember.kernels.cpu.quant_bits import EXACT as _EXACT, bf16, f16, fifth_bits, k4_header, ld, ld1, q3_k_scale, quant, quant3
 from ember.kernels.cpu.int8_dots import (Q6_K_OFFSET, Q8_0_OFFSET, QK, QK_K, ROW_PAIR, TILE_SIZES, TILE_TOKENS,
-                                        quad_offsets, quantize_activation, quantize_activation_k, unpack_k4_levels)
+                                        quad_offsets, quantize_activation, quantize_activation_k)
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import IQ4_LEVELS, TensorType, row_bytes
 
@@ -82,8 +80,6 @@ _JIT = dict(fastmath=True, cache=True, nogil=True)
 # No fast-math at all: numba would otherwise flag every float op of the function, the inlined integer
 # dots' included, and LLVM would reassociate each tile shape its own way (results then depend on n).
 _STRICT = dict(cache=True, nogil=True)
-# Dequantizing rows: no reassoc and no FMA contraction, so values equal quant_reference's bit for bit.
-_EXACT = dict(fastmath={"nnan", "ninf", "nsz", "arcp", "afn"}, cache=True, nogil=True)
 
 
 @dataclass(frozen=True)
@@ -162,7 +158,7 @@ def decode_flags(decode_rows: np.ndarray | bool | None) -> bool | np.ndarray:
     return True if count == mask.size else False if count == 0 else mask
 
 
-def matmul(x: np.ndarray, w: CpuWeight, decode_rows: Rows = None) -> np.ndarray:
+def matmul(x: np.ndarray, w: CpuWeight, decode_rows: Rows = None, int8_prompts: bool = False) -> np.ndarray:
     """y = x @ W^T: x float32 [n, cols] (or [cols]) -> float32 [n, rows] (or [rows]).
 
     decode_rows (a bool mask [n], or True / False for every row) marks the rows that are generated
@@ -170,8 +166,9 @@ def matmul(x: np.ndarray, w: CpuWeight, decode_rows: Rows = None) -> np.ndarray:
     against Q8_0, one scale per 256 values against K-quants), in integer arithmetic
     (kernels/cpu/int8_dots.py), as llama.cpp does: 1.5-3x faster at decode. Every
     other row (prompt tokens) multiplies x itself in float32, exactly, through the dequantize-and-tile
-    product, which is faster on long prompts. A row's result depends only on its own flag and values,
-    never on the other rows of the call."""
+    product, which is faster on long prompts; or, where `int8_prompts` (the prompt_act "q8_0"
+    policy), x with each 32 values quantized to int8, in integer arithmetic (int8_prompt.py, ~2x
+    faster). A row's result depends only on its own flag and values, never on the other rows of the call."""
     x2 = _as_rows(x, w.cols)
     rows = decode_flags(decode_rows)
     n = x2.shape[0]
@@ -187,12 +184,27 @@ def matmul(x: np.ndarray, w: CpuWeight, decode_rows: Rows = None) -> np.ndarray:
         y = np.empty((n, w.rows), np.float32)
         _MATMUL_INT8.pick(w.nbytes * n)(w.code, w.u8, x2, y)
     elif rows is False:
-        y = _tiled(w, x2)
+        y = _prompt_products(x2, (w,), int8_prompts)[0]
     else:  # a step that mixes prompt chunks and decode tokens
         y = np.empty((n, w.rows), np.float32)
         y[rows] = matmul(x2[rows], w, True)
-        y[~rows] = matmul(x2[~rows], w, False)
+        y[~rows] = matmul(x2[~rows], w, False, int8_prompts)
     return y[0] if x.ndim == 1 else y
+
+
+def _prompt_products(x: np.ndarray, ws: tuple[CpuWeight, ...], int8_prompts: bool) -> list[np.ndarray]:
+    """Prompt rows x [n, cols] times each of ws, transposed: where `int8_prompts`, the quantized weights
+    through int8_prompt.py, x quantized once for all of them; the others (and every weight otherwise)
+    through the float product."""
+    acts = None
+    out = []
+    for w in ws:
+        if int8_prompts and w.int8:
+            acts = int8_prompt.quantize(x) if acts is None else acts
+            out.append(int8_prompt.product(w.code, (w.u8, w.i8, w.u16, w.u32), acts, w.rows))
+        else:
+            out.append(_tiled(w, x) if w.int8 else matmul(x, w, False))
+    return out
 
 
 def _tiled(w: CpuWeight, x: np.ndarray) -> np.ndarray:
@@ -213,11 +225,15 @@ def _tiled(w: CpuWeight, x: np.ndarray) -> np.ndarray:
     return y[:n] if pad else y
 
 
-def matmul_many(x: np.ndarray, ws: tuple[CpuWeight, ...], decode_rows: Rows = None) -> list[np.ndarray]:
-    """[matmul(x, w, decode_rows) for w in ws], decode rows of quantized weights in one kernel."""
+def matmul_many(x: np.ndarray, ws: tuple[CpuWeight, ...], decode_rows: Rows = None,
+                int8_prompts: bool = False) -> list[np.ndarray]:
+    """[matmul(x, w, decode_rows, int8_prompts) for w in ws], decode rows of quantized weights in one kernel."""
     rows = decode_flags(decode_rows)
+    if rows is False and all(w.cols == ws[0].cols for w in ws):
+        ys = _prompt_products(_as_rows(x, ws[0].cols), ws, int8_prompts)
+        return [y[0] for y in ys] if x.ndim == 1 else ys
     if rows is not True or not all(w.int8 and w.cols == ws[0].cols for w in ws):
-        return [matmul(x, w, rows) for w in ws]
+        return [matmul(x, w, rows, int8_prompts) for w in ws]
     x2 = _as_rows(x, ws[0].cols)
     n = x2.shape[0]
     outs = tuple(np.empty((n, w.rows), np.float32) for w in ws)
@@ -228,19 +244,23 @@ def matmul_many(x: np.ndarray, ws: tuple[CpuWeight, ...], decode_rows: Rows = No
 
 
 def swiglu_matmul(x: np.ndarray, gate: CpuWeight, up: CpuWeight, decode_rows: Rows = None,
-                  gelu: bool = False) -> np.ndarray:
+                  gelu: bool = False, int8_prompts: bool = False) -> np.ndarray:
     """silu(x @ gate^T) * (x @ up^T) (GELU-tanh in silu's place where `gelu`), the decode rows of
     quantized weights in one kernel."""
     rows = decode_flags(decode_rows)
+    act = dense.geglu if gelu else dense.swiglu
+    if rows is False and gate.int8 and up.int8 and up.cols == gate.cols:
+        out = act(*_prompt_products(_as_rows(x, gate.cols), (gate, up), int8_prompts))
+        return out[0] if x.ndim == 1 else out
     if rows is False or not (gate.int8 and up.int8 and (up.rows, up.cols) == (gate.rows, gate.cols)):
-        return (dense.geglu if gelu else dense.swiglu)(matmul(x, gate, rows), matmul(x, up, rows))
+        return act(matmul(x, gate, rows, int8_prompts), matmul(x, up, rows, int8_prompts))
     x2 = _as_rows(x, gate.cols)
     out = np.empty((x2.shape[0], gate.rows), np.float32)
     if rows is True:
         _SWIGLU_INT8.pick(2 * gate.nbytes * x2.shape[0])(gate.code, gate.u8, up.code, up.u8, x2, out, gelu)
     else:  # decode rows through the fused kernel wherever they are: their result must not depend on the step
         out[rows] = swiglu_matmul(x2[rows], gate, up, True, gelu)
-        out[~rows] = swiglu_matmul(x2[~rows], gate, up, False, gelu)
+        out[~rows] = swiglu_matmul(x2[~rows], gate, up, False, gelu, int8_prompts)
     return out[0] if x.ndim == 1 else out
 
 
@@ -263,136 +283,6 @@ def embedding(w: CpuWeight, ids: np.ndarray) -> np.ndarray:
     out = np.empty((ids.size, w.cols), np.float32)
     _GATHER_ROWS.pick(ids.size * w.cols)(w.code, w.u8, w.i8, w.u16, w.u32, ids, out)  # decode: one row, no pool
     return out
-
-
-# --------------------------------------------------------------------------------------------------
-# bit-level conversions numba lacks
-# --------------------------------------------------------------------------------------------------
-def _as_i16(builder, v):
-    if v.type.width > 16:
-        return builder.trunc(v, ir.IntType(16))
-    return builder.zext(v, ir.IntType(16)) if v.type.width < 16 else v
-
-
-@intrinsic
-def _f16(typingctx, bits):
-    """float32 of IEEE half bits (any integer type; the low 16 bits are used). Exact, inf/nan kept."""
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        half = builder.bitcast(_as_i16(builder, args[0]), ir.HalfType())
-        return builder.fpext(half, ir.FloatType())
-
-    return types.float32(bits), codegen
-
-
-@intrinsic
-def _bf16(typingctx, bits):
-    """float32 of bfloat16 bits: the bits are the top half of a float32."""
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        wide = builder.zext(_as_i16(builder, args[0]), ir.IntType(32))
-        return builder.bitcast(builder.shl(wide, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
-
-    return types.float32(bits), codegen
-
-
-def _bit_fields(low_bits):
-    """An intrinsic (lo, lo_shift, hi, hi_shift, hi_mask, bias) -> float32(((lo >> lo_shift) & low |
-    ((hi >> hi_shift) & hi_mask) << low_bits) - bias), low = 2**low_bits - 1, in 32-bit ints.
-
-    Written as LLVM IR because numba widens small-int arithmetic to int64, which LLVM then vectorizes
-    in 64-bit lanes (4x fewer per instruction, plus conversions)."""
-
-    def typer(typingctx, lo, lo_shift, hi, hi_shift, hi_mask, bias):
-        if not all(isinstance(a, types.Integer) for a in (lo, lo_shift, hi, hi_shift, hi_mask, bias)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-
-            def as_i32(v):
-                if v.type.width > 32:
-                    return builder.trunc(v, i32)
-                return builder.zext(v, i32) if v.type.width < 32 else v
-
-            lo_v, lo_s, hi_v, hi_s, hi_m, b = (as_i32(a) for a in args)
-            low = builder.and_(builder.lshr(lo_v, lo_s), ir.Constant(i32, (1 << low_bits) - 1))
-            high = builder.shl(builder.and_(builder.lshr(hi_v, hi_s), hi_m), ir.Constant(i32, low_bits))
-            return builder.sitofp(builder.sub(builder.or_(low, high), b), ir.FloatType())
-
-        return types.float32(lo, lo_shift, hi, hi_shift, hi_mask, bias), codegen
-
-    typer.__name__ = f"bit_fields_{low_bits}"
-    return intrinsic(typer)
-
-
-# One quant from a low-bits byte and a high-bits byte: a nibble and 0-2 high bits (Q4_0 ... Q6_K:
-# hi_mask 0 for none), or 2 bits and a third one (Q2_K, Q3_K).
-_quant = _bit_fields(4)
-_quant3 = _bit_fields(2)
-
-
-@intrinsic
-def _k4_header(typingctx, w0, w1, w2, d, dmin):
-    """The 16 multipliers of a Q4_K/Q5_K super-block: (d*sc_0..7, dmin*m_0..7) as a 16-tuple.
-
-    w0..w2 are its 12 `scales` bytes read as little-endian uint32 words. ggml packs eight 6-bit
-    (sc, m) pairs there (get_scale_min_k4); int8_dots.unpack_k4_levels (ggml's AVX mask trick)
-    unpacks all of them at once into 16 bytes, which LLVM then widens and scales as one vector.
-    """
-    if not all(isinstance(a, types.Integer) for a in (w0, w1, w2)) or not d == dmin == types.float32:
-        return None
-    ret = types.UniTuple(types.float32, 16)
-
-    def codegen(context, builder, sig, args):
-        i32, f32 = ir.IntType(32), ir.FloatType()
-        a, b, c = (builder.trunc(v, i32) if v.type.width > 32 else builder.zext(v, i32)
-                   if v.type.width < 32 else v for v in args[:3])
-        v16 = ir.VectorType(f32, 16)
-        levels = builder.uitofp(unpack_k4_levels(builder, a, b, c), v16)
-        factors = ir.Constant(v16, None)
-        for k in range(16):
-            factors = builder.insert_element(factors, args[3] if k < 8 else args[4], ir.Constant(i32, k))
-        scaled = builder.fmul(levels, factors)
-        out = context.get_constant_undef(ret)
-        for k in range(16):
-            out = builder.insert_value(out, builder.extract_element(scaled, ir.Constant(i32, k)), k)
-        return out
-
-    return ret(w0, w1, w2, d, dmin), codegen
-
-
-@intrinsic
-def _ld(typingctx, arr, i, j):
-    """arr[i, j] of a 2-D array, without numba's negative-index wraparound.
-
-    numba turns every a[k] into a[k + n if k < 0 else k]; where LLVM cannot prove k >= 0 (e.g. k =
-    34*b + l) that select stays, and consecutive loads become gathers. Indices here are never negative.
-    """
-    if not (isinstance(arr, types.Array) and arr.ndim == 2):
-        return None
-    return arr.dtype(arr, i, j), _load_codegen
-
-
-@intrinsic
-def _ld1(typingctx, arr, j):
-    """arr[j] of a 1-D array, without negative-index wraparound (see _ld)."""
-    if not (isinstance(arr, types.Array) and arr.ndim == 1):
-        return None
-    return arr.dtype(arr, j), _load_codegen
-
-
-def _load_codegen(context, builder, sig, args):
-    aty = sig.args[0]
-    ary = context.make_array(aty)(context, builder, value=args[0])
-    ptr = cgutils.get_item_pointer2(context, builder, ary.data, cgutils.unpack_tuple(builder, ary.shape),
-                                    cgutils.unpack_tuple(builder, ary.strides), aty.layout, list(args[1:]),
-                                    wraparound=False, boundscheck=False)
-    return context.unpack_value(builder, aty.dtype, ptr)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -651,12 +541,12 @@ _GATHER_ROWS = Twin(_gather_rows, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"
 # Each dot is a sum of per-group reductions (`t += lane(l)` over a block group's lanes) that LLVM
 # vectorizes into register accumulators: no scratch array, so no store->load chain through memory,
 # which lets loads run far ahead (this is what keeps DRAM-resident weights streaming at full speed).
-# All loads go through _ld/_ld1 (no negative-index wraparound). Per-lane work is written as inline
+# All loads go through ld/ld1 (no negative-index wraparound). Per-lane work is written as inline
 # helpers returning a tree-shaped sum of that lane's products in the group.
 # --------------------------------------------------------------------------------------------------
 @njit(inline="always", **_JIT)
 def _w16(is_f16, bits):
-    return _f16(bits) if is_f16 else _bf16(bits)
+    return f16(bits) if is_f16 else bf16(bits)
 
 
 @njit(**_JIT)
@@ -664,7 +554,7 @@ def _dot_16bit(is_f16, u16, r, x):
     """F16 or BF16 row r . x: one reduction over the row."""
     s = np.float32(0)
     for j in range(x.shape[0]):
-        s += _w16(is_f16, _ld(u16, r, j)) * _ld1(x, j)
+        s += _w16(is_f16, ld(u16, r, j)) * ld1(x, j)
     return s
 
 
@@ -693,10 +583,10 @@ def _dequant_row(tt, u8, i8, u16, u32, r, out):
         _dequant_row_iq4_xs(u8, u16, r, out)
     elif tt == _F16:
         for j in range(out.shape[0]):
-            out[j] = _f16(u16[r, j])
+            out[j] = f16(u16[r, j])
     else:
         for j in range(out.shape[0]):
-            out[j] = _bf16(u16[r, j])
+            out[j] = bf16(u16[r, j])
 
 
 @njit(**_EXACT)
@@ -706,8 +596,8 @@ def _dequant_row_q8_0(i8, u16, r, out):
     nb = out.shape[0] // 32
     b = 0
     while b + 4 <= nb:
-        d0, d1 = _f16(u16[r, 17 * b]), _f16(u16[r, 17 * b + 17])
-        d2, d3 = _f16(u16[r, 17 * b + 34]), _f16(u16[r, 17 * b + 51])
+        d0, d1 = f16(u16[r, 17 * b]), f16(u16[r, 17 * b + 17])
+        d2, d3 = f16(u16[r, 17 * b + 34]), f16(u16[r, 17 * b + 51])
         q, y = 34 * b + 2, 32 * b
         for l in range(32):
             out[y + l] = d0 * np.float32(i8[r, q + l])
@@ -716,7 +606,7 @@ def _dequant_row_q8_0(i8, u16, r, out):
             out[y + 96 + l] = d3 * np.float32(i8[r, q + 102 + l])
         b += 4
     while b < nb:
-        d = _f16(u16[r, 17 * b])
+        d = f16(u16[r, 17 * b])
         for l in range(32):
             out[32 * b + l] = d * np.float32(i8[r, 34 * b + 2 + l])
         b += 1
@@ -726,39 +616,39 @@ def _dequant_row_q8_0(i8, u16, r, out):
 def _dequant_row_q4_k(u8, u16, u32, r, out):
     for s in range(out.shape[0] // 256):
         o = 144 * s
-        hd = _k4_header(u32[r, 36 * s + 1], u32[r, 36 * s + 2], u32[r, 36 * s + 3],
-                       _f16(u16[r, 72 * s]), _f16(u16[r, 72 * s + 1]))
+        hd = k4_header(u32[r, 36 * s + 1], u32[r, 36 * s + 2], u32[r, 36 * s + 3],
+                       f16(u16[r, 72 * s]), f16(u16[r, 72 * s + 1]))
         for g in range(4):
             q = o + 16 + 32 * g
             y = 256 * s + 64 * g
             d0, m0, d1, m1 = hd[2 * g], hd[8 + 2 * g], hd[2 * g + 1], hd[9 + 2 * g]
             for l in range(32):
                 b = u8[r, q + l]
-                out[y + l] = d0 * _quant(b, 0, b, 0, 0, 0) - m0
-                out[y + 32 + l] = d1 * _quant(b, 4, b, 0, 0, 0) - m1
+                out[y + l] = d0 * quant(b, 0, b, 0, 0, 0) - m0
+                out[y + 32 + l] = d1 * quant(b, 4, b, 0, 0, 0) - m1
 
 
 @njit(**_EXACT)
 def _dequant_row_q5_k(u8, u16, u32, r, out):
     for s in range(out.shape[0] // 256):
         o = 176 * s
-        hd = _k4_header(u32[r, 44 * s + 1], u32[r, 44 * s + 2], u32[r, 44 * s + 3],
-                       _f16(u16[r, 88 * s]), _f16(u16[r, 88 * s + 1]))
+        hd = k4_header(u32[r, 44 * s + 1], u32[r, 44 * s + 2], u32[r, 44 * s + 3],
+                       f16(u16[r, 88 * s]), f16(u16[r, 88 * s + 1]))
         for g in range(4):
             q = o + 48 + 32 * g
             y = 256 * s + 64 * g
             d0, m0, d1, m1 = hd[2 * g], hd[8 + 2 * g], hd[2 * g + 1], hd[9 + 2 * g]
             for l in range(32):
                 b, h = u8[r, q + l], u8[r, o + 16 + l]
-                out[y + l] = d0 * _quant(b, 0, h, 2 * g, 1, 0) - m0
-                out[y + 32 + l] = d1 * _quant(b, 4, h, 2 * g + 1, 1, 0) - m1
+                out[y + l] = d0 * quant(b, 0, h, 2 * g, 1, 0) - m0
+                out[y + 32 + l] = d1 * quant(b, 4, h, 2 * g + 1, 1, 0) - m1
 
 
 @njit(**_EXACT)
 def _dequant_row_q6_k(u8, i8, u16, r, out):
     for s in range(out.shape[0] // 256):
         o = 210 * s
-        d = _f16(u16[r, 105 * s + 104])
+        d = f16(u16[r, 105 * s + 104])
         for h in range(2):
             ql = o + 64 * h
             qh = o + 128 + 32 * h
@@ -769,16 +659,10 @@ def _dequant_row_q6_k(u8, i8, u16, r, out):
                 s2, s3 = d * np.float32(i8[r, sc + 4]), d * np.float32(i8[r, sc + 6])
                 for l in range(16 * quarter, 16 * quarter + 16):
                     a, b, hb = u8[r, ql + l], u8[r, ql + 32 + l], u8[r, qh + l]
-                    out[y + l] = s0 * _quant(a, 0, hb, 0, 3, 32)
-                    out[y + 32 + l] = s1 * _quant(b, 0, hb, 2, 3, 32)
-                    out[y + 64 + l] = s2 * _quant(a, 4, hb, 4, 3, 32)
-                    out[y + 96 + l] = s3 * _quant(b, 4, hb, 6, 3, 32)
-
-
-@njit(inline="always", **_EXACT)
-def _fifth_bits(u16, r, word):
-    """A Q5_0/Q5_1 block's qh: the little-endian u32 at 16-bit word `word` of row r."""
-    return np.uint32(u16[r, word]) | (np.uint32(u16[r, word + 1]) << np.uint32(16))
+                    out[y + l] = s0 * quant(a, 0, hb, 0, 3, 32)
+                    out[y + 32 + l] = s1 * quant(b, 0, hb, 2, 3, 32)
+                    out[y + 64 + l] = s2 * quant(a, 4, hb, 4, 3, 32)
+                    out[y + 96 + l] = s3 * quant(b, 4, hb, 6, 3, 32)
 
 
 @njit(**_EXACT)
@@ -789,18 +673,18 @@ def _dequant_row_symmetric(tt, u8, u16, r, out):
     qs = 6 if tt == _Q5_0 else 2
     for b in range(out.shape[0] // 32):
         o, y = size * b, 32 * b
-        d = _f16(u16[r, o // 2])
+        d = f16(u16[r, o // 2])
         if tt == _Q5_0:
-            qh = _fifth_bits(u16, r, o // 2 + 1)
+            qh = fifth_bits(u16, r, o // 2 + 1)
             for l in range(16):
                 v = u8[r, o + qs + l]
-                out[y + l] = d * _quant(v, 0, qh, l, 1, 16)
-                out[y + 16 + l] = d * _quant(v, 4, qh, l + 16, 1, 16)
+                out[y + l] = d * quant(v, 0, qh, l, 1, 16)
+                out[y + 16 + l] = d * quant(v, 4, qh, l + 16, 1, 16)
         elif tt == _Q4_0:
             for l in range(16):
                 v = u8[r, o + qs + l]
-                out[y + l] = d * _quant(v, 0, v, 0, 0, 8)
-                out[y + 16 + l] = d * _quant(v, 4, v, 0, 0, 8)
+                out[y + l] = d * quant(v, 0, v, 0, 0, 8)
+                out[y + 16 + l] = d * quant(v, 4, v, 0, 0, 8)
         else:
             for l in range(16):
                 v = u8[r, o + qs + l]
@@ -815,13 +699,13 @@ def _dequant_row_offset(tt, u8, u16, r, out):
     size = 24 if fifth else 20
     for b in range(out.shape[0] // 32):
         o, y = size * b, 32 * b
-        d, m = _f16(u16[r, o // 2]), _f16(u16[r, o // 2 + 1])
-        qh = _fifth_bits(u16, r, o // 2 + 2) if fifth else np.uint32(0)
+        d, m = f16(u16[r, o // 2]), f16(u16[r, o // 2 + 1])
+        qh = fifth_bits(u16, r, o // 2 + 2) if fifth else np.uint32(0)
         qs = o + (8 if fifth else 4)
         for l in range(16):
             v = u8[r, qs + l]
-            out[y + l] = d * _quant(v, 0, qh, l, 1, 0) + m
-            out[y + 16 + l] = d * _quant(v, 4, qh, l + 16, 1, 0) + m
+            out[y + l] = d * quant(v, 0, qh, l, 1, 0) + m
+            out[y + 16 + l] = d * quant(v, 4, qh, l + 16, 1, 0) + m
 
 
 @njit(**_EXACT)
@@ -829,7 +713,7 @@ def _dequant_row_q2_k(u8, u16, r, out):
     """scales[16] | qs[64] | d | dmin: value 128h + 32j + l is (qs[32h + l] >> 2j) & 3."""
     for s in range(out.shape[0] // 256):
         o = 84 * s
-        d, dmin = _f16(u16[r, 42 * s + 40]), _f16(u16[r, 42 * s + 41])
+        d, dmin = f16(u16[r, 42 * s + 40]), f16(u16[r, 42 * s + 41])
         for h in range(2):
             for j in range(4):
                 for half in range(2):
@@ -837,15 +721,7 @@ def _dequant_row_q2_k(u8, u16, r, out):
                     dl, ml = d * np.float32(sc & 15), dmin * np.float32(sc >> 4)
                     q, y = o + 16 + 32 * h + 16 * half, 256 * s + 128 * h + 32 * j + 16 * half
                     for l in range(16):
-                        out[y + l] = dl * _quant3(u8[r, q + l], 2 * j, 0, 0, 0, 0) - ml
-
-
-@njit(inline="always", **_EXACT)
-def _q3_k_scale(u8, r, o, g):
-    """Group g's signed 6-bit scale s - 32 from a Q3_K super-block's 12 scale bytes at o + 96."""
-    low = (np.int32(u8[r, o + 96 + g]) & 15) if g < 8 else (np.int32(u8[r, o + 88 + g]) >> 4)
-    high = (np.int32(u8[r, o + 104 + g % 4]) >> (2 * (g // 4))) & 3
-    return np.float32((low | (high << 4)) - 32)
+                        out[y + l] = dl * quant3(u8[r, q + l], 2 * j, 0, 0, 0, 0) - ml
 
 
 @njit(**_EXACT)
@@ -853,15 +729,15 @@ def _dequant_row_q3_k(u8, u16, r, out):
     """hmask[32] | qs[64] | scales[12] | d: q2_K's low bits, bit 2 from hmask, q = u - 4."""
     for s in range(out.shape[0] // 256):
         o = 110 * s
-        d = _f16(u16[r, 55 * s + 54])
+        d = f16(u16[r, 55 * s + 54])
         for h in range(2):
             for j in range(4):
                 for half in range(2):
-                    dl = d * _q3_k_scale(u8, r, o, 8 * h + 2 * j + half)
+                    dl = d * q3_k_scale(u8, r, o, 8 * h + 2 * j + half)
                     q, hm = o + 32 + 32 * h + 16 * half, o + 16 * half
                     y = 256 * s + 128 * h + 32 * j + 16 * half
                     for l in range(16):
-                        out[y + l] = dl * _quant3(u8[r, q + l], 2 * j, u8[r, hm + l], 4 * h + j, 1, 4)
+                        out[y + l] = dl * quant3(u8[r, q + l], 2 * j, u8[r, hm + l], 4 * h + j, 1, 4)
 
 
 @njit(**_EXACT)
@@ -869,7 +745,7 @@ def _dequant_row_iq4_xs(u8, u16, r, out):
     """d f16 | scales_h u16 | scales_l[4] | qs[128]: eight IQ4_NL-like sub-blocks with 6-bit scales."""
     for s in range(out.shape[0] // 256):
         o = 136 * s
-        d, high = _f16(u16[r, 68 * s]), np.int32(u16[r, 68 * s + 1])
+        d, high = f16(u16[r, 68 * s]), np.int32(u16[r, 68 * s + 1])
         for j in range(8):
             ls = ((np.int32(u8[r, o + 4 + j // 2]) >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)
             dl = d * np.float32(ls - 32)

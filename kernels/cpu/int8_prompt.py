@@ -1,0 +1,476 @@
+"""Prompt rows of quantized weights in integer arithmetic: the product behind `prompt_act = "q8_0"`.
+
+This module owns the integer product of many tokens (a prompt chunk) with a quantized weight, the
+way llama.cpp computes prompts: every 32 activation values of a token are quantized to int8 with one
+float32 scale (absmax / 127, halves rounded away from zero), and meet the weight's quants in integer
+arithmetic. Every block type is read: each row is unpacked once per call into signed int8 quants,
+one float scale a and one float offset b per group of 16 or 32 values (the weight being a * q + b
+there: d * sc * q - dmin * m for Q4_K, d * (q - 8) for Q4_0, ...), and the group's integer dot
+becomes float once: y[t] += (a * dx[t]) * dot + b * (dx[t] * sum(q_x)).
+
+Why it looks the way it does:
+- Tokens lie across the vector lanes, not values: a 512-bit vector holds 4 consecutive activation
+  quants of each of 16 tokens, and one vpdpbusd multiplies it by one broadcast quad of the weight row,
+  16 tokens' exact partial dots in 16 int32 lanes. No horizontal sums and no per-token scale
+  conversions inside a group: those, per block and per token, are what held the decode tiles
+  (int8_dots.py) to 2.4x a token's cost for 4 tokens. A group's float work (convert, scale, add) is
+  shared by its 16 tokens.
+- vpdpbusd takes one unsigned and one signed operand. The activations are stored as q + 128
+  (unsigned), the weights signed; each group's accumulator starts from -128 x the sum of its weight
+  quants (computed at unpacking), so the sum comes out exact: sum((q_x + 128) * w) - 128 * sum(w).
+- Register tiles of 4 rows x 2 token vectors (32 tokens): each loaded activation vector meets 4
+  broadcast weight quads and each broadcast 2 activation vectors, 8 accumulators in flight.
+- Rows are unpacked 16 at a time into L1-sized buffers (each row once per call, whatever the number
+  of tokens), as the float prompt product dequantizes them (quant_matmul._matmul).
+- Every token lane goes through the same operations in the same order (strict IEEE, explicit fused
+  multiply-adds), whatever the tile, the number of tokens or the padding: a token's result does not
+  depend on the other tokens of its call, or on how a prompt was cut into chunks.
+- Without AVX-512 VNNI the same IR is written portably (widen, multiply, sum fours): the same
+  integers, slower; EMBER_INT8_PATH (int8_dots.py) picks it for tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ember.kernels.cpu import int8_dots
+from ember.kernels.cpu.int8_dots import _VNNI
+from ember.kernels.cpu.twin import Twin
+from ember.kernels.tensor_types import TensorType
+
+__all__ = ["INT8_PROMPT_TYPES", "PromptActivations", "quantize", "product", "matmul"]
+
+LANES = 16  # tokens per vector: 16 int32 lanes of a 512-bit register
+_CHUNK_ROWS = 16  # rows unpacked together: 16 x cols int8 stays in L1
+_TILE_ROWS = 4
+_TILE_VECTORS = 2  # token vectors per tile
+_BLOCK = 32  # activation values per float scale
+
+_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1 = (int(t) for t in (TensorType.Q8_0, TensorType.Q4_0, TensorType.Q4_1,
+                                                      TensorType.Q5_0, TensorType.Q5_1))
+_Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = (int(t) for t in (TensorType.Q2_K, TensorType.Q3_K, TensorType.Q4_K,
+                                                      TensorType.Q5_K, TensorType.Q6_K))
+_IQ4_NL, _IQ4_XS = int(TensorType.IQ4_NL), int(TensorType.IQ4_XS)
+
+# per type: values per scale group (16 where the format scales 16 values), and whether w = a*q + b
+# has an offset b (its mins) that meets the activations' sums
+_GROUP = {TensorType.Q8_0: (32, False), TensorType.Q4_0: (32, False), TensorType.Q5_0: (32, False),
+          TensorType.IQ4_NL: (32, False), TensorType.IQ4_XS: (32, False), TensorType.Q4_1: (32, True),
+          TensorType.Q5_1: (32, True), TensorType.Q4_K: (32, True), TensorType.Q5_K: (32, True),
+          TensorType.Q6_K: (16, False), TensorType.Q3_K: (16, False), TensorType.Q2_K: (16, True)}
+INT8_PROMPT_TYPES = frozenset(_GROUP)
+
+_STRICT = dict(cache=True, nogil=True)
+
+
+@dataclass(frozen=True)
+class PromptActivations:
+    """n tokens' activations quantized for the product, 16 tokens per vector v: xu uint8 [v, cols * 16]
+    (value c of lane l at (c // 4) * 64 + 4 * l + c % 4, stored as q + 128), xd float32 [v, cols / 32
+    * 16] (block b's scale at 16 * b + l) and xsum int32 [v, cols / 16 * 16] (the sum of the quants of
+    values 16k..16k+15 at 16 * k + l). Lanes past the n tokens are zeros (scale 0)."""
+
+    xu: np.ndarray
+    xd: np.ndarray
+    xsum: np.ndarray
+    n: int
+
+
+def quantize(x: np.ndarray) -> PromptActivations:
+    """x float32 [n, cols] (C-contiguous, cols a multiple of 32), each 32 values of a token quantized
+    to int8 with one float32 scale (absmax / 127; x * (1 / scale) rounded half away from zero, 0 where
+    that is not finite): once for every weight that multiplies the same x."""
+    n, cols = x.shape
+    vectors = -(-n // LANES)
+    acts = PromptActivations(np.empty((vectors, cols * LANES), np.uint8),
+                             np.empty((vectors, cols // _BLOCK * LANES), np.float32),
+                             np.empty((vectors, cols // 16 * LANES), np.int32), n)
+    _QUANTIZE.pick(n * cols)(x, acts.xu, acts.xd, acts.xsum)
+    return acts
+
+
+def product(code: int, views: tuple[np.ndarray, ...], acts: PromptActivations, rows: int) -> np.ndarray:
+    """The quantized weight of type `code` times the activations, transposed -> float32 [n, rows].
+    views: the weight's bytes as uint8, int8, uint16 and uint32 rows (quant_matmul.CpuWeight's)."""
+    group, has_min = _GROUP[TensorType(code)]
+    out = np.empty((acts.n, rows), np.float32)
+    _PRODUCT.pick(views[0].size * acts.n)(code, views[0], acts.xu, acts.xd, acts.xsum, group, has_min, out)
+    return out
+
+
+def matmul(code: int, views: tuple[np.ndarray, ...], x: np.ndarray, rows: int) -> np.ndarray:
+    """product(code, views, quantize(x), rows): x float32 [n, cols] times the weight transposed."""
+    return product(code, views, quantize(x), rows)
+
+
+_I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_VI32, _VF32 = ir.VectorType(_I32, LANES), ir.VectorType(_F32, LANES)
+
+
+def _call(builder, name, ret, *args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+# --------------------------------------------------------------------------------------------------
+# the activations: 16 tokens per vector, quads of values interleaved by token
+# --------------------------------------------------------------------------------------------------
+@intrinsic
+def _quantize_token(typingctx, x, t, xu, xd, xsum, v, lane):
+    """Token t of x (float32 [n, cols]) into lane `lane` of vector v of xu, xd, xsum, a 32-value block
+    at a time: absmax, scale and rounding as vectors (llvm.round rounds halves away from zero)."""
+    f32, c = types.Array(types.float32, 2, "C"), "C"
+    if not (x == xd == f32 and xu == types.Array(types.uint8, 2, c) and xsum == types.Array(types.int32, 2, c)
+            and all(isinstance(i, types.Integer) for i in (t, v, lane))):
+        return None
+
+    def codegen(context, builder, sig, args):
+        xa, ua, da, sa = (context.make_array(ty)(context, builder, a) for ty, a in
+                          zip((sig.args[0], *sig.args[2:5]), (args[0], *args[2:5])))
+        t_, v_, lane_ = (builder.sext(a, _I64) if a.type.width < 64 else a for a in (args[1], args[5], args[6]))
+        v32f, v32i = ir.VectorType(_F32, 32), ir.VectorType(_I32, 32)
+        x_row = _row_ptr(builder, xa, t_, v32f)
+        u_row = builder.gep(_row_ptr(builder, ua, v_, _I8), [builder.mul(lane_, ir.Constant(_I64, 4))], inbounds=True)
+        d_row = builder.gep(_row_ptr(builder, da, v_, _F32), [lane_], inbounds=True)
+        s_row = builder.gep(_row_ptr(builder, sa, v_, _I32), [lane_], inbounds=True)
+        blocks = builder.udiv(builder.extract_value(xa.shape, 1), ir.Constant(_I64, _BLOCK))
+        with cgutils.for_range(builder, blocks) as loop:
+            b = loop.index
+            xv = builder.load(builder.gep(x_row, [b], inbounds=True), align=4)
+            amax = _max_tree(builder, _call(builder, "llvm.fabs.v32f32", v32f, xv))
+            d = builder.fdiv(amax, ir.Constant(_F32, 127.0))
+            zero = builder.fcmp_ordered("==", d, ir.Constant(_F32, 0.0))
+            inv = builder.select(zero, ir.Constant(_F32, 0.0), builder.fdiv(ir.Constant(_F32, 1.0), d))
+            value = builder.fmul(xv, _splat(builder, inv, v32f))
+            finite = builder.fcmp_ordered("<", _call(builder, "llvm.fabs.v32f32", v32f, value),
+                                          ir.Constant(v32f, [float("inf")] * 32))
+            q = builder.select(finite, builder.fptosi(_call(builder, "llvm.round.v32f32", v32f, value), v32i),
+                               ir.Constant(v32i, [0] * 32))
+            builder.store(d, builder.gep(d_row, [builder.mul(b, ir.Constant(_I64, LANES))], inbounds=True))
+            for h in range(2):
+                half = builder.shuffle_vector(q, q, ir.Constant(ir.VectorType(_I32, 16), list(range(16 * h, 16 * h + 16))))
+                at = builder.mul(builder.add(builder.mul(b, ir.Constant(_I64, 2)), ir.Constant(_I64, h)),
+                                 ir.Constant(_I64, LANES))
+                builder.store(_call(builder, "llvm.vector.reduce.add.v16i32", _I32, half),
+                              builder.gep(s_row, [at], inbounds=True))
+            u = builder.bitcast(builder.trunc(builder.add(q, ir.Constant(v32i, [128] * 32)), ir.VectorType(_I8, 32)),
+                                ir.VectorType(_I32, 8))
+            for j in range(8):  # quad j of the block: 4 bytes at lane's place of quad 8b + j
+                quad = builder.add(builder.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, j))
+                at = builder.gep(u_row, [builder.mul(quad, ir.Constant(_I64, 4 * LANES))], inbounds=True)
+                builder.store(builder.extract_element(u, ir.Constant(_I32, j)), builder.bitcast(at, _I32.as_pointer()),
+                              align=1)
+        return context.get_constant(types.int64, 0)
+
+    return types.int64(x, t, xu, xd, xsum, v, lane), codegen
+
+
+def _max_tree(builder, v):
+    """The largest element of a float vector, as a tree of vmaxps-like selects (llvm's reduce.fmax keeps
+    maxnum's NaN rule, which x86 has no instruction for: a scalar chain)."""
+    n = v.type.count
+    while n > 1:
+        low = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n // 2), list(range(n // 2))))
+        high = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n // 2), list(range(n // 2, n))))
+        v = builder.select(builder.fcmp_ordered(">", low, high), low, high)
+        n //= 2
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _quantize_vectors(x, xu, xd, xsum):
+    n = x.shape[0]
+    for v in prange(xu.shape[0]):
+        for lane in range(LANES):
+            t = v * LANES + lane
+            if t < n:
+                _quantize_token(x, t, xu, xd, xsum, v, lane)
+            else:  # padding: zeros, at scale 0
+                for j in range(lane, xd.shape[1], LANES):
+                    xd[v, j] = 0
+                for j in range(lane, xsum.shape[1], LANES):
+                    xsum[v, j] = 0
+                for j in range(xu.shape[1] // (4 * LANES)):
+                    for k in range(4):
+                        xu[v, 4 * LANES * j + 4 * lane + k] = 128
+
+
+_QUANTIZE = Twin(_quantize_vectors, 1 << 16, fastmath=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# the weights: a row unpacked to signed quants, a scale and an offset per group, and the group's
+# vpdpbusd start (-128 x the sum of its quants); in IR, from the decode tiles' own readers of each
+# block type (int8_dots' weight sides), so both read a block alike
+# --------------------------------------------------------------------------------------------------
+def _unpack_intrinsic(name, weight_side, unit_blocks, group):
+    """An intrinsic (u8, r, ws, wa, wb, wc) -> 0 unpacking row r of the weight u8 [rows, row_bytes]
+    into ws int8 [cols], wa, wb float32 [cols / group] and wc int32 [cols / group]."""
+
+    def codegen(context, builder, sig, args):
+        w, ws, wa, wb, wc = (context.make_array(t)(context, builder, a) for t, a in
+                             zip((sig.args[0], *sig.args[2:]), (args[0], *args[2:])))
+        r = builder.sext(args[1], _I64) if args[1].type.width < 64 else args[1]
+        row = builder.gep(builder.bitcast(w.data, _I8.as_pointer()), [builder.mul(r, builder.extract_value(w.strides, 0))],
+                          inbounds=True)
+        q_out = builder.bitcast(ws.data, _I8.as_pointer())
+        a_out, b_out = (builder.bitcast(v.data, _F32.as_pointer()) for v in (wa, wb))
+        c_out = builder.bitcast(wc.data, _I32.as_pointer())
+        units = builder.udiv(builder.extract_value(ws.shape, 0), ir.Constant(_I64, 32 * unit_blocks))
+        with cgutils.for_range(builder, units) as loop:
+            first = builder.mul(loop.index, ir.Constant(_I64, unit_blocks))
+            unit = weight_side(builder, row, first)
+            for k, q, kind, iscale in unit.chunks:
+                block = builder.add(first, ir.Constant(_I64, k))
+                if kind > 0:  # stored as u standing for u - kind
+                    q = builder.sub(q, ir.Constant(q.type, [kind] * 32))
+                at = builder.gep(q_out, [builder.mul(block, ir.Constant(_I64, 32))], inbounds=True)
+                builder.store(q, builder.bitcast(at, q.type.as_pointer()), align=1)
+                wide = builder.sext(q, ir.VectorType(_I32, 32))
+                for h in range(32 // group):
+                    g = builder.add(builder.mul(block, ir.Constant(_I64, 32 // group)), ir.Constant(_I64, h))
+                    part = builder.shuffle_vector(wide, wide, ir.Constant(ir.VectorType(_I32, group),
+                                                                          list(range(group * h, group * h + group))))
+                    total = _call(builder, f"llvm.vector.reduce.add.v{group}i32", _I32, part)
+                    builder.store(builder.mul(total, ir.Constant(_I32, -128)), builder.gep(c_out, [g], inbounds=True))
+                    a, b = _scale_and_offset(builder, unit, k, iscale, 4 * h)
+                    builder.store(a, builder.gep(a_out, [g], inbounds=True))
+                    if b is not None:
+                        builder.store(b, builder.gep(b_out, [g], inbounds=True))
+        return context.get_constant(types.int64, 0)
+
+    def typer(typingctx, u8, r, ws, wa, wb, wc):
+        if not (isinstance(u8, types.Array) and u8.ndim == 2 and u8.dtype == types.uint8 and u8.layout == "C"
+                and isinstance(r, types.Integer) and ws == types.Array(types.int8, 1, "C")
+                and wa == wb == types.Array(types.float32, 1, "C") and wc == types.Array(types.int32, 1, "C")):
+            return None
+        return types.int64(u8, r, ws, wa, wb, wc), codegen
+
+    typer.__name__ = f"int8_prompt_unpack_{name}"
+    return intrinsic(typer)
+
+
+def _scale_and_offset(builder, unit, k, iscale, lane):
+    """(a, b) of chunk k's values from lane `lane` of its scales (b None where the type has no offset):
+    the float products the float rows (quant_matmul) dequantize with."""
+    def lane_of(v, i):
+        return builder.extract_element(v, ir.Constant(_I32, i))
+
+    if iscale is None:  # a unit of 32-value blocks: d per block, Q4_1/Q5_1's -m as its mins
+        b = None if unit.mins is None else builder.fneg(lane_of(unit.mins, k))
+        return lane_of(unit.scales, k), b
+    a = builder.fmul(unit.d, builder.sitofp(lane_of(iscale, lane), _F32))
+    if unit.mins is not None:  # Q4_K, Q5_K: dmin * m_j per chunk
+        return a, builder.fneg(lane_of(unit.mins, k))
+    if unit.int_mins is not None:  # Q2_K: integer mins per 16 values, and dmin
+        mins, dmin = unit.int_mins
+        return a, builder.fneg(builder.fmul(dmin, builder.sitofp(lane_of(mins[k], lane), _F32)))
+    return a, None
+
+
+_UNPACK = {int(t): _unpack_intrinsic(t.name.lower(), side, blocks, _GROUP[t][0]) for t, side, blocks in (
+    (TensorType.Q8_0, int8_dots._blocks(34, int8_dots._q8_0_quants)(1), 1),
+    (TensorType.Q4_0, int8_dots._blocks(18, int8_dots._q4_0_quants)(1), 1),
+    (TensorType.Q4_1, int8_dots._blocks(20, int8_dots._q4_1_quants, has_min=True)(1), 1),
+    (TensorType.Q5_0, int8_dots._blocks(22, int8_dots._q5_0_quants)(1), 1),
+    (TensorType.Q5_1, int8_dots._blocks(24, int8_dots._q5_1_quants, has_min=True)(1), 1),
+    (TensorType.IQ4_NL, int8_dots._blocks(18, int8_dots._iq4_nl_quants)(1), 1),
+    (TensorType.Q2_K, int8_dots._q2_k, 8), (TensorType.Q3_K, int8_dots._q3_k, 8),
+    (TensorType.Q4_K, int8_dots._k4(144, 16, False), 8), (TensorType.Q5_K, int8_dots._k4(176, 48, True), 8),
+    (TensorType.Q6_K, int8_dots._q6_k, 8), (TensorType.IQ4_XS, int8_dots._iq4_xs, 8))}
+_U_Q8_0, _U_Q4_0, _U_Q4_1, _U_Q5_0, _U_Q5_1, _U_IQ4_NL = (_UNPACK[c] for c in (_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _IQ4_NL))
+_U_Q2_K, _U_Q3_K, _U_Q4_K, _U_Q5_K, _U_Q6_K, _U_IQ4_XS = (_UNPACK[c] for c in (_Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K, _IQ4_XS))
+
+
+@njit(**_STRICT)
+def _unpack_row(tt, u8, r, ws, wa, wb, wc):
+    if tt == _Q8_0:
+        _U_Q8_0(u8, r, ws, wa, wb, wc)
+    elif tt == _Q4_K:
+        _U_Q4_K(u8, r, ws, wa, wb, wc)
+    elif tt == _Q6_K:
+        _U_Q6_K(u8, r, ws, wa, wb, wc)
+    elif tt == _Q5_K:
+        _U_Q5_K(u8, r, ws, wa, wb, wc)
+    elif tt == _Q4_0:
+        _U_Q4_0(u8, r, ws, wa, wb, wc)
+    elif tt == _Q4_1:
+        _U_Q4_1(u8, r, ws, wa, wb, wc)
+    elif tt == _Q5_0:
+        _U_Q5_0(u8, r, ws, wa, wb, wc)
+    elif tt == _Q5_1:
+        _U_Q5_1(u8, r, ws, wa, wb, wc)
+    elif tt == _IQ4_NL:
+        _U_IQ4_NL(u8, r, ws, wa, wb, wc)
+    elif tt == _Q2_K:
+        _U_Q2_K(u8, r, ws, wa, wb, wc)
+    elif tt == _Q3_K:
+        _U_Q3_K(u8, r, ws, wa, wb, wc)
+    else:
+        _U_IQ4_XS(u8, r, ws, wa, wb, wc)
+
+
+# --------------------------------------------------------------------------------------------------
+# the tile: 4 unpacked rows x every token vector, in IR
+# --------------------------------------------------------------------------------------------------
+def _splat(builder, value, vector_type):
+    v = builder.insert_element(ir.Constant(vector_type, None), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count))
+
+
+def _quads(builder, acc, x, w):
+    """acc + per lane the sum of 4 products (x: 4 unsigned bytes a lane, w: 4 signed bytes a lane),
+    exact: vpdpbusd, or the same integers portably."""
+    if _VNNI:
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _VI32, acc, x, w)
+    wide = ir.VectorType(_I32, 4 * LANES)
+    v64 = ir.VectorType(_I8, 4 * LANES)
+    prod = builder.mul(builder.zext(builder.bitcast(x, v64), wide), builder.sext(builder.bitcast(w, v64), wide))
+    total = acc
+    for k in range(4):
+        lanes = ir.Constant(ir.VectorType(_I32, LANES), [4 * j + k for j in range(LANES)])
+        total = builder.add(total, builder.shuffle_vector(prod, prod, lanes))
+    return total
+
+
+def _row_ptr(builder, array, row, elem):
+    base = builder.bitcast(array.data, _I8.as_pointer())
+    at = builder.gep(base, [builder.mul(row, builder.extract_value(array.strides, 0))], inbounds=True)
+    return builder.bitcast(at, elem.as_pointer())
+
+
+def _load(builder, ptr, index, vector_type=None, align=1):
+    at = builder.gep(ptr, [index], inbounds=True)
+    if vector_type is None:
+        return builder.load(at, align=align)
+    return builder.load(builder.bitcast(at, vector_type.as_pointer()), align=align)
+
+
+def _rows_tile(group, has_min):
+    """An intrinsic (ws, wa, wb, wc, i, xu, xd, xsum, res) -> 0: res[i + r, 16 v .. 16 v + 15] = rows
+    i..i+3 of the unpacked weights (ws int8 [16, cols], wa/wb float32 and wc int32 [16, cols / group])
+    times token vector v of the activations, for every v of xu."""
+    quads = group // 4
+
+    def codegen(context, builder, sig, args):
+        ws, wa, wb, wc, _, xu, xd, xsum, res, _ = (context.make_array(t)(context, builder, a) if isinstance(t, types.Array)
+                                              else None for t, a in zip(sig.args, args))
+        i = builder.sext(args[4], _I64) if args[4].type.width < 64 else args[4]
+        rows = [builder.add(i, ir.Constant(_I64, r)) for r in range(_TILE_ROWS)]
+        w_rows = [_row_ptr(builder, ws, r, _I32) for r in rows]  # quads of 4 int8 as i32
+        a_rows, b_rows = ([_row_ptr(builder, arr, r, _F32) for r in rows] for arr in (wa, wb))
+        c_rows = [_row_ptr(builder, wc, r, _I32) for r in rows]
+        res_rows = [_row_ptr(builder, res, r, _F32) for r in rows]
+        groups = builder.extract_value(wa.shape, 1)
+        vectors = builder.extract_value(xu.shape, 0)
+        accs = [[cgutils.alloca_once(builder, _VF32) for _ in range(2)] for _ in range(_TILE_ROWS)]
+
+        def tile(v0, count):
+            x_rows = [_row_ptr(builder, xu, builder.add(v0, ir.Constant(_I64, g)), _VI32) for g in range(count)]
+            d_rows = [_row_ptr(builder, xd, builder.add(v0, ir.Constant(_I64, g)), _VF32) for g in range(count)]
+            s_rows = [_row_ptr(builder, xsum, builder.add(v0, ir.Constant(_I64, g)), _VI32) for g in range(count)]
+            for row in accs:
+                for g in range(count):
+                    builder.store(ir.Constant(_VF32, [0.0] * LANES), row[g])
+            with cgutils.for_range(builder, groups) as loop:
+                k = loop.index
+                ints = [[_splat(builder, _load(builder, c, k), _VI32)] * count for c in c_rows]
+                for j in range(quads):
+                    q = builder.add(builder.mul(k, ir.Constant(_I64, quads)), ir.Constant(_I64, j))
+                    xv = [_load(builder, x, q, align=1) for x in x_rows]
+                    for r in range(_TILE_ROWS):
+                        wv = _splat(builder, _load(builder, w_rows[r], q), _VI32)
+                        ints[r] = [_quads(builder, ints[r][g], xv[g], wv) for g in range(count)]
+                block = builder.udiv(builder.mul(k, ir.Constant(_I64, group)), ir.Constant(_I64, _BLOCK))
+                dx = [_load(builder, d, block, align=4) for d in d_rows]
+                sums = [_activation_sums(builder, s, k, dx[g]) for g, s in enumerate(s_rows)] if has_min else None
+                for r in range(_TILE_ROWS):
+                    a = _splat(builder, _load(builder, a_rows[r], k, align=4), _VF32)
+                    b = _splat(builder, _load(builder, b_rows[r], k, align=4), _VF32) if has_min else None
+                    for g in range(count):
+                        acc = builder.load(accs[r][g])
+                        scale = builder.fmul(a, dx[g])
+                        acc = _call(builder, "llvm.fma.v16f32", _VF32, scale, builder.sitofp(ints[r][g], _VF32), acc)
+                        if has_min:
+                            acc = _call(builder, "llvm.fma.v16f32", _VF32, b, sums[g], acc)
+                        builder.store(acc, accs[r][g])
+            for r in range(_TILE_ROWS):
+                for g in range(count):
+                    at = builder.mul(builder.add(v0, ir.Constant(_I64, g)), ir.Constant(_I64, LANES))
+                    ptr = builder.bitcast(builder.gep(res_rows[r], [at], inbounds=True), _VF32.as_pointer())
+                    builder.store(builder.load(accs[r][g]), ptr, align=4)
+
+        v0 = builder.sext(args[9], _I64) if args[9].type.width < 64 else args[9]
+        with builder.if_else(builder.icmp_unsigned(">=", builder.sub(vectors, v0), ir.Constant(_I64, 2))) as (pair, one):
+            with pair:
+                tile(v0, 2)
+            with one:
+                tile(v0, 1)
+        return context.get_constant(types.int64, 0)
+
+    def _activation_sums(builder, s_row, k, dx):
+        """<16 x float>: dx x the sum of group k's activation quants (int32 sums per 16 values)."""
+        if group == 16:
+            total = _load(builder, s_row, k, align=4)
+        else:
+            first = builder.mul(k, ir.Constant(_I64, 2))
+            total = builder.add(_load(builder, s_row, first, align=4),
+                                _load(builder, s_row, builder.add(first, ir.Constant(_I64, 1)), align=4))
+        return builder.fmul(dx, builder.sitofp(total, _VF32))
+
+    def typer(typingctx, ws, wa, wb, wc, i, xu, xd, xsum, res, v0):
+        f32, c = types.Array(types.float32, 2, "C"), "C"
+        if not (ws == types.Array(types.int8, 2, c) and wa == wb == xd == res == f32
+                and wc == xsum == types.Array(types.int32, 2, c) and xu == types.Array(types.uint8, 2, c)
+                and isinstance(i, types.Integer) and isinstance(v0, types.Integer)):
+            return None
+        return types.int64(ws, wa, wb, wc, i, xu, xd, xsum, res, v0), codegen
+
+    typer.__name__ = f"int8_prompt_rows_{group}{'_min' if has_min else ''}"
+    return intrinsic(typer)
+
+
+_TILE_32 = _rows_tile(32, False)
+_TILE_32_MIN = _rows_tile(32, True)
+_TILE_16 = _rows_tile(16, False)
+_TILE_16_MIN = _rows_tile(16, True)
+
+
+# --------------------------------------------------------------------------------------------------
+# the driver: activations quantized in parallel, then 16 rows per work item
+# --------------------------------------------------------------------------------------------------
+def _product(tt, u8, xu, xd, xsum, group, has_min, out):
+    n, rows = out.shape
+    cols = xu.shape[1] // LANES
+    groups = cols // group
+    for c in prange((rows + _CHUNK_ROWS - 1) // _CHUNK_ROWS):
+        r0 = c * _CHUNK_ROWS
+        nr = min(_CHUNK_ROWS, rows - r0)
+        ws = np.zeros((_CHUNK_ROWS, cols), np.int8)
+        wa = np.zeros((_CHUNK_ROWS, groups), np.float32)
+        wb = np.zeros((_CHUNK_ROWS, groups), np.float32)
+        wc = np.zeros((_CHUNK_ROWS, groups), np.int32)
+        res = np.empty((_CHUNK_ROWS, xu.shape[0] * LANES), np.float32)
+        for i in range(nr):
+            _unpack_row(tt, u8, r0 + i, ws[i], wa[i], wb[i], wc[i])
+        for v in range(0, xu.shape[0], _TILE_VECTORS):  # a pair of token vectors meets every row of the chunk
+            for i in range(0, nr, _TILE_ROWS):  # rows past nr are zeros: their results are left unread
+                if group == 32:
+                    if has_min:
+                        _TILE_32_MIN(ws, wa, wb, wc, i, xu, xd, xsum, res, v)
+                    else:
+                        _TILE_32(ws, wa, wb, wc, i, xu, xd, xsum, res, v)
+                elif has_min:
+                    _TILE_16_MIN(ws, wa, wb, wc, i, xu, xd, xsum, res, v)
+                else:
+                    _TILE_16(ws, wa, wb, wc, i, xu, xd, xsum, res, v)
+        for t in range(n):
+            for i in range(nr):
+                out[t, r0 + i] = res[i, t]
+
+
+_PRODUCT = Twin(_product, 1 << 17, fastmath=False)

@@ -1,0 +1,89 @@
+"""kernels/cpu/int8_prompt.py: prompt rows of quantized weights with int8 activations (prompt_act q8_0).
+
+The reference is numpy's: every 32 values of a token quantized with scale absmax / 127 (float32, halves
+rounded away from zero), then dequantize(W) @ x_hat in float64. The kernel's integer sums are exact, so
+it may differ from the reference only by float32 rounding of its per-group terms.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ember.kernels.cpu import int8_prompt
+from ember.kernels.cpu.backend import CpuOps
+from ember.kernels.cpu.quant_matmul import CpuWeight, matmul, pack
+from ember.kernels.raw_tensor import RawTensor
+from ember.kernels.reference.quant import dequantize, quantize
+from ember.kernels.tensor_types import TensorType
+
+TYPES = sorted(int8_prompt.INT8_PROMPT_TYPES)
+REL_TOL = 2e-6  # of sum |w x_hat| per output: float32 rounding of ~cols/16 group terms
+
+
+def x_hat(x: np.ndarray) -> np.ndarray:
+    """x after the kernel's round trip, in float64."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
+    inv = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, np.float32(1), d)).astype(np.float32)
+    v = (blocks * inv).astype(np.float32)
+    q = np.trunc(v)
+    q += np.where(np.abs(v - q) >= 0.5, np.sign(v), 0)
+    return (q.astype(np.float64) * d).reshape(x.shape)
+
+
+def weight(ttype: TensorType, rows: int, cols: int, seed: int = 0) -> tuple[CpuWeight, np.ndarray]:
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    w[0, :32] = -np.abs(w).max()  # a block whose quants reach the format's extreme
+    data = quantize(ttype, w)
+    return pack(RawTensor("w", ttype, (rows, cols), data)), dequantize(ttype, data, cols).astype(np.float64)
+
+
+@pytest.mark.parametrize("ttype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows, n", [(1, 1), (21, 17), (37, 40)])
+def test_product_equals_the_reference(ttype: TensorType, rows: int, n: int) -> None:
+    w, w64 = weight(ttype, rows, 512)
+    x = np.random.default_rng(1).standard_normal((n, 512)).astype(np.float32)
+    x[0, 64:96] = 0  # a block of zeros: scale 0
+    y = matmul(x, w, False, int8_prompts=True)
+    xh = x_hat(x)
+    expected, scale = xh @ w64.T, np.abs(xh) @ np.abs(w64).T
+    assert y.dtype == np.float32 and y.shape == (n, rows)
+    excess = np.abs(y - expected) - REL_TOL * scale
+    assert excess.max() <= 0, f"worst excess {excess.max():.3g}"
+    # and it is an int8 product, not the float one: x_hat, not x, is what was multiplied
+    assert np.abs(y - x.astype(np.float64) @ w64.T).max() > 10 * np.abs(y - expected).max()
+
+
+@pytest.mark.parametrize("ttype", [TensorType.Q8_0, TensorType.Q4_K, TensorType.Q6_K], ids=lambda t: t.name)
+def test_a_tokens_result_does_not_depend_on_its_call(ttype: TensorType) -> None:
+    """The same token alone, in a short call, at any lane of a 16-token vector, in an odd or an even
+    vector: the same bits (a prompt's logits must not depend on how its steps were cut)."""
+    w, _ = weight(ttype, 70, 768)
+    x = np.random.default_rng(2).standard_normal((53, 768)).astype(np.float32)
+    whole = matmul(x, w, False, int8_prompts=True)
+    for first, count in ((0, 1), (7, 1), (5, 11), (16, 16), (30, 23), (40, 13)):
+        part = matmul(x[first:first + count], w, False, int8_prompts=True)
+        assert np.array_equal(part, whole[first:first + count]), (first, count)
+
+
+def test_the_ops_take_prompt_rows_through_it_and_leave_decode_rows_alone() -> None:
+    w, _ = weight(TensorType.Q4_K, 48, 512)
+    x = np.random.default_rng(3).standard_normal((6, 512)).astype(np.float32)
+    decode = np.array([False, True, False, False, True, False])
+    ops = CpuOps()
+    exact = ops.matmul(x, w, decode)
+    ops.prompt_act = "q8_0"
+    quantized = ops.matmul(x, w, decode)
+    assert np.array_equal(quantized[decode], exact[decode])  # decode rows: the decode tiles either way
+    assert np.array_equal(quantized[~decode], matmul(x[~decode], w, False, int8_prompts=True))
+    assert not np.array_equal(quantized[~decode], exact[~decode])
+    gate, _ = weight(TensorType.Q4_K, 48, 512, seed=4)
+    fused = ops.swiglu_matmul(x, gate, w, decode)
+    parts = ops.swiglu(ops.matmul(x, gate, decode), ops.matmul(x, w, decode))
+    assert np.array_equal(fused[~decode], parts[~decode])
+
+
+def test_float_weights_are_untouched_by_the_policy() -> None:
+    w = pack(RawTensor("w", TensorType.F32, (8, 64), np.random.default_rng(5).standard_normal((8, 64)).astype(np.float32)))
+    x = np.random.default_rng(6).standard_normal((3, 64)).astype(np.float32)
+    assert np.array_equal(matmul(x, w, False, int8_prompts=True), matmul(x, w, False))
