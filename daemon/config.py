@@ -14,7 +14,7 @@
                max_logits_bytes, max_logits_bytes_per_user, stall_timeout
     [engine]   device, kv_dtype, ctx, max_active, max_queued, max_per_process, max_step_tokens, prefix_caching,
                prefix_sharing,
-               decode_burst_ms, warmup, threads, decode_act, cuda_kernels, devices, split, act_dtype,
+               decode_burst_ms, warmup, threads, decode_act, prompt_act, cuda_kernels, devices, split, act_dtype,
                stage_threads (a layer split: docs/layer_split.md)
     [limits]   see protocol/limits.py
 
@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 
 from ember.daemon.engine.decode_burst import DECODE_BURST
-from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES, STORAGE_DTYPES
+from ember.kernels.convert import DECODE_ACTIVATIONS, DEFAULT_PROMPT_ACT, KV_DTYPES, PROMPT_ACTIVATIONS, STORAGE_DTYPES
 from ember.kernels.cuda.native_kernels import CUDA_KERNELS
 from ember.daemon.planning.precision import ACT_DTYPES
 from ember.daemon.runner.devices import DeviceName
@@ -159,6 +159,7 @@ class EngineConfig(_Section):
     warmup: bool = True  # run a short generation before READY (loads the compiled kernels)
     threads: int = 0  # kernel threads of the engine process; 0: one per core
     decode_act: str = "q8_0"  # activations of generated tokens against quantized weights: q8_0 (fast, llama.cpp's) or f32
+    prompt_act: str = DEFAULT_PROMPT_ACT  # and of prompt tokens: q8_0 (fast, as decode's and llama.cpp's) or f32 (exact)
     # on a cuda device: "numba" (the numba.cuda kernels) or "native" (the CUDA C++ kernels through CuPy, the
     # decode step replayed as a graph; dense models on cuda:0, docs/cuda.md)
     cuda_kernels: str = "numba"
@@ -183,6 +184,8 @@ class EngineConfig(_Section):
         _check(self.kv_dtype in ("", *KV_DTYPES), f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         _check(self.decode_act in DECODE_ACTIVATIONS,
                f"decode_act must be one of {', '.join(DECODE_ACTIVATIONS)}, got {self.decode_act!r}")
+        _check(self.prompt_act in PROMPT_ACTIVATIONS,
+               f"prompt_act must be one of {', '.join(PROMPT_ACTIVATIONS)}, got {self.prompt_act!r}")
         _check(self.cuda_kernels in CUDA_KERNELS,
                f"cuda_kernels must be one of {', '.join(CUDA_KERNELS)}, got {self.cuda_kernels!r}")
         _check(self.ctx >= 0, f"ctx must be >= 0, got {self.ctx}")

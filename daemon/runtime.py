@@ -27,7 +27,7 @@ from ember.daemon.loader.model_file import ModelFile, open_model_file
 from ember.daemon.loader.model_file_error import ModelFileError
 from ember.daemon.models.dflash import DFlashDraft
 from ember.daemon.models.transformer import Transformer
-from ember.daemon.runner.devices import DeviceName, backend_for
+from ember.daemon.runner.devices import DeviceName, backend_for, model_ops
 from ember.daemon.runner.model_runner import ModelRunner
 from ember.daemon.runner.native_decoder import NativeDecoder
 from ember.daemon.runner.native_runner import NativeRunner
@@ -46,10 +46,9 @@ from ember.daemon.speculative.spec_switch import SpecSwitch
 from ember.daemon.text.grammar import compile_grammar
 from ember.daemon.text.text_model import TextModel, sampling_of, tokenizer_of
 from ember.daemon.text.tokenizer import Tokenizer
-from ember.kernels.convert import DECODE_ACTIVATIONS, DEFAULT_KV_DTYPE, KV_DTYPES, PROMPT_ACTIVATIONS
+from ember.kernels.convert import DECODE_ACTIVATIONS, DEFAULT_KV_DTYPE, DEFAULT_PROMPT_ACT, KV_DTYPES, PROMPT_ACTIVATIONS
 from ember.kernels.cuda.native_kernels import CUDA_KERNELS
 from ember.kernels.cuda.native_launch import NativeOps
-from ember.kernels.ops import Ops
 from ember.kernels.sampling import SamplingParams
 from ember.protocol.messages import Grammar
 
@@ -65,7 +64,8 @@ class Model(TextModel):
                  decode_act: str = "q8_0", pipeline: Pipeline | None = None,
                  experts: ExpertOptions | None = None, draft: ModelFile | None = None, draft_tokens: int = 4,
                  feature_dtype: str = "f32", on_layer: Callable[[int, int], None] | None = None,
-                 cuda_kernels: str = "numba", native_ops: NativeOps | None = None, prompt_act: str = "f32") -> None:
+                 cuda_kernels: str = "numba", native_ops: NativeOps | None = None,
+                 prompt_act: str = DEFAULT_PROMPT_ACT) -> None:
         """On `device`, or split across `pipeline`'s stages (its workers already loaded); a MoE
         model's experts placed by `experts`; `draft` proposes `draft_tokens` tokens a step (a DFlash
         draft reads the target's features, mirrored in `feature_dtype`); on_layer(placed, in all) as
@@ -82,7 +82,7 @@ class Model(TextModel):
         self._native = None if cuda_kernels == "numba" else _native_decoder(mf, name, kv_dtype, decode_act, pipeline,
                                                                            draft, native_ops)
         self.prompt_act = prompt_act
-        self._net = None if pipeline or self._native else Transformer(mf, self._ops(name), experts=experts,
+        self._net = None if pipeline or self._native else Transformer(mf, model_ops(name, prompt_act), experts=experts,
                                                                       on_layer=on_layer)
         self.draft_path = None if draft is None else draft.path
         self.draft_tokens = draft_tokens
@@ -98,15 +98,9 @@ class Model(TextModel):
         if draft is not None:
             # beside a split the draft runs where sampling does: the engine's process, on the host CPU
             at = DeviceName("cpu") if pipeline is not None else name
-            self._draft = DFlashDraft(draft, self.net) if is_dflash(draft) else Transformer(draft, self._ops(at))
+            self._draft = DFlashDraft(draft, self.net) if is_dflash(draft) else Transformer(draft, model_ops(at, prompt_act))
         self._spec_stats = SpecStats()
         self._burst_clocks: dict[tuple[float, int], BurstClock] = {}
-
-    def _ops(self, name: DeviceName) -> Ops:
-        """The backend's ops for `name`, computing prompt rows with this model's prompt_act."""
-        ops = backend_for(name).ops(name)
-        ops.prompt_act = self.prompt_act
-        return ops
 
     def __repr__(self) -> str:
         c = self.config
@@ -296,7 +290,7 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = DEFAULT_KV_DTYPE
          expert_budget: int | str | None = None, cold_workers: int | None = None, cold_policy: str = "exact",
          draft: str | Path | None = None, draft_tokens: int = 4, feature_dtype: str | None = None,
          env: Mapping[str, str] | None = None, on_layer: Callable[[int, int], None] | None = None,
-         cuda_kernels: str = "numba", prompt_act: str = "f32") -> Model:
+         cuda_kernels: str = "numba", prompt_act: str = DEFAULT_PROMPT_ACT) -> Model:
     """Open a GGUF file or Hugging Face directory (or a model named on the Hugging Face hub, owner/repo
     or owner/repo:QUANT: fetched into its cache first, daemon/loader/hub.py) and place the model on
     `device` ("cpu"); its KV
@@ -382,10 +376,10 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = DEFAULT_KV_DTYPE
                                  "(ray:0/cpu,ray:1/cpu,...), none in local processes")
         from ember.daemon.runner.ray_pipeline import RayPipeline
 
-        on_ray = RayPipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, stage_threads)
+        on_ray = RayPipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, stage_threads, prompt_act)
         return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, on_ray, draft=draft_file,  # type: ignore[arg-type]
-                     draft_tokens=draft_tokens)
+                     draft_tokens=draft_tokens, prompt_act=prompt_act)
     threads = stage_threads_for(stage_threads, max(1, cpu_stages(names)), len(os.sched_getaffinity(0)))
-    pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads, shm_owner)
+    pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads, shm_owner, prompt_act)
     return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, pipeline, draft=draft_file,
-                 draft_tokens=draft_tokens)
+                 draft_tokens=draft_tokens, prompt_act=prompt_act)

@@ -1,8 +1,9 @@
 """kernels/cpu/int8_prompt.py: prompt rows of quantized weights with int8 activations (prompt_act q8_0).
 
-The reference is numpy's: every 32 values of a token quantized with scale absmax / 127 (float32, halves
-rounded away from zero), then dequantize(W) @ x_hat in float64. The kernel's integer sums are exact, so
-it may differ from the reference only by float32 rounding of its per-group terms.
+The activations are quantized as the decode rows' are (ggml's q8_0 against 32-value block types, q8_K
+against K-quants: test_quant_matmul.x_hat), so the reference is dequantize(W) @ x_hat in float64, and
+the kernel, whose integer sums are exact, may differ from it only by float32 rounding of its per-group
+terms; from the decode tiles' result, only by the order those roundings come in.
 """
 from __future__ import annotations
 
@@ -15,20 +16,10 @@ from ember.kernels.cpu.quant_matmul import CpuWeight, matmul, pack
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.reference.quant import dequantize, quantize
 from ember.kernels.tensor_types import TensorType
+from test_quant_matmul import x_hat
 
 TYPES = sorted(int8_prompt.INT8_PROMPT_TYPES)
 REL_TOL = 2e-6  # of sum |w x_hat| per output: float32 rounding of ~cols/16 group terms
-
-
-def x_hat(x: np.ndarray) -> np.ndarray:
-    """x after the kernel's round trip, in float64."""
-    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
-    d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
-    inv = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, np.float32(1), d)).astype(np.float32)
-    v = (blocks * inv).astype(np.float32)
-    q = np.trunc(v)
-    q += np.where(np.abs(v - q) >= 0.5, np.sign(v), 0)
-    return (q.astype(np.float64) * d).reshape(x.shape)
 
 
 def weight(ttype: TensorType, rows: int, cols: int, seed: int = 0) -> tuple[CpuWeight, np.ndarray]:
@@ -45,13 +36,16 @@ def test_product_equals_the_reference(ttype: TensorType, rows: int, n: int) -> N
     x = np.random.default_rng(1).standard_normal((n, 512)).astype(np.float32)
     x[0, 64:96] = 0  # a block of zeros: scale 0
     y = matmul(x, w, False, int8_prompts=True)
-    xh = x_hat(x)
+    xh = x_hat(x, ttype)
     expected, scale = xh @ w64.T, np.abs(xh) @ np.abs(w64).T
     assert y.dtype == np.float32 and y.shape == (n, rows)
     excess = np.abs(y - expected) - REL_TOL * scale
     assert excess.max() <= 0, f"worst excess {excess.max():.3g}"
     # and it is an int8 product, not the float one: x_hat, not x, is what was multiplied
     assert np.abs(y - x.astype(np.float64) @ w64.T).max() > 10 * np.abs(y - expected).max()
+    # the decode rows of the same tokens multiply the same x_hat: equal up to float32 rounding
+    decode = matmul(x, w, True)
+    assert (np.abs(y - decode) - 2 * REL_TOL * scale).max() <= 0
 
 
 @pytest.mark.parametrize("ttype", [TensorType.Q8_0, TensorType.Q4_K, TensorType.Q6_K], ids=lambda t: t.name)

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from ember.kernels import get_ops
 from ember.kernels.ops import Ops
+from ember.kernels.convert import DEFAULT_PROMPT_ACT
 
 
 @dataclass(frozen=True)
@@ -209,3 +210,11 @@ def backend_for(device: str | DeviceName) -> Backend:
         raise ValueError(f"{name}: this build of ember has no {name.kind} backend yet "
                          f"(available: {', '.join(BACKENDS)})")
     return backend
+
+
+def model_ops(device: DeviceName, prompt_act: str = DEFAULT_PROMPT_ACT) -> Ops:
+    """The kernels for one model on `device` (backend_for(device).ops), computing its prompt rows
+    against quantized weights with `prompt_act` activations (kernels/convert.PROMPT_ACTIVATIONS)."""
+    ops = backend_for(device).ops(device)
+    ops.prompt_act = prompt_act
+    return ops

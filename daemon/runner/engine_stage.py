@@ -21,16 +21,18 @@ import numpy as np
 
 from ember.daemon.loader.model_file import open_model_file
 from ember.daemon.models.transformer import Transformer
-from ember.daemon.runner.devices import backend_for
+from ember.daemon.runner.devices import backend_for, model_ops
 from ember.daemon.models.kv_cache import PagedKVCache
 from ember.daemon.runner.split_spec import StageSpec
 from ember.daemon.runner.stage_process import CacheSpec
 from ember.daemon.runner.staging import Boundary
 from ember.daemon.step.step_batch import StepBatch
+from ember.kernels.convert import DEFAULT_PROMPT_ACT
 
 
 class EngineStage:
-    def __init__(self, model_path: str, spec: StageSpec, inbox: Boundary, threads: int) -> None:
+    def __init__(self, model_path: str, spec: StageSpec, inbox: Boundary, threads: int,
+                 prompt_act: str = DEFAULT_PROMPT_ACT) -> None:
         """`inbox`: the boundary the stage before writes this stage's hidden states to; `threads`: its
         kernels' threads, on the engine's thread (numba's count is per calling thread). The thread is
         not pinned: pinned to the CPU the workers leave it while it ran the stage, the demo model's
@@ -38,7 +40,7 @@ class EngineStage:
         backend = backend_for(spec.device)
         backend.prepare()
         self.spec, self.inbox, self.threads = spec, inbox, min(threads, numba.config.NUMBA_NUM_THREADS)
-        self.net = Transformer(open_model_file(model_path), backend.ops(spec.device), range(spec.first, spec.end))
+        self.net = Transformer(open_model_file(model_path), model_ops(spec.device, prompt_act), range(spec.first, spec.end))
         self.caches: dict[int, PagedKVCache] = {}
         self._specs: dict[int, CacheSpec] = {}
 

@@ -50,6 +50,7 @@ from ember.daemon.runner.stage_process import READY_TIMEOUT, CacheSpec, ProcessS
 from ember.daemon.runner.stage_worker import stage_cpus
 from ember.daemon.runner.staging import Boundary, LogitsRows, Segment
 from ember.daemon.step.step_batch import StepBatch
+from ember.kernels.convert import DEFAULT_PROMPT_ACT
 
 log = logging.getLogger("ember.pipeline")
 
@@ -91,10 +92,11 @@ class Ticket:
 
 class Pipeline:
     def __init__(self, model_path: str, config: ModelConfig, stages: Sequence[StageSpec], act_dtype: str,
-                 max_tokens: int, threads: int = 1, shm_owner: str | None = None) -> None:
+                 max_tokens: int, threads: int = 1, shm_owner: str | None = None,
+                 prompt_act: str = DEFAULT_PROMPT_ACT) -> None:
         """Start a worker per stage (they load in parallel); `max_tokens`: tokens per step at most (the
         engines' max_step_tokens); `threads`: kernel threads per stage; shm_owner: names the segments
-        after the daemon's socket (staging.Segment.create)."""
+        after the daemon's socket (staging.Segment.create); prompt_act: the stages' prompt activations."""
         if config.linear is not None:  # stages would each need the sequences' recurrent state slots
             raise ValueError(f"{model_path}: a layer split of a hybrid model ({config.arch}) is not supported")
         if config.layer_input_dim or config.kv_shared_layers:  # later stages would need the first one's inputs, K/V
@@ -119,9 +121,10 @@ class Pipeline:
             inbox, outbox = names[i - 1] if i else "", names[i]
             if s.device.kind == "cpu":
                 setup = Setup(model_path, s.first, s.end, s.device.index or 0, threads, act_dtype, max_tokens, inbox,
-                              outbox, pins[s])
+                              outbox, pins[s], prompt_act=prompt_act)
             else:  # its kernels take no host threads; it sees its GPU alone, as cuda:0 (ProcessStage.spawn)
-                setup = Setup(model_path, s.first, s.end, 0, 1, act_dtype, max_tokens, inbox, outbox, device="cuda:0")
+                setup = Setup(model_path, s.first, s.end, 0, 1, act_dtype, max_tokens, inbox, outbox, device="cuda:0",
+                              prompt_act=prompt_act)
             self.stages.append(_stage_for(s.device, setup))
         self._closer = weakref.finalize(self, _close, self.stages, self._segments)
         # called every few seconds while stages restart (the step that found a death waits for them):
@@ -129,7 +132,7 @@ class Pipeline:
         self.heartbeat: Callable[[], None] = lambda: None
         try:
             if local:
-                self.engine_stage = EngineStage(model_path, stages[-1], self.boundaries[-1], threads)
+                self.engine_stage = EngineStage(model_path, stages[-1], self.boundaries[-1], threads, prompt_act)
             self._start_stages()
         except BaseException:
             self.close()

@@ -45,7 +45,7 @@ from ember.daemon.runner.stage_channel import Batch, pack_batch, unpack_batch
 from ember.daemon.runner.stage_process import CacheSpec
 from ember.daemon.runner.step_run import KVStateLost
 from ember.daemon.step.step_batch import StepBatch
-from ember.kernels.convert import decode_rows, encode_rows
+from ember.kernels.convert import DEFAULT_PROMPT_ACT, decode_rows, encode_rows
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT = 600.0  # seconds for the placement and every stage's load
@@ -56,17 +56,18 @@ _decode_batch = msgspec.msgpack.Decoder(Batch).decode
 class RayStage:
     """The actor behind one stage: its layers' weights, one KV cache per runner, and its micro-batches."""
 
-    def __init__(self, model_path: str, first: int, end: int, threads: int, act_dtype: str) -> None:
+    def __init__(self, model_path: str, first: int, end: int, threads: int, act_dtype: str,
+                 prompt_act: str = DEFAULT_PROMPT_ACT) -> None:
         import numba
 
         from ember.daemon.loader.model_file import open_model_file
         from ember.daemon.models.transformer import Transformer
-        from ember.daemon.runner.devices import CpuBackend, DeviceName
+        from ember.daemon.runner.devices import CpuBackend, DeviceName, model_ops
 
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         backend = CpuBackend()
         backend.prepare()
-        self.net = Transformer(open_model_file(model_path), backend.ops(DeviceName("cpu")), range(first, end))
+        self.net = Transformer(open_model_file(model_path), model_ops(DeviceName("cpu"), prompt_act), range(first, end))
         self.act_dtype = act_dtype
         self.caches: dict[int, Any] = {}
 
@@ -124,8 +125,9 @@ class RayPipeline:
     engine_stage = None  # every stage is an actor: the engine's own thread runs none
 
     def __init__(self, model_path: str, config: ModelConfig, stages: Sequence[StageSpec], act_dtype: str,
-                 max_tokens: int, threads: int = 0) -> None:
-        """Place the stages (threads: kernel threads and CPUs per stage; 0: the fewest CPUs of a node)."""
+                 max_tokens: int, threads: int = 0, prompt_act: str = DEFAULT_PROMPT_ACT) -> None:
+        """Place the stages (threads: kernel threads and CPUs per stage; 0: the fewest CPUs of a node;
+        prompt_act: their prompt activations)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -156,7 +158,8 @@ class RayPipeline:
         self.stages = [RayStageHandle(s, actor.options(
             num_cpus=self.threads, max_restarts=-1, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=s.device.index or 0),
-        ).remote(model_path, s.first, s.end, self.threads, act_dtype)) for s in stages]
+        ).remote(model_path, s.first, s.end, self.threads, act_dtype, prompt_act))
+            for s in stages]
         try:
             self._locate(READY_TIMEOUT)
         except BaseException:

@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 
 from ember.daemon.step.step_batch import StepBatch
+from ember.kernels.convert import DEFAULT_PROMPT_ACT
 
 class _Msg(msgspec.Struct, frozen=True, array_like=True, tag=True):
     pass
@@ -36,6 +37,7 @@ class Setup(_Msg):
     # "cpu" (the worker binds to numa_node) or "cuda:0": the GPU the engine made the worker's only
     # visible one (CUDA_VISIBLE_DEVICES), so a stage on cuda:N runs its kernels on cuda:0 of its own
     device: str = "cpu"
+    prompt_act: str = DEFAULT_PROMPT_ACT  # activations of prompt rows against quantized weights (kernels/convert.py)
 
 
 class Ready(_Msg):

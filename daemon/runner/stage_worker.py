@@ -29,7 +29,7 @@ from pathlib import Path
 
 import msgspec
 
-from ember.daemon.runner.devices import DeviceName, backend_for
+from ember.daemon.runner.devices import DeviceName, backend_for, model_ops
 from ember.daemon.models.kv_cache import PagedKVCache
 from ember.daemon.channel import Channel, ChannelClosed
 from ember.daemon.runner.stage_channel import (DECODER, Done, DropCache, Failed, NewCache, Ready, Run, Setup, Stop,
@@ -135,7 +135,8 @@ class StageWorker:
         device = DeviceName.parse(setup.device)
         backend = backend_for(device)
         backend.prepare()
-        self.net = Transformer(open_model_file(setup.model), backend.ops(device), range(setup.first, setup.end))
+        self.net = Transformer(open_model_file(setup.model), model_ops(device, setup.prompt_act),
+                               range(setup.first, setup.end))
         self.max_tokens = setup.max_tokens
         cfg = self.net.config
         self.inbox = None if not setup.inbox else Boundary(Segment.attach(setup.inbox), cfg.hidden, setup.max_tokens,

@@ -64,6 +64,9 @@ _GROUP = {TensorType.Q8_0: (32, False), TensorType.Q4_0: (32, False), TensorType
           TensorType.Q5_1: (32, True), TensorType.Q4_K: (32, True), TensorType.Q5_K: (32, True),
           TensorType.Q6_K: (16, False), TensorType.Q3_K: (16, False), TensorType.Q2_K: (16, True)}
 INT8_PROMPT_TYPES = frozenset(_GROUP)
+_K_ACTIVATIONS = np.zeros(max(TensorType) + 1, np.bool_)
+_K_ACTIVATIONS[[TensorType.Q2_K, TensorType.Q3_K, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K,
+                TensorType.IQ4_XS]] = True
 
 _STRICT = dict(cache=True, nogil=True)
 
@@ -72,31 +75,42 @@ _STRICT = dict(cache=True, nogil=True)
 class PromptActivations:
     """n tokens' activations quantized for the product, 16 tokens per vector v: xu uint8 [v, cols * 16]
     (value c of lane l at (c // 4) * 64 + 4 * l + c % 4, stored as q + 128), xd float32 [v, cols / 32
-    * 16] (block b's scale at 16 * b + l) and xsum int32 [v, cols / 16 * 16] (the sum of the quants of
-    values 16k..16k+15 at 16 * k + l). Lanes past the n tokens are zeros (scale 0)."""
+    * 16] (the scale of the 32 values of block b at 16 * b + l) and xsum int32 [v, cols / 16 * 16] (the
+    sum of the quants of values 16k..16k+15 at 16 * k + l). Lanes past the n tokens are zeros (scale
+    0). k_quants: quantized as q8_K (for K-quant and IQ4_XS weights), else as q8_0."""
 
     xu: np.ndarray
     xd: np.ndarray
     xsum: np.ndarray
     n: int
+    k_quants: bool
 
 
-def quantize(x: np.ndarray) -> PromptActivations:
-    """x float32 [n, cols] (C-contiguous, cols a multiple of 32), each 32 values of a token quantized
-    to int8 with one float32 scale (absmax / 127; x * (1 / scale) rounded half away from zero, 0 where
-    that is not finite): once for every weight that multiplies the same x."""
+def quantize(x: np.ndarray, k_quants: bool) -> PromptActivations:
+    """x float32 [n, cols] (C-contiguous) quantized as the decode rows' activations are
+    (int8_dots.quantize_activation, _k), bit for bit: ggml's q8_0 (32 values, an f16 scale) or, with
+    k_quants, q8_K (256 values, a float32 scale); d = max|x| / 127, x * (1/d) rounded half away from
+    zero, 0 where that is not finite. Once for every weight of its kind that multiplies the same x."""
     n, cols = x.shape
     vectors = -(-n // LANES)
     acts = PromptActivations(np.empty((vectors, cols * LANES), np.uint8),
                              np.empty((vectors, cols // _BLOCK * LANES), np.float32),
-                             np.empty((vectors, cols // 16 * LANES), np.int32), n)
-    _QUANTIZE.pick(n * cols)(x, acts.xu, acts.xd, acts.xsum)
+                             np.empty((vectors, cols // 16 * LANES), np.int32), n, k_quants)
+    _QUANTIZE.pick(n * cols)(x, k_quants, acts.xu, acts.xd, acts.xsum)
     return acts
 
 
+def k_quant_activations(code: int) -> bool:
+    """Whether weights of type `code` meet q8_K activations (as in the decode tiles), not q8_0."""
+    return bool(_K_ACTIVATIONS[code])
+
+
 def product(code: int, views: tuple[np.ndarray, ...], acts: PromptActivations, rows: int) -> np.ndarray:
-    """The quantized weight of type `code` times the activations, transposed -> float32 [n, rows].
-    views: the weight's bytes as uint8, int8, uint16 and uint32 rows (quant_matmul.CpuWeight's)."""
+    """The quantized weight of type `code` times the activations (quantized for its kind),
+    transposed -> float32 [n, rows]. views: the weight's bytes as uint8, int8, uint16 and uint32 rows
+    (quant_matmul.CpuWeight's)."""
+    if acts.k_quants != k_quant_activations(code):
+        raise ValueError(f"{TensorType(code).name} weights meet {'q8_K' if not acts.k_quants else 'q8_0'} activations")
     group, has_min = _GROUP[TensorType(code)]
     out = np.empty((acts.n, rows), np.float32)
     _PRODUCT.pick(views[0].size * acts.n)(code, views[0], acts.xu, acts.xd, acts.xsum, group, has_min, out)
@@ -104,8 +118,8 @@ def product(code: int, views: tuple[np.ndarray, ...], acts: PromptActivations, r
 
 
 def matmul(code: int, views: tuple[np.ndarray, ...], x: np.ndarray, rows: int) -> np.ndarray:
-    """product(code, views, quantize(x), rows): x float32 [n, cols] times the weight transposed."""
-    return product(code, views, quantize(x), rows)
+    """product(code, views, quantize(x, ...), rows): x float32 [n, cols] times the weight transposed."""
+    return product(code, views, quantize(x, k_quant_activations(code)), rows)
 
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -120,14 +134,12 @@ def _call(builder, name, ret, *args):
 # --------------------------------------------------------------------------------------------------
 # the activations: 16 tokens per vector, quads of values interleaved by token
 # --------------------------------------------------------------------------------------------------
-@intrinsic
-def _quantize_token(typingctx, x, t, xu, xd, xsum, v, lane):
-    """Token t of x (float32 [n, cols]) into lane `lane` of vector v of xu, xd, xsum, a 32-value block
-    at a time: absmax, scale and rounding as vectors (llvm.round rounds halves away from zero)."""
-    f32, c = types.Array(types.float32, 2, "C"), "C"
-    if not (x == xd == f32 and xu == types.Array(types.uint8, 2, c) and xsum == types.Array(types.int32, 2, c)
-            and all(isinstance(i, types.Integer) for i in (t, v, lane))):
-        return None
+def _token_quantizer(block, f16_scale):
+    """An intrinsic (x, t, xu, xd, xsum, v, lane) -> 0 quantizing token t of x (float32 [n, cols]) into
+    lane `lane` of vector v of xu, xd, xsum, `block` values to a scale (32 or 256), rounded to f16 where
+    f16_scale (after 1/d is taken, as ggml does): int8_dots._quantize_blocks' rules, as vectors
+    (llvm.round rounds halves away from zero, as C's roundf)."""
+    chunks = block // _BLOCK
 
     def codegen(context, builder, sig, args):
         xa, ua, da, sa = (context.make_array(ty)(context, builder, a) for ty, a in
@@ -138,36 +150,57 @@ def _quantize_token(typingctx, x, t, xu, xd, xsum, v, lane):
         u_row = builder.gep(_row_ptr(builder, ua, v_, _I8), [builder.mul(lane_, ir.Constant(_I64, 4))], inbounds=True)
         d_row = builder.gep(_row_ptr(builder, da, v_, _F32), [lane_], inbounds=True)
         s_row = builder.gep(_row_ptr(builder, sa, v_, _I32), [lane_], inbounds=True)
-        blocks = builder.udiv(builder.extract_value(xa.shape, 1), ir.Constant(_I64, _BLOCK))
-        with cgutils.for_range(builder, blocks) as loop:
-            b = loop.index
-            xv = builder.load(builder.gep(x_row, [b], inbounds=True), align=4)
-            amax = _max_tree(builder, _call(builder, "llvm.fabs.v32f32", v32f, xv))
-            d = builder.fdiv(amax, ir.Constant(_F32, 127.0))
+        scales = builder.udiv(builder.extract_value(xa.shape, 1), ir.Constant(_I64, block))
+        with cgutils.for_range(builder, scales) as loop:
+            first = builder.mul(loop.index, ir.Constant(_I64, chunks))
+            xs = [builder.load(builder.gep(x_row, [builder.add(first, ir.Constant(_I64, c))], inbounds=True), align=4)
+                  for c in range(chunks)]
+            absolute = [_call(builder, "llvm.fabs.v32f32", v32f, xv) for xv in xs]
+            amax = absolute[0]
+            for more in absolute[1:]:
+                amax = builder.select(builder.fcmp_ordered(">", amax, more), amax, more)
+            d = builder.fdiv(_max_tree(builder, amax), ir.Constant(_F32, 127.0))
             zero = builder.fcmp_ordered("==", d, ir.Constant(_F32, 0.0))
-            inv = builder.select(zero, ir.Constant(_F32, 0.0), builder.fdiv(ir.Constant(_F32, 1.0), d))
-            value = builder.fmul(xv, _splat(builder, inv, v32f))
-            finite = builder.fcmp_ordered("<", _call(builder, "llvm.fabs.v32f32", v32f, value),
-                                          ir.Constant(v32f, [float("inf")] * 32))
-            q = builder.select(finite, builder.fptosi(_call(builder, "llvm.round.v32f32", v32f, value), v32i),
-                               ir.Constant(v32i, [0] * 32))
-            builder.store(d, builder.gep(d_row, [builder.mul(b, ir.Constant(_I64, LANES))], inbounds=True))
-            for h in range(2):
-                half = builder.shuffle_vector(q, q, ir.Constant(ir.VectorType(_I32, 16), list(range(16 * h, 16 * h + 16))))
-                at = builder.mul(builder.add(builder.mul(b, ir.Constant(_I64, 2)), ir.Constant(_I64, h)),
-                                 ir.Constant(_I64, LANES))
-                builder.store(_call(builder, "llvm.vector.reduce.add.v16i32", _I32, half),
-                              builder.gep(s_row, [at], inbounds=True))
-            u = builder.bitcast(builder.trunc(builder.add(q, ir.Constant(v32i, [128] * 32)), ir.VectorType(_I8, 32)),
-                                ir.VectorType(_I32, 8))
-            for j in range(8):  # quad j of the block: 4 bytes at lane's place of quad 8b + j
-                quad = builder.add(builder.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, j))
-                at = builder.gep(u_row, [builder.mul(quad, ir.Constant(_I64, 4 * LANES))], inbounds=True)
-                builder.store(builder.extract_element(u, ir.Constant(_I32, j)), builder.bitcast(at, _I32.as_pointer()),
-                              align=1)
+            inv = _splat(builder, builder.select(zero, ir.Constant(_F32, 0.0), builder.fdiv(ir.Constant(_F32, 1.0), d)),
+                         v32f)
+            stored = builder.fpext(builder.fptrunc(d, ir.HalfType()), _F32) if f16_scale else d
+            for c, xv in enumerate(xs):
+                b = builder.add(first, ir.Constant(_I64, c))  # the 32-value block
+                value = builder.fmul(xv, inv)
+                finite = builder.fcmp_ordered("<", _call(builder, "llvm.fabs.v32f32", v32f, value),
+                                              ir.Constant(v32f, [float("inf")] * 32))
+                q = builder.select(finite, builder.fptosi(_call(builder, "llvm.round.v32f32", v32f, value), v32i),
+                                   ir.Constant(v32i, [0] * 32))
+                builder.store(stored, builder.gep(d_row, [builder.mul(b, ir.Constant(_I64, LANES))], inbounds=True))
+                for h in range(2):
+                    lanes = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * h, 16 * h + 16)))
+                    half = builder.shuffle_vector(q, q, lanes)
+                    at = builder.mul(builder.add(builder.mul(b, ir.Constant(_I64, 2)), ir.Constant(_I64, h)),
+                                     ir.Constant(_I64, LANES))
+                    builder.store(_call(builder, "llvm.vector.reduce.add.v16i32", _I32, half),
+                                  builder.gep(s_row, [at], inbounds=True))
+                u = builder.bitcast(builder.trunc(builder.add(q, ir.Constant(v32i, [128] * 32)), ir.VectorType(_I8, 32)),
+                                    ir.VectorType(_I32, 8))
+                for j in range(8):  # quad j of the block: 4 bytes at the lane's place of quad 8b + j
+                    quad = builder.add(builder.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, j))
+                    at = builder.gep(u_row, [builder.mul(quad, ir.Constant(_I64, 4 * LANES))], inbounds=True)
+                    builder.store(builder.extract_element(u, ir.Constant(_I32, j)),
+                                  builder.bitcast(at, _I32.as_pointer()), align=1)
         return context.get_constant(types.int64, 0)
 
-    return types.int64(x, t, xu, xd, xsum, v, lane), codegen
+    def typer(typingctx, x, t, xu, xd, xsum, v, lane):
+        f32, c = types.Array(types.float32, 2, "C"), "C"
+        if not (x == xd == f32 and xu == types.Array(types.uint8, 2, c) and xsum == types.Array(types.int32, 2, c)
+                and all(isinstance(i, types.Integer) for i in (t, v, lane))):
+            return None
+        return types.int64(x, t, xu, xd, xsum, v, lane), codegen
+
+    typer.__name__ = f"int8_prompt_quantize_{block}"
+    return intrinsic(typer)
+
+
+_QUANTIZE_Q8_0 = _token_quantizer(_BLOCK, True)
+_QUANTIZE_Q8_K = _token_quantizer(256, False)
 
 
 def _max_tree(builder, v):
@@ -182,13 +215,15 @@ def _max_tree(builder, v):
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
-def _quantize_vectors(x, xu, xd, xsum):
+def _quantize_vectors(x, k_quants, xu, xd, xsum):
     n = x.shape[0]
     for v in prange(xu.shape[0]):
         for lane in range(LANES):
             t = v * LANES + lane
-            if t < n:
-                _quantize_token(x, t, xu, xd, xsum, v, lane)
+            if t < n and k_quants:
+                _QUANTIZE_Q8_K(x, t, xu, xd, xsum, v, lane)
+            elif t < n:
+                _QUANTIZE_Q8_0(x, t, xu, xd, xsum, v, lane)
             else:  # padding: zeros, at scale 0
                 for j in range(lane, xd.shape[1], LANES):
                     xd[v, j] = 0

@@ -40,7 +40,8 @@ from numba import njit, prange
 from ember.kernels.cpu import dense
 from ember.kernels.cpu.twin import Twin
 from ember.kernels.cpu import int8_dots, int8_prompt
-from ember.kernels.cpu.quant_bits import EXACT as _EXACT, bf16, f16, fifth_bits, k4_header, ld, ld1, q3_k_scale, quant, quant3
+from ember.kernels.cpu.quant_bits import (EXACT as _EXACT, bf16, f16, fifth_bits, k4_header, ld, ld1, q3_k_scale, quant,
+                                         quant3)
 from ember.kernels.cpu.int8_dots import (Q6_K_OFFSET, Q8_0_OFFSET, QK, QK_K, ROW_PAIR, TILE_SIZES, TILE_TOKENS,
                                         quad_offsets, quantize_activation, quantize_activation_k)
 from ember.kernels.raw_tensor import RawTensor
@@ -194,14 +195,16 @@ def matmul(x: np.ndarray, w: CpuWeight, decode_rows: Rows = None, int8_prompts: 
 
 def _prompt_products(x: np.ndarray, ws: tuple[CpuWeight, ...], int8_prompts: bool) -> list[np.ndarray]:
     """Prompt rows x [n, cols] times each of ws, transposed: where `int8_prompts`, the quantized weights
-    through int8_prompt.py, x quantized once for all of them; the others (and every weight otherwise)
-    through the float product."""
-    acts = None
+    through int8_prompt.py, x quantized once for all of them of a kind (q8_0 or q8_K, as their decode
+    rows); the others (and every weight otherwise) through the float product."""
+    acts: dict[bool, int8_prompt.PromptActivations] = {}  # by kind: q8_K (K-quants) or q8_0
     out = []
     for w in ws:
         if int8_prompts and w.int8:
-            acts = int8_prompt.quantize(x) if acts is None else acts
-            out.append(int8_prompt.product(w.code, (w.u8, w.i8, w.u16, w.u32), acts, w.rows))
+            kind = int8_prompt.k_quant_activations(w.code)
+            if kind not in acts:
+                acts[kind] = int8_prompt.quantize(x, kind)
+            out.append(int8_prompt.product(w.code, (w.u8, w.i8, w.u16, w.u32), acts[kind], w.rows))
         else:
             out.append(_tiled(w, x) if w.int8 else matmul(x, w, False))
     return out
