@@ -21,10 +21,11 @@ rounds. Decode is also given as GB/s of weights read per token, and as a fractio
 memory bandwidth, measured here with the same threads. Prints ember/llama.cpp ratios.
 
     python benchmarks/cpu_decode.py [--tokens 128] [--repeats 3] [--rounds 3] [--threads N] [--prompt-tokens 512] [--batch 8]
-                                    [--context 1536] [--kv-dtype f16] [--files demo Q8_0 Q4_K_M ...]
+                                    [--context 1536] [--kv-dtype f16] [--prompt-act q8_0|f32] [--files demo Q8_0 Q4_K_M ...]
 
 --kv-dtype: ember's KV cache (default f16, ember's default and llama.cpp's; f32 reads twice the bytes
-in the long-context figure).
+in the long-context figure). --prompt-act: ember's prompt activations (default q8_0, ember's default;
+f32 for the exact float product).
 """
 from __future__ import annotations
 
@@ -335,8 +336,9 @@ def main() -> None:
     # ember.kernels.convert.KV_DTYPES, written out: importing ember.kernels loads numba in the llama.cpp worker too
     ap.add_argument("--kv-dtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"],
                     help="ember's KV cache (default f16, as ember's and llama.cpp's defaults)")
-    ap.add_argument("--prompt-act", default="f32", choices=["f32", "q8_0"],
-                    help="ember's prompt activations against quantized weights (llama.cpp's: int8)")
+    ap.add_argument("--prompt-act", default="q8_0", choices=["f32", "q8_0"],
+                    help="ember's prompt activations against quantized weights (default q8_0, ember's default; "
+                         "llama.cpp's are int8 too)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="engines alternated this many times per file, medians reported (this VM drifts 10-20%%)")
     ap.add_argument("--files", nargs="+", default=["demo", "Q8_0", "Q4_K_M", "gemma4"],

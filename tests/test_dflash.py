@@ -110,7 +110,8 @@ def test_llama_cpp_loads_the_test_drafts(draft_path, tmp_path) -> None:  # type:
 
 # --- the draft's forward pass ---------------------------------------------------------------------
 @pytest.mark.oracle
-def test_draft_against_llama_cpp_and_the_numpy_reference(target, draft_path) -> None:  # type: ignore[no-untyped-def]
+def test_draft_against_llama_cpp_and_the_numpy_reference(target, draft_path,  # type: ignore[no-untyped-def]
+                                                         monkeypatch) -> None:
     """llama.cpp decodes a context with the target, injects its features into the draft and runs a
     noise block: ember's captured features and the draft's logits agree with it (to its q8_0
     activations against the q8_0 target: ember's decode rows do the same), and ember's draft equals
@@ -124,6 +125,7 @@ def test_draft_against_llama_cpp_and_the_numpy_reference(target, draft_path) -> 
     two_path = write_dflash(Path(draft_path).with_name("two.gguf"), DEMO_MODEL, target_layers=(1, 3))
     oracle = run_draft(DEMO_MODEL, two_path, (1, 3), context, last, MASK, k)
     net = target.net
+    monkeypatch.setattr(net.ops, "prompt_act", "f32")  # the prompt rows below are the reference's: exact
     prompt = StepBatch.build([(context, 0, [0, 1, 2])], 16, prompt_lengths=[0])  # decode rows: q8_0 as llama.cpp
     _, captured = net.forward_with_features(prompt, net.new_cache(3, 16), layers)
     features = np.concatenate(captured, axis=1)

@@ -64,7 +64,7 @@ def test_logits_and_greedy_match_transformers_past_a_prefill_chunk(hybrid) -> No
     """A 300-token prompt (two prefill chunks of the engine, five chunks of the delta rule), then decode
     steps (the recurrence) continuing it: every row within 1e-4 of the logit range of transformers'."""
     path, ref = hybrid
-    model = ember.load(path, decode_act="f32", kv_dtype="f32")
+    model = ember.load(path, decode_act="f32", prompt_act="f32", kv_dtype="f32")
     prompt = rng.integers(1, 8192, 300).tolist()
     assert rel_error(model.logits(prompt), hf_logits(ref, prompt)) <= 1e-4
     rows, tokens = decode_logits(model, prompt, 8)
@@ -80,7 +80,7 @@ def test_moe_variant_matches_transformers(tmp_path: Path) -> None:
     """qwen35moe: the same hybrid layers with routed experts (top-2 of 8, renormalised) and a shared
     expert behind a sigmoid gate in every layer; 300-token prompt, decode steps, greedy tokens."""
     path, ref = build_hf_model("qwen35moe", tmp_path / "moe", **QWEN35_MOE)
-    model = ember.load(path, decode_act="f32", kv_dtype="f32")
+    model = ember.load(path, decode_act="f32", prompt_act="f32", kv_dtype="f32")
     assert model.config.arch == "qwen35moe" and model.config.n_experts == 8
     prompt = rng.integers(1, 8192, 300).tolist()
     assert rel_error(model.logits(prompt), hf_logits(ref, prompt)) <= 1e-4

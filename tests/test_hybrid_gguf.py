@@ -32,7 +32,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, P
 
 def test_converted_file_equals_transformers(converted) -> None:
     f32, ref, _ = converted
-    model = ember.load(f32, decode_act="f32", kv_dtype="f32")
+    model = ember.load(f32, decode_act="f32", prompt_act="f32", kv_dtype="f32")
     assert model.config.arch == "qwen35" and model.config.linear.recurrent == (True, True, True, False)
     prompt = np.random.default_rng(3).integers(1, 8192, 300).tolist()
     expected = hf_logits(ref, prompt)
@@ -93,7 +93,7 @@ def test_moe_variant_converted_and_quantized_by_llama_cpp(tmp_path: Path) -> Non
     prompt = np.random.default_rng(4).integers(1, 8192, 120).tolist()
     expected, exact = hf_logits(ref, prompt), llama_cpp_logits(f32, prompt)
     span = expected.max() - expected.min()
-    got = ember.load(f32, decode_act="f32", kv_dtype="f32").logits(prompt)
+    got = ember.load(f32, decode_act="f32", prompt_act="f32", kv_dtype="f32").logits(prompt)
     assert np.abs(got - expected).max() <= 1e-4 * span
     assert np.abs(got - exact).max() <= 1e-3 * span
     q8 = quantize(f32, tmp_path / "q8_0.gguf")

@@ -64,7 +64,7 @@ def test_laguna_matches_transformers(hf_model, case: str) -> None:
     assert all(stats[i].sum() > 0 for i in range(LAYERS) if i not in dense)
     assert [i for i, hot in enumerate(model.placement()) if not hot] == dense
     prompt = rng.integers(1, c.vocab, 6).tolist()
-    model32 = ember.load(path, decode_act="f32", kv_dtype="f32")
+    model32 = ember.load(path, decode_act="f32", prompt_act="f32", kv_dtype="f32")
     assert list(model32.generate(prompt, max_tokens=64, ignore_eos=True)) == hf_greedy(ref, prompt, 64)
 
 
@@ -155,7 +155,7 @@ def test_laguna_gguf_matches_llama_cpp(converted, tmp_path: Path, ftype: str) ->
 
     f32, ref = converted
     path = f32 if ftype == "F32" else quantize(f32, tmp_path / f"{ftype}.gguf", ftype)
-    model = ember.load(path, kv_dtype="f32")
+    model = ember.load(path, kv_dtype="f32", prompt_act="f32")  # the file read exactly
     c = model.config
     assert (c.sliding_layers, c.sliding_window, c.layer_heads) == ((False, True, True, True, False), 8, (4, 8, 8, 8, 4))
     ids = np.random.default_rng(5).integers(1, c.vocab, 40).tolist()
@@ -167,7 +167,7 @@ def test_laguna_gguf_matches_llama_cpp(converted, tmp_path: Path, ftype: str) ->
     if ftype == "F32":
         expected = hf_logits(ref, ids)
         assert np.abs(ours - expected).max() <= 1e-4 * (expected.max() - expected.min())
-        model32 = ember.load(path, decode_act="f32", kv_dtype="f32")  # decode steps, past the window
+        model32 = ember.load(path, decode_act="f32", prompt_act="f32", kv_dtype="f32")  # decode steps, past the window
         assert list(model32.generate(ids[:6], max_tokens=24, ignore_eos=True)) == hf_greedy(ref, ids[:6], 24)
     else:
         theirs = llama_cpp_logits(path, ids)

@@ -405,9 +405,9 @@ def test_narrow_staging_tracks_f32(act_dtype: str) -> None:
     logits move by the rounding (bounded here), the greedy tokens do not. With decode_act f32: the
     q8_0 decode activations magnify the rounding into flipped near-ties on some prompts
     (docs/layer_split.md, benchmarks/layer_split.py --precision)."""
-    whole = ember.load(DEMO_MODEL, decode_act="f32", kv_dtype="f32")
+    whole = ember.load(DEMO_MODEL, decode_act="f32", prompt_act="f32", kv_dtype="f32")
     model = ember.load(DEMO_MODEL, kv_dtype="f32", devices=["cpu:0", "cpu:1"], act_dtype=act_dtype, max_step_tokens=STEP,
-                       decode_act="f32")
+                       decode_act="f32", prompt_act="f32")
     try:
         assert model.pipeline.staging_bytes == [0, 2 * STEP * 384 * 2 + 2 * STEP * 8192 * 4]
         assert_narrow_staging_tracks_f32(model, whole, SNIPPETS[:2])

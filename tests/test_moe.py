@@ -109,7 +109,7 @@ def test_hf_moe_matches_transformers(hf_model, arch: str) -> None:
         expected = hf_logits(ref, ids)
         assert np.abs(model.logits(ids) - expected).max() <= 1e-4 * (expected.max() - expected.min()), f"{n} tokens"
     prompt = rng.integers(1, model.config.vocab, 6).tolist()
-    model32 = ember.load(path, decode_act="f32", kv_dtype="f32")
+    model32 = ember.load(path, decode_act="f32", prompt_act="f32", kv_dtype="f32")
     assert list(model32.generate(prompt, max_tokens=16, ignore_eos=True)) == hf_greedy(ref, prompt, 16)
     stats = model.routing_stats()
     assert stats.shape == (2, 8) and stats.dtype == np.int64 and (stats.sum(1) > 0).all()
@@ -138,7 +138,7 @@ def test_dense_layers_inside_a_moe_model_match_transformers(hf_model, case: str)
     assert [i for i, hot in enumerate(model.placement()) if not hot] == dense
     assert model.expert_stats().total_experts == 8 * (ref.config.num_hidden_layers - len(dense))
     prompt = rng.integers(1, model.config.vocab, 6).tolist()
-    model32 = ember.load(path, decode_act="f32", kv_dtype="f32")
+    model32 = ember.load(path, decode_act="f32", prompt_act="f32", kv_dtype="f32")
     assert list(model32.generate(prompt, max_tokens=64, ignore_eos=True)) == hf_greedy(ref, prompt, 64)
 
 
@@ -232,7 +232,7 @@ def hf_from_gguf(path: Path):
 def test_trained_moe_greedy_tokens_equal_transformers() -> None:
     """The trained MoE model (qwen3_moe, 16 experts, top-2, skewed routing; Q8_0 GGUF from llama.cpp's
     converter): ember's greedy tokens equal transformers' on the same (dequantized) weights."""
-    model = ember.load(TRAINED_MOE, decode_act="f32", kv_dtype="f32")
+    model = ember.load(TRAINED_MOE, decode_act="f32", prompt_act="f32", kv_dtype="f32")
     ref = hf_from_gguf(TRAINED_MOE)
     prompt = model.tokenize("import json\n\ndef load(path):\n    with open(path) as f:\n")
     assert list(model.generate(prompt, max_tokens=24, ignore_eos=True)) == hf_greedy(ref, prompt, 24)

@@ -25,6 +25,7 @@ import numpy as np
 
 from ember.daemon.experts.cold_channel import (JOB, OK, READY, REPLY, ColdSlots, create_segment, map_segment,
                                                recv_exact)
+from ember.kernels.convert import DEFAULT_PROMPT_ACT
 
 log = logging.getLogger("ember.experts")
 
@@ -36,7 +37,7 @@ class ColdWorkerError(RuntimeError):
 
 
 class _Worker:
-    def __init__(self, index: int, model: Path, capacity: int, hidden: int) -> None:
+    def __init__(self, index: int, model: Path, capacity: int, hidden: int, prompt_act: str) -> None:
         self.index, self.capacity, self.hidden = index, capacity, hidden
         nbytes = ColdSlots.nbytes(capacity, hidden)
         seg = create_segment(nbytes)
@@ -46,7 +47,7 @@ class _Worker:
         env = dict(os.environ, NUMBA_NUM_THREADS="1")  # one kernel thread each: the pool is the parallelism
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ember.daemon.experts.cold_worker", str(model), str(seg), str(theirs.fileno()),
-             str(capacity)], pass_fds=(seg, theirs.fileno()), env=env, stdin=subprocess.DEVNULL)
+             str(capacity), prompt_act], pass_fds=(seg, theirs.fileno()), env=env, stdin=subprocess.DEVNULL)
         os.close(seg)
         theirs.close()
         self.sock = ours
@@ -156,15 +157,17 @@ class Pending:
 
 
 class ColdPool:
-    def __init__(self, model: Path, n_workers: int, hidden: int, capacity: int = 1024) -> None:
+    def __init__(self, model: Path, n_workers: int, hidden: int, capacity: int = 1024,
+                 prompt_act: str = DEFAULT_PROMPT_ACT) -> None:
+        """prompt_act: the model's prompt activations (the workers compute its prompt rows alike)."""
         if n_workers < 1:
             raise ValueError(f"cold_workers must be >= 1, got {n_workers}")
-        self.model, self.hidden, self.capacity = Path(model), hidden, capacity
+        self.model, self.hidden, self.capacity, self.prompt_act = Path(model), hidden, capacity, prompt_act
         self.workers: list[_Worker] = []
         self.restarts = 0
         self._finalizer = weakref.finalize(self, _close_all, self.workers)
         for i in range(n_workers):
-            self.workers.append(_Worker(i, self.model, capacity, hidden))
+            self.workers.append(_Worker(i, self.model, capacity, hidden, prompt_act))
 
     def submit(self, layer: int, x: np.ndarray, token: np.ndarray, expert: np.ndarray, weight: np.ndarray,
                decode: np.ndarray, n_tokens: int) -> Pending:
@@ -208,7 +211,7 @@ class ColdPool:
             messages.append(f"{worker.describe()} {what} computing layer {layer}'s cold experts")
             log.error("%s; restarting it", messages[-1])
             worker.close()
-            self.workers[index] = _Worker(index, self.model, self.capacity, self.hidden)
+            self.workers[index] = _Worker(index, self.model, self.capacity, self.hidden, self.prompt_act)
             self.restarts += 1
         raise ColdWorkerError("; ".join(messages) + " (restarted; this step failed)")
 
@@ -221,7 +224,7 @@ class ColdPool:
                 continue
             log.error("%s died between steps (exit code %s); restarting it", worker.describe(), worker.proc.returncode)
             worker.close()
-            self.workers[index] = _Worker(index, self.model, self.capacity, self.hidden)
+            self.workers[index] = _Worker(index, self.model, self.capacity, self.hidden, self.prompt_act)
             self.restarts += 1
             revived += 1
         return revived

@@ -1,7 +1,7 @@
 """A cold-expert worker process: it maps the model file itself (no copy of the engine's), waits for a
 Job on its socket, computes weight * expert(x) for each pair in the shared segment with the same CPU
 kernels the engine uses, and replies. Run as `python -m ember.daemon.experts.cold_worker PATH FD_SEG
-FD_SOCK CAPACITY` by ColdPool, never by hand.
+FD_SOCK CAPACITY PROMPT_ACT` by ColdPool, never by hand.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 
 
 def main(argv: list[str]) -> int:
-    path, seg_fd, sock_fd, capacity = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    path, seg_fd, sock_fd, capacity, prompt_act = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
     from ember.daemon.experts.cold_channel import FAILED, JOB, OK, READY, REPLY, ColdSlots, map_segment, recv_exact
     from ember.daemon.loader.model_file import open_model_file
     from ember.kernels import get_ops
@@ -22,6 +22,7 @@ def main(argv: list[str]) -> int:
 
     mf = open_model_file(path)
     ops = get_ops("cpu")
+    ops.prompt_act = prompt_act  # the engine's: a cold expert's prompt rows as a hot one's
     hidden, gelu = mf.config.hidden, mf.config.ffn_act == "gelu_tanh"
     slots = ColdSlots.over(map_segment(seg_fd, ColdSlots.nbytes(capacity, hidden)), capacity, hidden)
     sock = socket.socket(fileno=sock_fd)

@@ -21,6 +21,7 @@ from ember.daemon.experts.placement import place
 from ember.daemon.planning.planner import parse_expert_budget
 from ember.daemon.experts.routing_stats import RoutingStats, stats_path
 from ember.kernels.ops import Array, Ops
+from ember.kernels.convert import DEFAULT_PROMPT_ACT
 
 if TYPE_CHECKING:
     from ember.daemon.experts.moe_ffn import MoEFFN
@@ -75,7 +76,8 @@ class ExpertStats:
 
 class ExpertManager:
     def __init__(self, model: Path, hidden: int, n_used: int, expert_bytes: list[int], n_experts: int,
-                 options: ExpertOptions) -> None:
+                 options: ExpertOptions, prompt_act: str = DEFAULT_PROMPT_ACT) -> None:
+        """prompt_act: the model's prompt activations, which its cold workers compute with too."""
         self.model, self.options = Path(model), options
         self.expert_bytes = expert_bytes
         self.floor = n_used
@@ -101,9 +103,9 @@ class ExpertManager:
             if workers == 0:
                 raise ValueError("expert_budget leaves experts cold: cold_policy 'exact' needs cold_workers >= 1 "
                                  "(or cold_policy 'mask', which drops them)")
-            self.pool = ColdPool(self.model, workers, hidden)
+            self.pool = ColdPool(self.model, workers, hidden, prompt_act=prompt_act)
         elif workers and options.cold_policy == "exact":
-            self.pool = ColdPool(self.model, workers, hidden)  # every expert hot for now; swaps may change that
+            self.pool = ColdPool(self.model, workers, hidden, prompt_act=prompt_act)  # every expert hot for now; swaps may change that
 
     # --- during a step --------------------------------------------------------------------------
     def hot_experts(self, layer: int) -> list[int]:

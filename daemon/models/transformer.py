@@ -168,7 +168,7 @@ class Transformer:
             raise ValueError(f"layers {self.layers.start}-{self.layers.stop - 1} are not a range of the model's "
                              f"{mf.config.n_layers} layers")
         spec = architecture(mf.config.arch, str(mf.path))
-        self.experts = _expert_manager(mf, experts or ExpertOptions())
+        self.experts = _expert_manager(mf, experts or ExpertOptions(), ops.prompt_act)
         tied = "output.weight" not in mf.tensors
         embed = self.runs_first or (self.runs_last and tied)
         self.embed = ops.weight(mf.tensor("token_embd.weight")) if embed else None
@@ -325,7 +325,7 @@ class Transformer:
         return self.ops.softcap(logits, self.config.logit_softcap) if self.config.logit_softcap else logits
 
 
-def _expert_manager(mf: ModelFile, options: ExpertOptions) -> ExpertManager | None:
+def _expert_manager(mf: ModelFile, options: ExpertOptions, prompt_act: str) -> ExpertManager | None:
     moe = [mf.is_moe_layer(i) for i in range(mf.config.n_layers)]
     if not any(moe):
         return None
@@ -333,7 +333,8 @@ def _expert_manager(mf: ModelFile, options: ExpertOptions) -> ExpertManager | No
         raise ModelFileError(str(mf.path), f"MoE model routes to {mf.config.n_experts_used} of "
                                            f"{mf.config.n_experts} experts per token")
     sizes = [expert_files(mf, i)[0].nbytes if is_moe else 0 for i, is_moe in enumerate(moe)]
-    return ExpertManager(mf.path, mf.config.hidden, mf.config.n_experts_used, sizes, mf.config.n_experts, options)
+    return ExpertManager(mf.path, mf.config.hidden, mf.config.n_experts_used, sizes, mf.config.n_experts, options,
+                         prompt_act)
 
 
 def load_block(mf: ModelFile, ops: Ops, spec: ArchSpec, i: int, first: int, experts: ExpertManager | None, rope: Rope,

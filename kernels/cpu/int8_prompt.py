@@ -1,12 +1,14 @@
 """Prompt rows of quantized weights in integer arithmetic: the product behind `prompt_act = "q8_0"`.
 
 This module owns the integer product of many tokens (a prompt chunk) with a quantized weight, the
-way llama.cpp computes prompts: every 32 activation values of a token are quantized to int8 with one
-float32 scale (absmax / 127, halves rounded away from zero), and meet the weight's quants in integer
-arithmetic. Every block type is read: each row is unpacked once per call into signed int8 quants,
+way llama.cpp computes prompts: the activations are quantized exactly as the decode rows' are
+(int8_dots.py: ggml's q8_0 against 32-value block types, q8_K's 256-value blocks against K-quants and
+IQ4_XS), and meet the weight's quants in integer arithmetic. Every block type is read: each row is
+unpacked once per call, by the decode tiles' own readers of its blocks, into signed int8 quants,
 one float scale a and one float offset b per group of 16 or 32 values (the weight being a * q + b
 there: d * sc * q - dmin * m for Q4_K, d * (q - 8) for Q4_0, ...), and the group's integer dot
-becomes float once: y[t] += (a * dx[t]) * dot + b * (dx[t] * sum(q_x)).
+becomes float once: y[t] += (a * dx[t]) * dot + b * (dx[t] * sum(q_x)). The same x_hat as a decode
+row's, so the two differ only by float32 rounding (the order of the group terms).
 
 Why it looks the way it does:
 - Tokens lie across the vector lanes, not values: a 512-bit vector holds 4 consecutive activation
@@ -34,12 +36,12 @@ from dataclasses import dataclass
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ember.kernels.cpu import int8_dots
-from ember.kernels.cpu.int8_dots import _VNNI
+from ember.kernels.cpu.int8_dots import _VNNI, _call
 from ember.kernels.cpu.twin import Twin
 from ember.kernels.tensor_types import TensorType
 
@@ -51,12 +53,6 @@ _TILE_ROWS = 4
 _TILE_VECTORS = 2  # token vectors per tile
 _BLOCK = 32  # activation values per float scale
 
-_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1 = (int(t) for t in (TensorType.Q8_0, TensorType.Q4_0, TensorType.Q4_1,
-                                                      TensorType.Q5_0, TensorType.Q5_1))
-_Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = (int(t) for t in (TensorType.Q2_K, TensorType.Q3_K, TensorType.Q4_K,
-                                                      TensorType.Q5_K, TensorType.Q6_K))
-_IQ4_NL, _IQ4_XS = int(TensorType.IQ4_NL), int(TensorType.IQ4_XS)
-
 # per type: values per scale group (16 where the format scales 16 values), and whether w = a*q + b
 # has an offset b (its mins) that meets the activations' sums
 _GROUP = {TensorType.Q8_0: (32, False), TensorType.Q4_0: (32, False), TensorType.Q5_0: (32, False),
@@ -67,8 +63,6 @@ INT8_PROMPT_TYPES = frozenset(_GROUP)
 _K_ACTIVATIONS = np.zeros(max(TensorType) + 1, np.bool_)
 _K_ACTIVATIONS[[TensorType.Q2_K, TensorType.Q3_K, TensorType.Q4_K, TensorType.Q5_K, TensorType.Q6_K,
                 TensorType.IQ4_XS]] = True
-
-_STRICT = dict(cache=True, nogil=True)
 
 
 @dataclass(frozen=True)
@@ -124,11 +118,6 @@ def matmul(code: int, views: tuple[np.ndarray, ...], x: np.ndarray, rows: int) -
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _VI32, _VF32 = ir.VectorType(_I32, LANES), ir.VectorType(_F32, LANES)
-
-
-def _call(builder, name, ret, *args):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
-    return builder.call(fn, args)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -242,51 +231,64 @@ _QUANTIZE = Twin(_quantize_vectors, 1 << 16, fastmath=False)
 # vpdpbusd start (-128 x the sum of its quants); in IR, from the decode tiles' own readers of each
 # block type (int8_dots' weight sides), so both read a block alike
 # --------------------------------------------------------------------------------------------------
-def _unpack_intrinsic(name, weight_side, unit_blocks, group):
-    """An intrinsic (u8, r, ws, wa, wb, wc) -> 0 unpacking row r of the weight u8 [rows, row_bytes]
-    into ws int8 [cols], wa, wb float32 [cols / group] and wc int32 [cols / group]."""
+def _emit_unpack(builder, weight_side, unit_blocks, group, row, cols, q_out, a_out, b_out, c_out):
+    """Row `row` (a byte pointer) of one block type into its quants, scales, offsets and vpdpbusd starts."""
+    units = builder.udiv(cols, ir.Constant(_I64, 32 * unit_blocks))
+    with cgutils.for_range(builder, units) as loop:
+        first = builder.mul(loop.index, ir.Constant(_I64, unit_blocks))
+        unit = weight_side(builder, row, first)
+        for k, q, kind, iscale in unit.chunks:
+            block = builder.add(first, ir.Constant(_I64, k))
+            if kind > 0:  # stored as u standing for u - kind
+                q = builder.sub(q, ir.Constant(q.type, [kind] * 32))
+            at = builder.gep(q_out, [builder.mul(block, ir.Constant(_I64, 32))], inbounds=True)
+            builder.store(q, builder.bitcast(at, q.type.as_pointer()), align=1)
+            wide = builder.sext(q, ir.VectorType(_I32, 32))
+            for h in range(32 // group):
+                g = builder.add(builder.mul(block, ir.Constant(_I64, 32 // group)), ir.Constant(_I64, h))
+                part = builder.shuffle_vector(wide, wide, ir.Constant(ir.VectorType(_I32, group),
+                                                                      list(range(group * h, group * h + group))))
+                total = _call(builder, f"llvm.vector.reduce.add.v{group}i32", _I32, part)
+                builder.store(builder.mul(total, ir.Constant(_I32, -128)), builder.gep(c_out, [g], inbounds=True))
+                a, b = _scale_and_offset(builder, unit, k, iscale, 4 * h)
+                builder.store(a, builder.gep(a_out, [g], inbounds=True))
+                if b is not None:
+                    builder.store(b, builder.gep(b_out, [g], inbounds=True))
+
+
+@intrinsic
+def _unpack_row(typingctx, tt, u8, r, ws, wa, wb, wc):
+    """(tt, u8, r, ws, wa, wb, wc) -> 0: row r of the weight u8 [rows, row_bytes] of type code tt into ws
+    int8 [cols], wa, wb float32 [cols / group] and wc int32 [cols / group]; one switch on the type,
+    then that type's unit loop."""
+    if not (isinstance(tt, types.Integer) and isinstance(u8, types.Array) and u8.ndim == 2
+            and u8.dtype == types.uint8 and u8.layout == "C" and isinstance(r, types.Integer)
+            and ws == types.Array(types.int8, 1, "C") and wa == wb == types.Array(types.float32, 1, "C")
+            and wc == types.Array(types.int32, 1, "C")):
+        return None
 
     def codegen(context, builder, sig, args):
-        w, ws, wa, wb, wc = (context.make_array(t)(context, builder, a) for t, a in
-                             zip((sig.args[0], *sig.args[2:]), (args[0], *args[2:])))
-        r = builder.sext(args[1], _I64) if args[1].type.width < 64 else args[1]
-        row = builder.gep(builder.bitcast(w.data, _I8.as_pointer()), [builder.mul(r, builder.extract_value(w.strides, 0))],
+        w, ws_, wa_, wb_, wc_ = (context.make_array(t)(context, builder, a) for t, a in
+                                 zip((sig.args[1], *sig.args[3:]), (args[1], *args[3:])))
+        r_ = builder.sext(args[2], _I64) if args[2].type.width < 64 else args[2]
+        row = builder.gep(builder.bitcast(w.data, _I8.as_pointer()), [builder.mul(r_, builder.extract_value(w.strides, 0))],
                           inbounds=True)
-        q_out = builder.bitcast(ws.data, _I8.as_pointer())
-        a_out, b_out = (builder.bitcast(v.data, _F32.as_pointer()) for v in (wa, wb))
-        c_out = builder.bitcast(wc.data, _I32.as_pointer())
-        units = builder.udiv(builder.extract_value(ws.shape, 0), ir.Constant(_I64, 32 * unit_blocks))
-        with cgutils.for_range(builder, units) as loop:
-            first = builder.mul(loop.index, ir.Constant(_I64, unit_blocks))
-            unit = weight_side(builder, row, first)
-            for k, q, kind, iscale in unit.chunks:
-                block = builder.add(first, ir.Constant(_I64, k))
-                if kind > 0:  # stored as u standing for u - kind
-                    q = builder.sub(q, ir.Constant(q.type, [kind] * 32))
-                at = builder.gep(q_out, [builder.mul(block, ir.Constant(_I64, 32))], inbounds=True)
-                builder.store(q, builder.bitcast(at, q.type.as_pointer()), align=1)
-                wide = builder.sext(q, ir.VectorType(_I32, 32))
-                for h in range(32 // group):
-                    g = builder.add(builder.mul(block, ir.Constant(_I64, 32 // group)), ir.Constant(_I64, h))
-                    part = builder.shuffle_vector(wide, wide, ir.Constant(ir.VectorType(_I32, group),
-                                                                          list(range(group * h, group * h + group))))
-                    total = _call(builder, f"llvm.vector.reduce.add.v{group}i32", _I32, part)
-                    builder.store(builder.mul(total, ir.Constant(_I32, -128)), builder.gep(c_out, [g], inbounds=True))
-                    a, b = _scale_and_offset(builder, unit, k, iscale, 4 * h)
-                    builder.store(a, builder.gep(a_out, [g], inbounds=True))
-                    if b is not None:
-                        builder.store(b, builder.gep(b_out, [g], inbounds=True))
+        outs = (builder.bitcast(ws_.data, _I8.as_pointer()), builder.bitcast(wa_.data, _F32.as_pointer()),
+                builder.bitcast(wb_.data, _F32.as_pointer()), builder.bitcast(wc_.data, _I32.as_pointer()))
+        cols = builder.extract_value(ws_.shape, 0)
+        code = builder.sext(args[0], _I64) if args[0].type.width < 64 else args[0]
+        done = builder.append_basic_block("unpacked")
+        switch = builder.switch(code, done)
+        for ttype, (side, unit_blocks) in _READERS.items():
+            case = builder.append_basic_block(f"unpack_{ttype.name.lower()}")
+            switch.add_case(ir.Constant(_I64, int(ttype)), case)
+            builder.position_at_end(case)
+            _emit_unpack(builder, side, unit_blocks, _GROUP[ttype][0], row, cols, *outs)
+            builder.branch(done)
+        builder.position_at_end(done)
         return context.get_constant(types.int64, 0)
 
-    def typer(typingctx, u8, r, ws, wa, wb, wc):
-        if not (isinstance(u8, types.Array) and u8.ndim == 2 and u8.dtype == types.uint8 and u8.layout == "C"
-                and isinstance(r, types.Integer) and ws == types.Array(types.int8, 1, "C")
-                and wa == wb == types.Array(types.float32, 1, "C") and wc == types.Array(types.int32, 1, "C")):
-            return None
-        return types.int64(u8, r, ws, wa, wb, wc), codegen
-
-    typer.__name__ = f"int8_prompt_unpack_{name}"
-    return intrinsic(typer)
+    return types.int64(tt, u8, r, ws, wa, wb, wc), codegen
 
 
 def _scale_and_offset(builder, unit, k, iscale, lane):
@@ -307,46 +309,17 @@ def _scale_and_offset(builder, unit, k, iscale, lane):
     return a, None
 
 
-_UNPACK = {int(t): _unpack_intrinsic(t.name.lower(), side, blocks, _GROUP[t][0]) for t, side, blocks in (
-    (TensorType.Q8_0, int8_dots._blocks(34, int8_dots._q8_0_quants)(1), 1),
-    (TensorType.Q4_0, int8_dots._blocks(18, int8_dots._q4_0_quants)(1), 1),
-    (TensorType.Q4_1, int8_dots._blocks(20, int8_dots._q4_1_quants, has_min=True)(1), 1),
-    (TensorType.Q5_0, int8_dots._blocks(22, int8_dots._q5_0_quants)(1), 1),
-    (TensorType.Q5_1, int8_dots._blocks(24, int8_dots._q5_1_quants, has_min=True)(1), 1),
-    (TensorType.IQ4_NL, int8_dots._blocks(18, int8_dots._iq4_nl_quants)(1), 1),
-    (TensorType.Q2_K, int8_dots._q2_k, 8), (TensorType.Q3_K, int8_dots._q3_k, 8),
-    (TensorType.Q4_K, int8_dots._k4(144, 16, False), 8), (TensorType.Q5_K, int8_dots._k4(176, 48, True), 8),
-    (TensorType.Q6_K, int8_dots._q6_k, 8), (TensorType.IQ4_XS, int8_dots._iq4_xs, 8))}
-_U_Q8_0, _U_Q4_0, _U_Q4_1, _U_Q5_0, _U_Q5_1, _U_IQ4_NL = (_UNPACK[c] for c in (_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _IQ4_NL))
-_U_Q2_K, _U_Q3_K, _U_Q4_K, _U_Q5_K, _U_Q6_K, _U_IQ4_XS = (_UNPACK[c] for c in (_Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K, _IQ4_XS))
-
-
-@njit(**_STRICT)
-def _unpack_row(tt, u8, r, ws, wa, wb, wc):
-    if tt == _Q8_0:
-        _U_Q8_0(u8, r, ws, wa, wb, wc)
-    elif tt == _Q4_K:
-        _U_Q4_K(u8, r, ws, wa, wb, wc)
-    elif tt == _Q6_K:
-        _U_Q6_K(u8, r, ws, wa, wb, wc)
-    elif tt == _Q5_K:
-        _U_Q5_K(u8, r, ws, wa, wb, wc)
-    elif tt == _Q4_0:
-        _U_Q4_0(u8, r, ws, wa, wb, wc)
-    elif tt == _Q4_1:
-        _U_Q4_1(u8, r, ws, wa, wb, wc)
-    elif tt == _Q5_0:
-        _U_Q5_0(u8, r, ws, wa, wb, wc)
-    elif tt == _Q5_1:
-        _U_Q5_1(u8, r, ws, wa, wb, wc)
-    elif tt == _IQ4_NL:
-        _U_IQ4_NL(u8, r, ws, wa, wb, wc)
-    elif tt == _Q2_K:
-        _U_Q2_K(u8, r, ws, wa, wb, wc)
-    elif tt == _Q3_K:
-        _U_Q3_K(u8, r, ws, wa, wb, wc)
-    else:
-        _U_IQ4_XS(u8, r, ws, wa, wb, wc)
+# each type's reader of a unit of blocks (int8_dots' weight sides) and the 32-value blocks it spans
+_READERS = {
+    TensorType.Q8_0: (int8_dots._blocks(34, int8_dots._q8_0_quants)(1), 1),
+    TensorType.Q4_0: (int8_dots._blocks(18, int8_dots._q4_0_quants)(1), 1),
+    TensorType.Q4_1: (int8_dots._blocks(20, int8_dots._q4_1_quants, has_min=True)(1), 1),
+    TensorType.Q5_0: (int8_dots._blocks(22, int8_dots._q5_0_quants)(1), 1),
+    TensorType.Q5_1: (int8_dots._blocks(24, int8_dots._q5_1_quants, has_min=True)(1), 1),
+    TensorType.IQ4_NL: (int8_dots._blocks(18, int8_dots._iq4_nl_quants)(1), 1),
+    TensorType.Q2_K: (int8_dots._q2_k, 8), TensorType.Q3_K: (int8_dots._q3_k, 8),
+    TensorType.Q4_K: (int8_dots._k4(144, 16, False), 8), TensorType.Q5_K: (int8_dots._k4(176, 48, True), 8),
+    TensorType.Q6_K: (int8_dots._q6_k, 8), TensorType.IQ4_XS: (int8_dots._iq4_xs, 8)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -402,7 +375,7 @@ def _rows_tile(group, has_min):
         res_rows = [_row_ptr(builder, res, r, _F32) for r in rows]
         groups = builder.extract_value(wa.shape, 1)
         vectors = builder.extract_value(xu.shape, 0)
-        accs = [[cgutils.alloca_once(builder, _VF32) for _ in range(2)] for _ in range(_TILE_ROWS)]
+        accs = [[cgutils.alloca_once(builder, _VF32) for _ in range(_TILE_VECTORS)] for _ in range(_TILE_ROWS)]
 
         def tile(v0, count):
             x_rows = [_row_ptr(builder, xu, builder.add(v0, ir.Constant(_I64, g)), _VI32) for g in range(count)]
@@ -440,11 +413,19 @@ def _rows_tile(group, has_min):
                     builder.store(builder.load(accs[r][g]), ptr, align=4)
 
         v0 = builder.sext(args[9], _I64) if args[9].type.width < 64 else args[9]
-        with builder.if_else(builder.icmp_unsigned(">=", builder.sub(vectors, v0), ir.Constant(_I64, 2))) as (pair, one):
-            with pair:
-                tile(v0, 2)
-            with one:
+        left = builder.sub(vectors, v0)
+
+        def tiles(count):  # a whole tile, or the last vectors of the call
+            if count == 1:
                 tile(v0, 1)
+                return
+            with builder.if_else(builder.icmp_unsigned(">=", left, ir.Constant(_I64, count))) as (whole, fewer):
+                with whole:
+                    tile(v0, count)
+                with fewer:
+                    tiles(count - 1)
+
+        tiles(_TILE_VECTORS)
         return context.get_constant(types.int64, 0)
 
     def _activation_sums(builder, s_row, k, dx):

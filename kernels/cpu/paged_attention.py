@@ -23,6 +23,7 @@ from numba.extending import intrinsic
 
 from ember.kernels.convert import _BF16_QUIET, KV_DTYPES, QK8_0, f32_to_bf16_bits, f32_to_f16_bits, quantize_q8_0_split
 from ember.kernels.cpu.int8_dots import _round_half_away
+from ember.kernels.cpu.dense import exp_nonpositive as _exp
 from ember.kernels.cpu.twin import Twin
 
 MODE = {name: i for i, name in enumerate(KV_DTYPES)}
@@ -343,40 +344,6 @@ def _attend_for(mode: int):  # type: ignore[no-untyped-def]
 
 
 _ATTEND_F32, _ATTEND_F16, _ATTEND_BF16, _ATTEND_Q8_0 = (_attend_for(m) for m in (_F32, _F16, _BF16, _Q8_0))
-
-
-@njit(inline="always", fastmath=True, nogil=True, cache=True)
-def _exp(x):  # type: ignore[no-untyped-def]
-    """e^x for x <= 0 (a softmax's shifted scores), 0 from -87 down: 2^k times a degree-6 polynomial
-    for 2^f (Cephes exp2f's), f in (-0.5, 0.5]. Arithmetic only, so the softmax loop vectorizes
-    (libm's expf went one score at a time: a third of a prefill's attention). Rounding x * log2(e)
-    to float32 makes the relative error about |x| * 6e-8 (3.8e-6 at -87; measured against float64
-    exp), so the absolute error stays below 4e-8: far below what a weight's rounding in the value
-    sums costs."""
-    t = max(x, np.float32(-87.0)) * np.float32(1.4426950408889634)
-    k = np.int32(t - np.float32(0.5))  # rounds to nearest for t <= 0 (int() truncates toward 0)
-    f = t - np.float32(k)
-    p = np.float32(1.535336188319500e-4)
-    p = p * f + np.float32(1.339887440266574e-3)
-    p = p * f + np.float32(9.618437357674640e-3)
-    p = p * f + np.float32(5.550332471162809e-2)
-    p = p * f + np.float32(2.402264791363012e-1)
-    p = p * f + np.float32(6.931472028550421e-1)
-    return (p * f + np.float32(1.0)) * _pow2(k) if x > np.float32(-87.0) else np.float32(0.0)
-
-
-@intrinsic
-def _pow2(typingctx, k):  # type: ignore[no-untyped-def]
-    """float32 2^k for an int32 k in [-126, 127]: the exponent bits, bitcast (numba has no bitcast)."""
-    if not isinstance(k, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        i32 = ir.IntType(32)
-        biased = builder.add(builder.trunc(args[0], i32) if args[0].type.width > 32 else args[0], ir.Constant(i32, 127))
-        return builder.bitcast(builder.shl(biased, ir.Constant(i32, 23)), ir.FloatType())
-
-    return types.float32(k), codegen
 
 
 _KERNELS = Twin(_paged_attention)

@@ -24,8 +24,9 @@ ON_RAY = ["ray:0/cpu", "ray:1/cpu"]
 def test_narrow_staging_on_the_wire_tracks_f32(ray_nodes: str, act_dtype: str) -> None:
     """Hidden states cross the nodes as 16-bit patterns: the logits move by the rounding (bounded as
     locally, docs/layer_split.md), the greedy tokens do not."""
-    whole = ember.load(DEMO_MODEL, decode_act="f32", kv_dtype="f32")
-    model = ember.load(DEMO_MODEL, kv_dtype="f32", devices=ON_RAY, act_dtype=act_dtype, decode_act="f32")
+    whole = ember.load(DEMO_MODEL, decode_act="f32", prompt_act="f32", kv_dtype="f32")
+    model = ember.load(DEMO_MODEL, kv_dtype="f32", devices=ON_RAY, act_dtype=act_dtype, decode_act="f32",
+                       prompt_act="f32")
     try:
         assert model.pipeline.act_dtype == act_dtype
         assert_narrow_staging_tracks_f32(model, whole, SNIPPETS)

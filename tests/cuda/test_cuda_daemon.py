@@ -23,7 +23,7 @@ PROMPT = [1, 17, 300]
 
 def test_a_daemon_on_cuda_serves_a_request(tmp_path: Path) -> None:
     path = write_micro_model(tmp_path)
-    want = list(ember.load(path, decode_act="f32").generate(PROMPT, max_tokens=3, ignore_eos=True))
+    want = list(ember.load(path, decode_act="f32", prompt_act="f32").generate(PROMPT, max_tokens=3, ignore_eos=True))
     # no warm-up generation: on the simulator it would double the test's time and prove nothing more
     daemon = DaemonProcess("[engine]\nwarmup = false\n", args=("--device", "cuda:0", "--model", str(path)))
     daemon.wait_ready(timeout=240)

@@ -26,8 +26,9 @@ def micro(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def pair(micro: Path) -> tuple[ember.Model, ember.Model]:
-    # f32 decode activations on the CPU: the CUDA backend computes every row in float32
-    return ember.load(micro, decode_act="f32", kv_dtype="f32"), ember.load(micro, device="cuda:0", kv_dtype="f32")
+    # f32 decode and prompt activations on the CPU: the CUDA backend computes every row in float32
+    return (ember.load(micro, decode_act="f32", prompt_act="f32", kv_dtype="f32"),
+            ember.load(micro, device="cuda:0", kv_dtype="f32"))
 
 
 def test_the_micro_model_holds_every_weight_type(micro: Path) -> None:
@@ -67,7 +68,7 @@ def test_a_hybrid_moe_model_on_cuda_equals_cpu(tmp_path: Path) -> None:
     moe = dict(QWEN35, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                shared_expert_intermediate_size=96, vocab_size=512)
     path, _ = build_hf_model("qwen35moe", tmp_path / "hybrid", **moe)
-    want = ember.load(path, decode_act="f32", kv_dtype="f32").logits(PROMPT[:3])
+    want = ember.load(path, decode_act="f32", prompt_act="f32", kv_dtype="f32").logits(PROMPT[:3])
     got = ember.load(path, device="cuda:0", kv_dtype="f32").logits(PROMPT[:3])
     assert np.abs(got - want).max() <= 1e-5 * (want.max() - want.min())
 
@@ -80,6 +81,6 @@ def test_laguna_on_cuda_equals_cpu(tmp_path: Path) -> None:
 
     path, _ = build_hf_model("laguna", tmp_path / "laguna", vocab_size=512)
     prompt = PROMPT * 2
-    want = ember.load(path, decode_act="f32", kv_dtype="f32").logits(prompt)
+    want = ember.load(path, decode_act="f32", prompt_act="f32", kv_dtype="f32").logits(prompt)
     got = ember.load(path, device="cuda:0", kv_dtype="f32").logits(prompt)
     assert np.abs(got - want).max() <= 1e-5 * (want.max() - want.min())

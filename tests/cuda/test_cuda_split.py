@@ -27,8 +27,8 @@ def micro(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("devices", [["cpu:0", "cuda:0"], ["cuda:0", "cpu:0"], ["cuda:0", "cpu"]])
 def test_a_split_with_a_cuda_stage_equals_the_unsplit_model(micro: Path, devices: list[str]) -> None:
-    whole = ember.load(micro, decode_act="f32", kv_dtype="f32")
-    split = ember.load(micro, devices=devices, act_dtype="f32", decode_act="f32", max_step_tokens=16, kv_dtype="f32")
+    whole = ember.load(micro, decode_act="f32", prompt_act="f32", kv_dtype="f32")
+    split = ember.load(micro, devices=devices, act_dtype="f32", decode_act="f32", prompt_act="f32", max_step_tokens=16, kv_dtype="f32")
     try:
         stages = split.pipeline.stages  # the workers: plain cpu is the engine's thread
         assert [str(s.device) for s in stages] == [d for d in devices if d != "cpu"]
