@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 
 from ember.daemon.engine.decode_burst import DECODE_BURST
-from ember.kernels.convert import DECODE_ACTIVATIONS, DEFAULT_PROMPT_ACT, KV_DTYPES, PROMPT_ACTIVATIONS, STORAGE_DTYPES
+from ember.kernels.convert import DECODE_ACTIVATIONS, KV_DTYPES, STORAGE_DTYPES, prompt_act_for
 from ember.kernels.cuda.native_kernels import CUDA_KERNELS
 from ember.daemon.planning.precision import ACT_DTYPES
 from ember.daemon.runner.devices import DeviceName
@@ -159,7 +159,7 @@ class EngineConfig(_Section):
     warmup: bool = True  # run a short generation before READY (loads the compiled kernels)
     threads: int = 0  # kernel threads of the engine process; 0: one per core
     decode_act: str = "q8_0"  # activations of generated tokens against quantized weights: q8_0 (fast, llama.cpp's) or f32
-    prompt_act: str = DEFAULT_PROMPT_ACT  # and of prompt tokens: q8_0 (fast, as decode's and llama.cpp's) or f32 (exact)
+    prompt_act: str = ""  # and of prompt tokens: q8_0 (fast, as decode's and llama.cpp's) or f32 (exact); "": q8_0, f32 beside decode_act f32
     # on a cuda device: "numba" (the numba.cuda kernels) or "native" (the CUDA C++ kernels through CuPy, the
     # decode step replayed as a graph; dense models on cuda:0, docs/cuda.md)
     cuda_kernels: str = "numba"
@@ -184,8 +184,10 @@ class EngineConfig(_Section):
         _check(self.kv_dtype in ("", *KV_DTYPES), f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         _check(self.decode_act in DECODE_ACTIVATIONS,
                f"decode_act must be one of {', '.join(DECODE_ACTIVATIONS)}, got {self.decode_act!r}")
-        _check(self.prompt_act in PROMPT_ACTIVATIONS,
-               f"prompt_act must be one of {', '.join(PROMPT_ACTIVATIONS)}, got {self.prompt_act!r}")
+        try:
+            prompt_act_for(self.prompt_act, self.decode_act)
+        except ValueError as e:  # named first, as every check here names its field
+            _check(False, f"prompt_act {self.prompt_act!r} refused: {e}")
         _check(self.cuda_kernels in CUDA_KERNELS,
                f"cuda_kernels must be one of {', '.join(CUDA_KERNELS)}, got {self.cuda_kernels!r}")
         _check(self.ctx >= 0, f"ctx must be >= 0, got {self.ctx}")

@@ -46,7 +46,7 @@ from ember.daemon.speculative.spec_switch import SpecSwitch
 from ember.daemon.text.grammar import compile_grammar
 from ember.daemon.text.text_model import TextModel, sampling_of, tokenizer_of
 from ember.daemon.text.tokenizer import Tokenizer
-from ember.kernels.convert import DECODE_ACTIVATIONS, DEFAULT_KV_DTYPE, DEFAULT_PROMPT_ACT, KV_DTYPES, PROMPT_ACTIVATIONS
+from ember.kernels.convert import DECODE_ACTIVATIONS, DEFAULT_KV_DTYPE, DEFAULT_PROMPT_ACT, KV_DTYPES, prompt_act_for
 from ember.kernels.cuda.native_kernels import CUDA_KERNELS
 from ember.kernels.cuda.native_launch import NativeOps
 from ember.kernels.sampling import SamplingParams
@@ -290,14 +290,15 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = DEFAULT_KV_DTYPE
          expert_budget: int | str | None = None, cold_workers: int | None = None, cold_policy: str = "exact",
          draft: str | Path | None = None, draft_tokens: int = 4, feature_dtype: str | None = None,
          env: Mapping[str, str] | None = None, on_layer: Callable[[int, int], None] | None = None,
-         cuda_kernels: str = "numba", prompt_act: str = DEFAULT_PROMPT_ACT) -> Model:
+         cuda_kernels: str = "numba", prompt_act: str | None = None) -> Model:
     """Open a GGUF file or Hugging Face directory (or a model named on the Hugging Face hub, owner/repo
     or owner/repo:QUANT: fetched into its cache first, daemon/loader/hub.py) and place the model on
     `device` ("cpu"); its KV
     cache holds `kv_dtype` (f16, the default, f32, bf16 or q8_0); generated tokens meet quantized weights with
     `decode_act` activations (q8_0, as llama.cpp; or f32, exactly as prompt tokens do), prompt tokens
-    with `prompt_act` ones (f32, exactly; or q8_0, each 32 values quantized to int8 as llama.cpp does,
-    about twice as fast a prefill on the CPU; docs/runtime.md).
+    with `prompt_act` ones (q8_0, quantized as generated tokens' are, as llama.cpp does: about twice as
+    fast a prefill on the CPU; or f32, exactly; None: q8_0, or f32 beside decode_act f32;
+    docs/runtime.md).
 
     devices (["cpu:0", "cpu:1"] or "cpu:0,cpu:1"; plain "cpu" last: that stage on the engine's own
     thread) splits the layers across stage processes: `split`
@@ -336,8 +337,7 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = DEFAULT_KV_DTYPE
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
     if decode_act not in DECODE_ACTIVATIONS:
         raise ValueError(f"unknown decode activation precision {decode_act!r} (choose from {', '.join(DECODE_ACTIVATIONS)})")
-    if prompt_act not in PROMPT_ACTIVATIONS:
-        raise ValueError(f"unknown prompt activation precision {prompt_act!r} (choose from {', '.join(PROMPT_ACTIVATIONS)})")
+    prompt_act = prompt_act_for(prompt_act, decode_act)
     if cuda_kernels not in CUDA_KERNELS:
         raise ValueError(f"unknown cuda_kernels {cuda_kernels!r} (choose from {', '.join(CUDA_KERNELS)})")
     names = parse_devices(devices) if devices is not None else [DeviceName.parse(device)]

@@ -49,6 +49,20 @@ DECODE_ACTIVATIONS = ("q8_0", "f32")
 # stay within the llama.cpp oracle's tolerance (transformers' 1e-4 needs f32: tests ask for it).
 PROMPT_ACTIVATIONS = ("q8_0", "f32")
 DEFAULT_PROMPT_ACT = "q8_0"
+
+
+def prompt_act_for(prompt_act: str | None, decode_act: str) -> str:
+    """The prompt activations a model computes with: `prompt_act` where given, else the default, or f32
+    beside decode_act f32. decode_act f32 computes generated tokens as prompt tokens, so it is exact
+    only with f32 prompt rows: q8_0 beside it is refused, not quietly quantized."""
+    if prompt_act is None or prompt_act == "":
+        return "f32" if decode_act == "f32" else DEFAULT_PROMPT_ACT
+    if prompt_act not in PROMPT_ACTIVATIONS:
+        raise ValueError(f"unknown prompt activation precision {prompt_act!r} (choose from {', '.join(PROMPT_ACTIVATIONS)})")
+    if decode_act == "f32" and prompt_act != "f32":
+        raise ValueError(f"decode_act f32 computes generated tokens exactly, as prompt tokens; prompt_act {prompt_act} "
+                         "would quantize them: use prompt_act f32 with it (or decode_act q8_0)")
+    return prompt_act
 QK8_0 = 32  # values per q8_0 block
 QK_K_ACT = 256  # values per block of the integer kernels' activations against K-quant weights (q8_K)
 Q8_0_BLOCK_BYTES = 2 + QK8_0  # f16 scale + 32 int8

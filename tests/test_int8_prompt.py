@@ -81,3 +81,16 @@ def test_float_weights_are_untouched_by_the_policy() -> None:
     w = pack(RawTensor("w", TensorType.F32, (8, 64), np.random.default_rng(5).standard_normal((8, 64)).astype(np.float32)))
     x = np.random.default_rng(6).standard_normal((3, 64)).astype(np.float32)
     assert np.array_equal(matmul(x, w, False, int8_prompts=True), matmul(x, w, False))
+
+
+def test_the_policy_defaults_and_refusals() -> None:
+    """q8_0 by default; f32 beside decode_act f32 (the exact mode computes generated tokens as prompt
+    ones); q8_0 beside decode_act f32 refused rather than quietly quantizing the generated tokens."""
+    from ember.kernels.convert import prompt_act_for
+
+    assert prompt_act_for(None, "q8_0") == "q8_0" and prompt_act_for("", "q8_0") == "q8_0"
+    assert prompt_act_for(None, "f32") == "f32" and prompt_act_for("f32", "q8_0") == "f32"
+    with pytest.raises(ValueError, match="use prompt_act f32 with it"):
+        prompt_act_for("q8_0", "f32")
+    with pytest.raises(ValueError, match="unknown prompt activation precision 'int4'"):
+        prompt_act_for("int4", "q8_0")

@@ -40,7 +40,7 @@ def add_daemon_commands(sub: Any) -> None:
     serve.add_argument("--prompt-act", metavar="P", choices=("q8_0", "f32"),
                        help="activations of prompt tokens against quantized weights: q8_0 (default; quantized as "
                             "generated tokens' are, integer products, about 2x faster prefill on the CPU) or f32 "
-                            "(exact, slower)")
+                            "(exact, slower; the default beside --decode-act f32)")
     serve.add_argument("--cuda-kernels", metavar="K", choices=("numba", "native"),
                        help="on a cuda device: numba (default; the numba.cuda kernels, every architecture) or "
                             "native (the CUDA C++ kernels through CuPy, decode replayed as graphs; dense models "

@@ -242,7 +242,8 @@ def load_models(launch: EngineLaunch, reports: Reports) -> dict[str, Model]:
         name = spec.display_name
         status(f"loading {name} ({i}/{len(config.models)})")
         t0 = time.perf_counter()
-        model = load(spec.path, device=e.device, kv_dtype=launch.kv_dtype, decode_act=e.decode_act, prompt_act=e.prompt_act,
+        model = load(spec.path, device=e.device, kv_dtype=launch.kv_dtype, decode_act=e.decode_act,
+                     prompt_act=e.prompt_act or None,
                      cuda_kernels=e.cuda_kernels,
                      devices=e.devices or None, split=e.split or None, act_dtype=launch.act_dtype,
                      max_step_tokens=e.max_step_tokens, stage_threads=e.stage_threads, shm_owner=launch.shm_owner,

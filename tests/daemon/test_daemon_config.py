@@ -60,6 +60,8 @@ def test_config_file_from_environment(tmp_path: Path) -> None:
     ("[server]\nlog_format = \"xml\"\n", {}, r"log_format must be one of auto, json, console"),
     ("[engine]\ndevice = \"tpu\"\n", {}, r"device must be cpu or cuda:N"),
     ("[engine]\ncuda_kernels = \"fast\"\n", {}, r"engine\.cuda_kernels: cuda_kernels must be one of numba, native"),
+    ("[engine]\nprompt_act = \"q4\"\n", {}, r"engine\.prompt_act: prompt_act 'q4' refused: unknown prompt activation precision 'q4'"),
+    ("[engine]\ndecode_act = \"f32\"\nprompt_act = \"q8_0\"\n", {}, r"engine\.prompt_act: prompt_act 'q8_0' refused: .*use prompt_act f32 with it"),
     ("[[models]]\npath = 3\n", {}, r"models\.path: Expected `str`, got `int`"),
     ("[limits]\nmax_tokens = -1\n", {}, r"limits\.max_tokens"),
     ("[[models]]\npath = \"/a/x.gguf\"\n[[models]]\npath = \"/b/x.gguf\"\n", {}, r"two models are named x"),
