@@ -47,9 +47,10 @@ def run(engine: EngineCore, arrivals: dict[int, list[Sequence]], max_steps: int 
 
 @pytest.mark.parametrize("decode_act", ["q8_0", "f32"])
 def test_generated_tokens_logits_against_prompt_logits(decode_act: str) -> None:
-    """Model.logits reads a text as a prompt (float32 activations). With decode_act f32 a generated
-    token's logits equal those to float32 rounding; with q8_0 (llama.cpp's numerics) they differ by
-    the activations' quantization, well under 2% of the logit range on the trained demo model."""
+    """Model.logits reads a text as a prompt. With decode_act f32 (and so f32 prompt rows) a generated
+    token's logits equal those to float32 rounding; with q8_0 (llama.cpp's numerics, prompt rows q8_0
+    too) they differ by the activations' quantization of slightly different inputs, well under 2% of
+    the logit range on the trained demo model."""
     model = ember.load(DEMO_MODEL, decode_act=decode_act)
     prompt = model.tokenize(SNIPPETS[2])
     engine = model.engine(128)

@@ -135,9 +135,9 @@ async def test_logits_via_shared_memory_equal_model_logits(daemon, demo_model) -
     assert len(rows) == len(in_process) == 20
     for got, want in zip(rows, in_process):
         assert got.tobytes() == want.tobytes()  # the transport is exact, and so is the computation
-    # and Model.logits agrees: it reads the text as a prompt (float32 activations) where generated
-    # tokens met the weights with q8_0 activations (engine.decode_act; tests/test_engine_core.py
-    # checks f32 decode against Model.logits to 1e-4)
+    # and Model.logits agrees: it reads the text as a prompt where generated tokens met the weights
+    # one at a time, both with q8_0 activations of slightly different inputs (engine.decode_act,
+    # engine.prompt_act; tests/test_engine_core.py checks f32 decode against Model.logits to 1e-5)
     reference = demo_model.logits(ids + tokens[:-1])[len(ids) - 1 :]
     span = reference.max(axis=1) - reference.min(axis=1)
     assert (np.abs(np.stack(rows) - reference).max(axis=1) <= 0.02 * span).all()
