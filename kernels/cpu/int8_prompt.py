@@ -99,21 +99,20 @@ def k_quant_activations(code: int) -> bool:
     return bool(_K_ACTIVATIONS[code])
 
 
-def product(code: int, views: tuple[np.ndarray, ...], acts: PromptActivations, rows: int) -> np.ndarray:
-    """The quantized weight of type `code` times the activations (quantized for its kind),
-    transposed -> float32 [n, rows]. views: the weight's bytes as uint8, int8, uint16 and uint32 rows
-    (quant_matmul.CpuWeight's)."""
+def product(code: int, u8: np.ndarray, acts: PromptActivations, rows: int) -> np.ndarray:
+    """The quantized weight of type `code`, its rows' bytes u8 [rows, row_bytes] (C-contiguous), times
+    the activations (quantized for its kind), transposed -> float32 [n, rows]."""
     if acts.k_quants != k_quant_activations(code):
         raise ValueError(f"{TensorType(code).name} weights meet {'q8_K' if not acts.k_quants else 'q8_0'} activations")
     group, has_min = _GROUP[TensorType(code)]
     out = np.empty((acts.n, rows), np.float32)
-    _PRODUCT.pick(views[0].size * acts.n)(code, views[0], acts.xu, acts.xd, acts.xsum, group, has_min, out)
+    _PRODUCT.pick(u8.size * acts.n)(code, u8, acts.xu, acts.xd, acts.xsum, group, has_min, out)
     return out
 
 
-def matmul(code: int, views: tuple[np.ndarray, ...], x: np.ndarray, rows: int) -> np.ndarray:
-    """product(code, views, quantize(x, ...), rows): x float32 [n, cols] times the weight transposed."""
-    return product(code, views, quantize(x, k_quant_activations(code)), rows)
+def matmul(code: int, u8: np.ndarray, x: np.ndarray, rows: int) -> np.ndarray:
+    """product(code, u8, quantize(x, ...), rows): x float32 [n, cols] times the weight transposed."""
+    return product(code, u8, quantize(x, k_quant_activations(code)), rows)
 
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()

@@ -204,7 +204,7 @@ def _prompt_products(x: np.ndarray, ws: tuple[CpuWeight, ...], int8_prompts: boo
             kind = int8_prompt.k_quant_activations(w.code)
             if kind not in acts:
                 acts[kind] = int8_prompt.quantize(x, kind)
-            out.append(int8_prompt.product(w.code, (w.u8, w.i8, w.u16, w.u32), acts[kind], w.rows))
+            out.append(int8_prompt.product(w.code, w.u8, acts[kind], w.rows))
         else:
             out.append(_tiled(w, x) if w.int8 else matmul(x, w, False))
     return out
