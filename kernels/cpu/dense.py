@@ -184,7 +184,7 @@ def _swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
         o[i] = g[i] * sigmoid(g[i]) * u[i]
 
 
-_SWIGLU = Twin(_swiglu)
+_SWIGLU = Twin(_swiglu, fastmath=False)  # strict: a vector lane and the scalar tail round alike
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -207,7 +207,7 @@ def _geglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
         o[i] = gelu_tanh(g[i]) * u[i]
 
 
-_GEGLU = Twin(_geglu)
+_GEGLU = Twin(_geglu, fastmath=False)  # as _SWIGLU
 
 
 def geglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
