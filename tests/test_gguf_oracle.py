@@ -123,26 +123,32 @@ def test_trained_demo_model_matches_llama_cpp() -> None:
     assert rate >= 0.99, f"top-1 agreement {rate:.3f}"
 
 
-DEMO_TEXTS = ("loader/gguf_file.py", "runtime.py", "engine/engine_core.py")  # real text for the demo model
+# real text for the demo model: 200 tokens of each of these files
+DEMO_TEXTS = ("loader/gguf_file.py", "runtime.py", "engine/engine_core.py", "runner/model_runner.py", "text/tokenizer.py")
 
 
 @pytest.mark.oracle
 def test_int8_prompt_rows_stay_as_close_to_the_exact_model_as_llama_cpp() -> None:
     """prompt_act q8_0, the default (prompt rows quantized as decode rows are), on the trained demo
     model's real text: ember's logits stay as close to the exact model's (f32 prompt rows and KV) as
-    llama.cpp's, which quantizes its activations too: top-1 agreement with the exact model no lower
-    than llama.cpp's by more than one position in 200, and the largest difference within 1.5x
-    llama.cpp's (measured 0.95% of the range against llama.cpp's 0.85-1.13%: docs/runtime.md)."""
+    llama.cpp's, which quantizes its activations too: over 1000 positions, top-1 agreement with the
+    exact model no lower than llama.cpp's by more than 0.5% (near-ties flip either way with any
+    rounding: each text's count moves by 1-3 of 200 between builds), and in each text the largest
+    difference within 1.5x llama.cpp's (measured 0.90-1.03% of the range against llama.cpp's
+    0.85-1.13%: docs/runtime.md)."""
     exact_model = ember.load(DEMO_MODEL, prompt_act="f32", kv_dtype="f32")
     model = ember.load(DEMO_MODEL, kv_dtype="f32")  # llama.cpp's cache here is f32 too (references.llama_cpp_logits)
+    agree = np.zeros(2, np.int64)
+    positions = 0
     for name in DEMO_TEXTS:
         ids = model.tokenize((DEMO_MODEL.parents[1] / name).read_text())[:200]
         exact, ours, theirs = exact_model.logits(ids), model.logits(ids), llama_cpp_logits(DEMO_MODEL, ids)
         span = exact.max(axis=1) - exact.min(axis=1)
         ours_off, theirs_off = ((np.abs(x - exact).max(axis=1) / span).max() for x in (ours, theirs))
         assert 0 < ours_off <= 1.5 * theirs_off, (name, ours_off, theirs_off)
-        agree = [float((x.argmax(1) == exact.argmax(1)).mean()) for x in (ours, theirs)]
-        assert agree[0] >= agree[1] - 1 / len(ids), (name, agree)
+        agree += [int((x.argmax(1) == exact.argmax(1)).sum()) for x in (ours, theirs)]
+        positions += len(ids)
+    assert agree[0] >= agree[1] - 0.005 * positions, agree
 
 
 @pytest.mark.oracle
