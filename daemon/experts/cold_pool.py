@@ -25,7 +25,6 @@ import numpy as np
 
 from ember.daemon.experts.cold_channel import (JOB, OK, READY, REPLY, ColdSlots, create_segment, map_segment,
                                                recv_exact)
-from ember.kernels.convert import DEFAULT_PROMPT_ACT
 
 log = logging.getLogger("ember.experts")
 
@@ -157,8 +156,7 @@ class Pending:
 
 
 class ColdPool:
-    def __init__(self, model: Path, n_workers: int, hidden: int, capacity: int = 1024,
-                 prompt_act: str = DEFAULT_PROMPT_ACT) -> None:
+    def __init__(self, model: Path, n_workers: int, hidden: int, prompt_act: str, capacity: int = 1024) -> None:
         """prompt_act: the model's prompt activations (the workers compute its prompt rows alike)."""
         if n_workers < 1:
             raise ValueError(f"cold_workers must be >= 1, got {n_workers}")

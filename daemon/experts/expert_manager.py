@@ -21,7 +21,6 @@ from ember.daemon.experts.placement import place
 from ember.daemon.planning.planner import parse_expert_budget
 from ember.daemon.experts.routing_stats import RoutingStats, stats_path
 from ember.kernels.ops import Array, Ops
-from ember.kernels.convert import DEFAULT_PROMPT_ACT
 
 if TYPE_CHECKING:
     from ember.daemon.experts.moe_ffn import MoEFFN
@@ -76,7 +75,7 @@ class ExpertStats:
 
 class ExpertManager:
     def __init__(self, model: Path, hidden: int, n_used: int, expert_bytes: list[int], n_experts: int,
-                 options: ExpertOptions, prompt_act: str = DEFAULT_PROMPT_ACT) -> None:
+                 options: ExpertOptions, prompt_act: str) -> None:
         """prompt_act: the model's prompt activations, which its cold workers compute with too."""
         self.model, self.options = Path(model), options
         self.expert_bytes = expert_bytes

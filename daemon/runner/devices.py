@@ -15,7 +15,6 @@ from typing import Protocol
 
 from ember.kernels import get_ops
 from ember.kernels.ops import Ops
-from ember.kernels.convert import DEFAULT_PROMPT_ACT
 
 
 @dataclass(frozen=True)
@@ -212,7 +211,7 @@ def backend_for(device: str | DeviceName) -> Backend:
     return backend
 
 
-def model_ops(device: DeviceName, prompt_act: str = DEFAULT_PROMPT_ACT) -> Ops:
+def model_ops(device: DeviceName, prompt_act: str) -> Ops:
     """The kernels for one model on `device` (backend_for(device).ops), computing its prompt rows
     against quantized weights with `prompt_act` activations (kernels/convert.PROMPT_ACTIVATIONS)."""
     ops = backend_for(device).ops(device)

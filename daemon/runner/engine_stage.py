@@ -27,12 +27,10 @@ from ember.daemon.runner.split_spec import StageSpec
 from ember.daemon.runner.stage_process import CacheSpec
 from ember.daemon.runner.staging import Boundary
 from ember.daemon.step.step_batch import StepBatch
-from ember.kernels.convert import DEFAULT_PROMPT_ACT
 
 
 class EngineStage:
-    def __init__(self, model_path: str, spec: StageSpec, inbox: Boundary, threads: int,
-                 prompt_act: str = DEFAULT_PROMPT_ACT) -> None:
+    def __init__(self, model_path: str, spec: StageSpec, inbox: Boundary, threads: int, prompt_act: str) -> None:
         """`inbox`: the boundary the stage before writes this stage's hidden states to; `threads`: its
         kernels' threads, on the engine's thread (numba's count is per calling thread). The thread is
         not pinned: pinned to the CPU the workers leave it while it ran the stage, the demo model's

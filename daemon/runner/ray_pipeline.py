@@ -56,8 +56,7 @@ _decode_batch = msgspec.msgpack.Decoder(Batch).decode
 class RayStage:
     """The actor behind one stage: its layers' weights, one KV cache per runner, and its micro-batches."""
 
-    def __init__(self, model_path: str, first: int, end: int, threads: int, act_dtype: str,
-                 prompt_act: str = DEFAULT_PROMPT_ACT) -> None:
+    def __init__(self, model_path: str, first: int, end: int, threads: int, act_dtype: str, prompt_act: str) -> None:
         import numba
 
         from ember.daemon.loader.model_file import open_model_file
