@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from ember.kernels.cpu import dense, twin
+from ember.kernels.cpu import decode_lanes, dense, twin
 from ember.kernels.cpu.dense import softplus_gate_row
 from ember.kernels.cpu.paged_attention import KVLayerStore, attention_task, store_kv_rows
 from ember.kernels.cpu.paged_attention import _KERNELS as _ATTENTION
@@ -334,8 +334,8 @@ def _room(n, cols, q8_0, k_quants):
 
 @njit(inline="always", cache=True, nogil=True)
 def _quantize_into(x, t, room):
-    _quantize_token(x, t, room[0].shape[0] > 0, room[0], room[1], room[2], room[3], room[4].shape[0] > 0, room[4],
-                    room[5], room[6], room[7])
+    _quantize_token(x, t, room[0].shape[0] > 0, room[0], room[1], room[2], room[3], room[4], room[5].shape[0] > 0,
+                    room[5], room[6], room[7], room[8])
 
 
 @njit(inline="always", cache=True, nogil=True)
@@ -349,9 +349,9 @@ def _group_rows(tt, w, group, room, out):
     first = group * _MATVEC_ROWS
     end = min(w.shape[0], first + _MATVEC_ROWS)
     if _Q8_0_ACTIVATIONS[tt]:  # the room's arrays by index: no variable that is one array or another
-        _rows_times_tokens(tt, w, first, end, room[0], room[1], room[2], room[3], out)
+        _rows_times_tokens(tt, w, first, end, room[0], room[1], room[2], room[3], room[4], out)
     else:
-        _rows_times_tokens(tt, w, first, end, room[4], room[5], room[6], room[7], out)
+        _rows_times_tokens(tt, w, first, end, room[5], room[6], room[7], room[8], room[9], out)
 
 
 @njit(inline="always", cache=True, nogil=True)
@@ -432,14 +432,17 @@ def _team_phases(counters, x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, 
     if not wait(counters, _ATTEND, n * n_kv_heads):
         return
 
-    i = claim(counters, _QUANTIZE_ATTN, me, n)  # each token's attention output gated, then quantized
-    while i < n:
-        if gated:
-            softplus_gate_row(attn[i], og[i])
-        _quantize_into(attn.reshape(n, n_heads * head_dim), i, attn_room)
+    per = _tokens_per_item(attn_room)
+    items = _items(n, per)
+    c = claim(counters, _QUANTIZE_ATTN, me, items)  # each token's attention output gated, then quantized
+    while c < items:
+        for i in range(c * per, min(n, (c + 1) * per)):
+            if gated:
+                softplus_gate_row(attn[i], og[i])
+            _quantize_into(attn.reshape(n, n_heads * head_dim), i, attn_room)
         finish(counters, _QUANTIZE_ATTN)
-        i = claim(counters, _QUANTIZE_ATTN, me, n)
-    if not wait(counters, _QUANTIZE_ATTN, n):
+        c = claim(counters, _QUANTIZE_ATTN, me, items)
+    if not wait(counters, _QUANTIZE_ATTN, items):
         return
     _projection_phase(counters, _OUT_PROJ, me, code_o, wo, attn_room, o, x, x1)
     if not ffn or not wait(counters, _OUT_PROJ, _groups(wo.shape[0])):
@@ -464,24 +467,45 @@ def _team_phases(counters, x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, 
 @njit(inline="always", cache=True, nogil=True)
 def _norm_phase(counters, phase, me, x, w, eps, out, room):
     """Each token of x rmsnormed into out and quantized into room -> False if the team failed."""
-    i = claim(counters, phase, me, x.shape[0])
-    while i < x.shape[0]:
-        _NORM_SERIAL(x[i:i + 1], w, eps, out[i:i + 1])
-        _quantize_into(out, i, room)
+    n = x.shape[0]
+    per = _tokens_per_item(room)
+    items = _items(n, per)
+    c = claim(counters, phase, me, items)
+    while c < items:
+        for i in range(c * per, min(n, (c + 1) * per)):
+            _NORM_SERIAL(x[i:i + 1], w, eps, out[i:i + 1])
+            _quantize_into(out, i, room)
         finish(counters, phase)
-        i = claim(counters, phase, me, x.shape[0])
-    return wait(counters, phase, x.shape[0])
+        c = claim(counters, phase, me, items)
+    return wait(counters, phase, items)
 
 
 @njit(inline="always", cache=True, nogil=True)
 def _quantize_phase(counters, phase, me, x, room):
     """Each token of x quantized into room -> False if the team failed."""
-    i = claim(counters, phase, me, x.shape[0])
-    while i < x.shape[0]:
-        _quantize_into(x, i, room)
+    n = x.shape[0]
+    per = _tokens_per_item(room)
+    items = _items(n, per)
+    c = claim(counters, phase, me, items)
+    while c < items:
+        for i in range(c * per, min(n, (c + 1) * per)):
+            _quantize_into(x, i, room)
         finish(counters, phase)
-        i = claim(counters, phase, me, x.shape[0])
-    return wait(counters, phase, x.shape[0])
+        c = claim(counters, phase, me, items)
+    return wait(counters, phase, items)
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _tokens_per_item(room):
+    """Tokens a thread quantizes at once into room: one, or with tokens in lanes a vector's: its
+    tokens share every cache line of the lanes, and two threads filling one vector passed each line
+    back and forth (4 streams decoded slower than with the decode tiles)."""
+    return decode_lanes.TOKENS if room[4].shape[0] > 0 else 1
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _items(n, per):
+    return (n + per - 1) // per
 
 
 @njit(inline="always", cache=True, nogil=True)

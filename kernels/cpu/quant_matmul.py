@@ -13,6 +13,9 @@ Why the kernels look the way they do (each point measured on the 2-core Zen 4 VM
   (int8_dots): 1.5-2.2x faster than widening every weight to float32 on K-quants, where the float
   kernels were bound by bit unpacking, not memory; level on Q8_0, which streams at memory speed
   either way. It is llama.cpp's numerics: the product is with x_hat, x after the q8_0 round trip.
+- From decode_lanes.MIN_TOKENS decode rows on, weights of the 32-value types meet them in token lanes
+  (decode_lanes.py: 15 tokens a 512-bit vector, no horizontal sums), bit for bit the tiles' results:
+  the activations' room holds the tokens in lanes too, filled as each token is quantized.
 - The F16/BF16 row dot is one reduction that LLVM vectorizes into register accumulators; numba
   rewrites every a[k] as a[k + n if k < 0 else k], and where LLVM cannot prove k >= 0 that select
   turns consecutive loads into gathers (10x slower), so hot loads use ld/ld1, which skip it.
@@ -39,7 +42,7 @@ from numba import njit, prange
 
 from ember.kernels.cpu import dense
 from ember.kernels.cpu.twin import Twin
-from ember.kernels.cpu import int8_dots, int8_prompt
+from ember.kernels.cpu import decode_lanes, int8_dots, int8_prompt
 from ember.kernels.cpu.quant_bits import (EXACT as _EXACT, bf16, f16, fifth_bits, k4_header, ld, ld1, q3_k_scale, quant,
                                          quant3)
 from ember.kernels.cpu.int8_dots import (Q6_K_OFFSET, Q8_0_OFFSET, QK, QK_K, ROW_PAIR, TILE_SIZES, TILE_TOKENS,
@@ -341,10 +344,11 @@ def _rows_loop(tiles):
 @njit(inline="always", **_STRICT)
 def _quantized_tokens(n, cols, k_quants):
     """Room for n tokens' activations: q8_0 (scales per 32 values) or, for K-quant weights, q8_K
-    (scales per 256); the 32-value sums of x_hat and the quad_offsets either way."""
+    (scales per 256); the 32-value sums of x_hat and the quad_offsets either way; for q8_0, from
+    decode_lanes.MIN_TOKENS tokens on, the same tokens in lanes (decode_lanes.room)."""
     per = QK_K if k_quants else QK
     return (np.empty((n, cols), np.int8), np.empty((n, cols // per), np.float32), np.empty((n, cols // QK), np.float32),
-            np.empty((n, cols // 4), np.int32))
+            np.empty((n, cols // 4), np.int32), decode_lanes.room(0 if k_quants else n, cols))
 
 
 @njit(inline="always", **_STRICT)
@@ -352,29 +356,35 @@ def _activations(x, q8_0, k_quants):
     """x's tokens quantized once per format its weights need: (q8_0 arrays, q8_K arrays), each
     (quants, scales, 32-value sums); a format not needed is left with no tokens."""
     n, cols = x.shape
-    xq, xd, xs, xc = _quantized_tokens(n if q8_0 else 0, cols, False)
-    kq, kd, ks, kc = _quantized_tokens(n if k_quants else 0, cols, True)
-    if n < _PARALLEL_QUANTIZE_TOKENS:  # a parallel region of its own costs more than these few tokens
+    xq, xd, xs, xc, xl = _quantized_tokens(n if q8_0 else 0, cols, False)
+    kq, kd, ks, kc, kl = _quantized_tokens(n if k_quants else 0, cols, True)
+    # a parallel region of its own costs more than a few tokens; with tokens in lanes, a thread
+    # quantizes a vector's (decoder_layer._tokens_per_item)
+    per = decode_lanes.TOKENS if xl.shape[0] > 0 else 1
+    if n < _PARALLEL_QUANTIZE_TOKENS or n <= per:
         for t in range(n):
-            _quantize_token(x, t, q8_0, xq, xd, xs, xc, k_quants, kq, kd, ks, kc)
+            _quantize_token(x, t, q8_0, xq, xd, xs, xc, xl, k_quants, kq, kd, ks, kc)
     else:
-        for t in prange(n):
-            _quantize_token(x, t, q8_0, xq, xd, xs, xc, k_quants, kq, kd, ks, kc)
-    return (xq, xd, xs, xc), (kq, kd, ks, kc)
+        for c in prange((n + per - 1) // per):
+            for t in range(c * per, min(n, (c + 1) * per)):
+                _quantize_token(x, t, q8_0, xq, xd, xs, xc, xl, k_quants, kq, kd, ks, kc)
+    return (xq, xd, xs, xc, xl), (kq, kd, ks, kc, kl)
 
 
 @njit(inline="always", **_STRICT)
-def _quantize_token(x, t, q8_0, xq, xd, xs, xc, k_quants, kq, kd, ks, kc):
+def _quantize_token(x, t, q8_0, xq, xd, xs, xc, xl, k_quants, kq, kd, ks, kc):
     if q8_0:
         quantize_activation(x[t], xq[t], xd[t], xs[t])
         quad_offsets(xq[t], xc[t], Q8_0_OFFSET)
+        if xl.shape[0] > 0:
+            decode_lanes.put_token(xq[t], xd[t], xs[t], t, xl)
     if k_quants:
         quantize_activation_k(x[t], kq[t], kd[t], ks[t])
         quad_offsets(kq[t], kc[t], Q6_K_OFFSET)
 
 
 @njit(**_STRICT)
-def _rows_times_tokens(tt, u8, first, end, xq, xd, xs, xc, out):
+def _rows_times_tokens(tt, u8, first, end, xq, xd, xs, xc, xl, out):
     """out[t, r] = row r . x_hat[t] for rows first..end-1 and every token, by tt's row loop
     (_rows_loop) over the activations of its format (q8_0's for 32-value blocks, q8_K's for
     K-quants: _activations_for). Every (row, token) result is computed by the same operations
@@ -385,8 +395,13 @@ def _rows_times_tokens(tt, u8, first, end, xq, xd, xs, xc, out):
     per thread than in the serial variant (8192 x 384 Q8_0, one thread: 224 vs 182 us). The drivers
     pick each weight's activation arrays once, before their row-group loops: a variable that is one
     array or another, set in the loop, cost reference counts on every group (a 256 x 256 Q8_0 matvec
-    2.9 us against 2.2 in compiled code)."""
-    if tt == _Q8_0:
+    2.9 us against 2.2 in compiled code).
+
+    With the tokens in lanes too (xl: enough decode rows, a 32-value type), decode_lanes computes the
+    same results at a fraction of the work."""
+    if xl.shape[0] > 0:
+        decode_lanes.rows(tt, u8, first, end, xl, out)
+    elif tt == _Q8_0:
         _ROWS_Q8_0(u8, first, end, xq, xd, xs, xc, out)
     elif tt == _Q4_K:
         _ROWS_Q4_K(u8, first, end, xq, xd, xs, xc, out)
@@ -414,7 +429,7 @@ def _rows_times_tokens(tt, u8, first, end, xq, xd, xs, xc, out):
 
 @njit(inline="always", **_STRICT)
 def _activations_for(acts, q8_0):
-    """The arrays (quants, scales, sums, quad offsets) of _activations' result `acts` in one format."""
+    """The arrays (quants, scales, sums, quad offsets, lanes) of _activations' result `acts` in one format."""
     return acts[0] if q8_0 else acts[1]
 
 
@@ -423,9 +438,9 @@ def _matmul_int8(tt, u8, x, out):
     each weight row read once per call for all tokens."""
     rows = out.shape[1]
     q8_0 = _Q8_0_ACTIVATIONS[tt]
-    xq, xd, xs, xc = _activations_for(_activations(x, q8_0, not q8_0), q8_0)
+    xq, xd, xs, xc, xl = _activations_for(_activations(x, q8_0, not q8_0), q8_0)
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
-        _rows_times_tokens(tt, u8, c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS), xq, xd, xs, xc, out)
+        _rows_times_tokens(tt, u8, c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS), xq, xd, xs, xc, xl, out)
 
 
 def _matmul_int8_many(tts, ws, x, outs, group_rows):
@@ -436,8 +451,8 @@ def _matmul_int8_many(tts, ws, x, outs, group_rows):
     or another, and the reference counts of 16 groups were a sixth of a 512 x 256 Q8_0 q/k/v (4.6 us)."""
     formats = _Q8_0_ACTIVATIONS[tts]
     acts = _activations(x, formats.any(), not formats.all())
-    xq, xd, xs, xc = _activations_for(acts, formats[0])  # the first weight's format
-    oq, od, osum, oc = _activations_for(acts, not formats[0])  # the other (only a mixed layer has it)
+    xq, xd, xs, xc, xl = _activations_for(acts, formats[0])  # the first weight's format
+    oq, od, osum, oc, ol = _activations_for(acts, not formats[0])  # the other (only a mixed layer has it)
     groups = np.empty(len(ws) + 1, np.int64)
     groups[0] = 0
     for k in range(len(ws)):
@@ -450,9 +465,9 @@ def _matmul_int8_many(tts, ws, x, outs, group_rows):
         first = (c - groups[k]) * group_rows
         end = min(u8.shape[0], first + group_rows)
         if formats[k] == formats[0]:
-            _rows_times_tokens(tts[k], u8, first, end, xq, xd, xs, xc, out)
+            _rows_times_tokens(tts[k], u8, first, end, xq, xd, xs, xc, xl, out)
         else:
-            _rows_times_tokens(tts[k], u8, first, end, oq, od, osum, oc, out)
+            _rows_times_tokens(tts[k], u8, first, end, oq, od, osum, oc, ol, out)
 
 
 def _swiglu_int8(tt_gate, gate, tt_up, up, x, out, gelu):
@@ -461,15 +476,15 @@ def _swiglu_int8(tt_gate, gate, tt_up, up, x, out, gelu):
     n, rows = x.shape[0], out.shape[1]
     q8_gate, q8_up = _Q8_0_ACTIVATIONS[tt_gate], _Q8_0_ACTIVATIONS[tt_up]
     acts = _activations(x, q8_gate or q8_up, not (q8_gate and q8_up))
-    gq, gd, gs, gc = _activations_for(acts, q8_gate)
-    uq, ud, us, uc = _activations_for(acts, q8_up)
+    gq, gd, gs, gc, gl = _activations_for(acts, q8_gate)
+    uq, ud, us, uc, ul = _activations_for(acts, q8_up)
     g = np.empty((n, rows), np.float32)
     u = np.empty((n, rows), np.float32)
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
         end = min(rows, (c + 1) * _MATVEC_ROWS)
         # the group's gate rows, then its up rows: one contiguous stream at a time for the prefetcher
-        _rows_times_tokens(tt_gate, gate, c * _MATVEC_ROWS, end, gq, gd, gs, gc, g)
-        _rows_times_tokens(tt_up, up, c * _MATVEC_ROWS, end, uq, ud, us, uc, u)
+        _rows_times_tokens(tt_gate, gate, c * _MATVEC_ROWS, end, gq, gd, gs, gc, gl, g)
+        _rows_times_tokens(tt_up, up, c * _MATVEC_ROWS, end, uq, ud, us, uc, ul, u)
         if gelu:
             _gelu_times(g, u, c * _MATVEC_ROWS, end, out)
         else:

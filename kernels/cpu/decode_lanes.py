@@ -1,0 +1,413 @@
+"""Batched decode rows in token lanes: the decode tiles' results, bit for bit, for a fraction of the work.
+
+This module owns the product of a step's decode rows (4 to any number of tokens) with a weight of a
+32-value block type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL), laid out as int8_prompt lays out prompt
+rows: tokens across the lanes of a 512-bit vector, one vpdpbusd per broadcast weight quad for 15
+tokens, no horizontal sum and no per-token conversion inside a block. The decode tiles (int8_dots)
+reduce each block's 8 int32 lanes to one sum per token and convert it alone: at 8 tokens that was
+most of a step's time (8 streams decoded at 2.6-3.1x one stream's tokens/s on the 100M Q8_0 file).
+
+Why it is exact: a decode row's result must not depend on its batch (tests/test_decoder_layer.py),
+so these lanes compute what the decode tile computes for the same token, in the same order:
+- the same activations: the decode rows' own q8_0 quants and scales, put into lanes once per input
+  by put_token (not quantized again), stored q + 128 (vpdpbusd's unsigned operand);
+- each block's exact integer dot: the weight's signed quants broadcast from memory, and the sum of
+  the lane's products less lane 15's, a zero token's (stored 128: its sum is 128 x the weight's, what
+  the + 128 added to every other lane);
+- the same float steps: value = float(dot) * (d * xd), added to the accumulator of the block's place
+  in its unit of 4 (tail blocks to the first), Q4_1/Q5_1's (-m) * xs to the mins' four, and the
+  result (a0 + a2) + (a1 + a3) minus the mins' sum alike (int8_dots._hsum), strict IEEE.
+Why it reads the way it does:
+- Weight quads come from memory, as vpdpbusd's broadcast operand: a broadcast from a register is a
+  shuffle, two or three a quad, and held a first version to the shuffle port's speed.
+- Q8_0 blocks are read in place, the weight streaming from DRAM while the products run. The other
+  types are unpacked (by the decode tiles' own block readers) a tile's rows at a time: unpacking a
+  group of 32 rows first and multiplying after stopped the stream for the products, and a 32000-row
+  head ran at half the decode tile's bandwidth.
+- Lane 15 instead of a sum of each block's weight quants: the sum cost ~10 instructions a block and
+  row (reduce, broadcast), the lane two (broadcast it, subtract).
+K-quants keep the decode tiles: their decode lanes sum 8 int32 partials per token in float, which
+lanes of tokens cannot reproduce without 8 accumulators per token.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ember.kernels.cpu import int8_dots
+from ember.kernels.cpu.int8_dots import _VNNI, UNSIGNED, _at, _call, _i64, _load_f16
+from ember.kernels.tensor_types import TensorType
+
+__all__ = ["TOKENS", "MIN_TOKENS", "LANE_TYPES", "room", "room_for", "put_token", "rows"]
+
+LANES = 16  # int32 lanes of a 512-bit vector
+TOKENS = LANES - 1  # tokens per vector: lane 15 is the zero token
+# Fewest decode rows that take the lanes (a speed choice only: both give the same bits). Without
+# AVX-512 VNNI never: 512-bit products written portably are slower than the decode tiles.
+MIN_TOKENS = 4 if _VNNI else 1 << 30
+LANE_TYPES = frozenset((TensorType.Q8_0, TensorType.Q4_0, TensorType.Q4_1, TensorType.Q5_0, TensorType.Q5_1,
+                        TensorType.IQ4_NL))
+_BLOCK = 32
+_UNIT = 4  # blocks per unit of the decode tiles (int8_dots._Q8_0_LANES): the 4 float accumulators
+_TILE_ROWS = 4  # rows per tile: 16 accumulators (4 a row), 8 activation vectors
+_TILE_ROWS_MIN = 2  # with mins: 8 more accumulators a row
+# Rows ahead that a tile prefetches: its 4 rows' blocks interleaved are 4 streams for the hardware
+# prefetcher, and without a hint the products waited on DRAM (8 streams of the 100M Q8_0 file:
+# 957-1072 tok/s; 8 rows ahead 1150-1400, 16 rows 1234-1357, alternated in one run)
+_PREFETCH_ROWS = 16
+_CHAINS = 2  # independent integer sums a row and block (one chain of 8 vpdpbusd: 10-15% slower)
+_LANE_BYTES = 20  # per value of a row: 16 quants, and per 32 values 16 x (scale, block sum) x 4 bytes
+_FLIP = np.int32(-0x7F7F7F80)  # 0x80808080: q + 128 in each byte of a quad (q xor 0x80); the zero token
+_Q8_0, _Q4_1, _Q5_1 = int(TensorType.Q8_0), int(TensorType.Q4_1), int(TensorType.Q5_1)
+
+
+@njit(inline="always", cache=True, nogil=True)
+def room(n, cols):
+    """room_for(n, cols), or no vector below MIN_TOKENS tokens (their rows take the decode tiles)."""
+    return room_for(n if n >= MIN_TOKENS else 0, cols)
+
+
+@njit(inline="always", cache=True, nogil=True)
+def room_for(n, cols):
+    """Room for n decode tokens' q8_0 activations in lanes: uint8 [vectors, 20 cols], each vector
+    holding, for its 15 tokens and the zero token (lane 15), the quants plus 128
+    (quad c of lane l at byte 64 c + 4 l), then per 32-value block b 16 float32 scales at
+    16 cols + 64 b and 16 float32 block sums (xs) at 18 cols + 64 b. Lanes past the n tokens stay
+    zero (their results are never stored)."""
+    vectors = (n + TOKENS - 1) // TOKENS
+    lanes = np.zeros((vectors, cols * _LANE_BYTES), np.uint8)
+    for v in range(vectors):
+        quads = lanes[v, :16 * cols].view(np.int32)
+        for c in range(cols // 4):
+            quads[LANES * c + TOKENS] = _FLIP
+    return lanes
+
+
+@njit(inline="always", cache=True, nogil=True)
+def put_token(xq, xd, xs, t, lanes):
+    """Token t's decode activations (int8_dots.quantize_activation's xq [cols], xd, xs [cols / 32])
+    into its lane of `lanes` (room)."""
+    cols = xq.shape[0]
+    blocks = cols // _BLOCK
+    lane = t % TOKENS
+    row = lanes[t // TOKENS]
+    quads = row[:16 * cols].view(np.int32)
+    mine = xq.view(np.int32)
+    for c in range(cols // 4):
+        quads[LANES * c + lane] = mine[c] ^ _FLIP
+    floats = row[16 * cols:20 * cols].view(np.float32)
+    for b in range(blocks):
+        floats[LANES * b + lane] = xd[b]
+        floats[LANES * (blocks + b) + lane] = xs[b]
+
+
+_I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_VI32, _VF32 = ir.VectorType(_I32, LANES), ir.VectorType(_F32, LANES)
+
+
+# --------------------------------------------------------------------------------------------------
+# the weights: Q8_0 in place; the others unpacked into signed quants, a scale and a (negated) min
+# --------------------------------------------------------------------------------------------------
+# each unpacked type: its block bytes, its quant reader (int8_dots) and whether it has mins
+_UNPACKED = {TensorType.Q4_0: (18, int8_dots._q4_0_quants, False), TensorType.Q4_1: (20, int8_dots._q4_1_quants, True),
+             TensorType.Q5_0: (22, int8_dots._q5_0_quants, False), TensorType.Q5_1: (24, int8_dots._q5_1_quants, True),
+             TensorType.IQ4_NL: (18, int8_dots._iq4_nl_quants, False)}
+
+
+def _emit_unpack(builder, side, size, row, stride, first, ws, wa, wm):
+    """The unit at block `first` of a row (blocks of `size` bytes) into ws (signed quants), wa and wm
+    (each block's scale and -min, as the decode tiles read them)."""
+    _prefetch(builder, _at(builder, row, builder.mul(first, ir.Constant(_I64, size))), stride)
+    unit = side(builder, row, first)
+    for k, q, kind, _ in unit.chunks:
+        if kind > UNSIGNED:  # stored as u standing for u - kind
+            q = builder.sub(q, int8_dots._splat_i8(kind))
+        b = builder.add(first, ir.Constant(_I64, k))
+        at = builder.gep(ws, [builder.mul(b, ir.Constant(_I64, _BLOCK))], inbounds=True)
+        builder.store(q, builder.bitcast(at, q.type.as_pointer()), align=1)
+        builder.store(builder.extract_element(unit.scales, ir.Constant(_I32, k)), builder.gep(wa, [b], inbounds=True))
+        if unit.mins is not None:
+            builder.store(builder.extract_element(unit.mins, ir.Constant(_I32, k)), builder.gep(wm, [b], inbounds=True))
+
+
+@intrinsic
+def _unpack_row(typingctx, tt, u8, r, ws, wa, wm):
+    """(tt, u8, r, ws, wa, wm) -> 0: row r of the weight u8 [rows, row_bytes] of type code tt (one of
+    _UNPACKED) into ws int8 [cols], wa and wm float32 [cols / 32]; one switch on the type, then that
+    type's loop over units of 4 blocks and the tail."""
+    if not (isinstance(tt, types.Integer) and isinstance(u8, types.Array) and u8.ndim == 2 and u8.dtype == types.uint8
+            and u8.layout == "C" and isinstance(r, types.Integer) and ws == types.Array(types.int8, 1, "C")
+            and wa == wm == types.Array(types.float32, 1, "C")):
+        return None
+
+    def codegen(context, builder, sig, args):
+        w, ws_, wa_, wm_ = (context.make_array(t)(context, builder, a) for t, a in
+                            zip((sig.args[1], *sig.args[3:]), (args[1], *args[3:])))
+        stride = builder.extract_value(w.strides, 0)
+        row = _at(builder, builder.bitcast(w.data, _I8.as_pointer()), builder.mul(_i64(builder, args[2]), stride))
+        outs = (builder.bitcast(ws_.data, _I8.as_pointer()), builder.bitcast(wa_.data, _F32.as_pointer()),
+                builder.bitcast(wm_.data, _F32.as_pointer()))
+        blocks = builder.udiv(builder.extract_value(ws_.shape, 0), ir.Constant(_I64, _BLOCK))
+        whole = builder.udiv(blocks, ir.Constant(_I64, _UNIT))
+        done = builder.append_basic_block("unpacked")
+        switch = builder.switch(_i64(builder, args[0]), done)
+        for ttype, (size, quants, has_min) in _UNPACKED.items():
+            case = builder.append_basic_block(f"unpack_{ttype.name.lower()}")
+            switch.add_case(ir.Constant(_I64, int(ttype)), case)
+            builder.position_at_end(case)
+            unit_side, tail_side = (int8_dots._blocks(size, quants, has_min)(k) for k in (_UNIT, 1))
+            with cgutils.for_range(builder, whole) as loop:
+                _emit_unpack(builder, unit_side, size, row, stride, builder.mul(loop.index, ir.Constant(_I64, _UNIT)), *outs)
+            tail = builder.mul(whole, ir.Constant(_I64, _UNIT))
+            with cgutils.for_range(builder, builder.sub(blocks, tail)) as loop:
+                _emit_unpack(builder, tail_side, size, row, stride, builder.add(tail, loop.index), *outs)
+            builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_constant(types.int64, 0)
+
+    return types.int64(tt, u8, r, ws, wa, wm), codegen
+
+
+def _prefetch(builder, at, stride):
+    """A hint: the bytes at `at`, _PREFETCH_ROWS rows of `stride` bytes on, into L1."""
+    ahead = _at(builder, at, builder.mul(stride, ir.Constant(_I64, _PREFETCH_ROWS)))
+    _call(builder, "llvm.prefetch.p0i8", ir.VoidType(), ahead, ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+          ir.Constant(_I32, 1))
+
+
+class _InPlace:
+    """Q8_0 rows read in the file's blocks (34 bytes: d f16, 32 int8 quants)."""
+
+    has_min = False
+
+    def __init__(self, builder, context, sig, args, R):
+        w = context.make_array(sig.args[0])(context, builder, args[0])
+        r = _i64(builder, args[1])
+        stride = builder.extract_value(w.strides, 0)
+        base = builder.bitcast(w.data, _I8.as_pointer())
+        self.builder, self.stride = builder, stride
+        self.rows = [_at(builder, base, builder.mul(builder.add(r, ir.Constant(_I64, i)), stride)) for i in range(R)]
+
+    def _block(self, i, b):
+        return _at(self.builder, self.rows[i], self.builder.mul(b, ir.Constant(_I64, 34)))
+
+    def word(self, i, b, j):
+        return self.builder.load(self.builder.bitcast(_at(self.builder, self._block(i, b), 2 + 4 * j), _I32.as_pointer()),
+                                 align=1)
+
+    def prefetch(self, i, b):
+        _prefetch(self.builder, self._block(i, b), self.stride)
+
+    def scale(self, i, b):
+        return _load_f16(self.builder, self._block(i, b))
+
+
+class _Unpacked:
+    """Rows unpacked by _unpack_row: ws int8 [rows, cols], wa and wm float32 [rows, cols / 32]."""
+
+    def __init__(self, builder, context, sig, args, R, has_min):
+        ws, wa, wm = (context.make_array(sig.args[k])(context, builder, args[k]) for k in range(3))
+        i = _i64(builder, args[3])
+        self.builder, self.has_min = builder, has_min
+
+        def row_of(array, elem, k):
+            at = builder.mul(builder.add(i, ir.Constant(_I64, k)), builder.extract_value(array.strides, 0))
+            return builder.bitcast(_at(builder, builder.bitcast(array.data, _I8.as_pointer()), at), elem.as_pointer())
+
+        self.w = [row_of(ws, _I32, k) for k in range(R)]  # quads of 4 int8 as i32
+        self.a, self.m = ([row_of(arr, _F32, k) for k in range(R)] for arr in (wa, wm))
+
+    def word(self, i, b, j):
+        at = self.builder.add(self.builder.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, j))
+        return self.builder.load(self.builder.gep(self.w[i], [at], inbounds=True), align=4)
+
+    def scale(self, i, b):
+        return self.builder.load(self.builder.gep(self.a[i], [b], inbounds=True), align=4)
+
+    def prefetch(self, i, b):  # _unpack_row prefetched the rows
+        pass
+
+    def minus_min(self, i, b):
+        return self.builder.load(self.builder.gep(self.m[i], [b], inbounds=True), align=4)
+
+
+# --------------------------------------------------------------------------------------------------
+# the tile: R rows x one vector of 15 tokens, in IR
+# --------------------------------------------------------------------------------------------------
+def _splat(builder, value, vector_type):
+    v = builder.insert_element(ir.Constant(vector_type, None), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count))
+
+
+def _quads(builder, acc, u, s):
+    """acc + per lane the sum of 4 products of unsigned bytes u and signed bytes s (exact): vpdpbusd,
+    or the same integers portably."""
+    if _VNNI:
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _VI32, acc, u, s)
+    wide, v64 = ir.VectorType(_I32, 4 * LANES), ir.VectorType(_I8, 4 * LANES)
+    prod = builder.mul(builder.zext(builder.bitcast(u, v64), wide), builder.sext(builder.bitcast(s, v64), wide))
+    total = acc
+    for k in range(4):
+        total = builder.add(total, builder.shuffle_vector(prod, prod, ir.Constant(_VI32, [4 * j + k for j in range(LANES)])))
+    return total
+
+
+def _emit_tile(builder, source, R, lanes, v, n, out, r0):
+    """out[t, r0 + i] for i < R and the tokens t < n of vector v of `lanes`: the rows of `source`
+    (_InPlace or _Unpacked) against them, block by block in the decode tile's float order."""
+    vec = _at(builder, builder.bitcast(lanes.data, _I8.as_pointer()), builder.mul(v, builder.extract_value(lanes.strides, 0)))
+    cols = builder.udiv(builder.extract_value(lanes.shape, 1), ir.Constant(_I64, _LANE_BYTES))
+    blocks = builder.udiv(cols, ir.Constant(_I64, _BLOCK))
+    quads = builder.bitcast(vec, _VI32.as_pointer())
+    zero_token = ir.Constant(_VI32, [TOKENS] * LANES)
+
+    def lane_floats(start, b):
+        at = builder.add(builder.mul(cols, ir.Constant(_I64, start)), builder.mul(b, ir.Constant(_I64, 64)))
+        return builder.load(builder.bitcast(_at(builder, vec, at), _VF32.as_pointer()), align=4)
+
+    zero = ir.Constant(_VF32, [0.0] * LANES)
+    accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(_UNIT)] for _ in range(R)]
+    mins = [[cgutils.alloca_once_value(builder, zero) for _ in range(_UNIT)] for _ in range(R)]
+
+    def block(b, k):
+        """Block b of every row against the tokens, into accumulator k."""
+        xv = [builder.load(builder.gep(quads, [builder.add(builder.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, j))],
+                                       inbounds=True), align=4) for j in range(8)]
+        xd = lane_floats(16, b)
+        xsum = lane_floats(18, b) if source.has_min else None
+        for r in range(R):
+            source.prefetch(r, b)
+            sums = [ir.Constant(_VI32, [0] * LANES)] * _CHAINS
+            for j in range(8):
+                sums[j % _CHAINS] = _quads(builder, sums[j % _CHAINS], xv[j], _splat(builder, source.word(r, b, j), _VI32))
+            raw = sums[0]
+            for more in sums[1:]:
+                raw = builder.add(raw, more)
+            total = builder.sub(raw, builder.shuffle_vector(raw, raw, zero_token))  # less 128 x the weight's sum
+            scale = builder.fmul(_splat(builder, source.scale(r, b), _VF32), xd)
+            value = builder.fmul(builder.sitofp(total, _VF32), scale)
+            builder.store(builder.fadd(builder.load(accs[r][k]), value), accs[r][k])
+            if source.has_min:
+                taken = builder.fmul(_splat(builder, source.minus_min(r, b), _VF32), xsum)
+                builder.store(builder.fadd(builder.load(mins[r][k]), taken), mins[r][k])
+
+    whole = builder.udiv(blocks, ir.Constant(_I64, _UNIT))
+    with cgutils.for_range(builder, whole) as loop:
+        for k in range(_UNIT):
+            block(builder.add(builder.mul(loop.index, ir.Constant(_I64, _UNIT)), ir.Constant(_I64, k)), k)
+    done = builder.mul(whole, ir.Constant(_I64, _UNIT))
+    with cgutils.for_range(builder, builder.sub(blocks, done)) as loop:
+        block(builder.add(done, loop.index), 0)
+
+    def hsum(four):  # int8_dots._hsum's order, lane by lane
+        a = [builder.load(p) for p in four]
+        return builder.fadd(builder.fadd(a[0], a[2]), builder.fadd(a[1], a[3]))
+
+    t0 = builder.mul(v, ir.Constant(_I64, TOKENS))
+    count = builder.sub(n, t0)
+    count = builder.select(builder.icmp_signed(">", count, ir.Constant(_I64, TOKENS)), ir.Constant(_I64, TOKENS), count)
+    out_base = builder.bitcast(out.data, _I8.as_pointer())
+    out_stride = builder.extract_value(out.strides, 0)
+    for r in range(R):
+        result = builder.fsub(hsum(accs[r]), hsum(mins[r]))
+        col = builder.add(r0, ir.Constant(_I64, r))
+        with cgutils.for_range(builder, count) as loop:
+            at = builder.add(builder.mul(builder.add(t0, loop.index), out_stride), builder.mul(col, ir.Constant(_I64, 4)))
+            builder.store(builder.extract_element(result, loop.index),
+                          builder.bitcast(_at(builder, out_base, at), _F32.as_pointer()))
+
+
+def _is_lanes(lanes, out, *ints):
+    return (lanes == types.Array(types.uint8, 2, "C") and out == types.Array(types.float32, 2, "C")
+            and all(isinstance(a, types.Integer) for a in ints))
+
+
+def _in_place_tile(R):
+    """An intrinsic (u8, r, lanes, v, n, out) -> 0: Q8_0 rows r..r+R-1 of u8 [rows, row_bytes] times
+    the tokens of vector v of `lanes`, into out[t, r + i] for t < n."""
+
+    def codegen(context, builder, sig, args):
+        lanes, out = (context.make_array(sig.args[k])(context, builder, args[k]) for k in (2, 5))
+        _emit_tile(builder, _InPlace(builder, context, sig, args, R), R, lanes, _i64(builder, args[3]),
+                   _i64(builder, args[4]), out, _i64(builder, args[1]))
+        return context.get_constant(types.int64, 0)
+
+    def typer(typingctx, u8, r, lanes, v, n, out):
+        if not (isinstance(u8, types.Array) and u8.ndim == 2 and u8.dtype == types.uint8 and u8.layout == "C"
+                and _is_lanes(lanes, out, r, v, n)):
+            return None
+        return types.int64(u8, r, lanes, v, n, out), codegen
+
+    typer.__name__ = f"decode_lanes_q8_0_{R}"
+    return intrinsic(typer)
+
+
+def _unpacked_tile(R, has_min):
+    """An intrinsic (ws, wa, wm, i, lanes, v, n, out, r0) -> 0: rows i..i+R-1 of unpacked weights
+    (_unpack_row's) times the tokens of vector v of `lanes`, into out[t, r0 + k] for t < n."""
+
+    def codegen(context, builder, sig, args):
+        lanes, out = (context.make_array(sig.args[k])(context, builder, args[k]) for k in (4, 7))
+        _emit_tile(builder, _Unpacked(builder, context, sig, args, R, has_min), R, lanes, _i64(builder, args[5]),
+                   _i64(builder, args[6]), out, _i64(builder, args[8]))
+        return context.get_constant(types.int64, 0)
+
+    def typer(typingctx, ws, wa, wm, i, lanes, v, n, out, r0):
+        if not (ws == types.Array(types.int8, 2, "C") and wa == wm == types.Array(types.float32, 2, "C")
+                and _is_lanes(lanes, out, i, v, n, r0)):
+            return None
+        return types.int64(ws, wa, wm, i, lanes, v, n, out, r0), codegen
+
+    typer.__name__ = f"decode_lanes_{R}{'_min' if has_min else ''}"
+    return intrinsic(typer)
+
+
+_Q8_0_TILE, _Q8_0_TILE_1 = _in_place_tile(_TILE_ROWS), _in_place_tile(1)
+_TILE, _TILE_1 = _unpacked_tile(_TILE_ROWS, False), _unpacked_tile(1, False)
+_TILE_MIN, _TILE_MIN_1 = _unpacked_tile(_TILE_ROWS_MIN, True), _unpacked_tile(1, True)
+
+
+@njit(cache=True, nogil=True)
+def rows(tt, u8, first, end, lanes, out):
+    """out[t, r] = row r . x_hat[t] for rows first..end-1 of u8 (type code tt, one of LANE_TYPES) and
+    the decode tokens in `lanes` (room, filled by put_token): what int8_dots' tiles give, bit for bit.
+    A tile's rows meet every vector of tokens while they are in L1."""
+    n = out.shape[0]
+    vectors = lanes.shape[0]
+    if tt == _Q8_0:
+        r = first
+        while r + _TILE_ROWS <= end:
+            for v in range(vectors):
+                _Q8_0_TILE(u8, r, lanes, v, n, out)
+            r += _TILE_ROWS
+        while r < end:
+            for v in range(vectors):
+                _Q8_0_TILE_1(u8, r, lanes, v, n, out)
+            r += 1
+        return
+    cols = lanes.shape[1] // _LANE_BYTES
+    has_min = tt == _Q4_1 or tt == _Q5_1
+    R = _TILE_ROWS_MIN if has_min else _TILE_ROWS
+    ws = np.empty((R, cols), np.int8)
+    wa = np.empty((R, cols // _BLOCK), np.float32)
+    wm = np.empty((R, cols // _BLOCK), np.float32)
+    r = first
+    while r < end:
+        count = min(R, end - r)
+        for i in range(count):
+            _unpack_row(tt, u8, r + i, ws[i], wa[i], wm[i])
+        for v in range(vectors):
+            if count == R and has_min:
+                _TILE_MIN(ws, wa, wm, 0, lanes, v, n, out, r)
+            elif count == R:
+                _TILE(ws, wa, wm, 0, lanes, v, n, out, r)
+            else:
+                for i in range(count):
+                    if has_min:
+                        _TILE_MIN_1(ws, wa, wm, i, lanes, v, n, out, r + i)
+                    else:
+                        _TILE_1(ws, wa, wm, i, lanes, v, n, out, r + i)
+        r += count
