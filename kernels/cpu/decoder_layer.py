@@ -467,29 +467,28 @@ def _team_phases(counters, x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, 
 @njit(inline="always", cache=True, nogil=True)
 def _norm_phase(counters, phase, me, x, w, eps, out, room):
     """Each token of x rmsnormed into out and quantized into room -> False if the team failed."""
-    n = x.shape[0]
-    per = _tokens_per_item(room)
-    items = _items(n, per)
-    c = claim(counters, phase, me, items)
-    while c < items:
-        for i in range(c * per, min(n, (c + 1) * per)):
-            _NORM_SERIAL(x[i:i + 1], w, eps, out[i:i + 1])
-            _quantize_into(out, i, room)
-        finish(counters, phase)
-        c = claim(counters, phase, me, items)
-    return wait(counters, phase, items)
+    return _token_phase(counters, phase, me, x, w, eps, out, room, True)
 
 
 @njit(inline="always", cache=True, nogil=True)
 def _quantize_phase(counters, phase, me, x, room):
     """Each token of x quantized into room -> False if the team failed."""
+    return _token_phase(counters, phase, me, x, _NONE, 0.0, x, room, False)
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _token_phase(counters, phase, me, x, w, eps, out, room, normed):
+    """Each token of x (rmsnormed into out first where `normed`) quantized into room, the tokens of an
+    item on one thread (_tokens_per_item) -> False if the team failed."""
     n = x.shape[0]
     per = _tokens_per_item(room)
     items = _items(n, per)
     c = claim(counters, phase, me, items)
     while c < items:
         for i in range(c * per, min(n, (c + 1) * per)):
-            _quantize_into(x, i, room)
+            if normed:
+                _NORM_SERIAL(x[i:i + 1], w, eps, out[i:i + 1])
+            _quantize_into(out, i, room)
         finish(counters, phase)
         c = claim(counters, phase, me, items)
     return wait(counters, phase, items)
