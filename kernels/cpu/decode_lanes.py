@@ -198,10 +198,10 @@ class _InPlace:
         return self.builder.load(self.builder.bitcast(_at(self.builder, self._block(i, b), 2 + 4 * j), _I32.as_pointer()),
                                  align=1)
 
-    def prefetch(self, i, b):
-        _prefetch(self.builder, self._block(i, b), self.stride)
-
     def scale(self, i, b):
+        """Block b's scale, once a row and block: also where the same block _PREFETCH_ROWS rows on is
+        asked for."""
+        _prefetch(self.builder, self._block(i, b), self.stride)
         return _load_f16(self.builder, self._block(i, b))
 
 
@@ -226,9 +226,6 @@ class _Unpacked:
 
     def scale(self, i, b):
         return self.builder.load(self.builder.gep(self.a[i], [b], inbounds=True), align=4)
-
-    def prefetch(self, i, b):  # _unpack_row prefetched the rows
-        pass
 
     def minus_min(self, i, b):
         return self.builder.load(self.builder.gep(self.m[i], [b], inbounds=True), align=4)
@@ -279,7 +276,6 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
         xd = lane_floats(16, b)
         xsum = lane_floats(18, b) if source.has_min else None
         for r in range(R):
-            source.prefetch(r, b)
             sums = [ir.Constant(_VI32, [0] * LANES)] * _CHAINS
             for j in range(8):
                 sums[j % _CHAINS] = _quads(builder, sums[j % _CHAINS], xv[j], _splat(builder, source.word(r, b, j), _VI32))
