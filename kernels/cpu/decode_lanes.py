@@ -39,9 +39,10 @@ from numba.extending import intrinsic
 
 from ember.kernels.cpu import int8_dots
 from ember.kernels.cpu.int8_dots import _VNNI, UNSIGNED, _at, _call, _i64, _load_f16
+from ember.kernels.cpu.int8_prompt import _quads, _splat  # the same 16-lane vpdpbusd and broadcast
 from ember.kernels.tensor_types import TensorType
 
-__all__ = ["TOKENS", "MIN_TOKENS", "LANE_TYPES", "room", "room_for", "put_token", "rows"]
+__all__ = ["TOKENS", "MIN_TOKENS", "LANE_TYPES", "room", "room_for", "tokens_per_thread", "put_token", "rows"]
 
 LANES = 16  # int32 lanes of a 512-bit vector
 TOKENS = LANES - 1  # tokens per vector: lane 15 is the zero token
@@ -84,6 +85,14 @@ def room_for(n, cols):
         for c in range(cols // 4):
             quads[LANES * c + TOKENS] = _FLIP
     return lanes
+
+
+@njit(inline="always", cache=True, nogil=True)
+def tokens_per_thread(lanes):
+    """Tokens one thread should quantize together into a room whose lanes are `lanes`: one, or with
+    tokens in lanes a vector's, whose tokens share every cache line of it (a precaution against two
+    threads passing the lines back and forth; no difference was measured either way)."""
+    return TOKENS if lanes.shape[0] > 0 else 1
 
 
 @njit(inline="always", cache=True, nogil=True)
@@ -234,24 +243,6 @@ class _Unpacked:
 # --------------------------------------------------------------------------------------------------
 # the tile: R rows x one vector of 15 tokens, in IR
 # --------------------------------------------------------------------------------------------------
-def _splat(builder, value, vector_type):
-    v = builder.insert_element(ir.Constant(vector_type, None), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count))
-
-
-def _quads(builder, acc, u, s):
-    """acc + per lane the sum of 4 products of unsigned bytes u and signed bytes s (exact): vpdpbusd,
-    or the same integers portably."""
-    if _VNNI:
-        return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _VI32, acc, u, s)
-    wide, v64 = ir.VectorType(_I32, 4 * LANES), ir.VectorType(_I8, 4 * LANES)
-    prod = builder.mul(builder.zext(builder.bitcast(u, v64), wide), builder.sext(builder.bitcast(s, v64), wide))
-    total = acc
-    for k in range(4):
-        total = builder.add(total, builder.shuffle_vector(prod, prod, ir.Constant(_VI32, [4 * j + k for j in range(LANES)])))
-    return total
-
-
 def _emit_tile(builder, source, R, lanes, v, n, out, r0):
     """out[t, r0 + i] for i < R and the tokens t < n of vector v of `lanes`: the rows of `source`
     (_InPlace or _Unpacked) against them, block by block in the decode tile's float order."""

@@ -432,7 +432,7 @@ def _team_phases(counters, x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, 
     if not wait(counters, _ATTEND, n * n_kv_heads):
         return
 
-    per = _tokens_per_item(attn_room)
+    per = decode_lanes.tokens_per_thread(attn_room[4])
     items = _items(n, per)
     c = claim(counters, _QUANTIZE_ATTN, me, items)  # each token's attention output gated, then quantized
     while c < items:
@@ -479,9 +479,9 @@ def _quantize_phase(counters, phase, me, x, room):
 @njit(inline="always", cache=True, nogil=True)
 def _token_phase(counters, phase, me, x, w, eps, out, room, normed):
     """Each token of x (rmsnormed into out first where `normed`) quantized into room, the tokens of an
-    item on one thread (_tokens_per_item) -> False if the team failed."""
+    item on one thread (decode_lanes.tokens_per_thread) -> False if the team failed."""
     n = x.shape[0]
-    per = _tokens_per_item(room)
+    per = decode_lanes.tokens_per_thread(room[4])
     items = _items(n, per)
     c = claim(counters, phase, me, items)
     while c < items:
@@ -492,14 +492,6 @@ def _token_phase(counters, phase, me, x, w, eps, out, room, normed):
         finish(counters, phase)
         c = claim(counters, phase, me, items)
     return wait(counters, phase, items)
-
-
-@njit(inline="always", cache=True, nogil=True)
-def _tokens_per_item(room):
-    """Tokens a thread quantizes at once into room: one, or with tokens in lanes a vector's: its
-    tokens share every cache line of the lanes, and two threads filling one vector passed each line
-    back and forth (4 streams decoded slower than with the decode tiles)."""
-    return decode_lanes.TOKENS if room[4].shape[0] > 0 else 1
 
 
 @njit(inline="always", cache=True, nogil=True)

@@ -359,8 +359,8 @@ def _activations(x, q8_0, k_quants):
     xq, xd, xs, xc, xl = _quantized_tokens(n if q8_0 else 0, cols, False)
     kq, kd, ks, kc, kl = _quantized_tokens(n if k_quants else 0, cols, True)
     # a parallel region of its own costs more than a few tokens; with tokens in lanes, a thread
-    # quantizes a vector's (decoder_layer._tokens_per_item)
-    per = decode_lanes.TOKENS if xl.shape[0] > 0 else 1
+    # quantizes a vector's
+    per = decode_lanes.tokens_per_thread(xl)
     if n < _PARALLEL_QUANTIZE_TOKENS or n <= per:
         for t in range(n):
             _quantize_token(x, t, q8_0, xq, xd, xs, xc, xl, k_quants, kq, kd, ks, kc)
