@@ -37,7 +37,7 @@ import numpy as np
 from numba import njit, typed
 
 from ember.kernels.cpu import twin
-from ember.kernels.cpu.decoder_layer import FusedLayer, _layer_team, _matmul_int8, _parallel, _rmsnorm
+from ember.kernels.cpu.decoder_layer import FusedLayer, _layer_alone, _layer_team, _matmul_int8, _parallel, _rmsnorm
 from ember.kernels.cpu.expert_ffn import FusedRouted, no_routed_layer, routed_finish
 from ember.kernels.cpu.paged_attention import KVLayerStore
 from ember.kernels.cpu.quant_matmul import _GATHER_ROWS, INT8_PARALLEL_MIN_WORK, CpuWeight, _read_only
@@ -137,11 +137,14 @@ def _burst(steps, threads, force, ids, positions, kv_blocks, kv_offsets, tables,
         for k in range(len(layers)):
             layer = layers[k]
             attn_in, attn_out, work, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc = layer[:12]
-            # run_stack's choice of threads; one member where it would run the serial _layer_stored_kv, whose
-            # numbers the team's are (calling that too would double this library: +15 MB resident)
-            members = threads if force == 2 or (force == 0 and work * n >= INT8_PARALLEL_MIN_WORK) else 1
-            x = _layer_team(members, x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc,
-                            kv_blocks, kv_offsets, tables, token_seq, positions, attn_in, attn_out)
+            # run_stack's choice of threads; the team's phases on this thread alone where it would run the
+            # serial _layer_stored_kv, whose numbers they are (calling that too would double this library: +15 MB)
+            if threads > 1 and (force == 2 or (force == 0 and work * n >= INT8_PARALLEL_MIN_WORK)):
+                x = _layer_team(threads, x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc,
+                                kv_blocks, kv_offsets, tables, token_seq, positions, attn_in, attn_out)
+            else:
+                x = _layer_alone(x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks,
+                                 kv_offsets, tables, token_seq, positions, attn_in, attn_out)
             if layer[12]:
                 x = routed_finish(x, force, *layer[13:])
         h = np.empty_like(x)
