@@ -24,8 +24,8 @@ memory bandwidth, measured here with the same threads. Prints ember/llama.cpp ra
                                     [--context 1536] [--kv-dtype f16] [--prompt-act q8_0|f32] [--files demo Q8_0 Q4_K_M ...]
 
 --kv-dtype: ember's KV cache (default f16, ember's default and llama.cpp's; f32 reads twice the bytes
-in the long-context figure). --prompt-act: ember's prompt activations (default q8_0, ember's default;
-f32 for the exact float product).
+in the long-context figure). --prompt-act: ember's prompt activations (default: ember's own for this
+CPU, q8_0 with AVX-512 VNNI, else f32; f32 for the exact float product).
 """
 from __future__ import annotations
 
@@ -336,9 +336,9 @@ def main() -> None:
     # ember.kernels.convert.KV_DTYPES, written out: importing ember.kernels loads numba in the llama.cpp worker too
     ap.add_argument("--kv-dtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"],
                     help="ember's KV cache (default f16, as ember's and llama.cpp's defaults)")
-    ap.add_argument("--prompt-act", default="q8_0", choices=["f32", "q8_0"],
-                    help="ember's prompt activations against quantized weights (default q8_0, ember's default; "
-                         "llama.cpp's are int8 too)")
+    ap.add_argument("--prompt-act", default="", choices=["", "f32", "q8_0"],
+                    help="ember's prompt activations against quantized weights (default: ember's for this CPU, "
+                         "q8_0 with AVX-512 VNNI, else f32; llama.cpp's are int8)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="engines alternated this many times per file, medians reported (this VM drifts 10-20%%)")
     ap.add_argument("--files", nargs="+", default=["demo", "Q8_0", "Q4_K_M", "gemma4"],

@@ -44,16 +44,35 @@ DEFAULT_KV_DTYPE = "f16"
 DECODE_ACTIVATIONS = ("q8_0", "f32")
 # Activations that prompt rows meet quantized weights with: "q8_0" quantizes them exactly as decode
 # rows are (q8_0 against 32-value block types, q8_K against K-quants) for integer products, as llama.cpp
-# computes prompts; "f32" multiplies x itself, exactly. The default is q8_0 (docs/runtime.md): prefill
-# 1.6-2x faster on the CPU, a prompt token and a generated one meet the weights alike, and its logits
-# stay within the llama.cpp oracle's tolerance (transformers' 1e-4 needs f32: tests ask for it).
+# computes prompts; "f32" multiplies x itself, exactly. The default is q8_0 where the CPU has AVX-512
+# VNNI (docs/runtime.md): prefill 1.6-2x faster there, a prompt token and a generated one meet the
+# weights alike, and its logits stay within the llama.cpp oracle's tolerance (transformers' 1e-4 needs
+# f32: tests ask for it). Elsewhere f32: the integer product's tokens-in-lanes tiles are built on
+# vpdpbusd, and without it they ran 5x slower than the float product (below).
 PROMPT_ACTIVATIONS = ("q8_0", "f32")
-DEFAULT_PROMPT_ACT = "q8_0"
+
+
+def _integer_prompts_pay() -> bool:
+    """Whether this CPU has what makes integer prompt rows faster than float ones: AVX-512 VNNI, as
+    kernels/cpu/int8_dots.py finds it (the same LLVM host features; EMBER_INT8_PATH, which makes
+    the kernels take a lesser path for tests, takes it away too). A 512-token prefill of the demo on
+    the 2-core Zen 3 VM (AVX2 only, 2026-11-30): 945-970 tok/s with q8_0 prompt rows, 4855-5046 with
+    f32 ones."""
+    import os
+
+    import llvmlite.binding as llvm  # what numba compiles with: the daemon loads it anyway
+
+    features = llvm.get_host_cpu_features()
+    return bool(features.get("avx512vnni", False) and features.get("avx512vl", False)) and not os.environ.get(
+        "EMBER_INT8_PATH")
+
+
+DEFAULT_PROMPT_ACT = "q8_0" if _integer_prompts_pay() else "f32"
 
 
 def prompt_act_for(prompt_act: str | None, decode_act: str) -> str:
-    """The prompt activations a model computes with: `prompt_act` where given, else the default, or f32
-    beside decode_act f32. decode_act f32 computes generated tokens as prompt tokens, so it is exact
+    """The prompt activations a model computes with: `prompt_act` where given, else this machine's
+    default (DEFAULT_PROMPT_ACT), or f32 beside decode_act f32. decode_act f32 computes generated tokens as prompt tokens, so it is exact
     only with f32 prompt rows: q8_0 beside it is refused, not quietly quantized."""
     if prompt_act is None or prompt_act == "":
         return "f32" if decode_act == "f32" else DEFAULT_PROMPT_ACT
