@@ -47,17 +47,18 @@ DECODE_ACTIVATIONS = ("q8_0", "f32")
 # computes prompts; "f32" multiplies x itself, exactly. The default is q8_0 where the CPU has AVX-512
 # VNNI (docs/runtime.md): prefill 1.6-2x faster there, a prompt token and a generated one meet the
 # weights alike, and its logits stay within the llama.cpp oracle's tolerance (transformers' 1e-4 needs
-# f32: tests ask for it). Elsewhere f32: the integer product's tokens-in-lanes tiles are built on
-# vpdpbusd, and without it they ran 5x slower than the float product (below).
+# f32: tests ask for it). Elsewhere f32: without vpdpbusd the integer product is no faster than the
+# float one (AVX2: level with it; other CPUs' portable form: 5x slower), and f32 is exact.
 PROMPT_ACTIVATIONS = ("q8_0", "f32")
 
 
 def _integer_prompts_pay() -> bool:
     """Whether this CPU has what makes integer prompt rows faster than float ones: AVX-512 VNNI, as
     kernels/cpu/int8_dots.py finds it (the same LLVM host features; EMBER_INT8_PATH, which makes
-    the kernels take a lesser path for tests, takes it away too). A 512-token prefill of the demo on
-    the 2-core Zen 3 VM (AVX2 only, 2026-11-30): 945-970 tok/s with q8_0 prompt rows, 4855-5046 with
-    f32 ones."""
+    the kernels take a lesser path for tests, takes it away too). On the 2-core Zen 3 VM (AVX2 only,
+    2026-11-30) a 512-token prefill of the demo ran at 945-970 tok/s with q8_0 prompt rows in the
+    portable form, 4855-5046 with f32 ones; AVX2's signed pairs (int8_prompt.py) brought a 2048 x 768
+    Q8_0 product of 32-512 tokens level with the float one, not past it."""
     import os
 
     import llvmlite.binding as llvm  # what numba compiles with: the daemon loads it anyway
