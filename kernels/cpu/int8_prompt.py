@@ -27,8 +27,10 @@ Why it looks the way it does:
 - Every token lane goes through the same operations in the same order (strict IEEE, explicit fused
   multiply-adds), whatever the tile, the number of tokens or the padding: a token's result does not
   depend on the other tokens of its call, or on how a prompt was cut into chunks.
-- Without AVX-512 VNNI the same IR is written portably (widen, multiply, sum fours): the same
-  integers, slower; EMBER_INT8_PATH (int8_dots.py) picks it for tests.
+- Without AVX-512 VNNI: with AVX2, llama.cpp's signed pairs (vpsignb, vpmaddubsw, vpmaddwd, the
+  activations made signed and the accumulators started from 0: _signed_quads), elsewhere the same
+  IR written portably (widen, multiply, sum fours); the same integers either way, slower (AVX2 about
+  level with the float product: docs/runtime.md). EMBER_INT8_PATH (int8_dots.py) picks them for tests.
 """
 from __future__ import annotations
 
