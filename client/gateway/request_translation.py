@@ -72,8 +72,12 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
         raise bad_request(f"invalid request body: {text}", param) from None
     except msgspec.DecodeError as e:
+        try:  # msgspec 0.23 reports a string that is not UTF-8 as a DecodeError: say which it was
+            body.decode("utf-8")
+        except UnicodeDecodeError as u:
+            raise bad_request(f"the request body is not valid UTF-8: {u.reason} at byte {u.start}") from None
         raise bad_request(f"the request body is not valid JSON: {e}") from None
-    except UnicodeDecodeError as e:  # msgspec raises it for a string that is not UTF-8
+    except UnicodeDecodeError as e:  # what msgspec before 0.23 raised for a string that is not UTF-8
         raise bad_request(f"the request body is not valid UTF-8: {e.reason} at byte {e.start} of a string") from None
 
 
