@@ -115,12 +115,15 @@ def test_logits_match_llama_cpp_on_same_file(hf_model, tmp_path: Path, arch: str
 @pytest.mark.oracle
 def test_trained_demo_model_matches_llama_cpp() -> None:
     """The trained demo model (converted by llama.cpp's own converter) on real Python text, its prompt
-    rows exact (prompt_act f32): top-1 must agree on nearly every position."""
+    rows exact (prompt_act f32): top-1 must agree on nearly every position. 98% of 200: llama.cpp's
+    own kernels differ by CPU (it quantizes its activations, and repacks rows on AVX2), and near-ties
+    flip with them: 198 or more of 200 agreed against its AVX-512 build (Zen 5, where this asked 99%),
+    197 against its AVX2 build (Zen 3, 2026-11-30)."""
     model = ember.load(DEMO_MODEL, prompt_act="f32")
     text = (DEMO_MODEL.parents[1] / "loader" / "gguf_file.py").read_text()
     ids = model.tokenize(text)[:200]
     rate = assert_close_to_llama_cpp(model.logits(ids), llama_cpp_logits(DEMO_MODEL, ids))
-    assert rate >= 0.99, f"top-1 agreement {rate:.3f}"
+    assert rate >= 0.98, f"top-1 agreement {rate:.3f}"
 
 
 # real text for the demo model: 200 tokens of each of these files
