@@ -251,7 +251,9 @@ def test_gguf_matches_llama_cpp(unshared, tmp_path: Path, monkeypatch, ftype: st
     monkeypatch.setattr(CpuOps, "geglu_matmul", lambda self, x, gate, up, rows=None:
                         ggml_gelu(self.matmul(x, gate, rows)) * self.matmul(x, up, rows))
     as_llama_cpp = ember.load(path, kv_dtype="f32", prompt_act="f32").logits(ids)
-    assert np.abs(as_llama_cpp - exact).max() <= min(2e-3 * span, np.abs(ours - exact).max())
+    # 3e-3: float32 rounding between two engines, which moves with llama.cpp's build (2.4e-3 of the span
+    # against its AVX2 build on the dense Q8_0 file, Zen 3, 2026-11-30; within 2e-3 on AVX-512 machines)
+    assert np.abs(as_llama_cpp - exact).max() <= min(3e-3 * span, np.abs(ours - exact).max())
     if ftype != "F32":  # prompt_act q8_0 (the default with VNNI): as far from the exact logits as llama.cpp's quantized
         monkeypatch.undo()  # activations take it (measured 18-40% of the range on this random model, both)
         quantized = ember.load(path, kv_dtype="f32", prompt_act="q8_0").logits(ids)
