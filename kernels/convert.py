@@ -73,8 +73,9 @@ DEFAULT_PROMPT_ACT = "q8_0" if _integer_prompts_pay() else "f32"
 
 def prompt_act_for(prompt_act: str | None, decode_act: str) -> str:
     """The prompt activations a model computes with: `prompt_act` where given, else this machine's
-    default (DEFAULT_PROMPT_ACT), or f32 beside decode_act f32. decode_act f32 computes generated tokens as prompt tokens, so it is exact
-    only with f32 prompt rows: q8_0 beside it is refused, not quietly quantized."""
+    default (DEFAULT_PROMPT_ACT), or f32 beside decode_act f32. decode_act f32 computes generated
+    tokens as prompt tokens, so it is exact only with f32 prompt rows: q8_0 beside it is refused,
+    not quietly quantized."""
     if prompt_act is None or prompt_act == "":
         return "f32" if decode_act == "f32" else DEFAULT_PROMPT_ACT
     if prompt_act not in PROMPT_ACTIVATIONS:
