@@ -99,7 +99,7 @@ def test_a_grammar_holds_through_the_split(unsplit, split) -> None:
     from ember.protocol.messages import Grammar
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                               "n": {"type": "integer", "maximum": 99}},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["name", "n"], "additionalProperties": False}
     grammar = Grammar("json_schema", json.dumps(schema))
     ids = unsplit.tokenize(SNIPPETS[1])
