@@ -3,8 +3,10 @@
 The oracle is the decode tile itself (int8_dots, checked against dequantize(W) @ x_hat in
 test_int8_dots): a decode row's product must not depend on how many rows share its step, so the lanes
 must give each token exactly the bits its row gives alone. The lanes are filled and multiplied here
-directly (room_for), so the test runs on every CPU, through the portable IR where there is no
-AVX-512 VNNI; on a VNNI machine test_quant_matmul's batches take them through the drivers too.
+directly (room_for), so the test runs on every CPU: 16 lanes in vpdpbusd with AVX-512 VNNI, 8 lanes
+in AVX2's signed pairs without it, 16 lanes in portable IR with neither. Where the lanes are used
+(VNNI or AVX2), test_quant_matmul's batches take them through the drivers too, and the last test here
+a batch that the lanes and the tiles share.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def test_lanes_give_the_decode_tiles_bits(ttype: TensorType, cols: int) -> None:
     rows = 11  # whole tiles of 4 (2 with mins) and single rows
     data = random_blocks(ttype, rows, cols, rng)  # every code, scale and min a file may hold (Q8_0's -128)
     weight = pack(RawTensor("w", ttype, (rows, cols), data))
-    for n in (1, 4, 15, 16, 31):  # one vector, a full one, and a second or third begun
+    for n in (1, 4, 8, 9, 15, 16, 31):  # one vector begun or full (8 or 15 tokens), a second or more
         x = (rng.standard_normal((n, cols)) * rng.uniform(0.01, 10, cols)).astype(np.float32)
         x[0, :32] = 0  # a block of scale 0
         np.testing.assert_array_equal(lanes_product(weight.u8, ttype, x).view(np.uint32),
@@ -65,8 +67,26 @@ def test_lanes_write_only_their_rows_and_tokens() -> None:
 
 
 def test_the_room_has_lanes_from_min_tokens_on() -> None:
-    cols = 64
-    assert decode_lanes.room(decode_lanes.MIN_TOKENS - 1, cols).shape[0] == 0
-    if decode_lanes.MIN_TOKENS < 1 << 20:  # a CPU with AVX-512 VNNI
-        assert decode_lanes.room(decode_lanes.MIN_TOKENS, cols).shape[0] == 1
-    assert decode_lanes.room_for(decode_lanes.TOKENS + 1, cols).shape[0] == 2
+    cols, tokens, least = 64, decode_lanes.TOKENS, decode_lanes.MIN_TOKENS
+    assert decode_lanes.room(least - 1, cols).shape[0] == 0
+    assert decode_lanes.room_for(tokens + 1, cols).shape[0] == 2
+    if least < 1 << 20:  # a CPU with AVX-512 VNNI or AVX2
+        assert decode_lanes.room(least, cols).shape[0] == 1
+        # a last vector of fewer than MIN_TOKENS tokens is left to the decode tiles
+        assert decode_lanes.room(tokens + least - 1, cols).shape[0] == 1
+        assert decode_lanes.tokens_in(decode_lanes.room(tokens + least - 1, cols), tokens + least - 1) == tokens
+        assert decode_lanes.room(tokens + least, cols).shape[0] == 2
+
+
+@pytest.mark.parametrize("ttype", [TensorType.Q8_0, TensorType.Q4_1], ids=lambda t: t.name)
+def test_a_batch_shared_by_lanes_and_tiles_gives_each_token_its_bits(ttype: TensorType) -> None:
+    """Through the driver: whole vectors of tokens in lanes and a short last one in the decode tiles
+    (on a CPU with lanes; elsewhere every token in the tiles), each token as if alone."""
+    rng = np.random.default_rng(7)
+    rows, cols = 37, 256
+    weight = pack(RawTensor("w", ttype, (rows, cols), random_blocks(ttype, rows, cols, rng)))
+    tokens = decode_lanes.TOKENS
+    for n in (tokens + 1, tokens + decode_lanes.MIN_TOKENS % tokens, 2 * tokens + 2):
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        np.testing.assert_array_equal(matmul(x, weight, True).view(np.uint32), alone(weight, x).view(np.uint32),
+                                      err_msg=f"{n} tokens")

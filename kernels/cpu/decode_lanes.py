@@ -39,16 +39,25 @@ from numba.extending import intrinsic
 
 from ember.kernels.cpu import int8_dots
 from ember.kernels.cpu.int8_dots import _VNNI, UNSIGNED, _at, _call, _i64, _load_f16
-from ember.kernels.cpu.int8_prompt import _quads, _splat  # the same 16-lane vpdpbusd and broadcast
+# the same 16-lane vpdpbusd and broadcast, and AVX2's signed pairs
+from ember.kernels.cpu.int8_prompt import _SIGNED_PAIRS, _quads, _splat, signed_pairs
 from ember.kernels.tensor_types import TensorType
 
-__all__ = ["TOKENS", "MIN_TOKENS", "LANE_TYPES", "room", "room_for", "tokens_per_thread", "put_token", "rows"]
+__all__ = ["TOKENS", "MIN_TOKENS", "LANE_TYPES", "room", "room_for", "tokens_in", "tokens_per_thread", "put_token",
+           "rows"]
 
-LANES = 16  # int32 lanes of a 512-bit vector
-TOKENS = LANES - 1  # tokens per vector: lane 15 is the zero token
-# Fewest decode rows that take the lanes (a speed choice only: both give the same bits). Without
-# AVX-512 VNNI never: 512-bit products written portably are slower than the decode tiles.
-MIN_TOKENS = 4 if _VNNI else 1 << 30
+# With AVX2 but no VNNI the lanes hold signed quants, 8 tokens a 256-bit vector, and the products are
+# llama.cpp's signed pairs (int8_prompt.signed_pairs): the same integers as vpdpbusd's, with no zero
+# token (a signed lane's sum is its own dot). 16 lanes there, half of them empty at 8 tokens, ran
+# slower than the decode tiles (2048 x 768 Q8_0, 8 tokens, one thread: 0.59 against 0.44 ms).
+_SIGNED = _SIGNED_PAIRS
+LANES = 8 if _SIGNED else 16  # int32 lanes of a vector: 256 or 512 bits
+TOKENS = LANES if _SIGNED else LANES - 1  # tokens per vector: lane 15 is the zero token, if any
+# Fewest decode rows that take the lanes, and fewest in a last vector (a speed choice only: both give
+# the same bits). AVX2's vector costs what 5.5 tokens cost in the decode tiles (2048 x 768 Q8_0, one
+# thread: 0.29-0.30 ms against 0.055 ms a token). With neither VNNI nor AVX2 never: 512-bit products
+# written portably are slower than the decode tiles.
+MIN_TOKENS = 4 if _VNNI else 6 if _SIGNED else 1 << 30
 LANE_TYPES = frozenset((TensorType.Q8_0, TensorType.Q4_0, TensorType.Q4_1, TensorType.Q5_0, TensorType.Q5_1,
                         TensorType.IQ4_NL))
 _BLOCK = 32
@@ -60,30 +69,40 @@ _TILE_ROWS_MIN = 2  # with mins: 8 more accumulators a row
 # 957-1072 tok/s; 8 rows ahead 1150-1400, 16 rows 1234-1357, alternated in one run)
 _PREFETCH_ROWS = 16
 _CHAINS = 2  # independent integer sums a row and block (one chain of 8 vpdpbusd: 10-15% slower)
-_LANE_BYTES = 20  # per value of a row: 16 quants, and per 32 values 16 x (scale, block sum) x 4 bytes
-_FLIP = np.int32(-0x7F7F7F80)  # 0x80808080: q + 128 in each byte of a quad (q xor 0x80); the zero token
+_LANE_BYTES = LANES * 5 // 4  # per value of a row: LANES quants, per 32 values LANES x (scale, block sum) x 4 bytes
+# 0x80808080: q + 128 in each byte of a quad (q xor 0x80), vpdpbusd's unsigned operand; the zero token
+_FLIP = np.int32(0 if _SIGNED else -0x7F7F7F80)
 _Q8_0, _Q4_1, _Q5_1 = int(TensorType.Q8_0), int(TensorType.Q4_1), int(TensorType.Q5_1)
 
 
 @njit(inline="always", cache=True, nogil=True)
 def room(n, cols):
-    """room_for(n, cols), or no vector below MIN_TOKENS tokens (their rows take the decode tiles)."""
-    return room_for(n if n >= MIN_TOKENS else 0, cols)
+    """Room for the first of n decode tokens that take the lanes: every whole vector's, and the last
+    vector's if it has MIN_TOKENS or more. The rest take the decode tiles (tokens_in)."""
+    rest = n % TOKENS
+    return room_for(n - rest + (rest if rest >= MIN_TOKENS else 0), cols)
+
+
+@njit(inline="always", cache=True, nogil=True)
+def tokens_in(lanes, n):
+    """How many of n tokens, the first, `lanes` (room) holds."""
+    return min(n, lanes.shape[0] * TOKENS)
 
 
 @njit(inline="always", cache=True, nogil=True)
 def room_for(n, cols):
-    """Room for n decode tokens' q8_0 activations in lanes: uint8 [vectors, 20 cols], each vector
-    holding, for its 15 tokens and the zero token (lane 15), the quants plus 128
-    (quad c of lane l at byte 64 c + 4 l), then per 32-value block b 16 float32 scales at
-    16 cols + 64 b and 16 float32 block sums (xs) at 18 cols + 64 b. Lanes past the n tokens stay
-    zero (their results are never stored)."""
+    """Room for n decode tokens' q8_0 activations in lanes: uint8 [vectors, 1.25 LANES cols], each
+    vector holding, for its TOKENS tokens (and the zero token in lane 15 of 16), the quants (plus 128,
+    unless signed) (quad c of lane l at byte 4 (LANES c + l)), then per 32-value block b LANES float32
+    scales at LANES (cols + 4 b) and LANES float32 block sums (xs) at LANES (9 cols / 8 + 4 b).
+    Lanes past the n tokens stay zero (their results are never stored)."""
     vectors = (n + TOKENS - 1) // TOKENS
     lanes = np.zeros((vectors, cols * _LANE_BYTES), np.uint8)
-    for v in range(vectors):
-        quads = lanes[v, :16 * cols].view(np.int32)
-        for c in range(cols // 4):
-            quads[LANES * c + TOKENS] = _FLIP
+    if TOKENS < LANES:
+        for v in range(vectors):
+            quads = lanes[v, :LANES * cols].view(np.int32)
+            for c in range(cols // 4):
+                quads[LANES * c + TOKENS] = _FLIP
     return lanes
 
 
@@ -98,16 +117,18 @@ def tokens_per_thread(lanes):
 @njit(inline="always", cache=True, nogil=True)
 def put_token(xq, xd, xs, t, lanes):
     """Token t's decode activations (int8_dots.quantize_activation's xq [cols], xd, xs [cols / 32])
-    into its lane of `lanes` (room)."""
+    into its lane of `lanes` (room), if the room has one."""
+    if t >= lanes.shape[0] * TOKENS:
+        return
     cols = xq.shape[0]
     blocks = cols // _BLOCK
     lane = t % TOKENS
     row = lanes[t // TOKENS]
-    quads = row[:16 * cols].view(np.int32)
+    quads = row[:LANES * cols].view(np.int32)
     mine = xq.view(np.int32)
     for c in range(cols // 4):
         quads[LANES * c + lane] = mine[c] ^ _FLIP
-    floats = row[16 * cols:20 * cols].view(np.float32)
+    floats = row[LANES * cols:_LANE_BYTES * cols].view(np.float32)
     for b in range(blocks):
         floats[LANES * b + lane] = xd[b]
         floats[LANES * (blocks + b) + lane] = xs[b]
@@ -252,8 +273,9 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
     quads = builder.bitcast(vec, _VI32.as_pointer())
     zero_token = ir.Constant(_VI32, [TOKENS] * LANES)
 
-    def lane_floats(start, b):
-        at = builder.add(builder.mul(cols, ir.Constant(_I64, start)), builder.mul(b, ir.Constant(_I64, 64)))
+    def lane_floats(eighths, b):  # the floats from byte LANES (cols eighths / 8 + 4 b) on
+        at = builder.add(builder.mul(cols, ir.Constant(_I64, LANES * eighths // 8)),
+                         builder.mul(b, ir.Constant(_I64, 4 * LANES)))
         return builder.load(builder.bitcast(_at(builder, vec, at), _VF32.as_pointer()), align=4)
 
     zero = ir.Constant(_VF32, [0.0] * LANES)
@@ -264,16 +286,21 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
         """Block b of every row against the tokens, into accumulator k."""
         xv = [builder.load(builder.gep(quads, [builder.add(builder.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, j))],
                                        inbounds=True), align=4) for j in range(8)]
-        xd = lane_floats(16, b)
-        xsum = lane_floats(18, b) if source.has_min else None
+        xd = lane_floats(8, b)
+        xsum = lane_floats(9, b) if source.has_min else None
         for r in range(R):
             sums = [ir.Constant(_VI32, [0] * LANES)] * _CHAINS
             for j in range(8):
-                sums[j % _CHAINS] = _quads(builder, sums[j % _CHAINS], xv[j], _splat(builder, source.word(r, b, j), _VI32))
-            raw = sums[0]
+                if _SIGNED:
+                    quad = signed_pairs(builder, builder.bitcast(xv[j], ir.VectorType(_I8, 4 * LANES)), source.word(r, b, j))
+                    sums[j % _CHAINS] = builder.add(sums[j % _CHAINS], quad)
+                else:
+                    sums[j % _CHAINS] = _quads(builder, sums[j % _CHAINS], xv[j], _splat(builder, source.word(r, b, j), _VI32))
+            total = sums[0]
             for more in sums[1:]:
-                raw = builder.add(raw, more)
-            total = builder.sub(raw, builder.shuffle_vector(raw, raw, zero_token))  # less 128 x the weight's sum
+                total = builder.add(total, more)
+            if not _SIGNED:  # less 128 x the weight's sum
+                total = builder.sub(total, builder.shuffle_vector(total, total, zero_token))
             scale = builder.fmul(_splat(builder, source.scale(r, b), _VF32), xd)
             value = builder.fmul(builder.sitofp(total, _VF32), scale)
             builder.store(builder.fadd(builder.load(accs[r][k]), value), accs[r][k])

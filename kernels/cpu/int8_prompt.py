@@ -368,14 +368,19 @@ def _signed_halves(builder, x):
 def _signed_quads(builder, acc, halves, w):
     """acc + per lane the sum of 4 products of a token's signed quants (_signed_halves) with the
     weight quad w (i32: 4 signed bytes), exact, in AVX2 instructions."""
+    quads = [signed_pairs(builder, half, w) for half in halves]
+    return builder.add(acc, builder.shuffle_vector(quads[0], quads[1], ir.Constant(_VI32, list(range(LANES)))))
+
+
+def signed_pairs(builder, x, w):
+    """Per 32-bit lane of x (<32 x i8>: 8 lanes of 4 signed quants, |q| <= 127) the sum of its 4
+    products with the weight quad w (i32: 4 signed bytes, the same in every lane), exact: <8 x i32>.
+    w's magnitude is the same for every x (LLVM computes it once)."""
     wb = builder.bitcast(_splat(builder, w, _V8I32), _V32I8)
     magnitude = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, wb, wb)
-    quads = []
-    for half in halves:
-        signed = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, half, wb)
-        pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, magnitude, signed)
-        quads.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, pairs, ir.Constant(_V16I16, [1] * 16)))
-    return builder.add(acc, builder.shuffle_vector(quads[0], quads[1], ir.Constant(_VI32, list(range(LANES)))))
+    signed = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, x, wb)
+    pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, magnitude, signed)
+    return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, pairs, ir.Constant(_V16I16, [1] * 16))
 
 
 def _row_ptr(builder, array, row, elem):
