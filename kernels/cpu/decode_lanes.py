@@ -1,19 +1,23 @@
 """Batched decode rows in token lanes: the decode tiles' results, bit for bit, for a fraction of the work.
 
-This module owns the product of a step's decode rows (4 to any number of tokens) with a weight of a
-32-value block type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL), laid out as int8_prompt lays out prompt
-rows: tokens across the lanes of a 512-bit vector, one vpdpbusd per broadcast weight quad for 15
-tokens, no horizontal sum and no per-token conversion inside a block. The decode tiles (int8_dots)
-reduce each block's 8 int32 lanes to one sum per token and convert it alone: at 8 tokens that was
-most of a step's time (8 streams decoded at 2.6-3.1x one stream's tokens/s on the 100M Q8_0 file).
+This module owns the product of a step's decode rows (MIN_TOKENS to any number of tokens) with a
+weight of a 32-value block type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL), laid out as int8_prompt lays
+out prompt rows: tokens across the lanes of a vector, no horizontal sum and no per-token conversion
+inside a block. With AVX-512 VNNI, one vpdpbusd per broadcast weight quad for 15 tokens of a 512-bit
+vector; with AVX2 alone, 8 tokens of a 256-bit vector in llama.cpp's signed pairs (vpsignb,
+vpmaddubsw, vpmaddwd: 2048 x 768 Q8_0, 8 tokens, one thread, 0.30 ms against the tiles' 0.44). The
+decode tiles (int8_dots) reduce each block's 8 int32 lanes to one sum per token and convert it
+alone: at 8 tokens that was most of a step's time (8 streams decoded at 2.6-3.1x one stream's
+tokens/s on the 100M Q8_0 file).
 
 Why it is exact: a decode row's result must not depend on its batch (tests/test_decoder_layer.py),
 so these lanes compute what the decode tile computes for the same token, in the same order:
 - the same activations: the decode rows' own q8_0 quants and scales, put into lanes once per input
-  by put_token (not quantized again), stored q + 128 (vpdpbusd's unsigned operand);
+  by put_token (not quantized again), stored q + 128 for vpdpbusd (its unsigned operand), q itself
+  for AVX2's signed pairs;
 - each block's exact integer dot: the weight's signed quants broadcast from memory, and the sum of
-  the lane's products less lane 15's, a zero token's (stored 128: its sum is 128 x the weight's, what
-  the + 128 added to every other lane);
+  the lane's products, with vpdpbusd less lane 15's, a zero token's (stored 128: its sum is 128 x the
+  weight's, what the + 128 added to every other lane);
 - the same float steps: value = float(dot) * (d * xd), added to the accumulator of the block's place
   in its unit of 4 (tail blocks to the first), Q4_1/Q5_1's (-m) * xs to the mins' four, and the
   result (a0 + a2) + (a1 + a3) minus the mins' sum alike (int8_dots._hsum), strict IEEE.

@@ -353,7 +353,7 @@ def _quads(builder, acc, x, w):
 # the same results, bit for bit. (The portable IR, widen and multiply, ran 5x slower than the float
 # product on the 2-core Zen 3 VM.)
 _SIGNED_PAIRS = not _VNNI and int8_dots._AVX2
-_V32I8, _V16I16, _V8I32 = ir.VectorType(_I8, 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(_I32, 8)
+_V32I8, _V8I32 = ir.VectorType(_I8, 32), ir.VectorType(_I32, 8)
 
 
 def _signed_halves(builder, x):
@@ -377,10 +377,8 @@ def signed_pairs(builder, x, w):
     products with the weight quad w (i32: 4 signed bytes, the same in every lane), exact: <8 x i32>.
     w's magnitude is the same for every x (LLVM computes it once)."""
     wb = builder.bitcast(_splat(builder, w, _V8I32), _V32I8)
-    magnitude = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, wb, wb)
-    signed = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, x, wb)
-    pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, magnitude, signed)
-    return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, pairs, ir.Constant(_V16I16, [1] * 16))
+    return int8_dots._u8_s8_quads(builder, _call(builder, "llvm.x86.avx2.psign.b", _V32I8, wb, wb),
+                                  _call(builder, "llvm.x86.avx2.psign.b", _V32I8, x, wb))
 
 
 def _row_ptr(builder, array, row, elem):
