@@ -42,7 +42,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ember.kernels.cpu import int8_dots
-from ember.kernels.cpu.int8_dots import _VNNI, UNSIGNED, _at, _call, _i64, _load_f16
+from ember.kernels.cpu.int8_dots import _VNNI, SIGNED, UNSIGNED, _at, _call, _i64, _load_f16
 # the same 16-lane vpdpbusd and broadcast, and AVX2's signed pairs
 from ember.kernels.cpu.int8_prompt import _SIGNED_PAIRS, _quads, _splat, signed_pairs
 from ember.kernels.tensor_types import TensorType
@@ -73,10 +73,13 @@ _TILE_ROWS_MIN = 2  # with mins: 8 more accumulators a row
 # 957-1072 tok/s; 8 rows ahead 1150-1400, 16 rows 1234-1357, alternated in one run)
 _PREFETCH_ROWS = 16
 _CHAINS = 2  # independent integer sums a row and block (one chain of 8 vpdpbusd: 10-15% slower)
-_LANE_BYTES = LANES * 5 // 4  # per value of a row: LANES quants, per 32 values LANES x (scale, block sum) x 4 bytes
+# per value of a row: LANES quants, per 32 values LANES x (scale, block sum) x 4 bytes, and with AVX2
+# LANES int32 sums of the quants (for weights stored with an offset: the offset's share of the dot)
+_LANE_BYTES = LANES * 11 // 8 if _SIGNED else LANES * 5 // 4
 # 0x80808080: q + 128 in each byte of a quad (q xor 0x80), vpdpbusd's unsigned operand; the zero token
 _FLIP = np.int32(0 if _SIGNED else -0x7F7F7F80)
-_Q8_0, _Q4_1, _Q5_1 = int(TensorType.Q8_0), int(TensorType.Q4_1), int(TensorType.Q5_1)
+_Q8_0, _Q4_0, _Q4_1 = int(TensorType.Q8_0), int(TensorType.Q4_0), int(TensorType.Q4_1)
+_Q5_0, _Q5_1 = int(TensorType.Q5_0), int(TensorType.Q5_1)
 
 
 @njit(inline="always", cache=True, nogil=True)
@@ -132,10 +135,17 @@ def put_token(xq, xd, xs, t, lanes):
     mine = xq.view(np.int32)
     for c in range(cols // 4):
         quads[LANES * c + lane] = mine[c] ^ _FLIP
-    floats = row[LANES * cols:_LANE_BYTES * cols].view(np.float32)
+    floats = row[LANES * cols:LANES * cols * 5 // 4].view(np.float32)
     for b in range(blocks):
         floats[LANES * b + lane] = xd[b]
         floats[LANES * (blocks + b) + lane] = xs[b]
+    if _SIGNED:
+        sums = row[LANES * cols * 5 // 4:_LANE_BYTES * cols].view(np.int32)
+        for b in range(blocks):
+            total = 0
+            for j in range(b * _BLOCK, (b + 1) * _BLOCK):
+                total += np.int32(xq[j])
+            sums[LANES * b + lane] = total
 
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -152,12 +162,13 @@ _UNPACKED = {TensorType.Q4_0: (18, int8_dots._q4_0_quants, False), TensorType.Q4
 
 
 def _emit_unpack(builder, side, size, row, stride, first, ws, wa, wm):
-    """The unit at block `first` of a row (blocks of `size` bytes) into ws (signed quants), wa and wm
-    (each block's scale and -min, as the decode tiles read them)."""
+    """The unit at block `first` of a row (blocks of `size` bytes) into ws (signed quants; with AVX2
+    the stored u of a type with an offset, which the tile takes off), wa and wm (each block's scale and
+    -min, as the decode tiles read them)."""
     _prefetch(builder, _at(builder, row, builder.mul(first, ir.Constant(_I64, size))), stride)
     unit = side(builder, row, first)
     for k, q, kind, _ in unit.chunks:
-        if kind > UNSIGNED:  # stored as u standing for u - kind
+        if kind > UNSIGNED and not _SIGNED:  # stored as u standing for u - kind
             q = builder.sub(q, int8_dots._splat_i8(kind))
         b = builder.add(first, ir.Constant(_I64, k))
         at = builder.gep(ws, [builder.mul(b, ir.Constant(_I64, _BLOCK))], inbounds=True)
@@ -216,6 +227,7 @@ class _InPlace:
     """Q8_0 rows read in the file's blocks (34 bytes: d f16, 32 int8 quants)."""
 
     has_min = False
+    offset = SIGNED
 
     def __init__(self, builder, context, sig, args, R):
         w = context.make_array(sig.args[0])(context, builder, args[0])
@@ -242,10 +254,10 @@ class _InPlace:
 class _Unpacked:
     """Rows unpacked by _unpack_row: ws int8 [rows, cols], wa and wm float32 [rows, cols / 32]."""
 
-    def __init__(self, builder, context, sig, args, R, has_min):
+    def __init__(self, builder, context, sig, args, R, has_min, offset):
         ws, wa, wm = (context.make_array(sig.args[k])(context, builder, args[k]) for k in range(3))
         i = _i64(builder, args[3])
-        self.builder, self.has_min = builder, has_min
+        self.builder, self.has_min, self.offset = builder, has_min, offset
 
         def row_of(array, elem, k):
             at = builder.mul(builder.add(i, ir.Constant(_I64, k)), builder.extract_value(array.strides, 0))
@@ -277,10 +289,13 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
     quads = builder.bitcast(vec, _VI32.as_pointer())
     zero_token = ir.Constant(_VI32, [TOKENS] * LANES)
 
-    def lane_floats(eighths, b):  # the floats from byte LANES (cols eighths / 8 + 4 b) on
+    def lane_floats(eighths, b, vector_type=_VF32):  # the lanes from byte LANES (cols eighths / 8 + 4 b) on
         at = builder.add(builder.mul(cols, ir.Constant(_I64, LANES * eighths // 8)),
                          builder.mul(b, ir.Constant(_I64, 4 * LANES)))
-        return builder.load(builder.bitcast(_at(builder, vec, at), _VF32.as_pointer()), align=4)
+        return builder.load(builder.bitcast(_at(builder, vec, at), vector_type.as_pointer()), align=4)
+
+    def lane_ints(eighths, b):
+        return lane_floats(eighths, b, _VI32)
 
     zero = ir.Constant(_VF32, [0.0] * LANES)
     accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(_UNIT)] for _ in range(R)]
@@ -295,7 +310,11 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
         for r in range(R):
             sums = [ir.Constant(_VI32, [0] * LANES)] * _CHAINS
             for j in range(8):
-                if _SIGNED:
+                if _SIGNED and source.offset != SIGNED:  # unsigned weights (<= 31): no signs to move
+                    w = builder.bitcast(_splat(builder, source.word(r, b, j), _VI32), ir.VectorType(_I8, 4 * LANES))
+                    quad = int8_dots._u8_s8_quads(builder, w, builder.bitcast(xv[j], ir.VectorType(_I8, 4 * LANES)))
+                    sums[j % _CHAINS] = builder.add(sums[j % _CHAINS], quad)
+                elif _SIGNED:
                     quad = signed_pairs(builder, builder.bitcast(xv[j], ir.VectorType(_I8, 4 * LANES)), source.word(r, b, j))
                     sums[j % _CHAINS] = builder.add(sums[j % _CHAINS], quad)
                 else:
@@ -305,6 +324,9 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
                 total = builder.add(total, more)
             if not _SIGNED:  # less 128 x the weight's sum
                 total = builder.sub(total, builder.shuffle_vector(total, total, zero_token))
+            elif source.offset > 0:  # (u - k) . x = u . x - k x the quants' sum
+                taken = builder.mul(lane_ints(10, b), ir.Constant(_VI32, [source.offset] * LANES))
+                total = builder.sub(total, taken)
             scale = builder.fmul(_splat(builder, source.scale(r, b), _VF32), xd)
             value = builder.fmul(builder.sitofp(total, _VF32), scale)
             builder.store(builder.fadd(builder.load(accs[r][k]), value), accs[r][k])
@@ -363,14 +385,15 @@ def _in_place_tile(R):
     return intrinsic(typer)
 
 
-def _unpacked_tile(R, has_min):
+def _unpacked_tile(R, has_min, offset=SIGNED):
     """An intrinsic (ws, wa, wm, i, lanes, v, n, out, r0) -> 0: rows i..i+R-1 of unpacked weights
-    (_unpack_row's) times the tokens of vector v of `lanes`, into out[t, r0 + k] for t < n."""
+    (_unpack_row's; with AVX2, of a type stored with `offset`, or signed) times the tokens of vector v
+    of `lanes`, into out[t, r0 + k] for t < n."""
 
     def codegen(context, builder, sig, args):
         lanes, out = (context.make_array(sig.args[k])(context, builder, args[k]) for k in (4, 7))
-        _emit_tile(builder, _Unpacked(builder, context, sig, args, R, has_min), R, lanes, _i64(builder, args[5]),
-                   _i64(builder, args[6]), out, _i64(builder, args[8]))
+        _emit_tile(builder, _Unpacked(builder, context, sig, args, R, has_min, offset), R, lanes,
+                   _i64(builder, args[5]), _i64(builder, args[6]), out, _i64(builder, args[8]))
         return context.get_constant(types.int64, 0)
 
     def typer(typingctx, ws, wa, wm, i, lanes, v, n, out, r0):
@@ -379,13 +402,21 @@ def _unpacked_tile(R, has_min):
             return None
         return types.int64(ws, wa, wm, i, lanes, v, n, out, r0), codegen
 
-    typer.__name__ = f"decode_lanes_{R}{'_min' if has_min else ''}"
+    typer.__name__ = f"decode_lanes_{R}{'_min' if has_min else ''}{offset if offset > 0 else ''}"
     return intrinsic(typer)
 
 
 _Q8_0_TILE, _Q8_0_TILE_1 = _in_place_tile(_TILE_ROWS), _in_place_tile(1)
 _TILE, _TILE_1 = _unpacked_tile(_TILE_ROWS, False), _unpacked_tile(1, False)
-_TILE_MIN, _TILE_MIN_1 = _unpacked_tile(_TILE_ROWS_MIN, True), _unpacked_tile(1, True)
+_TILE_MIN, _TILE_MIN_1 = _unpacked_tile(_TILE_ROWS_MIN, True, UNSIGNED), _unpacked_tile(1, True, UNSIGNED)
+# with AVX2 the types stored with an offset (Q4_0 8, Q5_0 16: int8_dots' quant readers) keep their
+# unsigned quants, multiplied with no sign moved (3 instructions a quad, not 5), the offset's share
+# taken off each block's sum; elsewhere they are signed like IQ4_NL's
+if _SIGNED:
+    _TILE_Q4_0, _TILE_Q4_0_1 = _unpacked_tile(_TILE_ROWS, False, 8), _unpacked_tile(1, False, 8)
+    _TILE_Q5_0, _TILE_Q5_0_1 = _unpacked_tile(_TILE_ROWS, False, 16), _unpacked_tile(1, False, 16)
+else:
+    _TILE_Q4_0, _TILE_Q4_0_1 = _TILE_Q5_0, _TILE_Q5_0_1 = _TILE, _TILE_1
 
 
 @njit(cache=True, nogil=True)
@@ -420,12 +451,20 @@ def rows(tt, u8, first, end, lanes, out):
         for v in range(vectors):
             if count == R and has_min:
                 _TILE_MIN(ws, wa, wm, 0, lanes, v, n, out, r)
+            elif count == R and tt == _Q4_0:
+                _TILE_Q4_0(ws, wa, wm, 0, lanes, v, n, out, r)
+            elif count == R and tt == _Q5_0:
+                _TILE_Q5_0(ws, wa, wm, 0, lanes, v, n, out, r)
             elif count == R:
                 _TILE(ws, wa, wm, 0, lanes, v, n, out, r)
             else:
                 for i in range(count):
                     if has_min:
                         _TILE_MIN_1(ws, wa, wm, i, lanes, v, n, out, r + i)
+                    elif tt == _Q4_0:
+                        _TILE_Q4_0_1(ws, wa, wm, i, lanes, v, n, out, r + i)
+                    elif tt == _Q5_0:
+                        _TILE_Q5_0_1(ws, wa, wm, i, lanes, v, n, out, r + i)
                     else:
                         _TILE_1(ws, wa, wm, i, lanes, v, n, out, r + i)
         r += count
