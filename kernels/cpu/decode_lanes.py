@@ -98,11 +98,12 @@ def tokens_in(lanes, n):
 
 @njit(inline="always", cache=True, nogil=True)
 def room_for(n, cols):
-    """Room for n decode tokens' q8_0 activations in lanes: uint8 [vectors, 1.25 LANES cols], each
+    """Room for n decode tokens' q8_0 activations in lanes: uint8 [vectors, _LANE_BYTES cols], each
     vector holding, for its TOKENS tokens (and the zero token in lane 15 of 16), the quants (plus 128,
     unless signed) (quad c of lane l at byte 4 (LANES c + l)), then per 32-value block b LANES float32
-    scales at LANES (cols + 4 b) and LANES float32 block sums (xs) at LANES (9 cols / 8 + 4 b).
-    Lanes past the n tokens stay zero (their results are never stored)."""
+    scales at LANES (cols + 4 b), LANES float32 block sums (xs) at LANES (9 cols / 8 + 4 b) and, with
+    AVX2, LANES int32 sums of the quants at LANES (5 cols / 4 + 4 b). Lanes past the n tokens stay
+    zero (their results are never stored)."""
     vectors = (n + TOKENS - 1) // TOKENS
     lanes = np.zeros((vectors, cols * _LANE_BYTES), np.uint8)
     if TOKENS < LANES:
@@ -153,7 +154,7 @@ _VI32, _VF32 = ir.VectorType(_I32, LANES), ir.VectorType(_F32, LANES)
 
 
 # --------------------------------------------------------------------------------------------------
-# the weights: Q8_0 in place; the others unpacked into signed quants, a scale and a (negated) min
+# the weights: Q8_0 in place; the others unpacked into quants, a scale and a (negated) min
 # --------------------------------------------------------------------------------------------------
 # each unpacked type: its block bytes, its quant reader (int8_dots) and whether it has mins
 _UNPACKED = {TensorType.Q4_0: (18, int8_dots._q4_0_quants, False), TensorType.Q4_1: (20, int8_dots._q4_1_quants, True),
