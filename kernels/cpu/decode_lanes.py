@@ -85,9 +85,10 @@ _Q5_0, _Q5_1 = int(TensorType.Q5_0), int(TensorType.Q5_1)
 @njit(inline="always", cache=True, nogil=True)
 def room(n, cols):
     """Room for the first of n decode tokens that take the lanes: every whole vector's, and the last
-    vector's if it has MIN_TOKENS or more. The rest take the decode tiles (tokens_in)."""
+    vector's if it has MIN_TOKENS or more; none below MIN_TOKENS in all. The rest take the decode
+    tiles (tokens_in)."""
     rest = n % TOKENS
-    return room_for(n - rest + (rest if rest >= MIN_TOKENS else 0), cols)
+    return room_for(n - rest + (rest if rest >= MIN_TOKENS else 0) if n >= MIN_TOKENS else 0, cols)
 
 
 @njit(inline="always", cache=True, nogil=True)
