@@ -151,7 +151,7 @@ def put_token(xq, xd, xs, t, lanes):
 
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
-_VI32, _VF32 = ir.VectorType(_I32, LANES), ir.VectorType(_F32, LANES)
+_VI32, _VF32, _VI8 = ir.VectorType(_I32, LANES), ir.VectorType(_F32, LANES), ir.VectorType(_I8, 4 * LANES)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,20 +307,21 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
         """Block b of every row against the tokens, into accumulator k."""
         xv = [builder.load(builder.gep(quads, [builder.add(builder.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, j))],
                                        inbounds=True), align=4) for j in range(8)]
+        xb = [builder.bitcast(x, _VI8) for x in xv]  # the same vectors as bytes, for AVX2's products
         xd = lane_floats(8, b)
         xsum = lane_floats(9, b) if source.has_min else None
         for r in range(R):
             sums = [ir.Constant(_VI32, [0] * LANES)] * _CHAINS
             for j in range(8):
-                if _SIGNED and source.offset != SIGNED:  # unsigned weights (<= 31): no signs to move
-                    w = builder.bitcast(_splat(builder, source.word(r, b, j), _VI32), ir.VectorType(_I8, 4 * LANES))
-                    quad = int8_dots._u8_s8_quads(builder, w, builder.bitcast(xv[j], ir.VectorType(_I8, 4 * LANES)))
-                    sums[j % _CHAINS] = builder.add(sums[j % _CHAINS], quad)
-                elif _SIGNED:
-                    quad = signed_pairs(builder, builder.bitcast(xv[j], ir.VectorType(_I8, 4 * LANES)), source.word(r, b, j))
-                    sums[j % _CHAINS] = builder.add(sums[j % _CHAINS], quad)
+                word, c = source.word(r, b, j), j % _CHAINS
+                if not _SIGNED:
+                    sums[c] = _quads(builder, sums[c], xv[j], _splat(builder, word, _VI32))
+                    continue
+                if source.offset != SIGNED:  # unsigned weights (<= 31): no signs to move
+                    quad = int8_dots._u8_s8_quads(builder, builder.bitcast(_splat(builder, word, _VI32), _VI8), xb[j])
                 else:
-                    sums[j % _CHAINS] = _quads(builder, sums[j % _CHAINS], xv[j], _splat(builder, source.word(r, b, j), _VI32))
+                    quad = signed_pairs(builder, xb[j], word)
+                sums[c] = builder.add(sums[c], quad)
             total = sums[0]
             for more in sums[1:]:
                 total = builder.add(total, more)
