@@ -29,7 +29,7 @@ def layer_caches(dtype: str, context: int, kv_heads: int, head_dim: int, rng: np
     ids, offsets = np.repeat(np.arange(blocks), BLOCK)[:context], np.tile(np.arange(BLOCK), blocks)[:context]
     stores = []
     for _ in range(2):
-        store = KVLayerStore.allocate(dtype, blocks, BLOCK, kv_heads, head_dim)
+        store = KVLayerStore.allocate(dtype, blocks, BLOCK, kv_heads, head_dim, keys=not stores)
         store.write(ids, offsets, rng.standard_normal((context, kv_heads, head_dim)).astype(np.float32))
         stores.append(store)
     return stores[0], stores[1]

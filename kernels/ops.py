@@ -339,9 +339,10 @@ class Ops(ABC):
         return self.rope(q, positions, inv_freq, interleaved), self.rope(k, positions, inv_freq, interleaved)
 
     @abstractmethod
-    def kv_store(self, dtype: str, n_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> Any:
-        """One layer's K (or V) storage: n_blocks blocks of block_size rows [kv_heads, head_dim],
-        held as `dtype` (f32, f16, bf16 or q8_0)."""
+    def kv_store(self, dtype: str, n_blocks: int, block_size: int, kv_heads: int, head_dim: int, *, keys: bool) -> Any:
+        """One layer's K (keys=True) or V storage: n_blocks blocks of block_size rows [kv_heads,
+        head_dim], held as `dtype` (f32, f16, bf16 or q8_0). A backend may lay K and V out
+        differently (the CPU's K is transposed): paged_attention takes them in their places."""
 
     @abstractmethod
     def kv_write(self, store: Any, blocks: np.ndarray, offsets: np.ndarray, rows: Array) -> None:

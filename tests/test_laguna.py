@@ -97,7 +97,7 @@ def test_sliding_window_attention_sees_only_its_window() -> None:
     pos = np.arange(n)
     for window in (0, 1, 5, 16):
         for dtype in ("f32", "f16"):
-            ks, vs = ops.kv_store(dtype, 8, bs, kvh, hd), ops.kv_store(dtype, 8, bs, kvh, hd)
+            ks, vs = ops.kv_store(dtype, 8, bs, kvh, hd, keys=True), ops.kv_store(dtype, 8, bs, kvh, hd, keys=False)
             ops.kv_write(ks, blocks[pos // bs], pos % bs, k)
             ops.kv_write(vs, blocks[pos // bs], pos % bs, v)
             got = ops.paged_attention(q, ks, vs, blocks[None, :], np.zeros(n, np.int64), pos, hd**-0.5, window)

@@ -73,12 +73,10 @@ def reference_values(dtype: str, stored: np.ndarray) -> np.ndarray:
 
 def stored(store: pa.KVLayerStore, dtype: str, blocks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """The store's contents at (blocks[i], offsets[i]) in reference_storage's layout."""
-    if dtype == "f32":
-        return store.f32[blocks, offsets]
-    if dtype in ("f16", "bf16"):
-        return store.u16[blocks, offsets]
-    scales = store.scales[blocks, offsets]  # [n, kv_heads, head_dim / 32] f16 bits
-    quants = store.i8[blocks, offsets].reshape(scales.shape + (32,))
+    values, scales = store.stored(blocks, offsets)  # scales: [n, kv_heads, head_dim / 32] f16 bits
+    if dtype != "q8_0":
+        return values
+    quants = values.reshape(scales.shape + (32,))
     block_bytes = np.concatenate([scales[..., None].view(np.uint8), quants.view(np.uint8)], axis=-1)
     return block_bytes.reshape(scales.shape[:-1] + (-1,))
 
@@ -134,44 +132,49 @@ def test_references_by_hand() -> None:
     assert bf16_reference(low_payload_nan).tolist() == [0x7FC0, 0xFFC0]
 
 
+@pytest.mark.parametrize("keys", [True, False])
 @pytest.mark.parametrize("dtype", pa.KV_DTYPES)
-def test_write_stores_the_reference_bits(dtype: str) -> None:
+def test_write_stores_the_reference_bits(dtype: str, keys: bool) -> None:
     n_blocks, block_size, hkv, hd = 12, 4, 2, 64
-    store = pa.KVLayerStore.allocate(dtype, n_blocks, block_size, hkv, hd)
+    store = pa.KVLayerStore.allocate(dtype, n_blocks, block_size, hkv, hd, keys=keys)
     rows = np.concatenate([rng.standard_normal((7, hkv, hd)).astype(np.float32) * 3, hostile_rows(hkv, hd)])
     blocks, offsets = write_scattered(store, n_blocks, block_size, rows)
     assert_same_storage(dtype, stored(store, dtype, blocks, offsets), reference_storage(dtype, rows))
-    # every other slot is untouched
+    # every other slot is untouched (a block's rows sit on axis 3 of a K store, axis 2 of a V store)
     untouched = np.ones((n_blocks, block_size), bool)
     untouched[blocks, offsets] = False
-    for array in (store.f32, store.u16, store.i8, store.scales):
-        if array.shape[:2] == (n_blocks, block_size):
-            assert not array[untouched].any()
+    arrays = [a for a in (store.f32, store.u16, store.i8, store.scales) if a.size > 1]
+    assert arrays
+    for array in arrays:
+        by_slot = np.moveaxis(array, 3 if keys else 2, 1)
+        assert by_slot.shape[:2] == (n_blocks, block_size)
+        assert not by_slot[untouched].any()
 
 
 _Q8_0 = pa.MODE["q8_0"]
 
 
 @njit
-def _store_rows(mode, rows, f32, u16, i8, scales, blocks, offsets):  # type: ignore[no-untyped-def]
+def _store_rows(mode, rows, f32, u16, i8, scales, blocks, offsets, keys):  # type: ignore[no-untyped-def]
     for i in range(rows.shape[0]):
         if mode == _Q8_0:
-            pa.store_row_q8_0(rows[i], i8, scales, blocks[i], offsets[i])
+            pa.store_row_q8_0(rows[i], i8, scales, blocks[i], offsets[i], keys)
         else:
-            pa.store_row(mode, rows[i], f32, u16, blocks[i], offsets[i])
+            pa.store_row(mode, rows[i], f32, u16, blocks[i], offsets[i], keys)
 
 
+@pytest.mark.parametrize("keys", [True, False])
 @pytest.mark.parametrize("dtype", pa.KV_DTYPES)
-def test_compiled_row_store_stores_the_reference_bits(dtype: str) -> None:
+def test_compiled_row_store_stores_the_reference_bits(dtype: str, keys: bool) -> None:
     """The fused layers store their K/V rows in compiled code (store_row, store_row_q8_0), not
     through write: the same bits, hostile values included (ties, overflow, subnormals, infinities,
     NaN payloads; q8_0: a NaN's block, blocks too small for 1 / d)."""
     n_blocks, block_size, hkv, hd = 12, 4, 2, 64
-    store = pa.KVLayerStore.allocate(dtype, n_blocks, block_size, hkv, hd)
+    store = pa.KVLayerStore.allocate(dtype, n_blocks, block_size, hkv, hd, keys=keys)
     rows = np.concatenate([rng.standard_normal((7, hkv, hd)).astype(np.float32) * 3, hostile_rows(hkv, hd)])
     slots = rng.choice(n_blocks * block_size, size=len(rows), replace=False)
     blocks, offsets = slots // block_size, slots % block_size
-    _store_rows(pa.MODE[dtype], rows, store.f32, store.u16, store.i8, store.scales, blocks, offsets)
+    _store_rows(pa.MODE[dtype], rows, store.f32, store.u16, store.i8, store.scales, blocks, offsets, keys)
     assert_same_storage(dtype, stored(store, dtype, blocks, offsets), reference_storage(dtype, rows))
 
 
@@ -180,8 +183,8 @@ def test_compiled_row_store_stores_the_reference_bits(dtype: str) -> None:
 def test_paged_attention_matches_dense_reference(dtype: str, parallel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(twin, "FORCE", "parallel" if parallel else "serial")
     block_size, hkv, hq, hd, n_blocks = 4, 2, 6, 64, 40
-    k_store = pa.KVLayerStore.allocate(dtype, n_blocks, block_size, hkv, hd)
-    v_store = pa.KVLayerStore.allocate(dtype, n_blocks, block_size, hkv, hd)
+    k_store = pa.KVLayerStore.allocate(dtype, n_blocks, block_size, hkv, hd, keys=True)
+    v_store = pa.KVLayerStore.allocate(dtype, n_blocks, block_size, hkv, hd, keys=False)
     lengths = [1, 7, 13, 30]  # sequences of different lengths, blocks scattered over the pool
     perm = rng.permutation(n_blocks)
     tables = np.zeros((len(lengths), 8), np.int32)
@@ -208,15 +211,21 @@ def test_paged_attention_matches_dense_reference(dtype: str, parallel: bool, mon
 
 
 @pytest.mark.parametrize("dtype", pa.KV_DTYPES)
-@pytest.mark.parametrize("block_size,window", [(1, 0), (3, 5), (5, 7), (16, 0), (16, 9), (6, 30)])
-def test_rows_found_across_blocks_and_windows(dtype: str, block_size: int, window: int) -> None:
-    """The kernel walks a sequence's blocks four rows at a time without dividing: blocks smaller than
-    four rows, sizes four does not divide, and sliding windows whose first key sits anywhere in a
-    block, against the dense reference over the same stored values."""
-    hkv, hq, hd, n = 2, 4, 64, 37
+@pytest.mark.parametrize("block_size,window", [(1, 0), (3, 5), (5, 7), (16, 0), (16, 9), (6, 30), (32, 0), (32, 21)])
+@pytest.mark.parametrize("hq,hkv,hd", [(4, 2, 64), (2, 2, 64), (10, 2, 64), (8, 1, 96), (6, 2, 40)])
+def test_rows_found_across_blocks_and_windows(dtype: str, block_size: int, window: int, hq: int, hkv: int,
+                                              hd: int) -> None:
+    """The kernel scores whole blocks of 16 keys with vector code (block sizes it divides) and the
+    others key by key, and adds value rows 16 dimensions at a time (head dims it divides) or four rows
+    at a time: blocks smaller than four rows, sizes neither divides, sliding windows whose first key
+    sits anywhere in a block, and groups of 1 to 8 query heads a KV head (a call scores at most 4),
+    against the dense reference over the same stored values."""
+    if dtype == "q8_0" and hd % 32:
+        pytest.skip("q8_0 needs head_dim divisible by 32")
+    n = 37
     n_blocks = -(-n // block_size)
-    k_store = pa.KVLayerStore.allocate(dtype, n_blocks + 3, block_size, hkv, hd)
-    v_store = pa.KVLayerStore.allocate(dtype, n_blocks + 3, block_size, hkv, hd)
+    k_store = pa.KVLayerStore.allocate(dtype, n_blocks + 3, block_size, hkv, hd, keys=True)
+    v_store = pa.KVLayerStore.allocate(dtype, n_blocks + 3, block_size, hkv, hd, keys=False)
     tables = rng.permutation(n_blocks + 3)[None, :n_blocks].astype(np.int32)
     k, v = rng.standard_normal((n, hkv, hd)).astype(np.float32), rng.standard_normal((n, hkv, hd)).astype(np.float32)
     pos = np.arange(n)
@@ -239,7 +248,7 @@ def test_storage_round_trip_error(dtype: str, bound: float) -> None:
     half a step (d = amax/127) plus the f16 rounding of d itself, which each of up to 127 steps
     carries (127 * d * 2^-11)."""
     rows = rng.standard_normal((5, 2, 64)).astype(np.float32)
-    store = pa.KVLayerStore.allocate(dtype, 4, 8, 2, 64)
+    store = pa.KVLayerStore.allocate(dtype, 4, 8, 2, 64, keys=True)
     blocks, offsets = write_scattered(store, 4, 8, rows)
     err = np.abs(reference_values(dtype, stored(store, dtype, blocks, offsets)) - rows)
     if dtype == "q8_0":
@@ -275,8 +284,12 @@ def test_stored_values_widened_exactly(dtype: str) -> None:
     np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
-def test_unknown_dtype_and_bad_head_dim() -> None:
+def test_unknown_dtype_bad_head_dim_and_swapped_stores() -> None:
     with pytest.raises(ValueError, match="unknown KV dtype"):
-        pa.KVLayerStore.allocate("int4", 1, 16, 1, 64)
+        pa.KVLayerStore.allocate("int4", 1, 16, 1, 64, keys=True)
     with pytest.raises(ValueError, match="head_dim"):
-        pa.KVLayerStore.allocate("q8_0", 1, 16, 1, 48)
+        pa.KVLayerStore.allocate("q8_0", 1, 16, 1, 48, keys=False)
+    k, v = (pa.KVLayerStore.allocate("f16", 1, 16, 1, 64, keys=keys) for keys in (True, False))
+    q, tables, seq, pos = np.ones((1, 1, 64), np.float32), np.zeros((1, 1), np.int32), np.zeros(1, np.int32), np.zeros(1)
+    with pytest.raises(ValueError, match="key store"):
+        pa.paged_attention(q, v, k, tables, seq, pos, 0.125)

@@ -35,8 +35,8 @@ class PagedKVCache:
         self.ring = ring if any(windowed) else 0
         self.windowed = [bool(w) and self.ring > 0 for w in windowed] or [False] * n_layers
         sizes = [slots * ring if w else n_blocks for w in self.windowed]
-        self.k = [ops.kv_store(dtype, b, block_size, h, d) for b, (h, d) in zip(sizes, self.shapes, strict=True)]
-        self.v = [ops.kv_store(dtype, b, block_size, h, d) for b, (h, d) in zip(sizes, self.shapes, strict=True)]
+        self.k = [ops.kv_store(dtype, b, block_size, h, d, keys=True) for b, (h, d) in zip(sizes, self.shapes, strict=True)]
+        self.v = [ops.kv_store(dtype, b, block_size, h, d, keys=False) for b, (h, d) in zip(sizes, self.shapes, strict=True)]
         self.layer_bytes = [2 * b * block_size * h * storage_bytes(dtype, d)
                             for b, (h, d) in zip(sizes, self.shapes, strict=True)]
 

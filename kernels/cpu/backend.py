@@ -145,8 +145,9 @@ class CpuOps(Ops):
                      positions: np.ndarray, inv_freq: Array, interleaved: bool) -> tuple[np.ndarray, np.ndarray]:
         return dense.qk_norm_rope(q, k, q_norm, k_norm, eps, positions, inv_freq, interleaved)
 
-    def kv_store(self, dtype: str, n_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> KVLayerStore:
-        return KVLayerStore.allocate(dtype, n_blocks, block_size, kv_heads, head_dim)
+    def kv_store(self, dtype: str, n_blocks: int, block_size: int, kv_heads: int, head_dim: int, *,
+                 keys: bool) -> KVLayerStore:
+        return KVLayerStore.allocate(dtype, n_blocks, block_size, kv_heads, head_dim, keys=keys)
 
     def kv_write(self, store: KVLayerStore, blocks: np.ndarray, offsets: np.ndarray, rows: Array) -> None:
         store.write(blocks, offsets, rows)

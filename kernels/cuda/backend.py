@@ -64,8 +64,9 @@ class CudaOps(Ops):
     def rope(self, x: Array, positions: Array, inv_freq: Array, interleaved: bool) -> DeviceArray:
         return dense.rope(x, self._on_device(positions, np.int64), inv_freq, interleaved)
 
-    def kv_store(self, dtype: str, n_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> CudaKVStore:
-        return CudaKVStore.allocate(dtype, n_blocks, block_size, kv_heads, head_dim)
+    def kv_store(self, dtype: str, n_blocks: int, block_size: int, kv_heads: int, head_dim: int, *,
+                 keys: bool) -> CudaKVStore:
+        return CudaKVStore.allocate(dtype, n_blocks, block_size, kv_heads, head_dim)  # one layout for K and V
 
     def kv_write(self, store: CudaKVStore, blocks: Array, offsets: Array, rows: Array) -> None:
         kv_write(store, self._on_device(blocks, np.int64), self._on_device(offsets, np.int64), rows)

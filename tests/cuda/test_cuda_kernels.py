@@ -151,7 +151,7 @@ def test_kv_write_stores_the_bytes_convert_py_would(ops, dtype: str) -> None:  #
     rows = rng.standard_normal((3, 2, 64)).astype(np.float32) * 10
     rows[0, 0, :4] = [1e-8, -3e-6, 70000.0, 0.0]  # a half subnormal, a tiny one, beyond f16's range, zero
     rows[1, 1, 32:] = 0.0  # an all-zero q8_0 block
-    store = ops.kv_store(dtype, 4, 2, 2, 64)
+    store = ops.kv_store(dtype, 4, 2, 2, 64, keys=True)
     blocks, offsets = np.array([3, 0, 3]), np.array([1, 0, 0])
     ops.kv_write(store, blocks, offsets, dev(ops, rows))
     stored = _host_store(store)[blocks, offsets]
@@ -184,7 +184,7 @@ def test_paged_attention_decode_and_prefill_with_gqa(ops, dtype: str, window: in
     tables = np.array([[5, 1, 6], [2, 0, 0]], np.int32)
     k_all = [rng.standard_normal((n, kvh, hd)).astype(np.float32) for n in lengths]
     v_all = [rng.standard_normal((n, kvh, hd)).astype(np.float32) for n in lengths]
-    k_store, v_store = ops.kv_store(dtype, 8, block, kvh, hd), ops.kv_store(dtype, 8, block, kvh, hd)
+    k_store, v_store = ops.kv_store(dtype, 8, block, kvh, hd, keys=True), ops.kv_store(dtype, 8, block, kvh, hd, keys=False)
     for s, n in enumerate(lengths):  # every position of each sequence into its blocks
         pos = np.arange(n)
         ops.kv_write(k_store, tables[s, pos // block], pos % block, dev(ops, k_all[s]))
