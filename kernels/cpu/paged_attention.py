@@ -306,15 +306,15 @@ def _attend_for(mode: int):  # type: ignore[no-untyped-def]
         return _f16_value(s_sc[a, b, c, d]) if mode == _Q8_0 else np.float32(1)
 
     @njit(inline="always", fastmath=True, nogil=True, cache=True)
-    def scores_of(q, i, h0, heads, s_f32, s_u16, s_i8, s_sc, b, kv, c, scale, scores, g0, col):  # type: ignore[no-untyped-def]
-        """scores[g0 + h, col:col + KEYS] = the scaled scores of query heads h0 .. h0 + heads - 1
-        against keys c .. c + KEYS - 1 of block b."""
+    def scores_of(q, i, h0, heads, s_f32, s_u16, s_i8, s_sc, b, kv, c, count, scale, scores, g0, col):  # type: ignore[no-untyped-def]
+        """scores[g0 + h, col:col + count] = the scaled scores of query heads h0 .. h0 + heads - 1
+        against keys c .. c + count - 1 of block b."""
         if mode == _F32:
-            block_scores(s_f32, s_sc, b, kv, c, q, i, h0, heads, scale, scores, g0, col)
+            block_scores(s_f32, s_sc, b, kv, c, count, q, i, h0, heads, scale, scores, g0, col)
         elif mode == _Q8_0:
-            block_scores(s_i8, s_sc, b, kv, c, q, i, h0, heads, scale, scores, g0, col)
+            block_scores(s_i8, s_sc, b, kv, c, count, q, i, h0, heads, scale, scores, g0, col)
         else:
-            block_scores(s_u16, s_sc, b, kv, c, q, i, h0, heads, scale, scores, g0, col)
+            block_scores(s_u16, s_sc, b, kv, c, count, q, i, h0, heads, scale, scores, g0, col)
 
     @njit(inline="always", fastmath=True, nogil=True, cache=True)
     def prefetch(s_f32, s_u16, s_i8, b, kv):  # type: ignore[no-untyped-def]
@@ -326,29 +326,14 @@ def _attend_for(mode: int):  # type: ignore[no-untyped-def]
             attention_vectors.prefetch_block(s_u16, b, kv)
 
     @njit(inline="always", fastmath=True, nogil=True, cache=True)
-    def values_of(s_f32, s_u16, s_i8, s_sc, b, kv, lo, hi, weights, col, g0, heads, acc, total):  # type: ignore[no-untyped-def]
-        """acc[g0 + h] += weights[g0 + h, col + o] x row o of block b for o in [lo, hi), and those
-        weights into total[g0 + h], for h < heads."""
+    def values_of(s_f32, s_u16, s_i8, s_sc, b, kv, lo, hi, weights, col, g0, heads, acc):  # type: ignore[no-untyped-def]
+        """acc[g0 + h] += weights[g0 + h, col + o] x row o of block b for o in [lo, hi), for h < heads."""
         if mode == _F32:
-            block_values(s_f32, s_sc, b, kv, lo, hi, weights, col, g0, heads, acc, total)
+            block_values(s_f32, s_sc, b, kv, lo, hi, weights, col, g0, heads, acc)
         elif mode == _Q8_0:
-            block_values(s_i8, s_sc, b, kv, lo, hi, weights, col, g0, heads, acc, total)
+            block_values(s_i8, s_sc, b, kv, lo, hi, weights, col, g0, heads, acc)
         else:
-            block_values(s_u16, s_sc, b, kv, lo, hi, weights, col, g0, heads, acc, total)
-
-    @njit(inline="always", fastmath=True, nogil=True, cache=True)
-    def one_score(q, i, h, s_f32, s_u16, s_i8, s_sc, b, kv, o):  # type: ignore[no-untyped-def]
-        """q[i, h] . key o of block b, one dimension at a time (blocks of a size that is not a whole
-        number of key vectors)."""
-        hd = q.shape[2]
-        w = width if width else hd
-        total = np.float32(0)
-        for grp in range(hd // w):
-            c = np.float32(0)
-            for d in range(grp * w, grp * w + w):
-                c += q[i, h, d] * value(s_f32, s_u16, s_i8, b, kv, d, o)
-            total += c * group_scale(s_sc, b, kv, grp, o)
-        return total
+            block_values(s_u16, s_sc, b, kv, lo, hi, weights, col, g0, heads, acc)
 
     @njit(inline="always", fastmath=True, nogil=True, cache=True)
     def add_four(acc, g, p0, p1, p2, p3, s_f32, s_u16, s_i8, s_sc, kv, b0, o0, b1, o1, b2, o2, b3, o3):  # type: ignore[no-untyped-def]
@@ -377,21 +362,17 @@ def _attend_for(mode: int):  # type: ignore[no-untyped-def]
         table, n0, off0 = tables[seq], first // block_size, first % block_size
         n_last = last // block_size
         # scores[g, c]: key c of the blocks from table[n0] on; the visible ones are off0 .. off0 + count - 1
-        scores = np.empty((group, max((n_last - n0 + 1) * block_size, off0 + padded)), np.float32)
-        whole = block_size % attention_vectors.KEYS == 0
+        # (a score vector's lanes past a block's end are written too: KEYS columns of room)
+        keys = attention_vectors.KEYS
+        scores = np.empty((group, max((n_last - n0 + 1) * block_size, off0 + padded) + keys), np.float32)
         for nb in range(n0, n_last + 1):
             b, col = table[nb], (nb - n0) * block_size
             if nb + AHEAD <= n_last:
                 prefetch(k_f32, k_u16, k_i8, table[nb + AHEAD], kv)
-            if whole:  # every key of the block, the invisible ones' scores unused
-                for c in range(0, block_size, attention_vectors.KEYS):
-                    for g0 in range(0, group, attention_vectors.MAX_HEADS):
-                        scores_of(q, i, kv * group + g0, min(attention_vectors.MAX_HEADS, group - g0), k_f32, k_u16, k_i8,
-                                  k_sc, b, kv, c, scale, scores, g0, col + c)
-            else:
-                for o in range(off0 if nb == n0 else 0, last - nb * block_size + 1 if nb == n_last else block_size):
-                    for g in range(group):
-                        scores[g, col + o] = one_score(q, i, kv * group + g, k_f32, k_u16, k_i8, k_sc, b, kv, o) * scale
+            for c in range(0, block_size, keys):  # every key of the block, the invisible ones' scores unused
+                for g0 in range(0, group, attention_vectors.MAX_HEADS):
+                    scores_of(q, i, kv * group + g0, min(attention_vectors.MAX_HEADS, group - g0), k_f32, k_u16, k_i8,
+                              k_sc, b, kv, c, min(keys, block_size - c), scale, scores, g0, col + c)
         # unsigned indices: with a signed one that LLVM cannot prove non-negative, each access wraps
         # negative indices around, and neither loop vectorized (the softmax took a third of the kernel)
         u0, u1, u2 = np.uint64(off0), np.uint64(off0 + count), np.uint64(off0 + padded)
@@ -403,19 +384,21 @@ def _attend_for(mode: int):  # type: ignore[no-untyped-def]
                 scores[g, t] = _exp(scores[g, t] - best)
             for t in range(u1, u2):
                 scores[g, t] = 0
-        # the weights' sums are taken in the value pass, four at a time in a fixed order: a summing
-        # loop of its own would be vectorized in some callers and not in others (the fused layer's
-        # team and the parallel kernel must give the same bits)
+        # the weights' sums in an order fixed by code (a summing loop of its own would be vectorized
+        # in some callers and not in others: the fused layer's team and the parallel kernel must give
+        # the same bits; the four-row loop below takes its sums four at a time)
         total = np.zeros(group, np.float32)
         acc = np.zeros((group, hd), np.float32)
         if hd % attention_vectors.VALUES == 0:
+            for g in range(group):
+                total[g] = attention_vectors.row_sum(scores, g, off0, count)
             for nb in range(n0, n_last + 1):
                 if nb + AHEAD <= n_last:
                     prefetch(v_f32, v_u16, v_i8, table[nb + AHEAD], kv)
                 lo, hi = off0 if nb == n0 else 0, last - nb * block_size + 1 if nb == n_last else block_size
                 for g0 in range(0, group, attention_vectors.MAX_HEADS):
                     values_of(v_f32, v_u16, v_i8, v_sc, table[nb], kv, lo, hi, scores, (nb - n0) * block_size, g0,
-                              min(attention_vectors.MAX_HEADS, group - g0), acc, total)
+                              min(attention_vectors.MAX_HEADS, group - g0), acc)
             for g in range(group):
                 inv = np.float32(1) / total[g]
                 for d in range(hd):
