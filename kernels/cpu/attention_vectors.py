@@ -98,6 +98,19 @@ def _add(builder, one, a, b):
     return builder.extract_element(wide, ir.Constant(_I32, 0))
 
 
+def _by_heads(builder, heads, emit):
+    """A switch on the runtime head count (1 .. MAX_HEADS) into emit(h)'s code for each count h."""
+    done = builder.append_basic_block("heads_done")
+    switch = builder.switch(heads, done)
+    for h in range(1, MAX_HEADS + 1):
+        case = builder.append_basic_block(f"heads_{h}")
+        switch.add_case(ir.Constant(heads.type, h), case)
+        builder.position_at_end(case)
+        emit(h)
+        builder.branch(done)
+    builder.position_at_end(done)
+
+
 def _dots(builder, kind, keys_at, key_stride, q_at, q_stride, heads, start, stop, mask, one):
     """Per head h: sum over d in [start, stop) of q[h, d] * key[d] (KEYS-wide), in _PHASES[heads]
     chains (d by d in each chain) added at the end in chain order: each lane's order depends only on
@@ -168,12 +181,8 @@ def block_scores(kind: str):  # type: ignore[no-untyped-def]
                          builder.add(builder.mul(g0_, os0), builder.mul(col_, ir.Constant(col_.type, 4))))
             hd = builder.extract_value(q_arr.shape, 2)
             partial, one = _first_lanes(builder, count_), _one(builder)
-            done = builder.append_basic_block("scored")
-            switch = builder.switch(heads_, done)
-            for heads in range(1, MAX_HEADS + 1):
-                case = builder.append_basic_block(f"heads_{heads}")
-                switch.add_case(ir.Constant(heads_.type, heads), case)
-                builder.position_at_end(case)
+
+            def scores(heads):
                 with builder.if_else(builder.icmp_unsigned("==", count_, ir.Constant(count_.type, KEYS))) as (full, part):
                     for mask, branch in ((None, full), (partial, part)):
                         with branch:
@@ -187,8 +196,8 @@ def block_scores(kind: str):  # type: ignore[no-untyped-def]
                                 at = _at(builder, out_at, builder.mul(ir.Constant(os0.type, h), os0))
                                 builder.store(builder.fmul(total, _splat(builder, scale_)),
                                               builder.bitcast(at, _VF.as_pointer()), align=4)
-                builder.branch(done)
-            builder.position_at_end(done)
+
+            _by_heads(builder, heads_, scores)
             return context.get_constant(types.int64, 0)
 
         return types.int64(keys, scales, blk, kv, c0, count, q, i, h0, heads, scale, out, g0, col), codegen
@@ -258,12 +267,8 @@ def block_values(kind: str):  # type: ignore[no-untyped-def]
             acc_at = _at(builder, builder.bitcast(a_arr.data, i8p), builder.mul(g0_, as0))
             hd = builder.extract_value(a_arr.shape, 1)
             frame = _Frame(builder, kind, item, rows_at, vs[2], scales_at, ss[2], w_at, ws0, acc_at, as0)
-            done = builder.append_basic_block("added")
-            switch = builder.switch(heads_, done)
-            for heads in range(1, MAX_HEADS + 1):
-                case = builder.append_basic_block(f"heads_{heads}")
-                switch.add_case(ir.Constant(heads_.type, heads), case)
-                builder.position_at_end(case)
+
+            def values(heads):
                 chunks = builder.udiv(hd, ir.Constant(hd.type, VALUES))
                 span = _SPANS[heads]
                 whole = builder.udiv(chunks, ir.Constant(hd.type, span))
@@ -271,8 +276,8 @@ def block_values(kind: str):  # type: ignore[no-untyped-def]
                     frame.chunks(heads, builder.mul(loop.index, ir.Constant(hd.type, span)), span, o0_, o1_)
                 with cgutils.for_range(builder, builder.sub(chunks, builder.mul(whole, ir.Constant(hd.type, span)))) as loop:
                     frame.chunks(heads, builder.add(builder.mul(whole, ir.Constant(hd.type, span)), loop.index), 1, o0_, o1_)
-                builder.branch(done)
-            builder.position_at_end(done)
+
+            _by_heads(builder, heads_, values)
             return context.get_constant(types.int64, 0)
 
         return types.int64(values, scales, blk, kv, o0, o1, weights, col, g0, heads, acc), codegen
