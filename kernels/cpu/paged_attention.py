@@ -14,9 +14,9 @@ times its f16 scale.
 
 Measured (benchmarks/attention.py: 1536 positions, 12 query heads on 4 KV heads of 64, 2 threads,
 per layer with 12 layers' caches taking turns, so read from memory; hot: one layer's):
-- 2-core Zen 3 VM (AVX2), 2026-11-30: f16 200 -> 64 us (hot 108 -> 55), f32 370 -> 145, q8_0 145 ->
-  66, from K stored as rows, four keys' dots at a time each summed across its vector, and value rows
-  widened again for each query head of the group, with no prefetch.
+- 2-core Zen 3 VM (AVX2), 2026-11-30: f16 200 -> 66 us (hot 108 -> 55), f32 370 -> 160, bf16 232 ->
+  73, q8_0 144 -> 91, from K stored as rows, four keys' dots at a time each summed across its
+  vector, and value rows widened again for each query head of the group, with no prefetch.
 - 2-core Zen 5 VM, the row layout: f32 174 us, f16 62 us, bf16 62 us, q8_0 73 us (widened into a
   scratch row first, as before 2026-11-29: f16 72 us, q8_0 196 us).
 """
@@ -232,11 +232,12 @@ def attention_task(task, q, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, 
     fused layer's thread team (decoder_layer.py) all call, so each computes every task alike.
 
     The scores of up to four query heads against a block's 16 keys come from one intrinsic call
-    (attention_vectors.block_scores: each key vector loaded once for all of them); a block size 16
-    does not divide is scored key by key. The value rows of a block are added into every head's
-    accumulators by one call (block_values), head dims it cannot take (not a multiple of 16) four rows
-    at a time. Which keys a token reads and in what order depends only on its own position, so its
-    output never depends on the rest of its batch. Each dtype has code of its own: with the mode a
+    (attention_vectors.block_scores: each key vector loaded once for all of them; a block of fewer
+    keys, or a block's last ones, through masked loads). The value rows of a block are added into
+    every head's accumulators by one call (block_values), head dims it cannot take (not a multiple
+    of 16) four rows at a time. What a token computes, and in what order, depends only on its own
+    position, so its output depends neither on the rest of its batch nor on the block size (a draft
+    engine's blocks may differ from its target's). Each dtype has code of its own: with the mode a
     branch in every row's decoding, an f16 cache's attention took twice as long (231 -> 113 us, 1536
     positions, 6 query heads on 2 KV heads, 2 threads). Rows are addressed by index, never as array
     views (a view costs reference counting), and found block by block with no division (one per
