@@ -25,6 +25,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ember.kernels.convert import QK8_0
+from ember.kernels.cpu import int8_dots
 from ember.kernels.cpu.int8_dots import _at, _call, _i64
 
 KEYS = 16  # keys a call scores: one vector of 16 floats (a zmm, or two ymm)
@@ -35,11 +36,12 @@ _PHASES = {1: 4, 2: 2, 3: 2, 4: 1}
 
 _I16, _I32, _F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
 _VF = ir.VectorType(_F32, KEYS)
+# each kind's stored element: its numba type and bytes
+_STORED = {"f32": (types.float32, 4), "f16": (types.uint16, 2), "bf16": (types.uint16, 2), "q8_0": (types.int8, 1)}
 
 
 def _splat(builder, f):
-    v = builder.insert_element(ir.Constant(_VF, None), f, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, KEYS), [0] * KEYS))
+    return int8_dots._splat(builder, f, KEYS)
 
 
 def _load(builder, at, element, align, mask):
@@ -58,8 +60,7 @@ def _first_lanes(builder, count):
     """The mask of lanes 0 .. count - 1."""
     lanes = ir.Constant(ir.VectorType(count.type, KEYS), list(range(KEYS)))
     wide = builder.insert_element(ir.Constant(ir.VectorType(count.type, KEYS), None), count, ir.Constant(_I32, 0))
-    wide = builder.shuffle_vector(wide, wide, ir.Constant(ir.VectorType(_I32, KEYS), [0] * KEYS))
-    return builder.icmp_unsigned("<", lanes, wide)
+    return builder.icmp_unsigned("<", lanes, int8_dots._pick(builder, wide, [0] * KEYS))
 
 
 def _widen(builder, kind, at, mask=None):
@@ -116,11 +117,8 @@ def _dots(builder, kind, keys_at, key_stride, q_at, q_stride, heads, start, stop
     chains (d by d in each chain) added at the end in chain order: each lane's order depends only on
     head_dim and the number of heads, not on where its key sits."""
     phases = _PHASES[heads]
-    accs = [[cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(phases)] for _ in range(heads)]
     zero = ir.Constant(_VF, [0.0] * KEYS)
-    for row in accs:
-        for a in row:
-            builder.store(zero, a)
+    accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(phases)] for _ in range(heads)]
     span = builder.sub(stop, start)
     whole = builder.udiv(span, ir.Constant(span.type, phases))
 
@@ -157,8 +155,7 @@ def block_scores(kind: str):  # type: ignore[no-untyped-def]
     keys [n_blocks, kv_heads, head_dim, block_size]
     (float32; uint16 f16 or bf16 bits; int8 for q8_0), scales [n_blocks, kv_heads, head_dim / 32,
     block_size] f16 bits (q8_0 only: each 32 dimensions' sum times its key's scale, added in order)."""
-    item = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 1}[kind]
-    stored = {"f32": types.float32, "f16": types.uint16, "bf16": types.uint16, "q8_0": types.int8}[kind]
+    stored, item = _STORED[kind]
 
     def typer(typingctx, keys, scales, blk, kv, c0, count, q, i, h0, heads, scale, out, g0, col):  # type: ignore[no-untyped-def]
         if not (keys == types.Array(stored, 4, "C") and scales == types.Array(types.uint16, 4, "C")
@@ -213,9 +210,7 @@ def _scaled_dots(builder, s_arr, blk, kv, c0, keys_at, key_stride, q_at, q_strid
     scales_at = _at(builder, builder.bitcast(s_arr.data, ir.IntType(8).as_pointer()),
                     builder.add(builder.add(builder.mul(blk, ss[0]), builder.mul(kv, ss[1])),
                                 builder.mul(c0, ir.Constant(blk.type, 2))))
-    totals = [cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(heads)]
-    for t in totals:
-        builder.store(ir.Constant(_VF, [0.0] * KEYS), t)
+    totals = [cgutils.alloca_once_value(builder, ir.Constant(_VF, [0.0] * KEYS)) for _ in range(heads)]
     groups = builder.udiv(hd, ir.Constant(hd.type, QK8_0))
     with cgutils.for_range(builder, groups) as loop:
         start = builder.mul(loop.index, ir.Constant(hd.type, QK8_0))
@@ -237,13 +232,12 @@ _SPANS = {1: 4, 2: 2, 3: 1, 4: 1}
 def block_values(kind: str):  # type: ignore[no-untyped-def]
     """An intrinsic (values, scales, blk, kv, o0, o1, weights, col, g0, heads, acc) -> 0 for a store of
     `kind`: for h < heads (1 .. MAX_HEADS), acc[g0 + h] += the sum over rows o in [o0, o1) of
-    weights[g0 + h, col + o] times row o of block blk, KV head kv, row by row. values [n_blocks, kv_heads, block_size, head_dim] (head_dim a multiple of
-    VALUES), scales [n_blocks, kv_heads, block_size, head_dim / 32] f16 bits (q8_0: each value times
+    weights[g0 + h, col + o] times row o of block blk, KV head kv, row by row. values [n_blocks,
+    kv_heads, block_size, head_dim] (head_dim a multiple of VALUES), scales [n_blocks, kv_heads, block_size, head_dim / 32] f16 bits (q8_0: each value times
     its row's scale for its 32 dimensions). Each VALUES dimensions of every head's accumulator stay
     in registers across the block's rows, and each row's values are loaded and widened once for all
     the heads (the four-rows-at-a-time loop widened them again for each head)."""
-    item = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 1}[kind]
-    stored = {"f32": types.float32, "f16": types.uint16, "bf16": types.uint16, "q8_0": types.int8}[kind]
+    stored, item = _STORED[kind]
 
     def typer(typingctx, values, scales, blk, kv, o0, o1, weights, col, g0, heads, acc):  # type: ignore[no-untyped-def]
         if not (values == types.Array(stored, 4, "C") and scales == types.Array(types.uint16, 4, "C")
