@@ -45,27 +45,28 @@ DECODE_ACTIVATIONS = ("q8_0", "f32")
 # Activations that prompt rows meet quantized weights with: "q8_0" quantizes them exactly as decode
 # rows are (q8_0 against 32-value block types, q8_K against K-quants) for integer products, as llama.cpp
 # computes prompts; "f32" multiplies x itself, exactly. The default is q8_0 where the CPU has AVX-512
-# VNNI (docs/runtime.md): prefill 1.6-2x faster there, a prompt token and a generated one meet the
-# weights alike, and its logits stay within the llama.cpp oracle's tolerance (transformers' 1e-4 needs
-# f32: tests ask for it). Elsewhere f32: without vpdpbusd the integer product is no faster than the
-# float one (AVX2: level with it; other CPUs' portable form: 5x slower), and f32 is exact.
+# VNNI or AVX2 (docs/runtime.md): prefill 1.6-2x faster with VNNI, the products 1.2-2.3x faster than
+# the float ones with AVX2, a prompt token and a generated one meet the weights alike, and its logits
+# stay within the llama.cpp oracle's tolerance (transformers' 1e-4 needs f32: tests ask for it).
+# Elsewhere f32: the integer product's portable form is 5x slower than the float one, and f32 is exact.
 PROMPT_ACTIVATIONS = ("q8_0", "f32")
 
 
 def _integer_prompts_pay() -> bool:
-    """Whether this CPU has what makes integer prompt rows faster than float ones: AVX-512 VNNI, as
-    kernels/cpu/int8_dots.py finds it (the same LLVM host features; EMBER_INT8_PATH, which makes
-    the kernels take a lesser path for tests, takes it away too). On the 2-core Zen 3 VM (AVX2 only,
-    2026-11-30) a 512-token prefill of the demo ran at 945-970 tok/s with q8_0 prompt rows in the
-    portable form, 4855-5046 with f32 ones; AVX2's signed pairs (int8_prompt.py) brought a 2048 x 768
-    Q8_0 product of 32-512 tokens level with the float one, not past it."""
+    """Whether this CPU has what makes integer prompt rows faster than float ones: AVX-512 VNNI or AVX2,
+    as kernels/cpu/int8_dots.py finds them (the same LLVM host features; EMBER_INT8_PATH=portable, which
+    makes the kernels take the portable path for tests, takes it away). On the 2-core Zen 3 VM (AVX2
+    only, 2026-11-30) a 512-token prefill of the demo ran at 945-970 tok/s with q8_0 prompt rows in the
+    portable form, 4855-5046 with f32 ones; with AVX2 (int8_prompt.py: unsigned quants meet the
+    activations in vpmaddubsw, summed in int16) 512 tokens through 2048 x 768 and 768 x 2048 took
+    6.7 / 5.5 ms in Q4_K and 8.9 / 8.6 in Q8_0, against 10.0 / 12.9 with f32 rows."""
     import os
 
     import llvmlite.binding as llvm  # what numba compiles with: the daemon loads it anyway
 
     features = llvm.get_host_cpu_features()
-    return bool(features.get("avx512vnni", False) and features.get("avx512vl", False)) and not os.environ.get(
-        "EMBER_INT8_PATH")
+    vnni = features.get("avx512vnni", False) and features.get("avx512vl", False)
+    return bool(vnni or features.get("avx2", False)) and os.environ.get("EMBER_INT8_PATH") != "portable"
 
 
 DEFAULT_PROMPT_ACT = "q8_0" if _integer_prompts_pay() else "f32"

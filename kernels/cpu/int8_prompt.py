@@ -21,16 +21,21 @@ Why it looks the way it does:
   (unsigned), the weights signed; each group's accumulator starts from -128 x the sum of its weight
   quants (computed at unpacking), so the sum comes out exact: sum((q_x + 128) * w) - 128 * sum(w).
 - Register tiles of 4 rows x 2 token vectors (32 tokens): each loaded activation vector meets 4
-  broadcast weight quads and each broadcast 2 activation vectors, 8 accumulators in flight.
+  broadcast weight quads and each broadcast 2 activation vectors, 8 accumulators in flight (with AVX2,
+  whose 16 registers hold half as much, one token vector at a time).
 - Rows are unpacked 16 at a time into L1-sized buffers (each row once per call, whatever the number
   of tokens), as the float prompt product dequantizes them (quant_matmul._matmul).
 - Every token lane goes through the same operations in the same order (strict IEEE, explicit fused
   multiply-adds), whatever the tile, the number of tokens or the padding: a token's result does not
   depend on the other tokens of its call, or on how a prompt was cut into chunks.
-- Without AVX-512 VNNI: with AVX2, llama.cpp's signed pairs (vpsignb, vpmaddubsw, vpmaddwd, the
-  activations made signed and the accumulators started from 0: _signed_quads), elsewhere the same
-  IR written portably (widen, multiply, sum fours); the same integers either way, slower (AVX2 about
-  level with the float product: docs/runtime.md). EMBER_INT8_PATH (int8_dots.py) picks them for tests.
+- Without AVX-512 VNNI: with AVX2, the activations are stored signed. Weights whose quants are small
+  unsigned levels (Q4_K, Q6_K, Q4_0, ... as stored, offsets included) are vpmaddubsw's unsigned
+  operand and its int16 pair sums add up over 2-8 quads before one vpmaddwd (the stored offset comes
+  off through the activations' sums); signed ones (Q8_0, IQ4) take llama.cpp's signed pairs (vpsignb,
+  vpmaddubsw, vpmaddwd). 512 tokens through Q4_K 2048 x 768 take 6.7 ms, f32 rows 10 ms (Zen 3,
+  2 threads). Elsewhere the same IR written portably (widen, multiply, sum fours), 5x slower than
+  the float product. The same integers on every path. EMBER_INT8_PATH (int8_dots.py) picks them for
+  tests.
 """
 from __future__ import annotations
 
@@ -70,7 +75,7 @@ _K_ACTIVATIONS[[TensorType.Q2_K, TensorType.Q3_K, TensorType.Q4_K, TensorType.Q5
 @dataclass(frozen=True)
 class PromptActivations:
     """n tokens' activations quantized for the product, 16 tokens per vector v: xu uint8 [v, cols * 16]
-    (value c of lane l at (c // 4) * 64 + 4 * l + c % 4, stored as q + 128), xd float32 [v, cols / 32
+    (value c of lane l at (c // 4) * 64 + 4 * l + c % 4, stored as q + _X_OFFSET: q + 128, or q with AVX2), xd float32 [v, cols / 32
     * 16] (the scale of the 32 values of block b at 16 * b + l) and xsum int32 [v, cols / 16 * 16] (the
     sum of the quants of values 16k..16k+15 at 16 * k + l). Lanes past the n tokens are zeros (scale
     0). k_quants: quantized as q8_K (for K-quant and IQ4_XS weights), else as q8_0."""
@@ -106,9 +111,9 @@ def product(code: int, u8: np.ndarray, acts: PromptActivations, rows: int) -> np
     the activations (quantized for its kind), transposed -> float32 [n, rows]."""
     if acts.k_quants != k_quant_activations(code):
         raise ValueError(f"{TensorType(code).name} weights meet {'q8_K' if not acts.k_quants else 'q8_0'} activations")
-    group, has_min = _GROUP[TensorType(code)]
     out = np.empty((acts.n, rows), np.float32)
-    _PRODUCT.pick(u8.size * acts.n)(code, u8, acts.xu, acts.xd, acts.xsum, group, has_min, out)
+    _PRODUCT.pick(u8.size * acts.n)(code, u8, acts.xu, acts.xd, acts.xsum, _GROUP[TensorType(code)][0],
+                                    _TILE_OF[code], out)
     return out
 
 
@@ -119,6 +124,24 @@ def matmul(code: int, u8: np.ndarray, x: np.ndarray, rows: int) -> np.ndarray:
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _VI32, _VF32 = ir.VectorType(_I32, LANES), ir.VectorType(_F32, LANES)
+_V32I8, _V8I32, _V16I16 = ir.VectorType(_I8, 32), ir.VectorType(_I32, 8), ir.VectorType(ir.IntType(16), 16)
+
+# Without VNNI but with AVX2, llama.cpp's instructions: vpmaddubsw (unsigned x signed bytes, int16
+# pair sums) and vpmaddwd (pairs summed to int32). The activations are stored signed (q, not q + 128)
+# and the accumulators start from 0. Weights whose quants are unsigned small levels (Q4_K 0..15, Q6_K
+# 0..63 standing for q - 32, ...: _UNSIGNED_QUANTS) are kept unsigned and are vpmaddubsw's unsigned
+# operand, their int16 sums added over as many quads as stay exact before vpmaddwd widens them, the
+# stored offset coming off through the activations' sums; signed ones (Q8_0, the IQ4 levels) take
+# llama.cpp's signed pairs (|w| times x with w's sign). The same integers as vpdpbusd: the same
+# results, bit for bit. (The portable IR, widen and multiply, ran 5x slower than the float product on
+# the 2-core Zen 3 VM.)
+_SIGNED_PAIRS = not _VNNI and int8_dots._AVX2
+_X_OFFSET = 0 if _SIGNED_PAIRS else 128  # what the activations' stored bytes add to q
+# per type whose quants are stored unsigned: (the stored offset, the largest stored level)
+_UNSIGNED_QUANTS = {} if not _SIGNED_PAIRS else {
+    TensorType.Q4_0: (8, 15), TensorType.Q4_1: (0, 15), TensorType.Q5_0: (16, 31), TensorType.Q5_1: (0, 31),
+    TensorType.Q2_K: (0, 3), TensorType.Q3_K: (4, 7), TensorType.Q4_K: (0, 15), TensorType.Q5_K: (0, 31),
+    TensorType.Q6_K: (32, 63)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,7 +192,7 @@ def _token_quantizer(block, f16_scale):
                                      ir.Constant(_I64, LANES))
                     builder.store(_call(builder, "llvm.vector.reduce.add.v16i32", _I32, half),
                                   builder.gep(s_row, [at], inbounds=True))
-                u = builder.bitcast(builder.trunc(builder.add(q, ir.Constant(v32i, [128] * 32)), ir.VectorType(_I8, 32)),
+                u = builder.bitcast(builder.trunc(builder.add(q, ir.Constant(v32i, [_X_OFFSET] * 32)), ir.VectorType(_I8, 32)),
                                     ir.VectorType(_I32, 8))
                 for j in range(8):  # quad j of the block: 4 bytes at the lane's place of quad 8b + j
                     quad = builder.add(builder.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, j))
@@ -221,7 +244,7 @@ def _quantize_vectors(x, k_quants, xu, xd, xsum):
                     xsum[v, j] = 0
                 for j in range(xu.shape[1] // (4 * LANES)):
                     for k in range(4):
-                        xu[v, 4 * LANES * j + 4 * lane + k] = 128
+                        xu[v, 4 * LANES * j + 4 * lane + k] = _X_OFFSET
 
 
 _QUANTIZE = Twin(_quantize_vectors, 1 << 16, fastmath=False)
@@ -232,25 +255,29 @@ _QUANTIZE = Twin(_quantize_vectors, 1 << 16, fastmath=False)
 # vpdpbusd start (-128 x the sum of its quants); in IR, from the decode tiles' own readers of each
 # block type (int8_dots' weight sides), so both read a block alike
 # --------------------------------------------------------------------------------------------------
-def _emit_unpack(builder, weight_side, unit_blocks, group, row, cols, q_out, a_out, b_out, c_out):
-    """Row `row` (a byte pointer) of one block type into its quants, scales, offsets and vpdpbusd starts."""
+def _emit_unpack(builder, weight_side, unit_blocks, group, unsigned, row, cols, q_out, a_out, b_out, c_out):
+    """Row `row` (a byte pointer) of one block type into its quants (signed, or as stored where
+    `unsigned`, _UNSIGNED_QUANTS' entry, is given), scales, offsets and vpdpbusd starts."""
     units = builder.udiv(cols, ir.Constant(_I64, 32 * unit_blocks))
     with cgutils.for_range(builder, units) as loop:
         first = builder.mul(loop.index, ir.Constant(_I64, unit_blocks))
         unit = weight_side(builder, row, first)
         for k, q, kind, iscale in unit.chunks:
             block = builder.add(first, ir.Constant(_I64, k))
-            if kind > 0:  # stored as u standing for u - kind
+            if unsigned is not None:  # kept as stored: u, standing for u - offset
+                assert kind == unsigned[0], (kind, unsigned)
+            elif kind > 0:  # stored as u standing for u - kind
                 q = builder.sub(q, ir.Constant(q.type, [kind] * 32))
             at = builder.gep(q_out, [builder.mul(block, ir.Constant(_I64, 32))], inbounds=True)
             builder.store(q, builder.bitcast(at, q.type.as_pointer()), align=1)
             wide = builder.sext(q, ir.VectorType(_I32, 32))
             for h in range(32 // group):
                 g = builder.add(builder.mul(block, ir.Constant(_I64, 32 // group)), ir.Constant(_I64, h))
-                part = builder.shuffle_vector(wide, wide, ir.Constant(ir.VectorType(_I32, group),
-                                                                      list(range(group * h, group * h + group))))
-                total = _call(builder, f"llvm.vector.reduce.add.v{group}i32", _I32, part)
-                builder.store(builder.mul(total, ir.Constant(_I32, -128)), builder.gep(c_out, [g], inbounds=True))
+                if not _SIGNED_PAIRS:  # the vpdpbusd start (AVX2's accumulators start from 0)
+                    part = builder.shuffle_vector(wide, wide, ir.Constant(ir.VectorType(_I32, group),
+                                                                          list(range(group * h, group * h + group))))
+                    total = _call(builder, f"llvm.vector.reduce.add.v{group}i32", _I32, part)
+                    builder.store(builder.mul(total, ir.Constant(_I32, -128)), builder.gep(c_out, [g], inbounds=True))
                 a, b = _scale_and_offset(builder, unit, k, iscale, 4 * h)
                 builder.store(a, builder.gep(a_out, [g], inbounds=True))
                 if b is not None:
@@ -284,7 +311,7 @@ def _unpack_row(typingctx, tt, u8, r, ws, wa, wb, wc):
             case = builder.append_basic_block(f"unpack_{ttype.name.lower()}")
             switch.add_case(ir.Constant(_I64, int(ttype)), case)
             builder.position_at_end(case)
-            _emit_unpack(builder, side, unit_blocks, _GROUP[ttype][0], row, cols, *outs)
+            _emit_unpack(builder, side, unit_blocks, _GROUP[ttype][0], _UNSIGNED_QUANTS.get(ttype), row, cols, *outs)
             builder.branch(done)
         builder.position_at_end(done)
         return context.get_constant(types.int64, 0)
@@ -346,32 +373,6 @@ def _quads(builder, acc, x, w):
     return total
 
 
-# Without VNNI but with AVX2, llama.cpp's signed pairs: vpmaddubsw multiplies |w| by x with w's sign,
-# its int16 pair sums exact (|w| <= 128, |x| <= 127: at most 32512), vpmaddwd sums them in fours. The
-# activations as stored (q + 128) would saturate it, so each loaded vector is made signed once (a xor)
-# and the accumulators start from 0, not from -128 x the weight's sums. The same integers as vpdpbusd:
-# the same results, bit for bit. (The portable IR, widen and multiply, ran 5x slower than the float
-# product on the 2-core Zen 3 VM.)
-_SIGNED_PAIRS = not _VNNI and int8_dots._AVX2
-_V32I8, _V8I32 = ir.VectorType(_I8, 32), ir.VectorType(_I32, 8)
-
-
-def _signed_halves(builder, x):
-    """A token vector as stored (<16 x i32>: quads of q + 128) -> its two 256-bit halves of signed q."""
-    halves = []
-    for h in range(2):
-        half = builder.shuffle_vector(x, x, ir.Constant(_V8I32, list(range(8 * h, 8 * h + 8))))
-        halves.append(builder.xor(builder.bitcast(half, _V32I8), ir.Constant(_V32I8, [-128] * 32)))
-    return halves
-
-
-def _signed_quads(builder, acc, halves, w):
-    """acc + per lane the sum of 4 products of a token's signed quants (_signed_halves) with the
-    weight quad w (i32: 4 signed bytes), exact, in AVX2 instructions."""
-    quads = [signed_pairs(builder, half, w) for half in halves]
-    return builder.add(acc, builder.shuffle_vector(quads[0], quads[1], ir.Constant(_VI32, list(range(LANES)))))
-
-
 def signed_pairs(builder, x, w):
     """Per 32-bit lane of x (<32 x i8>: 8 lanes of 4 signed quants, |q| <= 127) the sum of its 4
     products with the weight quad w (i32: 4 signed bytes, the same in every lane), exact: <8 x i32>.
@@ -394,117 +395,201 @@ def _load(builder, ptr, index, vector_type=None, align=1):
     return builder.load(builder.bitcast(at, vector_type.as_pointer()), align=align)
 
 
-def _rows_tile(group, has_min):
-    """An intrinsic (ws, wa, wb, wc, i, xu, xd, xsum, res) -> 0: res[i + r, 16 v .. 16 v + 15] = rows
-    i..i+3 of the unpacked weights (ws int8 [16, cols], wa/wb float32 and wc int32 [16, cols / group])
-    times token vector v of the activations, for every v of xu."""
+def _tile_variant(ttype: TensorType) -> tuple[int, bool, int, int]:
+    """(group, has_min, run, offset) of the tile that multiplies `ttype`'s unpacked rows: run > 0 where
+    its quants stay unsigned (AVX2: quads summed in int16 `run` at a time, `offset` the stored offset)."""
+    group, has_min = _GROUP[ttype]
+    if ttype not in _UNSIGNED_QUANTS:
+        return group, has_min, 0, 0
+    offset, top = _UNSIGNED_QUANTS[ttype]
+    run = 1
+    while 2 * run * 2 * top * 127 <= 32767 and 2 * run <= group // 4:  # int16 sums stay exact
+        run *= 2
+    return group, has_min, run, offset
+
+
+def _emit_tile(builder, variant, arrays, i, v0):
+    """Rows i..i+3 of the unpacked weights (ws int8 [16, cols], wa/wb float32 and wc int32 [16, cols /
+    group]) times token vectors v0, v0 + 1 of the activations (as many as there are), into res."""
+    group, has_min, run, offset = variant
     quads = group // 4
+    ws, wa, wb, wc, xu, xd, xsum, res = arrays
+    rows = [builder.add(i, ir.Constant(_I64, r)) for r in range(_TILE_ROWS)]
+    w_rows = [_row_ptr(builder, ws, r, _I32) for r in rows]  # quads of 4 int8 as i32
+    a_rows, b_rows = ([_row_ptr(builder, arr, r, _F32) for r in rows] for arr in (wa, wb))
+    c_rows = [_row_ptr(builder, wc, r, _I32) for r in rows]
+    res_rows = [_row_ptr(builder, res, r, _F32) for r in rows]
+    groups = builder.extract_value(wa.shape, 1)
+    vectors = builder.extract_value(xu.shape, 0)
+    accs = [[cgutils.alloca_once(builder, _VF32) for _ in range(_TILE_VECTORS)] for _ in range(_TILE_ROWS)]
 
-    def codegen(context, builder, sig, args):
-        ws, wa, wb, wc, _, xu, xd, xsum, res, _ = (context.make_array(t)(context, builder, a) if isinstance(t, types.Array)
-                                              else None for t, a in zip(sig.args, args))
-        i = builder.sext(args[4], _I64) if args[4].type.width < 64 else args[4]
-        rows = [builder.add(i, ir.Constant(_I64, r)) for r in range(_TILE_ROWS)]
-        w_rows = [_row_ptr(builder, ws, r, _I32) for r in rows]  # quads of 4 int8 as i32
-        a_rows, b_rows = ([_row_ptr(builder, arr, r, _F32) for r in rows] for arr in (wa, wb))
-        c_rows = [_row_ptr(builder, wc, r, _I32) for r in rows]
-        res_rows = [_row_ptr(builder, res, r, _F32) for r in rows]
-        groups = builder.extract_value(wa.shape, 1)
-        vectors = builder.extract_value(xu.shape, 0)
-        accs = [[cgutils.alloca_once(builder, _VF32) for _ in range(_TILE_VECTORS)] for _ in range(_TILE_ROWS)]
-
-        def tile(v0, count):
-            x_rows = [_row_ptr(builder, xu, builder.add(v0, ir.Constant(_I64, g)), _VI32) for g in range(count)]
-            d_rows = [_row_ptr(builder, xd, builder.add(v0, ir.Constant(_I64, g)), _VF32) for g in range(count)]
-            s_rows = [_row_ptr(builder, xsum, builder.add(v0, ir.Constant(_I64, g)), _VI32) for g in range(count)]
-            for row in accs:
-                for g in range(count):
-                    builder.store(ir.Constant(_VF32, [0.0] * LANES), row[g])
-            with cgutils.for_range(builder, groups) as loop:
-                k = loop.index
-                if _SIGNED_PAIRS:
-                    ints = [[ir.Constant(_VI32, [0] * LANES)] * count for _ in c_rows]
-                else:
-                    ints = [[_splat(builder, _load(builder, c, k), _VI32)] * count for c in c_rows]
+    def tile(v0, count):
+        x_rows = [_row_ptr(builder, xu, builder.add(v0, ir.Constant(_I64, g)), _VI32) for g in range(count)]
+        d_rows = [_row_ptr(builder, xd, builder.add(v0, ir.Constant(_I64, g)), _VF32) for g in range(count)]
+        s_rows = [_row_ptr(builder, xsum, builder.add(v0, ir.Constant(_I64, g)), _VI32) for g in range(count)]
+        for row in accs:
+            for g in range(count):
+                builder.store(ir.Constant(_VF32, [0.0] * LANES), row[g])
+        with cgutils.for_range(builder, groups) as loop:
+            k = loop.index
+            if run:
+                start = builder.mul(_group_sums(builder, s_rows[0], k, group), ir.Constant(_VI32, [-offset] * LANES))
+                ints = [[total] for total in _unsigned_dots(builder, k, quads, run, w_rows, x_rows[0], start)]
+            elif _SIGNED_PAIRS:
+                ints = [[total] for total in _signed_dots(builder, k, quads, w_rows, x_rows[0])]
+            else:
+                ints = [[_splat(builder, _load(builder, c, k), _VI32)] * count for c in c_rows]
                 for j in range(quads):
                     q = builder.add(builder.mul(k, ir.Constant(_I64, quads)), ir.Constant(_I64, j))
                     xv = [_load(builder, x, q, align=1) for x in x_rows]
-                    if _SIGNED_PAIRS:
-                        xh = [_signed_halves(builder, x) for x in xv]
-                        for r in range(_TILE_ROWS):
-                            w = _load(builder, w_rows[r], q)
-                            ints[r] = [_signed_quads(builder, ints[r][g], xh[g], w) for g in range(count)]
-                        continue
                     for r in range(_TILE_ROWS):
                         wv = _splat(builder, _load(builder, w_rows[r], q), _VI32)
                         ints[r] = [_quads(builder, ints[r][g], xv[g], wv) for g in range(count)]
-                block = builder.udiv(builder.mul(k, ir.Constant(_I64, group)), ir.Constant(_I64, _BLOCK))
-                dx = [_load(builder, d, block, align=4) for d in d_rows]
-                sums = [_activation_sums(builder, s, k, dx[g]) for g, s in enumerate(s_rows)] if has_min else None
-                for r in range(_TILE_ROWS):
-                    a = _splat(builder, _load(builder, a_rows[r], k, align=4), _VF32)
-                    b = _splat(builder, _load(builder, b_rows[r], k, align=4), _VF32) if has_min else None
-                    for g in range(count):
-                        acc = builder.load(accs[r][g])
-                        scale = builder.fmul(a, dx[g])
-                        acc = _call(builder, "llvm.fma.v16f32", _VF32, scale, builder.sitofp(ints[r][g], _VF32), acc)
-                        if has_min:
-                            acc = _call(builder, "llvm.fma.v16f32", _VF32, b, sums[g], acc)
-                        builder.store(acc, accs[r][g])
+            block = builder.udiv(builder.mul(k, ir.Constant(_I64, group)), ir.Constant(_I64, _BLOCK))
+            dx = [_load(builder, d, block, align=4) for d in d_rows]
+            sums = ([builder.fmul(dx[g], builder.sitofp(_group_sums(builder, s, k, group), _VF32))
+                     for g, s in enumerate(s_rows)] if has_min else None)
             for r in range(_TILE_ROWS):
+                a = _splat(builder, _load(builder, a_rows[r], k, align=4), _VF32)
+                b = _splat(builder, _load(builder, b_rows[r], k, align=4), _VF32) if has_min else None
                 for g in range(count):
-                    at = builder.mul(builder.add(v0, ir.Constant(_I64, g)), ir.Constant(_I64, LANES))
-                    ptr = builder.bitcast(builder.gep(res_rows[r], [at], inbounds=True), _VF32.as_pointer())
-                    builder.store(builder.load(accs[r][g]), ptr, align=4)
+                    acc = builder.load(accs[r][g])
+                    scale = builder.fmul(a, dx[g])
+                    acc = _call(builder, "llvm.fma.v16f32", _VF32, scale, builder.sitofp(ints[r][g], _VF32), acc)
+                    if has_min:
+                        acc = _call(builder, "llvm.fma.v16f32", _VF32, b, sums[g], acc)
+                    builder.store(acc, accs[r][g])
+        for r in range(_TILE_ROWS):
+            for g in range(count):
+                at = builder.mul(builder.add(v0, ir.Constant(_I64, g)), ir.Constant(_I64, LANES))
+                ptr = builder.bitcast(builder.gep(res_rows[r], [at], inbounds=True), _VF32.as_pointer())
+                builder.store(builder.load(accs[r][g]), ptr, align=4)
 
-        v0 = builder.sext(args[9], _I64) if args[9].type.width < 64 else args[9]
-        left = builder.sub(vectors, v0)
+    left = builder.sub(vectors, v0)
+    if _SIGNED_PAIRS:  # one token vector at a time: its 4 rows x 2 halves of sums fill AVX2's registers
+        tile(v0, 1)
+        with builder.if_then(builder.icmp_unsigned(">=", left, ir.Constant(_I64, 2))):
+            tile(builder.add(v0, ir.Constant(_I64, 1)), 1)
+        return
 
-        def tiles(count):  # a whole tile, or the last vectors of the call
-            if count == 1:
-                tile(v0, 1)
-                return
-            with builder.if_else(builder.icmp_unsigned(">=", left, ir.Constant(_I64, count))) as (whole, fewer):
-                with whole:
-                    tile(v0, count)
-                with fewer:
-                    tiles(count - 1)
+    def tiles(count):  # a whole tile, or the last vectors of the call
+        if count == 1:
+            tile(v0, 1)
+            return
+        with builder.if_else(builder.icmp_unsigned(">=", left, ir.Constant(_I64, count))) as (whole, fewer):
+            with whole:
+                tile(v0, count)
+            with fewer:
+                tiles(count - 1)
 
-        tiles(_TILE_VECTORS)
+    tiles(_TILE_VECTORS)
+
+
+def _group_sums(builder, s_row, k, group):
+    """<16 x i32>: per token, the sum of group k's activation quants (from the sums per 16 values)."""
+    if group == 16:
+        return _load(builder, s_row, k, align=4)
+    first = builder.mul(k, ir.Constant(_I64, 2))
+    return builder.add(_load(builder, s_row, first, align=4),
+                       _load(builder, s_row, builder.add(first, ir.Constant(_I64, 1)), align=4))
+
+
+def _row_halves(builder, x_row, rows):
+    """Per row, a pointer to the token vector's 256-bit halves. Each row reads the vector through a
+    pointer of its own that LLVM cannot see is the same: merged, the loads were hoisted, their 16
+    vectors held for the 4 rows, and spilled."""
+    return [builder.bitcast(builder.gep(x_row, [_opaque_zero(builder)], inbounds=True), _V32I8.as_pointer())
+            for _ in range(rows)]
+
+
+def _half_at(builder, halves, q, h):
+    return _load(builder, halves, builder.add(builder.mul(q, ir.Constant(_I64, 2)), ir.Constant(_I64, h)))
+
+
+def _signed_dots(builder, k, quads, w_rows, x_row):
+    """Per row, the exact dots of group k's signed weight quants with one token vector's signed
+    activations (<16 x i32>), in AVX2: llama.cpp's signed pairs, |w| times x with w's sign."""
+    halves = _row_halves(builder, x_row, len(w_rows))
+    totals = []
+    for r, w_row in enumerate(w_rows):
+        sums = [None, None]
+        for j in range(quads):
+            q = builder.add(builder.mul(k, ir.Constant(_I64, quads)), ir.Constant(_I64, j))
+            w = _load(builder, w_row, q)
+            for h in range(2):
+                p = signed_pairs(builder, _half_at(builder, halves[r], q, h), w)
+                sums[h] = p if sums[h] is None else builder.add(sums[h], p)
+        totals.append(builder.shuffle_vector(sums[0], sums[1], ir.Constant(_VI32, list(range(LANES)))))
+    return totals
+
+
+def _unsigned_dots(builder, k, quads, run, w_rows, x_row, start):
+    """Per row, start + the exact dots of group k's unsigned weight quants with one token vector's
+    signed activations (<16 x i32>), in AVX2: vpmaddubsw's int16 pair sums add up over `run` quads
+    (exact: _tile_variant bounds them) before one vpmaddwd widens them."""
+    halves = _row_halves(builder, x_row, len(w_rows))
+    ones = ir.Constant(_V16I16, [1] * 16)
+    totals = [start] * len(w_rows)
+    for first in range(0, quads, run):
+        pairs = [[None, None] for _ in w_rows]
+        for j in range(first, first + run):
+            q = builder.add(builder.mul(k, ir.Constant(_I64, quads)), ir.Constant(_I64, j))
+            for r, w_row in enumerate(w_rows):
+                wb = builder.bitcast(_splat(builder, _load(builder, w_row, q), _V8I32), _V32I8)
+                for h in range(2):
+                    p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, wb, _half_at(builder, halves[r], q, h))
+                    pairs[r][h] = p if pairs[r][h] is None else builder.add(pairs[r][h], p)
+        for r in range(len(w_rows)):
+            wide = [_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, pairs[r][h], ones) for h in range(2)]
+            totals[r] = builder.add(totals[r], builder.shuffle_vector(wide[0], wide[1],
+                                                                      ir.Constant(_VI32, list(range(LANES)))))
+    return totals
+
+
+def _opaque_zero(builder):
+    """An i64 0 the optimizer cannot see through (an empty inline asm hands it over)."""
+    return builder.asm(ir.FunctionType(_I64, [_I64]), "", "=r,0", [ir.Constant(_I64, 0)], False)
+
+
+_TILES = tuple(sorted({_tile_variant(t) for t in _GROUP}))  # the tile variants this CPU's types take
+_TILE_OF = np.full(max(TensorType) + 1, -1, np.int64)
+for _t in _GROUP:
+    _TILE_OF[_t] = _TILES.index(_tile_variant(_t))
+
+
+@intrinsic
+def _rows_tile(typingctx, variant, ws, wa, wb, wc, i, xu, xd, xsum, res, v0):
+    """(variant, ws, wa, wb, wc, i, xu, xd, xsum, res, v0) -> 0: res[i + r, 16 v .. 16 v + 15] = rows
+    i..i+3 of the unpacked weights times token vector v of the activations, for v = v0 and v0 + 1 (where
+    there is one): one switch on the variant (an index into _TILES), then that variant's tile."""
+    f32, c = types.Array(types.float32, 2, "C"), "C"
+    if not (isinstance(variant, types.Integer) and ws == types.Array(types.int8, 2, c) and wa == wb == xd == res == f32
+            and wc == xsum == types.Array(types.int32, 2, c) and xu == types.Array(types.uint8, 2, c)
+            and isinstance(i, types.Integer) and isinstance(v0, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        arrays = [context.make_array(t)(context, builder, a) for t, a in zip(sig.args, args)
+                  if isinstance(t, types.Array)]
+        i_, v0_, code = (builder.sext(a, _I64) if a.type.width < 64 else a for a in (args[5], args[10], args[0]))
+        done = builder.append_basic_block("tiled")
+        switch = builder.switch(code, done)
+        for index, variant in enumerate(_TILES):
+            case = builder.append_basic_block(f"tile_{index}")
+            switch.add_case(ir.Constant(_I64, index), case)
+            builder.position_at_end(case)
+            _emit_tile(builder, variant, arrays, i_, v0_)
+            builder.branch(done)
+        builder.position_at_end(done)
         return context.get_constant(types.int64, 0)
 
-    def _activation_sums(builder, s_row, k, dx):
-        """<16 x float>: dx x the sum of group k's activation quants (int32 sums per 16 values)."""
-        if group == 16:
-            total = _load(builder, s_row, k, align=4)
-        else:
-            first = builder.mul(k, ir.Constant(_I64, 2))
-            total = builder.add(_load(builder, s_row, first, align=4),
-                                _load(builder, s_row, builder.add(first, ir.Constant(_I64, 1)), align=4))
-        return builder.fmul(dx, builder.sitofp(total, _VF32))
-
-    def typer(typingctx, ws, wa, wb, wc, i, xu, xd, xsum, res, v0):
-        f32, c = types.Array(types.float32, 2, "C"), "C"
-        if not (ws == types.Array(types.int8, 2, c) and wa == wb == xd == res == f32
-                and wc == xsum == types.Array(types.int32, 2, c) and xu == types.Array(types.uint8, 2, c)
-                and isinstance(i, types.Integer) and isinstance(v0, types.Integer)):
-            return None
-        return types.int64(ws, wa, wb, wc, i, xu, xd, xsum, res, v0), codegen
-
-    typer.__name__ = f"int8_prompt_rows_{group}{'_min' if has_min else ''}"
-    return intrinsic(typer)
-
-
-_TILE_32 = _rows_tile(32, False)
-_TILE_32_MIN = _rows_tile(32, True)
-_TILE_16 = _rows_tile(16, False)
-_TILE_16_MIN = _rows_tile(16, True)
+    return types.int64(variant, ws, wa, wb, wc, i, xu, xd, xsum, res, v0), codegen
 
 
 # --------------------------------------------------------------------------------------------------
 # the driver: activations quantized in parallel, then 16 rows per work item
 # --------------------------------------------------------------------------------------------------
-def _product(tt, u8, xu, xd, xsum, group, has_min, out):
+def _product(tt, u8, xu, xd, xsum, group, variant, out):
     n, rows = out.shape
     cols = xu.shape[1] // LANES
     groups = cols // group
@@ -520,15 +605,7 @@ def _product(tt, u8, xu, xd, xsum, group, has_min, out):
             _unpack_row(tt, u8, r0 + i, ws[i], wa[i], wb[i], wc[i])
         for v in range(0, xu.shape[0], _TILE_VECTORS):  # a pair of token vectors meets every row of the chunk
             for i in range(0, nr, _TILE_ROWS):  # rows past nr are zeros: their results are left unread
-                if group == 32:
-                    if has_min:
-                        _TILE_32_MIN(ws, wa, wb, wc, i, xu, xd, xsum, res, v)
-                    else:
-                        _TILE_32(ws, wa, wb, wc, i, xu, xd, xsum, res, v)
-                elif has_min:
-                    _TILE_16_MIN(ws, wa, wb, wc, i, xu, xd, xsum, res, v)
-                else:
-                    _TILE_16(ws, wa, wb, wc, i, xu, xd, xsum, res, v)
+                _rows_tile(variant, ws, wa, wb, wc, i, xu, xd, xsum, res, v)
         for t in range(n):
             for i in range(nr):
                 out[t, r0 + i] = res[i, t]
