@@ -84,14 +84,14 @@ def test_float_weights_are_untouched_by_the_policy() -> None:
 
 
 def test_the_policy_defaults_and_refusals() -> None:
-    """q8_0 by default where the kernels multiply prompt rows with AVX-512 VNNI, f32 elsewhere (the
-    integer product is slower than the float one without it); f32 beside decode_act f32 (the exact
+    """q8_0 by default where the kernels multiply prompt rows with AVX-512 VNNI or AVX2, f32 elsewhere
+    (the portable integer product is slower than the float one); f32 beside decode_act f32 (the exact
     mode computes generated tokens as prompt ones); q8_0 beside decode_act f32 refused rather than
     quietly quantizing the generated tokens."""
     from ember.kernels.convert import DEFAULT_PROMPT_ACT, prompt_act_for
     from ember.kernels.cpu import int8_dots
 
-    assert DEFAULT_PROMPT_ACT == ("q8_0" if int8_dots._VNNI else "f32")
+    assert DEFAULT_PROMPT_ACT == ("q8_0" if int8_dots._VNNI or int8_dots._AVX2 else "f32")
     assert prompt_act_for(None, "q8_0") == DEFAULT_PROMPT_ACT and prompt_act_for("", "q8_0") == DEFAULT_PROMPT_ACT
     assert prompt_act_for("q8_0", "q8_0") == "q8_0"
     assert prompt_act_for(None, "f32") == "f32" and prompt_act_for("f32", "q8_0") == "f32"
