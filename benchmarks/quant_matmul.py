@@ -8,7 +8,11 @@ for context. With --llama-cpp, ggml's own mul_mat on the same quantized bytes is
 ctypes into the libggml that llama-cpp-python ships: a graph of many mul_mat nodes computed with the
 same thread count, so ggml's per-graph thread start is amortized as in a real decode graph.
 
-    python3 benchmarks/quant_matmul.py [--types Q4_K,Q8_0] [--repeat 200] [--llama-cpp]
+    python3 benchmarks/quant_matmul.py [--types Q4_K,Q8_0] [--repeat 200] [--llama-cpp] [--prompt 512]
+
+--prompt N times the prompt rows instead: N tokens through each type's 100M shapes (2048 x 768 and
+768 x 2048), with f32 rows (prompt_act f32) and int8 ones (q8_0: kernels/cpu/int8_prompt.py), and
+ggml's mul_mat of N tokens with --llama-cpp; ms and GOP/s (2 x rows x cols x N per second).
 
 Run from a checkout where `ember` is importable. Numba's thread count is used as is. Weights are
 cache-resident after the first call (all these shapes fit a 32 MiB L3), as for llama.cpp here.
@@ -23,6 +27,7 @@ import time
 import numba
 import numpy as np
 
+from ember.kernels.cpu.int8_prompt import INT8_PROMPT_TYPES
 from ember.kernels.cpu.quant_matmul import matmul, pack
 from ember.kernels.reference.quant import quantize
 from ember.kernels.raw_tensor import RawTensor
@@ -99,13 +104,37 @@ class GgmlMulMat:
             b.ggml_free(ctx)
 
 
+def prompt_rows(names: list[str], n: int, ggml: GgmlMulMat | None) -> None:
+    """n prompt tokens through each type's 100M shapes: f32 rows, int8 rows and (where given) ggml."""
+    rng = np.random.default_rng(0)
+    print(f"threads: {numba.get_num_threads()}, {n} tokens; ms (GOP/s)")
+    for name in names:
+        tt = TensorType[name]
+        for rows, cols in ((2048, 768), (768, 2048)):
+            storage = quantize(tt, rng.standard_normal((rows, cols)).astype(np.float32) * 0.02)
+            cw = pack(RawTensor(name, tt, (rows, cols), storage))
+            x = rng.standard_normal((n, cols)).astype(np.float32)
+            ops = 2 * rows * cols * n / 1e9
+            times = {"f32 rows": best_time(lambda: matmul(x, cw, False), 7)}
+            if tt in INT8_PROMPT_TYPES:
+                times["int8 rows"] = best_time(lambda: matmul(x, cw, False, int8_prompts=True), 7)
+            if ggml is not None:
+                times["ggml"] = ggml.time(tt, storage, rows, cols, n, 2)
+            print(f"{name:7} {rows:>5}x{cols:<5} " + "  ".join(f"{k} {t * 1e3:6.2f} ({ops / t:4.0f})" for k, t in times.items()),
+                  flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--repeat", type=int, default=100)
     ap.add_argument("--llama-cpp", action="store_true", help="also time ggml's mul_mat (needs llama-cpp-python)")
+    ap.add_argument("--prompt", type=int, default=0, metavar="N", help="time prompt rows of N tokens instead")
     args = ap.parse_args()
     ggml = GgmlMulMat(numba.get_num_threads()) if args.llama_cpp else None
+    if args.prompt:
+        prompt_rows(args.types.split(","), args.prompt, ggml)
+        return
     rng = np.random.default_rng(0)
     print(f"threads: {numba.get_num_threads()}")
     print(f"{'kernel':15} {'shape':>11} {'MB':>6} {'n=1 us':>8} {'GB/s':>6} {'n=16 us':>9} {'tok/s':>8}")

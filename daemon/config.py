@@ -159,7 +159,7 @@ class EngineConfig(_Section):
     warmup: bool = True  # run a short generation before READY (loads the compiled kernels)
     threads: int = 0  # kernel threads of the engine process; 0: one per core
     decode_act: str = "q8_0"  # activations of generated tokens against quantized weights: q8_0 (fast, llama.cpp's) or f32
-    prompt_act: str = ""  # and of prompt tokens: q8_0 (fast, as decode's and llama.cpp's) or f32 (exact); "": q8_0 with AVX-512 VNNI else f32 (kernels/convert.py), f32 beside decode_act f32
+    prompt_act: str = ""  # and of prompt tokens: q8_0 (fast, as decode's and llama.cpp's) or f32 (exact); "": q8_0 with AVX-512 VNNI or AVX2, else f32 (kernels/convert.py), f32 beside decode_act f32
     # on a cuda device: "numba" (the numba.cuda kernels) or "native" (the CUDA C++ kernels through CuPy, the
     # decode step replayed as a graph; dense models on cuda:0, docs/cuda.md)
     cuda_kernels: str = "numba"

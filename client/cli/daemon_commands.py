@@ -39,9 +39,9 @@ def add_daemon_commands(sub: Any) -> None:
                             "products, as llama.cpp) or f32 (exact, slower)")
     serve.add_argument("--prompt-act", metavar="P", choices=("q8_0", "f32"),
                        help="activations of prompt tokens against quantized weights: q8_0 (the default on CPUs "
-                            "with AVX-512 VNNI; quantized as generated tokens' are, integer products, about 2x "
-                            "faster prefill there) or f32 (exact; the default without VNNI, where it is the faster, "
-                            "and beside --decode-act f32)")
+                            "with AVX-512 VNNI or AVX2; quantized as generated tokens' are, integer products, "
+                            "1.3-2x faster prefill) or f32 (exact; the default on other CPUs, where it is the "
+                            "faster, and beside --decode-act f32)")
     serve.add_argument("--cuda-kernels", metavar="K", choices=("numba", "native"),
                        help="on a cuda device: numba (default; the numba.cuda kernels, every architecture) or "
                             "native (the CUDA C++ kernels through CuPy, decode replayed as graphs; dense models "
