@@ -284,7 +284,12 @@ class RayPipeline:
             self.heartbeat()
             for ref in done:
                 s = pending.pop(ref)
-                node, pid = ray.get(ref)
+                try:
+                    node, pid = ray.get(ref)
+                except ray.exceptions.ActorUnavailableError:  # still restarting: the call may not have run
+                    time.sleep(0.1)
+                    pending[s.actor.where.remote()] = s  # ask again, until the deadline
+                    continue
                 s.restarts += s.pid not in (0, pid)
                 s.node, s.pid = node, pid
             if pending and time.monotonic() >= deadline:
