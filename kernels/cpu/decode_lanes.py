@@ -311,20 +311,20 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
         xd = lane_floats(8, b)
         xsum = lane_floats(9, b) if source.has_min else None
         for r in range(R):
-            sums = [ir.Constant(_VI32, [0] * LANES)] * _CHAINS
-            for j in range(8):
-                word, c = source.word(r, b, j), j % _CHAINS
-                if not _SIGNED:
-                    sums[c] = _quads(builder, sums[c], xv[j], _splat(builder, word, _VI32))
-                    continue
-                if source.offset != SIGNED:  # unsigned weights (<= 31): no signs to move
-                    quad = int8_dots._u8_s8_quads(builder, builder.bitcast(_splat(builder, word, _VI32), _VI8), xb[j])
-                else:
-                    quad = signed_pairs(builder, xb[j], word)
-                sums[c] = builder.add(sums[c], quad)
-            total = sums[0]
-            for more in sums[1:]:
-                total = builder.add(total, more)
+            words = [source.word(r, b, j) for j in range(8)]
+            if _SIGNED and source.offset != SIGNED:  # unsigned weights (<= 31): no signs to move
+                total = _unsigned_block(builder, words, xb)
+            else:
+                sums = [ir.Constant(_VI32, [0] * LANES)] * _CHAINS
+                for j, word in enumerate(words):
+                    c = j % _CHAINS
+                    if _SIGNED:
+                        sums[c] = builder.add(sums[c], signed_pairs(builder, xb[j], word))
+                    else:
+                        sums[c] = _quads(builder, sums[c], xv[j], _splat(builder, word, _VI32))
+                total = sums[0]
+                for more in sums[1:]:
+                    total = builder.add(total, more)
             if not _SIGNED:  # less 128 x the weight's sum
                 total = builder.sub(total, builder.shuffle_vector(total, total, zero_token))
             elif source.offset > 0:  # (u - k) . x = u . x - k x the quants' sum
@@ -361,6 +361,30 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
             at = builder.add(builder.mul(builder.add(t0, loop.index), out_stride), builder.mul(col, ir.Constant(_I64, 4)))
             builder.store(builder.extract_element(result, loop.index),
                           builder.bitcast(_at(builder, out_base, at), _F32.as_pointer()))
+
+
+# AVX2's unsigned quants (<= 31) against signed activations (|q| <= 127): vpmaddubsw's int16 pair sums
+# add up over a block's quads, a chain's share of them, before one vpmaddwd widens each chain; exact
+# while a chain's int16 sum stays below 2^15
+_V16I16 = ir.VectorType(ir.IntType(16), 16)
+assert 8 // _CHAINS * 2 * 31 * 127 <= 32767
+
+
+def _unsigned_block(builder, words, xb):
+    """<LANES x i32>: per token lane, the exact dot of a block's unsigned weight quants (8 quads, words:
+    i32 each) with its activations (xb: 8 vectors of 4 signed quants a lane), with AVX2: 8 vpmaddubsw,
+    6 int16 adds and 2 vpmaddwd, where a vpmaddwd per quad made it 8 and 8."""
+    chains = [None] * _CHAINS
+    for j, word in enumerate(words):
+        pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, builder.bitcast(_splat(builder, word, _VI32), _VI8),
+                      xb[j])
+        c = j % _CHAINS
+        chains[c] = pairs if chains[c] is None else builder.add(chains[c], pairs)
+    wide = [_call(builder, "llvm.x86.avx2.pmadd.wd", _VI32, chain, ir.Constant(_V16I16, [1] * 16)) for chain in chains]
+    total = wide[0]
+    for more in wide[1:]:
+        total = builder.add(total, more)
+    return total
 
 
 def _is_lanes(lanes, out, *ints):
