@@ -437,8 +437,8 @@ _Q8_0_TILE, _Q8_0_TILE_1 = _in_place_tile(_TILE_ROWS), _in_place_tile(1)
 _TILE, _TILE_1 = _unpacked_tile(_TILE_ROWS, False), _unpacked_tile(1, False)
 _TILE_MIN, _TILE_MIN_1 = _unpacked_tile(_TILE_ROWS_MIN, True, UNSIGNED), _unpacked_tile(1, True, UNSIGNED)
 # with AVX2 the types stored with an offset (Q4_0 8, Q5_0 16: int8_dots' quant readers) keep their
-# unsigned quants, multiplied with no sign moved (3 instructions a quad, not 5), the offset's share
-# taken off each block's sum; elsewhere they are signed like IQ4_NL's
+# unsigned quants, multiplied with no sign moved (_unsigned_block: about 2 instructions a quad, not 5),
+# the offset's share taken off each block's sum; elsewhere they are signed like IQ4_NL's
 if _SIGNED:
     _TILE_Q4_0, _TILE_Q4_0_1 = _unpacked_tile(_TILE_ROWS, False, 8), _unpacked_tile(1, False, 8)
     _TILE_Q5_0, _TILE_Q5_0_1 = _unpacked_tile(_TILE_ROWS, False, 16), _unpacked_tile(1, False, 16)
