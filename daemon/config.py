@@ -3,7 +3,7 @@
     [[models]]                    # none: the built-in demo model
     path = "/var/lib/ember/models/qwen3-8b-q4_k_m.gguf"
     name = "qwen3-8b"             # default: the file name without extension
-    draft = "/var/lib/ember/models/qwen3-0.6b-q8_0.gguf"  # optional: speculative decoding (docs/speculative.md)
+    draft = "/var/lib/ember/models/qwen3-0.6b-q8_0.gguf"  # optional: speculative decoding (docs/speculative.md); "ngram": prompt lookup
     draft_tokens = 4              # tokens the draft proposes per step
     adaptive_draft = true         # speculate only while that measures faster than decoding without the draft
     feature_dtype = "f32"         # a DFlash draft's feature mirror: f32, f16, bf16, q8_0 (EMBER_FEATURE_DTYPE overrides)
@@ -64,9 +64,9 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class ModelSpec(_Section):
     path: str
     name: str = ""
-    draft: str = ""  # a draft model for speculative decoding (same vocabulary); "": none
+    draft: str = ""  # a draft model for speculative decoding (same vocabulary); "ngram": prompt lookup, no model; "": none
     draft_tokens: int = 4  # tokens the draft proposes per step
-    adaptive_draft: bool = True  # a draft model speculates only while that measures faster (SpecSwitch); false: always
+    adaptive_draft: bool = True  # a draft speculates only while that measures faster (SpecSwitch); false: always
     feature_dtype: str = ""  # a DFlash draft's feature mirror: f32, f16, bf16 or q8_0; "": EMBER_FEATURE_DTYPE, else f32
     expert_budget: str = ""  # MoE: hot experts' bytes at most (bytes, a size, "N%"); "": every expert hot
     cold_workers: int = -1  # MoE: CPU worker processes for cold experts; -1: 2 when some are cold

@@ -41,6 +41,7 @@ from ember.daemon.planning.precision import DeviceCaps, PrecisionPolicy, Precisi
 from ember.daemon.loader.dflash_file import is_dflash
 from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB
 from ember.daemon.speculative.feature_proposer import FeatureProposer
+from ember.daemon.speculative.ngram_proposer import NGRAM, NgramProposer
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.speculative.spec_switch import SpecSwitch
 from ember.daemon.text.grammar import compile_grammar
@@ -65,10 +66,11 @@ class Model(TextModel):
                  experts: ExpertOptions | None = None, draft: ModelFile | None = None, draft_tokens: int = 4,
                  feature_dtype: str = "f32", on_layer: Callable[[int, int], None] | None = None,
                  cuda_kernels: str = "numba", native_ops: NativeOps | None = None,
-                 prompt_act: str = DEFAULT_PROMPT_ACT) -> None:
+                 prompt_act: str = DEFAULT_PROMPT_ACT, ngram: bool = False) -> None:
         """On `device`, or split across `pipeline`'s stages (its workers already loaded); a MoE
         model's experts placed by `experts`; `draft` proposes `draft_tokens` tokens a step (a DFlash
-        draft reads the target's features, mirrored in `feature_dtype`); on_layer(placed, in all) as
+        draft reads the target's features, mirrored in `feature_dtype`), or with `ngram` and no draft
+        model, a sequence's own context does (prompt lookup); on_layer(placed, in all) as
         each of its layers is placed. On a cuda device, `cuda_kernels` "native" runs it on the CUDA C++
         kernels (NativeRunner) over `native_ops` (default: CuPy's on cuda:0; the tests give the host
         harness's)."""
@@ -80,11 +82,12 @@ class Model(TextModel):
         self.pipeline = pipeline
         self.device = ",".join(str(s.device) for s in pipeline.specs) if pipeline else str(name)
         self._native = None if cuda_kernels == "numba" else _native_decoder(mf, name, kv_dtype, decode_act, pipeline,
-                                                                           draft, native_ops)
+                                                                           draft is not None or ngram, native_ops)
         self.prompt_act = prompt_act
         self._net = None if pipeline or self._native else Transformer(mf, model_ops(name, prompt_act), experts=experts,
                                                                       on_layer=on_layer)
         self.draft_path = None if draft is None else draft.path
+        self.ngram = ngram and draft is None
         self.draft_tokens = draft_tokens
         self.draft_min_prob = DRAFT_MIN_PROB  # the draft stops after a proposal it is less sure of (0: never)
         # a draft model speculates only where that measures faster than decoding without it (SpecSwitch,
@@ -172,7 +175,9 @@ class Model(TextModel):
                                                         self.draft_min_prob))
         elif self._draft is not None:  # the draft's cache mirrors the target's blocks (daemon/speculative/)
             options.setdefault("draft", ModelRunner(self._draft, blocks, KV_BLOCK, self.kv_dtype, self.decode_act))
-        if self._draft is not None:
+        elif self.ngram:
+            options.setdefault("draft", NgramProposer(self.config.vocab))
+        if self._draft is not None or self.ngram:
             options.setdefault("draft_tokens", self.draft_tokens)
             options.setdefault("draft_min_prob", self.draft_min_prob)
             options.setdefault("adaptive_draft", self.adaptive_draft)
@@ -268,13 +273,13 @@ def _expert_room(path: Path, name: DeviceName, policy: PrecisionPolicy, experts:
 
 
 def _native_decoder(mf: ModelFile, name: DeviceName, kv_dtype: str, decode_act: str, pipeline: Pipeline | None,
-                    draft: ModelFile | None, ops: NativeOps | None) -> NativeDecoder:
+                    speculative: bool, ops: NativeOps | None) -> NativeDecoder:
     """The model's weights on the native CUDA kernels, or why it cannot run there."""
     if pipeline is not None:
         raise ValueError("the native CUDA kernels run a model on one device, not across a layer split")
     if ops is None and str(name) != "cuda:0":
         raise ValueError(f"cuda_kernels 'native' runs on cuda:0 so far, not {name}")
-    if draft is not None:
+    if speculative:
         raise ValueError("speculative decoding does not run on the native CUDA kernels yet (cuda_kernels 'numba')")
     if decode_act != "q8_0":
         raise ValueError("the native CUDA kernels quantize decode activations to q8_1 (decode_act q8_0); "
@@ -314,7 +319,8 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = DEFAULT_KV_DTYPE
 
     `draft`: a smaller model with the same vocabulary that proposes `draft_tokens` tokens a step for
     the target to verify (speculative decoding: the same tokens when greedy, the same distribution
-    when sampled; docs/speculative.md). The draft runs on `device`, beside the target (beside a layer
+    when sampled; docs/speculative.md), or "ngram": no model, the tokens that followed the latest
+    earlier occurrence of a sequence's last 2-4 tokens in its own context (prompt lookup decoding). The draft runs on `device`, beside the target (beside a layer
     split: in this process on the host CPU, and the split then runs one step at a time). A draft in
     llama.cpp's `dflash` format (a feature-conditioned draft) is recognised by its architecture: it
     reads the target's hidden states, kept per position in `feature_dtype` (f32, f16, bf16 or q8_0;
@@ -331,7 +337,8 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = DEFAULT_KV_DTYPE
     env = os.environ if env is None else env  # read here once: nothing below looks at the environment
     hub = Hub.from_env(env)  # a model (or draft) named owner/repo[:QUANT] comes from the hub's cache
     path = resolve_model(str(path), hub)
-    draft = None if draft is None else resolve_model(str(draft), hub)
+    ngram = draft is not None and str(draft) == NGRAM
+    draft = None if draft is None or ngram else resolve_model(str(draft), hub)
     experts = ExpertOptions(expert_budget, cold_workers, cold_policy, cache_dir=cache_root(env))
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
@@ -365,7 +372,8 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = DEFAULT_KV_DTYPE
             experts = replace(experts, device_room=_expert_room(mf.path, names[0], replace(policy, kv=kv_dtype), experts))
         return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, experts=experts, draft=draft_file,
                      draft_tokens=draft_tokens, feature_dtype=policy.feature, on_layer=on_layer,
-                     cuda_kernels=cuda_kernels if names[0].kind == "cuda" else "numba", prompt_act=prompt_act)
+                     cuda_kernels=cuda_kernels if names[0].kind == "cuda" else "numba", prompt_act=prompt_act,
+                     ngram=ngram)
     if draft_file is not None and is_dflash(draft_file):
         raise ValueError(_DFLASH_BESIDE_SPLIT)
     weights = None if counts is not None else LayerWeights.of(headers_of(mf))  # (an HF model's headers are read again)
@@ -378,8 +386,8 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = DEFAULT_KV_DTYPE
 
         on_ray = RayPipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, stage_threads, prompt_act)
         return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, on_ray, draft=draft_file,  # type: ignore[arg-type]
-                     draft_tokens=draft_tokens, prompt_act=prompt_act)
+                     draft_tokens=draft_tokens, prompt_act=prompt_act, ngram=ngram)
     threads = stage_threads_for(stage_threads, max(1, cpu_stages(names)), len(os.sched_getaffinity(0)))
     pipeline = Pipeline(str(mf.path), mf.config, stages, policy.act, max_step_tokens, threads, shm_owner, prompt_act)
     return Model(mf, tokenizer, str(names[0]), kv_dtype, decode_act, pipeline, draft=draft_file,
-                 draft_tokens=draft_tokens, prompt_act=prompt_act)
+                 draft_tokens=draft_tokens, prompt_act=prompt_act, ngram=ngram)

@@ -2,7 +2,7 @@
 
   ember serve [--model PATH ...] [--config FILE] [--socket PATH] [--device cpu|cuda:N] [--threads N]
               [--devices cpu:0,cpu:1 [--split 3,2] [--act-dtype T]]  layers split across stage processes
-              [--draft PATH [--draft-tokens K]]                speculative decoding with a draft model
+              [--draft PATH|ngram [--draft-tokens K]]          speculative decoding with a draft model
               [--http HOST:PORT]                               and the HTTP gateway as its child process
   ember generate PROMPT [--model NAME] [sampling options]     stream a completion from the daemon
   ember chat [--model NAME] [--system TEXT]                    an interactive chat with the daemon
@@ -49,7 +49,8 @@ def add_daemon_commands(sub: Any) -> None:
     serve.add_argument("--draft", action="append", metavar="PATH",
                        help="a draft model for speculative decoding, one per --model in order (with no --model: "
                             "the demo model's); same vocabulary as its model, or a DFlash draft (llama.cpp's dflash "
-                            "GGUF) for it; docs/speculative.md")
+                            "GGUF) for it, or ngram (prompt lookup: tokens copied from the sequence's own context, "
+                            "no model); docs/speculative.md")
     serve.add_argument("--draft-tokens", type=int, metavar="K", help="tokens the draft proposes per step (default 4)")
     serve.add_argument("--expert-budget", metavar="SIZE|N%",
                        help="MoE models: hot experts' bytes at most (2GiB, or N%% of the experts; default all hot)")

@@ -54,7 +54,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     hub, progress = Hub.from_env(os.environ), progress_for_stderr()  # a model by name is fetched first
     model = resolve_model(args.model, hub, progress)
-    draft = None if args.draft is None else resolve_model(args.draft, hub, progress)
+    # n-gram proposals (--draft ngram) need no memory of their own: no draft in the plan
+    draft = None if args.draft in (None, "ngram") else resolve_model(args.draft, hub, progress)
     try:
         plan = plan_model(model, _request(args), draft, args.draft_tokens)
     except ModelFileError as e:

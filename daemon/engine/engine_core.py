@@ -30,6 +30,7 @@ from ember.daemon.runner.step_run import KVStateLost
 from ember.daemon.runner.step_runner import StepRunner
 from ember.daemon.speculative.draft_proposer import DRAFT_MIN_PROB, DraftProposer
 from ember.daemon.speculative.feature_proposer import FeatureProposer
+from ember.daemon.speculative.ngram_proposer import NgramProposer, proposes
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.speculative.spec_switch import SpecSwitch
 from ember.daemon.step.step_work import StepOutcome, StepWork, WorkChunk
@@ -84,7 +85,7 @@ class _Flight:
 class EngineCore:
     def __init__(self, runner: StepRunner, max_step_tokens: int = 256, max_running: int = 64,
                  prefix_caching: bool = True, max_context: int | None = None,
-                 draft: StepRunner | FeatureProposer | None = None, draft_tokens: int = 4,
+                 draft: StepRunner | FeatureProposer | NgramProposer | None = None, draft_tokens: int = 4,
                  spec_stats: SpecStats | None = None, draft_min_prob: float = DRAFT_MIN_PROB,
                  decode_burst: float = 0.0, max_burst: int = MAX_BURST, grammars: Grammars | None = None,
                  burst_clock: BurstClock | None = None, spec_switch: SpecSwitch | None = None,
@@ -94,8 +95,10 @@ class EngineCore:
         the target's; each sequence then gets up to draft_tokens proposals a step, fewer where the
         draft is unsure (DraftProposer's min_prob = draft_min_prob), counted in spec_stats (a new
         SpecStats if not given). Or a feature-conditioned draft built over `runner`
-        (FeatureProposer): at most its block less one proposals a step, all from one pass.
-        adaptive_draft (a draft model, not a feature draft): each decode step speculates or decodes
+        (FeatureProposer): at most its block less one proposals a step, all from one pass. Or an
+        NgramProposer (prompt lookup, no model): up to draft_tokens copied from a sequence's own
+        context, in the steps where some sequence has a match.
+        adaptive_draft (a draft model or n-grams, not a feature draft): each decode step speculates or decodes
         plainly (decode bursts included) as `spec_switch` finds faster from the steps it measured
         (daemon/speculative/spec_switch.py; a new SpecSwitch if None, Model.engine passes its
         model's); the draft catches up on the tokens it missed when speculation resumes. False:
@@ -121,19 +124,21 @@ class EngineCore:
             raise ValueError(f"max_running {max_running} exceeds the runner's {runner.max_sequences} sequence slots "
                              "(recurrent state slots, window rings)")
         feature = isinstance(draft, FeatureProposer)
-        if draft is not None and (runner.stateful or (not feature and draft.stateful)):
+        if draft is not None and (runner.stateful or getattr(draft, "stateful", False)):
             raise ValueError("speculative decoding needs attention-only models (no recurrent state)")
         self.runner = runner
         self.blocks = BlockManager(runner.kv_blocks, runner.block_size, prefix_caching and runner.prefix_reuse)
         context = min(max_context or runner.config.context_length, runner.config.context_length)
-        self.proposer: DraftProposer | FeatureProposer | None = None
+        self.proposer: DraftProposer | FeatureProposer | NgramProposer | None = None
         self.spec_stats = spec_stats or SpecStats()
         if draft is not None:
-            if (draft.kv_blocks, draft.block_size) != (runner.kv_blocks, runner.block_size):
-                raise ValueError("the draft's KV cache must have the target's blocks and block size")
             if draft_tokens < 1:
                 raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
-            if isinstance(draft, FeatureProposer):
+            if isinstance(draft, NgramProposer):
+                self.proposer = draft
+            elif (draft.kv_blocks, draft.block_size) != (runner.kv_blocks, runner.block_size):
+                raise ValueError("the draft's KV cache must have the target's blocks and block size")
+            elif isinstance(draft, FeatureProposer):
                 if draft.target is not runner:
                     raise ValueError("a feature draft must be built over the engine's own runner")
                 self.proposer, draft_tokens = draft, min(draft_tokens, draft.max_proposals)
@@ -142,7 +147,7 @@ class EngineCore:
         self.executor: Executor = executor_for(runner, self.proposer, self.spec_stats)
         lookahead = draft_tokens if draft is not None else 0
         self._draft_tokens = lookahead
-        adaptive = adaptive_draft and isinstance(self.proposer, DraftProposer) and self.executor.depth == 1
+        adaptive = adaptive_draft and isinstance(self.proposer, (DraftProposer, NgramProposer)) and self.executor.depth == 1
         self.spec_switch: SpecSwitch | None = (spec_switch or SpecSwitch()) if adaptive else None
         self._speculating = draft is not None  # the mode of the step being scheduled (and of _work)
         # aligned prompt runs only where decodes can never take the whole budget (else prompts could wait forever)
@@ -254,7 +259,7 @@ class EngineCore:
     def _missed(self, chunk: ScheduledChunk) -> list[int]:
         """The tokens before `chunk` that the draft has not read, where this step speculates."""
         seq = chunk.seq
-        if self.spec_switch is None:
+        if self.spec_switch is None or not self.proposer.catches_up:
             return []
         if not self._speculating:  # (a chunk before draft_pos: the sequence was preempted and runs again)
             seq.draft_pos = chunk.start if seq.draft_pos is None else min(seq.draft_pos, chunk.start)
@@ -268,10 +273,14 @@ class EngineCore:
         sequences running and waiting now, where it has one): the scheduler's lookahead follows. -> their
         number."""
         running = len(self.scheduler.running) + len(self.scheduler.waiting)  # the batch it may be
+        speculate, seeded = self.proposer is not None, self._seeded()
         if self.spec_switch is not None:
             behind = sum(max(0, s.n_computed - s.draft_pos) for s in self.scheduler.running if s.draft_pos is not None)
-            self._speculating = self.spec_switch.speculate(running, behind) or self._seeded()
-            self.scheduler.lookahead = self._draft_tokens if self._speculating else 0
+            speculate = self.spec_switch.speculate(running, behind) or seeded
+        if speculate and not seeded:  # n-grams: where nothing matches, the step decodes plainly
+            speculate = proposes(self.proposer, [(s.sampling, len(s.tokens)) for s in self.scheduler.running])
+        self._speculating = speculate
+        self.scheduler.lookahead = self._draft_tokens if speculate else 0
         return running
 
     def _seeded(self) -> bool:

@@ -14,6 +14,7 @@ from ember.daemon.executor.pipeline_executor import PipelineExecutor
 from ember.daemon.runner.step_runner import StepRunner
 from ember.daemon.speculative.draft_proposer import DraftProposer
 from ember.daemon.speculative.feature_proposer import FeatureProposer
+from ember.daemon.speculative.ngram_proposer import NgramProposer
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.step.step_work import StepOutcome, StepWork
 
@@ -53,7 +54,7 @@ class Executor(Protocol):
         ...
 
 
-def executor_for(runner: StepRunner, proposer: DraftProposer | FeatureProposer | None = None,
+def executor_for(runner: StepRunner, proposer: DraftProposer | FeatureProposer | NgramProposer | None = None,
                  spec_stats: SpecStats | None = None) -> Executor:
     """A pipeline executor for a runner that keeps several steps in flight (a layer split's lanes)
     and has no draft beside it; a local one otherwise (with a draft, one step at a time: the draft

@@ -16,6 +16,7 @@ from ember.daemon.runner.step_run import KVStateLost, StepRun
 from ember.daemon.runner.step_runner import StepRunner
 from ember.daemon.speculative.draft_proposer import DraftProposer
 from ember.daemon.speculative.feature_proposer import FeatureProposer
+from ember.daemon.speculative.ngram_proposer import NgramProposer
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.speculative.verification import Proposal, verify
 from ember.daemon.step.step_work import StepOutcome, StepWork, WorkChunk
@@ -25,7 +26,7 @@ from ember.kernels.sampling import Choice
 class LocalExecutor:
     depth = 1
 
-    def __init__(self, runner: StepRunner, proposer: DraftProposer | FeatureProposer | None = None,
+    def __init__(self, runner: StepRunner, proposer: DraftProposer | FeatureProposer | NgramProposer | None = None,
                  spec_stats: SpecStats | None = None) -> None:
         """proposer: proposes tokens after each chunk with lookahead (then never a decode burst),
         counted in spec_stats."""
@@ -57,9 +58,10 @@ class LocalExecutor:
     def run(self, work: StepWork) -> StepOutcome:
         proposing = self.proposer is not None and work.propose
         proposals = self.proposer.propose(work.chunks) if proposing else {}
-        # the draft may stop short of the lookahead: the step verifies what it proposed
-        chunks = [replace(c, lookahead=len(proposals[i].tokens)) if i in proposals else c
-                  for i, c in enumerate(work.chunks)]
+        # the draft may stop short of the lookahead (an n-gram proposer may propose nothing for a
+        # chunk): the step verifies what it proposed
+        chunks = [replace(c, lookahead=len(proposals[i].tokens) if i in proposals else 0) if proposing and c.lookahead
+                  else c for i, c in enumerate(work.chunks)]
         rows = LogitRows(chunks, proposing)
         if work.steps and not (work.steps == 1 and rows.keep):  # a single step too, unless logits go back
             choices, failed = self._burst(chunks, rows, work.steps)

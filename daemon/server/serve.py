@@ -40,6 +40,7 @@ from ember.daemon.text.text_model import TextModel, open_text_model
 from ember.daemon.server.text_worker import Output, TextWorker
 from ember.protocol.endpoint import daemon_socket_path, ipc_address
 from ember.daemon.experts.routing_stats import cache_root
+from ember.daemon.speculative.ngram_proposer import NGRAM
 from ember.protocol.shm_ring import owner_id, remove_dead_segments
 
 DEMO_NAME = "ember-demo"
@@ -113,7 +114,7 @@ def _with_local_paths(config: Config, notifier: Notifier) -> Config:
     specs = []
     for spec in config.models:
         path = resolve_model(spec.path, hub, lines)
-        draft = str(resolve_model(spec.draft, hub, lines)) if spec.draft else ""
+        draft = str(resolve_model(spec.draft, hub, lines)) if spec.draft and spec.draft != NGRAM else spec.draft
         if str(path) != spec.path:
             get_logger().info("model by name", name=spec.path, path=str(path))
         specs.append(msgspec.structs.replace(spec, path=str(path), draft=draft, name=spec.display_name))
@@ -147,7 +148,8 @@ def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
                               policy=_model_policy(policy, spec), ctx=config.engine.context_for(info.config.context_length),
                               seqs=config.engine.max_active, prefill_chunk=config.engine.max_step_tokens, split=split,
                               expert_budget=spec.experts["expert_budget"], cpu_threads=config.engine.threads or None)
-        draft = DraftModel(read_model_info(spec.draft), spec.draft_tokens) if spec.draft else None
+        # (n-gram proposals need no memory but the lookahead's KV slots, which the plan's context covers)
+        draft = DraftModel(read_model_info(spec.draft), spec.draft_tokens) if spec.draft and spec.draft != NGRAM else None
         plan = build_plan(info, request, draft)
         log_plan(plan, get_logger())
         plan.check()

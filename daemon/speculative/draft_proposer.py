@@ -30,6 +30,8 @@ DRAFT_MIN_PROB = 0.6
 
 
 class DraftProposer:
+    catches_up = True  # after steps without it, it reads the tokens it missed (WorkChunk.draft_prefix)
+
     def __init__(self, runner: ModelRunner, target_vocab: int, min_prob: float = DRAFT_MIN_PROB) -> None:
         """min_prob: stop drafting a sequence after a proposal where the draft's top probability is
         below it (0: always draft the whole lookahead)."""
