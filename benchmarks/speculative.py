@@ -13,7 +13,11 @@ forwards (n tokens), one draft step, the host work of sampled verification, and 
 configuration the speedup the measured costs predict,
 L x t_step / (P x t_draft + t_verify(1 + P)) for mean accepted length L and P proposals per pass.
 A feature draft ("dflash k=") proposes its k tokens in one pass over a block of k + 1 rows:
-its round costs t_block(k + 1) + t_verify(1 + k) instead.
+its round costs t_block(k + 1) + t_verify(1 + k) instead. "ngram k=" has no draft model: up to k
+tokens copied from the sequence's own context (prompt lookup, daemon/speculative/ngram_proposer.py),
+which costs no pass (its round: t_verify(1 + P)), in the steps where some sequence has a match, under
+the adaptive switch as users get it. The demo model's greedy text loops, so its figures are those of
+text that repeats itself; a text that never repeats an n-gram is decoded plainly.
 
 The "draft k=" configurations speculate on every step; "adaptive k=" is the default, where the
 engine speculates only while that measures faster than decoding without the draft (its compiled
@@ -23,7 +27,7 @@ that its seed reproduces it). Then --streams sequences decoded together (aggrega
 autoregressive, adaptive and always-speculating configurations.
 
     python benchmarks/speculative.py [--tokens 128] [--rounds 3] [--k 3,4,6] [--full-k 4] [--feature-k 2,4,7]
-                                     [--adaptive-k 4] [--streams 8] [--threads N]
+                                     [--adaptive-k 4] [--ngram-k 4,7] [--streams 8] [--threads N]
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_DFLASH, DEMO_DRAFT, DEMO_MODEL
 from ember.daemon.runner.model_runner import ModelRunner
 from ember.daemon.step.step_batch import StepBatch
+from ember.daemon.speculative.ngram_proposer import NGRAM
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.speculative.verification import Proposal, draft_choice, verify
 from ember.kernels.sampling import SamplingParams
@@ -143,6 +148,7 @@ def main() -> None:
     ap.add_argument("--full-k", type=int, default=4, help="also this k drafting every token (no early stop; 0: skip)")
     ap.add_argument("--feature-k", default="2,4,7", help="the DFlash draft's tokens per step to try ('': none)")
     ap.add_argument("--adaptive-k", type=int, default=4, help="the adaptive draft's tokens per step (0: skip)")
+    ap.add_argument("--ngram-k", default="4,7", help="n-gram lookup's tokens per step to try ('': none)")
     ap.add_argument("--streams", type=int, default=8, help="sequences decoded together in the batched figure (0: skip)")
     ap.add_argument("--threads", type=int, default=0, help="numba threads (default: all cores)")
     args = ap.parse_args()
@@ -162,6 +168,8 @@ def main() -> None:
         configs[f"adaptive k={args.adaptive_k}"] = ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=args.adaptive_k)
     fks = [int(k) for k in args.feature_k.split(",") if k]
     configs |= {f"dflash k={k}": ember.load(DEMO_MODEL, draft=DEMO_DFLASH, draft_tokens=k) for k in fks}
+    nks = [int(k) for k in args.ngram_k.split(",") if k]
+    configs |= {f"ngram k={k}": ember.load(DEMO_MODEL, draft=NGRAM, draft_tokens=k) for k in nks}
     print(f"demo dense (Q8_0) + demo draft (Q8_0) + demo DFlash draft (Q8_0), {args.tokens} tokens x {len(PROMPTS)} prompts, "
           f"{args.rounds} rounds, {os.cpu_count()} CPUs")
     results: dict[str, dict[str, tuple[float, SpecStats]]] = {}
@@ -176,7 +184,7 @@ def main() -> None:
             *(sum(getattr(r[1], f) for r in rs) for f in ("proposed", "accepted", "steps", "plain_tokens"))))
             for name, rs in runs.items()}
 
-    most = max(ks + [args.full_k] + fks) + 1
+    most = max(ks + [args.full_k] + fks + nks) + 1
     verify_ms = [0.0] + [forward_ms(target.net, n) for n in range(1, most + 1)]  # verify_ms[n]: n tokens
     step, draft = verify_ms[1], forward_ms(configs[f"draft k={ks[0]}"]._draft, 1)
     sampling = sampled_verification_ms(4, target.config.vocab)
@@ -196,7 +204,8 @@ def main() -> None:
                 print(f"| {name}{plain} | {rate:.0f} | {rate / base:.2f}x | - | - | - | 1.00 | 1.00x |")
                 continue
             per = stats.proposed / stats.steps
-            drafting = block_ms[name] if name in block_ms else per * draft  # a feature draft: one block pass
+            # a feature draft: one block pass; n-grams: a lookup, no pass
+            drafting = block_ms[name] if name in block_ms else 0.0 if name.startswith("ngram") else per * draft
             cost = drafting / step + verify_steps(1 + per)
             print(f"| {name}{plain} | {rate:.0f} | {rate / base:.2f}x | {stats.acceptance_rate:.0%} | "
                   f"{stats.mean_accepted_length:.2f} | {per:.2f} | {cost:.2f} | {stats.mean_accepted_length / cost:.2f}x |")
@@ -212,8 +221,9 @@ def main() -> None:
 
 
 def batched(configs: dict[str, ember.Model], args: argparse.Namespace) -> None:
-    """--streams sequences together: autoregressive, adaptive and always speculating, alternated."""
-    names = [n for n in configs if n == "autoregressive" or n.startswith("adaptive") or n == f"draft k={args.adaptive_k}"]
+    """--streams sequences together: autoregressive, adaptive, n-grams and always speculating, alternated."""
+    names = [n for n in configs if n == "autoregressive" or n.startswith(("adaptive", "ngram"))
+             or n == f"draft k={args.adaptive_k}"]
     print(f"\n{args.streams} streams together, aggregate tok/s (medians of {args.rounds} rounds):\n"
           f"| mode | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
     for mode, options in MODES.items():

@@ -521,6 +521,15 @@ def test_draft_model_counted_and_allocated_as_planned() -> None:
             assert planned == sum(a.nbytes for s in stores for a in (s.f32, s.u16, s.i8, s.scales) if a.size > 1)
 
 
+def test_ngram_proposals_count_their_logits_rows_only() -> None:
+    """n-gram lookup (draft "ngram") has no model: the plan holds no draft, and its activations the
+    logits of the last token and every proposal per sequence."""
+    request = PlanRequest.create([CPU], flags=PrecisionSettings(kv="f16"), env={}, ctx=1000, seqs=3)
+    alone, (d,) = plan_model(DEMO_MODEL, request).devices[0], plan_model(DEMO_MODEL, replace(request, proposals=7)).devices
+    assert d.draft == 0 and d.kv_cache == alone.kv_cache and d.weights == alone.weights
+    assert alone.activations.logits == 3 * 8192 * 4 and d.activations.logits == 3 * 8 * 8192 * 4
+
+
 def test_a_draft_that_does_not_fit_is_named() -> None:
     from ember.daemon.loader.demo_model import DEMO_DRAFT
 

@@ -38,7 +38,8 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--spec-layers", type=int, default=3,
                    help="target layers a feature draft reads per position: len(dflash.target_layers) (default 3)")
     p.add_argument("--draft", default=None, metavar="PATH", help="a draft model for speculative decoding: its weights, "
-                   "KV cache and proposals are counted on the device (a DFlash draft: its feature mirror too)")
+                   "KV cache and proposals are counted on the device (a DFlash draft: its feature mirror too); "
+                   "ngram: no model, the proposals' logits rows only")
     p.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per step (default 4)")
     p.add_argument("--graph-headroom", default=None, metavar="SIZE", help="per CUDA device (default 256MiB)")
     p.add_argument("--act-cap", default=None, metavar="SIZE", help="activation reservation cap per device")
@@ -54,7 +55,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     hub, progress = Hub.from_env(os.environ), progress_for_stderr()  # a model by name is fetched first
     model = resolve_model(args.model, hub, progress)
-    # n-gram proposals (--draft ngram) need no memory of their own: no draft in the plan
+    # n-gram proposals (--draft ngram) need no model: no draft in the plan (their logits rows: _request)
     draft = None if args.draft in (None, "ngram") else resolve_model(args.draft, hub, progress)
     try:
         plan = plan_model(model, _request(args), draft, args.draft_tokens)
@@ -81,6 +82,8 @@ def _request(args: argparse.Namespace) -> Any:
         options["prefill_chunk"] = args.prefill_chunk
     if args.speculative:
         options["speculative"] = SpeculativeSettings(args.spec_layers)
+    if args.draft == "ngram":  # n-gram lookup: no draft model, the proposals' logits rows only
+        options["proposals"] = args.draft_tokens
     if args.graph_headroom is not None:
         options["graph_headroom"] = parse_size(args.graph_headroom)
     if args.act_cap is not None:

@@ -155,6 +155,8 @@ class PlanRequest:
     kv_block: int = KV_BLOCK
     split: tuple[int, ...] | None = None  # layers per device; None: proportional to the budgets
     speculative: SpeculativeSettings | None = None
+    # tokens proposed a step without a draft model (n-gram lookup, draft "ngram"): their logits rows only
+    proposals: int = 0
     expert_offload: bool = False  # CUDA devices keep only the experts that fit; the rest run on CPU workers
     # hot experts' bytes at most, on any device: bytes, a size ("2GiB") or "N%" of the experts; the rest
     # are cold (CPU workers); None: no bound but the device's room (and that only with expert_offload)
@@ -321,9 +323,9 @@ def build_plan(info: ModelHeaders, request: PlanRequest, draft: DraftModel | Non
             device=dev, layers=(first, end), weights=weights[i],
             kv_cache=sum(kv[first:end]),
             recurrent_state=(end - first - _attention_layers(cfg, first, end)) * _state_per_layer(cfg) * request.seqs,
-            # with a draft, each sequence's step has logits for its last token and every proposal
+            # with a draft (or n-grams), each sequence's step has logits for its last token and every proposal
             activations=activation_reservation(cfg, request, dev, ctx, logits_rows=(
-                request.seqs * (1 + (draft.tokens if draft else 0)) if last else 0)),
+                request.seqs * (1 + (draft.tokens if draft else request.proposals)) if last else 0)),
             graph_headroom=_per_kind(request.graph_headroom, GRAPH_HEADROOM, dev),
             # a boundary's buffers live on the device that receives the hidden states, a slot per
             # micro-batch in flight (one per stage); a step moves at most prefill_chunk tokens

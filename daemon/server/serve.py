@@ -147,8 +147,10 @@ def _plan_models(config: Config, specs: tuple[ModelSpec, ...], policy: Precision
         request = PlanRequest(devices=tuple(Device(str(d), b) for d, b in zip(devices, budgets, strict=True)),
                               policy=_model_policy(policy, spec), ctx=config.engine.context_for(info.config.context_length),
                               seqs=config.engine.max_active, prefill_chunk=config.engine.max_step_tokens, split=split,
-                              expert_budget=spec.experts["expert_budget"], cpu_threads=config.engine.threads or None)
-        # (n-gram proposals need no memory but the lookahead's KV slots, which the plan's context covers)
+                              expert_budget=spec.experts["expert_budget"], cpu_threads=config.engine.threads or None,
+                              proposals=spec.draft_tokens if spec.draft == NGRAM else 0)
+        # (n-gram proposals need no memory but their logits rows, `proposals` above, and the lookahead's
+        # KV slots, within each sequence's context)
         draft = DraftModel(read_model_info(spec.draft), spec.draft_tokens) if spec.draft and spec.draft != NGRAM else None
         plan = build_plan(info, request, draft)
         log_plan(plan, get_logger())

@@ -1,6 +1,6 @@
 """The daemon with a draft model (`ember serve --draft PATH --draft-tokens K`, or the per-model config
 keys): streams equal in-process generation, greedy without a draft and seeded sampling with it, and
-Stats report how speculation went."""
+Stats report how speculation went. The same with n-gram lookup (`--draft ngram`: no draft model)."""
 from __future__ import annotations
 
 import subprocess
@@ -60,3 +60,32 @@ def test_per_model_config_keys(tmp_path) -> None:  # type: ignore[no-untyped-def
 def test_memory_plan_counts_the_draft(spec_daemon) -> None:  # type: ignore[no-untyped-def]
     plan = next(e for e in spec_daemon.log_events() if e["event"] == "memory plan")
     assert plan["draft"] != "0 B" and plan["fits"] is True
+
+
+@pytest.fixture(scope="module")
+def ngram_daemon() -> Iterator[DaemonProcess]:
+    d = DaemonProcess("[engine]\nmax_active = 3\n", args=("--draft", "ngram", "--draft-tokens", "6")).wait_ready(120)
+    yield d
+    d.stop()
+
+
+def test_ngram_lookup_streams_equal_in_process_generation(ngram_daemon, demo_model) -> None:  # type: ignore[no-untyped-def]
+    """The demo model's greedy text repeats itself: the daemon speculates from it, and every stream's
+    tokens are those of decoding without speculation; the plan holds no draft, its logits rows the
+    proposals' too."""
+    with Client(ngram_daemon.socket) as client:
+        streams = [client.generate(p, max_tokens=96, ignore_eos=True) for p in PROMPTS]
+        got = [[t for c in s for t in c.token_ids] for s in streams]
+        stats = client.stats()
+    for prompt, ids in zip(PROMPTS, got):
+        assert ids == list(demo_model.generate(prompt, max_tokens=96, ignore_eos=True)), prompt
+    assert stats.spec_acceptance_rate > 0.5 and stats.spec_mean_accepted_length > 1.5
+    plan = next(e for e in ngram_daemon.log_events() if e["event"] == "memory plan")
+    assert plan["draft"] == "0 B" and plan["fits"] is True
+
+
+def test_ngram_in_the_config(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    file = tmp_path / "ember.toml"
+    file.write_text(f'[[models]]\npath = "{DEMO_MODEL}"\ndraft = "ngram"\ndraft_tokens = 7\n')
+    (model,) = load_config(file, env={}).models
+    assert (model.draft, model.draft_tokens) == ("ngram", 7)
