@@ -152,7 +152,8 @@ class EngineCore:
         self._speculating = draft is not None  # the mode of the step being scheduled (and of _work)
         # aligned prompt runs only where decodes can never take the whole budget (else prompts could wait forever)
         align = runner.step_alignment if max_step_tokens >= runner.step_alignment + max_running else 1
-        self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context, lookahead, align, feature)
+        self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context, lookahead, align,
+                                   feature or isinstance(self.proposer, NgramProposer))
         self._flights: dict[int, _Flight] = {}  # id(work) -> its step, while the executor has it
         bursts = (draft is None or self.spec_switch is not None) and not runner.stateful
         self._bursts = burst_clock if bursts and burst_clock is not None else BurstClock(decode_burst if bursts else 0.0,

@@ -56,14 +56,16 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_step_tokens: int = 256, max_running: int = 64,
-                 max_context: int | None = None, lookahead: int = 0, align: int = 1, feature_draft: bool = False) -> None:
+                 max_context: int | None = None, lookahead: int = 0, align: int = 1,
+                 no_draft_cache: bool = False) -> None:
         """align: a prompt run that stops short of the sequence's end stops at a multiple of `align`
         positions (a hybrid model's delta-rule chunk: its rounding then does not depend on how steps
-        cut the prompt). feature_draft: the proposals come from a draft that reads the target's
-        features (DFlash): only a one-token chunk can speculate (its context must be computed), and
-        every accepted proposal counts as computed (the target ran it, the draft took its features)."""
+        cut the prompt). no_draft_cache: the proposals come without a draft model's KV cache (a draft
+        that reads the target's features, DFlash; or n-gram lookup): only a one-token chunk can
+        speculate (its context must be computed), and every accepted proposal counts as computed (the
+        target ran it; a feature draft took its features, n-grams need nothing)."""
         self.blocks = blocks
-        self.feature_draft = feature_draft
+        self.no_draft_cache = no_draft_cache
         self.align = align
         self.lookahead = lookahead
         # without a draft: slots for the tokens a decode burst samples after the first (EngineCore
@@ -183,7 +185,7 @@ class Scheduler:
         if not seq.can_speculate or seq.n_computed + length != seq.n_tokens:
             return 0
         if self.lookahead:
-            if self.feature_draft and length != 1:
+            if self.no_draft_cache and length != 1:
                 return 0
             wanted = self.lookahead
         elif burst and length == 1:
@@ -201,9 +203,9 @@ class Scheduler:
         all were, the last one's K/V is the target's only (a draft model never ran it), so it is left
         pending and runs again next step: target and draft caches then always hold the same
         positions, and a full block registered for prefix reuse holds both models' K/V. A feature
-        draft took every row the target ran in the same step: all of them count, as do a decode
-        burst's (no draft: the target ran every token the burst kept)."""
-        return accepted if self.feature_draft or not self.lookahead else min(accepted, chunk.lookahead - 1)
+        draft took every row the target ran in the same step, and n-grams have no cache: all of them
+        count, as do a decode burst's (no draft: the target ran every token the burst kept)."""
+        return accepted if self.no_draft_cache or not self.lookahead else min(accepted, chunk.lookahead - 1)
 
     def _roll_back(self, seq: Sequence) -> None:
         """Free the blocks only rejected proposals used. Their positions were never counted as
