@@ -13,7 +13,8 @@
   inside kernels (every ops call timed), the difference being the Python around them;
 - aggregate tokens/s of 8 concurrent streams over one stream (AsyncClient, one process).
 Medians of `--repeats` runs, the single-stream paths alternating so drift hits them alike, each
-after SETTLE seconds of quiet.
+after SETTLE seconds of quiet; and the median of each round's ratio of the daemon's run to the mean of
+the two in-process runs beside it, which cancels drift slower than a round.
 
     python benchmarks/engine_overhead.py [--model PATH] [--tokens 256] [--repeats 3] [--streams 8] [--threads N]
 
@@ -203,6 +204,11 @@ def main() -> None:
     print(f"daemon / in-process   {b / a:8.3f}     (goal >= 0.95), {1e3 * (1 / b - 1 / a):.3f} ms more per token "
           f"(goal <= 0.1)")
     print(f"daemon / in-process at the daemon's threads {b / s:.3f}   (what serving costs)")
+    # each round's daemon run against the in-process runs beside it: this VM's speed drifts by tens of
+    # percent over minutes, which the medians of each path apart do not cancel and a round's ratio does
+    paired = [2 * d / (i + t) for d, i, t in zip(served, inproc, same, strict=True)]
+    print(f"daemon / in-process, round by round: median {statistics.median(paired):.3f} (rounds: "
+          f"{', '.join(f'{r:.3f}' for r in paired)})")
     print(f"engine process alone  {e:8.1f} tok/s   (runs: {_runs(bare)}): {e / a:.3f} of in-process; the streaming "
           f"path beside it costs the rest")
     print(f"decode step, batch 1: {step_ms:.3f} ms, of which {host_ms:.3f} ms outside kernels "
