@@ -307,6 +307,14 @@ class Ops(ABC):
         compiled loop not yet compiled: kernels/cpu/kernel_tiers.py)."""
         raise NotImplementedError(f"{self.name} has no greedy decode bursts")
 
+    def lookup_burst(self, plan: Any, budget: int, k: int, min_n: int, max_n: int, history: np.ndarray, length: int,
+                     step: StepArrays, block_size: int, stops: np.ndarray) -> tuple[np.ndarray, int, int, int] | None:
+        """Greedy decoding of one sequence (`step` its first decode step, stops [m]) with n-gram
+        proposals from history[:length] verified in the same loop, up to `budget` tokens
+        (greedy_decode.lookup_burst) -> (tokens, rounds, proposed, accepted); None (this default),
+        having done nothing, where the backend has no such loop for `plan`."""
+        return None
+
     @abstractmethod
     def embedding(self, w: Weight, ids: np.ndarray) -> Array:
         """Rows `ids` of w, dequantized -> [len(ids), cols] f32."""

@@ -1,7 +1,8 @@
 """Speculation by n-gram lookup (daemon/speculative/ngram_proposer.py): what the lookup proposes, and
 that its proposals change no token's law — greedy output identical to decoding without them on the
-trained demo model (alone, batched with prefix reuse, under preemption), seeded sampling reproducible,
-and the joint law of sampled tokens the target's (point-mass proposals on a small vocabulary)."""
+trained demo model (alone, in lookup bursts, batched with prefix reuse, under preemption), seeded
+sampling reproducible, and the joint law of sampled tokens the target's (point-mass proposals on a
+small vocabulary)."""
 from __future__ import annotations
 
 import math
@@ -38,6 +39,19 @@ def test_the_longest_latest_match_is_continued() -> None:
     assert continuation(ids(1, 2, 3, 1), 2, 4, 3) == []  # one token matching is below min_n
     assert continuation(ids(1, 2, 3, 1), 1, 4, 3) == [2, 3, 1]
     assert continuation(ids(1), 2, 4, 3) == [] and continuation(ids(), 2, 4, 3) == []
+
+
+def test_the_compiled_lookup_is_the_lookup() -> None:
+    """greedy_decode's lookup (inside a lookup burst's compiled loop) proposes what continuation does."""
+    from ember.kernels.cpu.greedy_decode import _continuation
+
+    rng = np.random.default_rng(1)
+    for _ in range(400):
+        size, k = int(rng.integers(0, 40)), int(rng.integers(0, 9))
+        tokens = rng.integers(0, int(rng.integers(2, 6)), size + 10).astype(np.int32)
+        out = np.empty(max(k, 1), np.int64)
+        n = _continuation(tokens, size, 2, 4, k, out)
+        assert out[:n].tolist() == continuation(tokens[:size], 2, 4, k)
 
 
 def test_the_context_follows_the_sequence_as_it_grows_and_rewinds() -> None:
@@ -147,6 +161,27 @@ def test_seeded_sampling_reproduces_alone_and_in_company(lookup) -> None:
     others = [Sequence(lookup.tokenize(t), 48, SamplingParams(**options), seed=i) for i, t in enumerate(SNIPPETS[1:4])]
     run(engine, {0: others, 3: [seq]})
     assert seq.generated == alone
+
+
+def test_a_lookup_burst_gives_the_greedy_tokens(target) -> None:
+    """One greedy sequence decodes in lookup bursts: each round verifies n-gram proposals inside the
+    compiled loop (ModelRunner.lookup_steps), the tokens those of plain greedy steps, stops and
+    max_tokens landing inside a round included."""
+    model = ember.load(DEMO_MODEL, draft=NGRAM, draft_tokens=5)
+    budgets: list[int] = []
+    lookup_steps = model.net.lookup_steps
+    model.net.lookup_steps = lambda *a: (budgets.append(a[2]), lookup_steps(*a))[1]  # type: ignore[method-assign]
+    for text in SNIPPETS[:3]:
+        assert list(model.generate(text, max_tokens=120, ignore_eos=True)) == greedy(target, text, 120), text
+    stats = model.spec_stats()
+    assert budgets and max(budgets) > 8 and stats.accepted > 0.5 * stats.proposed > 0
+    full = greedy(target, SNIPPETS[2], 100)
+    for stop in (full[30], full[77]):
+        got = list(model.generate(SNIPPETS[2], max_tokens=100, stop_ids=[stop], ignore_eos=True))
+        assert got == full[: full.index(stop) + 1]
+    for max_tokens in (3, 41, 97):
+        assert list(model.generate(SNIPPETS[1], max_tokens=max_tokens, ignore_eos=True)) == \
+            greedy(target, SNIPPETS[1], max_tokens)
 
 
 def test_adaptive_lookup_keeps_the_tokens(target) -> None:

@@ -155,9 +155,13 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, max_step_tokens, max_running, context, lookahead, align,
                                    feature or isinstance(self.proposer, NgramProposer))
         self._flights: dict[int, _Flight] = {}  # id(work) -> its step, while the executor has it
-        bursts = (draft is None or self.spec_switch is not None) and not runner.stateful
+        # (n-grams have no draft to catch up after plain steps, so their steps may burst with or without the switch)
+        bursts = (draft is None or self.spec_switch is not None or isinstance(self.proposer, NgramProposer)) \
+            and not runner.stateful
         self._bursts = burst_clock if bursts and burst_clock is not None else BurstClock(decode_burst if bursts else 0.0,
                                                                                           max_burst)
+        self._lookup_bursts = self._bursts.seconds > 0 and isinstance(self.proposer, NgramProposer)
+        self._lookup = False  # the step being scheduled is an n-gram lookup burst (_choose_mode)
         self.grammars = grammars
 
     def add(self, seq: Sequence) -> None:
@@ -255,7 +259,8 @@ class EngineCore:
         chunks = [WorkChunk(c.seq.tokens[c.start : c.start + c.length], c.start, c.seq.table, c.lookahead,
                             len(c.seq.prompt), c.seq.sampling, c.samples, c.seq.state_slot, c.seq.prompt_logits,
                             c.seq.wants_logits, self._missed(c)) for c in plan.chunks]
-        return StepWork(chunks, self._decode_steps(plan), propose=self._speculating)
+        steps = self._decode_steps(plan)
+        return StepWork(chunks, steps, propose=self._speculating, lookup=self._draft_tokens if self._lookup and steps else 0)
 
     def _missed(self, chunk: ScheduledChunk) -> list[int]:
         """The tokens before `chunk` that the draft has not read, where this step speculates."""
@@ -280,8 +285,11 @@ class EngineCore:
             speculate = self.spec_switch.speculate(running, behind) or seeded
         if speculate and not seeded:  # n-grams: where nothing matches, the step decodes plainly
             speculate = proposes(self.proposer, [(s.sampling, len(s.tokens)) for s in self.scheduler.running])
-        self._speculating = speculate
-        self.scheduler.lookahead = self._draft_tokens if speculate else 0
+        # one greedy sequence and n-grams: a decode burst that verifies proposals in its compiled loop
+        self._lookup = speculate and self._lookup_bursts and not self.scheduler.waiting and \
+            len(self.scheduler.running) == 1 and self.scheduler.running[0].sampling.plain_greedy
+        self._speculating = speculate and not self._lookup
+        self.scheduler.lookahead = self._draft_tokens if self._speculating else 0
         return running
 
     def _seeded(self) -> bool:
@@ -304,7 +312,7 @@ class EngineCore:
         either mode's rate); a speculative one has caught its draft up."""
         if self.spec_switch is None:
             return
-        chunks, speculative = flight.plan.chunks, flight.work.propose
+        chunks, speculative = flight.plan.chunks, flight.work.propose or bool(flight.work.lookup)
         if speculative:
             for chunk in chunks:
                 chunk.seq.draft_pos = None

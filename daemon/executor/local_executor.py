@@ -56,6 +56,10 @@ class LocalExecutor:
         return self.runner.revive()
 
     def run(self, work: StepWork) -> StepOutcome:
+        if work.lookup and work.steps and isinstance(self.proposer, NgramProposer):
+            outcome = self._lookup_burst(work)
+            if outcome is not None:
+                return outcome
         proposing = self.proposer is not None and work.propose
         proposals = self.proposer.propose(work.chunks) if proposing else {}
         # the draft may stop short of the lookahead (an n-gram proposer may propose nothing for a
@@ -84,6 +88,26 @@ class LocalExecutor:
         while burst.took(self.runner.collect(self.runner.submit(burst.batch, samplers), burst.blocks)):
             pass
         return burst.result()
+
+    def _lookup_burst(self, work: StepWork) -> StepOutcome | None:
+        """A decode burst of one greedy sequence whose rounds verify n-gram proposals, in one compiled
+        loop (ModelRunner.lookup_steps), up to work.steps tokens and work.lookup proposals a round; None
+        where the runner has no such loop for it (the step is then a plain burst)."""
+        assert isinstance(self.proposer, NgramProposer)
+        rows = LogitRows(work.chunks, False)
+        if len(work.chunks) != 1 or rows.keep:  # (logits going back: the per-step path returns them)
+            return None
+        chunk = work.chunks[0]
+        lookup = self.proposer.burst_lookup(chunk.sampling, chunk.start + len(chunk.tokens), work.lookup, work.steps)
+        got = self.runner.lookup_steps(rows.batch(work.chunks, self.runner.block_size, {}), rows.samplers(work.chunks),
+                                       work.steps, lookup)
+        if got is None:
+            return None
+        tokens, rounds, proposed, accepted = got
+        self.spec_stats.proposed += proposed
+        self.spec_stats.accepted += accepted
+        self.spec_stats.steps += rounds
+        return StepOutcome([tuple(Choice(int(t), float("nan")) for t in tokens)], steps=len(tokens))
 
     def _verified(self, chunks: list[WorkChunk], rows: LogitRows, proposals: dict[int, Proposal]
                   ) -> tuple[list[Choice | tuple[Choice, ...] | None], StepRun, dict[int, str]]:

@@ -277,6 +277,28 @@ class Transformer:
         every row has met one of its stop ids (stops [n, m], -1 pads) -> host tokens [steps taken, n],
         those forward() and argmax would give step by step; None, having done nothing, where the
         backend has no compiled form of the whole step (ops.greedy_plan) or the batch is not such a step."""
+        plan = self._greedy_plan(batch, cache)
+        if plan is None:
+            return None
+        # the rings' tables (the burst computes each step's per-layer inputs itself)
+        return self.ops.greedy_burst(plan, steps, self._ringed(batch, cache), cache.block_size, stops)
+
+    def lookup_steps(self, batch: StepBatch, cache: PagedKVCache, budget: int, k: int, min_n: int, max_n: int,
+                     history: np.ndarray, length: int, stops: np.ndarray) -> tuple[np.ndarray, int, int, int] | None:
+        """Greedy steps of the one sequence of `batch` (a decode step) with n-gram proposals from
+        history[:length] verified in the same compiled loop, up to `budget` tokens or a stop id (stops
+        [m]) -> (tokens, rounds, proposed, accepted): the tokens greedy_steps would give; None, having
+        done nothing, where the backend has no such loop (ops.lookup_burst) or the batch is not a step
+        it takes."""
+        plan = self._greedy_plan(batch, cache) if len(batch.ids) == 1 else None
+        if plan is None:
+            return None
+        return self.ops.lookup_burst(plan, budget, k, min_n, max_n, history, length, batch, cache.block_size, stops)
+
+    def _greedy_plan(self, batch: StepBatch, cache: PagedKVCache) -> Any:
+        """The backend's compiled form of this model's greedy decode step over `cache` (ops.greedy_plan,
+        kept per cache until a MoE layer's experts move), where `batch` is a step it takes (every row a
+        generated token whose logits are wanted, in order); else None."""
         n = len(batch.ids)
         if (not (self.runs_first and self.runs_last) or batch.attn_end is not None
                 or len(batch.logit_rows) != n or not np.array_equal(batch.logit_rows, np.arange(n))
@@ -290,11 +312,7 @@ class Transformer:
             known = (routed, self.ops.greedy_plan(self.stack, self.embed, self.norm, self.config.norm_eps, self.output,
                                                   cache.k, cache.v, routed, self._sandwich(cache)))
             self._greedy_plans[cache] = known
-        plan = known[1]
-        if plan is None:
-            return None
-        # the rings' tables (the burst computes each step's per-layer inputs itself)
-        return self.ops.greedy_burst(plan, steps, self._ringed(batch, cache), cache.block_size, stops)
+        return known[1]
 
     def _sandwich(self, cache: PagedKVCache) -> SandwichModel | None:
         """What a Gemma 4 step adds around its layers, for the backend's greedy step (None: another model)."""

@@ -269,8 +269,8 @@ def _forward_passes(variant: str | None):  # type: ignore[no-untyped-def]
 
 def _greedy_kernels() -> None:
     """A greedy decode burst (kernels/cpu/greedy_decode.py) of a model whose every layer is fused: one
-    signature for any depth and weight types (its layers go in a typed List); a Gemma 4's
-    (kernels/cpu/sandwich_stack.py), one for any Gemma 4."""
+    signature for any depth and weight types (its layers go in a typed List), and its n-gram lookup
+    burst; a Gemma 4's (kernels/cpu/sandwich_stack.py), one for any Gemma 4."""
     from ember.daemon.step.step_batch import StepBatch
     from ember.kernels.tensor_types import TensorType as T
 
@@ -279,6 +279,10 @@ def _greedy_kernels() -> None:
     batch = StepBatch.build([([6], 5, [0, 1])], 16, prompt_lengths=[5])
     if net.greedy_steps(batch, cache, 2, np.full((1, 1), -1, np.int64)) is None:
         raise RuntimeError("the kernel cache's model takes no greedy decode bursts")
+    history = np.zeros(16, np.int32)  # ... 2, 6 | 1, 2, 6: the last 2-gram occurred before
+    history[:6] = [2, 6, 1, 2, 2, 6]
+    if net.lookup_steps(batch, cache, 3, 2, 2, 4, history, 6, np.full(1, -1, np.int64)) is None:
+        raise RuntimeError("the kernel cache's model takes no n-gram lookup bursts")
     gemma4 = _cache_gemma4()  # sandwich_stack.py's burst
     cache = gemma4.new_cache(16, 16, "f32", max_sequences=2, step_tokens=16)
     gemma4.forward(StepBatch.build([([1, 2, 3, 4, 5], 0, [0, 1])], 16), cache)

@@ -20,6 +20,7 @@ from ember.daemon.models.transformer import Transformer
 from ember.daemon.models.kv_cache import PagedKVCache
 from ember.daemon.runner.row_sampler import RowSampler, plain_greedy
 from ember.daemon.runner.step_run import PendingStep, StepRun
+from ember.daemon.step.lookup import Lookup
 from ember.daemon.step.row_sampling import RowSampling
 from ember.daemon.step.step_batch import StepBatch
 from ember.kernels.convert import DECODE_ACTIVATIONS, DEFAULT_KV_DTYPE
@@ -118,6 +119,18 @@ class ModelRunner:
         for k, (_, s) in enumerate(samplers):
             stops[k, :len(s.stop_ids)] = sorted(s.stop_ids)
         return self.net.greedy_steps(self.prepare(batch), self.cache, steps, stops)
+
+    def lookup_steps(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], budget: int, lookup: Lookup
+                     ) -> tuple[np.ndarray, int, int, int] | None:
+        """Up to `budget` greedy tokens of the one sequence of a decode step, n-gram proposals from
+        `lookup` verified in the same compiled loop (Transformer.lookup_steps) -> (tokens, rounds,
+        proposed, accepted): the tokens greedy_steps would give; None where the sequence asks for more
+        than its argmax (as greedy_steps) or the model has no such loop."""
+        if self.capture or len(samplers) != 1 or samplers[0][0] != 0 or not plain_greedy(samplers):
+            return None
+        stops = np.array(sorted(samplers[0][1].stop_ids) or [-1], np.int64)
+        return self.net.lookup_steps(self.prepare(batch), self.cache, budget, lookup.k, lookup.min_n, lookup.max_n,
+                                     lookup.history, lookup.length, stops)
 
     def collect(self, step: PendingStep, pending: Seq[Seq[Choice]] = ()) -> StepRun:
         """The sampled tokens (and kept logits rows) of a submitted step; pending: as RowSampler.sample's

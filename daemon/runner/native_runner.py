@@ -23,6 +23,7 @@ from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.runner.native_decoder import BUCKETS, NativeDecoder
 from ember.daemon.runner.row_sampler import RowSampler, plain_greedy
 from ember.daemon.runner.step_run import PendingStep, StepRun
+from ember.daemon.step.lookup import Lookup
 from ember.daemon.step.row_sampling import RowSampling
 from ember.daemon.step.step_batch import StepBatch
 from ember.kernels import get_ops
@@ -108,6 +109,10 @@ class NativeRunner:
             return None
         ids, positions, tables, _ = self._inputs(batch)
         return self.decoder.greedy_burst(ids, positions, tables, steps, [frozenset(s.stop_ids) for _, s in samplers])
+
+    def lookup_steps(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], budget: int, lookup: Lookup) -> None:
+        """None: n-gram proposals are verified a step at a time here."""
+        return None
 
     def forward(self, batch: StepBatch) -> Any:
         """The logits [batch.n_logits, vocab] of the batch's logit rows: on the device, or on the host

@@ -21,6 +21,7 @@ from ember.daemon.runner.pipeline import Pipeline
 from ember.daemon.runner.row_sampler import RowSampler
 from ember.daemon.runner.stage_process import CacheSpec
 from ember.daemon.runner.step_run import PendingStep, StepRun
+from ember.daemon.step.lookup import Lookup
 from ember.daemon.step.row_sampling import RowSampling
 from ember.daemon.step.step_batch import StepBatch
 from ember.kernels.convert import DEFAULT_KV_DTYPE
@@ -73,6 +74,10 @@ class SplitRunner:
 
     def greedy_steps(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], steps: int) -> None:
         """None: no compiled loop spans the stages' processes, so a burst goes through them step by step."""
+        return None
+
+    def lookup_steps(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], budget: int, lookup: Lookup) -> None:
+        """None: n-gram proposals are verified a step at a time here."""
         return None
 
     def _host(self, batch: StepBatch) -> StepBatch:

@@ -9,6 +9,7 @@ import numpy as np
 
 from ember.daemon.loader.model_config import ModelConfig
 from ember.daemon.runner.step_run import PendingStep, StepRun
+from ember.daemon.step.lookup import Lookup
 from ember.daemon.step.row_sampling import RowSampling
 from ember.daemon.step.step_batch import StepBatch
 from ember.kernels.sampling import Choice
@@ -52,3 +53,6 @@ class StepRunner(Protocol):
     def collect(self, step: PendingStep, pending: Seq[Seq[Choice]] = ()) -> StepRun: ...
 
     def greedy_steps(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], steps: int) -> np.ndarray | None: ...
+
+    def lookup_steps(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], budget: int, lookup: Lookup
+                     ) -> tuple[np.ndarray, int, int, int] | None: ...

@@ -22,6 +22,7 @@ from weakref import WeakKeyDictionary
 import numpy as np
 
 from ember.daemon.speculative.verification import Proposal
+from ember.daemon.step.lookup import Lookup
 from ember.daemon.step.row_sampling import RowSampling
 from ember.daemon.step.step_work import WorkChunk
 
@@ -68,6 +69,15 @@ class _Context:
             self.length = end
         return self.tokens[:end]
 
+    def with_room(self, extra: int) -> np.ndarray:
+        """The whole array, with room for `extra` tokens after its known ones (a compiled burst writes
+        the tokens it keeps there; through() copies them again from the sequence, the same values)."""
+        if self.length + extra > self.tokens.size:
+            grown = np.empty(max(self.length + extra, 2 * self.tokens.size), np.int32)
+            grown[: self.length] = self.tokens[: self.length]
+            self.tokens = grown
+        return self.tokens
+
 
 class NgramProposer:
     catches_up = False  # it reads the context itself: nothing to catch up on after plain steps
@@ -90,6 +100,14 @@ class NgramProposer:
                 proposals[i] = Proposal(tokens, probs)  # type: ignore[arg-type]
         return proposals
 
+    def burst_lookup(self, sampling: RowSampling, end: int, k: int, budget: int) -> Lookup:
+        """What a compiled greedy burst of up to `budget` tokens needs to propose up to k tokens a round
+        itself (ModelRunner.lookup_steps): this proposer's n-grams and the sequence's first `end`
+        tokens, with room for the burst's."""
+        context = self._context(sampling)
+        context.through(sampling, end)
+        return Lookup(k, self.min_n, self.max_n, context.with_room(budget), end)
+
     def has_match(self, sampling: RowSampling, end: int) -> bool:
         """Whether a sequence whose first `end` tokens are known would propose something."""
         return bool(self.lookup(sampling, end, 1))
@@ -97,10 +115,13 @@ class NgramProposer:
     def lookup(self, sampling: RowSampling, end: int, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the last n of the first `end`
         tokens, for the longest n in [min_n, max_n] that occurs."""
+        return continuation(self._context(sampling).through(sampling, end), self.min_n, self.max_n, k)
+
+    def _context(self, sampling: RowSampling) -> _Context:
         context = self._contexts.get(sampling)
         if context is None:
             context = self._contexts[sampling] = _Context()
-        return continuation(context.through(sampling, end), self.min_n, self.max_n, k)
+        return context
 
 
 def continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:

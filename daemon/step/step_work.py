@@ -37,6 +37,9 @@ class StepWork:
     # each one's sampled tokens the next one's input; 0: the step is not a plain decode step
     steps: int = 0
     propose: bool = True  # a proposer, where the executor has one, proposes after the chunks with lookahead
+    # a decode burst (steps > 0) whose rounds verify up to this many n-gram proposals (the executor's
+    # NgramProposer), in one compiled loop where the runner has one, else a plain burst; 0: not one
+    lookup: int = 0
 
 
 @dataclass(frozen=True)

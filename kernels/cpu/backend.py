@@ -103,6 +103,14 @@ class CpuOps(Ops):
         return greedy_decode.burst(plan, steps, step.ids, step.positions, step.kv_blocks, step.kv_offsets, step.tables,
                                    step.token_seq, block_size, stops)
 
+    def lookup_burst(self, plan: greedy_decode.GreedyPlan | sandwich_stack.SandwichPlan, budget: int, k: int, min_n: int,
+                     max_n: int, history: np.ndarray, length: int, step: StepArrays, block_size: int,
+                     stops: np.ndarray) -> tuple[np.ndarray, int, int, int] | None:
+        if kernel_tiers.first_tier_only() or not isinstance(plan, greedy_decode.GreedyPlan):
+            return None
+        return greedy_decode.lookup_burst(plan, budget, k, min_n, max_n, history, length, int(step.positions[0]),
+                                          step.tables, step.token_seq, block_size, stops)
+
     def route(self, logits: Array, k: int, normalize: bool, gating: str = "softmax", bias: np.ndarray | None = None,
               softcap: float = 0.0, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         return compiled_route(logits, k, normalize, gating, bias, softcap, scale)

@@ -43,7 +43,7 @@ from ember.kernels.cpu.paged_attention import KVLayerStore
 from ember.kernels.cpu.quant_matmul import _GATHER_ROWS, INT8_PARALLEL_MIN_WORK, CpuWeight, _read_only
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 
-__all__ = ["GreedyPlan", "burst", "embedding_views", "plan", "take_argmax"]
+__all__ = ["GreedyPlan", "burst", "embedding_views", "lookup_burst", "plan", "take_argmax"]
 
 _GATHER_SERIAL, _GATHER_PARALLEL = _GATHER_ROWS.serial, _GATHER_ROWS.parallel
 
@@ -120,7 +120,6 @@ def burst(p: GreedyPlan, steps: int, ids: np.ndarray, positions: np.ndarray, kv_
 def _burst(steps, threads, force, ids, positions, kv_blocks, kv_offsets, tables, token_seq, block_size, stops,
            e_code, e_u8, e_i8, e_u16, e_u32, e_f32, e_cols, layers, norm, eps, h_code, h_u8, tokens, keep):
     n = ids.shape[0]
-    rows = e_u8.shape[0] if e_f32.shape[0] == 0 else e_f32.shape[0]
     ids, positions = ids.copy(), positions.copy()
     kv_blocks, kv_offsets = kv_blocks.copy(), kv_offsets.copy()
     done = np.zeros(n, np.bool_)
@@ -130,32 +129,123 @@ def _burst(steps, threads, force, ids, positions, kv_blocks, kv_offsets, tables,
                 positions[i] += 1
                 kv_blocks[i] = tables[token_seq[i], positions[i] // block_size]
                 kv_offsets[i] = positions[i] % block_size
-        for i in range(n):
-            if ids[i] < 0 or ids[i] >= rows:
-                raise IndexError("token id out of the embedding's range")
-        x = _embedding(ids, e_code, e_u8, e_i8, e_u16, e_u32, e_f32, e_cols, force)
-        for k in range(len(layers)):
-            layer = layers[k]
-            attn_in, attn_out, work, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc = layer[:12]
-            # run_stack's choice of threads; the team's phases on this thread alone where it would run the
-            # serial _layer_stored_kv, whose numbers they are (calling that too would double this library: +15 MB)
-            if threads > 1 and (force == 2 or (force == 0 and work * n >= INT8_PARALLEL_MIN_WORK)):
-                x = _layer_team(threads, x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc,
-                                kv_blocks, kv_offsets, tables, token_seq, positions, attn_in, attn_out)
-            else:
-                x = _layer_alone(x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks,
-                                 kv_offsets, tables, token_seq, positions, attn_in, attn_out)
-            if layer[12]:
-                x = routed_finish(x, force, *layer[13:])
-        h = np.empty_like(x)
-        _rmsnorm(x, norm, eps, h, force)
-        out = np.empty((n, h_u8.shape[0]), np.float32)
-        _matmul_int8(h_code, h_u8, h, out, force)
+        out = _logits(threads, force, ids, positions, kv_blocks, kv_offsets, tables, token_seq, e_code, e_u8, e_i8,
+                      e_u16, e_u32, e_f32, e_cols, layers, norm, eps, h_code, h_u8)
         if keep.shape[0]:
             keep[step] = out
         if take_argmax(out, step, tokens, ids, done, stops):
             return step + 1
     return steps
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _logits(threads, force, ids, positions, kv_blocks, kv_offsets, tables, token_seq, e_code, e_u8, e_i8, e_u16, e_u32,
+            e_f32, e_cols, layers, norm, eps, h_code, h_u8):
+    """One forward pass of rows ids (row i token_seq[i]'s, at positions[i], its K/V into slot kv_offsets[i]
+    of block kv_blocks[i]; each row attends to its sequence's keys up to its own position) -> logits
+    [rows, vocab]: what the per-step path computes for them."""
+    n = ids.shape[0]
+    rows = e_u8.shape[0] if e_f32.shape[0] == 0 else e_f32.shape[0]
+    for i in range(n):
+        if ids[i] < 0 or ids[i] >= rows:
+            raise IndexError("token id out of the embedding's range")
+    x = _embedding(ids, e_code, e_u8, e_i8, e_u16, e_u32, e_f32, e_cols, force)
+    for k in range(len(layers)):
+        layer = layers[k]
+        attn_in, attn_out, work, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc = layer[:12]
+        # run_stack's choice of threads; the team's phases on this thread alone where it would run the
+        # serial _layer_stored_kv, whose numbers they are (calling that too would double this library: +15 MB)
+        if threads > 1 and (force == 2 or (force == 0 and work * n >= INT8_PARALLEL_MIN_WORK)):
+            x = _layer_team(threads, x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc,
+                            kv_blocks, kv_offsets, tables, token_seq, positions, attn_in, attn_out)
+        else:
+            x = _layer_alone(x, positions, mode, k_f32, k_u16, k_i8, k_sc, v_f32, v_u16, v_i8, v_sc, kv_blocks,
+                             kv_offsets, tables, token_seq, positions, attn_in, attn_out)
+        if layer[12]:
+            x = routed_finish(x, force, *layer[13:])
+    h = np.empty_like(x)
+    _rmsnorm(x, norm, eps, h, force)
+    out = np.empty((n, h_u8.shape[0]), np.float32)
+    _matmul_int8(h_code, h_u8, h, out, force)
+    return out
+
+
+def lookup_burst(p: GreedyPlan, budget: int, k: int, min_n: int, max_n: int, history: np.ndarray, length: int,
+                 position: int, tables: np.ndarray, token_seq: np.ndarray, block_size: int, stops: np.ndarray
+                 ) -> tuple[np.ndarray, int, int, int]:
+    """Greedy decoding of one sequence with n-gram proposals verified in the same compiled loop: each
+    round looks the sequence's last max_n..min_n tokens up earlier in history[:length] (its tokens; the
+    last one, the round's input, at `position`), runs it and up to k tokens that followed them as rows
+    of one pass, and keeps each row's argmax while the one before it matched its proposal
+    (ngram_proposer.continuation's proposals, verify's rule for greedy requests). Until `budget` tokens
+    or a stop id (stops [m], -1 pads): no round's rows go past position + budget - 1, the slots the
+    scheduler reserved. tables [1, width] and token_seq (int, [1]): the first step's. history needs room
+    for budget more tokens: the accepted ones are written there. -> (the tokens, in order; rounds that
+    verified proposals; tokens proposed; proposals accepted): the tokens plain greedy steps would give."""
+    out = np.empty(budget, np.int64)
+    count, rounds, proposed, accepted = _lookup_burst(
+        budget, k, min_n, max_n, twin.threads(), twin.force_code(), history, length, position, tables,
+        token_seq.dtype.type(0), block_size, np.ascontiguousarray(stops, np.int64), *p.embed, p.layers, p.norm,
+        p.eps, *p.head, out)
+    return out[:count], rounds, proposed, accepted
+
+
+@njit(cache=True, nogil=True)
+def _lookup_burst(budget, k, min_n, max_n, threads, force, history, length, position, tables, seq0, block_size, stops,
+                  e_code, e_u8, e_i8, e_u16, e_u32, e_f32, e_cols, layers, norm, eps, h_code, h_u8, out):
+    count = rounds = proposed = accepted = 0
+    proposals = np.empty(max(k, 1), np.int64)
+    while count < budget:
+        m = _continuation(history, length, min_n, max_n, min(k, budget - count - 1), proposals)
+        n = m + 1
+        ids, positions = np.empty(n, np.int64), np.empty(n, np.int64)
+        kv_blocks, kv_offsets = np.empty(n, np.int64), np.empty(n, np.int64)
+        token_seq = np.full(n, seq0)
+        ids[0] = history[length - 1]
+        ids[1:] = proposals[:m]
+        for j in range(n):
+            positions[j] = position + j
+            kv_blocks[j] = tables[0, positions[j] // block_size]
+            kv_offsets[j] = positions[j] % block_size
+        logits = _logits(threads, force, ids, positions, kv_blocks, kv_offsets, tables, token_seq, e_code, e_u8, e_i8,
+                         e_u16, e_u32, e_f32, e_cols, layers, norm, eps, h_code, h_u8)
+        if m:  # a verification pass (a round without proposals is a plain step)
+            rounds += 1
+        proposed += m
+        for j in range(n):
+            best = np.argmax(logits[j])
+            out[count] = best
+            history[length] = best
+            count += 1
+            length += 1
+            position += 1
+            for s in range(stops.shape[0]):
+                if stops[s] == best:
+                    return count, rounds, proposed, accepted
+            if j == m or best != proposals[j]:
+                break  # the row after a rejected proposal read a token the sequence does not have
+            accepted += 1
+    return count, rounds, proposed, accepted
+
+
+@njit(cache=True, nogil=True)
+def _continuation(tokens, size, min_n, max_n, k, out):
+    """ngram_proposer.continuation on tokens[:size], into out -> how many (the same tokens)."""
+    if k <= 0:
+        return 0
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        for s in range(size - n - 1, -1, -1):  # the latest start first
+            same = True
+            for j in range(n):
+                if tokens[s + j] != tokens[size - n + j]:
+                    same = False
+                    break
+            if same:
+                back = size - n - s
+                for i in range(k):
+                    out[i] = tokens[size - back + i] if i < back else out[i - back]
+                return k
+    return 0
 
 
 @njit(inline="always", cache=True, nogil=True)
