@@ -61,11 +61,7 @@ class _Context:
             prompt, generated = sampling.prompt, sampling.generated
             p = len(prompt)
             new = [*prompt[self.length:end], *generated[max(0, self.length - p):max(0, end - p)]]
-            if end > self.tokens.size:
-                grown = np.empty(max(end, 2 * self.tokens.size), np.int32)
-                grown[: self.length] = self.tokens[: self.length]
-                self.tokens = grown
-            self.tokens[self.length:end] = new
+            self.with_room(end - self.length)[self.length:end] = new
             self.length = end
         return self.tokens[:end]
 
