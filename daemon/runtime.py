@@ -320,8 +320,9 @@ def load(path: str | Path, device: str = "cpu", kv_dtype: str = DEFAULT_KV_DTYPE
     `draft`: a smaller model with the same vocabulary that proposes `draft_tokens` tokens a step for
     the target to verify (speculative decoding: the same tokens when greedy, the same distribution
     when sampled; docs/speculative.md), or "ngram": no model, the tokens that followed the latest
-    earlier occurrence of a sequence's last 2-4 tokens in its own context (prompt lookup decoding). The draft runs on `device`, beside the target (beside a layer
-    split: in this process on the host CPU, and the split then runs one step at a time). A draft in
+    earlier occurrence of a sequence's last 2-4 tokens in its own context (prompt lookup decoding).
+    The draft runs on `device`, beside the target (beside a layer split: in this process on the host
+    CPU, and the split then runs one step at a time). A draft in
     llama.cpp's `dflash` format (a feature-conditioned draft) is recognised by its architecture: it
     reads the target's hidden states, kept per position in `feature_dtype` (f32, f16, bf16 or q8_0;
     None: EMBER_FEATURE_DTYPE, else f32), and proposes up to min(draft_tokens, its block - 1) a step.
