@@ -7,8 +7,9 @@ after a text too long for a prompt is refused by its size) and it answers every 
 Error, whatever the bytes. Admission is decided here, at once: a full queue is Error{code: "busy"},
 never a wait; tokenizer requests are bounded per client and in all the same way.
 
-A message is read frame by frame: libzmq bounds each frame (ZMQ_MAXMSGSIZE), not the frames of a
-message, and hands a multi-part message over only once all of it has arrived; the frames after the
+Clients reach the ROUTER through the relay on the public socket (zmtp_relay.py), which bounds a
+message's frames and bytes as they arrive: libzmq bounds each frame (ZMQ_MAXMSGSIZE), not the frames
+of a message, and hands a multi-part message over only once all of it has arrived. The frames after the
 first are dropped as they are read, so the daemon's own code never holds more than one frame of it.
 
 Shutdown (SIGTERM/SIGINT): STOPPING=1, new Generates are refused with "shutting_down", the engine
@@ -40,6 +41,7 @@ from ember.daemon.server.outbox import Outbox
 from ember.daemon.server.peers import Peer, Peers
 from ember.daemon.server.request import RequestError, request_from_generate, resolve_model
 from ember.daemon.server.text_worker import Output, TextWorker
+from ember.daemon.server.zmtp_relay import PEER_PROPERTY, ZmtpRelay, router_path
 from ember.daemon.text.text_model import TextModel
 from ember.daemon.text.tokenize_pool import fingerprint
 from ember.protocol.codec import Codec, ProtocolError
@@ -90,6 +92,9 @@ class Server:
                                          lambda: _call_soon(loop, engine_stopped.set))
         ctx = zmq.asyncio.Context()
         self._sock = self._bind(ctx)
+        relay = ZmtpRelay(self._path, router_path(self._path), self._limits.max_message_bytes)
+        await relay.start()
+        self._share_with_group()
         self._outbox = Outbox(self._sock, self._codec, self._peers, on_dead=self._peer_died,
                               set_paused=self._engine.set_paused)
         monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -110,7 +115,8 @@ class Server:
             self._sock.disable_monitor()
             monitor.close(linger=0)
             self._sock.close(linger=_LINGER_MS)
-            ctx.term()
+            await loop.run_in_executor(None, ctx.term)  # the relay keeps forwarding what lingers
+            await relay.close(_FLUSH_GRACE)
             self._helpers.shutdown(wait=False, cancel_futures=True)
             self._unlink_socket()
             self.log.info("stopped")
@@ -141,11 +147,15 @@ class Server:
         # shorter timeout would cancel the streams of a client stopped for a few seconds (Ctrl-Z)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30000)
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
-        sock.bind(ipc_address(self._path))
+        private = router_path(self._path)
+        sock.bind(ipc_address(private))
+        os.chmod(private, 0o600)  # the relay's alone: a PEER_PROPERTY from anyone else would be believed
+        return sock
+
+    def _share_with_group(self) -> None:
         if self._config.server.socket_group:  # the directory lets the group in; the socket must too (the
             os.chmod(self._path, 0o660)      # socket file gets the daemon's own group, not the directory's)
             os.chown(self._path, -1, os.stat(self._path.parent).st_gid)
-        return sock
 
     async def _flush_backlogs(self) -> None:
         deadline = time.monotonic() + _FLUSH_GRACE
@@ -154,10 +164,11 @@ class Server:
             await asyncio.sleep(0.01)
 
     def _unlink_socket(self) -> None:
-        try:
-            self._path.unlink()
-        except FileNotFoundError:
-            pass  # libzmq removed it when the socket closed
+        for path in (self._path, router_path(self._path)):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass  # the relay or libzmq removed it when its socket closed
 
     # --- receiving -------------------------------------------------------------------------------
     async def _receive(self) -> None:
@@ -457,10 +468,14 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: 
 
 
 def peer_credentials(frame: zmq.Frame) -> tuple[int, int]:
-    """(Unix user, process id) of the client that sent `frame`, from libzmq's SO_PEERCRED on the IPC
-    connection ("Peer-Address" is "<host>:<uid>:<gid>:<pid>"); -1 for each where the transport has none."""
-    try:
-        _, uid, _, pid = frame.get("Peer-Address").rsplit(":", 3)
-        return int(uid), int(pid)
-    except (zmq.ZMQError, ValueError):
-        return -1, -1
+    """(Unix user, process id) of the client that sent `frame`: SO_PEERCRED of its connection, which
+    the relay announces as PEER_PROPERTY ("<uid>:<gid>:<pid>"), or for a connection straight to the
+    ROUTER (the daemon's own user only), libzmq's ("Peer-Address": "<host>:<uid>:<gid>:<pid>"); -1 for
+    each where the transport has none."""
+    for name in (PEER_PROPERTY, "Peer-Address"):
+        try:
+            uid, _, pid = frame.get(name).rsplit(":", 3)[-3:]
+            return int(uid), int(pid)
+        except (zmq.ZMQError, ValueError):
+            continue
+    return -1, -1
