@@ -19,9 +19,10 @@ Client to daemon, what it checks (ZMTP 3.0/3.1, https://rfc.zeromq.org/spec/37/)
 A connection that breaks one is closed on both sides: to the daemon, the client has left.
 Daemon to client is passed through unread.
 
-Flow control: writes to one side past HIGH_WATER pause reading from the other. A client that does not
-read backs up into libzmq's pipe (SNDHWM), where the Outbox sees it, as it did without the relay; a
-client that writes faster than the daemon reads waits in its own socket buffer.
+Flow control: writes to one side past HIGH_WATER pause reading from the other, and the relay's sockets
+have small send buffers. A client that does not read backs up into libzmq's pipe (SNDHWM), where the
+Outbox sees it, about as soon as it did without the relay; a client that writes faster than the daemon
+reads waits in its own socket buffer.
 """
 from __future__ import annotations
 
@@ -42,7 +43,11 @@ PEER_PROPERTY = "X-Ember-Peer"  # "uid:gid:pid" of the client behind the relay, 
 MAX_FRAMES = 64  # frames of one message: ember's messages are one frame each, an Error answers a few
 READY_BYTES = 8192  # the READY command (Socket-Type, Identity and the client's own metadata)
 COMMAND_BYTES = 1024  # any later command (PING, PONG, ERROR: tens of bytes)
-HIGH_WATER = 256 << 10  # bytes waiting to be written to one side before the other side's reads pause
+# bytes waiting to be written to one side before the other side's reads pause, and the kernel's send
+# buffer of the relay's sockets: small, so that the relay adds little to the buffers between a client
+# and the ROUTER (the ROUTER's own socket buffer and pipe are what the Outbox's backpressure counts on)
+HIGH_WATER = 32 << 10
+SEND_BUFFER = 32 << 10
 
 _GREETING = 64  # signature (10), version (2), mechanism (20), as-server (1), filler (31)
 _MORE, _LONG, _COMMAND = 1, 2, 4
@@ -196,6 +201,7 @@ class _Side(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # (uvloop's are no asyncio.Transport)
         transport.set_write_buffer_limits(high=HIGH_WATER)
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
         if self is self._link.client:
             self._link.relay.opening(self._link)
 

@@ -1,7 +1,7 @@
 """One client process cannot fill the daemon (issue 38: 3 connections x 16 streams filled its 36 places,
 and every other client got Busy for 40 s): a process holds at most engine.max_per_process requests in
 flight, whatever its connections (by default all places but an eighth), so another process still gets
-in. The daemon tells processes apart by SO_PEERCRED (libzmq's Peer-Address)."""
+in. The daemon tells processes apart by SO_PEERCRED (the relay's X-Ember-Peer)."""
 from __future__ import annotations
 
 import subprocess
@@ -21,7 +21,7 @@ OTHER_PROCESS = """
 import sys
 from ember.client import Client
 with Client(sys.argv[1]) as client:
-    print(len(list(client.generate("def f(x):", max_tokens=4, ignore_eos=True))))
+    print(sum(len(c.token_ids) for c in client.generate("def f(x):", max_tokens=4, ignore_eos=True)))
 """
 
 

@@ -1,8 +1,8 @@
 """The prefix cache shares a prompt's KV blocks between the clients of one Unix user only
 (engine.prefix_sharing "user", the default): another user's identical prompt finds none of them, so
 the time of its first token cannot tell it what was sent (issue 38: 15 ms instead of 650 ms gave a
-1,000-token prompt away). The daemon knows each connection's user from SO_PEERCRED (libzmq's
-Peer-Address). Another user's client is a forked child of this test that drops to nobody after its
+1,000-token prompt away). The daemon knows each connection's user from SO_PEERCRED (the relay's
+X-Ember-Peer). Another user's client is a forked child of this test that drops to nobody after its
 imports, so this test needs root; elsewhere it skips."""
 from __future__ import annotations
 
