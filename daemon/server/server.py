@@ -41,7 +41,7 @@ from ember.daemon.server.outbox import Outbox
 from ember.daemon.server.peers import Peer, Peers
 from ember.daemon.server.request import RequestError, request_from_generate, resolve_model
 from ember.daemon.server.text_worker import Output, TextWorker
-from ember.daemon.server.zmtp_relay import PEER_PROPERTY, ZmtpRelay, router_path
+from ember.daemon.server.zmtp_relay import PEER_PROPERTY, ZmtpRelay, private_router_dir, router_path
 from ember.daemon.text.text_model import TextModel
 from ember.daemon.text.tokenize_pool import fingerprint
 from ember.protocol.codec import Codec, ProtocolError
@@ -147,9 +147,8 @@ class Server:
         # shorter timeout would cancel the streams of a client stopped for a few seconds (Ctrl-Z)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30000)
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
-        private = router_path(self._path)
-        sock.bind(ipc_address(private))
-        os.chmod(private, 0o600)  # the relay's alone: a PEER_PROPERTY from anyone else would be believed
+        private_router_dir(self._path)  # the relay's alone: a PEER_PROPERTY from anyone else would be believed
+        sock.bind(ipc_address(router_path(self._path)))
         return sock
 
     def _share_with_group(self) -> None:
@@ -164,11 +163,16 @@ class Server:
             await asyncio.sleep(0.01)
 
     def _unlink_socket(self) -> None:
-        for path in (self._path, router_path(self._path)):
+        private = router_path(self._path)
+        for path in (self._path, private):
             try:
                 path.unlink()
             except FileNotFoundError:
                 pass  # the relay or libzmq removed it when its socket closed
+        try:
+            private.parent.rmdir()
+        except OSError:
+            pass
 
     # --- receiving -------------------------------------------------------------------------------
     async def _receive(self) -> None:

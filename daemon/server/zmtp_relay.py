@@ -6,7 +6,8 @@ over only once its last frame has come: ZMQ_MAXMSGSIZE bounds one frame and RCVH
 messages, so 127 frames of 4 MiB that never end held 504 MiB of the daemon's memory for as long as the
 connection lived (issue 38). No socket option bounds that. So clients never reach libzmq directly: the
 front listens on the public socket itself, reads each client's bytes header by header as they arrive,
-and passes them on to the ROUTER, which listens on a private socket beside it (0600, `router_path`).
+and passes them on to the ROUTER, which listens on a private socket beside it (`router_path`, in a
+0700 directory).
 Bytes go through as they come; the relay holds no message, only what its transports buffer.
 
 Client to daemon, what it checks (ZMTP 3.0/3.1, https://rfc.zeromq.org/spec/37/):
@@ -30,6 +31,7 @@ import asyncio
 import hashlib
 import os
 import socket
+import stat
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +39,8 @@ from pathlib import Path
 from ember.daemon.logging_setup import get_logger
 from ember.protocol.endpoint import MAX_PATH_BYTES
 
-__all__ = ["PEER_PROPERTY", "MAX_FRAMES", "ZmtpRelay", "ZmtpChecker", "RelayRefused", "router_path"]
+__all__ = ["PEER_PROPERTY", "MAX_FRAMES", "ZmtpRelay", "ZmtpChecker", "RelayRefused", "router_path",
+           "private_router_dir"]
 
 PEER_PROPERTY = "X-Ember-Peer"  # "uid:gid:pid" of the client behind the relay, in its READY
 MAX_FRAMES = 64  # frames of one message: ember's messages are one frame each, an Error answers a few
@@ -60,12 +63,26 @@ class RelayRefused(Exception):
 
 
 def router_path(socket_path: Path) -> Path:
-    """Where the ROUTER listens behind the relay: a hidden socket beside the public one, named after it
-    (libzmq's bind replaces one that a killed daemon left)."""
-    path = socket_path.with_name(f".{socket_path.name}.router")
-    if len(os.fsencode(path)) > MAX_PATH_BYTES:
-        path = socket_path.with_name("." + hashlib.sha1(os.fsencode(socket_path.name)).hexdigest()[:8])
-    return path
+    """Where the ROUTER listens behind the relay: `r` in a hidden directory beside the public socket,
+    named after it (libzmq's bind replaces a socket that a killed daemon left)."""
+    directory = socket_path.with_name(f".{socket_path.name}.d")
+    if len(os.fsencode(directory / "r")) > MAX_PATH_BYTES:
+        directory = socket_path.with_name("." + hashlib.sha1(os.fsencode(socket_path.name)).hexdigest()[:8])
+    return directory / "r"
+
+
+def private_router_dir(socket_path: Path) -> Path:
+    """router_path's directory, made (or found) 0700 and this user's: the public socket's directory may
+    let a group in (0750), and a client that reached the ROUTER directly could claim any PEER_PROPERTY.
+    A directory rather than the socket's mode: libzmq creates the socket with the umask, a moment
+    before anyone could chmod it."""
+    directory = router_path(socket_path).parent
+    directory.mkdir(mode=0o700, exist_ok=True)
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise PermissionError(f"{directory} is not a directory of this user's: refusing to put the ROUTER's socket there")
+    os.chmod(directory, 0o700)
+    return directory
 
 
 class ZmtpChecker:

@@ -9,6 +9,7 @@ import asyncio
 import os
 import random
 import socket
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +21,9 @@ from daemon_process import DaemonProcess
 from raw_zmtp import COMMAND, GREETING, MORE, closed_by_peer, frame, ready, zmtp_dealer
 
 from ember.client import Client
-from ember.daemon.server.zmtp_relay import MAX_FRAMES, PEER_PROPERTY, RelayRefused, ZmtpChecker, ZmtpRelay, router_path
+from ember.protocol.endpoint import MAX_PATH_BYTES
+from ember.daemon.server.zmtp_relay import (MAX_FRAMES, PEER_PROPERTY, RelayRefused, ZmtpChecker, ZmtpRelay,
+                                            private_router_dir, router_path)
 
 LIMIT = 1 << 20  # max_message_bytes of these relays
 ME = f"{os.getuid()}:{os.getgid()}:{os.getpid()}"
@@ -34,6 +37,7 @@ class Relayed:
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.RCVTIMEO, 10_000)
+        private_router_dir(self.public)
         self.router.bind(f"ipc://{router_path(self.public)}")
         self.relay = ZmtpRelay(self.public, router_path(self.public), LIMIT)
         self.loop = asyncio.new_event_loop()
@@ -130,6 +134,16 @@ def test_a_foreign_greeting_is_closed(relayed: Relayed, greeting: bytes) -> None
     sock.sendall(greeting)
     assert closed_by_peer(sock)
     sock.close()
+
+
+def test_the_router_listens_in_a_private_directory(relayed: Relayed, tmp_path: Path) -> None:
+    """The public socket's directory may let a group in; the ROUTER's must not (a client there could
+    claim any credentials), whatever the umask, and however long the public socket's path."""
+    private = router_path(relayed.public)
+    assert private.is_socket() and stat.S_IMODE(os.stat(private.parent).st_mode) == 0o700
+    assert private.parent.parent == relayed.public.parent
+    long_name = tmp_path / ("e" * (MAX_PATH_BYTES - len(os.fsencode(tmp_path)) - 1))
+    assert len(os.fsencode(router_path(long_name))) <= MAX_PATH_BYTES
 
 
 def test_the_checker_passes_any_split_of_a_stream_the_same() -> None:
