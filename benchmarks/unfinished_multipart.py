@@ -11,6 +11,7 @@ frames took the front from 68 to 1669 MiB. The relay on the public socket (daemo
 now closes a connection once its message passes limits.max_message_bytes in all.
 
     python benchmarks/unfinished_multipart.py [--connections 4] [--frames 127]
+"""
 from __future__ import annotations
 
 import argparse

@@ -20,8 +20,8 @@ Client to daemon, what it checks (ZMTP 3.0/3.1, https://rfc.zeromq.org/spec/37/)
 A connection that breaks one is closed on both sides: to the daemon, the client has left.
 Daemon to client is passed through unread.
 
-Flow control: writes to one side past HIGH_WATER pause reading from the other, and the relay's sockets
-have small send buffers. A client that does not read backs up into libzmq's pipe (SNDHWM), where the
+Flow control: writes to one side past HIGH_WATER pause reading from the other; reads are of CHUNK
+bytes at most, and the relay's sockets have small send buffers. A client that does not read backs up into libzmq's pipe (SNDHWM), where the
 Outbox sees it, about as soon as it did without the relay; a client that writes faster than the daemon
 reads waits in its own socket buffer.
 """
@@ -46,11 +46,14 @@ PEER_PROPERTY = "X-Ember-Peer"  # "uid:gid:pid" of the client behind the relay, 
 MAX_FRAMES = 64  # frames of one message: ember's messages are one frame each, an Error answers a few
 READY_BYTES = 8192  # the READY command (Socket-Type, Identity and the client's own metadata)
 COMMAND_BYTES = 1024  # any later command (PING, PONG, ERROR: tens of bytes)
-# bytes waiting to be written to one side before the other side's reads pause, and the kernel's send
-# buffer of the relay's sockets: small, so that the relay adds little to the buffers between a client
-# and the ROUTER (the ROUTER's own socket buffer and pipe are what the Outbox's backpressure counts on)
-HIGH_WATER = 32 << 10
-SEND_BUFFER = 32 << 10
+# What the relay may hold of a connection's bytes: a read of at most CHUNK, HIGH_WATER waiting to be
+# written before the other side's reads pause, and its sockets' kernel send buffers. Small, so that it
+# adds little to the buffers between a client and the ROUTER: the ROUTER's own pipe and socket buffer
+# are what the Outbox's backpressure counts on (a client that stopped reading had its requests paused
+# after ~2000 tokens; with 256 KiB here they ran on to their 4000).
+CHUNK = 8 << 10
+HIGH_WATER = 8 << 10
+SEND_BUFFER = 8 << 10
 
 _GREETING = 64  # signature (10), version (2), mechanism (20), as-server (1), filler (31)
 _MORE, _LONG, _COMMAND = 1, 2, 4
@@ -207,23 +210,27 @@ class ZmtpChecker:
         return bytes([_COMMAND | _LONG]) + struct.pack(">Q", len(ready)) + ready
 
 
-class _Side(asyncio.Protocol):
-    """One end of a relayed connection: what it receives goes to the other end."""
+class _Side(asyncio.BufferedProtocol):
+    """One end of a relayed connection: what it receives goes to the other end, CHUNK bytes a read."""
 
     def __init__(self, link: _Link, receive: Callable[[bytes], None]) -> None:
         self._link, self._receive = link, receive
+        self._buffer = bytearray(CHUNK)
         self.transport: asyncio.Transport | None = None
         self.lost = False  # closed, what it had buffered written or dropped
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # (uvloop's are no asyncio.Transport)
-        transport.set_write_buffer_limits(high=HIGH_WATER)
+        transport.set_write_buffer_limits(high=HIGH_WATER)  # type: ignore[attr-defined]
         transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
         if self is self._link.client:
             self._link.relay.opening(self._link)
 
-    def data_received(self, data: bytes) -> None:
-        self._receive(data)
+    def get_buffer(self, sizehint: int) -> bytearray:
+        return self._buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._receive(bytes(self._buffer[:nbytes]))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
