@@ -93,7 +93,7 @@ class Server:
         ctx = zmq.asyncio.Context()
         self._sock = self._bind(ctx)
         relay = ZmtpRelay(self._path, router_path(self._path), self._limits.max_message_bytes)
-        await relay.start()
+        relay.start()
         self._share_with_group()
         self._outbox = Outbox(self._sock, self._codec, self._peers, on_dead=self._peer_died,
                               set_paused=self._engine.set_paused)
@@ -116,7 +116,7 @@ class Server:
             monitor.close(linger=0)
             self._sock.close(linger=_LINGER_MS)
             await loop.run_in_executor(None, ctx.term)  # the relay keeps forwarding what lingers
-            await relay.close(_FLUSH_GRACE)
+            await loop.run_in_executor(None, relay.close, _FLUSH_GRACE)
             self._helpers.shutdown(wait=False, cancel_futures=True)
             self._unlink_socket()
             self.log.info("stopped")

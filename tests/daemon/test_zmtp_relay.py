@@ -5,7 +5,6 @@ forged credentials) is cut off as it arrives. Issue 38, item 2: 4 x 100 unfinish
 1.6 GB of the front process until their connections closed."""
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import socket
@@ -30,7 +29,7 @@ ME = f"{os.getuid()}:{os.getgid()}:{os.getpid()}"
 
 
 class Relayed:
-    """A relay on an event loop thread, in front of a ROUTER this test reads."""
+    """A relay (on its own thread) in front of a ROUTER this test reads."""
 
     def __init__(self, directory: Path) -> None:
         self.public = directory / "ember.sock"
@@ -40,13 +39,7 @@ class Relayed:
         private_router_dir(self.public)
         self.router.bind(f"ipc://{router_path(self.public)}")
         self.relay = ZmtpRelay(self.public, router_path(self.public), LIMIT)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.run(self.relay.start())
-
-    def run(self, coroutine):  # type: ignore[no-untyped-def]
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(10)
+        self.relay.start()
 
     def dealer(self) -> zmq.Socket:  # type: ignore[type-arg]
         sock = self.ctx.socket(zmq.DEALER)
@@ -56,9 +49,7 @@ class Relayed:
         return sock
 
     def close(self) -> None:
-        self.run(self.relay.close(1.0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.relay.close(1.0)
         self.ctx.destroy(linger=0)
 
 
