@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import resource
 import socket
 import stat
 import struct
@@ -349,6 +350,18 @@ class _Link:
                 side.transport.close()
 
 
+def _more_descriptors() -> None:
+    """Each client costs the front two descriptors (its connection and the relay's to the ROUTER), where
+    it cost libzmq one: the soft limit goes up to the hard one (1024, a common default, held ~500)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):  # above the kernel's nr_open: keep what there is
+            pass
+
+
 def _peer_credentials(transport: asyncio.Transport) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end of a Unix socket transport (SO_PEERCRED)."""
     fd = transport.get_extra_info("socket").fileno()
@@ -374,6 +387,7 @@ class ZmtpRelay:
 
     def start(self) -> None:
         """Listen on the public socket (made by the time this returns), relaying in the thread."""
+        _more_descriptors()
         ready, failed = threading.Event(), []
 
         def run() -> None:
