@@ -9,17 +9,15 @@ import os
 import random
 import socket
 import stat
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
+from concurrent_streams import PacedStream
 from daemon_process import DaemonProcess
 from raw_zmtp import COMMAND, GREETING, MORE, closed_by_peer, frame, ready, zmtp_dealer
 
-from ember.client import Client
 from ember.protocol.endpoint import MAX_PATH_BYTES
 from ember.daemon.server.zmtp_relay import (MAX_FRAMES, PEER_PROPERTY, RelayRefused, ZmtpChecker, ZmtpRelay,
                                             private_router_dir, router_path)
@@ -171,20 +169,7 @@ def test_unfinished_messages_hold_no_memory_in_the_daemon() -> None:
     100 MiB, and a stream beside them keeps its pace."""
     daemon = DaemonProcess().wait_ready(300)
     try:
-        gaps: list[float] = []
-
-        def stream() -> None:
-            with Client(daemon.socket) as client:
-                last = time.perf_counter()
-                for _ in client.generate("def fibonacci(n):", max_tokens=3000, ignore_eos=True):
-                    now = time.perf_counter()
-                    gaps.append(now - last)
-                    last = now
-
-        reader = threading.Thread(target=stream)
-        reader.start()
-        while not gaps:
-            time.sleep(0.01)
+        stream = PacedStream(daemon.socket, 3000)
         before = _rss_mib(daemon.proc.pid)
         part, most = frame(b"x" * ((4 << 20) - 64), MORE), 0
         senders = [zmtp_dealer(daemon.socket) for _ in range(4)]
@@ -198,12 +183,12 @@ def test_unfinished_messages_hold_no_memory_in_the_daemon() -> None:
                 pass
             most = max(most, sent)
         grown = _rss_mib(daemon.proc.pid) - before
-        reader.join(300)
+        largest = stream.finish()
         for sock in senders:
             sock.close()
         assert most < 64 << 20, f"a sender got {most >> 20} MiB through"
         assert grown < 100, f"the front grew by {grown} MiB"
-        assert len(gaps) > 10 and max(gaps[1:]) < 2.0, f"largest gap {max(gaps[1:]):.2f} s"
+        assert largest < 2.0, f"largest gap {largest:.2f} s"
     finally:
         daemon.stop()
 
