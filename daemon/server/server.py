@@ -163,12 +163,12 @@ class Server:
             await asyncio.sleep(0.01)
 
     def _unlink_socket(self) -> None:
+        """The ROUTER's socket and its directory (the relay unlinks the public socket, its own)."""
         private = router_path(self._path)
-        for path in (self._path, private):
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass  # the relay or libzmq removed it when its socket closed
+        try:
+            private.unlink()
+        except FileNotFoundError:
+            pass  # libzmq removed it when the socket closed
         try:
             private.parent.rmdir()
         except OSError:

@@ -261,7 +261,7 @@ class _Side(asyncio.BufferedProtocol):
         return self._buffer
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._receive(bytes(self._buffer[:nbytes]))
+        self._receive(bytes(memoryview(self._buffer)[:nbytes]))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -294,7 +294,9 @@ class _Link:
         self.client = _Side(self, self._from_client, CLIENT_CHUNK)
         self.router = _Side(self, self._from_router, CHUNK)
         self.checker: ZmtpChecker | None = None
-        self.early: list[bytes] = []  # the client's bytes before the ROUTER connection is up
+        # the client's bytes before its ROUTER connection is up (reading stops once open() runs; uvloop
+        # may read before that even where connection_made pauses it)
+        self.early: list[bytes] = []
         self.closed = False
 
     def other(self, side: _Side) -> _Side:
