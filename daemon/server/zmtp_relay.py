@@ -21,9 +21,9 @@ A connection that breaks one is closed on both sides: to the daemon, the client 
 Daemon to client is passed through unread.
 
 Flow control: writes to one side past HIGH_WATER pause reading from the other; reads from the ROUTER
-are of CHUNK bytes at most, and the relay's sockets have small send buffers. A client that does not read backs up into libzmq's pipe (SNDHWM), where the
-Outbox sees it, about as soon as it did without the relay; a client that writes faster than the daemon
-reads waits in its own socket buffer.
+are of CHUNK bytes at most, and the relay's sockets have small send buffers. A client that does not
+read backs up into libzmq's pipe (SNDHWM), where the Outbox sees it, about as soon as it did without
+the relay; a client that writes faster than the daemon reads waits in its own socket buffer.
 """
 from __future__ import annotations
 
@@ -88,7 +88,8 @@ def private_router_dir(socket_path: Path) -> Path:
     directory.mkdir(mode=0o700, exist_ok=True)
     st = os.lstat(directory)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise PermissionError(f"{directory} is not a directory of this user's: refusing to put the ROUTER's socket there")
+        raise PermissionError(f"{directory} is not a directory of this user's: "
+                              "refusing to put the ROUTER's socket there")
     os.chmod(directory, 0o700)
     return directory
 
