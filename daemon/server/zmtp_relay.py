@@ -266,7 +266,7 @@ class _Side(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self._link.close()
+        self._link.side_lost(self)
 
     def pause_writing(self) -> None:  # this end's writes are backed up: stop reading the other
         self._link.other(self).pause()
@@ -344,13 +344,44 @@ class _Link:
             self.client.write([data])
 
     def close(self) -> None:
+        """The client left or broke a rule: nothing more of it goes to the ROUTER. The client's end
+        closes; the ROUTER's is only shut for writing, and closes once libzmq has read that end (half_close)."""
         if self.closed:
             return
         self.closed = True
+        if self.client.transport is not None:
+            self.client.transport.close()
+        if self.router.transport is None or self.router.lost:
+            self.relay.links.discard(self)
+        else:
+            half_close(self.router.transport)
+
+    def side_lost(self, side: _Side) -> None:
+        if side is self.client:
+            self.close()
+            return
+        self.closed = True  # the ROUTER dropped it (or read the end close sent): so goes the client
+        if self.client.transport is not None:
+            self.client.transport.close()
         self.relay.links.discard(self)
-        for side in (self.client, self.router):
-            if side.transport is not None:
-                side.transport.close()
+
+
+def half_close(transport: asyncio.Transport) -> None:
+    """Shut a ROUTER connection for writing (after what waits to be written), reading on until libzmq
+    closes it.
+
+    Closing it outright can abort the daemon: libzmq 4.3.5 (and master, 2026) asserts `!_io_error` in
+    stream_engine_base.cpp's out_event when a peer hangs up while the connection's input is stopped (its
+    pipe full: RCVHWM) and the next heartbeat PING is due. The hang-up marks the engine's I/O error to
+    be dealt with once input restarts; the heartbeat timer writes before that. 400,000 junk messages
+    and a close half a second later aborted the daemon each time. A write shutdown raises no hang-up,
+    only end-of-file, which libzmq reads once its input runs again (or its heartbeat timeout ends the
+    connection), and then it closes the connection as for any client that left."""
+    transport.resume_reading()  # to see libzmq's close; what it still sends is dropped
+    if transport.can_write_eof():
+        transport.write_eof()
+    else:  # not a stream socket: no half-close to be had
+        transport.close()
 
 
 def _more_descriptors() -> None:

@@ -47,4 +47,8 @@ def demo_model():  # type: ignore[no-untyped-def]
 def daemon() -> Iterator[DaemonProcess]:
     d = DaemonProcess(SHARED_CONFIG).wait_ready()
     yield d
+    died = d.proc.poll()
     d.stop()
+    if died is not None:  # every later test failed on it: say why once, with what it printed last
+        pytest.fail(f"the shared daemon died (exit {died}) during the tests; its log ends:\n"
+                    f"{d.log_path.read_text()[-4000:]}")

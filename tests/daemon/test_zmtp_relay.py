@@ -9,6 +9,7 @@ import os
 import random
 import socket
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from concurrent_streams import PacedStream
 from daemon_process import DaemonProcess
 from raw_zmtp import COMMAND, GREETING, MORE, closed_by_peer, frame, ready, zmtp_dealer
 
+from ember.client import Client
 from ember.protocol.endpoint import MAX_PATH_BYTES
 from ember.daemon.server.zmtp_relay import (MAX_FRAMES, PEER_PROPERTY, RelayRefused, ZmtpChecker, ZmtpRelay,
                                             private_router_dir, router_path)
@@ -29,10 +31,11 @@ ME = f"{os.getuid()}:{os.getgid()}:{os.getpid()}"
 class Relayed:
     """A relay (on its own thread) in front of a ROUTER this test reads."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, rcvhwm: int = 1000) -> None:
         self.public = directory / "ember.sock"
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.RCVHWM, rcvhwm)
         self.router.setsockopt(zmq.RCVTIMEO, 10_000)
         private_router_dir(self.public)
         self.router.bind(f"ipc://{router_path(self.public)}")
@@ -160,6 +163,56 @@ def test_the_checker_counts_a_message_across_its_frames() -> None:
     checker.feed(frame(b"a" * (LIMIT // 2), MORE) + frame(b"b" * (LIMIT // 2), MORE))
     with pytest.raises(RelayRefused, match="over"):
         checker.feed(frame(b"c"))
+
+
+def test_a_client_that_leaves_is_dropped_by_the_router_once_it_reads(tmp_path: Path) -> None:
+    """The relay only shuts its ROUTER connection for writing when a client leaves (a hang-up while
+    the ROUTER's input is stopped can abort libzmq: zmtp_relay.half_close): the ROUTER still reads what
+    the client sent and then drops the connection, with input stopped (RCVHWM 1) when the client left."""
+    relayed = Relayed(tmp_path, rcvhwm=1)
+    monitor = relayed.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    monitor.setsockopt(zmq.RCVTIMEO, 10_000)
+    try:
+        sock = zmtp_dealer(relayed.public)
+        sock.sendall(b"".join(frame(b"%d" % i) for i in range(2000)))
+        assert relayed.router.recv_multipart()[1:] == [b"0"]  # the ROUTER connection is up, its pipe full
+        sock.close()
+        got = [relayed.router.recv_multipart()[1] for _ in range(1999)]
+        assert got == [b"%d" % i for i in range(1, 2000)]  # nothing the client sent is lost
+        assert monitor.recv_multipart()  # EVENT_DISCONNECTED: libzmq read the end and closed
+        deadline = time.monotonic() + 10
+        while relayed.relay.links and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not relayed.relay.links
+    finally:
+        monitor.close()
+        relayed.close()
+
+
+@pytest.mark.slow
+def test_a_flood_that_leaves_at_once_does_not_abort_the_daemon() -> None:
+    """400,000 junk messages, the connection closed half a second later, while the ROUTER's input was
+    stopped: libzmq aborted the daemon (`Assertion failed: !_io_error`) at its next heartbeat, every
+    time, until the relay half-closed its ROUTER connections."""
+    daemon = DaemonProcess().wait_ready(300)
+    ctx = zmq.Context()
+    try:
+        for _ in range(2):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(f"ipc://{daemon.socket}")
+            for _ in range(400_000):
+                sock.send(b"\xff junk")
+            time.sleep(0.5)
+            sock.close()
+            time.sleep(2.5)  # past the ROUTER's next heartbeat (1 s)
+            assert daemon.proc.poll() is None, daemon.log_path.read_text()[-2000:]
+        with Client(daemon.socket) as client:
+            assert client.health().status == "ok"
+    finally:
+        ctx.destroy(linger=0)
+        daemon.stop()
 
 
 @pytest.mark.slow
