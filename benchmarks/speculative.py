@@ -26,8 +26,14 @@ were decoded plainly. The sampled mode has no seed (a seeded sampled request alw
 that its seed reproduces it). Then --streams sequences decoded together (aggregate tok/s) for the
 autoregressive, adaptive and always-speculating configurations.
 
+--target-layers N replaces the demo target by the demo target deepened to N layers
+(benchmarks/deep_target.py: the same logits at N / 5 times the layer weights a step; no DFlash rows,
+that draft reads the demo's own layers): a target step then costs ~10 draft steps, where the demo's
+costs ~2.5, so speculation has room to pay.
+
     python benchmarks/speculative.py [--tokens 128] [--rounds 3] [--k 3,4,6] [--full-k 4] [--feature-k 2,4,7]
                                      [--adaptive-k 4] [--ngram-k 4,7] [--streams 8] [--threads N]
+                                     [--target-layers N]
 """
 from __future__ import annotations
 
@@ -48,6 +54,8 @@ from ember.daemon.speculative.ngram_proposer import NGRAM
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.daemon.speculative.verification import Proposal, draft_choice, verify
 from ember.kernels.sampling import SamplingParams
+
+from deep_target import deep_target
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
            "for i in range(10):\n    print("]
@@ -151,26 +159,33 @@ def main() -> None:
     ap.add_argument("--ngram-k", default="4,7", help="n-gram lookup's tokens per step to try ('': none)")
     ap.add_argument("--streams", type=int, default=8, help="sequences decoded together in the batched figure (0: skip)")
     ap.add_argument("--threads", type=int, default=0, help="numba threads (default: all cores)")
+    ap.add_argument("--target-layers", type=int, default=0,
+                    help="the demo target deepened to this many layers (benchmarks/deep_target.py; 0: the demo itself)")
     args = ap.parse_args()
     if args.threads:
         import numba
 
         numba.set_num_threads(args.threads)
     ks = [int(k) for k in args.k.split(",")]
-    target = ember.load(DEMO_MODEL)
+    target_path = str(deep_target(args.target_layers)) if args.target_layers else DEMO_MODEL
+    if args.target_layers:
+        args.feature_k = ""  # the DFlash draft reads the demo target's layers by index: not a deep target's
+    target = ember.load(target_path)
     configs = {"autoregressive": target}
-    configs |= {f"draft k={k}": always(ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=k)) for k in ks}
+    configs |= {f"draft k={k}": always(ember.load(target_path, draft=DEMO_DRAFT, draft_tokens=k)) for k in ks}
     if args.full_k:
-        full = configs[f"draft k={args.full_k} full"] = always(ember.load(DEMO_MODEL, draft=DEMO_DRAFT,
+        full = configs[f"draft k={args.full_k} full"] = always(ember.load(target_path, draft=DEMO_DRAFT,
                                                                           draft_tokens=args.full_k))
         full.draft_min_prob = 0.0
     if args.adaptive_k:
-        configs[f"adaptive k={args.adaptive_k}"] = ember.load(DEMO_MODEL, draft=DEMO_DRAFT, draft_tokens=args.adaptive_k)
+        configs[f"adaptive k={args.adaptive_k}"] = ember.load(target_path, draft=DEMO_DRAFT, draft_tokens=args.adaptive_k)
     fks = [int(k) for k in args.feature_k.split(",") if k]
-    configs |= {f"dflash k={k}": ember.load(DEMO_MODEL, draft=DEMO_DFLASH, draft_tokens=k) for k in fks}
+    configs |= {f"dflash k={k}": ember.load(target_path, draft=DEMO_DFLASH, draft_tokens=k) for k in fks}
     nks = [int(k) for k in args.ngram_k.split(",") if k]
-    configs |= {f"ngram k={k}": ember.load(DEMO_MODEL, draft=NGRAM, draft_tokens=k) for k in nks}
-    print(f"demo dense (Q8_0) + demo draft (Q8_0) + demo DFlash draft (Q8_0), {args.tokens} tokens x {len(PROMPTS)} prompts, "
+    configs |= {f"ngram k={k}": ember.load(target_path, draft=NGRAM, draft_tokens=k) for k in nks}
+    name = f"demo dense deepened to {args.target_layers} layers (benchmarks/deep_target.py)" if args.target_layers \
+        else "demo dense"
+    print(f"{name} (Q8_0) + demo draft (Q8_0) + demo DFlash draft (Q8_0), {args.tokens} tokens x {len(PROMPTS)} prompts, "
           f"{args.rounds} rounds, {os.cpu_count()} CPUs")
     results: dict[str, dict[str, tuple[float, SpecStats]]] = {}
     for mode, options in MODES.items():

@@ -59,6 +59,21 @@ def test_faster_speculation_is_kept() -> None:
     assert switch.speculate(1) and switch.classes[1].interval > spec_switch.FIRST_INTERVAL
 
 
+def test_speculation_that_yields_unevenly_is_rated_by_its_time_per_token() -> None:
+    """Rounds alternate a rejected proposal (1 token, 12 ms) and an accepted one (5 tokens, 18 ms):
+    5 ms a token, against plain decoding's 7. The mean of the rounds' own rates (12 and 3.6 ms) is
+    7.8 and would turn speculation off."""
+    switch = SpecSwitch()
+    for i in range(spec_switch.WARM + spec_switch.PROBE_STEPS + 100):
+        if switch.speculate(1):
+            rejected = i % 2 == 0
+            switch.record(1, True, 12e-3 if rejected else 18e-3, 1 if rejected else 5)
+        else:
+            switch.record(1, False, 4 * 7e-3, 4)
+    assert switch.speculate(1) and switch.switches == 0
+    assert switch.rates(1)[0] == pytest.approx(5e-3, rel=0.2)
+
+
 def test_catch_up_steps_are_not_a_rate() -> None:
     """The first speculative step after plain ones also runs the draft over what it missed: a cost of
     switching, left out of speculation's rate."""
