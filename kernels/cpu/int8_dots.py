@@ -1,6 +1,6 @@
 """Integer dot products of quantized weight rows with int8-quantized activations: the decode kernels.
 
-This module owns the activation quantizers and the tiles (one weight row x 1 or TILE_TOKENS tokens)
+This module owns the activation quantizers and the tiles (one weight row x 1 to TILE_TOKENS tokens)
 that quant_matmul.py's decode-row kernels are made of, for every block type (Q8_0, Q4_0, Q4_1, Q5_0,
 Q5_1, IQ4_NL; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS). It is llama.cpp's approach: x is quantized once
 per matmul, into ggml's q8_0 against the 32-value block types (32 int8 values and one f16 scale, bit
@@ -753,7 +753,9 @@ def _tiles(name, weight_side, blocks_per_unit, tail=None, lanes=8):
 # (19 -> 9 GB/s on one core), the hardware prefetcher following one stream per row best. A tile of
 # 4 tokens reuses each weight chunk, once unpacked, four times (4 x 8-lane accumulators fit AVX2).
 TILE_TOKENS = 4
-TILE_SIZES = (TILE_TOKENS, 1)  # tokens per tile: whole tiles, then the rest one at a time
+# tokens per tile: whole tiles of TILE_TOKENS, then the 1-3 left in one tile of their number (a
+# verification of 2 or 3 tokens ran them one at a time, each reading the row's blocks again)
+TILE_SIZES = (TILE_TOKENS, 3, 2, 1)
 # Tokens left after the whole tiles (the one token of a plain decode step) meet two rows per tile,
 # row after row: a row's fixed cost in a one-row tile (pointers, loop set-up, horizontal sums, store,
 # the type switch) was ~5 ns, 5 Q8_0 blocks' worth on one thread, 30% of a 384-column row.

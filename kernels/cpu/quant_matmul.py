@@ -305,16 +305,18 @@ def _matvec_16bit(is_f16, u16, x, out):
 
 def _rows_loop(tiles):
     """An inlined loop over rows first..end-1 and every token with one type's tiles (int8_dots'
-    *_TILES): per row, tiles of TILE_TOKENS tokens, then the tokens left over (the one token of plain
-    decode) with two rows per tile. Each type's loop is its own code, so the type is switched on once
-    per call, not once per row: a per-row switch over twelve types' tiles cost 1 us of a 4 us
-    256 x 256 Q8_0 matvec."""
-    tile, tile_1, tile_pair = tiles[TILE_SIZES.index(TILE_TOKENS)], tiles[TILE_SIZES.index(1)], tiles[ROW_PAIR]
+    *_TILES): per row, tiles of TILE_TOKENS tokens, then the 2 or 3 tokens left over in one tile; one
+    token left over (the one token of plain decode) meets two rows per tile. Each type's loop is its
+    own code, so the type is switched on once per call, not once per row: a per-row switch over twelve
+    types' tiles cost 1 us of a 4 us 256 x 256 Q8_0 matvec."""
+    tile, tile_3, tile_2 = (tiles[TILE_SIZES.index(size)] for size in (TILE_TOKENS, 3, 2))
+    tile_1, tile_pair = tiles[TILE_SIZES.index(1)], tiles[ROW_PAIR]
 
     @njit(inline="always", **_STRICT)
     def loop(u8, first, end, xq, xd, xs, xc, out):
         n = xq.shape[0]
         whole = n - n % TILE_TOKENS
+        rest = n - whole
         r = first
         while r < end:
             pair = r + 2 <= end
@@ -325,12 +327,19 @@ def _rows_loop(tiles):
                     for j in range(TILE_TOKENS):
                         out[t + j, r + i] = v[j]
                     t += TILE_TOKENS
-            for t in range(whole, n):
+                if rest == 3:
+                    v3 = tile_3(u8, r + i, xq, xd, xs, xc, whole)
+                    for j in range(3):
+                        out[whole + j, r + i] = v3[j]
+                elif rest == 2:
+                    v2 = tile_2(u8, r + i, xq, xd, xs, xc, whole)
+                    out[whole, r + i], out[whole + 1, r + i] = v2[0], v2[1]
+            if rest == 1:
                 if pair:
-                    v2 = tile_pair(u8, r, xq, xd, xs, xc, t)
-                    out[t, r], out[t, r + 1] = v2[0], v2[1]
+                    vp = tile_pair(u8, r, xq, xd, xs, xc, whole)
+                    out[whole, r], out[whole, r + 1] = vp[0], vp[1]
                 else:
-                    out[t, r] = tile_1(u8, r, xq, xd, xs, xc, t)[0]
+                    out[whole, r] = tile_1(u8, r, xq, xd, xs, xc, whole)[0]
             r += 2 if pair else 1
 
     return loop
