@@ -9,10 +9,16 @@ ctypes into the libggml that llama-cpp-python ships: a graph of many mul_mat nod
 same thread count, so ggml's per-graph thread start is amortized as in a real decode graph.
 
     python3 benchmarks/quant_matmul.py [--types Q4_K,Q8_0] [--repeat 200] [--llama-cpp] [--prompt 512]
+                                       [--decode-rows 8]
 
 --prompt N times the prompt rows instead: N tokens through each type's 100M shapes (2048 x 768 and
 768 x 2048), with f32 rows (prompt_act f32) and int8 ones (q8_0: kernels/cpu/int8_prompt.py), and
 ggml's mul_mat of N tokens with --llama-cpp; ms and GOP/s (2 x rows x cols x N per second).
+
+--decode-rows N times decode rows of 1 to N tokens instead (the integer tiles: 4 tokens a tile, then
+one tile of the 2 or 3 left; from decode_lanes.MIN_TOKENS on, token lanes) through the 100M shapes, the
+demo's and one past the L3 (16384 x 3072), each token's result checked bit for bit against the token
+alone; ms and GOP/s. What a verification of n proposals and a batch of n streams cost.
 
 Run from a checkout where `ember` is importable. Numba's thread count is used as is. Weights are
 cache-resident after the first call (all these shapes fit a 32 MiB L3), as for llama.cpp here.
@@ -124,13 +130,41 @@ def prompt_rows(names: list[str], n: int, ggml: GgmlMulMat | None) -> None:
                   flush=True)
 
 
+def decode_rows(names: list[str], most: int) -> None:
+    """1..most decode tokens through each type's integer kernel (best of 7 x 15 calls), each result
+    checked against its token alone."""
+    rng = np.random.default_rng(0)
+    print(f"threads: {numba.get_num_threads()}; ms (GOP/s) by tokens")
+    for name in names:
+        tt = TensorType[name]
+        for rows, cols in ((1024, 384), (2048, 768), (768, 2048), (16384, 3072)):
+            if cols % BLOCK_GEOMETRY[tt][0]:
+                continue
+            cw = pack(RawTensor(name, tt, (rows, cols), quantize(tt, rng.standard_normal((rows, cols)).astype(np.float32) * 0.02)))
+            if not cw.int8:
+                continue
+            x = rng.standard_normal((most, cols)).astype(np.float32)
+            alone = np.stack([matmul(x[t:t + 1], cw, True)[0] for t in range(most)])
+            cells = []
+            for n in range(1, most + 1):
+                assert np.array_equal(matmul(x[:n], cw, True), alone[:n]), (name, rows, cols, n)
+                calls = max(1, 15 * 2048 * 768 // (rows * cols))
+                t = best_time(lambda: [matmul(x[:n], cw, True) for _ in range(calls)], 7) / calls
+                cells.append(f"{n}: {t * 1e3:.3f} ({2 * rows * cols * n / t / 1e9:.0f})")
+            print(f"{name:7} {rows:>5}x{cols:<5} " + "  ".join(cells), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--repeat", type=int, default=100)
     ap.add_argument("--llama-cpp", action="store_true", help="also time ggml's mul_mat (needs llama-cpp-python)")
     ap.add_argument("--prompt", type=int, default=0, metavar="N", help="time prompt rows of N tokens instead")
+    ap.add_argument("--decode-rows", type=int, default=0, metavar="N", help="time decode rows of 1..N tokens instead")
     args = ap.parse_args()
+    if args.decode_rows:
+        decode_rows(args.types.split(","), args.decode_rows)
+        return
     ggml = GgmlMulMat(numba.get_num_threads()) if args.llama_cpp else None
     if args.prompt:
         prompt_rows(args.types.split(","), args.prompt, ggml)
