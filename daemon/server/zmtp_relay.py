@@ -357,13 +357,9 @@ class _Link:
             half_close(self.router.transport)
 
     def side_lost(self, side: _Side) -> None:
-        if side is self.client:
-            self.close()
-            return
-        self.closed = True  # the ROUTER dropped it (or read the end close sent): so goes the client
-        if self.client.transport is not None:
-            self.client.transport.close()
-        self.relay.links.discard(self)
+        self.close()  # the ROUTER's end lost first (libzmq dropped it): so goes the client
+        if side is self.router:  # the link's last end
+            self.relay.links.discard(self)
 
 
 def half_close(transport: asyncio.Transport) -> None:
