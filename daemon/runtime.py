@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -84,8 +85,12 @@ class Model(TextModel):
         self._native = None if cuda_kernels == "numba" else _native_decoder(mf, name, kv_dtype, decode_act, pipeline,
                                                                            draft is not None or ngram, native_ops)
         self.prompt_act = prompt_act
-        self._net = None if pipeline or self._native else Transformer(mf, model_ops(name, prompt_act), experts=experts,
-                                                                      on_layer=on_layer)
+        ops = None if pipeline or self._native else model_ops(name, prompt_act)
+        # what binds the loading thread, and each engine's, to the model's device (Ops.device_scope)
+        self._device_scope = (self._native.ops.device_scope if self._native else
+                              ops.device_scope if ops is not None else nullcontext)
+        with self._device_scope():
+            self._net = None if ops is None else Transformer(mf, ops, experts=experts, on_layer=on_layer)
         self.draft_path = None if draft is None else draft.path
         self.ngram = ngram and draft is None
         self.draft_tokens = draft_tokens
@@ -101,7 +106,9 @@ class Model(TextModel):
         if draft is not None:
             # beside a split the draft runs where sampling does: the engine's process, on the host CPU
             at = DeviceName("cpu") if pipeline is not None else name
-            self._draft = DFlashDraft(draft, self.net) if is_dflash(draft) else Transformer(draft, model_ops(at, prompt_act))
+            with self._device_scope():
+                self._draft = (DFlashDraft(draft, self.net) if is_dflash(draft) else
+                               Transformer(draft, model_ops(at, prompt_act)))
         self._spec_stats = SpecStats()
         self._burst_clocks: dict[tuple[float, int], BurstClock] = {}
 
@@ -157,6 +164,10 @@ class Model(TextModel):
         options.setdefault("burst_clock", self._burst_clocks.setdefault(key, BurstClock(*key)))
         options.setdefault("grammars", self.grammars)
         options.setdefault("max_step_tokens", self.pipeline.max_tokens if self.pipeline else PREFILL_CHUNK)
+        with self._device_scope():  # its KV cache, draft and buffers go to the model's device
+            return self._engine(capacity, max_running, options)
+
+    def _engine(self, capacity: int, max_running: int, options: dict[str, Any]) -> EngineCore:
         blocks = -(-capacity // KV_BLOCK)
         if self._native is not None:
             context = min(options.get("max_context") or self.config.context_length, blocks * KV_BLOCK)
@@ -277,16 +288,16 @@ def _native_decoder(mf: ModelFile, name: DeviceName, kv_dtype: str, decode_act: 
     """The model's weights on the native CUDA kernels, or why it cannot run there."""
     if pipeline is not None:
         raise ValueError("the native CUDA kernels run a model on one device, not across a layer split")
-    if ops is None and str(name) != "cuda:0":
-        raise ValueError(f"cuda_kernels 'native' runs on cuda:0 so far, not {name}")
     if speculative:
         raise ValueError("speculative decoding does not run on the native CUDA kernels yet (cuda_kernels 'numba')")
     if decode_act != "q8_0":
         raise ValueError("the native CUDA kernels quantize decode activations to q8_1 (decode_act q8_0); "
                          "for f32 decode activations use cuda_kernels 'numba'")
     if ops is None:
-        ops = NativeOps.on_gpu()  # imports CuPy: only here, on a GPU
-    return NativeDecoder.from_file(mf, ops, n_blocks=1, block_size=KV_BLOCK, kv_dtype=kv_dtype, max_context=KV_BLOCK)
+        ops = NativeOps.on_gpu(name.index or 0)  # imports CuPy: only here, on a GPU
+    with ops.device_scope():
+        return NativeDecoder.from_file(mf, ops, n_blocks=1, block_size=KV_BLOCK, kv_dtype=kv_dtype,
+                                       max_context=KV_BLOCK)
 
 
 def load(path: str | Path, device: str = "cpu", kv_dtype: str = DEFAULT_KV_DTYPE, decode_act: str = "q8_0",

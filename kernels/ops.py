@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -139,6 +140,12 @@ class Ops(ABC):
     # activations of prompt rows against quantized weights (convert.PROMPT_ACTIVATIONS): "f32" exact,
     # "q8_0" each 32 values quantized to int8 for integer products, where a backend has them (the CPU)
     prompt_act: str = "f32"
+
+    def device_scope(self) -> AbstractContextManager[Any]:
+        """Inside it, the calling thread allocates and launches on this ops' device. A GPU runtime binds
+        its current device per thread, so whoever loads weights or runs a step enters it (Model's
+        load, EngineCore.step); the CPU has nothing to bind."""
+        return nullcontext()
 
     # --- placing weights ------------------------------------------------------------------------
     @abstractmethod

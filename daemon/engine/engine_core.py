@@ -185,6 +185,12 @@ class EngineCore:
         return self.scheduler.has_work or bool(self._flights)
 
     def step(self) -> StepResult:
+        """One step (_step), with the calling thread on the runner's device: whichever thread drives
+        the engine (the engine process's, a caller's in process) launches there."""
+        with self.runner.device_scope():
+            return self._step()
+
+    def _step(self) -> StepResult:
         """Fill the executor with steps, then account the first one that is through: its outputs are
         the sequences that got new tokens, logits or finished.
 

@@ -121,12 +121,6 @@ class CudaBackend:
 
     def ops(self, device: DeviceName) -> Ops:
         self._check(device)
-        if (device.index or 0) > 0:
-            # numba binds a context per thread and the engine thread does not select one: a cuda:1
-            # served silently on device 0 would be a lie (docs/cuda.md). A layer-split stage on cuda:N
-            # is a process that sees that GPU alone, as its cuda:0 (stage_process.visible_gpu).
-            raise CudaUnavailable(f"{device}: this build serves one model on cuda:0 only; run with "
-                                  f"CUDA_VISIBLE_DEVICES={device.index} and --device cuda:0")
         from ember.kernels.cuda.backend import CudaOps
 
         return CudaOps(device.index or 0)

@@ -12,7 +12,9 @@ processes, and the same RowSampler.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from contextlib import AbstractContextManager
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -50,6 +52,9 @@ class ModelRunner:
         # model layers whose input hidden states each step hands back (StepRun.features): what a
         # feature-conditioned draft reads (daemon/speculative/feature_proposer.py)
         self.capture: tuple[int, ...] = ()
+
+    def device_scope(self) -> AbstractContextManager[Any]:
+        return self.ops.device_scope()
 
     @property
     def stateful(self) -> bool:

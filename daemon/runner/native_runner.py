@@ -14,6 +14,7 @@ loaded with cuda_kernels "native" builds one per engine (daemon/runtime.py).
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -41,6 +42,9 @@ class NativeRunner:
         self.capture: tuple[int, ...] = ()  # no hidden states handed back (no feature-conditioned draft)
         self.device_sampling = device_sampling
         self.sampler = RowSampler(DeviceSampling(decoder.ops) if device_sampling else get_ops("cpu"))
+
+    def device_scope(self) -> AbstractContextManager[Any]:
+        return self.decoder.ops.device_scope()
 
     @property
     def stateful(self) -> bool:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence as Seq
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +56,9 @@ class SplitRunner:
     @property
     def kv_blocks(self) -> int:
         return self.spec.blocks
+
+    def device_scope(self) -> AbstractContextManager[Any]:
+        return nullcontext()  # the engine's part (sampling) runs on the host; each stage binds its own GPU
 
     def between_requests(self) -> None:
         """Nothing to do: a split model's stages keep every MoE expert hot."""

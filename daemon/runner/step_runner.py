@@ -3,7 +3,8 @@ layer split's stages. Step data in (StepBatch, each sampled row's RowSampling), 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Protocol
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -37,6 +38,10 @@ class StepRunner(Protocol):
 
     @property
     def kv_blocks(self) -> int: ...
+
+    def device_scope(self) -> AbstractContextManager[Any]:
+        """Entered around each step: the calling thread then launches on the runner's device (Ops.device_scope)."""
+        ...
 
     def between_requests(self) -> None: ...
 

@@ -12,11 +12,14 @@ decode) is accepted and not used, so a GPU step's numerics never depend on the b
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import numpy as np
 from numba import cuda
 
 from ember.kernels.cuda import dense, quant_matmul, sampling
+from ember.kernels.cuda.device import device_scope
 from ember.kernels.cuda.device_array import DeviceArray, zeros
 from ember.kernels.cuda.paged_attention import CudaKVStore, kv_write, paged_attention
 from ember.kernels.cuda.quant_matmul import CudaWeight, Tables
@@ -31,10 +34,12 @@ class CudaOps(Ops):
     name = "cuda"
 
     def __init__(self, index: int = 0) -> None:
-        # The device asked for. numba binds a context per thread and the kernels launch on the calling
-        # thread's current device: only cuda:0 is served as asked so far (docs/cuda.md, issue 15).
         self.index = index
-        self.tables = Tables.upload()
+        with self.device_scope():
+            self.tables = Tables.upload()
+
+    def device_scope(self) -> AbstractContextManager[Any]:
+        return device_scope(self.index)
 
     # --- placing weights ------------------------------------------------------------------------
     def weight(self, t: RawTensor) -> CudaWeight:

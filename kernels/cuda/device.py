@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import sys
 import threading
+from contextlib import AbstractContextManager
+from typing import Any
 
 import numpy as np
 from numba import config, cuda
@@ -46,6 +48,14 @@ def unavailable_reason() -> str | None:
     except Exception as e:  # noqa: BLE001 - any driver/library failure is the answer itself
         return " ".join(str(e).split()).rstrip(" :") or type(e).__name__  # numba's message spans lines
     return "no CUDA GPU found"
+
+
+def device_scope(index: int) -> AbstractContextManager[Any]:
+    """The calling thread works on GPU `index` inside: numba (and CuPy, whose runtime calls use the same
+    primary contexts) allocate and launch in the calling thread's current context, so an engine on
+    cuda:N enters this around its loading and each of its steps. It pushes the device's primary
+    context and pops it on exit: nesting, and any thread, work."""
+    return cuda.gpus[index]
 
 
 # --- the reduction helper ------------------------------------------------------------------------

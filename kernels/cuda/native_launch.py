@@ -15,7 +15,8 @@ caller's, so a captured graph can replay them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -312,15 +313,24 @@ def _blocks(n: int, per_block: int) -> int:
 class NativeOps:
     """The native kernels, each launched over the caller's buffers."""
 
-    def __init__(self, xp: Any, launcher: Launcher) -> None:
+    def __init__(self, xp: Any, launcher: Launcher,
+                 scope: Callable[[], AbstractContextManager[Any]] = nullcontext) -> None:
+        """scope: enters the device these kernels run on, for the calling thread (device_scope)."""
         self.xp = xp
         self.launcher = launcher
+        self._scope = scope
 
     @classmethod
-    def on_gpu(cls) -> NativeOps:
+    def on_gpu(cls, index: int = 0) -> NativeOps:
+        """CuPy's kernels on GPU `index`."""
         import cupy  # noqa: PLC0415 - only a GPU process has CuPy
 
-        return cls(cupy, CupyLauncher())
+        return cls(cupy, CupyLauncher(), lambda: cupy.cuda.Device(index))
+
+    def device_scope(self) -> AbstractContextManager[Any]:
+        """Inside it the calling thread allocates, compiles and launches on this ops' device: CuPy keeps a
+        current device per thread, and a module or a captured graph belongs to the device it was made on."""
+        return self._scope()
 
     def launch(self, kernel: nk.Kernel, grid: tuple[int, ...], block: tuple[int, ...], **args: Any) -> None:
         names = [p.name for p in kernel.params]

@@ -62,17 +62,6 @@ def test_a_device_index_beyond_the_machines_is_refused() -> None:
         backend_for(beyond).ops(beyond)
 
 
-def test_a_second_device_is_refused_with_the_workaround() -> None:
-    pytest.importorskip("numba.cuda")
-    _need_device()
-    from numba import cuda
-
-    if len(cuda.gpus) < 2:
-        pytest.skip("needs a machine with two CUDA devices")
-    with pytest.raises(CudaUnavailable, match="CUDA_VISIBLE_DEVICES=1 and --device cuda:0"):
-        backend_for("cuda:1").ops(DeviceName("cuda", 1))
-
-
 def test_plan_for_a_cuda_budget(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["plan", str(DEMO_MODEL), "--device", "cuda:0=24GiB"]) == 0
     out = capsys.readouterr().out

@@ -3,6 +3,8 @@ against the CPU model (`ember.load(...).logits`, the oracle here), run on the ho
 and on a GPU where CuPy finds one (there also captured as a CUDA graph and replayed)."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -311,12 +313,43 @@ def test_a_model_on_the_native_kernels_generates_and_scores_as_the_cpu_model(ops
         model.net  # noqa: B018 - the property raises
     with pytest.raises(ValueError, match="decode_act"):
         Model(mf, tokenizer_of(mf), "cuda:0", decode_act="f32", cuda_kernels="native", native_ops=ops)
-    with pytest.raises(ValueError, match="cuda:0 so far"):
-        Model(mf, tokenizer_of(mf), "cuda:1", cuda_kernels="native")
     with pytest.raises(ValueError, match="layer split"):
         ember.load(str(DEMO), devices="cuda:0,cpu", cuda_kernels="native")
     with pytest.raises(ValueError, match="cuda_kernels"):
         ember.load(str(DEMO), cuda_kernels="fast")
+
+
+def test_a_model_on_cuda_1_launches_every_native_kernel_inside_its_device(lib, cpu_model: Any) -> None:  # type: ignore[no-untyped-def]
+    """cuda:1: the weights' upload, each engine's cache and every step (prompt GEMMs, greedy bursts,
+    a sampled request) launch while the calling thread is inside the ops' device scope (on a GPU,
+    cupy.cuda.Device(1): CuPy's current device is per thread)."""
+    from ember.daemon.runtime import Model  # noqa: PLC0415
+    from ember.daemon.text.text_model import tokenizer_of  # noqa: PLC0415
+
+    depth, outside, launched = [0], [], []
+    harness = HarnessLauncher(lib)
+
+    @contextlib.contextmanager
+    def scope() -> Iterator[None]:
+        depth[0] += 1
+        try:
+            yield
+        finally:
+            depth[0] -= 1
+
+    def launcher(kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple[Any, ...]) -> None:
+        (launched if depth[0] else outside).append(kernel.name)
+        harness(kernel, grid, block, args)
+
+    mf = open_model_file(DEMO)
+    model = Model(mf, tokenizer_of(mf), "cuda:1", "f16", cuda_kernels="native",
+                  native_ops=NativeOps(np, launcher, scope))
+    assert model.device == "cuda:1"
+    prompt = list(cpu_model.tokenize(TEXTS[1]))
+    assert len(list(model.generate(prompt, max_tokens=4, ignore_eos=True))) == 4
+    assert len(list(model.generate(prompt, max_tokens=2, temperature=0.8, seed=1, ignore_eos=True))) == 2
+    assert not outside, sorted(set(outside))
+    assert len(launched) > 100
 
 
 def test_a_step_allocates_and_copies_nothing(  # type: ignore[no-untyped-def]
