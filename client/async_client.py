@@ -25,16 +25,16 @@ from zmq.utils.monitor import parse_monitor_message
 
 import ember
 from ember.client.errors import DaemonUnavailable, EmberError, EmberTimeout, UntrustedSocket
-from ember.client.request_builder import (MONITOR_EVENTS, Chunk, Lost, PeerCheck, chunk_from, configure,
+from ember.client.request_builder import (MONITOR_EVENTS, Chunk, HeldSlots, LogitsReader, Lost, PeerCheck, chunk_from,
+                                          configure,
                                           daemon_address, encode, end_of_stream, expect, generate_message,
                                           lost_connection, message_limit, unreachable)
 from ember.protocol.codec import Codec, ProtocolError
 from ember.protocol.endpoint import client_socket_path
 from ember.protocol.messages import (PROTOCOL_VERSION, Cancel, ChatMessage, Detokenize, Error, Finished, Health,
-                                     HealthStatus, Hello, Hold, ListModels, ModelInfo, Models, Ping, Release,
+                                     HealthStatus, Hello, Hold, ListModels, ModelInfo, Models, Ping,
                                      ServerMessage, Stats, StatsReport, Text, TokenIds, Tokenize, Tokens, Welcome,
                                      Wire)
-from ember.protocol.shm_ring import ShmRingReader
 
 
 class AsyncClient:
@@ -56,7 +56,7 @@ class AsyncClient:
         self._unreachable: Lost | None = None  # nothing listens at the path (from a failed connect)
         self._later = 0  # sends waiting for a connection: later ones queue behind them, in order
         self._send_lock: asyncio.Lock | None = None
-        self._reader = ShmRingReader()
+        self._reader = LogitsReader()
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -306,9 +306,10 @@ class AsyncClient:
             self._queues[request_id].put_nowait(lost)
             self._pending.discard(request_id)
 
-    def _release(self, request_id: int, slots: list[int]) -> None:
-        if slots and self._sock is not None:
-            self._send(Release(request_id, tuple(slots))).add_done_callback(_quiet)
+    def _release(self, request_id: int, held: HeldSlots) -> None:
+        if self._sock is not None:
+            for release in self._reader.releases(request_id, held):
+                self._send(release).add_done_callback(_quiet)
 
     def _finish_stream(self, request_id: int) -> None:
         self._forget(request_id)
@@ -322,7 +323,7 @@ class AsyncStream:
         self.id = request_id
         self._sent: asyncio.Future[Any] | None = sent
         self.finished: Finished | None = None
-        self._held: list[int] = []
+        self._held = HeldSlots()
         self._done = False
 
     def __aiter__(self) -> AsyncStream:
@@ -330,7 +331,7 @@ class AsyncStream:
 
     async def __anext__(self) -> Chunk:
         self._client._release(self.id, self._held)
-        self._held = []
+        self._held = HeldSlots()
         if self._sent is not None:
             sent, self._sent = self._sent, None
             await sent
@@ -343,7 +344,7 @@ class AsyncStream:
             self._client._finish_stream(self.id)
             raise
         if isinstance(reply, Tokens):
-            self._held = [slot.slot for slot in reply.logits or ()]
+            self._held = HeldSlots.of(reply)
             return chunk_from(reply, self._client._reader)
         self._done = True
         self._client._finish_stream(self.id)

@@ -26,16 +26,16 @@ from zmq.utils.monitor import parse_monitor_message
 
 import ember
 from ember.client.errors import DaemonUnavailable, EmberTimeout, UntrustedSocket
-from ember.client.request_builder import (MONITOR_EVENTS, Chunk, Lost, PeerCheck, chunk_from, configure,
+from ember.client.request_builder import (MONITOR_EVENTS, Chunk, HeldSlots, LogitsReader, Lost, PeerCheck, chunk_from,
+                                          configure,
                                           daemon_address, encode, end_of_stream, expect, generate_message,
                                           lost_connection, message_limit, unreachable)
 from ember.protocol.codec import Codec, ProtocolError
 from ember.protocol.endpoint import client_socket_path
 from ember.protocol.messages import (PROTOCOL_VERSION, Cancel, ChatMessage, Detokenize, Error, Finished, Health,
-                                     HealthStatus, Hello, Hold, ListModels, ModelInfo, Models, Ping, Release,
+                                     HealthStatus, Hello, Hold, ListModels, ModelInfo, Models, Ping,
                                      ServerMessage, Stats, StatsReport, Text, TokenIds, Tokenize, Tokens, Welcome,
                                      Wire)
-from ember.protocol.shm_ring import ShmRingReader
 
 
 class Client:
@@ -50,14 +50,14 @@ class Client:
         self._ids = itertools.count(1)
         self._inbox: dict[int, deque[ServerMessage | Lost]] = {}
         self._pending: set[int] = set()  # requests sent whose last frame has not come
-        self._abandoned: list[tuple[int, list[int]]] = []  # streams dropped unfinished: cancel them
+        self._abandoned: list[tuple[int, HeldSlots]] = []  # streams dropped unfinished: cancel them
         self._heard = time.monotonic()
         self._max_message = message_limit(None)
         self._connected = False  # libzmq holds a connection that PeerCheck let through
         self._peer = PeerCheck(self.socket_path)
         self._retried = False  # a connect failed since the last connection (libzmq retries it)
         self._address = address
-        self._reader = ShmRingReader()
+        self._reader = LogitsReader()
         self._ctx = zmq.Context()
         # every socket of it, the monitor's too, drops what it has not sent when closed: a client
         # collected unclosed must not make Context.term() wait on a daemon that is gone
@@ -267,21 +267,22 @@ class Client:
     def _finish_stream(self, request_id: int) -> None:
         self._forget(request_id)
 
-    def _release(self, request_id: int, slots: list[int]) -> None:
-        if slots and not self._sock.closed:
-            self._send(Release(request_id, tuple(slots)))
+    def _release(self, request_id: int, held: HeldSlots) -> None:
+        if not self._sock.closed:
+            for release in self._reader.releases(request_id, held):
+                self._send(release)
 
-    def _abandon(self, request_id: int, slots: list[int]) -> None:
+    def _abandon(self, request_id: int, held: HeldSlots) -> None:
         """A Stream was dropped unfinished (from __del__: no socket calls here)."""
-        self._abandoned.append((request_id, slots))
+        self._abandoned.append((request_id, held))
 
     def _cancel_abandoned(self) -> None:
         while self._abandoned:
-            request_id, slots = self._abandoned.pop()
+            request_id, held = self._abandoned.pop()
             self._forget(request_id)
             self._sock.send(self._codec.encode(Cancel(request_id)))
-            if slots:
-                self._sock.send(self._codec.encode(Release(request_id, tuple(slots))))
+            for release in self._reader.releases(request_id, held):
+                self._sock.send(self._codec.encode(release))
 
 
 class Stream:
@@ -293,7 +294,7 @@ class Stream:
         self._client = client
         self.id = request_id
         self.finished: Finished | None = None
-        self._held: list[int] = []  # logits slots of the chunk handed out last
+        self._held = HeldSlots()  # logits slots of the chunk handed out last
         self._done = False
 
     def __iter__(self) -> Stream:
@@ -310,7 +311,7 @@ class Stream:
             self._client._finish_stream(self.id)
             raise
         if isinstance(reply, Tokens):
-            self._held = [slot.slot for slot in reply.logits or ()]
+            self._held = HeldSlots.of(reply)
             return chunk_from(reply, self._client._reader)
         self._done = True
         self._client._finish_stream(self.id)
@@ -346,5 +347,5 @@ class Stream:
             self._client._abandon(self.id, self._held)
 
     def _release_held(self) -> None:
-        held, self._held = self._held, []
+        held, self._held = self._held, HeldSlots()
         self._client._release(self.id, held)

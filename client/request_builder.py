@@ -13,7 +13,7 @@ import stat
 import struct
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -26,8 +26,9 @@ from ember.client.errors import (BadRequest, ConnectionLost, DaemonUnavailable, 
 from ember.protocol.codec import Codec
 from ember.protocol.endpoint import ipc_address, listener_problem, socket_dir_problem
 from ember.protocol.limits import Limits
-from ember.protocol.messages import (ChatMessage, Error, Finished, FinishReason, Generate, Grammar, ServerMessage,
-                                     Tokens, Tool, ToolCall, ToolChoice, Welcome, Wire)
+from ember.protocol.device_ring import DeviceRingReader
+from ember.protocol.messages import (ChatMessage, Error, Finished, FinishReason, Generate, Grammar, Release,
+                                     ServerMessage, Tokens, Tool, ToolCall, ToolChoice, Welcome, Wire)
 from ember.protocol.shm_ring import ShmRingReader
 
 T = TypeVar("T")
@@ -187,14 +188,15 @@ def unreachable(socket_path: Path) -> Lost | None:
 @dataclass(frozen=True)
 class Chunk:
     """What one Tokens frame brought: new token ids, the text they add, and when asked for, their
-    log-probabilities and logits. `logits` ([n, vocab] float32) is a read-only view of shared memory,
-    valid until the stream advances: copy it to keep it."""
+    log-probabilities and logits. `logits` ([n, vocab] float32) is a read-only view of shared memory
+    (return_logits), or with device_logits a CuPy array on the model's GPU, read in place (the current
+    stream waits for the daemon's write); either is valid until the stream advances: copy it to keep it."""
 
     token_ids: list[int]
     text: str
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    logits: np.ndarray | None = None
+    logits: Any = None
 
 
 def generate_message(request_id: int, prompt: str | Sequence[int] | None = None, *,
@@ -207,15 +209,16 @@ def generate_message(request_id: int, prompt: str | Sequence[int] | None = None,
                      logprobs: bool = False, top_logprobs: int = 0,
                      logit_bias: Mapping[int, float] | None = None, grammar: Grammar | None = None,
                      json_schema: Mapping[str, Any] | str | None = None, tools: Sequence[Tool] = (),
-                     tool_choice: str = ToolChoice.AUTO, tool_name: str = "", parallel_tool_calls: bool = True
-                     ) -> Generate:
+                     tool_choice: str = ToolChoice.AUTO, tool_name: str = "", parallel_tool_calls: bool = True,
+                     device_logits: bool = False) -> Generate:
     """The Generate message of these options. Sampling defaults to greedy; None for temperature, top_k,
     top_p, min_p or repetition_penalty leaves that parameter to the model's recommendation. The text
     follows `grammar` (ember.protocol.messages.Grammar: json_schema, json, regex, lark or gbnf), or
     `json_schema` (a schema, or its JSON text) for short, and ends where it is complete. A chat may offer
     `tools` (ember.protocol.messages.Tool) for the model to call (tool_choice auto, none, or required,
     with tool_name the one function); its calls come in its text, in the model's format
-    (ember.client.tool_calls parses them)."""
+    (ember.client.tool_calls parses them). return_logits gives each token's logits in shared memory;
+    device_logits gives them on the model's GPU instead (CUDA IPC: a model on a GPU, CuPy here)."""
     try:
         if json_schema is not None:
             if grammar is not None:
@@ -230,7 +233,7 @@ def generate_message(request_id: int, prompt: str | Sequence[int] | None = None,
             float(frequency_penalty), float(presence_penalty), seed,
             (stop,) if isinstance(stop, str) else tuple(stop or ()), tuple(stop_ids or ()), ignore_eos, return_logits,
             logprobs, top_logprobs, {int(k): float(v) for k, v in (logit_bias or {}).items()}, grammar,
-            tuple(tools), tool_choice, tool_name, parallel_tool_calls,
+            tuple(tools), tool_choice, tool_name, parallel_tool_calls, device_logits,
         )
     except (TypeError, ValueError, KeyError) as e:  # an option of the wrong type: the caller's mistake
         raise BadRequest(f"bad Generate options: {e!r}") from e
@@ -259,14 +262,60 @@ def expect(reply: ServerMessage, kind: type[T]) -> T:
     raise EmberError(f"unexpected reply {type(reply).__name__} (wanted {kind.__name__})")
 
 
-def chunk_from(tokens: Tokens, reader: ShmRingReader) -> Chunk:
-    logits = None
-    if tokens.logits:
+class LogitsReader:
+    """A client's readers of its logits rings: shared memory (return_logits) and, opened on first use,
+    CUDA IPC on the model's GPU (device_logits, with CuPy)."""
+
+    def __init__(self) -> None:
+        self.shm = ShmRingReader()
+        self.device = DeviceRingReader()
+
+    def logits(self, tokens: Tokens) -> Any:
+        """The frame's logits rows: a numpy view of shared memory, a CuPy view of the GPU's ring, or None."""
         try:
-            views = [reader.view(slot) for slot in tokens.logits]
-        except (OSError, ValueError) as e:  # a segment gone or not ours: still an SDK error
+            if tokens.logits:
+                views = [self.shm.view(slot) for slot in tokens.logits]
+                return views[0] if len(views) == 1 else np.concatenate(views)
+            if tokens.device_logits:
+                views = [self.device.view(slot) for slot in tokens.device_logits]
+                return views[0] if len(views) == 1 else _device_concatenate(views)
+        except (OSError, ValueError, RuntimeError) as e:  # a segment gone or not ours, no CuPy: an SDK error
             raise EmberError(f"cannot read the logits the daemon shared: {e}", "logits") from e
-        logits = views[0] if len(views) == 1 else np.concatenate(views)
+        return None
+
+    def releases(self, request_id: int, held: HeldSlots) -> list[Release]:
+        """The Release messages for a chunk's slots, once the client is done with them (the GPU's work
+        on device views is waited for first: the daemon writes a released slot again)."""
+        out = [Release(request_id, tuple(held.host))] if held.host else []
+        if held.device:
+            self.device.finish()
+            out.append(Release(request_id, tuple(held.device), True))
+        return out
+
+    def close(self) -> None:
+        self.shm.close()
+        self.device.close()
+
+
+@dataclass
+class HeldSlots:
+    """The logits slots of the chunk a stream handed out last, released when it advances."""
+    host: list[int] = field(default_factory=list)
+    device: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, tokens: Tokens) -> HeldSlots:
+        return cls([s.slot for s in tokens.logits or ()], [s.slot for s in tokens.device_logits or ()])
+
+
+def _device_concatenate(views: list[Any]) -> Any:
+    import cupy  # noqa: PLC0415 - the views are CuPy's: it is there
+
+    return cupy.concatenate(views)
+
+
+def chunk_from(tokens: Tokens, reader: LogitsReader) -> Chunk:
+    logits = reader.logits(tokens)
     top = None
     if tokens.top_logprobs is not None:
         top = [[(t.token, t.logprob) for t in alternatives] for alternatives in tokens.top_logprobs]

@@ -118,6 +118,23 @@ class ShmSlot(Wire):
     dtype: str = "f32"
 
 
+class DeviceSlot(Wire):
+    """Where one block of logits lies on a GPU (protocol/device_ring.py): `offset` bytes into the CUDA
+    allocation of `ring_bytes` whose IPC handle is `memory` (a cudaIpcMemHandle_t, 64 bytes), on the
+    device with PCI bus id `bus_id`; an array of `shape` and `dtype`. `event` is the slot's interprocess
+    event (a cudaIpcEventHandle_t), recorded after the write: the reader's stream waits on it before
+    reading. The slot stays valid until the client sends Release (device=True) for it."""
+
+    memory: bytes
+    ring_bytes: int
+    bus_id: str
+    slot: int
+    offset: int
+    shape: tuple[int, ...]
+    event: bytes
+    dtype: str = "f32"
+
+
 class Usage(Wire):
     prompt_tokens: int
     completion_tokens: int
@@ -165,6 +182,9 @@ class Generate(Wire, tag="generate"):
     tool_choice: str = ToolChoice.AUTO  # ToolChoice
     tool_name: str = ""  # with tool_choice required: the one function to call
     parallel_tool_calls: bool = True  # with tool_choice required: more than one call may come
+    # each step's logits in a CUDA IPC ring on the model's GPU (Tokens.device_logits), instead of
+    # return_logits' shared memory: for a client on the same machine with CuPy; a model on a GPU only
+    device_logits: bool = False
 
 
 class Cancel(Wire, tag="cancel"):
@@ -183,6 +203,7 @@ class Hold(Wire, tag="hold"):
 class Release(Wire, tag="release"):
     id: int  # the Generate whose logits these were
     slots: tuple[int, ...]
+    device: bool = False  # slots of the client's CUDA IPC ring (device_logits), not of its shared memory
 
 
 class Tokenize(Wire, tag="tokenize"):
@@ -232,6 +253,7 @@ class Tokens(Wire, tag="tokens"):
     logprobs: tuple[float, ...] | None = None
     top_logprobs: tuple[tuple[TopLogprob, ...], ...] | None = None
     logits: tuple[ShmSlot, ...] | None = None  # one per token, shape [1, vocab]
+    device_logits: tuple[DeviceSlot, ...] | None = None  # the same, on the GPU (Generate.device_logits)
 
 
 class Finished(Wire, tag="finished"):

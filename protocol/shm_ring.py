@@ -31,6 +31,7 @@ import _posixshmem
 import numpy as np
 
 from ember.protocol.messages import ShmSlot
+from ember.protocol.ring_slots import RingSlots
 
 _NAME = re.compile(r"ember-[0-9]+-[0-9a-f]{16}")  # what a reader maps: nothing but a segment named so
 _OWNED = re.compile(r"ember-(?P<pid>[1-9][0-9]{0,9})-(?P<owner>[0-9a-f]{8})[0-9a-f]{8}")
@@ -46,8 +47,7 @@ class ShmRing:
         self.name, self.n_slots, self.slot_bytes = name, n_slots, slot_bytes
         self._buffer = buffer
         self._on_close = on_close
-        self._free = list(range(n_slots - 1, -1, -1))  # a stack: the most recently released slot is warm
-        self._held: set[int] = set()
+        self._slots = RingSlots(n_slots)
 
     @staticmethod
     def bytes_for(n_slots: int, slot_bytes: int) -> int:
@@ -84,28 +84,19 @@ class ShmRing:
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return self._slots.free_slots
 
     def acquire(self) -> int | None:
         """A free slot, now held until released; None when the ring is full."""
-        if not self._free:
-            return None
-        slot = self._free.pop()
-        self._held.add(slot)
-        return slot
+        return self._slots.acquire()
 
     def release(self, slot: int) -> bool:
         """Give a slot back. A slot that is not held (a client's mistake or a repeat) is ignored."""
-        if slot not in self._held:
-            return False
-        self._held.remove(slot)
-        self._free.append(slot)
-        return True
+        return self._slots.release(slot)
 
     def write(self, slot: int, array: np.ndarray) -> ShmSlot:
         """Copy `array` (float32) into a held slot; returns its descriptor."""
-        if slot not in self._held:
-            raise ValueError(f"slot {slot} of {self.name} is not held")
+        self._slots.check_held(slot, self.name)
         data = np.ascontiguousarray(array, dtype=_DTYPES["f32"])
         if data.nbytes > self.slot_bytes:
             raise ValueError(f"{data.nbytes} bytes do not fit a {self.slot_bytes}-byte slot")

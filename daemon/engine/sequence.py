@@ -49,11 +49,13 @@ class Sequence:
     started: float | None = None  # perf_counter() when first admitted to run
     grammar: str | None = None  # llguidance's grammar its tokens must follow (daemon/text/grammar.py)
     cache_salt: bytes = b""  # its prefix-cache blocks are shared only with sequences of the same salt
+    device_logits: bool = False  # with wants_logits: StepOutput.logits stays on the model's device (its array type)
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
         # what a runner samples its rows by: the same generator and token lists as this sequence's
-        self.sampling = RowSampling(self.params, self.rng, self.prompt, self.generated, self.stop_ids, self.wants_logprob)
+        self.sampling = RowSampling(self.params, self.rng, self.prompt, self.generated, self.stop_ids, self.wants_logprob,
+                                    device_logits=self.device_logits)
         self.tokens: list[int] = list(self.prompt) + self.generated  # prompt + generated, kept, not rebuilt per step
         self.registered: tuple[int, bytes] | None = None  # prefix-cache progress: (full blocks, last digest)
         self.prefix_root = prefix_root(self.cache_salt)  # where its blocks' digest chain starts

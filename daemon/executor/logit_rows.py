@@ -50,7 +50,8 @@ class LogitRows:
         for i, returned in enumerate(self.returned):
             rows = range(self.first[i], self.last[i] + 1)
             if returned and rows and rows[0] in run.kept:
-                logits[i] = np.stack([run.kept[r] for r in rows])
+                # one row (a sampled token's; on the device where its sequence keeps them there) or a prompt's
+                logits[i] = run.kept[rows[0]].reshape(1, -1) if len(rows) == 1 else np.stack([run.kept[r] for r in rows])
         return logits
 
     def batch(self, chunks: Seq[WorkChunk], block_size: int, proposals: dict[int, Proposal]) -> StepBatch:

@@ -57,6 +57,10 @@ class ModelRunner:
         return self.ops.device_scope()
 
     @property
+    def logits_on_device(self) -> bool:
+        return not self.ops.host_memory
+
+    @property
     def stateful(self) -> bool:
         """Sequences carry recurrent state (hybrid models): a step cannot be run twice, and a cached
         prefix's blocks do not bring back the state after it."""

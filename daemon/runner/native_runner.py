@@ -47,6 +47,10 @@ class NativeRunner:
         return self.decoder.ops.device_scope()
 
     @property
+    def logits_on_device(self) -> bool:
+        return self.decoder.graphs  # CuPy's arrays (the host harness computes into numpy)
+
+    @property
     def stateful(self) -> bool:
         return False
 

@@ -23,7 +23,9 @@ class RowSampler:
         if step.n_logits == 0:
             return StepRun([], {}, features=step.features)
         choices, failed = self.sample(logits, step.samplers, pending)
-        return StepRun(choices, {r: self.ops.to_numpy(logits[r]) for r in step.keep}, failed, step.features)
+        on_device = {r for r, s in step.samplers if s.device_logits}
+        kept = {r: logits[r].copy() if r in on_device else self.ops.to_numpy(logits[r]) for r in step.keep}
+        return StepRun(choices, kept, failed, step.features)
 
     def sample(self, logits: Array, samplers: Seq[tuple[int, RowSampling]], pending: Seq[Seq[Choice]] = ()
                ) -> tuple[list[Choice | None], dict[int, str]]:

@@ -57,6 +57,8 @@ class SplitRunner:
     def kv_blocks(self) -> int:
         return self.spec.blocks
 
+    logits_on_device = False  # the last stage hands its logits to the engine's host
+
     def device_scope(self) -> AbstractContextManager[Any]:
         return nullcontext()  # the engine's part (sampling) runs on the host; each stage binds its own GPU
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 
 from ember.daemon.step.row_sampling import RowSampling
 from ember.kernels.sampling import Choice
@@ -14,7 +13,9 @@ from ember.kernels.sampling import Choice
 @dataclass(frozen=True)
 class StepRun:
     choices: list[Choice | None]  # one per sampling row, in order (None where sampling failed)
-    kept: dict[int, np.ndarray]  # row index -> host logits, for the rows asked to be kept
+    # row index -> logits, for the rows asked to be kept: on the host, or on the device for a sequence
+    # that keeps them there (RowSampling.device_logits)
+    kept: dict[int, Any]
     failed: dict[int, str] = field(default_factory=dict)  # sampler index -> why its sampling failed
     # the hidden states entering each layer of ModelRunner.capture, every row of the step (device arrays)
     features: list[Any] = field(default_factory=list)

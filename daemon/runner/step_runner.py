@@ -39,6 +39,11 @@ class StepRunner(Protocol):
     @property
     def kv_blocks(self) -> int: ...
 
+    @property
+    def logits_on_device(self) -> bool:
+        """Its logits rows live in GPU memory: a sequence may keep them there (RowSampling.device_logits)."""
+        ...
+
     def device_scope(self) -> AbstractContextManager[Any]:
         """Entered around each step: the calling thread then launches on the runner's device (Ops.device_scope)."""
         ...

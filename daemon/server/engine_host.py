@@ -166,7 +166,7 @@ class EngineHost:
         assert seq is not None
         message = AddSequence(seq.seq_id, r.client, r.id, r.model_name, seq.prompt, seq.max_tokens, seq.params,
                               seq.seed, sorted(seq.stop_ids), seq.wants_logits, seq.wants_logprob, seq.grammar,
-                              seq.cache_salt, r.user)
+                              seq.cache_salt, r.user, seq.device_logits)
         self._send(message, add=r)
 
     def cancel(self, client: bytes, request_id: int) -> None:
@@ -191,8 +191,8 @@ class EngineHost:
     def hold(self, client: bytes, request_id: int, held: bool) -> None:
         self._send(HoldRequest(client, request_id, held))  # a new engine runs none of the old requests: no resend
 
-    def release(self, client: bytes, slots: Iterable[int]) -> None:
-        self._send(ReleaseSlots(client, list(slots)))
+    def release(self, client: bytes, slots: Iterable[int], device: bool = False) -> None:
+        self._send(ReleaseSlots(client, list(slots), device))
 
     def shutdown(self, drain_timeout: float) -> None:
         self._stopping = True
@@ -262,7 +262,7 @@ class EngineHost:
                     continue
                 if p.started is not None and r.seq is not None:
                     r.seq.started = p.started
-                news.append(Progress(r, p.tokens, p.choices, p.logits, p.finish, p.error, p.message))
+                news.append(Progress(r, p.tokens, p.choices, p.logits, p.finish, p.error, p.message, p.device_logits))
         if news:
             self._progress(news)
 

@@ -39,6 +39,7 @@ from ember.daemon.server.engine_wire import (AddSequence, CancelRequest, DropCli
                                              Shutdown, StartFailed, StartStatus, StatsUpdate, StepNews, Stopped,
                                              command_decoder)
 from ember.daemon.server.ring_budget import RingBudget
+from ember.protocol.device_ring import CupyIpc, DeviceRing
 from ember.protocol.shm_ring import ShmRing
 
 _STATS_EVERY = 0.1  # seconds between stats reports while steps run (and one when the engine goes idle)
@@ -52,6 +53,7 @@ class Admitted:
     id: int
     model_name: str
     return_logits: bool
+    device_logits: bool
     max_tokens: int
     seq: Sequence
     log: Any = field(repr=False)
@@ -186,9 +188,10 @@ class CommandInbox:
         if isinstance(m, AddSequence):
             seq = Sequence(m.prompt, m.max_tokens, m.params, m.seed, frozenset(m.stop_ids), client=m.client,
                            seq_id=m.seq_id, wants_logits=m.wants_logits, wants_logprob=m.wants_logprob,
-                           grammar=m.grammar, cache_salt=m.cache_salt)
+                           grammar=m.grammar, cache_salt=m.cache_salt, device_logits=m.device_logits)
             log = get_logger(req=f"{m.client.hex()}:{m.request_id}", model=m.model)
-            engine.add(Admitted(m.client, m.request_id, m.model, m.wants_logits, m.max_tokens, seq, log, m.user))
+            engine.add(Admitted(m.client, m.request_id, m.model, m.wants_logits, m.device_logits, m.max_tokens, seq,
+                                log, m.user))
         elif isinstance(m, CancelRequest):
             engine.cancel(m.client, m.request_id)
         elif isinstance(m, FinishSequence):  # its end, after any news of it sent before: the front forgets it
@@ -201,7 +204,7 @@ class CommandInbox:
         elif isinstance(m, HoldRequest):
             engine.hold(m.client, m.request_id, m.held)
         elif isinstance(m, ReleaseSlots):
-            engine.release(m.client, m.slots)
+            engine.release(m.client, m.slots, m.device)
         elif isinstance(m, Shutdown):
             engine.shutdown(m.drain_timeout)
 
@@ -218,7 +221,8 @@ def _first(p: Progress) -> bool:
 
 def _wire_progress(p: Progress) -> SeqProgress:
     seq = p.request.seq
-    return SeqProgress(seq.seq_id, p.tokens, p.choices, p.logits, p.finish, p.error, p.message, seq.started)
+    return SeqProgress(seq.seq_id, p.tokens, p.choices, p.logits, p.finish, p.error, p.message, seq.started,
+                       p.device_logits)
 
 
 def _expert_totals(models: dict[str, Model]) -> ExpertTotals:
@@ -331,9 +335,13 @@ def ring_maker(launch: EngineLaunch, vocab: int) -> Any:
                              "will be refused with Error{limit}; raise the bound or lower server.logits_slots",
                              ring_bytes=ring_bytes, max_logits_bytes=budget.limit)
 
-    def new_ring(user: int) -> ShmRing:
+    def new_ring(user: int, device: bool) -> ShmRing | DeviceRing:
+        """device: a CUDA IPC ring on the current device (engine_thread calls it in the model's device
+        scope); the same bounds count it, GPU memory being no less finite."""
         budget.take(ring_bytes, user)
         try:
+            if device:
+                return DeviceRing(CupyIpc(), server.logits_slots, vocab * 4, on_close=lambda: budget.give(ring_bytes, user))
             return ShmRing.create(server.logits_slots, vocab * 4, mode=launch.ring_mode, group=launch.ring_group,
                                   owner=launch.shm_owner, on_close=lambda: budget.give(ring_bytes, user))
         except BaseException:

@@ -13,7 +13,9 @@ steps, so a Cancel stops a request within one step.
 A sequence is held (not scheduled, keeping its KV blocks and its place) while its client is paused
 (its socket backlog is full), while its client holds it (protocol Hold: the gateway's HTTP client
 reads nothing of it) or, asking for logits, while its client's logits ring has no free slot
-for it: nothing is ever dropped. Logits go into the ring here, where the step produced them.
+for it: nothing is ever dropped. Logits go into the ring here, where the step produced them: a
+client's shared-memory ring (return_logits), or its CUDA IPC ring on the model's GPU (device_logits,
+protocol/device_ring.py), made by new_ring inside the model's device scope.
 """
 from __future__ import annotations
 
@@ -33,8 +35,11 @@ from ember.daemon.logging_setup import get_logger
 from ember.daemon.speculative.spec_stats import SpecStats
 from ember.kernels.sampling import Choice
 from ember.protocol.limits import LimitExceeded
-from ember.protocol.messages import ErrorCode, FinishReason, ShmSlot
+from ember.protocol.device_ring import DeviceRing
+from ember.protocol.messages import DeviceSlot, ErrorCode, FinishReason, ShmSlot
 from ember.protocol.shm_ring import ShmRing
+
+Ring = ShmRing | DeviceRing
 
 Command = Callable[[], None]
 
@@ -50,7 +55,8 @@ class EngineRequest(Protocol):
     process, the engine process's own record of it (engine_main.py) there."""
     client: bytes
     model_name: str
-    return_logits: bool
+    return_logits: bool  # each token's logits through the client's ring
+    device_logits: bool  # ... its CUDA IPC ring (else its shared-memory one)
     max_tokens: int
     log: Any
     user: int  # the client's Unix user (-1: unknown)
@@ -83,6 +89,7 @@ class Progress:
     finish: str | None = None  # a FinishReason, once it ended
     error: str | None = None  # an ErrorCode: refused before it ran (the client gets an Error, not Finished)
     message: str = ""
+    device_logits: tuple[DeviceSlot, ...] | None = None  # logits in the client's CUDA IPC ring
 
 
 @dataclass(frozen=True)
@@ -113,14 +120,15 @@ class EngineStats:
 
 class EngineThread:
     def __init__(self, *, cores: Mapping[str, EngineCore], progress: Callable[[list[Progress]], None],
-                 on_stopped: Callable[[], None], new_ring: Callable[[int], ShmRing],
+                 on_stopped: Callable[[], None], new_ring: Callable[[int, bool], Ring],
                  heartbeat: Callable[[], None] = lambda: None, heartbeat_interval: float | None = None,
                  setup: Callable[[], None] = lambda: None, stall_timeout: float = 300.0,
                  inbox: Inbox | None = None, on_idle: Callable[[], None] = lambda: None) -> None:
         """setup: run first on the engine thread (its kernel threads, say). stall_timeout: seconds a
         request may stay held because its client does not read before it ends with an error. inbox:
         where commands come from (default: a queue the methods below fill, from any thread). on_idle:
-        run before the loop waits for a command with nothing to step."""
+        run before the loop waits for a command with nothing to step. new_ring(user, device): a client's
+        logits ring, in shared memory or (device) on the GPU whose device scope it is called in."""
         self._cores = dict(cores)  # model name -> its engine core
         self._order = deque(self._cores)  # round robin over models with work
         self._progress = progress
@@ -137,7 +145,8 @@ class EngineThread:
         self._holding = False  # some sequence is held now
         self._held_since: dict[int, float] = {}  # seq_id -> when it became held
         self._stall_timeout = stall_timeout
-        self._rings: dict[bytes, ShmRing] = {}
+        self._rings: dict[tuple[bytes, bool], Ring] = {}  # (client, on the device) -> its logits ring
+        self._device_ring_model: dict[bytes, str] = {}  # client -> the model its device ring serves
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
         self._recent_tokens = 0  # their tokens, less the oldest step's (the rate counts from its time on)
         self._deadline: float | None = None  # set by shutdown(): cancel what is left at this time
@@ -177,9 +186,9 @@ class EngineThread:
         """The client cannot take (held) or can take again one request's output (protocol Hold)."""
         self._inbox.put(lambda: (self._held.add if held else self._held.discard)((client, request_id)))
 
-    def release(self, client: bytes, slots: Iterable[int]) -> None:
+    def release(self, client: bytes, slots: Iterable[int], device: bool = False) -> None:
         slots = list(slots)
-        self._inbox.put(lambda: self._release(client, slots))
+        self._inbox.put(lambda: self._release(client, slots, device))
 
     def shutdown(self, drain_timeout: float) -> None:
         """Stop after in-flight requests finish; whatever still runs after `drain_timeout` is cancelled."""
@@ -277,14 +286,19 @@ class EngineThread:
         r = self._live[out.seq.seq_id]
         if out.finished:
             del self._live[out.seq.seq_id]
-        logits = None
+        logits = device_logits = None
         if out.logits is not None:
-            ring = self._ring(r.client)
+            ring = self._rings[(r.client, r.device_logits)]
             slot = ring.acquire()
             assert slot is not None  # _mark_held ran it only with a free slot
-            logits = (ring.write(slot, out.logits),)
+            if r.device_logits:
+                with self._cores[r.model_name].runner.device_scope():
+                    device_logits = (ring.write(slot, out.logits),)
+            else:
+                logits = (ring.write(slot, out.logits),)
         choices = out.seq.choices[len(out.seq.choices) - len(out.new_tokens):]
-        return Progress(r, out.new_tokens, choices, logits, out.seq.finish_reason if out.finished else None)
+        return Progress(r, out.new_tokens, choices, logits, out.seq.finish_reason if out.finished else None,
+                        device_logits=device_logits)
 
     def _mark_held(self) -> None:
         """Hold the sequences whose clients cannot take a frame now: paused clients, requests their
@@ -292,15 +306,16 @@ class EngineThread:
         one slot per sequence)."""
         if not (self._paused or self._held or self._rings or self._holding):
             return  # nobody can be held: skip the scan of every live request
-        free = {client: ring.free_slots for client, ring in self._rings.items()}
+        free = {key: ring.free_slots for key, ring in self._rings.items()}
         now, stalled = time.monotonic(), []
         self._holding = False
         for r in self._live.values():
             assert r.seq is not None
             held = r.client in self._paused or r.key in self._held
             if r.return_logits and not held:
-                held = free[r.client] == 0
-                free[r.client] -= not held
+                key = (r.client, r.device_logits)
+                held = free[key] == 0
+                free[key] -= not held
             r.seq.held = held
             self._holding |= held
             if not held:
@@ -318,11 +333,14 @@ class EngineThread:
         assert r.seq is not None
         if r.return_logits:
             try:
-                self._ring(r.client, r.user)
+                self._ring(r)
             except LimitExceeded as e:  # new_ring refuses rings beyond the daemon's shared-memory bounds
                 self._progress([Progress(r, error=ErrorCode.LIMIT, message=str(e))])
                 return
-            except OSError as e:  # no shared memory left for the ring
+            except ValueError as e:  # device logits where they cannot be (the reason)
+                self._progress([Progress(r, error=ErrorCode.BAD_REQUEST, message=str(e))])
+                return
+            except (OSError, RuntimeError) as e:  # no shared (or device) memory left; no CuPy; a CUDA error
                 self._progress([Progress(r, error=ErrorCode.INTERNAL, message=f"cannot create the logits ring: {e}")])
                 return
         try:
@@ -356,21 +374,43 @@ class EngineThread:
         self._end(lambda r: r.client == client)
         self._paused.discard(client)
         self._held = {key for key in self._held if key[0] != client}
-        ring = self._rings.pop(client, None)
-        if ring is not None:
-            ring.close()
+        self._device_ring_model.pop(client, None)
+        for device in (False, True):
+            ring = self._rings.pop((client, device), None)
+            if ring is not None:
+                ring.close()
 
-    def _release(self, client: bytes, slots: list[int]) -> None:
-        ring = self._rings.get(client)
+    def _release(self, client: bytes, slots: list[int], device: bool = False) -> None:
+        ring = self._rings.get((client, device))
         if ring is not None:
             for slot in slots:
                 ring.release(slot)
 
-    def _ring(self, client: bytes, user: int = -1) -> ShmRing:
-        """The client's logits ring (made on its first logits request, within its user's share)."""
-        if client not in self._rings:
-            self._rings[client] = self._new_ring(user)
-        return self._rings[client]
+    def _ring(self, r: EngineRequest) -> Ring:
+        """The logits ring of r's client for r (made on its first logits request, within its user's
+        share): in shared memory, or on r's model's GPU for device logits. ValueError when r cannot
+        have device logits (its model's logits are not on a GPU; the client's device ring serves
+        another model)."""
+        key = (r.client, r.device_logits)
+        if r.device_logits:
+            runner = self._cores[r.model_name].runner
+            if not runner.logits_on_device:
+                raise ValueError(f"device_logits needs a model whose logits are on a GPU; {r.model_name!r} computes "
+                                 "them on the host (return_logits shares them through shared memory)")
+            serving = self._device_ring_model.setdefault(r.client, r.model_name)
+            if serving != r.model_name:
+                raise ValueError(f"this connection's device logits ring serves model {serving!r}: device logits "
+                                 f"of {r.model_name!r} need a connection of their own")
+            if key not in self._rings:
+                try:
+                    with runner.device_scope():
+                        self._rings[key] = self._new_ring(r.user, True)
+                except BaseException:
+                    del self._device_ring_model[r.client]
+                    raise
+        elif key not in self._rings:
+            self._rings[key] = self._new_ring(r.user, False)
+        return self._rings[key]
 
     def _account(self, generated: int) -> None:
         """Refresh the stats snapshot after a step that generated `generated` tokens."""

@@ -15,7 +15,7 @@ import msgspec
 from ember.daemon.config import Config
 from ember.daemon.server.engine_thread import EngineStats
 from ember.kernels.sampling import Choice, SamplingParams
-from ember.protocol.messages import ShmSlot
+from ember.protocol.messages import DeviceSlot, ShmSlot
 
 
 class EngineWire(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, tag=True, gc=False):
@@ -39,6 +39,7 @@ class AddSequence(EngineWire):
     grammar: str | None = None  # llguidance's grammar text, checked by the front
     cache_salt: bytes = b""
     user: int = -1  # the client's Unix user
+    device_logits: bool = False  # wants_logits through the client's CUDA IPC ring
 
 
 class CancelRequest(EngineWire):
@@ -72,6 +73,7 @@ class HoldRequest(EngineWire):
 class ReleaseSlots(EngineWire):
     client: bytes
     slots: list[int]
+    device: bool = False  # of the client's CUDA IPC ring
 
 
 class Shutdown(EngineWire):
@@ -93,6 +95,7 @@ class SeqProgress(EngineWire):
     error: str | None = None
     message: str = ""
     started: float | None = None  # perf_counter() when it first ran (one clock for both processes)
+    device_logits: tuple[DeviceSlot, ...] | None = None
 
 
 class StepNews(EngineWire):

@@ -45,13 +45,14 @@ class Request:
     stop: tuple[str, ...]
     stop_ids: tuple[int, ...]
     ignore_eos: bool
-    return_logits: bool
+    return_logits: bool  # each token's logits go to the client (device_logits: in its CUDA IPC ring)
     logprobs: bool
     grammar: Grammar | None = None  # as the client wrote it (the text worker compiles it)
     tools: tuple[Tool, ...] = ()  # a chat's functions (its template renders them)
     tool_choice: str = ToolChoice.AUTO
     tool_name: str = ""
     parallel_tool_calls: bool = True
+    device_logits: bool = False
     admitted: float = field(default_factory=time.perf_counter)
     # --- text worker only ---------------------------------------------------------------------------
     compiled_grammar: str | None = None  # llguidance's text of `grammar` (daemon/text/grammar.py)
@@ -110,6 +111,9 @@ def request_from_generate(client: bytes, msg: Generate, models: Mapping[str, Tex
         raise RequestError(ErrorCode.BAD_REQUEST, "tool_name goes with tool_choice required")
     if msg.max_tokens < 0:
         raise RequestError(ErrorCode.BAD_REQUEST, f"max_tokens must be >= 0, got {msg.max_tokens}")
+    if msg.return_logits and msg.device_logits:
+        raise RequestError(ErrorCode.BAD_REQUEST, "ask for return_logits (shared memory) or device_logits (the GPU), "
+                                                  "not both")
     vocab = model.config.vocab
     for what, ids in (("token_ids", msg.token_ids or ()), ("stop_ids", msg.stop_ids), ("logit_bias", msg.logit_bias)):
         if any(not 0 <= int(i) < vocab for i in ids):
@@ -131,7 +135,8 @@ def request_from_generate(client: bytes, msg: Generate, models: Mapping[str, Tex
         prompt_ids=list(msg.token_ids) if msg.token_ids is not None else None,
         messages=template_messages(msg.messages) if msg.messages is not None else None,
         max_tokens=msg.max_tokens, params=params, seed=msg.seed, stop=msg.stop, stop_ids=msg.stop_ids,
-        ignore_eos=msg.ignore_eos, return_logits=msg.return_logits, logprobs=msg.logprobs or msg.top_logprobs > 0,
+        ignore_eos=msg.ignore_eos, return_logits=msg.return_logits or msg.device_logits,
+        device_logits=msg.device_logits, logprobs=msg.logprobs or msg.top_logprobs > 0,
         grammar=msg.grammar, tools=msg.tools, tool_choice=msg.tool_choice, tool_name=msg.tool_name,
         parallel_tool_calls=msg.parallel_tool_calls,
     )

@@ -284,7 +284,7 @@ class Server:
     def _release(self, identity: bytes, msg: Release) -> None:
         peer = self._peers.get(identity)
         if peer is not None and peer.has_ring and len(msg.slots) <= self._config.server.logits_slots:
-            self._engine.release(identity, msg.slots)
+            self._engine.release(identity, msg.slots, msg.device)
 
     def _tokenize(self, identity: bytes, msg: Tokenize) -> None:
         found = self._model_for(identity, msg.id, msg.model)
@@ -406,7 +406,7 @@ class Server:
             peer = self._peers.get(identity)
             if isinstance(message, Tokens):
                 self._counters["tokens"] += len(message.token_ids)
-                if message.logits and peer is not None:
+                if (message.logits or message.device_logits) and peer is not None:
                     peer.has_ring = True
             elif isinstance(message, (Finished, Error)):
                 self._in_flight -= 1

@@ -114,8 +114,8 @@ class TextWorker:
     def hold(self, client: bytes, request_id: int, held: bool) -> None:
         self.engine.hold(client, request_id, held)
 
-    def release(self, client: bytes, slots: Iterable[int]) -> None:
-        self.engine.release(client, slots)
+    def release(self, client: bytes, slots: Iterable[int], device: bool = False) -> None:
+        self.engine.release(client, slots, device)
 
     @property
     def crashed(self) -> bool:
@@ -224,7 +224,7 @@ class TextWorker:
         stop_ids = frozenset(r.stop_ids) | (frozenset() if r.ignore_eos else frozenset(r.model.tokenizer.eos_ids))
         r.seq = Sequence(r.prompt_ids, r.max_tokens, r.params, r.seed, stop_ids, client=r.client,
                          wants_logits=r.return_logits, wants_logprob=r.logprobs or r.params.logprobs > 0,
-                         grammar=r.compiled_grammar, cache_salt=r.cache_salt)
+                         grammar=r.compiled_grammar, cache_salt=r.cache_salt, device_logits=r.device_logits)
         self.engine.add(r)
 
     # --- commands that may meet a prompt still being tokenized ---------------------------------------
@@ -264,8 +264,9 @@ class TextWorker:
         for p in news:
             r = p.request
             if r.done:  # ended here already (a stop string): the engine's late news goes nowhere
-                if p.logits:
-                    self.engine.release(r.client, [slot.slot for slot in p.logits])  # nobody will read them
+                for slots, device in ((p.logits, False), (p.device_logits, True)):
+                    if slots:  # nobody will read them
+                        self.engine.release(r.client, [slot.slot for slot in slots], device)
                 continue
             if p.error is not None:
                 frames.append(self._refusal(r, p.error, p.message))
@@ -310,7 +311,7 @@ class TextWorker:
             return Tokens(r.id, (), text)
         top = tuple(tuple(TopLogprob(t, lp) for t, lp in c.top) for c in p.choices) if r.params.logprobs else None
         return Tokens(r.id, tuple(p.tokens), text, tuple(c.logprob for c in p.choices) if r.logprobs else None,
-                      top, p.logits)
+                      top, p.logits, p.device_logits)
 
     @staticmethod
     def _finished(r: Request, reason: str, message: str) -> Finished:
@@ -345,9 +346,12 @@ def _ms(seconds: float) -> float:
 def _cut(p: Progress, n: int) -> Progress:
     """p's first n tokens: the engine ran on past a stop string within its step or burst, and how far
     depends on the batch, not on the request."""
-    logits = None if p.logits is None else tuple(  # the slot's first n rows (the client still releases it)
-        msgspec.structs.replace(s, shape=(min(n, s.shape[0]), *s.shape[1:])) for s in p.logits)
-    return dataclasses.replace(p, tokens=p.tokens[:n], choices=p.choices[:n], logits=logits)
+    def first_rows(slots: Any) -> Any:  # the slots' first n rows (the client still releases them)
+        return None if slots is None else tuple(
+            msgspec.structs.replace(s, shape=(min(n, s.shape[0]), *s.shape[1:])) for s in slots)
+
+    return dataclasses.replace(p, tokens=p.tokens[:n], choices=p.choices[:n], logits=first_rows(p.logits),
+                               device_logits=first_rows(p.device_logits))
 
 
 def _utf8_len(text: str) -> int:

@@ -51,6 +51,7 @@ class RowSampling:
     stop_ids: frozenset[int] = frozenset()
     wants_logprob: bool = False  # compute each chosen token's logprob (else Choice.logprob is NaN)
     constraint: TokenConstraint | None = None  # the grammar its tokens follow (set when the engine takes it)
+    device_logits: bool = False  # its kept logits rows stay on the model's device (a device array each)
 
     @property
     def last_token(self) -> int:

@@ -101,6 +101,16 @@ class DeviceArray:
             return binary(self, float(other), op)
         return NotImplemented
 
+    def copy(self) -> DeviceArray:
+        """A contiguous copy on the device (a kept logits row outlives the step's buffer)."""
+        out = empty(self.shape, self.dtype)
+        out[...] = self
+        return out
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return self.contiguous().raw.__cuda_array_interface__  # CuPy takes it in place (a device logits ring)
+
     def view(self, dtype: Any) -> DeviceArray:
         return DeviceArray(self.contiguous().raw.view(np.dtype(dtype)))
 

@@ -29,7 +29,7 @@ class Harness:
         self.stopped = threading.Event()
         self.rings: list[ShmRing] = []
 
-        def new_ring(user: int) -> ShmRing:
+        def new_ring(user: int, device: bool) -> ShmRing:
             self.rings.append(ShmRing.create(slots, model.config.vocab * 4))
             return self.rings[-1]
 
@@ -273,3 +273,17 @@ def test_a_failing_text_thread_stops_serving_as_a_crash(demo_model, monkeypatch)
     h.request(b"x", Generate(1, prompt="x", max_tokens=3))
     assert h.stopped.wait(WAIT)  # the server is told to stop ...
     assert h.engine.crashed  # ... and that it was a failure: `ember serve` exits 1, systemd restarts it
+
+
+def test_device_logits_of_a_cpu_model_are_refused_with_the_reason(harness: Harness) -> None:
+    """device_logits needs a model whose logits are on a GPU: on the CPU the request ends with an Error
+    saying so (return_logits is the way there), asking for both is refused at once, and the engine goes on."""
+    harness.request(b"d", Generate(1, prompt="x", max_tokens=2, device_logits=True))
+    error = harness.until_finished(1)[(b"d", 1)][-1]
+    assert isinstance(error, Error) and error.code == "bad_request"
+    assert "device_logits needs a model whose logits are on a GPU" in error.message
+    assert not harness.rings  # no ring was made for it
+    with pytest.raises(RequestError, match="not both"):
+        harness.request(b"d", Generate(2, prompt="x", return_logits=True, device_logits=True))
+    harness.request(b"d", Generate(3, prompt="x", max_tokens=2))
+    assert isinstance(harness.until_finished(1)[(b"d", 3)][-1], Finished)

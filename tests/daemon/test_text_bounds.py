@@ -153,7 +153,7 @@ class Worker:
         self.stopped = threading.Event()
         core = model.engine(64 * KV_BLOCK, max_running=2)
         self.text = TextWorker(cores={"demo": core}, limits=Limits(), publish=self._publish, on_stopped=self.stopped.set,
-                               new_ring=lambda user: None)
+                               new_ring=lambda user, device: None)
         self.text.tokenize_pool.inline_bytes = inline_bytes
         self.text.start()
 
