@@ -26,12 +26,13 @@ from ember.daemon.server.request import request_from_generate
 from ember.daemon.server.text_worker import Output, TextWorker
 from ember.protocol.device_ring import DeviceRing, DeviceRingReader
 from ember.protocol.limits import Limits
-from ember.protocol.messages import Finished, Generate, Tokens
+from ember.protocol.messages import DeviceSlot, Finished, Generate, Tokens
 from tests.fake_ipc import HostIpc
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "daemon"))
 
+from ipc_child import read_in_child  # noqa: E402
 from micro_model import write_micro_model  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -100,22 +101,6 @@ def test_the_engine_streams_device_logits_through_its_ring(micro: Path) -> None:
         assert stopped.wait(WAIT)
 
 
-def _read_in_child(slots: list[bytes], out: Any) -> None:
-    """A spawned process: open the parent's ring from the descriptors and send back what it reads."""
-    import msgspec
-
-    from ember.protocol.messages import DeviceSlot
-
-    reader = DeviceRingReader()
-    try:
-        rows = [reader.view(msgspec.msgpack.decode(s, type=DeviceSlot)).get() for s in slots]
-        out.put(("ok", [r.tolist() for r in rows]))
-    except Exception as e:  # noqa: BLE001 - the parent reports it
-        out.put(("error", repr(e)))
-    finally:
-        reader.close()
-
-
 def test_a_ring_made_here_is_read_by_another_process() -> None:
     cupy = _cupy_gpu()
     import msgspec
@@ -126,10 +111,10 @@ def test_a_ring_made_here_is_read_by_another_process() -> None:
     rows = [cupy.arange(1000, dtype=cupy.float32).reshape(1, 1000) * k for k in (1, 2)]
     slots = [msgspec.msgpack.encode(ring.write(ring.acquire(), r)) for r in rows]
     with pytest.raises(Exception):  # noqa: B017 - CUDA's own refusal, whatever CuPy calls it
-        DeviceRingReader().view(msgspec.msgpack.decode(slots[0], type=ember.protocol.messages.DeviceSlot))
+        DeviceRingReader().view(msgspec.msgpack.decode(slots[0], type=DeviceSlot))
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
-    child = context.Process(target=_read_in_child, args=(slots, out))
+    child = context.Process(target=read_in_child, args=(slots, out))
     child.start()
     status, got = out.get(timeout=WAIT)
     child.join(WAIT)
