@@ -56,47 +56,28 @@ class IpcRuntime(Protocol):
         ...
 
 
-class DeviceRing:
-    """The engine's side: owns the allocation and its events, hands out slots, writes logits."""
+class DeviceRing(RingSlots):
+    """The engine's side: owns the allocation and its events, hands out slots (RingSlots), writes logits."""
 
     def __init__(self, runtime: IpcRuntime, n_slots: int, slot_bytes: int,
                  on_close: Callable[[], None] | None = None) -> None:
         """A ring of `n_slots` slots of `slot_bytes` on the current device; on_close runs once, at close()."""
         if n_slots < 1 or slot_bytes < 1:
             raise ValueError(f"a ring needs slots and bytes, got {n_slots} x {slot_bytes}")
-        self.n_slots, self.slot_bytes = n_slots, _aligned(slot_bytes)
+        super().__init__(n_slots, _aligned(slot_bytes))
         self._runtime = runtime
         self._memory = runtime.allocate(self.nbytes)
         self._handle = runtime.memory_handle(self._memory)
         self._bus_id = runtime.bus_id(self._memory)
         self._events = [runtime.new_event() for _ in range(n_slots)]
         self._event_handles = [runtime.event_handle(e) for e in self._events]
-        self._slots = RingSlots(n_slots)
         self._on_close = on_close
         self.name = f"device ring {self._handle[:8].hex()}"
-
-    @staticmethod
-    def bytes_for(n_slots: int, slot_bytes: int) -> int:
-        return n_slots * _aligned(slot_bytes)
-
-    @property
-    def nbytes(self) -> int:
-        return self.n_slots * self.slot_bytes
-
-    @property
-    def free_slots(self) -> int:
-        return self._slots.free_slots
-
-    def acquire(self) -> int | None:
-        return self._slots.acquire()
-
-    def release(self, slot: int) -> bool:
-        return self._slots.release(slot)
 
     def write(self, slot: int, array: Any) -> DeviceSlot:
         """Copy `array` (float32 logits on this ring's device) into a held slot, behind whatever the
         current stream has queued, and record the slot's event after it; -> the slot's descriptor."""
-        self._slots.check_held(slot, self.name)
+        self._check_held(slot, self.name)
         if int(array.size) * 4 > self.slot_bytes:
             raise ValueError(f"{int(array.size) * 4} bytes do not fit a {self.slot_bytes}-byte slot")
         offset = slot * self.slot_bytes

@@ -39,15 +39,15 @@ SHM_DIR = Path("/dev/shm")  # where Linux shows POSIX shared memory (POSIX itsel
 _DTYPES = {"f32": np.dtype("<f4")}  # wire name -> numpy dtype; the only kinds a descriptor may name
 
 
-class ShmRing:
-    """The daemon's side: owns the segment, hands out slots, writes arrays, unlinks at close."""
+class ShmRing(RingSlots):
+    """The daemon's side: owns the segment, hands out slots (RingSlots), writes arrays, unlinks at close."""
 
     def __init__(self, name: str, buffer: mmap.mmap, n_slots: int, slot_bytes: int,
                  on_close: Callable[[], None] | None = None) -> None:
-        self.name, self.n_slots, self.slot_bytes = name, n_slots, slot_bytes
+        super().__init__(n_slots, slot_bytes)
+        self.name = name
         self._buffer = buffer
         self._on_close = on_close
-        self._slots = RingSlots(n_slots)
 
     @staticmethod
     def bytes_for(n_slots: int, slot_bytes: int) -> int:
@@ -78,25 +78,9 @@ class ShmRing:
             os.close(fd)
         return cls(name, buffer, n_slots, slot_bytes, on_close)
 
-    @property
-    def nbytes(self) -> int:
-        return self.n_slots * self.slot_bytes
-
-    @property
-    def free_slots(self) -> int:
-        return self._slots.free_slots
-
-    def acquire(self) -> int | None:
-        """A free slot, now held until released; None when the ring is full."""
-        return self._slots.acquire()
-
-    def release(self, slot: int) -> bool:
-        """Give a slot back. A slot that is not held (a client's mistake or a repeat) is ignored."""
-        return self._slots.release(slot)
-
     def write(self, slot: int, array: np.ndarray) -> ShmSlot:
         """Copy `array` (float32) into a held slot; returns its descriptor."""
-        self._slots.check_held(slot, self.name)
+        self._check_held(slot, self.name)
         data = np.ascontiguousarray(array, dtype=_DTYPES["f32"])
         if data.nbytes > self.slot_bytes:
             raise ValueError(f"{data.nbytes} bytes do not fit a {self.slot_bytes}-byte slot")

@@ -56,22 +56,25 @@ class HostIpc:
     def open_memory(self, handle: bytes, bus_id: str, nbytes: int) -> bytes:
         if handle not in self.memory or self.memory[handle].nbytes != nbytes:
             raise ValueError("no such allocation")
-        self.log.append(("open memory", handle))
-        self.open.add(handle)
-        return handle
+        return self._open("memory", handle)
 
     def close_memory(self, mapped: bytes) -> None:
-        self.log.append(("close memory", mapped))
-        self.open.remove(mapped)
+        self._close("memory", mapped)
 
     def open_event(self, handle: bytes) -> bytes:
-        self.log.append(("open event", handle))
+        return self._open("event", handle)
+
+    def close_event(self, event: bytes) -> None:
+        self._close("event", event)
+
+    def _open(self, kind: str, handle: bytes) -> bytes:
+        self.log.append((f"open {kind}", handle))
         self.open.add(handle)
         return handle
 
-    def close_event(self, event: bytes) -> None:
-        self.log.append(("close event", event))
-        self.open.remove(event)
+    def _close(self, kind: str, handle: bytes) -> None:
+        self.log.append((f"close {kind}", handle))
+        self.open.remove(handle)
 
     def view(self, mapped: bytes, offset: int, shape: tuple[int, ...], event: bytes) -> np.ndarray:
         if not self.events[event][0]:
