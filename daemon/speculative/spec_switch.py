@@ -14,8 +14,11 @@ switch measures both, keeps the faster, and probes the other now and then:
   their time. On a pair where speculation decodes a token in 5.9 ms and plain bursts in 8.3 ms (the
   demo target deepened to 60 layers, benchmarks/deep_target.py), that bias had the switch decode 350
   of 2,560 greedy tokens and 968 sampled ones plainly.
-- A class starts speculating; after WARM measured steps it probes plain decoding, then keeps the
-  faster mode. Every `interval` tokens it probes the other mode for PROBE_STEPS steps: when the
+- A class starts speculating, unless the nearest smaller class that has measured both modes keeps
+  plain decoding: verification costs more as the batch grows, so it would lose there too, and a
+  batch that shrinks into a new class mid-request would pay the draft's catch-up for nothing (the
+  demo pair, 8 streams, greedy: 0.93x of plain decoding, every class of the shrinking batch
+  speculating first). After WARM measured steps it probes the other mode, then keeps the faster. Every `interval` tokens it probes the other mode for PROBE_STEPS steps: when the
   probe wins, it switches (and the interval drops back to FIRST_INTERVAL); when it loses, the interval
   grows by twice the ratio of the two rates (a probe twice as slow: four times the interval), up to
   MAX_INTERVAL, so a mode that keeps losing costs less and less.
@@ -136,7 +139,12 @@ class SpecSwitch:
         state.probing, state.probe_steps, state.tokens, state.decided = False, 0, 0, True
 
     def _state(self, running: int) -> _ClassState:
-        return self.classes.setdefault(max(1, running).bit_length(), _ClassState())
+        key = max(1, running).bit_length()
+        state = self.classes.get(key)
+        if state is None:
+            smaller = [k for k, s in self.classes.items() if k < key and s.decided]
+            state = self.classes[key] = _ClassState(speculate=not smaller or self.classes[max(smaller)].speculate)
+        return state
 
     def rates(self, running: int) -> tuple[float, float]:
         """(speculative, plain) seconds per generated token measured for `running` sequences (0: not yet)."""
