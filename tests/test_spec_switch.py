@@ -106,9 +106,12 @@ def test_batch_sizes_are_measured_apart() -> None:
     switch.classes.clear()
     steps(switch, 1, {True: 2e-3, False: 1e-3}, spec_switch.WARM + spec_switch.PROBE_STEPS)
     assert not switch.speculate(1)
-    assert not switch.speculate(8)  # speculation lost at 1 sequence: a batch of 8 starts plain
-    # then probes speculation (its first step catches the draft up: not a rate) and keeps it, faster here
-    steps(switch, 8, {True: 1e-3, False: 2e-3}, spec_switch.WARM + spec_switch.PROBE_STEPS + 1)
+    assert not switch.speculate(8)  # speculation lost at 1 sequence: a batch of 8 starts plain...
+    faster = {True: 1e-3, False: 2e-3}
+    steps(switch, 8, faster, spec_switch.FIRST_INTERVAL - 1, tokens=8)  # (plain: a token a sequence a step)
+    assert not switch.speculate(8)  # ...and probes speculation after FIRST_INTERVAL tokens a sequence,
+    # not a batch's: its first step catches the draft up (not a rate), then it keeps it, faster here
+    steps(switch, 8, faster, 2 + spec_switch.PROBE_STEPS, tokens=8)
     assert switch.speculate(8) and not switch.speculate(1)
     assert not switch.speculate(6)  # 4-7: the nearest smaller measured class is 1's
     assert switch.speculate(16)  # 16-31: 8's

@@ -14,12 +14,14 @@ switch measures both, keeps the faster, and probes the other now and then:
   their time. On a pair where speculation decodes a token in 5.9 ms and plain bursts in 8.3 ms (the
   demo target deepened to 60 layers, benchmarks/deep_target.py), that bias had the switch decode 350
   of 2,560 greedy tokens and 968 sampled ones plainly.
-- A class starts speculating, unless the nearest smaller class that has measured both modes keeps
-  plain decoding: verification costs more as the batch grows, so it would lose there too, and a
-  batch that shrinks into a new class mid-request would pay the draft's catch-up for nothing (the
-  demo pair, 8 streams, greedy: 0.93x of plain decoding, every class of the shrinking batch
-  speculating first). After WARM measured steps it probes the other mode, then keeps the faster. Every `interval` tokens it probes the other mode for PROBE_STEPS steps: when the
-  probe wins, it switches (and the interval drops back to FIRST_INTERVAL); when it loses, the interval
+- A class starts speculating; after WARM measured steps it probes plain decoding, then keeps the
+  faster mode. A class whose nearest smaller class has measured both modes starts instead with that
+  class's choice, as if decided, and probes the other mode only after `interval`: verification costs
+  more as the batch grows, so speculation that lost at a smaller batch would lose there too.
+- Every `interval` tokens a sequence (a batch's tokens over its sequences: a probe costs PROBE_STEPS
+  steps whatever the batch, and a batch of 8 probing every 256 of its tokens probed 8 times as often
+  as one sequence; the demo pair decoded 8 greedy streams at 0.93-0.95x of plain decoding) it
+  probes the other mode for PROBE_STEPS steps: when the probe wins, it switches (and the interval drops back to FIRST_INTERVAL); when it loses, the interval
   grows by twice the ratio of the two rates (a probe twice as slow: four times the interval), up to
   MAX_INTERVAL, so a mode that keeps losing costs less and less.
 - The first speculative step after plain steps also catches the draft up on the tokens it missed
@@ -77,7 +79,7 @@ class _ClassState:
     probing: bool = False  # the other mode is being probed
     probe_steps: int = 0  # measured steps of the probe so far
     interval: int = FIRST_INTERVAL
-    tokens: int = 0  # generated since the last decision
+    tokens: float = 0.0  # generated since the last decision, per sequence
 
     def mode(self) -> bool:
         return self.speculate != self.probing
@@ -111,14 +113,15 @@ class SpecSwitch:
             rate.add(seconds, tokens)
         if speculated != state.mode():
             return  # a plain step while a probe of speculation waits for the draft to be nearly caught up
-        state.tokens += tokens
+        state.tokens += tokens / max(1, running)
         if catch_up:
             return
         if state.probing:
             state.probe_steps += 1
             if state.probe_steps >= PROBE_STEPS:
                 self._decide(state)
-        elif rate.steps >= WARM and (state.rates[not speculated].steps == 0 or state.tokens >= state.interval):
+        elif rate.steps >= WARM and ((state.rates[not speculated].steps == 0 and not state.decided)
+                                     or state.tokens >= state.interval):
             state.probing, state.probe_steps = True, 0
 
     @staticmethod
@@ -143,7 +146,9 @@ class SpecSwitch:
         state = self.classes.get(key)
         if state is None:
             smaller = [k for k, s in self.classes.items() if k < key and s.decided]
-            state = self.classes[key] = _ClassState(speculate=not smaller or self.classes[max(smaller)].speculate)
+            state = self.classes[key] = _ClassState()
+            if smaller:
+                state.speculate, state.decided = self.classes[max(smaller)].speculate, True
         return state
 
     def rates(self, running: int) -> tuple[float, float]:
