@@ -114,7 +114,9 @@ def test_batch_sizes_are_measured_apart() -> None:
     steps(switch, 8, faster, 2 + spec_switch.PROBE_STEPS, tokens=8)
     assert switch.speculate(8) and not switch.speculate(1)
     assert not switch.speculate(6)  # 4-7: the nearest smaller measured class is 1's
-    assert switch.speculate(16)  # 16-31: 8's
+    assert switch.speculate(16)  # 16-31 starts speculating (the nearest smaller class, 8's, keeps it)...
+    steps(switch, 16, {True: 2e-3, False: 1e-3}, spec_switch.WARM)
+    assert not switch.speculate(16)  # ...and probes plain decoding after WARM steps, as a first class does
 
 
 class Alternating(SpecSwitch):

@@ -15,9 +15,11 @@ switch measures both, keeps the faster, and probes the other now and then:
   demo target deepened to 60 layers, benchmarks/deep_target.py), that bias had the switch decode 350
   of 2,560 greedy tokens and 968 sampled ones plainly.
 - A class starts speculating; after WARM measured steps it probes plain decoding, then keeps the
-  faster mode. A class whose nearest smaller class has measured both modes starts instead with that
-  class's choice, as if decided, and probes the other mode only after `interval`: verification costs
-  more as the batch grows, so speculation that lost at a smaller batch would lose there too.
+  faster mode. A class whose nearest smaller measured class keeps plain decoding starts plain
+  instead, as if decided, and probes speculation only after `interval`: verification costs more as
+  the batch grows, so speculation that lost at a smaller batch would lose there too. (Not the other
+  way: n-grams that won at 1 sequence lost at 8, 0.90-0.93x, had the class of 8 started speculating
+  as if decided.)
 - Every `interval` tokens a sequence (a batch's tokens over its sequences: a probe costs PROBE_STEPS
   steps whatever the batch, and a batch of 8 probing every 256 of its tokens probed 8 times as often
   as one sequence; the demo pair decoded 8 greedy streams at 0.93-0.95x of plain decoding) it
@@ -147,8 +149,8 @@ class SpecSwitch:
         if state is None:
             smaller = [k for k, s in self.classes.items() if k < key and s.decided]
             state = self.classes[key] = _ClassState()
-            if smaller:
-                state.speculate, state.decided = self.classes[max(smaller)].speculate, True
+            if smaller and not self.classes[max(smaller)].speculate:  # plain there: plain here, as if decided
+                state.speculate, state.decided = False, True
         return state
 
     def rates(self, running: int) -> tuple[float, float]:
