@@ -326,6 +326,7 @@ class StatsReport(Wire, tag="stats_report"):
     spec_saved_s_per_token: float = 0.0  # what speculating saves a token, as last measured (negative: costs; 0: unknown)
     prefix_hits: int = 0  # full prompt blocks found in the prefix cache (not computed again), since the start
     held: int = 0  # requests held now because their clients take no output (a full backlog, Hold, a full ring)
+    spec_mean_proposals: float = 0.0  # the k speculation chose: draft tokens a verification pass checked (0: none)
 
 
 class Ping(Wire, tag="ping"):

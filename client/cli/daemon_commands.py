@@ -298,7 +298,8 @@ def _status(args: argparse.Namespace) -> int:
         saved = stats.spec_saved_s_per_token
         verdict = "" if not saved else f", saves {saved * 1e6:.0f} us a token" if saved > 0 else \
             f", costs {-saved * 1e6:.0f} us a token"
-        print(f"  speculative decoding: {stats.spec_acceptance_rate:.0%} of draft tokens accepted, "
+        print(f"  speculative decoding: k {stats.spec_mean_proposals:.2f} (draft tokens a verification checked), "
+              f"{stats.spec_acceptance_rate:.0%} of them accepted, "
               f"{stats.spec_mean_accepted_length:.2f} tokens per verification{verdict}; "
               f"{stats.spec_plain_tokens} tokens decoded without the draft (it measured slower)")
     if stats.total_experts:

@@ -92,6 +92,8 @@ class DaemonCollector(Collector):
              s.spec_acceptance_rate),
             (GaugeMetricFamily, "ember_spec_tokens_per_verification", "Tokens a verification pass yields "
              "(0: none ran)", s.spec_mean_accepted_length),
+            (GaugeMetricFamily, "ember_spec_proposals_per_verification", "The k speculation chose: draft tokens "
+             "a verification pass checked (0: none ran)", s.spec_mean_proposals),
             (CounterMetricFamily, "ember_spec_plain_tokens", "Tokens decoded without speculating although a draft "
              "was loaded (it measured slower)", s.spec_plain_tokens),
             (GaugeMetricFamily, "ember_spec_saved_seconds_per_token", "What speculating saves a token, as last "

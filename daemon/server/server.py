@@ -392,7 +392,7 @@ class Server:
             spec_acceptance_rate=round(e.spec.acceptance_rate, 4),
             spec_mean_accepted_length=round(e.spec.mean_accepted_length, 3), spec_plain_tokens=e.spec.plain_tokens,
             spec_saved_s_per_token=round(e.spec.saved_s_per_token, 7), prefix_hits=e.prefix_hits,
-            held=e.held))
+            held=e.held, spec_mean_proposals=round(e.spec.mean_proposals, 3)))
 
     def _expert_stats(self) -> dict[str, Any]:
         """The MoE models' expert counters, summed by the engine."""

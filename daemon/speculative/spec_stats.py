@@ -20,6 +20,12 @@ class SpecStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
+    def mean_proposals(self) -> float:
+        """The k chosen, on average: draft tokens a verification pass checked (the draft stops early
+        where it is unsure, daemon/speculative/draft_proposer.py; 0: none ran)."""
+        return self.proposed / self.steps if self.steps else 0.0
+
+    @property
     def mean_accepted_length(self) -> float:
         """Tokens a verification pass yields: the accepted proposals plus the target's own token."""
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0

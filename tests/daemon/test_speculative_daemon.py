@@ -39,10 +39,12 @@ def test_streams_equal_in_process_generation(spec_daemon, demo_model) -> None:  
         assert ids == list(demo_model.generate(prompt, max_tokens=48, ignore_eos=True)), prompt
     assert got[-1] == list(spec.generate(PROMPTS[0], max_tokens=48, ignore_eos=True, **sampled))
     assert stats.spec_acceptance_rate > 0.5 and stats.spec_mean_accepted_length > 1.5
+    assert 1.0 <= stats.spec_mean_proposals <= 3.0  # the k chosen: at most draft_tokens, fewer where it stops early
     status = subprocess.run([sys.executable, "-m", "ember.client.cli", "status", "--socket", str(spec_daemon.socket)],
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0 and "speculative decoding:" in status.stdout
     assert f"{stats.spec_plain_tokens} tokens decoded without the draft" in status.stdout
+    assert f"k {stats.spec_mean_proposals:.2f}" in status.stdout
 
 
 def test_per_model_config_keys(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -74,6 +74,7 @@ def test_daemon_figures(fresh_gateway: GatewayThread, native: Any) -> None:
     # no draft here: speculative decoding's figures are there, at zero
     assert m[("ember_spec_plain_tokens_total", ())] == stats.spec_plain_tokens == 0
     assert m[("ember_spec_acceptance_rate", ())] == m[("ember_spec_saved_seconds_per_token", ())] == 0
+    assert m[("ember_spec_proposals_per_verification", ())] == stats.spec_mean_proposals == 0
 
 
 def test_without_a_daemon(tmp_path: Any) -> None:
