@@ -6,6 +6,7 @@ request always speculates, so that its seed reproduces its tokens."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 
@@ -224,3 +225,26 @@ def test_a_models_engines_share_its_switch(pair) -> None:
         assert pair.engine(64).spec_switch is None
     finally:
         pair.adaptive_draft = True
+
+
+@pytest.mark.slow
+def test_sampled_tokens_keep_the_targets_law_whichever_mode_runs(target, pair) -> None:
+    """Adaptive speculation changes no token's law: 2000 sampled continuations whose steps alternate
+    between plain decoding (bursts) and verification follow the plain target's distribution at tokens
+    2-4. Their generators are seeded (a reproducible test), and their seeds then hidden from the engine,
+    which would otherwise speculate on every step for them."""
+    from test_speculative import PARAMS, SEEDS, chi_square_z, later_tokens
+
+    plain = later_tokens(target)[0]
+    prompt = pair.tokenize("def main(")
+    engine = engine_of(pair, Alternating(), kv_blocks=SEEDS, block_size=4, max_running=256, max_step_tokens=1024,
+                       prefix_caching=True)
+    seqs = [Sequence(prompt, 4, PARAMS, seed=s + 10_000) for s in range(SEEDS)]
+    for seq in seqs:
+        seq.seed = None  # the generator stays seeded
+    run(engine, {0: seqs})
+    assert engine.spec_stats.steps > 0 and engine.spec_stats.plain_tokens > 0  # both modes ran
+    for position, i in enumerate((1, 2, 3), start=2):
+        mixed = Counter(s.generated[i] for s in seqs)
+        assert chi_square_z(plain[i - 1], mixed) < 4.0, f"token {position}: {plain[i - 1].most_common(5)} vs " \
+                                                         f"{mixed.most_common(5)}"
