@@ -109,7 +109,7 @@ class DeviceArray:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        return self.contiguous().raw.__cuda_array_interface__  # CuPy takes it in place (a device logits ring)
+        return self.raw.__cuda_array_interface__  # strides included: CuPy takes it in place (a device logits ring)
 
     def view(self, dtype: Any) -> DeviceArray:
         return DeviceArray(self.contiguous().raw.view(np.dtype(dtype)))
