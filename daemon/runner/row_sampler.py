@@ -23,8 +23,10 @@ class RowSampler:
         if step.n_logits == 0:
             return StepRun([], {}, features=step.features)
         choices, failed = self.sample(logits, step.samplers, pending)
-        on_device = {r for r, s in step.samplers if s.device_logits}
-        kept = {r: logits[r].copy() if r in on_device else self.ops.to_numpy(logits[r]) for r in step.keep}
+        kept = {}
+        if step.keep:  # (not on a step's hot path when no row asks for its logits)
+            on_device = {r for r, s in step.samplers if s.device_logits}
+            kept = {r: logits[r].copy() if r in on_device else self.ops.to_numpy(logits[r]) for r in step.keep}
         return StepRun(choices, kept, failed, step.features)
 
     def sample(self, logits: Array, samplers: Seq[tuple[int, RowSampling]], pending: Seq[Seq[Choice]] = ()
