@@ -27,8 +27,7 @@ from zmq.utils.monitor import parse_monitor_message
 import ember
 from ember.client.errors import DaemonUnavailable, EmberTimeout, UntrustedSocket
 from ember.client.request_builder import (MONITOR_EVENTS, Chunk, HeldSlots, LogitsReader, Lost, PeerCheck, chunk_from,
-                                          configure,
-                                          daemon_address, encode, end_of_stream, expect, generate_message,
+                                          configure, daemon_address, encode, end_of_stream, expect, generate_message,
                                           lost_connection, message_limit, unreachable)
 from ember.protocol.codec import Codec, ProtocolError
 from ember.protocol.endpoint import client_socket_path

@@ -23,9 +23,10 @@ switch measures both, keeps the faster, and probes the other now and then:
 - Every `interval` tokens a sequence (a batch's tokens over its sequences: a probe costs PROBE_STEPS
   steps whatever the batch, and a batch of 8 probing every 256 of its tokens probed 8 times as often
   as one sequence; the demo pair decoded 8 greedy streams at 0.93-0.95x of plain decoding) it
-  probes the other mode for PROBE_STEPS steps: when the probe wins, it switches (and the interval drops back to FIRST_INTERVAL); when it loses, the interval
-  grows by twice the ratio of the two rates (a probe twice as slow: four times the interval), up to
-  MAX_INTERVAL, so a mode that keeps losing costs less and less.
+  probes the other mode for PROBE_STEPS steps: when the probe wins, it switches (and the interval
+  drops back to FIRST_INTERVAL); when it loses, the interval grows by twice the ratio of the two
+  rates (a probe twice as slow: four times the interval), up to MAX_INTERVAL, so a mode that keeps
+  losing costs less and less.
 - The first speculative step after plain steps also catches the draft up on the tokens it missed
   (engine_core.py): its time is a switching cost, not the mode's rate, and is left out of the average.
   That cost grows with the tokens missed (the draft reads them all: on the demo pair, 500 missed
