@@ -30,6 +30,7 @@ import numpy as np
 from ember.kernels.cuda.native_launch import (Activations, AttentionScratch, NativeKv, NativeOps, NativeWeight,
                                              SamplingBuffers)
 from ember.kernels.sampling import SampleRow, SamplingParams
+from ember.kernels.sampling_batch import SamplingBatch
 from ember.kernels.tensor_types import TensorType
 
 HIDDEN, FFN, VOCAB = 4096, 12288, 151936
@@ -146,7 +147,7 @@ def sampling_rows(xp: Any, ops: NativeOps, timer: Callable[[Callable[[], None]],
             buffers = SamplingBuffers.allocate(xp, batch, vocab)
             rows = [SampleRow(k, params, np.random.default_rng(k), generated=list(rng.integers(0, vocab, 64)))
                     for k in range(batch)]
-            buffers.fill(xp, rows)
+            buffers.fill(xp, SamplingBatch.of(rows))
             logits = xp.asarray(rng.standard_normal((batch, vocab)).astype(np.float32) * np.float32(3))
             work = xp.empty_like(logits)
 

@@ -121,7 +121,8 @@ def measure_step(path: str, tokens: int, seqs: int) -> dict[str, int]:
     from ember.daemon.models.transformer import Transformer
     from ember.daemon.step.step_batch import StepBatch
     from ember.kernels import get_ops
-    from ember.kernels.sampling import SamplingParams, sample
+    from ember.kernels.sampling import SamplingParams
+    from ember.kernels.sampling_batch import sample
 
     net = Transformer(open_model_file(path), get_ops("cpu"))
     block, decode_pos = 16, 64
@@ -208,7 +209,8 @@ def measure_footprint(path: str, ctx: int, chunk: int) -> dict[str, int]:
     from ember.daemon.planning.precision import DeviceCaps, resolve_policy
     from ember.daemon.step.step_batch import StepBatch
     from ember.kernels import get_ops
-    from ember.kernels.sampling import SamplingParams, sample
+    from ember.kernels.sampling import SamplingParams
+    from ember.kernels.sampling_batch import sample
 
     block, kv, ops = 16, resolve_policy([DeviceCaps.of("cpu")]).kv, get_ops("cpu")
     params, rng = SamplingParams(temperature=0.8, top_p=0.9), np.random.default_rng(0)

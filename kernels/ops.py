@@ -16,7 +16,8 @@ import numpy as np
 
 from ember.kernels.layer_stack import LayerStack, StackLayer, StepArrays
 from ember.kernels.raw_tensor import RawTensor
-from ember.kernels.sampling import Choice, SampleRow, sample_host_rows
+from ember.kernels.sampling import Choice
+from ember.kernels.sampling_batch import SamplingBatch, sample_batch
 
 Array = Any  # numpy.ndarray on cpu, cupy.ndarray on cuda
 Weight = Any  # a backend's packed matrix (keeps the file's quantization)
@@ -463,12 +464,12 @@ class Ops(ABC):
         """The index of the largest value of each of x's `rows` (x is [n, vocab]): greedy sampling
         where the logits are, so only token ids leave the device."""
 
-    def sample_rows(self, logits: Array, rows: Sequence[SampleRow]) -> list[Choice | str]:
-        """The full sampler (kernels/sampling.py) on each of `rows` of logits [n, vocab]: a Choice per
+    def sample_rows(self, logits: Array, batch: SamplingBatch) -> list[Choice | str]:
+        """The full sampler (kernels/sampling.py) on the batch's rows of logits [n, vocab]: a Choice per
         row, or why its sampling failed. This default brings the logits to the host; a backend may
-        sample where they are, drawing from each row's generator as the host sampler does, so a
-        seeded request gives the same tokens on every device."""
-        return sample_host_rows(self.to_numpy(logits), rows)
+        sample where they are, from the same arrays (the batch's uniform numbers are each request's
+        draws), so a seeded request gives the same tokens on every device."""
+        return sample_batch(self.to_numpy(logits), batch)
 
     # --- moving data ----------------------------------------------------------------------------
     @abstractmethod

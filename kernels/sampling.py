@@ -16,11 +16,12 @@ Order of operations (documented in docs/sampling.md; the same as vLLM / HF trans
 Logprobs are log-softmax of the logits after steps 1-3 (what the model, penalised, believes), before
 temperature and truncation, so they do not depend on sampling settings.
 
-Written with array operations only, so the same code runs where the logits live.
+This module holds the law: the parameters, steps 0-3 (penalized_logits) and 5-8 (final_distribution),
+logprobs (choice_of). kernels/sampling_batch.py turns a step's rows into arrays and samples them on
+the host; the GPU samplers read the same arrays.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -84,8 +85,8 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SampleRow:
-    """One logits row to sample (Ops.sample_rows): its parameters, the request's own generator, and the
-    history penalties look at."""
+    """One logits row to sample, as a SamplingBatch is built from it: its parameters, the request's own
+    generator, and the history penalties look at."""
     row: int
     params: SamplingParams
     rng: np.random.Generator
@@ -128,7 +129,7 @@ def penalized_logits(logits: np.ndarray, params: SamplingParams, prompt: Sequenc
         ids = np.fromiter(params.logit_bias.keys(), np.int64)
         out[ids] += np.fromiter(params.logit_bias.values(), np.float32)
     if params.repetition_penalty != 1.0:
-        seen = _window(prompt, generated, params)
+        seen = history_window(prompt, generated, params)
         if seen.size:
             ids = np.unique(seen)
             vals = out[ids]
@@ -139,7 +140,8 @@ def penalized_logits(logits: np.ndarray, params: SamplingParams, prompt: Sequenc
     return out
 
 
-def _window(prompt: Sequence[int], generated: Sequence[int], params: SamplingParams) -> np.ndarray:
+def history_window(prompt: Sequence[int], generated: Sequence[int], params: SamplingParams) -> np.ndarray:
+    """The tokens the repetition penalty looks back over."""
     history = np.asarray(generated, np.int64)
     if params.penalize_prompt:
         history = np.concatenate([np.asarray(prompt, np.int64), history])
@@ -148,40 +150,26 @@ def _window(prompt: Sequence[int], generated: Sequence[int], params: SamplingPar
     return history[max(0, len(history) - params.repetition_window):]
 
 
-def adjustment_entries(rows: Sequence[SampleRow]) -> tuple[np.ndarray, ...]:
-    """Steps 1-3 of the rows as sparse entries for a device sampler, merged per (row, token id): (row,
-    id, bias, repeated?, subtract), applied as bias, then the repetition penalty, then the subtraction."""
-    entries: list[tuple[int, int, float, bool, float]] = []
-    for k, r in enumerate(rows):
-        p = r.params
-        bias = {int(t): float(np.float32(b)) for t, b in p.logit_bias.items()}
-        seen = set(np.unique(_window(r.prompt, r.generated, p)).tolist()) if p.repetition_penalty != 1.0 else set()
-        sub: dict[int, float] = {}
-        if (p.frequency_penalty or p.presence_penalty) and len(r.generated):
-            ids, counts = np.unique(np.asarray(r.generated, np.int64), return_counts=True)
-            sub = {int(t): float(c * p.frequency_penalty + p.presence_penalty) for t, c in zip(ids, counts, strict=True)}
-        for t in sorted(bias.keys() | seen | sub.keys()):
-            entries.append((k, t, bias.get(t, 0.0), t in seen, sub.get(t, 0.0)))
-    cols = list(zip(*entries, strict=True)) if entries else [(), (), (), (), ()]
-    return (np.array(cols[0], np.int64), np.array(cols[1], np.int64), np.array(cols[2], np.float32),
-            np.array(cols[3], np.bool_), np.array(cols[4], np.float64))
-
-
 def final_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Steps 5-8 on penalised logits: the probabilities draws come from (float64, sums to 1)."""
+    return distribution(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+
+
+def distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """final_distribution from the parameters themselves (a SamplingBatch row's)."""
     # subtract the max before dividing: every exponent is <= 0 and the best one is exactly 0, so no
     # temperature > 0, however small, can overflow (a tiny one gives the one-hot greedy distribution)
     shifted = logits.astype(np.float64)
     shifted -= shifted.max()
     with np.errstate(over="ignore"):  # -inf is the intended result there: exp gives 0
-        probs = np.exp(shifted / params.temperature)
+        probs = np.exp(shifted / temperature)
     probs /= probs.sum()
     keep = np.ones(probs.size, bool)
-    if 0 < params.top_k < probs.size or params.top_p < 1.0:
+    if 0 < top_k < probs.size or top_p < 1.0:
         keep[:] = False
-        keep[_top_kept(probs, params.top_k if params.top_k < probs.size else 0, params.top_p)] = True
-    if params.min_p > 0.0:
-        keep &= probs >= params.min_p * probs.max()
+        keep[_top_kept(probs, top_k if top_k < probs.size else 0, top_p)] = True
+    if min_p > 0.0:
+        keep &= probs >= min_p * probs.max()
     probs = np.where(keep, probs, 0.0)
     return probs / probs.sum()
 
@@ -211,42 +199,6 @@ def _top_kept(probs: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
         if top_k or cut <= len(order) or i == len(floors) - 1:
             return order[: min(top_k or probs.size, cut)]
     raise AssertionError("unreachable: the last floor returns")
-
-
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
-           prompt: Sequence[int] = (), generated: Sequence[int] = (), logprob: bool = True,
-           allowed: np.ndarray | None = None) -> Choice:
-    """Pick the next token; `rng` is the request's own generator, so a seeded request gives the same
-    tokens whatever else runs beside it. Without `logprob` (and no top alternatives asked for) the
-    logprob is NaN, and a plain greedy choice (no grammar either) is just the argmax."""
-    if not logprob and params.plain_greedy and allowed is None:
-        return Choice(int(np.argmax(logits)), math.nan)
-    penalized = penalized_logits(logits, params, prompt, generated, allowed)
-    if params.greedy:
-        token = int(np.argmax(penalized))
-    elif allowed is not None and (support := np.flatnonzero(penalized > -np.inf)).size * 4 < penalized.size:
-        # a grammar's few allowed tokens: the distribution over them alone, whose cumulative sums are
-        # the full one's without its zeros, so the one uniform draw picks the same token
-        probs = final_distribution(penalized[support], params)
-        token = int(support[rng.choice(probs.size, p=probs)])
-    else:
-        probs = final_distribution(penalized, params)
-        token = int(rng.choice(probs.size, p=probs))
-    if not logprob and not params.logprobs:  # nobody reads it: no pass over the vocabulary for it
-        return Choice(token, math.nan)
-    return choice_of(penalized, token, params.logprobs)
-
-
-def sample_host_rows(host: np.ndarray, rows: Sequence[SampleRow]) -> list[Choice | str]:
-    """`sample` for each of `rows` of host logits: a Choice, or why that row's sampling failed (one
-    row's failure is its sequence's alone)."""
-    out: list[Choice | str] = []
-    for r in rows:
-        try:
-            out.append(sample(host[r.row], r.params, r.rng, r.prompt, r.generated, r.logprob, r.allowed))
-        except (ValueError, FloatingPointError, ArithmeticError) as e:
-            out.append(f"sampling failed: {type(e).__name__}: {e}")
-    return out
 
 
 def choice_of(penalized: np.ndarray, token: int, top_n: int) -> Choice:

@@ -80,16 +80,23 @@ def test_batched_greedy_equals_alone(model, n_seqs: int) -> None:
 
 def fail_sampling_of_min_p_half_at(monkeypatch, generated: int) -> None:
     """Sampling raises for sequences with min_p 0.5 once they have `generated` tokens."""
-    from ember.kernels import sampling  # the host sampler every backend's default sample_rows calls
+    from ember.kernels import sampling_batch  # the host sampler every backend's default sample_rows calls
 
-    real = sampling.sample
+    real_of, real_row = sampling_batch.SamplingBatch.of.__func__, sampling_batch.sample_row
+    built: dict[int, tuple[object, list[int]]] = {}  # batch id -> (the batch, kept alive; its rows' histories)
 
-    def flaky(logits, params, rng, prompt, history, logprob=True, allowed=None):  # type: ignore[no-untyped-def]
-        if params.min_p == 0.5 and len(history) == generated:
+    def of(cls, rows):  # type: ignore[no-untyped-def]
+        batch = real_of(cls, rows)
+        built[id(batch)] = (batch, [len(r.generated) for r in rows])
+        return batch
+
+    def flaky(logits, batch, k):  # type: ignore[no-untyped-def]
+        if batch.min_p[k] == 0.5 and built[id(batch)][1][k] == generated:
             raise ValueError("probabilities contain NaN")
-        return real(logits, params, rng, prompt, history, logprob, allowed)
+        return real_row(logits, batch, k)
 
-    monkeypatch.setattr(sampling, "sample", flaky)
+    monkeypatch.setattr(sampling_batch.SamplingBatch, "of", classmethod(of))
+    monkeypatch.setattr(sampling_batch, "sample_row", flaky)
 
 
 def bursting(model, kv_blocks: int, **options) -> tuple[EngineCore, list[int]]:
@@ -256,12 +263,12 @@ def test_prompt_logits_survive_preemption_without_repeats(model) -> None:
 
 
 def test_in_process_generation_raises_what_the_engine_reports_as_failed(model, monkeypatch) -> None:
-    from ember.kernels import sampling
+    from ember.kernels import sampling_batch
 
     def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise ValueError("probabilities contain NaN")
 
-    monkeypatch.setattr(sampling, "sample", broken)
+    monkeypatch.setattr(sampling_batch, "sample_row", broken)
     with pytest.raises(RuntimeError, match="probabilities contain NaN"):
         list(model.generate("def f(x):", max_tokens=4, temperature=0.8))
 

@@ -17,7 +17,8 @@ from ember.daemon.engine.sequence import Sequence
 from ember.daemon.loader.demo_model import DEMO_DFLASH, DEMO_DRAFT, DEMO_MODEL
 from ember.daemon.runner.model_runner import ModelRunner
 from ember.daemon.text.grammar import GrammarError, compile_grammar
-from ember.kernels.sampling import SamplingParams, allowed_tokens, sample
+from ember.kernels.sampling import SamplingParams, allowed_tokens
+from ember.kernels.sampling_batch import sample
 from ember.protocol.messages import Grammar
 
 # schemas of the kinds structured-output clients send: pydantic models' (titles, $defs, enums), nested

@@ -17,7 +17,8 @@ from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.runner.model_runner import ModelRunner
 from ember.daemon.speculative.ngram_proposer import NGRAM, NgramProposer, PointMass, continuation
 from ember.daemon.speculative.verification import Proposal, verify
-from ember.kernels.sampling import SamplingParams, sample
+from ember.kernels.sampling import SamplingParams
+from ember.kernels.sampling_batch import sample
 from test_engine_core import run
 from test_speculative import SNIPPETS, greedy
 from test_speculative_verification import PARAMS, PROMPT, TARGET, TRIALS, V, target_law

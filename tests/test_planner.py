@@ -426,7 +426,8 @@ def test_demo_model_step_peak_within_the_plan() -> None:
     from ember.daemon.models.transformer import Transformer
     from ember.daemon.step.step_batch import StepBatch
     from ember.kernels import get_ops
-    from ember.kernels.sampling import SamplingParams, sample
+    from ember.kernels.sampling import SamplingParams
+    from ember.kernels.sampling_batch import sample
 
     net = Transformer(open_model_file(DEMO_MODEL), get_ops("cpu"))
     cache = net.new_cache(16, 16)

@@ -12,7 +12,8 @@ from ember.daemon.loader.demo_model import DEMO_MODEL
 from ember.daemon.runner.devices import DeviceName, backend_for
 from ember.daemon.runner.model_runner import ModelRunner
 from ember.daemon.step.step_batch import StepBatch
-from ember.kernels.sampling import SamplingParams, sample
+from ember.kernels.sampling import SamplingParams
+from ember.kernels.sampling_batch import sample
 
 
 @pytest.mark.parametrize(("text", "name"), [("cpu", DeviceName("cpu")), ("cuda", DeviceName("cuda", 0)),

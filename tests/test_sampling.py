@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ember.kernels.sampling import SamplingParams, final_distribution, penalized_logits, sample
+from ember.kernels.sampling import SampleRow, SamplingParams, choice_of, final_distribution, penalized_logits
+from ember.kernels.sampling_batch import SamplingBatch, sample, sample_batch
 
 rng0 = np.random.default_rng(3)
 LOGITS = (rng0.standard_normal(50) * 2).astype(np.float32)
@@ -162,3 +163,76 @@ def test_top_k_and_top_p_keep_exactly_what_a_full_sort_keeps(scale: float, ties:
             p = np.exp(logits.astype(np.float64) - logits.max())
             want = full_sort_kept(p / p.sum(), top_k, top_p)
             assert np.array_equal(got, want), (trial, top_k, top_p)
+
+
+def random_rows(seed: int, vocab: int) -> list[SampleRow]:
+    """Rows with every option drawn at random: histories, bias, penalties, truncation, grammars."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for k in range(12):
+        params = SamplingParams(
+            temperature=float(rng.choice([0.0, 0.5, 1.0, 1.7])), top_k=int(rng.choice([0, 1, 5, 40])),
+            top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05])),
+            repetition_penalty=float(rng.choice([1.0, 1.3, 0.8])), repetition_window=int(rng.choice([-1, 4, 64])),
+            penalize_prompt=bool(rng.integers(2)), frequency_penalty=float(rng.choice([0.0, 0.5, -0.3])),
+            presence_penalty=float(rng.choice([0.0, 0.25])), logprobs=int(rng.choice([0, 3])),
+            logit_bias={int(t): float(rng.uniform(-5, 5)) for t in rng.integers(0, vocab, rng.integers(0, 4))})
+        allowed = None
+        if rng.integers(3) == 0:  # a grammar: a few allowed tokens, or most of them
+            bits = rng.random(vocab) < rng.choice([0.05, 0.8])
+            allowed = np.packbits(np.pad(bits, (0, -vocab % 32)), bitorder="little").view(np.int32)
+        rows.append(SampleRow(int(rng.integers(0, 4)), params, np.random.default_rng(seed * 100 + k),
+                              list(rng.integers(0, vocab, rng.integers(0, 20))), list(rng.integers(0, vocab, rng.integers(0, 20))),
+                              bool(rng.integers(2)), allowed))
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_batch_samples_what_numpy_draws_from_the_penalised_law(seed: int) -> None:
+    """SamplingBatch (each row's options as arrays, its one uniform number drawn when the batch is built)
+    gives every row the token numpy's own Generator.choice draws, with the same generator, from the
+    distribution of kernels/sampling.py's steps (penalized_logits, final_distribution); argmax where
+    greedy; the logprobs of choice_of."""
+    vocab = 150
+    logits = (np.random.default_rng(seed).standard_normal((4, vocab)) * 3).astype(np.float32)
+    for _ in range(3):  # the generators advance as they would row by row
+        rows = random_rows(seed, vocab)
+        twins = random_rows(seed, vocab)
+        got = sample_batch(logits, SamplingBatch.of(rows))
+        for r, choice in zip(twins, got, strict=True):
+            penalized = penalized_logits(logits[r.row], r.params, r.prompt, r.generated, r.allowed)
+            if r.params.greedy:
+                want = int(np.argmax(penalized))
+            else:
+                want = int(r.rng.choice(vocab, p=final_distribution(penalized, r.params)))
+            assert choice.token == want, r
+            if r.logprob or r.params.logprobs:
+                ref = choice_of(penalized, want, r.params.logprobs)
+                assert choice.logprob == ref.logprob and choice.top == ref.top
+            else:
+                assert np.isnan(choice.logprob)
+
+
+def test_a_batch_holds_each_rows_adjustments_exactly() -> None:
+    """The sparse adjustments give penalized_logits' values bit for bit, for every row of a batch, and a
+    selection of rows keeps each one's own entries and uniform number."""
+    vocab = 150
+    logits = (np.random.default_rng(5).standard_normal(vocab) * 3).astype(np.float32)
+    rows = random_rows(7, vocab)
+    batch = SamplingBatch.of(rows)
+    for k, r in enumerate(rows):
+        np.testing.assert_array_equal(batch.penalized(k, logits),
+                                      penalized_logits(logits, r.params, r.prompt, r.generated, r.allowed))
+    picked = batch.select([9, 2, 5])
+    for j, k in enumerate([9, 2, 5]):
+        np.testing.assert_array_equal(picked.penalized(j, logits), batch.penalized(k, logits))
+        assert picked.uniform[j] == batch.uniform[k] and picked.rows[j] == batch.rows[k]
+
+
+def test_a_grammar_that_allows_nothing_fails_its_row_alone() -> None:
+    logits = np.zeros((1, 64), np.float32)
+    nothing = np.zeros(2, np.int32)
+    rows = [SampleRow(0, SamplingParams(temperature=1.0), np.random.default_rng(0)),
+            SampleRow(0, SamplingParams(temperature=1.0), np.random.default_rng(1), allowed=nothing)]
+    got = sample_batch(logits, SamplingBatch.of(rows))
+    assert got[0].token in range(64) and isinstance(got[1], str) and "allows no token" in got[1]

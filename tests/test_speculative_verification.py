@@ -14,7 +14,8 @@ import pytest
 from ember.daemon.engine.sequence import Sequence
 from ember.daemon.speculative import verification
 from ember.daemon.speculative.verification import Distribution, Proposal, draft_choice, draft_confidence, verify
-from ember.kernels.sampling import SamplingParams, final_distribution, penalized_logits, sample
+from ember.kernels.sampling import SamplingParams, final_distribution, penalized_logits
+from ember.kernels.sampling_batch import sample
 
 V, PROMPT, TRIALS = 8, [1, 3], 3000
 PARAMS = SamplingParams(temperature=0.9, top_k=6, top_p=0.92, min_p=0.04, repetition_penalty=1.3,

@@ -33,6 +33,7 @@ from ember.kernels.cuda.repack import NATIVE_TYPES, repack
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.reference.quant import dequantize
 from ember.kernels.sampling import Choice, SampleRow, SamplingParams
+from ember.kernels.sampling_batch import SamplingBatch
 from ember.kernels.tensor_types import TensorType
 
 FLOAT_WEIGHTS = (TensorType.F16, TensorType.BF16)
@@ -264,16 +265,15 @@ class NativeDecoder:
             self._synchronize()
         return out
 
-    def sample_step(self, ids: np.ndarray, positions: np.ndarray, tables: np.ndarray, rows: Sequence[SampleRow],
-                    slots: np.ndarray | None = None, entries: tuple[np.ndarray, ...] | None = None
-                    ) -> list[Choice | str]:
-        """One decode step of len(ids) <= 32 rows, row k sampled as rows[k] asks, inside the step (the
-        graph on a GPU): the choices, or why a row's sampling failed. entries: the rows'
-        adjustment_entries, where the caller has them (at most native_launch.SAMPLING_ENTRIES)."""
+    def sample_step(self, ids: np.ndarray, positions: np.ndarray, tables: np.ndarray, rows: SamplingBatch,
+                    slots: np.ndarray | None = None) -> list[Choice | str]:
+        """One decode step of len(ids) <= 32 rows, row k sampled as the batch's k-th row asks (at most
+        native_launch.SAMPLING_ENTRIES adjustments), inside the step (the graph on a GPU): the
+        choices, or why a row's sampling failed."""
         with self._on_stream():
             bufs = self._bucket(len(ids))
             self.fill(bufs, ids, positions, tables, slots)
-            bufs.sampling.fill(self.xp, rows, entries)
+            bufs.sampling.fill(self.xp, rows)
             self.run(bufs, sample=True)
             return bufs.sampling.choices(rows)
 
@@ -289,7 +289,7 @@ class NativeDecoder:
         out = []
         with self._on_stream():
             bufs = self._bucket(n)
-            bufs.sampling.fill(self.xp, [SampleRow(k, GREEDY, None) for k in range(n)])  # type: ignore[arg-type]
+            bufs.sampling.fill(self.xp, SamplingBatch.of([SampleRow(k, GREEDY, None) for k in range(n)]))  # type: ignore[arg-type]
             for j in range(steps):
                 self.fill(bufs, cur, positions + j, tables)
                 self.run(bufs, sample=True)

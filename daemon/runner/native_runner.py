@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from contextlib import AbstractContextManager
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -29,7 +28,8 @@ from ember.daemon.step.row_sampling import RowSampling
 from ember.daemon.step.step_batch import StepBatch
 from ember.kernels import get_ops
 from ember.kernels.cuda.native_launch import SAMPLING_ENTRIES, NativeOps, SamplingBuffers, to_host
-from ember.kernels.sampling import Choice, SampleRow, adjustment_entries, sample_host_rows
+from ember.kernels.sampling import Choice, SampleRow
+from ember.kernels.sampling_batch import SamplingBatch, sample_batch
 
 
 class NativeRunner:
@@ -97,17 +97,15 @@ class NativeRunner:
 
     def _sample_in_graph(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]],
                          pending: Seq[Seq[Choice]]) -> StepRun:
-        rows = [SampleRow(k, s.params, s.rng, s.prompt,
-                          list(s.generated) + [c.token for c in pending[k]] if pending and pending[k] else s.generated,
-                          s.wants_logprob) for k, (_, s) in enumerate(samplers)]
-        entries = adjustment_entries(rows)
-        if len(entries[0]) > SAMPLING_ENTRIES:  # more penalised tokens than the step's buffers hold
+        rows = SamplingBatch.of([SampleRow(k, s.params, s.rng, s.prompt,
+                                           list(s.generated) + [c.token for c in pending[k]]
+                                           if pending and pending[k] else s.generated, s.wants_logprob)
+                                 for k, (_, s) in enumerate(samplers)])
+        if rows.n_entries > SAMPLING_ENTRIES:  # more penalised tokens than the step's buffers hold
             logits = self.forward(batch)
-            return self.sampler.finish(logits, PendingStep(logits, batch.n_logits, list(samplers), []), pending)
+            return StepRun(*_split(self.sampler.ops.sample_rows(logits, rows)))
         ids, positions, tables, slots = self._inputs(batch)
-        choices = self.decoder.sample_step(ids, positions, tables, rows, slots, entries)
-        return StepRun([c if isinstance(c, Choice) else None for c in choices], {},
-                       {k: c for k, c in enumerate(choices) if isinstance(c, str)})
+        return StepRun(*_split(self.decoder.sample_step(ids, positions, tables, rows, slots)))
 
     def greedy_steps(self, batch: StepBatch, samplers: Seq[tuple[int, RowSampling]], steps: int) -> np.ndarray | None:
         """A decode burst of up to 32 plain greedy sequences on the device (NativeDecoder.greedy_burst:
@@ -161,30 +159,36 @@ class DeviceSampling:
     def argmax_rows(self, logits: Any, rows: np.ndarray) -> Any:
         return self.xp.argmax(logits[self.xp.asarray(np.asarray(rows, np.int64))], axis=1)  # first of ties
 
-    def sample_rows(self, logits: Any, rows: Seq[SampleRow]) -> list[Choice | str]:
+    def sample_rows(self, logits: Any, batch: SamplingBatch) -> list[Choice | str]:
         # top alternatives (logprobs > 0): the host sampler gives them, from those rows' logits alone
-        alternatives = [k for k, r in enumerate(rows) if r.params.logprobs]
-        out: list[Choice | str] = [""] * len(rows)
+        alternatives = np.flatnonzero(batch.top_n).tolist()
+        out: list[Choice | str] = [""] * batch.size
         if alternatives:
-            host = to_host(logits[self.xp.asarray(np.array([rows[k].row for k in alternatives], np.int64))])
-            picked = sample_host_rows(host, [replace(rows[k], row=i) for i, k in enumerate(alternatives)])
+            host = to_host(logits[self.xp.asarray(batch.rows[alternatives])])
+            picked = sample_batch(host, batch.select(alternatives, rows=range(len(alternatives))))
             for k, choice in zip(alternatives, picked, strict=True):
                 out[k] = choice
-        on_device = [k for k, r in enumerate(rows) if not r.params.logprobs]
-        for k, choice in zip(on_device, self._sample(logits, [rows[k] for k in on_device]) if on_device else [],
+        on_device = np.flatnonzero(batch.top_n == 0).tolist()
+        for k, choice in zip(on_device, self._sample(logits, batch.select(on_device)) if on_device else [],
                              strict=True):
             out[k] = choice
         return out
 
-    def _sample(self, logits: Any, rows: Seq[SampleRow]) -> list[Choice | str]:
-        n, vocab = len(rows), int(logits.shape[1])
-        work = logits[self.xp.asarray(np.array([r.row for r in rows], np.int64))]  # a copy: sampling changes it
+    def _sample(self, logits: Any, batch: SamplingBatch) -> list[Choice | str]:
+        n, vocab = batch.size, int(logits.shape[1])
+        work = logits[self.xp.asarray(batch.rows)]  # a copy: sampling changes it
         key = (1 << max(0, (n - 1).bit_length()), vocab)
         if key not in self._buffers:
             self._buffers[key] = SamplingBuffers.allocate(self.xp, key[0], vocab)
-        buffers, entries = self._buffers[key], adjustment_entries(rows)
-        if len(entries[0]) > buffers.capacity[1]:  # more penalised tokens than its slots: a larger set, kept
-            buffers = self._buffers[key] = SamplingBuffers.allocate(self.xp, key[0], vocab, 2 * len(entries[0]))
-        buffers.fill(self.xp, rows, entries)
+        buffers = self._buffers[key]
+        if batch.n_entries > buffers.capacity[1]:  # more penalised tokens than its slots: a larger set, kept
+            buffers = self._buffers[key] = SamplingBuffers.allocate(self.xp, key[0], vocab, 2 * batch.n_entries)
+        buffers.fill(self.xp, batch)
         self.ops.sample(work, buffers)
-        return buffers.choices(rows)
+        return buffers.choices(batch)
+
+
+def _split(choices: Seq[Choice | str]) -> tuple[list[Choice | None], dict[int, str]]:
+    """Choices and failures (by row) as a StepRun holds them."""
+    return ([c if isinstance(c, Choice) else None for c in choices],
+            {k: c for k, c in enumerate(choices) if isinstance(c, str)})

@@ -1,6 +1,10 @@
 """RowSampler: sampling where a step's logits are — one component every runner uses, so that a
 token is drawn by the same code whether the model ran on this device or in a layer split's stages.
-Only token ids leave the device, and the logits rows a step asks to keep."""
+Only token ids leave the device, and the logits rows a step asks to keep.
+
+It is where a step's sequences' sampling (RowSampling: a generator, a token history, a grammar, host
+state that a decode burst's own tokens change between its steps) becomes arrays, a SamplingBatch, at
+the moment the step samples; the backend's sampler sees only those."""
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
@@ -12,6 +16,7 @@ from ember.daemon.runner.step_run import PendingStep, StepRun
 from ember.daemon.step.row_sampling import RowSampling
 from ember.kernels.ops import Array
 from ember.kernels.sampling import Choice, SampleRow
+from ember.kernels.sampling_batch import SamplingBatch
 
 
 class RowSampler:
@@ -59,7 +64,7 @@ class RowSampler:
             rows.append(SampleRow(r, s.params, s.rng, s.prompt, s.generated + extra if extra else s.generated,
                                   s.wants_logprob, allowed))
             at.append(k)
-        for k, c in zip(at, self.ops.sample_rows(logits, rows) if rows else [], strict=True):
+        for k, c in zip(at, self.ops.sample_rows(logits, SamplingBatch.of(rows)) if rows else [], strict=True):
             if isinstance(c, str):
                 failed[k] = c
             else:

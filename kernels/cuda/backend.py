@@ -11,7 +11,7 @@ decode) is accepted and not used, so a GPU step's numerics never depend on the b
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -27,7 +27,8 @@ from ember.kernels.cuda.experts import expert_ffn as experts_ffn
 from ember.kernels.ops import Array, ExpertWeights, Ops
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.reference.quant import dequantize
-from ember.kernels.sampling import Choice, SampleRow
+from ember.kernels.sampling import Choice
+from ember.kernels.sampling_batch import SamplingBatch
 
 
 class CudaOps(Ops):
@@ -93,8 +94,8 @@ class CudaOps(Ops):
     def argmax_rows(self, x: Array, rows: Array) -> DeviceArray:
         return dense.argmax_rows(x, self._on_device(rows, np.int64))
 
-    def sample_rows(self, logits: Array, rows: Sequence[SampleRow]) -> list[Choice | str]:
-        return sampling.sample_rows(logits, rows)
+    def sample_rows(self, logits: Array, batch: SamplingBatch) -> list[Choice | str]:
+        return sampling.sample_rows(logits, batch)
 
     # --- moving data ----------------------------------------------------------------------------
     def to_device(self, x: np.ndarray) -> DeviceArray:

@@ -15,7 +15,7 @@ caller's, so a captured graph can replay them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,7 +24,8 @@ import numpy as np
 
 from ember.kernels.cuda import native_kernels as nk
 from ember.kernels.cuda.repack import Repacked
-from ember.kernels.sampling import Choice, SampleRow, adjustment_entries
+from ember.kernels.sampling import Choice
+from ember.kernels.sampling_batch import ALL_TOKENS, SamplingBatch
 from ember.kernels.tensor_types import TensorType
 
 GEMV_BLOCK = 128  # 4 warps, a row each (kernels/cuda/native/gemv.cuh)
@@ -246,55 +247,49 @@ class SamplingBuffers:
     def capacity(self) -> tuple[int, int]:
         return int(self.words.shape[0]), int(self.ids.shape[0])
 
-    def fill(self, xp: Any, rows: Sequence[SampleRow], entries: tuple[np.ndarray, ...] | None = None) -> None:
-        """The rows' parameters, grammar masks, adjustments (`entries`: adjustment_entries(rows), if
-        the caller has them) and uniform numbers (drawn here, from each sampled row's own generator,
-        in order) into the buffers."""
+    def fill(self, xp: Any, batch: SamplingBatch) -> None:
+        """The batch's rows (row k of the buffers is the batch's k-th) into the buffers."""
         most_rows, most_entries = self.capacity
-        if len(rows) > most_rows:
-            raise ValueError(f"{len(rows)} rows to sample, the buffers hold {most_rows}")
-        if any(r.params.logprobs for r in rows):
+        if batch.size > most_rows:
+            raise ValueError(f"{batch.size} rows to sample, the buffers hold {most_rows}")
+        if batch.top_n.any():
             raise ValueError("the native sampler returns no top alternatives (logprobs > 0)")
+        if batch.n_entries > most_entries:
+            raise ValueError(f"{batch.n_entries} logit adjustments, the buffers hold {most_entries}")
         n_words = int(self.words.shape[1])
-        words = np.full((most_rows, n_words), 0xFFFFFFFF, np.uint32)
-        for k, r in enumerate(rows):
-            if r.allowed is not None:
-                words[k] = 0
-                given = np.asarray(r.allowed).view(np.uint32)[:n_words]
-                words[k, :given.size] = given
-        entry_row, ids, bias, repeated, sub = adjustment_entries(rows) if entries is None else entries
-        if len(ids) > most_entries:
-            raise ValueError(f"{len(ids)} logit adjustments, the buffers hold {most_entries}")
-        pad = most_entries - len(ids)
+        words = np.full((most_rows, n_words), ALL_TOKENS, np.uint32)
+        if batch.words is not None:
+            given = min(n_words, batch.words.shape[1])
+            words[: batch.size][batch.constrained] = 0
+            words[: batch.size, :given] = batch.words[:, :given]
+        pad = most_entries - batch.n_entries
         self.words[...] = xp.asarray(words)
-        self.entry_row[...] = xp.asarray(np.concatenate([entry_row, np.full(pad, -1)]).astype(np.int32))
-        self.ids[...] = xp.asarray(np.concatenate([ids, np.zeros(pad, np.int64)]).astype(np.int32))
-        self.bias[...] = xp.asarray(np.concatenate([bias, np.zeros(pad, np.float32)]))
-        self.repeated[...] = xp.asarray(np.concatenate([repeated, np.zeros(pad, bool)]).astype(np.uint8))
-        self.sub[...] = xp.asarray(np.concatenate([sub, np.zeros(pad)]))
+        self.entry_row[...] = xp.asarray(np.concatenate([batch.entry_row, np.full(pad, -1)]).astype(np.int32))
+        self.ids[...] = xp.asarray(np.concatenate([batch.ids, np.zeros(pad, np.int64)]).astype(np.int32))
+        self.bias[...] = xp.asarray(np.concatenate([batch.bias, np.zeros(pad, np.float32)]))
+        self.repeated[...] = xp.asarray(np.concatenate([batch.repeated, np.zeros(pad, bool)]).astype(np.uint8))
+        self.sub[...] = xp.asarray(np.concatenate([batch.sub, np.zeros(pad)]))
 
-        def per_row(values: list[float], dtype: Any) -> Any:
-            return xp.asarray(np.array(values + [0] * (most_rows - len(values)), dtype))
+        def per_row(values: np.ndarray, dtype: Any) -> Any:
+            return xp.asarray(np.concatenate([values, np.zeros(most_rows - len(values))]).astype(dtype))
 
-        params = [r.params for r in rows]
-        self.penalty[...] = per_row([p.repetition_penalty for p in params], np.float32)
-        self.temperature[...] = per_row([p.temperature for p in params], np.float32)
-        self.top_k[...] = per_row([p.top_k for p in params], np.int32)
-        self.top_p[...] = per_row([p.top_p for p in params], np.float64)
-        self.min_p[...] = per_row([p.min_p for p in params], np.float64)
-        self.uniform[...] = per_row([0.0 if p.greedy else r.rng.random() for p, r in zip(params, rows, strict=True)],
-                                    np.float64)
+        self.penalty[...] = per_row(batch.penalty, np.float32)
+        self.temperature[...] = per_row(batch.temperature, np.float32)
+        self.top_k[...] = per_row(batch.top_k, np.int32)
+        self.top_p[...] = per_row(batch.top_p, np.float64)
+        self.min_p[...] = per_row(batch.min_p, np.float64)
+        self.uniform[...] = per_row(batch.uniform, np.float64)
 
-    def choices(self, rows: Sequence[SampleRow]) -> list[Choice | str]:
-        """What the last sample gave each row, as the host sampler's Choice (or its failure)."""
-        n = len(rows)
+    def choices(self, batch: SamplingBatch) -> list[Choice | str]:
+        """What the last sample gave the batch's rows, as the host sampler's Choice (or its failure)."""
+        n = batch.size
         tokens, values, best, log_total = (to_host(a)[:n] for a in (self.tokens, self.values, self.best,
                                                                    self.log_total))
         out: list[Choice | str] = []
-        for k, r in enumerate(rows):
+        for k in range(n):
             if tokens[k] < 0:
                 out.append("sampling failed: ValueError: probabilities contain NaN")
-            elif not r.logprob:
+            elif not batch.logprob[k]:
                 out.append(Choice(int(tokens[k]), math.nan))
             else:
                 out.append(Choice(int(tokens[k]), float(values[k]) - float(best[k]) - float(log_total[k])))

@@ -1,11 +1,10 @@
 """The full sampler on the GPU: kernels/sampling.py's steps on logits that stay on the device, so only
 token ids (and logprobs when asked) come back.
 
-The host turns each row's parameters and history into a few small arrays — the sparse logit
-adjustments (bias, repetition penalty, frequency/presence penalty, merged per token id), temperature,
-top-k/p, min-p — and draws the row's one uniform number from the request's own generator, which is
-exactly what numpy's `Generator.choice(p=...)` draws; the device does the rest in float64 where the
-host sampler does:
+It reads a SamplingBatch (kernels/sampling_batch.py): each row's parameters, its sparse logit
+adjustments (bias, repetition penalty, frequency/presence penalty, merged per token id), its grammar's
+mask and the one uniform number drawn from the request's own generator, which is exactly what numpy's
+`Generator.choice(p=...)` draws; the device does the rest in float64 where the host sampler does:
   0. mask       a grammar's (constrained decoding): -inf where its bit is clear
   1. penalize   copy the rows, apply the adjustments in the host sampler's order and precisions
   2. sample     per row: max and log-sum-exp (for logprobs), first argmax (greedy), or softmax at the
@@ -18,14 +17,14 @@ The sort and the CDF walk are one block (and partly one thread) per row: correct
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import numpy as np
 from numba import cuda, float32, float64, int64
 
 from ember.kernels.cuda.device import THREADS, block_argmax, block_sum, flat_grid, grid
 from ember.kernels.cuda.device_array import DeviceArray, empty, gather_rows
-from ember.kernels.sampling import Choice, SampleRow, adjustment_entries, allowed_tokens
+from ember.kernels.sampling import Choice
+from ember.kernels.sampling_batch import ALL_TOKENS, SamplingBatch
 
 
 @cuda.jit
@@ -182,74 +181,72 @@ def _up(x: np.ndarray) -> DeviceArray:
     return DeviceArray(cuda.to_device(np.ascontiguousarray(x)))
 
 
-def sample_rows(logits: DeviceArray, rows: Sequence[SampleRow]) -> list[Choice | str]:
-    """kernels/sampling.sample for each of `rows` of device logits [n, vocab], on the device."""
-    if not rows:
+def sample_rows(logits: DeviceArray, batch: SamplingBatch) -> list[Choice | str]:
+    """kernels/sampling_batch.sample_batch on device logits [n, vocab], on the device."""
+    if not batch.size:
         return []
-    m, vocab = len(rows), logits.shape[1]
-    ruled_out = _ruled_out(rows, vocab)
+    m, vocab = batch.size, logits.shape[1]
+    ruled_out = _ruled_out(batch, vocab)
     if ruled_out:
-        kept = [r for k, r in enumerate(rows) if k not in ruled_out]
-        sampled = iter(sample_rows(logits, kept))
+        kept = [k for k in range(m) if k not in ruled_out]
+        sampled = iter(sample_rows(logits, batch.select(kept)))
         return [ruled_out[k] if k in ruled_out else next(sampled) for k in range(m)]
-    pen = gather_rows(logits, _up(np.array([r.row for r in rows], np.int64)))  # a copy: adjusted in place below
-    if any(r.allowed is not None for r in rows):
-        words = np.full((m, -(-vocab // 32)), -1, np.int32)
-        for k, r in enumerate(rows):
-            if r.allowed is not None:
-                words[k, : min(words.shape[1], r.allowed.size)] = r.allowed[: words.shape[1]]
-                words[k, r.allowed.size:] = 0
-        _mask[flat_grid(m * vocab)](pen.raw, _up(words).raw)
-    entry_row, ids, bias, rep, sub = adjustment_entries(rows)
-    if len(ids):
-        penalty = np.array([r.params.repetition_penalty for r in rows], np.float32)
-        _adjust[flat_grid(len(ids))](pen.raw, _up(entry_row).raw, _up(ids).raw, _up(bias).raw, _up(rep).raw,
-                                     _up(penalty).raw, _up(sub).raw)
-    greedy = np.array([r.params.greedy for r in rows], np.bool_)
-    # the one number numpy's choice draws, from each sampled row's generator, in the host's order
-    uniform = np.array([0.0 if g else r.rng.random() for g, r in zip(greedy, rows, strict=True)], np.float64)
+    pen = gather_rows(logits, _up(batch.rows))  # a copy: adjusted in place below
+    if batch.words is not None:
+        _mask[flat_grid(m * vocab)](pen.raw, _up(_words(batch, vocab)).raw)
+    if batch.n_entries:
+        _adjust[flat_grid(batch.n_entries)](pen.raw, _up(batch.entry_row).raw, _up(batch.ids).raw,
+                                            _up(batch.bias).raw, _up(batch.repeated).raw, _up(batch.penalty).raw,
+                                            _up(batch.sub).raw)
     width = 1 << max(1, (vocab - 1).bit_length())
-    sorting = int(not greedy.all())  # scratch only when some row samples
+    sorting = int(not batch.greedy.all())  # scratch only when some row samples
     probs = empty((m, vocab) if sorting else (1, 1), np.float64)
     keys, order = empty((m, width) if sorting else (1, 1), np.float64), empty((m, width) if sorting else (1, 1), np.int64)
     token, value = empty((m,), np.int64), empty((m,))
     best, log_total = empty((m,)), empty((m,), np.float64)
-    _sample[grid(m)](pen.raw, _up(greedy).raw,
-                     _up(np.array([r.params.temperature or 1.0 for r in rows], np.float64)).raw,
-                     _up(np.array([r.params.top_k for r in rows], np.int64)).raw,
-                     _up(np.array([r.params.top_p for r in rows], np.float64)).raw,
-                     _up(np.array([r.params.min_p for r in rows], np.float64)).raw,
-                     _up(uniform).raw, probs.raw, keys.raw, order.raw, token.raw, value.raw, best.raw, log_total.raw)
-    top_n = max(r.params.logprobs for r in rows)
+    _sample[grid(m)](pen.raw, _up(batch.greedy).raw, _up(np.where(batch.greedy, 1.0, batch.temperature)).raw,
+                     _up(batch.top_k).raw, _up(batch.top_p).raw, _up(batch.min_p).raw, _up(batch.uniform).raw,
+                     probs.raw, keys.raw, order.raw, token.raw, value.raw, best.raw, log_total.raw)
+    top_n = int(batch.top_n.max())
     tops = None
     if top_n:
         top_ids, top_values = empty((m, top_n), np.int64), empty((m, top_n))
         _top_n[grid(m)](pen.raw, top_n, top_ids.raw, top_values.raw)
         tops = (top_ids.to_host(), top_values.to_host())
-    return [_choice(k, r, token.to_host(), value.to_host(), best.to_host(), log_total.to_host(), tops)
-            for k, r in enumerate(rows)]
+    host = token.to_host(), value.to_host(), best.to_host(), log_total.to_host()
+    return [_choice(k, batch, *host, tops) for k in range(m)]
 
 
-def _ruled_out(rows: Sequence[SampleRow], vocab: int) -> dict[int, str]:
+def _words(batch: SamplingBatch, vocab: int) -> np.ndarray:
+    """The batch's mask words over `vocab` tokens: padded with all-ones words (rows without a grammar)
+    or zeros (rows with one), cut to the vocabulary's words."""
+    assert batch.words is not None
+    n = -(-vocab // 32)
+    words = np.where(batch.constrained[:, None], np.uint32(0), ALL_TOKENS).repeat(n, axis=1).astype(np.uint32)
+    given = min(n, batch.words.shape[1])
+    words[:, :given] = batch.words[:, :given]
+    return words.view(np.int32)
+
+
+def _ruled_out(batch: SamplingBatch, vocab: int) -> dict[int, str]:
     """The rows whose grammar allows no token at all, and why (the host sampler's failure)."""
     out = {}
-    for k, r in enumerate(rows):
-        if r.allowed is not None:
-            try:
-                allowed_tokens(r.allowed, vocab)
-            except ValueError as e:
-                out[k] = f"sampling failed: ValueError: {e}"
+    for k in np.flatnonzero(batch.constrained).tolist():
+        try:
+            batch.masked(k, np.zeros(vocab, np.float32))
+        except ValueError as e:
+            out[k] = f"sampling failed: ValueError: {e}"
     return out
 
 
-def _choice(k: int, r: SampleRow, token: np.ndarray, value: np.ndarray, best: np.ndarray, log_total: np.ndarray,
-            tops: tuple[np.ndarray, np.ndarray] | None) -> Choice | str:
+def _choice(k: int, batch: SamplingBatch, token: np.ndarray, value: np.ndarray, best: np.ndarray,
+            log_total: np.ndarray, tops: tuple[np.ndarray, np.ndarray] | None) -> Choice | str:
     if token[k] < 0:
         return "sampling failed: ValueError: probabilities contain NaN"
-    if not r.logprob and not r.params.logprobs:  # nobody reads it: NaN, as the host sampler gives
+    top_n = int(batch.top_n[k])
+    if not batch.logprob[k] and not top_n:  # nobody reads it: NaN, as the host sampler gives
         return Choice(int(token[k]), math.nan)
     base = float(best[k]) + float(log_total[k])
     top = () if tops is None else tuple((int(t), float(v) - base) for t, v in  # -inf: ruled out by a grammar
-                                        zip(tops[0][k, :r.params.logprobs], tops[1][k, :r.params.logprobs], strict=True)
-                                        if v > -math.inf)
+                                        zip(tops[0][k, :top_n], tops[1][k, :top_n], strict=True) if v > -math.inf)
     return Choice(int(token[k]), float(value[k]) - base, top)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ember.kernels.sampling import SampleRow, SamplingParams, sample
+from ember.kernels.sampling import SampleRow, SamplingParams
+from ember.kernels.sampling_batch import SamplingBatch, sample
 
 pytestmark = pytest.mark.cuda
 
@@ -35,7 +36,7 @@ def test_device_sampling_equals_the_host_sampler(ops) -> None:  # type: ignore[n
     rows = [SampleRow(k + 1, p, np.random.default_rng(k), prompt, generated, True) for k, p in enumerate(CASES)]
     rows.append(SampleRow(0, SamplingParams(), np.random.default_rng(99), prompt, generated, False))  # plain greedy
     for draw in range(3):  # the generators advance as on the host
-        got = ops.sample_rows(ops.to_device(logits), rows)
+        got = ops.sample_rows(ops.to_device(logits), SamplingBatch.of(rows))
         for r, choice in zip(rows, got, strict=True):
             twin = np.random.default_rng(rows.index(r) if r.row else 99)
             for _ in range(draw):
@@ -53,7 +54,7 @@ def test_sampling_spreads_over_the_kept_tokens(ops) -> None:  # type: ignore[no-
     logits[0, [10, 20, 30]] = 1.0
     params = SamplingParams(temperature=1.0, top_k=3)
     rows = [SampleRow(0, params, np.random.default_rng(s)) for s in range(40)]
-    tokens = [c.token for c in ops.sample_rows(ops.to_device(np.repeat(logits, 1, axis=0)), rows)]
+    tokens = [c.token for c in ops.sample_rows(ops.to_device(np.repeat(logits, 1, axis=0)), SamplingBatch.of(rows))]
     assert set(tokens) == {10, 20, 30}
 
 
@@ -62,8 +63,8 @@ def test_nan_logits_fail_that_row_only(ops) -> None:  # type: ignore[no-untyped-
     logits[1, 4] = np.nan
     logits[0, 7] = 3.0
     params = SamplingParams(temperature=1.0)
-    got = ops.sample_rows(ops.to_device(logits), [SampleRow(0, params, np.random.default_rng(0)),
-                                                  SampleRow(1, params, np.random.default_rng(1))])
+    got = ops.sample_rows(ops.to_device(logits), SamplingBatch.of([SampleRow(0, params, np.random.default_rng(0)),
+                                                                   SampleRow(1, params, np.random.default_rng(1))]))
     assert got[0].token in range(32) and isinstance(got[1], str) and "sampling failed" in got[1]
 
 
@@ -89,7 +90,7 @@ def test_grammar_masks_on_the_device_equal_the_host_sampler(ops) -> None:  # typ
             for k, p in enumerate(cases)]
     nothing = mask_of([], vocab)
     rows.append(SampleRow(0, SamplingParams(temperature=1.0), np.random.default_rng(9), (), (), True, nothing))
-    got = ops.sample_rows(ops.to_device(logits), rows)
+    got = ops.sample_rows(ops.to_device(logits), SamplingBatch.of(rows))
     for k, r in enumerate(rows[:-1]):
         want = sample(logits[r.row], r.params, np.random.default_rng(k), r.prompt, r.generated, r.logprob, r.allowed)
         assert got[k].token == want.token and want.token in allowed

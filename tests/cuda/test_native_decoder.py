@@ -17,6 +17,7 @@ from ember.daemon.runner.native_decoder import NativeDecoder, NativeDecoderUnsup
 from ember.kernels.cuda.native_launch import NativeOps
 from ember.kernels.cuda.native_launch import to_host as host
 from ember.kernels.sampling import SampleRow, SamplingParams
+from ember.kernels.sampling_batch import SamplingBatch
 from tests.cuda.native_fake_device import HarnessLauncher
 from tests.cuda.conftest import gpu_ops
 
@@ -110,7 +111,7 @@ def test_a_whole_step_launches_the_same_way_at_every_position(lib) -> None:  # t
     traces = []
     for p in range(3):
         decoder.fill(bufs, np.array([11 + p, 99 + p]), np.array([p, p + 20]), np.array([[0, 1], [2, 3]]))
-        bufs.sampling.fill(np, rows)
+        bufs.sampling.fill(np, SamplingBatch.of(rows))
         del launcher.launches[:]
         decoder.step(bufs, sample=True)
         traces.append(list(launcher.launches))
@@ -124,10 +125,10 @@ def test_the_step_samples_on_the_device(lib) -> None:  # type: ignore[no-untyped
                                       block_size=16, max_context=32)
     bufs = decoder.buffers(3)
     decoder.fill(bufs, np.array([5, 6, 7]), np.array([0, 0, 0]), np.array([[0], [1], [2]]))
-    bufs.sampling.fill(np, [SampleRow(k, SamplingParams(), np.random.default_rng(k)) for k in range(3)])
+    rows = SamplingBatch.of([SampleRow(k, SamplingParams(), np.random.default_rng(k)) for k in range(3)])
+    bufs.sampling.fill(np, rows)
     decoder.step(bufs, sample=True)
-    assert [c.token for c in bufs.sampling.choices([SampleRow(k, SamplingParams(), np.random.default_rng(k))
-                                                     for k in range(3)])] == list(bufs.logits.argmax(axis=1))
+    assert [c.token for c in bufs.sampling.choices(rows)] == list(bufs.logits.argmax(axis=1))
 
 
 def test_what_the_native_step_cannot_run_is_refused(lib) -> None:  # type: ignore[no-untyped-def]
@@ -360,7 +361,8 @@ def test_a_step_allocates_and_copies_nothing(  # type: ignore[no-untyped-def]
                                       block_size=16, kv_dtype="q8_0", max_context=32)
     bufs = decoder.buffers(2)
     decoder.fill(bufs, np.array([5, 6]), np.array([0, 3]), np.array([[0, 1], [2, 3]]))
-    bufs.sampling.fill(np, [SampleRow(k, SamplingParams(temperature=0.7), np.random.default_rng(k)) for k in range(2)])
+    bufs.sampling.fill(np, SamplingBatch.of([SampleRow(k, SamplingParams(temperature=0.7), np.random.default_rng(k))
+                                            for k in range(2)]))
 
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("an array was allocated inside the step")

@@ -19,7 +19,8 @@ from ember.kernels.cuda.native_launch import (Activations, AttentionScratch, Nat
                                              SamplingBuffers)
 from ember.kernels.cuda.native_launch import to_host as host
 from ember.kernels.reference.dense import rope
-from ember.kernels.sampling import SampleRow, SamplingParams, sample_host_rows
+from ember.kernels.sampling import SampleRow, SamplingParams
+from ember.kernels.sampling_batch import SamplingBatch, sample_batch
 from ember.kernels.tensor_types import TensorType
 from tests.cuda.conftest import gpu_ops
 from tests.cuda.native_data import random_store, random_weight, reference_attention
@@ -263,8 +264,8 @@ def test_the_native_sampler_matches_the_host_sampler(ops: NativeOps) -> None:
     buffers = SamplingBuffers.allocate(xp, 8, vocab, entries=256)
     seen = set()
     for seed in range(5):
-        expected = sample_host_rows(logits, rows(seed))
-        sampled = rows(seed)
+        expected = sample_batch(logits, SamplingBatch.of(rows(seed)))
+        sampled = SamplingBatch.of(rows(seed))
         buffers.fill(xp, sampled)
         ops.sample(xp.array(logits), buffers)
         got = buffers.choices(sampled)
@@ -273,4 +274,4 @@ def test_the_native_sampler_matches_the_host_sampler(ops: NativeOps) -> None:
         seen.add(tuple(c.token for c in got))
     assert len(seen) > 1  # the seeds draw differently
     with pytest.raises(ValueError, match="top alternatives"):
-        buffers.fill(xp, [SampleRow(0, SamplingParams(logprobs=2), np.random.default_rng(0))])
+        buffers.fill(xp, SamplingBatch.of([SampleRow(0, SamplingParams(logprobs=2), np.random.default_rng(0))]))
