@@ -14,6 +14,7 @@ the same for one row of logits.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class SamplingBatch:
     # the adjustments, one entry per (row, token id), sorted by row then id: applied as bias, then the
     # repetition penalty where `repeated`, then `sub` (frequency and presence) subtracted
     entry_row: np.ndarray  # int64 [e]
+    entry_starts: np.ndarray  # int64 [m + 1]: row k's entries are entry_starts[k] .. entry_starts[k + 1] - 1
     ids: np.ndarray  # int64 [e]
     bias: np.ndarray  # float32 [e]
     repeated: np.ndarray  # bool [e]
@@ -55,17 +57,17 @@ class SamplingBatch:
     def of(cls, rows: Sequence[SampleRow]) -> SamplingBatch:
         """The rows' arrays; draws each sampled row's uniform number from its generator, in order."""
         params = [r.params for r in rows]
-        greedy = np.fromiter((p.greedy for p in params), bool, len(rows))
-        uniform = np.fromiter((0.0 if g else r.rng.random() for g, r in zip(greedy, rows, strict=True)), np.float64,
-                              len(rows))
-        return cls(rows=np.fromiter((r.row for r in rows), np.int64, len(rows)), greedy=greedy,
-                   temperature=np.fromiter((p.temperature for p in params), np.float64, len(rows)),
-                   top_k=np.fromiter((p.top_k for p in params), np.int64, len(rows)),
-                   top_p=np.fromiter((p.top_p for p in params), np.float64, len(rows)),
-                   min_p=np.fromiter((p.min_p for p in params), np.float64, len(rows)),
-                   penalty=np.fromiter((p.repetition_penalty for p in params), np.float32, len(rows)),
-                   logprob=np.fromiter((r.logprob for r in rows), bool, len(rows)),
-                   top_n=np.fromiter((p.logprobs for p in params), np.int64, len(rows)), uniform=uniform,
+        greedy = [p.greedy for p in params]
+        return cls(rows=np.array([r.row for r in rows], np.int64), greedy=np.array(greedy, bool),
+                   temperature=np.array([p.temperature for p in params], np.float64),
+                   top_k=np.array([p.top_k for p in params], np.int64),
+                   top_p=np.array([p.top_p for p in params], np.float64),
+                   min_p=np.array([p.min_p for p in params], np.float64),
+                   penalty=np.array([p.repetition_penalty for p in params], np.float32),
+                   logprob=np.array([r.logprob for r in rows], bool),
+                   top_n=np.array([p.logprobs for p in params], np.int64),
+                   uniform=np.array([0.0 if g else r.rng.random() for g, r in zip(greedy, rows, strict=True)],
+                                    np.float64),
                    **_adjustments(rows), **_masks(rows))
 
     @property
@@ -78,8 +80,7 @@ class SamplingBatch:
 
     def entries_of(self, k: int) -> slice:
         """Row k's adjustment entries."""
-        lo, hi = np.searchsorted(self.entry_row, [k, k + 1])
-        return slice(int(lo), int(hi))
+        return slice(int(self.entry_starts[k]), int(self.entry_starts[k + 1]))
 
     def select(self, ks: Sequence[int], rows: Sequence[int] | None = None) -> SamplingBatch:
         """The batch of rows ks (in that order), their uniform numbers kept; `rows`: new logits row
@@ -87,12 +88,13 @@ class SamplingBatch:
         ks = np.asarray(ks, np.int64)
         slices = [self.entries_of(int(k)) for k in ks]
         take = np.concatenate([np.arange(s.start, s.stop) for s in slices]) if slices else np.zeros(0, np.int64)
-        renumber = np.repeat(np.arange(len(ks)), [s.stop - s.start for s in slices])
+        counts = [s.stop - s.start for s in slices]
+        renumber = np.repeat(np.arange(len(ks)), counts)
         return SamplingBatch(rows=self.rows[ks] if rows is None else np.asarray(rows, np.int64),
                              greedy=self.greedy[ks], temperature=self.temperature[ks], top_k=self.top_k[ks],
                              top_p=self.top_p[ks], min_p=self.min_p[ks], penalty=self.penalty[ks],
                              logprob=self.logprob[ks], top_n=self.top_n[ks], uniform=self.uniform[ks],
-                             entry_row=renumber.astype(np.int64), ids=self.ids[take], bias=self.bias[take],
+                             entry_row=renumber.astype(np.int64), entry_starts=_starts(counts), ids=self.ids[take], bias=self.bias[take],
                              repeated=self.repeated[take], sub=self.sub[take],
                              words=None if self.words is None or not self.constrained[ks].any() else self.words[ks],
                              constrained=self.constrained[ks])
@@ -182,24 +184,39 @@ def _adjustments(rows: Sequence[SampleRow]) -> dict[str, np.ndarray]:
     """Steps 1-3 of each row as sparse entries merged per (row, token id)."""
     parts = [_row_adjustments(r.params, r.prompt, r.generated) for r in rows]
     counts = [len(p[0]) for p in parts]
-    if not sum(counts):
-        return dict(entry_row=np.zeros(0, np.int64), ids=np.zeros(0, np.int64), bias=np.zeros(0, np.float32),
-                    repeated=np.zeros(0, bool), sub=np.zeros(0, np.float64))
-    return dict(entry_row=np.repeat(np.arange(len(rows), dtype=np.int64), counts),
-                ids=np.concatenate([p[0] for p in parts]), bias=np.concatenate([p[1] for p in parts]),
-                repeated=np.concatenate([p[2] for p in parts]), sub=np.concatenate([p[3] for p in parts]))
+    if not any(counts):
+        return dict(entry_row=_NONE[0], entry_starts=np.zeros(len(rows) + 1, np.int64), ids=_NONE[0], bias=_NONE[1],
+                    repeated=_NONE[2], sub=_NONE[3])
+    if len(parts) == 1:
+        ids, bias, repeated, sub = parts[0]
+        return dict(entry_row=np.zeros(len(ids), np.int64), entry_starts=np.array([0, len(ids)], np.int64), ids=ids,
+                    bias=bias, repeated=repeated, sub=sub)
+    ids, bias, repeated, sub = (np.concatenate(c) for c in zip(*parts, strict=True))
+    return dict(entry_row=np.repeat(np.arange(len(rows), dtype=np.int64), counts), entry_starts=_starts(counts),
+                ids=ids, bias=bias, repeated=repeated, sub=sub)
+
+
+_NONE = (np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, bool), np.zeros(0, np.float64))
+for _empty in _NONE:
+    _empty.flags.writeable = False  # shared by every batch without adjustments
 
 
 def _row_adjustments(p: SamplingParams, prompt: Sequence[int], generated: Sequence[int]
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One row's entries (ids ascending): bias, repeated?, and what frequency and presence subtract."""
+    repeats = p.repetition_penalty != 1.0
+    counting = bool((p.frequency_penalty or p.presence_penalty) and len(generated))
+    if not (p.logit_bias or repeats or counting):
+        return _NONE
+    seen = np.unique(history_window(prompt, generated, p)) if repeats else _NONE[0]
+    if not p.logit_bias and not counting:  # the repetition penalty alone: the common case
+        return seen, np.zeros(len(seen), np.float32), np.ones(len(seen), bool), np.zeros(len(seen))
     bias_ids = np.fromiter(p.logit_bias.keys(), np.int64, len(p.logit_bias))
-    seen = np.unique(history_window(prompt, generated, p)) if p.repetition_penalty != 1.0 else np.zeros(0, np.int64)
-    if (p.frequency_penalty or p.presence_penalty) and len(generated):
+    if counting:
         counted, counts = np.unique(np.asarray(generated, np.int64), return_counts=True)
     else:
-        counted, counts = np.zeros(0, np.int64), np.zeros(0, np.int64)
-    ids = np.union1d(np.union1d(bias_ids, seen), counted).astype(np.int64)
+        counted, counts = _NONE[0], _NONE[0]
+    ids = np.unique(np.concatenate([bias_ids, seen, counted]))
     bias = np.zeros(len(ids), np.float32)
     bias[np.searchsorted(ids, bias_ids)] = np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias))
     repeated = np.zeros(len(ids), bool)
@@ -209,8 +226,12 @@ def _row_adjustments(p: SamplingParams, prompt: Sequence[int], generated: Sequen
     return ids, bias, repeated, sub
 
 
+def _starts(counts: Sequence[int]) -> np.ndarray:
+    return np.array([0, *itertools.accumulate(counts)], np.int64)
+
+
 def _masks(rows: Sequence[SampleRow]) -> dict[str, np.ndarray | None]:
-    constrained = np.fromiter((r.allowed is not None for r in rows), bool, len(rows))
+    constrained = np.array([r.allowed is not None for r in rows], bool)
     if not constrained.any():
         return dict(words=None, constrained=constrained)
     width = max(len(r.allowed) for r in rows if r.allowed is not None)
