@@ -1,4 +1,4 @@
-"""The sampler on the device against kernels/sampling.sample on the same logits, with twin generators:
+"""The sampler on the device against kernels/sampling_batch.sample on the same logits, with twin generators:
 the same tokens, logprobs and alternatives, for every sampling option."""
 from __future__ import annotations
 

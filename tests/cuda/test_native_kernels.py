@@ -21,7 +21,8 @@ from ember.kernels.cuda import native_kernels as nk
 from ember.kernels.cuda import repack
 from ember.kernels.cuda.native_launch import NativeKv
 from ember.kernels.reference.dense import rope
-from ember.kernels.sampling import SamplingParams, sample
+from ember.kernels.sampling import SamplingParams
+from ember.kernels.sampling_batch import sample
 from ember.kernels.tensor_types import TensorType
 from tests.cuda import native_toolchain as tools
 from tests.cuda.native_data import decode_kv, random_store, random_weight, reference_attention
