@@ -392,28 +392,44 @@ def _quantize_token(x, t, q8_0, xq, xd, xs, xc, xl, k_quants, kq, kd, ks, kc):
         quad_offsets(kq[t], kc[t], Q6_K_OFFSET)
 
 
-@njit(**_STRICT)
+@njit(inline="always", **_STRICT)
 def _rows_times_tokens(tt, u8, first, end, xq, xd, xs, xc, xl, out):
     """out[t, r] = row r . x_hat[t] for rows first..end-1 and every token, by tt's row loop
     (_rows_loop) over the activations of its format (q8_0's for 32-value blocks, q8_K's for
     K-quants: _activations_for). Every (row, token) result is computed by the same operations
     whichever tile computes it (int8_dots guarantees it), so batching changes no token's result.
 
-    One compiled function (not inlined) that the serial and the parallel variant of every driver
-    call alike: inlined into the parallel variant's outlined loop body, the same loop ran 1.25x slower
-    per thread than in the serial variant (8192 x 384 Q8_0, one thread: 224 vs 182 us). The drivers
-    pick each weight's activation arrays once, before their row-group loops: a variable that is one
-    array or another, set in the loop, cost reference counts on every group (a 256 x 256 Q8_0 matvec
-    2.9 us against 2.2 in compiled code).
+    Only this choice is inlined into the drivers' row-group loops; the loops themselves are compiled
+    functions (not inlined) that the serial and the parallel variant of every driver call alike:
+    inlined into the parallel variant's outlined loop body, the same loop ran 1.25x slower per thread
+    than in the serial variant (8192 x 384 Q8_0, one thread: 224 vs 182 us). The drivers pick each
+    weight's activation arrays once, before their row-group loops: a variable that is one array or
+    another, set in the loop, cost reference counts on every group (a 256 x 256 Q8_0 matvec 2.9 us
+    against 2.2 in compiled code)."""
+    if decode_lanes.tokens_in(xl, out.shape[0]) > 0:
+        _rows_with_lanes(tt, u8, first, end, xq, xd, xs, xc, xl, out)
+    else:
+        _rows_tiles(tt, u8, first, end, xq, xd, xs, xc, out)
 
-    With the first tokens in lanes too (xl: enough decode rows, a 32-value type), decode_lanes
-    computes the same results for them at a fraction of the work, and the tiles the rest's."""
+
+@njit(**_STRICT)
+def _rows_with_lanes(tt, u8, first, end, xq, xd, xs, xc, xl, out):
+    """_rows_times_tokens with the first tokens in lanes too (xl: enough decode rows, a 32-value type):
+    decode_lanes computes the same results for them at a fraction of the work, and the tiles the
+    rest's."""
     k = decode_lanes.tokens_in(xl, out.shape[0])
-    if k > 0:
-        decode_lanes.rows(tt, u8, first, end, xl, out[:k])
-        if k == out.shape[0]:
-            return
-        xq, xd, xs, xc, out = xq[k:], xd[k:], xs[k:], xc[k:], out[k:]
+    decode_lanes.rows(tt, u8, first, end, xl, out[:k])
+    if k < out.shape[0]:
+        _rows_tiles(tt, u8, first, end, xq[k:], xd[k:], xs[k:], xc[k:], out[k:])
+
+
+# Compiled without numba's reference counting (it allocates nothing): a compiled function that takes
+# arrays counts references to each of them on entry and exit, atomic increments and decrements that
+# cost ~90 ns a call here, and this one is called for every 32 rows of every matrix (the demo MoE's
+# 8192 x 256 output head: 256 calls a token, its matvec 107 -> 69 us on the Xeon).
+@njit(_nrt=False, **_STRICT)
+def _rows_tiles(tt, u8, first, end, xq, xd, xs, xc, out):
+    """out[t, r] = row r . x_hat[t] for rows first..end-1 and every token, by tt's tiles."""
     if tt == _Q8_0:
         _ROWS_Q8_0(u8, first, end, xq, xd, xs, xc, out)
     elif tt == _Q4_K:
