@@ -47,6 +47,8 @@ class SamplingBatch:
     bias: np.ndarray  # float32 [e]
     repeated: np.ndarray  # bool [e]
     sub: np.ndarray  # float64 [e]
+    biased: np.ndarray  # bool [m]: some of the row's entries carry a bias
+    subtracts: np.ndarray  # bool [m]: some of the row's entries subtract frequency and presence penalties
     # grammar masks: uint32 [m, words], bit t % 32 of word t // 32 set for an allowed token t; rows
     # without a grammar all ones (every token, also past the words), rows with one allow nothing past
     # their words; None when no row has a grammar
@@ -66,6 +68,8 @@ class SamplingBatch:
                    penalty=np.array([p.repetition_penalty for p in params], np.float32),
                    logprob=np.array([r.logprob for r in rows], bool),
                    top_n=np.array([p.logprobs for p in params], np.int64),
+                   biased=np.array([bool(p.logit_bias) for p in params], bool),
+                   subtracts=np.array([_subtracts(r.params, r.generated) for r in rows], bool),
                    uniform=np.array([0.0 if g else r.rng.random() for g, r in zip(greedy, rows, strict=True)],
                                     np.float64),
                    **_adjustments(rows), **_masks(rows))
@@ -95,7 +99,8 @@ class SamplingBatch:
                              top_p=self.top_p[ks], min_p=self.min_p[ks], penalty=self.penalty[ks],
                              logprob=self.logprob[ks], top_n=self.top_n[ks], uniform=self.uniform[ks],
                              entry_row=renumber.astype(np.int64), entry_starts=_starts(counts), ids=self.ids[take], bias=self.bias[take],
-                             repeated=self.repeated[take], sub=self.sub[take],
+                             repeated=self.repeated[take], sub=self.sub[take], biased=self.biased[ks],
+                             subtracts=self.subtracts[ks],
                              words=None if self.words is None or not self.constrained[ks].any() else self.words[ks],
                              constrained=self.constrained[ks])
 
@@ -115,12 +120,14 @@ class SamplingBatch:
         if e.start == e.stop:
             return out
         ids = self.ids[e]
-        out[ids] += self.bias[e]
+        if self.biased[k]:
+            out[ids] += self.bias[e]
         rep = ids[self.repeated[e]]
         if rep.size:
             vals = out[rep]
             out[rep] = np.where(vals > 0, vals / self.penalty[k], vals * self.penalty[k])
-        out[ids] = out[ids] - self.sub[e]  # in float64, then rounded, as the host's penalties are
+        if self.subtracts[k]:
+            out[ids] = out[ids] - self.sub[e]  # in float64, then rounded, as the host's penalties are
         return out
 
     def plain(self, k: int) -> bool:
@@ -205,7 +212,7 @@ def _row_adjustments(p: SamplingParams, prompt: Sequence[int], generated: Sequen
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One row's entries (ids ascending): bias, repeated?, and what frequency and presence subtract."""
     repeats = p.repetition_penalty != 1.0
-    counting = bool((p.frequency_penalty or p.presence_penalty) and len(generated))
+    counting = _subtracts(p, generated)
     if not (p.logit_bias or repeats or counting):
         return _NONE
     seen = np.unique(history_window(prompt, generated, p)) if repeats else _NONE[0]
@@ -224,6 +231,11 @@ def _row_adjustments(p: SamplingParams, prompt: Sequence[int], generated: Sequen
     sub = np.zeros(len(ids), np.float64)
     sub[np.searchsorted(ids, counted)] = counts * p.frequency_penalty + p.presence_penalty
     return ids, bias, repeated, sub
+
+
+def _subtracts(p: SamplingParams, generated: Sequence[int]) -> bool:
+    """Frequency or presence penalties apply to the row: it asks for them and has generated tokens."""
+    return bool((p.frequency_penalty or p.presence_penalty) and len(generated))
 
 
 def _starts(counts: Sequence[int]) -> np.ndarray:
