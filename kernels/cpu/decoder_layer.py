@@ -42,7 +42,7 @@ from ember.kernels.cpu.paged_attention import KVLayerStore, attention_task, stor
 from ember.kernels.cpu.paged_attention import _KERNELS as _ATTENTION
 from ember.kernels.cpu.quant_matmul import (_MATMUL_INT8, _MATMUL_INT8_MANY, _MATVEC_ROWS, _Q8_0_ACTIVATIONS, _SWIGLU_INT8,
                                             INT8_PARALLEL_MIN_WORK, SERIAL_GROUP, CpuWeight, _quantize_token,
-                                            _quantized_tokens, _rows_times_tokens, _silu_times)
+                                            _quantized_tokens, _rows_tiles, _rows_with_lanes, _silu_times)
 from ember.kernels.cpu.team import claim, counters_for, fail, failed, finish, join, wait
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 
@@ -361,10 +361,17 @@ def _group_rows(tt, w, group, room, out):
     """Row group `group` of w times the quantized tokens in `room` -> out's columns of those rows."""
     first = group * _MATVEC_ROWS
     end = min(w.shape[0], first + _MATVEC_ROWS)
-    if _Q8_0_ACTIVATIONS[tt]:  # the room's arrays by index: no variable that is one array or another
-        _rows_times_tokens(tt, w, first, end, room[0], room[1], room[2], room[3], room[4], out)
+    # the room's arrays by index: no variable that is one array or another; each loop called directly
+    # (quant_matmul.py: an inlined helper's argument copies are reference counts)
+    if _Q8_0_ACTIVATIONS[tt]:
+        if decode_lanes.tokens_in(room[4], out.shape[0]) > 0:
+            _rows_with_lanes(tt, w, first, end, room[0], room[1], room[2], room[3], room[4], out)
+        else:
+            _rows_tiles(tt, w, first, end, room[0], room[1], room[2], room[3], out)
+    elif decode_lanes.tokens_in(room[9], out.shape[0]) > 0:
+        _rows_with_lanes(tt, w, first, end, room[5], room[6], room[7], room[8], room[9], out)
     else:
-        _rows_times_tokens(tt, w, first, end, room[5], room[6], room[7], room[8], room[9], out)
+        _rows_tiles(tt, w, first, end, room[5], room[6], room[7], room[8], out)
 
 
 @njit(inline="always", cache=True, nogil=True)

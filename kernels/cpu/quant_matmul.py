@@ -392,29 +392,25 @@ def _quantize_token(x, t, q8_0, xq, xd, xs, xc, xl, k_quants, kq, kd, ks, kc):
         quad_offsets(kq[t], kc[t], Q6_K_OFFSET)
 
 
-@njit(inline="always", **_STRICT)
-def _rows_times_tokens(tt, u8, first, end, xq, xd, xs, xc, xl, out):
-    """out[t, r] = row r . x_hat[t] for rows first..end-1 and every token, by tt's row loop
-    (_rows_loop) over the activations of its format (q8_0's for 32-value blocks, q8_K's for
-    K-quants: _activations_for). Every (row, token) result is computed by the same operations
-    whichever tile computes it (int8_dots guarantees it), so batching changes no token's result.
-
-    Only this choice is inlined into the drivers' row-group loops; the loops themselves are compiled
-    functions (not inlined) that the serial and the parallel variant of every driver call alike:
-    inlined into the parallel variant's outlined loop body, the same loop ran 1.25x slower per thread
-    than in the serial variant (8192 x 384 Q8_0, one thread: 224 vs 182 us). The drivers pick each
-    weight's activation arrays once, before their row-group loops: a variable that is one array or
-    another, set in the loop, cost reference counts on every group (a 256 x 256 Q8_0 matvec 2.9 us
-    against 2.2 in compiled code)."""
-    if decode_lanes.tokens_in(xl, out.shape[0]) > 0:
-        _rows_with_lanes(tt, u8, first, end, xq, xd, xs, xc, xl, out)
-    else:
-        _rows_tiles(tt, u8, first, end, xq, xd, xs, xc, out)
+# The row-group loops: out[t, r] = row r . x_hat[t] for rows first..end-1 and every token, by tt's row
+# loop (_rows_loop) over the activations of its format (q8_0's for 32-value blocks, q8_K's for
+# K-quants: _activations_for). Every (row, token) result is computed by the same operations whichever
+# tile computes it (int8_dots guarantees it), so batching changes no token's result.
+#
+# Each driver calls one of the two loops directly in its row-group loop, by whether its tokens take
+# the lanes (decode_lanes.tokens_in): not through an inlined helper that picks one, whose arguments
+# numba copies into variables of its own, each copy an atomic reference count (46 ns a call in a
+# micro-benchmark, against 10 for the direct call). The loops are compiled functions (not inlined)
+# that the serial and the parallel variant of every driver call alike: inlined into the parallel
+# variant's outlined loop body, the same loop ran 1.25x slower per thread than in the serial variant
+# (8192 x 384 Q8_0, one thread: 224 vs 182 us). The drivers pick each weight's activation arrays once,
+# before their row-group loops: a variable that is one array or another, set in the loop, cost
+# reference counts on every group (a 256 x 256 Q8_0 matvec 2.9 us against 2.2 in compiled code).
 
 
 @njit(**_STRICT)
 def _rows_with_lanes(tt, u8, first, end, xq, xd, xs, xc, xl, out):
-    """_rows_times_tokens with the first tokens in lanes too (xl: enough decode rows, a 32-value type):
+    """The row-group loop with the first tokens in lanes too (xl: enough decode rows, a 32-value type):
     decode_lanes computes the same results for them at a fraction of the work, and the tiles the
     rest's."""
     k = decode_lanes.tokens_in(xl, out.shape[0])
@@ -468,8 +464,13 @@ def _matmul_int8(tt, u8, x, out):
     rows = out.shape[1]
     q8_0 = _Q8_0_ACTIVATIONS[tt]
     xq, xd, xs, xc, xl = _activations_for(_activations(x, q8_0, not q8_0), q8_0)
+    lanes = decode_lanes.tokens_in(xl, out.shape[0]) > 0
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
-        _rows_times_tokens(tt, u8, c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS), xq, xd, xs, xc, xl, out)
+        first, end = c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS)
+        if lanes:
+            _rows_with_lanes(tt, u8, first, end, xq, xd, xs, xc, xl, out)
+        else:
+            _rows_tiles(tt, u8, first, end, xq, xd, xs, xc, out)
 
 
 def _matmul_int8_many(tts, ws, x, outs, group_rows):
@@ -482,6 +483,7 @@ def _matmul_int8_many(tts, ws, x, outs, group_rows):
     acts = _activations(x, formats.any(), not formats.all())
     xq, xd, xs, xc, xl = _activations_for(acts, formats[0])  # the first weight's format
     oq, od, osum, oc, ol = _activations_for(acts, not formats[0])  # the other (only a mixed layer has it)
+    lanes, other_lanes = decode_lanes.tokens_in(xl, x.shape[0]) > 0, decode_lanes.tokens_in(ol, x.shape[0]) > 0
     groups = np.empty(len(ws) + 1, np.int64)
     groups[0] = 0
     for k in range(len(ws)):
@@ -494,9 +496,14 @@ def _matmul_int8_many(tts, ws, x, outs, group_rows):
         first = (c - groups[k]) * group_rows
         end = min(u8.shape[0], first + group_rows)
         if formats[k] == formats[0]:
-            _rows_times_tokens(tts[k], u8, first, end, xq, xd, xs, xc, xl, out)
+            if lanes:
+                _rows_with_lanes(tts[k], u8, first, end, xq, xd, xs, xc, xl, out)
+            else:
+                _rows_tiles(tts[k], u8, first, end, xq, xd, xs, xc, out)
+        elif other_lanes:
+            _rows_with_lanes(tts[k], u8, first, end, oq, od, osum, oc, ol, out)
         else:
-            _rows_times_tokens(tts[k], u8, first, end, oq, od, osum, oc, ol, out)
+            _rows_tiles(tts[k], u8, first, end, oq, od, osum, oc, out)
 
 
 def _swiglu_int8(tt_gate, gate, tt_up, up, x, out, gelu):
@@ -509,11 +516,18 @@ def _swiglu_int8(tt_gate, gate, tt_up, up, x, out, gelu):
     uq, ud, us, uc, ul = _activations_for(acts, q8_up)
     g = np.empty((n, rows), np.float32)
     u = np.empty((n, rows), np.float32)
+    gate_lanes, up_lanes = decode_lanes.tokens_in(gl, n) > 0, decode_lanes.tokens_in(ul, n) > 0
     for c in prange((rows + _MATVEC_ROWS - 1) // _MATVEC_ROWS):
-        end = min(rows, (c + 1) * _MATVEC_ROWS)
+        first, end = c * _MATVEC_ROWS, min(rows, (c + 1) * _MATVEC_ROWS)
         # the group's gate rows, then its up rows: one contiguous stream at a time for the prefetcher
-        _rows_times_tokens(tt_gate, gate, c * _MATVEC_ROWS, end, gq, gd, gs, gc, gl, g)
-        _rows_times_tokens(tt_up, up, c * _MATVEC_ROWS, end, uq, ud, us, uc, ul, u)
+        if gate_lanes:
+            _rows_with_lanes(tt_gate, gate, first, end, gq, gd, gs, gc, gl, g)
+        else:
+            _rows_tiles(tt_gate, gate, first, end, gq, gd, gs, gc, g)
+        if up_lanes:
+            _rows_with_lanes(tt_up, up, first, end, uq, ud, us, uc, ul, u)
+        else:
+            _rows_tiles(tt_up, up, first, end, uq, ud, us, uc, u)
         if gelu:
             _gelu_times(g, u, c * _MATVEC_ROWS, end, out)
         else:
