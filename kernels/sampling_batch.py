@@ -98,9 +98,9 @@ class SamplingBatch:
                              greedy=self.greedy[ks], temperature=self.temperature[ks], top_k=self.top_k[ks],
                              top_p=self.top_p[ks], min_p=self.min_p[ks], penalty=self.penalty[ks],
                              logprob=self.logprob[ks], top_n=self.top_n[ks], uniform=self.uniform[ks],
-                             entry_row=renumber.astype(np.int64), entry_starts=_starts(counts), ids=self.ids[take], bias=self.bias[take],
-                             repeated=self.repeated[take], sub=self.sub[take], biased=self.biased[ks],
-                             subtracts=self.subtracts[ks],
+                             entry_row=renumber.astype(np.int64), entry_starts=_starts(counts), ids=self.ids[take],
+                             bias=self.bias[take], repeated=self.repeated[take], sub=self.sub[take],
+                             biased=self.biased[ks], subtracts=self.subtracts[ks],
                              words=None if self.words is None or not self.constrained[ks].any() else self.words[ks],
                              constrained=self.constrained[ks])
 
