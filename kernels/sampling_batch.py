@@ -104,6 +104,16 @@ class SamplingBatch:
                              words=None if self.words is None or not self.constrained[ks].any() else self.words[ks],
                              constrained=self.constrained[ks])
 
+    def mask_words(self, n_words: int) -> np.ndarray:
+        """Every row's mask as exactly n_words uint32 words (a vocabulary's, or a device buffer's): its
+        own words cut or padded, with all ones past them for a row without a grammar (every token) and
+        zeros for a row with one (no token past its words)."""
+        words = np.where(self.constrained[:, None], np.uint32(0), ALL_TOKENS).repeat(n_words, axis=1)
+        if self.words is not None:
+            given = min(n_words, self.words.shape[1])
+            words[:, :given] = self.words[:, :given]
+        return words.astype(np.uint32, copy=False)
+
     def masked(self, k: int, logits: np.ndarray) -> np.ndarray:
         """Step 0: row k's logits with -inf where its grammar rules a token out (a new float32 array).
         ValueError when its grammar allows no token."""

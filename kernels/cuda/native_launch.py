@@ -257,11 +257,8 @@ class SamplingBuffers:
         if batch.n_entries > most_entries:
             raise ValueError(f"{batch.n_entries} logit adjustments, the buffers hold {most_entries}")
         n_words = int(self.words.shape[1])
-        words = np.full((most_rows, n_words), ALL_TOKENS, np.uint32)
-        if batch.words is not None:
-            given = min(n_words, batch.words.shape[1])
-            words[: batch.size][batch.constrained] = 0
-            words[: batch.size, :given] = batch.words[:, :given]
+        words = np.full((most_rows, n_words), ALL_TOKENS, np.uint32)  # rows past the batch's: every token
+        words[: batch.size] = batch.mask_words(n_words)
         pad = most_entries - batch.n_entries
         self.words[...] = xp.asarray(words)
         self.entry_row[...] = xp.asarray(np.concatenate([batch.entry_row, np.full(pad, -1)]).astype(np.int32))

@@ -24,7 +24,7 @@ from numba import cuda, float32, float64, int64
 from ember.kernels.cuda.device import THREADS, block_argmax, block_sum, flat_grid, grid
 from ember.kernels.cuda.device_array import DeviceArray, empty, gather_rows
 from ember.kernels.sampling import Choice
-from ember.kernels.sampling_batch import ALL_TOKENS, SamplingBatch
+from ember.kernels.sampling_batch import SamplingBatch
 
 
 @cuda.jit
@@ -193,7 +193,7 @@ def sample_rows(logits: DeviceArray, batch: SamplingBatch) -> list[Choice | str]
         return [ruled_out[k] if k in ruled_out else next(sampled) for k in range(m)]
     pen = gather_rows(logits, _up(batch.rows))  # a copy: adjusted in place below
     if batch.words is not None:
-        _mask[flat_grid(m * vocab)](pen.raw, _up(_words(batch, vocab)).raw)
+        _mask[flat_grid(m * vocab)](pen.raw, _up(batch.mask_words(-(-vocab // 32)).view(np.int32)).raw)
     if batch.n_entries:
         _adjust[flat_grid(batch.n_entries)](pen.raw, _up(batch.entry_row).raw, _up(batch.ids).raw,
                                             _up(batch.bias).raw, _up(batch.repeated).raw, _up(batch.penalty).raw,
@@ -215,17 +215,6 @@ def sample_rows(logits: DeviceArray, batch: SamplingBatch) -> list[Choice | str]
         tops = (top_ids.to_host(), top_values.to_host())
     host = token.to_host(), value.to_host(), best.to_host(), log_total.to_host()
     return [_choice(k, batch, *host, tops) for k in range(m)]
-
-
-def _words(batch: SamplingBatch, vocab: int) -> np.ndarray:
-    """The batch's mask words over `vocab` tokens: padded with all-ones words (rows without a grammar)
-    or zeros (rows with one), cut to the vocabulary's words."""
-    assert batch.words is not None
-    n = -(-vocab // 32)
-    words = np.where(batch.constrained[:, None], np.uint32(0), ALL_TOKENS).repeat(n, axis=1).astype(np.uint32)
-    given = min(n, batch.words.shape[1])
-    words[:, :given] = batch.words[:, :given]
-    return words.view(np.int32)
 
 
 def _ruled_out(batch: SamplingBatch, vocab: int) -> dict[int, str]:
