@@ -86,7 +86,7 @@ def row_dots(ttype: TensorType, data: np.ndarray, x: np.ndarray) -> tuple[np.nda
         xq, xd, xs = np.empty(x.size, np.int8), np.empty(x.size // 256, np.float32), np.empty(x.size // 32, np.float32)
         int8_dots.quantize_activation_k(np.ascontiguousarray(x, np.float32), xq, xd, xs)
         x_hat = (xq.reshape(-1, 256) * xd[:, None].astype(np.float64)).reshape(-1)
-    xc = np.empty(x.size // 4, np.int32)
+    xc = np.empty(int8_dots.offsets_width(x.size, ttype not in Q8_0_ACTIVATIONS), np.int32)
     int8_dots.quad_offsets(xq, xc, int8_dots.Q8_0_OFFSET if ttype in Q8_0_ACTIVATIONS else int8_dots.Q6_K_OFFSET)
     out = np.empty(data.shape[0], np.float32)
     _DOTS[ttype](data, xq[None], xd[None], xs[None], xc[None], out)

@@ -16,7 +16,14 @@ VM):
   IR elsewhere. Every path gives the same integers (a test runs each). Signed Q8_0 weights: with VNNI
   one xor makes them unsigned (q + 128) and vpdpbusd starts from -128 x the activation's 4-value
   sums (quad_offsets, once per call), instead of llama.cpp's two vpsignb per block (with AVX2 they
-  stay: vpmaddubsw would saturate on q + 128); Q6_K's stored offset of 32 comes off the same way.
+  stay: vpmaddubsw would saturate on q + 128).
+- Q6_K (most of a Q4_K_M file's bytes after Q4_K: its head, half its down and value projections):
+  its chunks' unsigned quants (q + 32) meet x in pair sums times their 16-bit scales (vpmaddubsw,
+  then vpdpwssd), as Q4_K's do, and the stored offset comes off once per super-block, its sixteen
+  scales times the activation's 16-value sums (one vpmaddwd: _sixteen_offsets): 2 multiplies a
+  chunk where vpdpbusd from the offsets and a vpmulld by the scale took 3. On the 2-core Zen 4 VM,
+  2 threads, both kernels in one process: one token 2048 x 768 27.4 -> 26.1 us, 32000 x 768 463 ->
+  397 us; four tokens 83 -> 65 and 1309 -> 1011 us (docs/runtime.md).
 - Q8_0: a unit's 4 blocks' int32 lanes are summed in integers (shuffle-adds, as vphaddd), so their
   4 exact block dots become float together and meet their 4 (weight scale x activation scale)
   products in one multiply, instead of a broadcast, convert and multiply per block (with the
@@ -35,7 +42,7 @@ VM):
   depended on how many tokens shared its step. Now every (row, token) result is bit-identical
   whatever the batch, the tile shape or the serial/parallel variant.
 - Loads are unaligned (align 1): GGUF rows are only 2-byte aligned for Q8_0 (34-byte blocks).
-- The newer types reuse these paths: a stored offset (Q4_0 8, Q5_0 16, Q3_K 4, Q6_K 32) comes off
+- The newer types reuse these paths: a stored offset (Q4_0 8, Q5_0 16, Q3_K 4) comes off
   through the quad_offsets, shifted (exactly: powers of two) from the activation's own offset; Q4_1
   and Q5_1 add d*q + m, their -m meeting the block sums as Q4_K's mins do; Q2_K's mins, one per 16
   values, meet the 4-value sums in int32 and become float once per super-block; the IQ4 types' codes
@@ -54,7 +61,7 @@ from numba.extending import intrinsic
 
 from ember.kernels.tensor_types import IQ4_LEVELS
 
-__all__ = ["quantize_activation", "quantize_activation_k", "quad_offsets", "Q8_0_OFFSET", "Q6_K_OFFSET",
+__all__ = ["quantize_activation", "quantize_activation_k", "quad_offsets", "offsets_width", "Q8_0_OFFSET", "Q6_K_OFFSET",
            "unpack_k4_levels", "TILE_TOKENS", "TILE_SIZES", "ROW_PAIR", "Q8_0_TILES", "Q4_0_TILES", "Q4_1_TILES",
            "Q5_0_TILES", "Q5_1_TILES", "IQ4_NL_TILES", "Q2_K_TILES", "Q3_K_TILES", "Q4_K_TILES", "Q5_K_TILES",
            "Q6_K_TILES", "IQ4_XS_TILES"]
@@ -111,14 +118,34 @@ def quantize_activation_k(x, xq, xd, xs):
     _quantize_blocks(x, xq, xd, xs, QK_K, False)
 
 
+@njit(inline="always", cache=True, nogil=True)
+def offsets_width(cols, k_quants):
+    """Columns of quad_offsets' xc for cols activation values: n/4 quads, and for q8_K activations
+    (k_quants) the 16-value sums after them."""
+    return cols // 4 + (cols // 32 if k_quants else 0)
+
+
 @njit(cache=True, nogil=True)
 def quad_offsets(xq, xc, offset):
     """xc int32 [n/4]: -offset * the sum of each 4 consecutive quants of xq int8 [n]. A weight stored
     as unsigned u = q + offset meets x in one vpdpbusd that starts from these: sum(u * x) - offset *
-    sum(x) = q . x (Q8_0 weights flipped to q + 128, Q6_K's stored q + 32)."""
-    for j in range(xc.shape[0]):
+    sum(x) = q . x (Q8_0 weights flipped to q + 128, Q6_K's stored q + 32). Where xc is wider
+    (offsets_width for q8_K activations), its n/32 words after the quads hold the sums of each 16
+    consecutive quants as int16 pairs, little-endian (|sum| <= 2032): Q6_K's tiles take its stored
+    offset off once per super-block with them (_sixteen_offsets), not once per chunk."""
+    quads = xq.shape[0] // 4
+    for j in range(quads):
         xc[j] = -offset * (np.int32(xq[4 * j]) + np.int32(xq[4 * j + 1]) + np.int32(xq[4 * j + 2])
                            + np.int32(xq[4 * j + 3]))
+    if xc.shape[0] > quads:
+        for j in range(xq.shape[0] // 32):
+            pair = 0
+            for half in range(2):
+                total = np.int32(0)
+                for i in range(32 * j + 16 * half, 32 * j + 16 * half + 16):
+                    total += np.int32(xq[i])
+                pair |= (np.int32(total) & np.int32(0xFFFF)) << np.int32(16 * half)
+            xc[quads + j] = np.int32(pair)
 
 
 @njit(inline="always", cache=True, nogil=True)
@@ -308,13 +335,16 @@ class _KUnit:
     256 values, convert.quantize_q8_k_split), and become float once per super-block. scales16: per
     chunk, its scale as <16 x i16> (unsigned chunks, on the x86 paths where _scaled_dots applies it).
     int_mins (Q2_K, whose mins are per 16 values): (per chunk, its lanes' integer mins as <8 x i32>;
-    dmin), which meet the activation's 4-value sums in int32. Its activations are q8_K's
-    (quad_offsets for 32)."""
+    dmin), which meet the activation's 4-value sums in int32. offset16 (Q6_K): its sixteen scales as
+    <16 x i16>, which meet the activation's 16-value sums to take the chunks' stored offset off once
+    per super-block (_sixteen_offsets; the chunks are then dotted as unsigned). Its activations are
+    q8_K's (quad_offsets for 32)."""
 
     act_offset = Q6_K_OFFSET
 
-    def __init__(self, chunks, d, mins=None, scales16=None, int_mins=None):
+    def __init__(self, chunks, d, mins=None, scales16=None, int_mins=None, offset16=None):
         self.chunks, self.d, self.mins, self.scales16, self.int_mins = chunks, d, mins, scales16, int_mins
+        self.offset16 = offset16
 
 
 def _gather_f16(builder, blocks, at):
@@ -440,7 +470,8 @@ def _q6_k(builder, row, first):
     sb = _at(builder, row, builder.mul(builder.udiv(first, ir.Constant(_I64, 8)), ir.Constant(_I64, 210)))
     raw = builder.load(builder.bitcast(_at(builder, sb, 192), ir.VectorType(_I8, 16).as_pointer()), align=1)
     sc = builder.sext(raw, ir.VectorType(_I32, 16))
-    chunks = []
+    sc16 = builder.sext(raw, ir.VectorType(_I16, 16))
+    chunks, scales16 = [], []
     for h in range(2):
         lows = (_load_i8x32(builder, _at(builder, sb, 64 * h)), _load_i8x32(builder, _at(builder, sb, 64 * h + 32)))
         high = _load_i8x32(builder, _at(builder, sb, 128 + 32 * h))
@@ -451,7 +482,9 @@ def _q6_k(builder, row, first):
             q = builder.or_(low, builder.shl(top, _splat_i8(4)))
             # 8 lanes = 32 values in fours: lanes 0-3 are values 0-15 (scale 2k), 4-7 values 16-31
             chunks.append((4 * h + k, q, Q6_K_OFFSET, _pick(builder, sc, [8 * h + 2 * k] * 4 + [8 * h + 2 * k + 1] * 4)))
-    return _KUnit(chunks, _load_f16(builder, _at(builder, sb, 208)))
+            scales16.append(_pick(builder, sc16, [8 * h + 2 * k] * 8 + [8 * h + 2 * k + 1] * 8))  # pmaddubsw's pairs
+    return _KUnit(chunks, _load_f16(builder, _at(builder, sb, 208)), scales16=scales16 if _VNNI or _AVX2 else None,
+                  offset16=sc16)
 
 
 def _super_block(builder, row, first, size):
@@ -554,6 +587,13 @@ class _Tokens:
                                            for j in range(count)] for a, ty in zip(arrays, (_I8, _F32, _F32, _I32))]
         self.blocks = builder.udiv(builder.extract_value(arrays[0].shape, 1), ir.Constant(_I64, QK))  # 32-value blocks
 
+    def sums16(self, builder, xc, first):
+        """<16 x i16>: the 16-value sums of the super-block holding block `first` (a multiple of 8),
+        from a token's xc row (quad_offsets puts them after the row's cols / 4 quads)."""
+        at = builder.add(builder.mul(self.blocks, ir.Constant(_I64, 8)), first)
+        ptr = builder.gep(xc, [at], inbounds=True)
+        return builder.load(builder.bitcast(ptr, ir.VectorType(_I16, 16).as_pointer()), align=4)
+
     @staticmethod
     def _row(builder, array, t, elem):
         base = builder.bitcast(array.data, _I8.as_pointer())
@@ -573,7 +613,15 @@ def _emit_unit(builder, weight_side, row, tokens, accs, mins, first):
         blocks = [builder.add(first, ir.Constant(_I64, k)) for k, *_ in unit.chunks]
         xqs = [_load_i8x32(builder, builder.gep(xq_row, [builder.mul(b, ir.Constant(_I64, QK))], inbounds=True))
                for b in blocks]
-        if isinstance(unit, _KUnit) and unit.scales16 is not None:
+        if isinstance(unit, _KUnit) and unit.offset16 is not None:  # Q6_K: its offset off per super-block
+            if unit.scales16 is not None:
+                total = _scaled_dots(builder, unit, xqs)
+            else:
+                total = _k_unit_total(builder, unit, [_u8_s8_quads(builder, wq, x) for x, (_, wq, _, _) in
+                                                      zip(xqs, unit.chunks)])
+            total = builder.sub(total, _sixteen_offsets(builder, unit.offset16, tokens.sums16(builder, xc, first)))
+            value = _k_value(builder, unit, total, xd, first)
+        elif isinstance(unit, _KUnit) and unit.scales16 is not None:
             value = _k_value(builder, unit, _scaled_dots(builder, unit, xqs), xd, first)
         else:
             dots = [_chunk_dot(builder, wq, kind, x, _offsets(builder, xc, b, kind, unit.act_offset))
@@ -629,11 +677,30 @@ def _k_unit_value(builder, unit, dots, xd, first):
     """<8 x float> of a K-quant super-block against its 256-value activation block: the chunks'
     integer products times their integer scales summed in int32, then times d * the activation's
     scale (xd holds one per super-block)."""
+    return _k_value(builder, unit, _k_unit_total(builder, unit, dots), xd, first)
+
+
+def _k_unit_total(builder, unit, dots):
+    """<8 x i32>: the chunks' integer products times their integer scales, summed."""
     total = None
     for (k, wq, kind, iscale), dot in zip(unit.chunks, dots):
         part = builder.mul(dot, iscale)
         total = part if total is None else builder.add(total, part)
-    return _k_value(builder, unit, total, xd, first)
+    return total
+
+
+def _sixteen_offsets(builder, scales, sums):
+    """<8 x i32>: 32 x (scale 2i x sum 2i + scale 2i+1 x sum 2i+1) in lane i, from a Q6_K super-block's
+    sixteen scales and its activation's sixteen 16-value sums (<16 x i16> each): what its stored
+    offset of 32 adds to the chunks' unsigned dots (vpmaddwd on x86; the same integers elsewhere).
+    Exact: |scale| <= 128, |sum| <= 2032."""
+    v8i32 = ir.VectorType(_I32, 8)
+    if _AVX2:
+        pairs = _call(builder, "llvm.x86.avx2.pmadd.wd", v8i32, scales, sums)
+    else:
+        wide = ir.VectorType(_I32, 16)
+        pairs = _pair_sums(builder, builder.mul(builder.sext(scales, wide), builder.sext(sums, wide)), 16)
+    return builder.shl(pairs, ir.Constant(v8i32, [5] * 8))
 
 
 def _scaled_dots(builder, unit, xqs):

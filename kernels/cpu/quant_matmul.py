@@ -47,7 +47,7 @@ from ember.kernels.cpu import decode_lanes, int8_dots, int8_prompt
 from ember.kernels.cpu.quant_bits import (EXACT as _EXACT, bf16, f16, fifth_bits, k4_header, ld, ld1, q3_k_scale, quant,
                                          quant3)
 from ember.kernels.cpu.int8_dots import (Q6_K_OFFSET, Q8_0_OFFSET, QK, QK_K, ROW_PAIR, TILE_SIZES, TILE_TOKENS,
-                                        quad_offsets, quantize_activation, quantize_activation_k)
+                                        offsets_width, quad_offsets, quantize_activation, quantize_activation_k)
 from ember.kernels.raw_tensor import RawTensor
 from ember.kernels.tensor_types import IQ4_LEVELS, TensorType, row_bytes
 
@@ -358,7 +358,7 @@ def _quantized_tokens(n, cols, k_quants):
     decode_lanes.MIN_TOKENS tokens on, those that take the lanes in lanes too (decode_lanes.room)."""
     per = QK_K if k_quants else QK
     return (np.empty((n, cols), np.int8), np.empty((n, cols // per), np.float32), np.empty((n, cols // QK), np.float32),
-            np.empty((n, cols // 4), np.int32), decode_lanes.room(0 if k_quants else n, cols))
+            np.empty((n, offsets_width(cols, k_quants)), np.int32), decode_lanes.room(0 if k_quants else n, cols))
 
 
 @njit(inline="always", **_STRICT)
