@@ -23,7 +23,8 @@ VM):
   scales times the activation's 16-value sums (one vpmaddwd: _sixteen_offsets): 2 multiplies a
   chunk where vpdpbusd from the offsets and a vpmulld by the scale took 3. On the 2-core Zen 4 VM,
   2 threads, both kernels in one process: one token 2048 x 768 27.4 -> 26.1 us, 32000 x 768 463 ->
-  397 us; four tokens 83 -> 65 and 1309 -> 1011 us (docs/runtime.md).
+  397 us; four tokens 83 -> 65 and 1309 -> 1011 us (docs/runtime.md). Q3_K's offset of 4 comes off
+  the same way (one token 2048 x 768 40.9 -> 35.1 us, four tokens 92 -> 75 us).
 - Q8_0: a unit's 4 blocks' int32 lanes are summed in integers (shuffle-adds, as vphaddd), so their
   4 exact block dots become float together and meet their 4 (weight scale x activation scale)
   products in one multiply, instead of a broadcast, convert and multiply per block (with the
@@ -42,7 +43,7 @@ VM):
   depended on how many tokens shared its step. Now every (row, token) result is bit-identical
   whatever the batch, the tile shape or the serial/parallel variant.
 - Loads are unaligned (align 1): GGUF rows are only 2-byte aligned for Q8_0 (34-byte blocks).
-- The newer types reuse these paths: a stored offset (Q4_0 8, Q5_0 16, Q3_K 4) comes off
+- The newer types reuse these paths: a stored offset (Q4_0 8, Q5_0 16) comes off
   through the quad_offsets, shifted (exactly: powers of two) from the activation's own offset; Q4_1
   and Q5_1 add d*q + m, their -m meeting the block sums as Q4_K's mins do; Q2_K's mins, one per 16
   values, meet the 4-value sums in int32 and become float once per super-block; the IQ4 types' codes
@@ -70,6 +71,7 @@ QK = 32  # values per q8_0 activation block (ggml's QK8_0), and per sub-block su
 QK_K = 256  # values per activation block against K-quant weights (one super-block)
 Q8_0_OFFSET = 128  # quad_offsets' offset for the q8_0 activations (Q8_0 weights, sign-flipped)
 Q6_K_OFFSET = 32  # and for the q8_K ones (Q6_K's stored offset; Q4_K/Q5_K have none and ignore them)
+Q3_K_OFFSET = 4  # Q3_K's stored offset: taken off per super-block, as Q6_K's (_sixteen_offsets)
 
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V32I8 = ir.VectorType(_I8, 32)
@@ -131,8 +133,8 @@ def quad_offsets(xq, xc, offset):
     as unsigned u = q + offset meets x in one vpdpbusd that starts from these: sum(u * x) - offset *
     sum(x) = q . x (Q8_0 weights flipped to q + 128, Q6_K's stored q + 32). Where xc is wider
     (offsets_width for q8_K activations), its n/32 words after the quads hold the sums of each 16
-    consecutive quants as int16 pairs, little-endian (|sum| <= 2032): Q6_K's tiles take its stored
-    offset off once per super-block with them (_sixteen_offsets), not once per chunk."""
+    consecutive quants as int16 pairs, little-endian (|sum| <= 2032): Q6_K's and Q3_K's tiles take
+    their stored offset off once per super-block with them (_sixteen_offsets), not once per chunk."""
     quads = xq.shape[0] // 4
     for j in range(quads):
         xc[j] = -offset * (np.int32(xq[4 * j]) + np.int32(xq[4 * j + 1]) + np.int32(xq[4 * j + 2])
@@ -335,7 +337,7 @@ class _KUnit:
     256 values, convert.quantize_q8_k_split), and become float once per super-block. scales16: per
     chunk, its scale as <16 x i16> (unsigned chunks, on the x86 paths where _scaled_dots applies it).
     int_mins (Q2_K, whose mins are per 16 values): (per chunk, its lanes' integer mins as <8 x i32>;
-    dmin), which meet the activation's 4-value sums in int32. offset16 (Q6_K): its sixteen scales as
+    dmin), which meet the activation's 4-value sums in int32. offset16 (Q6_K, Q3_K): its sixteen scales as
     <16 x i16>, which meet the activation's 16-value sums to take the chunks' stored offset off once
     per super-block (_sixteen_offsets; the chunks are then dotted as unsigned). Its activations are
     q8_K's (quad_offsets for 32)."""
@@ -548,11 +550,15 @@ def _q3_k(builder, row, first):
     sb = _super_block(builder, row, first, 110)
     hmask = _load_i8x32(builder, sb)
     sc = _q3_k_scales(builder, sb)
+    sc16 = builder.trunc(sc, ir.VectorType(_I16, 16))  # -32..31
     chunks = []
     for c in range(8):
         top = builder.shl(builder.and_(builder.lshr(hmask, _splat_i8(c)), _splat_i8(1)), _splat_i8(2))
-        chunks.append((c, builder.or_(_crumbs(builder, sb, 32, c), top), 4, _halves(builder, sc, c)))
-    return _KUnit(chunks, _load_f16(builder, _at(builder, sb, 108)))
+        chunks.append((c, builder.or_(_crumbs(builder, sb, 32, c), top), Q3_K_OFFSET, _halves(builder, sc, c)))
+    # as Q6_K's: the chunks' unsigned u in pair sums times 16-bit scales, the offset off per super-block
+    scales16 = [_pick(builder, sc16, [2 * c] * 8 + [2 * c + 1] * 8) for c in range(8)]
+    return _KUnit(chunks, _load_f16(builder, _at(builder, sb, 108)), scales16=scales16 if _VNNI or _AVX2 else None,
+                  offset16=sc16)
 
 
 def _iq4_xs(builder, row, first):
@@ -613,13 +619,14 @@ def _emit_unit(builder, weight_side, row, tokens, accs, mins, first):
         blocks = [builder.add(first, ir.Constant(_I64, k)) for k, *_ in unit.chunks]
         xqs = [_load_i8x32(builder, builder.gep(xq_row, [builder.mul(b, ir.Constant(_I64, QK))], inbounds=True))
                for b in blocks]
-        if isinstance(unit, _KUnit) and unit.offset16 is not None:  # Q6_K: its offset off per super-block
+        if isinstance(unit, _KUnit) and unit.offset16 is not None:  # Q6_K, Q3_K: the offset off per super-block
             if unit.scales16 is not None:
                 total = _scaled_dots(builder, unit, xqs)
             else:
                 total = _k_unit_total(builder, unit, [_u8_s8_quads(builder, wq, x) for x, (_, wq, _, _) in
                                                       zip(xqs, unit.chunks)])
-            total = builder.sub(total, _sixteen_offsets(builder, unit.offset16, tokens.sums16(builder, xc, first)))
+            total = builder.sub(total, _sixteen_offsets(builder, unit.offset16, tokens.sums16(builder, xc, first),
+                                                        unit.chunks[0][2]))
             value = _k_value(builder, unit, total, xd, first)
         elif isinstance(unit, _KUnit) and unit.scales16 is not None:
             value = _k_value(builder, unit, _scaled_dots(builder, unit, xqs), xd, first)
@@ -689,18 +696,18 @@ def _k_unit_total(builder, unit, dots):
     return total
 
 
-def _sixteen_offsets(builder, scales, sums):
-    """<8 x i32>: 32 x (scale 2i x sum 2i + scale 2i+1 x sum 2i+1) in lane i, from a Q6_K super-block's
-    sixteen scales and its activation's sixteen 16-value sums (<16 x i16> each): what its stored
-    offset of 32 adds to the chunks' unsigned dots (vpmaddwd on x86; the same integers elsewhere).
-    Exact: |scale| <= 128, |sum| <= 2032."""
+def _sixteen_offsets(builder, scales, sums, offset):
+    """<8 x i32>: offset x (scale 2i x sum 2i + scale 2i+1 x sum 2i+1) in lane i, from a Q6_K or Q3_K
+    super-block's sixteen scales and its activation's sixteen 16-value sums (<16 x i16> each): what
+    its stored offset (32, 4: a power of two) adds to the chunks' unsigned dots (vpmaddwd on x86;
+    the same integers elsewhere). Exact: |scale| <= 128, |sum| <= 2032."""
     v8i32 = ir.VectorType(_I32, 8)
     if _AVX2:
         pairs = _call(builder, "llvm.x86.avx2.pmadd.wd", v8i32, scales, sums)
     else:
         wide = ir.VectorType(_I32, 16)
         pairs = _pair_sums(builder, builder.mul(builder.sext(scales, wide), builder.sext(sums, wide)), 16)
-    return builder.shl(pairs, ir.Constant(v8i32, [5] * 8))
+    return builder.shl(pairs, ir.Constant(v8i32, [offset.bit_length() - 1] * 8))
 
 
 def _scaled_dots(builder, unit, xqs):
