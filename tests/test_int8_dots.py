@@ -155,22 +155,24 @@ from ember.kernels.reference.quant import quantize
 from ember.kernels.tensor_types import TensorType
 assert (int8_dots._VNNI, int8_dots._AVX2) == {flags}, (int8_dots._VNNI, int8_dots._AVX2)
 rng = np.random.default_rng(0)
-x = rng.standard_normal((5, 512)).astype(np.float32)
+x = rng.standard_normal((9, 512)).astype(np.float32)
 out = []
 for t in sorted(INT8_TYPES):
     w = rng.standard_normal((37, 512)).astype(np.float32)
     w[0, :32] = -127 * np.abs(w).max() / 127  # a block whose quants reach -127 (the sign trick's edge)
     weight = pack(RawTensor("w", t, (37, 512), quantize(t, w)))
+    # 5 decode rows: in lanes with VNNI, in the decode tiles with AVX2; 9: 8 in lanes, 1 in the tiles
+    out.append(matmul(x[:5], weight, True))
     out.append(matmul(x, weight, True))
-    out.append(matmul(x, weight, False, int8_prompts=True))  # int8_prompt.py's tile
-sys.stdout.buffer.write(np.stack(out).tobytes())
+    out.append(matmul(x[:5], weight, False, int8_prompts=True))  # int8_prompt.py's tile
+sys.stdout.buffer.write(np.concatenate([o.ravel() for o in out]).tobytes())
 """
 
 
 @pytest.mark.parametrize("path", ["avx2", "portable"])
 def test_every_instruction_path_gives_the_same_bits(path: str, tmp_path: Path) -> None:
-    """The CPU picks vpdpbusd, vpmaddubsw + vpmaddwd or portable IR (the decode tiles and the int8
-    prompt product); each must give bit-identical products (the integers are exact and the float operations the same), which is how the paths
+    """The CPU picks vpdpbusd, vpmaddubsw + vpmaddwd or portable IR (the decode tiles, the decode lanes
+    and the int8 prompt product); each must give bit-identical products (the integers are exact and the float operations the same), which is how the paths
     this machine does not take by default are tested on it."""
     from ember.kernels.cpu.int8_dots import _AVX2, _VNNI
 

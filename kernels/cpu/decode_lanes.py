@@ -3,8 +3,9 @@
 This module owns the product of a step's decode rows (MIN_TOKENS to any number of tokens) with a
 weight of a 32-value block type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL), laid out as int8_prompt lays
 out prompt rows: tokens across the lanes of a vector, no horizontal sum and no per-token conversion
-inside a block. With AVX-512 VNNI, one vpdpbusd per broadcast weight quad for 15 tokens of a 512-bit
-vector; with AVX2 alone, 8 tokens of a 256-bit vector in llama.cpp's signed pairs (vpsignb,
+inside a block. With AVX-512 VNNI, a 512-bit vector holds two rows' products with 8 tokens, one
+row's in each half of the lanes: one vpdpbusd and one shuffle per weight quad of both rows; with
+AVX2 alone, one row's with 8 tokens in a 256-bit vector, in llama.cpp's signed pairs (vpsignb,
 vpmaddubsw, vpmaddwd: 2048 x 768 Q8_0, 8 tokens, one thread, 0.30 ms against the tiles' 0.44). The
 decode tiles (int8_dots) reduce each block's 8 int32 lanes to one sum per token and convert it
 alone: at 8 tokens that was most of a step's time (8 streams decoded at 2.6-3.1x one stream's
@@ -13,23 +14,26 @@ tokens/s on the 100M Q8_0 file).
 Why it is exact: a decode row's result must not depend on its batch (tests/test_decoder_layer.py),
 so these lanes compute what the decode tile computes for the same token, in the same order:
 - the same activations: the decode rows' own q8_0 quants and scales, put into lanes once per input
-  by put_token (not quantized again), stored q + 128 for vpdpbusd (its unsigned operand), q itself
-  for AVX2's signed pairs;
-- each block's exact integer dot: the weight's signed quants broadcast from memory, and the sum of
-  the lane's products, with vpdpbusd less lane 15's, a zero token's (stored 128: its sum is 128 x the
-  weight's, what the + 128 added to every other lane);
+  by put_token (not quantized again), signed;
+- each block's exact integer dot: with VNNI the weight's quants plus 128 (vpdpbusd's unsigned
+  operand: q xor 0x80, once per block for both rows) times the token's, summed from -128 x the
+  token's quant sum (stored per block by put_token), which takes off what the + 128 added; with
+  AVX2 the weight's signed quants broadcast from memory against the token's in signed pairs;
 - the same float steps: value = float(dot) * (d * xd), added to the accumulator of the block's place
   in its unit of 4 (tail blocks to the first), Q4_1/Q5_1's (-m) * xs to the mins' four, and the
   result (a0 + a2) + (a1 + a3) minus the mins' sum alike (int8_dots._hsum), strict IEEE.
 Why it reads the way it does:
-- Weight quads come from memory, as vpdpbusd's broadcast operand: a broadcast from a register is a
-  shuffle, two or three a quad, and held a first version to the shuffle port's speed.
+- Two rows in halves, not 15 tokens of one row and a zero token in lane 15 (an earlier version,
+  whose lane 15 took off the + 128 of activations stored unsigned): at 8 tokens half its lanes were
+  empty, and a step of 8 streams was 92% the lanes' time. Each quad of both rows now costs a
+  shuffle (from one 512-bit vector of both rows' blocks) beside its vpdpbusd, where the earlier one
+  read every quad as vpdpbusd's broadcast from memory; 2048 x 768 and 32000 x 768 Q8_0 with 8
+  tokens, one thread: 75 and 1200 us against 105 and 1670 (same process, Zen 4). Tiles of 8 rows
+  (4 vectors) ran slower than 4.
 - Q8_0 blocks are read in place, the weight streaming from DRAM while the products run. The other
   types are unpacked (by the decode tiles' own block readers) a tile's rows at a time: unpacking a
   group of 32 rows first and multiplying after stopped the stream for the products, and a 32000-row
   head ran at half the decode tile's bandwidth.
-- Lane 15 instead of a sum of each block's weight quants: the sum cost ~10 instructions a block and
-  row (reduce, broadcast), the lane two (broadcast it, subtract).
 K-quants keep the decode tiles: their decode lanes sum 8 int32 partials per token in float, which
 lanes of tokens cannot reproduce without 8 accumulators per token.
 """
@@ -56,7 +60,12 @@ __all__ = ["TOKENS", "MIN_TOKENS", "LANE_TYPES", "room", "room_for", "tokens_in"
 # slower than the decode tiles (2048 x 768 Q8_0, 8 tokens, one thread: 0.59 against 0.44 ms).
 _SIGNED = _SIGNED_PAIRS
 LANES = 8 if _SIGNED else 16  # int32 lanes of a vector: 256 or 512 bits
-TOKENS = LANES if _SIGNED else LANES - 1  # tokens per vector: lane 15 is the zero token, if any
+# With VNNI (and portably) a vector holds two rows' products, 8 tokens each: a row's halves of lanes
+# cost one vpdpbusd and one shuffle a weight quad, where 15 tokens of one row and a zero token cost a
+# vpdpbusd (2048 x 768 and 32000 x 768 Q8_0, 8 tokens, one thread: 75 and 1200 us against 105 and
+# 1670, same process, Zen 4)
+ROWS_PER_VECTOR = 1 if _SIGNED else 2
+TOKENS = LANES // ROWS_PER_VECTOR  # tokens per vector: 8 either way
 # Fewest decode rows that take the lanes, and fewest in a last vector (a speed choice only: both give
 # the same bits). AVX2's vector costs what 5.5 tokens cost in the decode tiles (2048 x 768 Q8_0, one
 # thread: 0.29-0.30 ms against 0.055 ms a token). With neither VNNI nor AVX2 never: 512-bit products
@@ -66,18 +75,18 @@ LANE_TYPES = frozenset((TensorType.Q8_0, TensorType.Q4_0, TensorType.Q4_1, Tenso
                         TensorType.IQ4_NL))
 _BLOCK = 32
 _UNIT = 4  # blocks per unit of the decode tiles (int8_dots._Q8_0_LANES): the 4 float accumulators
-_TILE_ROWS = 4  # rows per tile: 16 accumulators (4 a row), 8 activation vectors
-_TILE_ROWS_MIN = 2  # with mins: 8 more accumulators a row
+_TILE_ROWS = 4  # rows per tile: 4 accumulators a vector's rows, 8 activation vectors
+_TILE_ROWS_MIN = 2 * ROWS_PER_VECTOR  # with mins: 8 more accumulators a vector's rows
 # Rows ahead that a tile prefetches: its 4 rows' blocks interleaved are 4 streams for the hardware
 # prefetcher, and without a hint the products waited on DRAM (8 streams of the 100M Q8_0 file:
 # 957-1072 tok/s; 8 rows ahead 1150-1400, 16 rows 1234-1357, alternated in one run)
 _PREFETCH_ROWS = 16
 _CHAINS = 2  # independent integer sums a row and block (one chain of 8 vpdpbusd: 10-15% slower)
-# per value of a row: LANES quants, per 32 values LANES x (scale, block sum) x 4 bytes, and with AVX2
-# LANES int32 sums of the quants (for weights stored with an offset: the offset's share of the dot)
-_LANE_BYTES = LANES * 11 // 8 if _SIGNED else LANES * 5 // 4
-# 0x80808080: q + 128 in each byte of a quad (q xor 0x80), vpdpbusd's unsigned operand; the zero token
-_FLIP = np.int32(0 if _SIGNED else -0x7F7F7F80)
+# per value of a row: LANES quants, per 32 values LANES x (scale, block sum, an int32 of the block's
+# quants' sum) x 4 bytes: with AVX2 the sum (the offset's share of a weight stored with an offset), in
+# rows' halves -128 x the sum (each block's integer chain starts there: what the weight's + 128 adds)
+_LANE_BYTES = LANES * 11 // 8
+_SUM_FACTOR = 1 if _SIGNED else -128
 _Q8_0, _Q4_0, _Q4_1 = int(TensorType.Q8_0), int(TensorType.Q4_0), int(TensorType.Q4_1)
 _Q5_0, _Q5_1 = int(TensorType.Q5_0), int(TensorType.Q5_1)
 
@@ -100,19 +109,13 @@ def tokens_in(lanes, n):
 @njit(inline="always", cache=True, nogil=True)
 def room_for(n, cols):
     """Room for n decode tokens' q8_0 activations in lanes: uint8 [vectors, _LANE_BYTES cols], each
-    vector holding, for its TOKENS tokens (and the zero token in lane 15 of 16), the quants (plus 128,
-    unless signed) (quad c of lane l at byte 4 (LANES c + l)), then per 32-value block b LANES float32
-    scales at LANES (cols + 4 b), LANES float32 block sums (xs) at LANES (9 cols / 8 + 4 b) and, with
-    AVX2, LANES int32 sums of the quants at LANES (5 cols / 4 + 4 b). Lanes past the n tokens stay
+    vector holding, for its TOKENS tokens (token l in lane l and, with rows' halves, lane l + 8 too),
+    the signed quants (quad c of lane l at byte 4 (LANES c + l)), then per 32-value block b LANES
+    float32 scales at LANES (cols + 4 b), LANES float32 block sums (xs) at LANES (9 cols / 8 + 4 b) and
+    LANES int32 quant sums times _SUM_FACTOR at LANES (5 cols / 4 + 4 b). Lanes past the n tokens stay
     zero (their results are never stored)."""
     vectors = (n + TOKENS - 1) // TOKENS
-    lanes = np.zeros((vectors, cols * _LANE_BYTES), np.uint8)
-    if TOKENS < LANES:
-        for v in range(vectors):
-            quads = lanes[v, :LANES * cols].view(np.int32)
-            for c in range(cols // 4):
-                quads[LANES * c + TOKENS] = _FLIP
-    return lanes
+    return np.zeros((vectors, cols * _LANE_BYTES), np.uint8)
 
 
 @njit(inline="always", cache=True, nogil=True)
@@ -131,27 +134,26 @@ def put_token(xq, xd, xs, t, lanes):
         return
     cols = xq.shape[0]
     blocks = cols // _BLOCK
-    lane = t % TOKENS
     row = lanes[t // TOKENS]
     quads = row[:LANES * cols].view(np.int32)
-    mine = xq.view(np.int32)
-    for c in range(cols // 4):
-        quads[LANES * c + lane] = mine[c] ^ _FLIP
     floats = row[LANES * cols:LANES * cols * 5 // 4].view(np.float32)
-    for b in range(blocks):
-        floats[LANES * b + lane] = xd[b]
-        floats[LANES * (blocks + b) + lane] = xs[b]
-    if _SIGNED:
-        sums = row[LANES * cols * 5 // 4:_LANE_BYTES * cols].view(np.int32)
+    sums = row[LANES * cols * 5 // 4:_LANE_BYTES * cols].view(np.int32)
+    mine = xq.view(np.int32)
+    for lane in range(t % TOKENS, LANES, TOKENS):  # the token in each row's half of the lanes
+        for c in range(cols // 4):
+            quads[LANES * c + lane] = mine[c]
         for b in range(blocks):
+            floats[LANES * b + lane] = xd[b]
+            floats[LANES * (blocks + b) + lane] = xs[b]
             total = 0
             for j in range(b * _BLOCK, (b + 1) * _BLOCK):
                 total += np.int32(xq[j])
-            sums[LANES * b + lane] = total
+            sums[LANES * b + lane] = total * _SUM_FACTOR
 
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _VI32, _VF32, _VI8 = ir.VectorType(_I32, LANES), ir.VectorType(_F32, LANES), ir.VectorType(_I8, 4 * LANES)
+_V8I32 = ir.VectorType(_I32, 8)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,6 +248,10 @@ class _InPlace:
         return self.builder.load(self.builder.bitcast(_at(self.builder, self._block(i, b), 2 + 4 * j), _I32.as_pointer()),
                                  align=1)
 
+    def quads(self, i, b):
+        """Block b's 32 quants as <8 x i32>."""
+        return self.builder.load(self.builder.bitcast(_at(self.builder, self._block(i, b), 2), _V8I32.as_pointer()), align=1)
+
     def scale(self, i, b):
         """Block b's scale, once a row and block: also where the same block _PREFETCH_ROWS rows on is
         asked for."""
@@ -272,6 +278,10 @@ class _Unpacked:
         at = self.builder.add(self.builder.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, j))
         return self.builder.load(self.builder.gep(self.w[i], [at], inbounds=True), align=4)
 
+    def quads(self, i, b):
+        at = self.builder.gep(self.w[i], [self.builder.mul(b, ir.Constant(_I64, 8))], inbounds=True)
+        return self.builder.load(self.builder.bitcast(at, _V8I32.as_pointer()), align=4)
+
     def scale(self, i, b):
         return self.builder.load(self.builder.gep(self.a[i], [b], inbounds=True), align=4)
 
@@ -280,16 +290,17 @@ class _Unpacked:
 
 
 # --------------------------------------------------------------------------------------------------
-# the tile: R rows x one vector of 15 tokens, in IR
+# the tile: R rows x one vector of 8 tokens, in IR
 # --------------------------------------------------------------------------------------------------
 def _emit_tile(builder, source, R, lanes, v, n, out, r0):
     """out[t, r0 + i] for i < R and the tokens t < n of vector v of `lanes`: the rows of `source`
-    (_InPlace or _Unpacked) against them, block by block in the decode tile's float order."""
+    (_InPlace or _Unpacked) against them, block by block in the decode tile's float order, a vector's
+    rows (ROWS_PER_VECTOR; a last odd row twice, its copy's lanes never stored) at a time."""
     vec = _at(builder, builder.bitcast(lanes.data, _I8.as_pointer()), builder.mul(v, builder.extract_value(lanes.strides, 0)))
     cols = builder.udiv(builder.extract_value(lanes.shape, 1), ir.Constant(_I64, _LANE_BYTES))
     blocks = builder.udiv(cols, ir.Constant(_I64, _BLOCK))
     quads = builder.bitcast(vec, _VI32.as_pointer())
-    zero_token = ir.Constant(_VI32, [TOKENS] * LANES)
+    groups = [tuple(min(r + k, R - 1) for k in range(ROWS_PER_VECTOR)) for r in range(0, R, ROWS_PER_VECTOR)]
 
     def lane_floats(eighths, b, vector_type=_VF32):  # the lanes from byte LANES (cols eighths / 8 + 4 b) on
         at = builder.add(builder.mul(cols, ir.Constant(_I64, LANES * eighths // 8)),
@@ -300,42 +311,27 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
         return lane_floats(eighths, b, _VI32)
 
     zero = ir.Constant(_VF32, [0.0] * LANES)
-    accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(_UNIT)] for _ in range(R)]
-    mins = [[cgutils.alloca_once_value(builder, zero) for _ in range(_UNIT)] for _ in range(R)]
+    accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(_UNIT)] for _ in groups]
+    mins = [[cgutils.alloca_once_value(builder, zero) for _ in range(_UNIT)] for _ in groups]
 
     def block(b, k):
         """Block b of every row against the tokens, into accumulator k."""
         xv = [builder.load(builder.gep(quads, [builder.add(builder.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, j))],
                                        inbounds=True), align=4) for j in range(8)]
-        xb = [builder.bitcast(x, _VI8) for x in xv]  # the same vectors as bytes, for AVX2's products
         xd = lane_floats(8, b)
         xsum = lane_floats(9, b) if source.has_min else None
-        for r in range(R):
-            words = [source.word(r, b, j) for j in range(8)]
-            if _SIGNED and source.offset != SIGNED:  # unsigned weights (<= 31): no signs to move
-                total = _unsigned_block(builder, words, xb)
+        sums = lane_ints(10, b)
+        for g, rows_ in enumerate(groups):
+            if _SIGNED:
+                total = _signed_block(builder, source, rows_[0], b, xv, sums)
             else:
-                sums = [ir.Constant(_VI32, [0] * LANES)] * _CHAINS
-                for j, word in enumerate(words):
-                    c = j % _CHAINS
-                    if _SIGNED:
-                        sums[c] = builder.add(sums[c], signed_pairs(builder, xb[j], word))
-                    else:
-                        sums[c] = _quads(builder, sums[c], xv[j], _splat(builder, word, _VI32))
-                total = sums[0]
-                for more in sums[1:]:
-                    total = builder.add(total, more)
-            if not _SIGNED:  # less 128 x the weight's sum
-                total = builder.sub(total, builder.shuffle_vector(total, total, zero_token))
-            elif source.offset > 0:  # (u - k) . x = u . x - k x the quants' sum
-                taken = builder.mul(lane_ints(10, b), ir.Constant(_VI32, [source.offset] * LANES))
-                total = builder.sub(total, taken)
-            scale = builder.fmul(_splat(builder, source.scale(r, b), _VF32), xd)
+                total = _halves_block(builder, source, rows_, b, xv, sums)
+            scale = builder.fmul(_per_row(builder, [source.scale(r, b) for r in dict.fromkeys(rows_)]), xd)
             value = builder.fmul(builder.sitofp(total, _VF32), scale)
-            builder.store(builder.fadd(builder.load(accs[r][k]), value), accs[r][k])
+            builder.store(builder.fadd(builder.load(accs[g][k]), value), accs[g][k])
             if source.has_min:
-                taken = builder.fmul(_splat(builder, source.minus_min(r, b), _VF32), xsum)
-                builder.store(builder.fadd(builder.load(mins[r][k]), taken), mins[r][k])
+                taken = builder.fmul(_per_row(builder, [source.minus_min(r, b) for r in dict.fromkeys(rows_)]), xsum)
+                builder.store(builder.fadd(builder.load(mins[g][k]), taken), mins[g][k])
 
     whole = builder.udiv(blocks, ir.Constant(_I64, _UNIT))
     with cgutils.for_range(builder, whole) as loop:
@@ -354,13 +350,67 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
     count = builder.select(builder.icmp_signed(">", count, ir.Constant(_I64, TOKENS)), ir.Constant(_I64, TOKENS), count)
     out_base = builder.bitcast(out.data, _I8.as_pointer())
     out_stride = builder.extract_value(out.strides, 0)
-    for r in range(R):
-        result = builder.fsub(hsum(accs[r]), hsum(mins[r]))
-        col = builder.add(r0, ir.Constant(_I64, r))
-        with cgutils.for_range(builder, count) as loop:
-            at = builder.add(builder.mul(builder.add(t0, loop.index), out_stride), builder.mul(col, ir.Constant(_I64, 4)))
-            builder.store(builder.extract_element(result, loop.index),
-                          builder.bitcast(_at(builder, out_base, at), _F32.as_pointer()))
+    for g, rows_ in enumerate(groups):
+        result = builder.fsub(hsum(accs[g]), hsum(mins[g]))
+        for half, r in enumerate(dict.fromkeys(rows_)):
+            col = builder.add(r0, ir.Constant(_I64, r))
+            with cgutils.for_range(builder, count) as loop:
+                at = builder.add(builder.mul(builder.add(t0, loop.index), out_stride), builder.mul(col, ir.Constant(_I64, 4)))
+                lane = builder.add(loop.index, ir.Constant(_I64, TOKENS * half))
+                builder.store(builder.extract_element(result, lane),
+                              builder.bitcast(_at(builder, out_base, at), _F32.as_pointer()))
+
+
+def _per_row(builder, values):
+    """<LANES x float>: each of a vector's rows' float (one, or two for rows' halves) in its lanes."""
+    pair = builder.insert_element(ir.Constant(ir.VectorType(_F32, 2), None), values[0], ir.Constant(_I32, 0))
+    if len(values) > 1:
+        pair = builder.insert_element(pair, values[1], ir.Constant(_I32, 1))
+    return builder.shuffle_vector(pair, pair, ir.Constant(_VI32, [min(k, len(values) - 1) for k in range(ROWS_PER_VECTOR)
+                                                                  for _ in range(TOKENS)]))
+
+
+# the weight's quants plus 128 (q xor 0x80 in each byte), vpdpbusd's unsigned operand
+_FLIP = ir.Constant(_VI32, [-0x7F7F7F80] * LANES)
+
+
+def _halves_block(builder, source, rows_, b, xv, start):
+    """<16 x i32>: block b's exact integer dots, lanes 0-7 row rows_[0]'s with the 8 tokens, 8-15
+    rows_[1]'s: both rows' 32 quants in one vector, plus 128, quad j of each moved into its half (a
+    shuffle) for vpdpbusd against the tokens' signed quad j (xv[j]); each chain starts at -128 x the
+    tokens' quant sums (`start`, the first chain), which takes off what the + 128 added."""
+    both = builder.shuffle_vector(source.quads(rows_[0], b), source.quads(rows_[1], b), ir.Constant(_VI32, list(range(16))))
+    both = builder.xor(both, _FLIP)
+    sums = [start] + [ir.Constant(_VI32, [0] * LANES)] * (_CHAINS - 1)
+    for j in range(8):
+        quad = builder.shuffle_vector(both, both, ir.Constant(_VI32, [j] * TOKENS + [8 + j] * TOKENS))
+        sums[j % _CHAINS] = _quads(builder, sums[j % _CHAINS], quad, xv[j])
+    return _tree_add(builder, sums)
+
+
+def _signed_block(builder, source, r, b, xv, sums):
+    """<8 x i32>: with AVX2, block b's exact integer dots of row r with the 8 tokens: each weight
+    quad broadcast against the tokens' quad (llama.cpp's signed pairs), or for unsigned weights
+    without the signs moved, the offset's share (offset x the tokens' quant sums) taken off after."""
+    words = [source.word(r, b, j) for j in range(8)]
+    xb = [builder.bitcast(x, _VI8) for x in xv]
+    if source.offset != SIGNED:  # unsigned weights (<= 31): no signs to move
+        total = _unsigned_block(builder, words, xb)
+    else:
+        chains = [ir.Constant(_VI32, [0] * LANES)] * _CHAINS
+        for j, word in enumerate(words):
+            chains[j % _CHAINS] = builder.add(chains[j % _CHAINS], signed_pairs(builder, xb[j], word))
+        total = _tree_add(builder, chains)
+    if source.offset > 0:  # (u - k) . x = u . x - k x the quants' sum
+        total = builder.sub(total, builder.mul(sums, ir.Constant(_VI32, [source.offset] * LANES)))
+    return total
+
+
+def _tree_add(builder, chains):
+    total = chains[0]
+    for more in chains[1:]:
+        total = builder.add(total, more)
+    return total
 
 
 # AVX2's unsigned quants (<= 31) against signed activations (|q| <= 127): vpmaddubsw's int16 pair sums
@@ -380,11 +430,8 @@ def _unsigned_block(builder, words, xb):
                       xb[j])
         c = j % _CHAINS
         chains[c] = pairs if chains[c] is None else builder.add(chains[c], pairs)
-    wide = [_call(builder, "llvm.x86.avx2.pmadd.wd", _VI32, chain, ir.Constant(_V16I16, [1] * 16)) for chain in chains]
-    total = wide[0]
-    for more in wide[1:]:
-        total = builder.add(total, more)
-    return total
+    return _tree_add(builder, [_call(builder, "llvm.x86.avx2.pmadd.wd", _VI32, chain, ir.Constant(_V16I16, [1] * 16))
+                               for chain in chains])
 
 
 def _is_lanes(lanes, out, *ints):
