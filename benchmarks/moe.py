@@ -160,7 +160,9 @@ def run_ember(path: Path, ids: list[int], trained: bool, args: argparse.Namespac
 
     model = ember.load(path, **options)
     try:
-        list(model.generate(ids[:4], max_tokens=2, ignore_eos=True))  # warm: kernels loaded, workers started
+        # warm, with the measured sampling: kernels loaded (the sampled steps' kernels are not the greedy
+        # bursts'; each loads from the cache at its first call), workers started
+        list(model.generate(ids[:4], max_tokens=2, ignore_eos=True, seed=1, **sampling(trained)))
         rate = decode_rate(model.generate(ids, max_tokens=args.tokens, ignore_eos=True, seed=1, **sampling(trained)))
         s = model.expert_stats()
         counts = model.routing_stats()

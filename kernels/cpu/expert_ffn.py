@@ -25,13 +25,13 @@ from typing import Any
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
 from ember.kernels.cpu import twin
 from ember.kernels.cpu.decoder_layer import _f32, _matmul_int8, _parallel, _rmsnorm, gated_ffn
-from ember.kernels.cpu.quant_matmul import _FLOAT_TILE_TOKENS, _MATMUL_F32, CpuWeight
+from ember.kernels.cpu.quant_matmul import _FLOAT_TILE_TOKENS, _MATMUL_F32, INT8_PARALLEL_MIN_WORK, CpuWeight
 from ember.kernels.cpu.quant_matmul import _read_only as _read_only_view
 from ember.kernels.cpu.twin import PARALLEL_MIN_WORK
 from ember.kernels.cpu.routing import route_rows
@@ -282,16 +282,49 @@ def routed_finish(x, force, norm, eps, f32, code, u8, k, normalize, sigmoid, bia
 def _groups(x, table, bounds, token, weight, force, out, gelu):
     """out[token[p]] += weight[p] * expert(x[token[p]]) for the pairs p of each group g (bounds[g] to
     bounds[g + 1], one expert, its matrices in table[g]), group by group; the experts gated by
-    GELU-tanh where `gelu` (gemma4's), else by SiLU."""
-    d = x.shape[1]
+    GELU-tanh where `gelu` (gemma4's), else by SiLU. Where the parallel kernels would run, two or more
+    groups run each on one thread (_experts_apart) instead."""
+    groups, d = table.shape[0], x.shape[1]
+    y = np.empty((bounds[groups], d), np.float32)  # each pair's expert output, in pair order
+    if groups > 1 and _parallel(force, _work(table, bounds), INT8_PARALLEL_MIN_WORK):
+        _experts_apart(x, table, bounds, token, gelu, y)
+    else:
+        for g in range(groups):
+            _expert(x, table, bounds, token, g, force, gelu, y)
+    for p in range(bounds[groups]):  # the pairs in group order, as the sum always ran
+        w, t = weight[p], token[p]
+        for j in range(d):
+            out[t, j] += y[p, j] * w
+
+
+# A decode step's groups take one parallel region, not two a group: each group's expert on one thread,
+# serial, where before every expert's gate/up and down were split across the threads, a parallel
+# region each (~1.5-4 us to wake and join the threads on the 2-core VM, 16 a layer of top-8 routing,
+# against ~0.1 ms of its experts' bytes at memory speed). The kernels' variants give the same bits
+# (twin.py), so which thread computes a group never changes its result.
+@njit(parallel=True, cache=True, nogil=True)
+def _experts_apart(x, table, bounds, token, gelu, y):
+    """_expert for every group, the groups spread over the threads."""
+    for g in prange(table.shape[0]):
+        _expert(x, table, bounds, token, g, 1, gelu, y)
+
+
+@njit(cache=True, nogil=True)
+def _expert(x, table, bounds, token, g, force, gelu, y):
+    """y's rows of group g's pairs: its expert (table[g]) applied to their tokens' rows of x."""
+    first, n = bounds[g], bounds[g + 1] - bounds[g]
+    xt = np.empty((n, x.shape[1]), np.float32)
+    for i in range(n):
+        xt[i] = x[token[first + i]]
+    y[first:first + n] = gated_ffn(table[g, 0], _matrix(table, g, 0), table[g, 4], _matrix(table, g, 1), table[g, 8],
+                                   _matrix(table, g, 2), xt, force, gelu)
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _work(table, bounds):
+    """The step's expert work as the parallel kernels count it: each group's matrices' bytes times its tokens."""
+    total = 0
     for g in range(table.shape[0]):
-        first, n = bounds[g], bounds[g + 1] - bounds[g]
-        xt = np.empty((n, d), np.float32)
-        for i in range(n):
-            xt[i] = x[token[first + i]]
-        y = gated_ffn(table[g, 0], _matrix(table, g, 0), table[g, 4], _matrix(table, g, 1), table[g, 8],
-                      _matrix(table, g, 2), xt, force, gelu)
-        for i in range(n):
-            w, t = weight[first + i], token[first + i]
-            for j in range(d):
-                out[t, j] += y[i, j] * w
+        total += (table[g, 2] * table[g, 3] + table[g, 6] * table[g, 7] + table[g, 10] * table[g, 11]) * (
+            bounds[g + 1] - bounds[g])
+    return total
