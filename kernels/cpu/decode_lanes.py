@@ -139,15 +139,17 @@ def put_token(xq, xd, xs, t, lanes):
     floats = row[LANES * cols:LANES * cols * 5 // 4].view(np.float32)
     sums = row[LANES * cols * 5 // 4:_LANE_BYTES * cols].view(np.int32)
     mine = xq.view(np.int32)
-    for lane in range(t % TOKENS, LANES, TOKENS):  # the token in each row's half of the lanes
-        for c in range(cols // 4):
+    first = t % TOKENS  # the token's lane; with rows' halves, first + TOKENS too
+    for c in range(cols // 4):
+        for lane in range(first, LANES, TOKENS):
             quads[LANES * c + lane] = mine[c]
-        for b in range(blocks):
+    for b in range(blocks):
+        total = 0
+        for j in range(b * _BLOCK, (b + 1) * _BLOCK):
+            total += np.int32(xq[j])
+        for lane in range(first, LANES, TOKENS):
             floats[LANES * b + lane] = xd[b]
             floats[LANES * (blocks + b) + lane] = xs[b]
-            total = 0
-            for j in range(b * _BLOCK, (b + 1) * _BLOCK):
-                total += np.int32(xq[j])
             sums[LANES * b + lane] = total * _SUM_FACTOR
 
 
