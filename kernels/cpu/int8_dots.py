@@ -28,8 +28,8 @@ VM):
 - One-token Q4_K and Q6_K tiles with AVX-512 (_WIDE) dot two neighbouring chunks per 512-bit
   vpmaddubsw and vpdpwssd (_paired_dots), and unpack a super-block's chunks 64 bytes at a time; the
   two chunks' lanes are added at the end, the same integers. One thread, alternated in one process on
-  the Zen 4 VM: Q6_K 1.16-1.20x faster at every shape, Q4_K 1.03-1.06x (Q4_K's 6-bit scales are
-  unpacked in vector lanes too, _k4_levels). Four-token tiles keep 256-bit chunks: 512-bit pairs ran
+  the Zen 4 VM, 256 x 512 to 32000 x 768: Q6_K 1.14-1.20x faster, Q4_K 1.03-1.13x (Q4_K's 6-bit
+  scales are unpacked in vector lanes too, _k4_levels). Four-token tiles keep 256-bit chunks: 512-bit pairs ran
   them 2-8% slower, as did pairs of Q8_0 blocks (two blocks' quants are 34 bytes apart) one token.
 - Q8_0: a unit's 4 blocks' int32 lanes are summed in integers (shuffle-adds, as vphaddd), so their
   4 exact block dots become float together and meet their 4 (weight scale x activation scale)
