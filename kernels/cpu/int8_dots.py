@@ -29,8 +29,9 @@ VM):
   vpmaddubsw and vpdpwssd (_paired_dots), and unpack a super-block's chunks 64 bytes at a time; the
   two chunks' lanes are added at the end, the same integers. One thread, alternated in one process on
   the Zen 4 VM, 256 x 512 to 32000 x 768: Q6_K 1.14-1.20x faster, Q4_K 1.03-1.13x (Q4_K's 6-bit
-  scales are unpacked in vector lanes too, _k4_levels). Four-token tiles keep 256-bit chunks: 512-bit pairs ran
-  them 2-8% slower, as did pairs of Q8_0 blocks (two blocks' quants are 34 bytes apart) one token.
+  scales are unpacked in vector lanes too, _k4_levels). Four-token tiles keep 256-bit chunks: 512-bit
+  pairs ran them 2-8% slower, as did pairs of Q8_0 blocks (two blocks' quants are 34 bytes apart)
+  one token.
 - Q8_0: a unit's 4 blocks' int32 lanes are summed in integers (shuffle-adds, as vphaddd), so their
   4 exact block dots become float together and meet their 4 (weight scale x activation scale)
   products in one multiply, instead of a broadcast, convert and multiply per block (with the
@@ -693,23 +694,12 @@ def _emit_unit(builder, weight_side, row, tokens, accs, mins, first):
         blocks = [builder.add(first, ir.Constant(_I64, k)) for k, *_ in unit.chunks]
         xqs = [_load_i8x32(builder, builder.gep(xq_row, [builder.mul(b, ir.Constant(_I64, QK))], inbounds=True))
                for b in blocks]
-        if isinstance(unit, _KUnit) and unit.pairs is not None and len(tokens.q) == 1:
-            total = _paired_dots(builder, unit, xq_row, first)
-            if unit.offset16 is not None:
+        if isinstance(unit, _KUnit) and (unit.offset16 is not None or unit.scales16 is not None):
+            total = _k_total(builder, unit, xqs, xq_row, first, len(tokens.q) == 1)
+            if unit.offset16 is not None:  # Q6_K, Q3_K: the offset off per super-block
                 total = builder.sub(total, _sixteen_offsets(builder, unit.offset16, tokens.sums16(builder, xc, first),
                                                             unit.chunks[0][2]))
             value = _k_value(builder, unit, total, xd, first)
-        elif isinstance(unit, _KUnit) and unit.offset16 is not None:  # Q6_K, Q3_K: the offset off per super-block
-            if unit.scales16 is not None:
-                total = _scaled_dots(builder, unit, xqs)
-            else:
-                total = _k_unit_total(builder, unit, [_u8_s8_quads(builder, wq, x) for x, (_, wq, _, _) in
-                                                      zip(xqs, unit.chunks)])
-            total = builder.sub(total, _sixteen_offsets(builder, unit.offset16, tokens.sums16(builder, xc, first),
-                                                        unit.chunks[0][2]))
-            value = _k_value(builder, unit, total, xd, first)
-        elif isinstance(unit, _KUnit) and unit.scales16 is not None:
-            value = _k_value(builder, unit, _scaled_dots(builder, unit, xqs), xd, first)
         else:
             dots = [_chunk_dot(builder, wq, kind, x, _offsets(builder, xc, b, kind, unit.act_offset))
                     for x, b, (k, wq, kind, _) in zip(xqs, blocks, unit.chunks)]
@@ -722,6 +712,17 @@ def _emit_unit(builder, weight_side, row, tokens, accs, mins, first):
         taken = _mins_value(builder, unit, xd, xs, xc, blocks, first)
         if taken is not None:
             builder.store(builder.fadd(builder.load(mins[t]), taken), mins[t])
+
+
+def _k_total(builder, unit, xqs, xq_row, first, one_token):
+    """<8 x i32>: a K-quant super-block's chunks dotted with a token's quants (xqs, from its row
+    xq_row) times their integer scales, summed: by chunk pairs in a one-token tile where the unit
+    has them, by _scaled_dots where it has 16-bit scales, else by quad sums (the same integers)."""
+    if one_token and unit.pairs is not None:
+        return _paired_dots(builder, unit, xq_row, first)
+    if unit.scales16 is not None:
+        return _scaled_dots(builder, unit, xqs)
+    return _k_unit_total(builder, unit, [_u8_s8_quads(builder, wq, x) for x, (_, wq, _, _) in zip(xqs, unit.chunks)])
 
 
 def _mins_value(builder, unit, xd, xs, xc, blocks, first):
