@@ -3,8 +3,8 @@
 The oracle is the decode tile itself (int8_dots, checked against dequantize(W) @ x_hat in
 test_int8_dots): a decode row's product must not depend on how many rows share its step, so the lanes
 must give each token exactly the bits its row gives alone. The lanes are filled and multiplied here
-directly (room_for), so the test runs on every CPU: 16 lanes in vpdpbusd with AVX-512 VNNI, 8 lanes
-in AVX2's signed pairs without it, 16 lanes in portable IR with neither. Where the lanes are used
+directly (room_for), so the test runs on every CPU: 8 lanes in vpdpbusd with AVX-512 VNNI, in AVX2's
+signed pairs without it, in portable IR with neither. Where the lanes are used
 (VNNI or AVX2), test_quant_matmul's batches take them through the drivers too, and the last test here
 a batch that the lanes and the tiles share.
 """
@@ -49,7 +49,7 @@ def test_lanes_give_the_decode_tiles_bits(ttype: TensorType, cols: int) -> None:
     rows = 11  # whole tiles of 4 (2 with mins) and single rows
     data = random_blocks(ttype, rows, cols, rng)  # every code, scale and min a file may hold (Q8_0's -128)
     weight = pack(RawTensor("w", ttype, (rows, cols), data))
-    for n in (1, 4, 8, 9, 15, 16, 31):  # one vector begun or full (8 or 15 tokens), a second or more
+    for n in (1, 4, 8, 9, 15, 16, 31):  # one vector begun or full, a second begun or full, a fourth
         x = (rng.standard_normal((n, cols)) * rng.uniform(0.01, 10, cols)).astype(np.float32)
         x[0, :32] = 0  # a block of scale 0
         np.testing.assert_array_equal(lanes_product(weight.u8, ttype, x).view(np.uint32),

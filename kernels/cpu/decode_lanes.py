@@ -3,33 +3,35 @@
 This module owns the product of a step's decode rows (MIN_TOKENS to any number of tokens) with a
 weight of a 32-value block type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL), laid out as int8_prompt lays
 out prompt rows: tokens across the lanes of a vector, no horizontal sum and no per-token conversion
-inside a block. With AVX-512 VNNI, a 512-bit vector holds two rows' products with 8 tokens, one
-row's in each half of the lanes: one vpdpbusd and one shuffle per weight quad of both rows; with
-AVX2 alone, one row's with 8 tokens in a 256-bit vector, in llama.cpp's signed pairs (vpsignb,
-vpmaddubsw, vpmaddwd: 2048 x 768 Q8_0, 8 tokens, one thread, 0.30 ms against the tiles' 0.44). The
-decode tiles (int8_dots) reduce each block's 8 int32 lanes to one sum per token and convert it
-alone: at 8 tokens that was most of a step's time (8 streams decoded at 2.6-3.1x one stream's
-tokens/s on the 100M Q8_0 file).
+inside a block. A 256-bit vector holds one row's products with 8 tokens. With AVX-512 VNNI each
+weight quad, broadcast to the lanes from memory, is vpdpbusd's signed operand against the tokens'
+quads plus 128; with AVX2 alone, in llama.cpp's signed pairs (vpsignb, vpmaddubsw, vpmaddwd:
+2048 x 768 Q8_0, 8 tokens, one thread, 0.30 ms against the tiles' 0.44). The decode tiles (int8_dots)
+reduce each block's 8 int32 lanes to one sum per token and convert it alone: at 8 tokens that was
+most of a step's time (8 streams decoded at 2.6-3.1x one stream's tokens/s on the 100M Q8_0 file).
 
 Why it is exact: a decode row's result must not depend on its batch (tests/test_decoder_layer.py),
 so these lanes compute what the decode tile computes for the same token, in the same order:
 - the same activations: the decode rows' own q8_0 quants and scales, put into lanes once per input
-  by put_token (not quantized again), signed;
-- each block's exact integer dot: with VNNI the weight's quants plus 128 (vpdpbusd's unsigned
-  operand: q xor 0x80, once per block for both rows) times the token's, summed from -128 x the
-  token's quant sum (stored per block by put_token), which takes off what the + 128 added; with
-  AVX2 the weight's signed quants broadcast from memory against the token's in signed pairs;
+  by put_token (not quantized again; with VNNI stored plus 128, q xor 0x80, vpdpbusd's unsigned
+  operand);
+- each block's exact integer dot: with VNNI the token's quants plus 128 times the weight's, plus
+  -128 x the weight block's quant sum (computed beside the block, _Rows.prepare), which takes off
+  what the + 128 added; with AVX2 the weight's signed quants broadcast from memory against the
+  token's in signed pairs;
 - the same float steps: value = float(dot) * (d * xd), added to the accumulator of the block's place
   in its unit of 4 (tail blocks to the first), Q4_1/Q5_1's (-m) * xs to the mins' four, and the
   result (a0 + a2) + (a1 + a3) minus the mins' sum alike (int8_dots._hsum), strict IEEE.
 Why it reads the way it does:
-- Two rows in halves, not 15 tokens of one row and a zero token in lane 15 (an earlier version,
-  whose lane 15 took off the + 128 of activations stored unsigned): at 8 tokens half its lanes were
-  empty, and a step of 8 streams was 92% the lanes' time. Each quad of both rows now costs a
-  shuffle (from one 512-bit vector of both rows' blocks) beside its vpdpbusd, where the earlier one
-  read every quad as vpdpbusd's broadcast from memory; 2048 x 768 and 32000 x 768 Q8_0 with 8
-  tokens, one thread: 75 and 1200 us against 105 and 1670 (same process, Zen 4). Tiles of 8 rows
-  (4 vectors) ran slower than 4.
+- One row's 8 tokens in a 256-bit vector, the weight quad broadcast into vpdpbusd from memory (no
+  other operation a quad), not two rows' in the halves of a 512-bit vector (the version before),
+  where each quad of both rows cost a zmm shuffle beside its vpdpbusd (12 shuffles a block of both
+  rows, the weight plus 128 as the unsigned operand, the tokens' sums taking it off). 2048 x 768
+  Q8_0, 8 tokens, one thread, Zen 4, alternated in one process: 172-184 us against 218 with the
+  weight read from DRAM (48 copies of it), 134-143 against 153-165 from L3. The weight's plus 128
+  (q xor 0x80 a quad, or stored xor-ed and loaded back) cost more than the block sums do. Before the
+  halves, 15 tokens of one row and a zero token in lane 15 of a 512-bit vector left half the lanes
+  empty at 8 tokens.
 - Q8_0 blocks are read in place, the weight streaming from DRAM while the products run. The other
   types are unpacked (by the decode tiles' own block readers) a tile's rows at a time: unpacking a
   group of 32 rows first and multiplying after stopped the stream for the products, and a 32000-row
@@ -47,46 +49,38 @@ from numba.extending import intrinsic
 
 from ember.kernels.cpu import int8_dots
 from ember.kernels.cpu.int8_dots import _VNNI, SIGNED, UNSIGNED, _at, _call, _i64, _load_f16
-# the same 16-lane vpdpbusd and broadcast, and AVX2's signed pairs
-from ember.kernels.cpu.int8_prompt import _SIGNED_PAIRS, _quads, _splat, signed_pairs
+# the same broadcast, and AVX2's signed pairs
+from ember.kernels.cpu.int8_prompt import _SIGNED_PAIRS, _splat, signed_pairs
 from ember.kernels.tensor_types import TensorType
 
 __all__ = ["TOKENS", "MIN_TOKENS", "LANE_TYPES", "room", "room_for", "tokens_in", "tokens_per_thread", "put_token",
            "rows"]
 
-# With AVX2 but no VNNI the lanes hold signed quants, 8 tokens a 256-bit vector, and the products are
-# llama.cpp's signed pairs (int8_prompt.signed_pairs): the same integers as vpdpbusd's, with no zero
-# token (a signed lane's sum is its own dot). 16 lanes there, half of them empty at 8 tokens, ran
-# slower than the decode tiles (2048 x 768 Q8_0, 8 tokens, one thread: 0.59 against 0.44 ms).
+# With AVX2 but no VNNI the products are llama.cpp's signed pairs (int8_prompt.signed_pairs): the same
+# integers as vpdpbusd's, with no offset to take off. 16 lanes there, half of them empty at 8 tokens,
+# ran slower than the decode tiles (2048 x 768 Q8_0, 8 tokens, one thread: 0.59 against 0.44 ms).
 _SIGNED = _SIGNED_PAIRS
-LANES = 8 if _SIGNED else 16  # int32 lanes of a vector: 256 or 512 bits
-# With VNNI (and portably) a vector holds two rows' products, 8 tokens each: a row's halves of lanes
-# cost one vpdpbusd and one shuffle a weight quad, where 15 tokens of one row and a zero token cost a
-# vpdpbusd (2048 x 768 and 32000 x 768 Q8_0, 8 tokens, one thread: 75 and 1200 us against 105 and
-# 1670, same process, Zen 4)
-ROWS_PER_VECTOR = 1 if _SIGNED else 2
-TOKENS = LANES // ROWS_PER_VECTOR  # tokens per vector: 8 either way
+LANES = TOKENS = 8  # int32 lanes of a 256-bit vector, one token each
 # Fewest decode rows that take the lanes, and fewest in a last vector (a speed choice only: both give
 # the same bits). AVX2's vector costs what 5.5 tokens cost in the decode tiles (2048 x 768 Q8_0, one
-# thread: 0.29-0.30 ms against 0.055 ms a token). With neither VNNI nor AVX2 never: 512-bit products
-# written portably are slower than the decode tiles.
+# thread: 0.29-0.30 ms against 0.055 ms a token). With neither VNNI nor AVX2 never: products written
+# portably are slower than the decode tiles.
 MIN_TOKENS = 4 if _VNNI else 6 if _SIGNED else 1 << 30
 LANE_TYPES = frozenset((TensorType.Q8_0, TensorType.Q4_0, TensorType.Q4_1, TensorType.Q5_0, TensorType.Q5_1,
                         TensorType.IQ4_NL))
 _BLOCK = 32
 _UNIT = 4  # blocks per unit of the decode tiles (int8_dots._Q8_0_LANES): the 4 float accumulators
-_TILE_ROWS = 4  # rows per tile: 4 accumulators a vector's rows, 8 activation vectors
-_TILE_ROWS_MIN = 2 * ROWS_PER_VECTOR  # with mins: 8 more accumulators a vector's rows
+_TILE_ROWS = 4  # rows per tile: 4 accumulators a row, 8 activation vectors
+_TILE_ROWS_MIN = 2  # with mins: 4 more accumulators a row
 # Rows ahead that a tile prefetches: its 4 rows' blocks interleaved are 4 streams for the hardware
 # prefetcher, and without a hint the products waited on DRAM (8 streams of the 100M Q8_0 file:
 # 957-1072 tok/s; 8 rows ahead 1150-1400, 16 rows 1234-1357, alternated in one run)
 _PREFETCH_ROWS = 16
 _CHAINS = 2  # independent integer sums a row and block (one chain of 8 vpdpbusd: 10-15% slower)
 # per value of a row: LANES quants, per 32 values LANES x (scale, block sum, an int32 of the block's
-# quants' sum) x 4 bytes: with AVX2 the sum (the offset's share of a weight stored with an offset), in
-# rows' halves -128 x the sum (each block's integer chain starts there: what the weight's + 128 adds)
+# quants' sum: with AVX2 the offset's share of a weight stored with an offset) x 4 bytes
 _LANE_BYTES = LANES * 11 // 8
-_SUM_FACTOR = 1 if _SIGNED else -128
+_X_FLIP = np.int32(0 if _SIGNED else -0x7F7F7F80)  # with VNNI each quant plus 128: q xor 0x80
 _Q8_0, _Q4_0, _Q4_1 = int(TensorType.Q8_0), int(TensorType.Q4_0), int(TensorType.Q4_1)
 _Q5_0, _Q5_1 = int(TensorType.Q5_0), int(TensorType.Q5_1)
 
@@ -109,10 +103,11 @@ def tokens_in(lanes, n):
 @njit(inline="always", cache=True, nogil=True)
 def room_for(n, cols):
     """Room for n decode tokens' q8_0 activations in lanes: uint8 [vectors, _LANE_BYTES cols], each
-    vector holding, for its TOKENS tokens (token l in lane l and, with rows' halves, lane l + 8 too),
-    the signed quants (quad c of lane l at byte 4 (LANES c + l)), then per 32-value block b LANES
-    float32 scales at LANES (cols + 4 b), LANES float32 block sums (xs) at LANES (9 cols / 8 + 4 b) and
-    LANES int32 quant sums times _SUM_FACTOR at LANES (5 cols / 4 + 4 b). Lanes past the n tokens stay
+    vector holding, for its TOKENS tokens (token l in lane l),
+    the quants, signed with AVX2 and plus 128 (unsigned) with VNNI (quad c of lane l at byte
+    4 (LANES c + l)), then per 32-value block b LANES float32 scales at LANES (cols + 4 b), LANES
+    float32 block sums (xs) at LANES (9 cols / 8 + 4 b) and LANES int32 quant sums at LANES
+    (5 cols / 4 + 4 b). Lanes past the n tokens stay
     zero (their results are never stored)."""
     vectors = (n + TOKENS - 1) // TOKENS
     return np.zeros((vectors, cols * _LANE_BYTES), np.uint8)
@@ -139,23 +134,20 @@ def put_token(xq, xd, xs, t, lanes):
     floats = row[LANES * cols:LANES * cols * 5 // 4].view(np.float32)
     sums = row[LANES * cols * 5 // 4:_LANE_BYTES * cols].view(np.int32)
     mine = xq.view(np.int32)
-    first = t % TOKENS  # the token's lane; with rows' halves, first + TOKENS too
+    lane = t % TOKENS
     for c in range(cols // 4):
-        for lane in range(first, LANES, TOKENS):
-            quads[LANES * c + lane] = mine[c]
+        quads[LANES * c + lane] = mine[c] ^ _X_FLIP
     for b in range(blocks):
         total = 0
         for j in range(b * _BLOCK, (b + 1) * _BLOCK):
             total += np.int32(xq[j])
-        for lane in range(first, LANES, TOKENS):
-            floats[LANES * b + lane] = xd[b]
-            floats[LANES * (blocks + b) + lane] = xs[b]
-            sums[LANES * b + lane] = total * _SUM_FACTOR
+        floats[LANES * b + lane] = xd[b]
+        floats[LANES * (blocks + b) + lane] = xs[b]
+        sums[LANES * b + lane] = total
 
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _VI32, _VF32, _VI8 = ir.VectorType(_I32, LANES), ir.VectorType(_F32, LANES), ir.VectorType(_I8, 4 * LANES)
-_V8I32 = ir.VectorType(_I32, 8)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,19 +221,51 @@ def _prefetch(builder, at, stride):
           ir.Constant(_I32, 1))
 
 
-class _InPlace:
-    """Q8_0 rows read in the file's blocks (34 bytes: d f16, 32 int8 quants)."""
+class _Rows:
+    """A tile's R rows of a weight. With VNNI, prepare() puts each block's -128 x its quants' sum into
+    a scratch (the correction: the tokens' quants are stored plus 128) just before the block is
+    multiplied."""
 
     has_min = False
+
+    def __init__(self, builder, R):
+        self.builder, self.R = builder, R
+        self.corrections = builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_I32, 4)), _I32.as_pointer())
+
+    def prepare(self, b):
+        """With VNNI, the corrections of block b of every row into the scratch: one vpdpbusd of the
+        block's quants by 128 each, and a tree of vphaddd for the rows together (_lane_totals); then
+        an empty asm that may read and write the scratch, so that LLVM loads them back a row at a time
+        (a vpaddd with a {1to8} memory operand) rather than taking them from the vector in shuffles.
+        A unit's 16 blocks at once held more vectors than the 32 registers (the accumulators were
+        spilled) and ran no faster."""
+        if _SIGNED:
+            return
+        builder = self.builder
+        flip = builder.bitcast(_splat(builder, ir.Constant(_I32, -0x7F7F7F80), _VI32), _VI8)  # 128 in each byte
+        sums = [int8_dots._u8_s8_quads(builder, flip, builder.bitcast(self.quads(i, b), _VI8)) for i in range(self.R)]
+        totals = _lane_totals(builder, sums)
+        builder.store(builder.sub(ir.Constant(totals.type, [0] * totals.type.count), totals),
+                      builder.bitcast(self.corrections, totals.type.as_pointer()), align=4)
+        builder.asm(ir.FunctionType(ir.VoidType(), [self.corrections.type]), "", "r,~{memory}", [self.corrections], True)
+
+    def correction(self, i):
+        """-128 x the quants' sum of the prepared block of row i."""
+        return self.builder.load(self.builder.gep(self.corrections, [ir.Constant(_I64, i)], inbounds=True), align=4)
+
+
+class _InPlace(_Rows):
+    """Q8_0 rows read in the file's blocks (34 bytes: d f16, 32 int8 quants)."""
+
     offset = SIGNED
 
     def __init__(self, builder, context, sig, args, R):
+        super().__init__(builder, R)
         w = context.make_array(sig.args[0])(context, builder, args[0])
         r = _i64(builder, args[1])
-        stride = builder.extract_value(w.strides, 0)
+        self.stride = builder.extract_value(w.strides, 0)
         base = builder.bitcast(w.data, _I8.as_pointer())
-        self.builder, self.stride = builder, stride
-        self.rows = [_at(builder, base, builder.mul(builder.add(r, ir.Constant(_I64, i)), stride)) for i in range(R)]
+        self.rows = [_at(builder, base, builder.mul(builder.add(r, ir.Constant(_I64, i)), self.stride)) for i in range(R)]
 
     def _block(self, i, b):
         return _at(self.builder, self.rows[i], self.builder.mul(b, ir.Constant(_I64, 34)))
@@ -252,7 +276,7 @@ class _InPlace:
 
     def quads(self, i, b):
         """Block b's 32 quants as <8 x i32>."""
-        return self.builder.load(self.builder.bitcast(_at(self.builder, self._block(i, b), 2), _V8I32.as_pointer()), align=1)
+        return self.builder.load(self.builder.bitcast(_at(self.builder, self._block(i, b), 2), _VI32.as_pointer()), align=1)
 
     def scale(self, i, b):
         """Block b's scale, once a row and block: also where the same block _PREFETCH_ROWS rows on is
@@ -261,13 +285,14 @@ class _InPlace:
         return _load_f16(self.builder, self._block(i, b))
 
 
-class _Unpacked:
+class _Unpacked(_Rows):
     """Rows unpacked by _unpack_row: ws int8 [rows, cols], wa and wm float32 [rows, cols / 32]."""
 
     def __init__(self, builder, context, sig, args, R, has_min, offset):
+        super().__init__(builder, R)
         ws, wa, wm = (context.make_array(sig.args[k])(context, builder, args[k]) for k in range(3))
         i = _i64(builder, args[3])
-        self.builder, self.has_min, self.offset = builder, has_min, offset
+        self.has_min, self.offset = has_min, offset
 
         def row_of(array, elem, k):
             at = builder.mul(builder.add(i, ir.Constant(_I64, k)), builder.extract_value(array.strides, 0))
@@ -282,7 +307,7 @@ class _Unpacked:
 
     def quads(self, i, b):
         at = self.builder.gep(self.w[i], [self.builder.mul(b, ir.Constant(_I64, 8))], inbounds=True)
-        return self.builder.load(self.builder.bitcast(at, _V8I32.as_pointer()), align=4)
+        return self.builder.load(self.builder.bitcast(at, _VI32.as_pointer()), align=4)
 
     def scale(self, i, b):
         return self.builder.load(self.builder.gep(self.a[i], [b], inbounds=True), align=4)
@@ -291,18 +316,34 @@ class _Unpacked:
         return self.builder.load(self.builder.gep(self.m[i], [b], inbounds=True), align=4)
 
 
+def _lane_totals(builder, vectors):
+    """<4 x i32>: the lane sums of up to 4 `vectors` (<8 x i32> each) in their order, then zeros. With
+    AVX2 a tree of 3 vphaddd (lane l of phadd(a, b), per 128 bits: a's pairs, then b's) and an add of
+    its halves, not 4 reductions of 3 shuffles and adds each."""
+    zero = ir.Constant(_VI32, [0] * LANES)
+    group = vectors + [zero] * (4 - len(vectors))
+    if not int8_dots._AVX2:
+        total = ir.Constant(ir.VectorType(_I32, 4), [0] * 4)
+        for k, v in enumerate(vectors):
+            total = builder.insert_element(total, _call(builder, "llvm.vector.reduce.add.v8i32", _I32, v), ir.Constant(_I32, k))
+        return total
+    while len(group) > 1:
+        group = [_call(builder, "llvm.x86.avx2.phadd.d", _VI32, group[k], group[k + 1]) for k in range(0, len(group), 2)]
+    low, high = (builder.shuffle_vector(group[0], group[0], ir.Constant(ir.VectorType(_I32, 4), list(range(h, h + 4))))
+                 for h in (0, 4))  # the 4 sums of lanes 0-3, of lanes 4-7
+    return builder.add(low, high)
+
+
 # --------------------------------------------------------------------------------------------------
 # the tile: R rows x one vector of 8 tokens, in IR
 # --------------------------------------------------------------------------------------------------
 def _emit_tile(builder, source, R, lanes, v, n, out, r0):
     """out[t, r0 + i] for i < R and the tokens t < n of vector v of `lanes`: the rows of `source`
-    (_InPlace or _Unpacked) against them, block by block in the decode tile's float order, a vector's
-    rows (ROWS_PER_VECTOR; a last odd row twice, its copy's lanes never stored) at a time."""
+    (_InPlace or _Unpacked) against them, block by block in the decode tile's float order."""
     vec = _at(builder, builder.bitcast(lanes.data, _I8.as_pointer()), builder.mul(v, builder.extract_value(lanes.strides, 0)))
     cols = builder.udiv(builder.extract_value(lanes.shape, 1), ir.Constant(_I64, _LANE_BYTES))
     blocks = builder.udiv(cols, ir.Constant(_I64, _BLOCK))
     quads = builder.bitcast(vec, _VI32.as_pointer())
-    groups = [tuple(min(r + k, R - 1) for k in range(ROWS_PER_VECTOR)) for r in range(0, R, ROWS_PER_VECTOR)]
 
     def lane_floats(eighths, b, vector_type=_VF32):  # the lanes from byte LANES (cols eighths / 8 + 4 b) on
         at = builder.add(builder.mul(cols, ir.Constant(_I64, LANES * eighths // 8)),
@@ -313,8 +354,8 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
         return lane_floats(eighths, b, _VI32)
 
     zero = ir.Constant(_VF32, [0.0] * LANES)
-    accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(_UNIT)] for _ in groups]
-    mins = [[cgutils.alloca_once_value(builder, zero) for _ in range(_UNIT)] for _ in groups]
+    accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(_UNIT)] for _ in range(R)]
+    mins = [[cgutils.alloca_once_value(builder, zero) for _ in range(_UNIT)] for _ in range(R)]
 
     def block(b, k):
         """Block b of every row against the tokens, into accumulator k."""
@@ -323,17 +364,16 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
         xd = lane_floats(8, b)
         xsum = lane_floats(9, b) if source.has_min else None
         sums = lane_ints(10, b)
-        for g, rows_ in enumerate(groups):
-            if _SIGNED:
-                total = _signed_block(builder, source, rows_[0], b, xv, sums)
-            else:
-                total = _halves_block(builder, source, rows_, b, xv, sums)
-            scale = builder.fmul(_per_row(builder, [source.scale(r, b) for r in dict.fromkeys(rows_)]), xd)
+        source.prepare(b)
+        totals = None if _SIGNED else _vnni_blocks(builder, source, R, b, xv)
+        for r in range(R):
+            total = _signed_block(builder, source, r, b, xv, sums) if _SIGNED else totals[r]
+            scale = builder.fmul(_splat(builder, source.scale(r, b), _VF32), xd)
             value = builder.fmul(builder.sitofp(total, _VF32), scale)
-            builder.store(builder.fadd(builder.load(accs[g][k]), value), accs[g][k])
+            builder.store(builder.fadd(builder.load(accs[r][k]), value), accs[r][k])
             if source.has_min:
-                taken = builder.fmul(_per_row(builder, [source.minus_min(r, b) for r in dict.fromkeys(rows_)]), xsum)
-                builder.store(builder.fadd(builder.load(mins[g][k]), taken), mins[g][k])
+                taken = builder.fmul(_splat(builder, source.minus_min(r, b), _VF32), xsum)
+                builder.store(builder.fadd(builder.load(mins[r][k]), taken), mins[r][k])
 
     whole = builder.udiv(blocks, ir.Constant(_I64, _UNIT))
     with cgutils.for_range(builder, whole) as loop:
@@ -352,42 +392,44 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
     count = builder.select(builder.icmp_signed(">", count, ir.Constant(_I64, TOKENS)), ir.Constant(_I64, TOKENS), count)
     out_base = builder.bitcast(out.data, _I8.as_pointer())
     out_stride = builder.extract_value(out.strides, 0)
-    for g, rows_ in enumerate(groups):
-        result = builder.fsub(hsum(accs[g]), hsum(mins[g]))
-        for half, r in enumerate(dict.fromkeys(rows_)):
-            col = builder.add(r0, ir.Constant(_I64, r))
-            with cgutils.for_range(builder, count) as loop:
-                at = builder.add(builder.mul(builder.add(t0, loop.index), out_stride), builder.mul(col, ir.Constant(_I64, 4)))
-                lane = builder.add(loop.index, ir.Constant(_I64, TOKENS * half))
-                builder.store(builder.extract_element(result, lane),
-                              builder.bitcast(_at(builder, out_base, at), _F32.as_pointer()))
+    results = [builder.fsub(hsum(accs[r]), hsum(mins[r])) for r in range(R)]
+
+    def at(t, r):  # &out[t0 + t, r0 + r]
+        return _at(builder, out_base, builder.add(builder.mul(builder.add(t0, t), out_stride),
+                                                  builder.mul(builder.add(r0, ir.Constant(_I64, r)), ir.Constant(_I64, 4))))
+
+    full = builder.icmp_signed("==", count, ir.Constant(_I64, TOKENS))
+    with builder.if_else(builder.and_(full, ir.Constant(ir.IntType(1), R == _TILE_ROWS))) as (whole, part):
+        with whole:  # the 4 rows' results of each token together: 8 stores of 16 bytes
+            for t in range(TOKENS):
+                four = _splat(builder, builder.extract_element(results[0], ir.Constant(_I32, t)), ir.VectorType(_F32, 4))
+                for r in range(1, R):
+                    four = builder.insert_element(four, builder.extract_element(results[r], ir.Constant(_I32, t)),
+                                                  ir.Constant(_I32, r))
+                builder.store(four, builder.bitcast(at(ir.Constant(_I64, t), 0), four.type.as_pointer()), align=4)
+        with part:
+            for r in range(R):
+                with cgutils.for_range(builder, count) as loop:
+                    builder.store(builder.extract_element(results[r], loop.index),
+                                  builder.bitcast(at(loop.index, r), _F32.as_pointer()))
 
 
-def _per_row(builder, values):
-    """<LANES x float>: each of a vector's rows' float (one, or two for rows' halves) in its lanes."""
-    pair = builder.insert_element(ir.Constant(ir.VectorType(_F32, 2), None), values[0], ir.Constant(_I32, 0))
-    if len(values) > 1:
-        pair = builder.insert_element(pair, values[1], ir.Constant(_I32, 1))
-    return builder.shuffle_vector(pair, pair, ir.Constant(_VI32, [min(k, len(values) - 1) for k in range(ROWS_PER_VECTOR)
-                                                                  for _ in range(TOKENS)]))
-
-
-# the weight's quants plus 128 (q xor 0x80 in each byte), vpdpbusd's unsigned operand
-_FLIP = ir.Constant(_VI32, [-0x7F7F7F80] * LANES)
-
-
-def _halves_block(builder, source, rows_, b, xv, start):
-    """<16 x i32>: block b's exact integer dots, lanes 0-7 row rows_[0]'s with the 8 tokens, 8-15
-    rows_[1]'s: both rows' 32 quants in one vector, plus 128, quad j of each moved into its half (a
-    shuffle) for vpdpbusd against the tokens' signed quad j (xv[j]); each chain starts at -128 x the
-    tokens' quant sums (`start`, the first chain), which takes off what the + 128 added."""
-    both = builder.shuffle_vector(source.quads(rows_[0], b), source.quads(rows_[1], b), ir.Constant(_VI32, list(range(16))))
-    both = builder.xor(both, _FLIP)
-    sums = [start] + [ir.Constant(_VI32, [0] * LANES)] * (_CHAINS - 1)
+def _vnni_blocks(builder, source, R, b, xv):
+    """[<8 x i32>] * R: with VNNI (or portably), block b's exact integer dots of rows 0..R-1 with the
+    8 tokens: each weight quad broadcast to every lane (folded into vpdpbusd as its signed operand,
+    from memory) against the tokens' quad j plus 128 (xv[j], the unsigned operand), in two chains a
+    row, and the block's -128 x the quants' sum (source.correction) added, which takes off what the
+    + 128 added. Quad j of every row before quad j + 1 of any: the rows' chains are independent, and
+    written row after row they held the vpdpbusd in the scheduler behind each other."""
+    zero = ir.Constant(_VI32, [0] * LANES)
+    sums = [[zero] * _CHAINS for _ in range(R)]
     for j in range(8):
-        quad = builder.shuffle_vector(both, both, ir.Constant(_VI32, [j] * TOKENS + [8 + j] * TOKENS))
-        sums[j % _CHAINS] = _quads(builder, sums[j % _CHAINS], quad, xv[j])
-    return _tree_add(builder, sums)
+        x = builder.bitcast(xv[j], _VI8)
+        for r in range(R):
+            quad = builder.bitcast(_splat(builder, source.word(r, b, j), _VI32), _VI8)
+            sums[r][j % _CHAINS] = int8_dots._u8_s8_quads(builder, x, quad, sums[r][j % _CHAINS])
+    return [builder.add(_tree_add(builder, chains), _splat(builder, source.correction(r), _VI32))
+            for r, chains in enumerate(sums)]
 
 
 def _signed_block(builder, source, r, b, xv, sums):
