@@ -48,7 +48,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ember.kernels.cpu import int8_dots
-from ember.kernels.cpu.int8_dots import _VNNI, SIGNED, UNSIGNED, _at, _call, _i64, _load_f16
+from ember.kernels.cpu.int8_dots import _VNNI, SIGNED, UNSIGNED, _at, _call, _i64
 # the same broadcast, and AVX2's signed pairs
 from ember.kernels.cpu.int8_prompt import _SIGNED_PAIRS, _splat, signed_pairs
 from ember.kernels.tensor_types import TensorType
@@ -107,8 +107,8 @@ def room_for(n, cols):
     the quants, signed with AVX2 and plus 128 (unsigned) with VNNI (quad c of lane l at byte
     4 (LANES c + l)), then per 32-value block b LANES float32 scales at LANES (cols + 4 b), LANES
     float32 block sums (xs) at LANES (9 cols / 8 + 4 b) and LANES int32 quant sums at LANES
-    (5 cols / 4 + 4 b). Lanes past the n tokens stay
-    zero (their results are never stored)."""
+    (5 cols / 4 + 4 b; written with AVX2 alone, the only lanes that read them). Lanes past the n
+    tokens stay zero (their results are never stored)."""
     vectors = (n + TOKENS - 1) // TOKENS
     return np.zeros((vectors, cols * _LANE_BYTES), np.uint8)
 
@@ -116,17 +116,19 @@ def room_for(n, cols):
 @njit(inline="always", cache=True, nogil=True)
 def tokens_per_thread(lanes):
     """Tokens one thread should quantize together into a room whose lanes are `lanes`: one, or with
-    tokens in lanes a vector's, whose tokens share every cache line of it (a precaution against two
-    threads passing the lines back and forth; no difference was measured either way)."""
-    return TOKENS if lanes.shape[0] > 0 else 1
+    tokens in lanes half a vector's, so that two threads share a step's 8 (a vector's on one thread
+    kept the other waiting: 8 tokens of 2048 values take ~25 us to quantize, a layer of the 100M
+    model ~60)."""
+    return TOKENS // 2 if lanes.shape[0] > 0 else 1
 
 
 @njit(inline="always", cache=True, nogil=True)
 def put_token(xq, xd, xs, t, lanes):
     """Token t's decode activations (int8_dots.quantize_activation's xq [cols], xd, xs [cols / 32])
-    into its lane of `lanes` (room), if the room has one."""
+    into its lane of `lanes` (room), if the room has one -> whether it had (a token in lanes never
+    meets the decode tiles, which need the quad offsets)."""
     if t >= lanes.shape[0] * TOKENS:
-        return
+        return False
     cols = xq.shape[0]
     blocks = cols // _BLOCK
     row = lanes[t // TOKENS]
@@ -138,12 +140,14 @@ def put_token(xq, xd, xs, t, lanes):
     for c in range(cols // 4):
         quads[LANES * c + lane] = mine[c] ^ _X_FLIP
     for b in range(blocks):
-        total = 0
-        for j in range(b * _BLOCK, (b + 1) * _BLOCK):
-            total += np.int32(xq[j])
         floats[LANES * b + lane] = xd[b]
         floats[LANES * (blocks + b) + lane] = xs[b]
-        sums[LANES * b + lane] = total
+        if _SIGNED:  # only AVX2's lanes take an offset's share off (_signed_block)
+            total = 0
+            for j in range(b * _BLOCK, (b + 1) * _BLOCK):
+                total += np.int32(xq[j])
+            sums[LANES * b + lane] = total
+    return True
 
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -279,10 +283,15 @@ class _InPlace(_Rows):
         return self.builder.load(self.builder.bitcast(_at(self.builder, self._block(i, b), 2), _VI32.as_pointer()), align=1)
 
     def scale(self, i, b):
-        """Block b's scale, once a row and block: also where the same block _PREFETCH_ROWS rows on is
-        asked for."""
-        _prefetch(self.builder, self._block(i, b), self.stride)
-        return _load_f16(self.builder, self._block(i, b))
+        """Block b's scale in every lane, once a row and block: the f16 bits broadcast, then widened
+        (vpbroadcastw, vcvtph2ps: one instruction fewer than widened, then broadcast); also where the
+        same block _PREFETCH_ROWS rows on is asked for."""
+        builder = self.builder
+        _prefetch(builder, self._block(i, b), self.stride)
+        bits = builder.load(builder.bitcast(self._block(i, b), ir.IntType(16).as_pointer()), align=1)
+        halves = builder.bitcast(_splat(builder, bits, ir.VectorType(ir.IntType(16), LANES)),
+                                 ir.VectorType(ir.HalfType(), LANES))
+        return builder.fpext(halves, _VF32)
 
 
 class _Unpacked(_Rows):
@@ -310,7 +319,7 @@ class _Unpacked(_Rows):
         return self.builder.load(self.builder.bitcast(at, _VI32.as_pointer()), align=4)
 
     def scale(self, i, b):
-        return self.builder.load(self.builder.gep(self.a[i], [b], inbounds=True), align=4)
+        return _splat(self.builder, self.builder.load(self.builder.gep(self.a[i], [b], inbounds=True), align=4), _VF32)
 
     def minus_min(self, i, b):
         return self.builder.load(self.builder.gep(self.m[i], [b], inbounds=True), align=4)
@@ -368,7 +377,7 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
         totals = None if _SIGNED else _vnni_blocks(builder, source, R, b, xv)
         for r in range(R):
             total = _signed_block(builder, source, r, b, xv, sums) if _SIGNED else totals[r]
-            scale = builder.fmul(_splat(builder, source.scale(r, b), _VF32), xd)
+            scale = builder.fmul(source.scale(r, b), xd)
             value = builder.fmul(builder.sitofp(total, _VF32), scale)
             builder.store(builder.fadd(builder.load(accs[r][k]), value), accs[r][k])
             if source.has_min:
@@ -418,18 +427,17 @@ def _vnni_blocks(builder, source, R, b, xv):
     """[<8 x i32>] * R: with VNNI (or portably), block b's exact integer dots of rows 0..R-1 with the
     8 tokens: each weight quad broadcast to every lane (folded into vpdpbusd as its signed operand,
     from memory) against the tokens' quad j plus 128 (xv[j], the unsigned operand), in two chains a
-    row, and the block's -128 x the quants' sum (source.correction) added, which takes off what the
-    + 128 added. Quad j of every row before quad j + 1 of any: the rows' chains are independent, and
+    row, the first starting from the block's -128 x the quants' sum (source.correction, broadcast by
+    a load where a zeroed register and an add were), which takes off what the + 128 added. Quad j of every row before quad j + 1 of any: the rows' chains are independent, and
     written row after row they held the vpdpbusd in the scheduler behind each other."""
     zero = ir.Constant(_VI32, [0] * LANES)
-    sums = [[zero] * _CHAINS for _ in range(R)]
+    sums = [[_splat(builder, source.correction(r), _VI32)] + [zero] * (_CHAINS - 1) for r in range(R)]
     for j in range(8):
         x = builder.bitcast(xv[j], _VI8)
         for r in range(R):
             quad = builder.bitcast(_splat(builder, source.word(r, b, j), _VI32), _VI8)
             sums[r][j % _CHAINS] = int8_dots._u8_s8_quads(builder, x, quad, sums[r][j % _CHAINS])
-    return [builder.add(_tree_add(builder, chains), _splat(builder, source.correction(r), _VI32))
-            for r, chains in enumerate(sums)]
+    return [_tree_add(builder, chains) for chains in sums]
 
 
 def _signed_block(builder, source, r, b, xv, sums):

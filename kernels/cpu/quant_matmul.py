@@ -14,8 +14,8 @@ Why the kernels look the way they do (each point measured on the 2-core Zen 4 VM
   kernels were bound by bit unpacking, not memory; level on Q8_0, which streams at memory speed
   either way. It is llama.cpp's numerics: the product is with x_hat, x after the q8_0 round trip.
 - From decode_lanes.MIN_TOKENS decode rows on, weights of the 32-value types meet them in token lanes
-  (decode_lanes.py: 8 tokens of two rows a 512-bit vector with AVX-512 VNNI, of one row a 256-bit
-  one with AVX2, no horizontal sums), bit for bit the tiles' results: the activations' room holds the
+  (decode_lanes.py: one row's 8 tokens a 256-bit vector, each weight quad broadcast into
+  vpdpbusd from memory with AVX-512 VNNI, in llama.cpp's signed pairs with AVX2; no horizontal sums), bit for bit the tiles' results: the activations' room holds the
   tokens in lanes too, filled as each token is quantized; a short last vector's tokens stay with the
   tiles.
 - The F16/BF16 row dot is one reduction that LLVM vectorizes into register accumulators; numba
@@ -386,8 +386,8 @@ def _activations(x, q8_0, k_quants):
 def _quantize_token(x, t, q8_0, xq, xd, xs, xc, xl, k_quants, kq, kd, ks, kc):
     if q8_0:
         quantize_activation(x[t], xq[t], xd[t], xs[t])
-        quad_offsets(xq[t], xc[t], Q8_0_OFFSET)
-        decode_lanes.put_token(xq[t], xd[t], xs[t], t, xl)
+        if not decode_lanes.put_token(xq[t], xd[t], xs[t], t, xl):  # a token in lanes never meets the tiles
+            quad_offsets(xq[t], xc[t], Q8_0_OFFSET)
     if k_quants:
         quantize_activation_k(x[t], kq[t], kd[t], ks[t])
         quad_offsets(kq[t], kc[t], Q6_K_OFFSET)
