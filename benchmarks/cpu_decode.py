@@ -14,7 +14,8 @@ figure; so is its tokenizer's BPE, which ember builds on the first text encode a
 benchmark feeds never need, while llama.cpp builds its vocabulary at load), decode tok/s of a greedy
 loop of --tokens tokens after a 16-token prompt (median of --repeats), and prefill tok/s of a
 --prompt-token prompt (median of --repeats); for ember also the aggregate decode tok/s of --batch
-sequences stepped together; and decode tok/s again after a --context token prompt (32 tokens; each
+sequences stepped together (median of --repeats), each run next to a one-stream decode run, and its
+ratio to that run (the median of the pairs' ratios; also given against the decode figure); and decode tok/s again after a --context token prompt (32 tokens; each
 engine in a context of that size, after the figures above), where each token's attention reads the whole
 context. The two engines alternate --rounds times per file and each figure is the median over the
 rounds. Decode is also given as GB/s of weights read per token, and as a fraction of this machine's
@@ -195,14 +196,15 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
     load_s = time.perf_counter() - t
     step_s, prefill_s = decode_and_prefill(model, args)
     rss = rss_bytes() - rss0  # the work llama.cpp's figure covers: load, decode, prefill
-    batched = statistics.median(batched_decode(model, args.batch, args.tokens) for _ in range(args.repeats)) \
-        if args.batch else 0.0
+    pairs = [batched_beside_one(model, args, k % 2 == 1) for k in range(args.repeats)] if args.batch else [(0.0, 0.0)]
+    batched = statistics.median(tok_s for tok_s, _ in pairs)
+    batch_x = statistics.median(tok_s * one_s for tok_s, one_s in pairs)
     batch_rss = rss_bytes() - rss0 - rss
     long_step_s = decode_after(model, long_context_prompt(args), LONG_TOKENS, args.repeats) if args.context else 0.0
     before = rss_bytes()
     model.tokenize("Hello")  # the first text encode builds the tokenizer's BPE (token ids alone never need it)
     return {"load_s": load_s, "rss": rss, "step_s": step_s, "prefill_s": prefill_s, "batch_tok_s": batched,
-            "batch_rss": batch_rss, "long_step_s": long_step_s, "bpe_rss": rss_bytes() - before}
+            "batch_x": batch_x, "batch_rss": batch_rss, "long_step_s": long_step_s, "bpe_rss": rss_bytes() - before}
 
 
 def warm_up(generate, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
@@ -242,6 +244,19 @@ LONG_TOKENS = 32  # tokens decoded after the --context prompt
 
 def long_context_prompt(args: argparse.Namespace) -> list[int]:
     return [100 + i % 1000 for i in range(args.context)]  # ids every file's vocabulary holds (gemma4: ~1100)
+
+
+def batched_beside_one(model, args: argparse.Namespace, one_first: bool) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """(aggregate tok/s of args.batch streams, seconds a token of one stream) measured back to back,
+    in the order one_first says: the batched figure's ratio to one stream, taken per pair, does not
+    carry the drift of a VM whose speed moves by 20% between a median of single runs and one of
+    batched runs a minute later."""
+    prompt = list(range(100, 116))  # decode_and_prefill's
+    if one_first:
+        one_s = decode_after(model, prompt, args.tokens, 1)
+        return batched_decode(model, args.batch, args.tokens), one_s
+    tok_s = batched_decode(model, args.batch, args.tokens)
+    return tok_s, decode_after(model, prompt, args.tokens, 1)
 
 
 def batched_decode(model, streams: int, tokens: int) -> float:  # type: ignore[no-untyped-def]
@@ -369,8 +384,8 @@ def main() -> None:
                   f"{1 / r['step_s']:12.1f} {gbs:5.1f} {gbs / bandwidth:5.0%} {args.prompt_tokens / r['prefill_s']:13.1f}")
         e, ll = results["ember"], results["llama.cpp"]
         batched = (f"; ember {args.batch} streams batched: {e['batch_tok_s']:.0f} tok/s = "
-                   f"{e['batch_tok_s'] * e['step_s']:.2f}x one stream (its KV cache and buffers: RSS "
-                   f"+{e['batch_rss'] / 1e6:.1f} MB)") if args.batch else ""
+                   f"{e['batch_x']:.2f}x one stream run beside it ({e['batch_tok_s'] * e['step_s']:.2f}x the "
+                   f"decode figure; its KV cache and buffers: RSS +{e['batch_rss'] / 1e6:.1f} MB)") if args.batch else ""
         print(f"{label:16} ratio ember/llama.cpp: decode {ll['step_s'] / e['step_s']:.2f}x, "
               f"prefill {ll['prefill_s'] / e['prefill_s']:.2f}x{batched}; its tokenizer's BPE, built by the first "
               f"text encode: RSS +{e['bpe_rss'] / 1e6:.1f} MB")
