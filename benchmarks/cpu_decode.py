@@ -15,9 +15,9 @@ benchmark feeds never need, while llama.cpp builds its vocabulary at load), deco
 loop of --tokens tokens after a 16-token prompt (median of --repeats), and prefill tok/s of a
 --prompt-token prompt (median of --repeats); for ember also the aggregate decode tok/s of --batch
 sequences stepped together (median of --repeats), each run next to a one-stream decode run, and its
-ratio to that run (the median of the pairs' ratios; also given against the decode figure); and decode tok/s again after a --context token prompt (32 tokens; each
-engine in a context of that size, after the figures above), where each token's attention reads the whole
-context. The two engines alternate --rounds times per file and each figure is the median over the
+ratio to that run (the median of the pairs' ratios; also given against the decode figure); and
+decode tok/s again after a --context token prompt (32 tokens; each engine in a context of that size,
+after the figures above), where each token's attention reads the whole context. The two engines alternate --rounds times per file and each figure is the median over the
 rounds. Decode is also given as GB/s of weights read per token, and as a fraction of this machine's
 memory bandwidth, measured here with the same threads. Prints ember/llama.cpp ratios.
 
@@ -196,10 +196,10 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
     load_s = time.perf_counter() - t
     step_s, prefill_s = decode_and_prefill(model, args)
     rss = rss_bytes() - rss0  # the work llama.cpp's figure covers: load, decode, prefill
-    pairs = [batched_beside_one(model, args, k % 2 == 1) for k in range(args.repeats)] if args.batch else [(0.0, 0.0)]
-    batched = statistics.median(tok_s for tok_s, _ in pairs)
-    batch_x = statistics.median(tok_s * one_s for tok_s, one_s in pairs)
-    batch_rss = rss_bytes() - rss0 - rss
+    pairs = [batched_beside_one(model, args, k % 2 == 1) for k in range(args.repeats)] if args.batch else [(0.0, 0.0, 0)]
+    batched = statistics.median(tok_s for tok_s, _, _ in pairs)
+    batch_x = statistics.median(tok_s * one_s for tok_s, one_s, _ in pairs)
+    batch_rss = max(after for _, _, after in pairs) - rss0 - rss if args.batch else 0
     long_step_s = decode_after(model, long_context_prompt(args), LONG_TOKENS, args.repeats) if args.context else 0.0
     before = rss_bytes()
     model.tokenize("Hello")  # the first text encode builds the tokenizer's BPE (token ids alone never need it)
@@ -246,17 +246,19 @@ def long_context_prompt(args: argparse.Namespace) -> list[int]:
     return [100 + i % 1000 for i in range(args.context)]  # ids every file's vocabulary holds (gemma4: ~1100)
 
 
-def batched_beside_one(model, args: argparse.Namespace, one_first: bool) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    """(aggregate tok/s of args.batch streams, seconds a token of one stream) measured back to back,
-    in the order one_first says: the batched figure's ratio to one stream, taken per pair, does not
-    carry the drift of a VM whose speed moves by 20% between a median of single runs and one of
-    batched runs a minute later."""
+def batched_beside_one(model, args: argparse.Namespace, one_first: bool) -> tuple[float, float, int]:  # type: ignore[no-untyped-def]
+    """(aggregate tok/s of args.batch streams, seconds a token of one stream, RSS right after the
+    batched run) measured back to back, in the order one_first says: the batched figure's ratio to
+    one stream, taken per pair, does not carry the drift of a VM whose speed moves by 20% between a
+    median of single runs and one of batched runs a minute later. (A one-stream run after the batched
+    one may trim the heap, so the RSS is read before it.)"""
     prompt = list(range(100, 116))  # decode_and_prefill's
-    if one_first:
-        one_s = decode_after(model, prompt, args.tokens, 1)
-        return batched_decode(model, args.batch, args.tokens), one_s
+    one_s = decode_after(model, prompt, args.tokens, 1) if one_first else 0.0
     tok_s = batched_decode(model, args.batch, args.tokens)
-    return tok_s, decode_after(model, prompt, args.tokens, 1)
+    after = rss_bytes()
+    if not one_first:
+        one_s = decode_after(model, prompt, args.tokens, 1)
+    return tok_s, one_s, after
 
 
 def batched_decode(model, streams: int, tokens: int) -> float:  # type: ignore[no-untyped-def]
