@@ -17,9 +17,10 @@ loop of --tokens tokens after a 16-token prompt (median of --repeats), and prefi
 sequences stepped together (median of --repeats), each run next to a one-stream decode run, and its
 ratio to that run (the median of the pairs' ratios; also given against the decode figure); and
 decode tok/s again after a --context token prompt (32 tokens; each engine in a context of that size,
-after the figures above), where each token's attention reads the whole context. The two engines alternate --rounds times per file and each figure is the median over the
-rounds. Decode is also given as GB/s of weights read per token, and as a fraction of this machine's
-memory bandwidth, measured here with the same threads. Prints ember/llama.cpp ratios.
+after the figures above), where each token's attention reads the whole context. The two engines
+alternate --rounds times per file and each figure is the median over the rounds. Decode is also
+given as GB/s of weights read per token, and as a fraction of this machine's memory bandwidth,
+measured here with the same threads. Prints ember/llama.cpp ratios.
 
     python benchmarks/cpu_decode.py [--tokens 128] [--repeats 3] [--rounds 3] [--threads N] [--prompt-tokens 512] [--batch 8]
                                     [--context 1536] [--kv-dtype f16] [--prompt-act q8_0|f32] [--files demo Q8_0 Q4_K_M ...]
@@ -207,19 +208,22 @@ def run_ember(path: Path, args: argparse.Namespace) -> dict[str, float]:
             "batch_x": batch_x, "batch_rss": batch_rss, "long_step_s": long_step_s, "bpe_rss": rss_bytes() - before}
 
 
+DECODE_PROMPT = list(range(100, 116))  # the 16 tokens before each decode figure's tokens, both engines
+
+
 def warm_up(generate, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
     """Run the measured work's shapes once on a first instance of the model, so that the RSS figure is
     the model's own memory and not the code either engine brings in on first use (ember: numba's
     compiled functions, loaded from its cache per signature, ~4 MB beyond the burst; llama.cpp: its
     libraries' pages and thread pool)."""
-    for prompt, tokens in (([100], 24), (list(range(100, 116)), 8), (list(range(100, 100 + args.prompt_tokens)), 1)):
+    for prompt, tokens in (([100], 24), (DECODE_PROMPT, 8), (list(range(100, 100 + args.prompt_tokens)), 1)):
         list(generate(prompt, max_tokens=tokens, ignore_eos=True))
 
 
 def decode_and_prefill(model, args: argparse.Namespace) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     """Median seconds per decoded token after a 16-token prompt, and median seconds to read a prompt of
     args.prompt_tokens (and sample one token), over args.repeats runs each."""
-    prompt, long_prompt = list(range(100, 116)), list(range(100, 100 + args.prompt_tokens))
+    prompt, long_prompt = DECODE_PROMPT, list(range(100, 100 + args.prompt_tokens))
     list(model.generate(prompt, max_tokens=4, ignore_eos=True))  # warm up
     step = decode_after(model, prompt, args.tokens, args.repeats)
     prefill = [_timed(lambda: list(model.generate(long_prompt, max_tokens=1, ignore_eos=True)))
@@ -252,12 +256,11 @@ def batched_beside_one(model, args: argparse.Namespace, one_first: bool) -> tupl
     one stream, taken per pair, does not carry the drift of a VM whose speed moves by 20% between a
     median of single runs and one of batched runs a minute later. (A one-stream run after the batched
     one may trim the heap, so the RSS is read before it.)"""
-    prompt = list(range(100, 116))  # decode_and_prefill's
-    one_s = decode_after(model, prompt, args.tokens, 1) if one_first else 0.0
+    one_s = decode_after(model, DECODE_PROMPT, args.tokens, 1) if one_first else 0.0
     tok_s = batched_decode(model, args.batch, args.tokens)
     after = rss_bytes()
     if not one_first:
-        one_s = decode_after(model, prompt, args.tokens, 1)
+        one_s = decode_after(model, DECODE_PROMPT, args.tokens, 1)
     return tok_s, one_s, after
 
 
@@ -292,7 +295,7 @@ def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, float]:
     t = time.perf_counter()
     llm = open_llama()
     load_s = time.perf_counter() - t
-    prompt, long_prompt = list(range(100, 116)), list(range(100, 100 + args.prompt_tokens))
+    prompt, long_prompt = DECODE_PROMPT, list(range(100, 100 + args.prompt_tokens))
     step_s = _llama_decode_after(llm, prompt, args.tokens, args.repeats)
     prefill = []
     for _ in range(args.repeats):
