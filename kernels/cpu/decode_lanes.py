@@ -372,7 +372,7 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
                                        inbounds=True), align=4) for j in range(8)]
         xd = lane_floats(8, b)
         xsum = lane_floats(9, b) if source.has_min else None
-        sums = lane_ints(10, b)
+        sums = lane_ints(10, b) if _SIGNED else None  # the quant sums: only AVX2's lanes have them
         source.prepare(b)
         totals = None if _SIGNED else _vnni_blocks(builder, source, R, b, xv)
         for r in range(R):
@@ -428,8 +428,9 @@ def _vnni_blocks(builder, source, R, b, xv):
     8 tokens: each weight quad broadcast to every lane (folded into vpdpbusd as its signed operand,
     from memory) against the tokens' quad j plus 128 (xv[j], the unsigned operand), in two chains a
     row, the first starting from the block's -128 x the quants' sum (source.correction, broadcast by
-    a load where a zeroed register and an add were), which takes off what the + 128 added. Quad j of every row before quad j + 1 of any: the rows' chains are independent, and
-    written row after row they held the vpdpbusd in the scheduler behind each other."""
+    a load where a zeroed register and an add were), which takes off what the + 128 added. Quad j of
+    every row before quad j + 1 of any: the rows' chains are independent, and written row after row
+    they held the vpdpbusd in the scheduler behind each other."""
     zero = ir.Constant(_VI32, [0] * LANES)
     sums = [[_splat(builder, source.correction(r), _VI32)] + [zero] * (_CHAINS - 1) for r in range(R)]
     for j in range(8):

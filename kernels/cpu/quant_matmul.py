@@ -14,10 +14,10 @@ Why the kernels look the way they do (each point measured on the 2-core Zen 4 VM
   kernels were bound by bit unpacking, not memory; level on Q8_0, which streams at memory speed
   either way. It is llama.cpp's numerics: the product is with x_hat, x after the q8_0 round trip.
 - From decode_lanes.MIN_TOKENS decode rows on, weights of the 32-value types meet them in token lanes
-  (decode_lanes.py: one row's 8 tokens a 256-bit vector, each weight quad broadcast into
-  vpdpbusd from memory with AVX-512 VNNI, in llama.cpp's signed pairs with AVX2; no horizontal sums), bit for bit the tiles' results: the activations' room holds the
-  tokens in lanes too, filled as each token is quantized; a short last vector's tokens stay with the
-  tiles.
+  (decode_lanes.py: one row's 8 tokens a 256-bit vector, each weight quad broadcast into vpdpbusd
+  from memory with AVX-512 VNNI, in llama.cpp's signed pairs with AVX2; no horizontal sums), bit for
+  bit the tiles' results: the activations' room holds the tokens in lanes too, filled as each token
+  is quantized; a short last vector's tokens stay with the tiles.
 - The F16/BF16 row dot is one reduction that LLVM vectorizes into register accumulators; numba
   rewrites every a[k] as a[k + n if k < 0 else k], and where LLVM cannot prove k >= 0 that select
   turns consecutive loads into gathers (10x slower), so hot loads use ld/ld1, which skip it.
