@@ -58,6 +58,55 @@ def test_quantizer_is_ggmls_q8_0(x: np.ndarray) -> None:
     np.testing.assert_array_equal(xs[finite], expected[finite].astype(np.float32))
 
 
+def extreme_vectors(count: int) -> list[np.ndarray]:
+    """Vectors whose 32-value blocks span float32's exponents (denormal scales whose 1/d overflows,
+    scales past f16's range), with zeros, infinities and values on halves of their steps: the
+    quantizer's vector steps and its scalar fallback must give convert.py's bits on all of them."""
+    rng = np.random.default_rng(5)
+    vectors = []
+    for _ in range(count):
+        n = 256 * int(rng.integers(1, 5))
+        x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-44, 38, size=n // 32).repeat(32)).astype(np.float32)
+        pick = rng.random(n)
+        x[pick < 0.01] = np.inf
+        x[(pick >= 0.01) & (pick < 0.02)] = -np.inf
+        x[(pick >= 0.02) & (pick < 0.08)] = 0
+        halves = (pick >= 0.08) & (pick < 0.14)
+        x[halves] = np.round(x[halves]) + np.float32(0.5)
+        vectors.append(x)
+    return vectors
+
+
+def test_quantizers_match_the_references_on_extreme_scales() -> None:
+    for x in extreme_vectors(120):
+        with np.errstate(all="ignore"):
+            xq, xd, xs = quantized(x)
+            scales, quants = quantize_q8_0_split(x)
+            np.testing.assert_array_equal(xq, quants)
+            np.testing.assert_array_equal(xd, f16_bits_to_f32(scales))
+            np.testing.assert_array_equal(xs, (xd * quants.reshape(-1, 32).astype(np.int64).sum(axis=1)).astype(np.float32))
+            kq, kd, ks = np.empty(x.size, np.int8), np.empty(x.size // 256, np.float32), np.empty(x.size // 32, np.float32)
+            int8_dots.quantize_activation_k(x, kq, kd, ks)
+            scales, quants = quantize_q8_k_split(x)
+            np.testing.assert_array_equal(kq, quants)
+            np.testing.assert_array_equal(kd, scales)
+            np.testing.assert_array_equal(
+                ks, (np.repeat(scales, 8) * quants.reshape(-1, 32).astype(np.int64).sum(axis=1)).astype(np.float32))
+
+
+@pytest.mark.parametrize("k_quants", [False, True], ids=["q8_0", "q8_K"])
+def test_quad_offsets_are_the_quads_and_sixteens_sums(k_quants: bool) -> None:
+    xq = np.random.default_rng(6).integers(-128, 128, 2048).astype(np.int8)
+    xq[:64] = -128  # the extreme sums: 16 x -128 = -2048 fits the int16 halves
+    xc = np.empty(int8_dots.offsets_width(xq.size, k_quants), np.int32)
+    offset = int8_dots.Q6_K_OFFSET if k_quants else int8_dots.Q8_0_OFFSET
+    int8_dots.quad_offsets(xq, xc, offset)
+    np.testing.assert_array_equal(xc[:512], -offset * xq.reshape(-1, 4).astype(np.int64).sum(axis=1))
+    if k_quants:
+        sixteens = xq.reshape(-1, 2, 16).astype(np.int64).sum(axis=2)
+        np.testing.assert_array_equal(xc[512:].view(np.int16).reshape(-1, 2), sixteens)
+
+
 ONE_BY_ONE = int8_dots.TILE_SIZES.index(1)  # one row, one token
 TYPES = sorted(INT8_TYPES)
 Q8_0_ACTIVATIONS = [t for t in TYPES if t.name.endswith(("_0", "_1", "NL"))]  # 32-value blocks

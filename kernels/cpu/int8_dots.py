@@ -142,38 +142,145 @@ def quad_offsets(xq, xc, offset):
     (offsets_width for q8_K activations), its n/32 words after the quads hold the sums of each 16
     consecutive quants as int16 pairs, little-endian (|sum| <= 2032): Q6_K's and Q3_K's tiles take
     their stored offset off once per super-block with them (_sixteen_offsets), not once per chunk."""
-    quads = xq.shape[0] // 4
-    for j in range(quads):
-        xc[j] = -offset * (np.int32(xq[4 * j]) + np.int32(xq[4 * j + 1]) + np.int32(xq[4 * j + 2])
-                           + np.int32(xq[4 * j + 3]))
-    if xc.shape[0] > quads:
-        for j in range(xq.shape[0] // 32):
-            pair = 0
-            for half in range(2):
-                total = np.int32(0)
-                for i in range(32 * j + 16 * half, 32 * j + 16 * half + 16):
-                    total += np.int32(xq[i])
-                pair |= (np.int32(total) & np.int32(0xFFFF)) << np.int32(16 * half)
-            xc[quads + j] = np.int32(pair)
+    chunks = xq.shape[0] // QK
+    sixteens = xq.shape[0] // 4 if xc.shape[0] > xq.shape[0] // 4 else -1
+    for c in range(chunks):
+        _chunk_offsets(xq, xc, c, offset, sixteens)
 
 
 @njit(inline="always", cache=True, nogil=True)
 def _quantize_blocks(x, xq, xd, xs, block, f16_scale):
+    """Each block in vector lanes (_abs_max, _quantize_chunk), but a block holding a value that is
+    not finite takes the scalar loop (_quantize_block_scalar), whose max and isfinite define it."""
     for b in range(x.shape[0] // block):
         amax = np.float32(0)
-        for j in range(block):
-            amax = max(amax, abs(x[block * b + j]))
+        for s in range(block // QK):
+            amax = max(amax, _abs_max(x, block * b + QK * s))
+        if amax == np.inf:
+            _quantize_block_scalar(x, xq, xd, xs, block, f16_scale, b)
+            continue
         d = amax / np.float32(127)
         inv = np.float32(0) if d == 0 else np.float32(1) / d
         xd[b] = _round_f16(d) if f16_scale else d
         for s in range(block // QK):
-            total = 0
-            for j in range(block * b + QK * s, block * b + QK * s + QK):
-                v = x[j] * inv
-                q = int(_round_half_away(v)) if np.isfinite(v) else 0
-                xq[j] = q
-                total += q
-            xs[b * (block // QK) + s] = xd[b] * np.float32(total)
+            xs[b * (block // QK) + s] = xd[b] * np.float32(_quantize_chunk(x, xq, block * b + QK * s, inv))
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _quantize_block_scalar(x, xq, xd, xs, block, f16_scale, b):
+    amax = np.float32(0)
+    for j in range(block):
+        amax = max(amax, abs(x[block * b + j]))
+    d = amax / np.float32(127)
+    inv = np.float32(0) if d == 0 else np.float32(1) / d
+    xd[b] = _round_f16(d) if f16_scale else d
+    for s in range(block // QK):
+        total = 0
+        for j in range(block * b + QK * s, block * b + QK * s + QK):
+            v = x[j] * inv
+            q = int(_round_half_away(v)) if np.isfinite(v) else 0
+            xq[j] = q
+            total += q
+        xs[b * (block // QK) + s] = xd[b] * np.float32(total)
+
+
+# The quantizer's vector steps, 32 values at a time. Scalar, numba's loops did not vectorize (a
+# branch-free rewrite neither): 2.15 us per 2048 values (q8_0) on the Zen 4 VM.
+_V32F = ir.VectorType(_F32, 32)
+_INF = float("inf")
+
+
+def _element_ptr(context, builder, ty, array, index, elem):
+    """A pointer (to `elem`) at element `index` of a 1-D contiguous array."""
+    data = context.make_array(ty)(context, builder, array).data
+    return builder.bitcast(builder.gep(data, [_i64(builder, index)], inbounds=True), elem.as_pointer())
+
+
+def _reduce(builder, v, op):
+    """v's lanes combined pairwise by op (a builder method, or a function of it), halves first."""
+    n = v.type.count
+    while n > 1:
+        v = op(_pick(builder, v, range(n // 2)), _pick(builder, v, range(n // 2, n)))
+        n //= 2
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+@intrinsic
+def _abs_max(typingctx, x, at):
+    """max |x[at..at+31]| of a float32 array, or inf if one of them is inf or NaN. Over finite
+    values a max is the same in any order, so the lanes' tree gives the scalar loop's value."""
+    if x != types.Array(types.float32, 1, "C") or not isinstance(at, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], _V32F), align=4)
+        a = _call(builder, "llvm.fabs.v32f32", _V32F, v)
+        odd = builder.fcmp_unordered(">=", a, ir.Constant(_V32F, [_INF] * 32))  # inf, or NaN
+        any_odd = builder.icmp_unsigned("!=", builder.bitcast(odd, _I32), ir.Constant(_I32, 0))
+
+        def larger(p, q):
+            return builder.select(builder.fcmp_ordered(">", p, q), p, q)
+
+        return builder.select(any_odd, ir.Constant(_F32, _INF), _reduce(builder, a, larger))
+
+    return types.float32(x, at), codegen
+
+
+@intrinsic
+def _quantize_chunk(typingctx, x, xq, at, inv):
+    """xq[at..at+31] = roundf(x * inv) (0 where x * inv is not finite) -> the sum of those 32 quants,
+    the scalar loop's operations lane by lane (llvm.round is roundf: halves away from zero). A lane
+    that is not finite converts to poison, which the select drops."""
+    if (x != types.Array(types.float32, 1, "C") or xq != types.Array(types.int8, 1, "C")
+            or not isinstance(at, types.Integer) or inv != types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[2], _V32F), align=4)
+        p = builder.fmul(v, _splat(builder, args[3], 32))
+        finite = builder.fcmp_ordered("<", _call(builder, "llvm.fabs.v32f32", _V32F, p),
+                                      ir.Constant(_V32F, [_INF] * 32))
+        v32i32 = ir.VectorType(_I32, 32)
+        q = builder.fptosi(_call(builder, "llvm.round.v32f32", _V32F, p), v32i32)
+        q = builder.select(finite, q, ir.Constant(v32i32, [0] * 32))
+        builder.store(builder.trunc(q, _V32I8), _element_ptr(context, builder, sig.args[1], args[1], args[2], _V32I8),
+                      align=1)
+        return _reduce(builder, q, builder.add)
+
+    return types.int32(x, xq, at, inv), codegen
+
+
+@intrinsic
+def _chunk_offsets(typingctx, xq, xc, c, offset, sixteens):
+    """quad_offsets for chunk c (values 32c..32c+31): xc[8c..8c+7] = -offset * each quad's sum and,
+    if sixteens >= 0, xc[sixteens + c] = the chunk's two 16-value sums as int16 pair. The quad sums
+    are _u8_s8_quads of ones and the quants (exact on every instruction path)."""
+    if (xq != types.Array(types.int8, 1, "C") or xc != types.Array(types.int32, 1, "C")
+            or not all(isinstance(a, types.Integer) for a in (c, offset, sixteens))):
+        return None
+
+    def codegen(context, builder, sig, args):
+        c = _i64(builder, args[2])
+        q = builder.load(_element_ptr(context, builder, sig.args[0], args[0], builder.mul(c, ir.Constant(_I64, QK)),
+                                      _V32I8), align=1)
+        quads = _u8_s8_quads(builder, _splat_i8(1), q)
+        v8i32 = ir.VectorType(_I32, 8)
+        scale = builder.trunc(builder.neg(_i64(builder, args[3])), _I32)
+        scaled = builder.mul(quads, builder.shuffle_vector(
+            builder.insert_element(ir.Constant(v8i32, None), scale, ir.Constant(_I32, 0)), ir.Constant(v8i32, None),
+            ir.Constant(v8i32, [0] * 8)))
+        builder.store(scaled, _element_ptr(context, builder, sig.args[1], args[1], builder.mul(c, ir.Constant(_I64, 8)),
+                                           v8i32), align=4)
+        sixteens = _i64(builder, args[4])
+        with builder.if_then(builder.icmp_signed(">=", sixteens, ir.Constant(_I64, 0))):
+            halves = [_reduce(builder, _pick(builder, quads, range(h * 4, h * 4 + 4)), builder.add) for h in (0, 1)]
+            pair = builder.or_(builder.and_(halves[0], ir.Constant(_I32, 0xFFFF)),
+                               builder.shl(halves[1], ir.Constant(_I32, 16)))
+            builder.store(pair, _element_ptr(context, builder, sig.args[1], args[1], builder.add(sixteens, c), _I32),
+                          align=4)
+        return context.get_dummy_value()
+
+    return types.none(xq, xc, c, offset, sixteens), codegen
 
 
 # --------------------------------------------------------------------------------------------------
