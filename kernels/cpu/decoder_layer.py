@@ -376,10 +376,14 @@ def _group_rows(tt, w, group, room, out):
 
 @njit(inline="always", cache=True, nogil=True)
 def _add_rows(a, b, group, out):
-    """out = a + b on row group `group`'s columns (a residual added where its rows were computed)."""
+    """out = a + b on row group `group`'s columns (a residual added where its rows were computed). The
+    columns are indexed unsigned: with a signed index numba selects index + length for a negative
+    one, and LLVM made the loop gathers and scatters (1-2% of an 8-stream step of the 100M Q8_0
+    model; 8 x 2048 values 15.7 -> 8.9 us, one thread)."""
     for t in range(out.shape[0]):
         for r in range(group * _MATVEC_ROWS, min(out.shape[1], (group + 1) * _MATVEC_ROWS)):
-            out[t, r] = a[t, r] + b[t, r]
+            i = np.uint64(r)
+            out[t, i] = a[t, i] + b[t, i]
 
 
 @njit(cache=True, nogil=True)

@@ -1,7 +1,7 @@
 """Bit-level reads of quantized blocks that numba lacks: IEEE half and bfloat16 bits to float32, a
 quant's bit fields and the Q4_K/Q5_K header in 32-bit IR, array loads without numba's negative-index
-wraparound, and the small field readers the row kernels share (quant_matmul.py's float rows,
-int8_prompt.py's integer rows).
+wraparound, a float division without Python's zero check, and the small field readers the row
+kernels share (quant_matmul.py's float rows, int8_prompt.py's integer rows).
 
 numba widens small-int arithmetic to int64, which LLVM then vectorizes in 64-bit lanes (4x fewer per
 instruction, plus conversions), so the fields are extracted by intrinsics written as 32-bit IR.
@@ -136,6 +136,19 @@ def ld1(typingctx, arr, j):
     if not (isinstance(arr, types.Array) and arr.ndim == 1):
         return None
     return arr.dtype(arr, j), _load_codegen
+
+
+@intrinsic
+def ieee_div(typingctx, a, b):
+    """float32 a / b, IEEE's (b = 0 gives an infinity or NaN): numba's `/` checks b for zero to raise
+    ZeroDivisionError, a branch per element that kept LLVM from vectorizing a loop around it."""
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fdiv(args[0], args[1])
+
+    return types.float32(a, b), codegen
 
 
 def _load_codegen(context, builder, sig, args):
