@@ -44,19 +44,26 @@ def dump(map_path: Path, name: str) -> None:
         address, size, symbol = line.split(" ", 2)
         if name in symbol and not symbol.startswith("__gufunc") and "NumbaEnv" not in symbol:
             start, size = int(address, 16), int(size, 16)
-            fd = os.open("/proc/self/mem", os.O_RDONLY)
-            data = b""
-            try:
-                while len(data) < size:
-                    data += os.pread(fd, min(4096, size - len(data)), start + len(data))
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+            data = _readable(start, size)
             Path(f"{name}.bin").write_bytes(data)
             print(f"{name}.bin: {len(data)} bytes of {symbol[:80]}... at {start:#x}")
             return
     print(f"no symbol holds {name!r}")
+
+
+def _readable(start: int, size: int) -> bytes:
+    """This process's bytes from `start`, up to `size` or the first page that is not mapped."""
+    chunks = []
+    fd = os.open("/proc/self/mem", os.O_RDONLY)
+    try:
+        for offset in range(0, size, 4096):
+            try:
+                chunks.append(os.pread(fd, min(4096, size - offset), start + offset))
+            except OSError:  # past the code's last mapped page
+                break
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
 
 
 def main() -> None:
