@@ -167,8 +167,9 @@ def _put_quads(typingctx, xq, quads, lane):
         return None
 
     def codegen(context, builder, sig, args):
-        src = builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data, _VI32.as_pointer())
-        xq_len = builder.extract_value(context.make_array(sig.args[0])(context, builder, args[0]).shape, 0)
+        xq = context.make_array(sig.args[0])(context, builder, args[0])
+        src = builder.bitcast(xq.data, _VI32.as_pointer())
+        xq_len = builder.extract_value(xq.shape, 0)
         dst = builder.bitcast(context.make_array(sig.args[1])(context, builder, args[1]).data, _I32.as_pointer())
         lane = _i64(builder, args[2])
         flip = ir.Constant(_VI32, [int(_X_FLIP)] * LANES)

@@ -150,15 +150,15 @@ def quad_offsets(xq, xc, offset):
 
 @njit(inline="always", cache=True, nogil=True)
 def _quantize_blocks(x, xq, xd, xs, block, f16_scale):
-    """Each block in vector lanes (_abs_max, _quantize_chunk), but a block holding a value that is
-    not finite takes the scalar loop (_quantize_block_scalar), whose max and isfinite define it."""
+    """Each block in vector lanes (_abs_max, _quantize_chunk). A block holding an inf or a NaN takes
+    its max from the scalar loop (_abs_max_scalar), whose max defines it (a NaN is passed over); the
+    chunks then zero what is not finite lane by lane, as the scalar loop did."""
     for b in range(x.shape[0] // block):
         amax = np.float32(0)
         for s in range(block // QK):
             amax = max(amax, _abs_max(x, block * b + QK * s))
         if amax == np.inf:
-            _quantize_block_scalar(x, xq, xd, xs, block, f16_scale, b)
-            continue
+            amax = _abs_max_scalar(x, block * b, block)
         d = amax / np.float32(127)
         inv = np.float32(0) if d == 0 else np.float32(1) / d
         xd[b] = _round_f16(d) if f16_scale else d
@@ -167,21 +167,11 @@ def _quantize_blocks(x, xq, xd, xs, block, f16_scale):
 
 
 @njit(inline="always", cache=True, nogil=True)
-def _quantize_block_scalar(x, xq, xd, xs, block, f16_scale, b):
+def _abs_max_scalar(x, first, count):
     amax = np.float32(0)
-    for j in range(block):
-        amax = max(amax, abs(x[block * b + j]))
-    d = amax / np.float32(127)
-    inv = np.float32(0) if d == 0 else np.float32(1) / d
-    xd[b] = _round_f16(d) if f16_scale else d
-    for s in range(block // QK):
-        total = 0
-        for j in range(block * b + QK * s, block * b + QK * s + QK):
-            v = x[j] * inv
-            q = int(_round_half_away(v)) if np.isfinite(v) else 0
-            xq[j] = q
-            total += q
-        xs[b * (block // QK) + s] = xd[b] * np.float32(total)
+    for j in range(first, first + count):
+        amax = max(amax, abs(x[j]))
+    return amax
 
 
 # The quantizer's vector steps, 32 values at a time. Scalar, numba's loops did not vectorize (a
@@ -399,11 +389,7 @@ def _tree_sum(builder, terms):
 
 
 def _hsum(builder, v):
-    n = v.type.count
-    while n > 1:
-        v = builder.fadd(_pick(builder, v, range(n // 2)), _pick(builder, v, range(n // 2, n)))
-        n //= 2
-    return builder.extract_element(v, ir.Constant(_I32, 0))
+    return _reduce(builder, v, builder.fadd)
 
 
 def _k4_levels(builder, header):
