@@ -32,7 +32,11 @@ Why it reads the way it does:
   (q xor 0x80 a quad, or stored xor-ed and loaded back) cost more than the block sums do. Before the
   halves, 15 tokens of one row and a zero token in lane 15 of a 512-bit vector left half the lanes
   empty at 8 tokens.
-- Q8_0 blocks are read in place, the weight streaming from DRAM while the products run. The other
+- Q8_0 blocks are read in place, the weight streaming from DRAM while the products run. A tile's 4
+  rows are the quarters of the row group rows() is given (rows r, r + q, r + 2q, r + 3q), not 4
+  adjacent rows: 4 adjacent rows' blocks, taken in turn, are 4 streams 816 bytes apart (768 columns)
+  that the hardware prefetcher did not follow (the access pattern alone, no products: 9.7 GB/s on one
+  thread against 31-35 GB/s read in order; quarters of 32 rows 15.5, of 256 rows 27.7). The other
   types are unpacked (by the decode tiles' own block readers) a tile's rows at a time: unpacking a
   group of 32 rows first and multiplying after stopped the stream for the products, and a 32000-row
   head ran at half the decode tile's bandwidth.
@@ -72,10 +76,13 @@ _BLOCK = 32
 _UNIT = 4  # blocks per unit of the decode tiles (int8_dots._Q8_0_LANES): the 4 float accumulators
 _TILE_ROWS = 4  # rows per tile: 4 accumulators a row, 8 activation vectors
 _TILE_ROWS_MIN = 2  # with mins: 4 more accumulators a row
-# Rows ahead that a tile prefetches: its 4 rows' blocks interleaved are 4 streams for the hardware
-# prefetcher, and without a hint the products waited on DRAM (8 streams of the 100M Q8_0 file:
-# 957-1072 tok/s; 8 rows ahead 1150-1400, 16 rows 1234-1357, alternated in one run)
-_PREFETCH_ROWS = 16
+# Rows ahead that a tile prefetches: one row group on (quant_matmul._MATVEC_ROWS, 32: rows() takes a
+# group's quarters, and a thread's next group is the next 32 rows, team.claim's contiguous shares),
+# the same quarter's row there. Its 4 rows' blocks interleaved are 4 streams for the hardware
+# prefetcher, and without a hint the products waited on DRAM. 65536 x 768 Q8_0 (53 MB), 8 tokens, one
+# thread, alternated in one process: adjacent rows 16 ahead 6.4 ms; quarters of 32-row groups 16 ahead
+# 4.9-5.0, 32 ahead 4.0 (13.3 GB/s; from L3 the same rows take ~3.7); 24576 x 2048: 4.3, 4.2-4.3, 3.7.
+_PREFETCH_ROWS = 32
 _CHAINS = 2  # independent integer sums a row and block (one chain of 8 vpdpbusd: 10-15% slower)
 # per value of a row: LANES quants, per 32 values LANES x (scale, block sum, an int32 of the block's
 # quants' sum: with AVX2 the offset's share of a weight stored with an offset) x 4 bytes
@@ -257,36 +264,33 @@ def _prefetch(builder, at, stride):
 
 
 class _Rows:
-    """A tile's R rows of a weight. With VNNI, prepare() puts each block's -128 x its quants' sum into
-    a scratch (the correction: the tokens' quants are stored plus 128) just before the block is
-    multiplied."""
+    """A tile's R rows of a weight. With VNNI, prepare() computes each block's -128 x its quants' sum
+    (the correction: the tokens' quants are stored plus 128) just before the block is multiplied."""
 
     has_min = False
 
     def __init__(self, builder, R):
         self.builder, self.R = builder, R
-        self.corrections = builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_I32, 4)), _I32.as_pointer())
+        self.corrections = None
 
     def prepare(self, b):
-        """With VNNI, the corrections of block b of every row into the scratch: one vpdpbusd of the
-        block's quants by 128 each, and a tree of vphaddd for the rows together (_lane_totals); then
-        an empty asm that may read and write the scratch, so that LLVM loads them back a row at a time
-        (a vpaddd with a {1to8} memory operand) rather than taking them from the vector in shuffles.
-        A unit's 16 blocks at once held more vectors than the 32 registers (the accumulators were
-        spilled) and ran no faster."""
+        """With VNNI, the corrections of block b of every row: one vpdpbusd of the block's quants by 128
+        each, and a tree of vphaddd for the rows together (_lane_totals), kept in a register; each row's
+        is broadcast from it where its chains are added (_vnni_blocks). Stored to a scratch behind an
+        empty asm instead, and loaded back a row at a time as the first chain's start, the tile ran 16%
+        slower (2048 x 768 Q8_0, 8 tokens, one thread, alternated in one process: 134-137 us against
+        112-114; the chains then waited on the sums' vphaddd, a store and its reload)."""
         if _SIGNED:
             return
         builder = self.builder
         flip = builder.bitcast(_splat(builder, ir.Constant(_I32, -0x7F7F7F80), _VI32), _VI8)  # 128 in each byte
         sums = [int8_dots._u8_s8_quads(builder, flip, builder.bitcast(self.quads(i, b), _VI8)) for i in range(self.R)]
         totals = _lane_totals(builder, sums)
-        builder.store(builder.sub(ir.Constant(totals.type, [0] * totals.type.count), totals),
-                      builder.bitcast(self.corrections, totals.type.as_pointer()), align=4)
-        builder.asm(ir.FunctionType(ir.VoidType(), [self.corrections.type]), "", "r,~{memory}", [self.corrections], True)
+        self.corrections = builder.sub(ir.Constant(totals.type, [0] * totals.type.count), totals)
 
     def correction(self, i):
         """-128 x the quants' sum of the prepared block of row i."""
-        return self.builder.load(self.builder.gep(self.corrections, [ir.Constant(_I64, i)], inbounds=True), align=4)
+        return self.builder.extract_element(self.corrections, ir.Constant(_I32, i))
 
 
 class _InPlace(_Rows):
@@ -297,10 +301,11 @@ class _InPlace(_Rows):
     def __init__(self, builder, context, sig, args, R):
         super().__init__(builder, R)
         w = context.make_array(sig.args[0])(context, builder, args[0])
-        r = _i64(builder, args[1])
+        r, step = _i64(builder, args[1]), _i64(builder, args[2])
         self.stride = builder.extract_value(w.strides, 0)
         base = builder.bitcast(w.data, _I8.as_pointer())
-        self.rows = [_at(builder, base, builder.mul(builder.add(r, ir.Constant(_I64, i)), self.stride)) for i in range(R)]
+        self.rows = [_at(builder, base, builder.mul(builder.add(r, builder.mul(step, ir.Constant(_I64, i))), self.stride))
+                     for i in range(R)]
 
     def _block(self, i, b):
         return _at(self.builder, self.rows[i], self.builder.mul(b, ir.Constant(_I64, 34)))
@@ -377,8 +382,8 @@ def _lane_totals(builder, vectors):
 # --------------------------------------------------------------------------------------------------
 # the tile: R rows x one vector of 8 tokens, in IR
 # --------------------------------------------------------------------------------------------------
-def _emit_tile(builder, source, R, lanes, v, n, out, r0):
-    """out[t, r0 + i] for i < R and the tokens t < n of vector v of `lanes`: the rows of `source`
+def _emit_tile(builder, source, R, lanes, v, n, out, r0, step):
+    """out[t, r0 + i step] for i < R and the tokens t < n of vector v of `lanes`: the rows of `source`
     (_InPlace or _Unpacked) against them, block by block in the decode tile's float order."""
     vec = _at(builder, builder.bitcast(lanes.data, _I8.as_pointer()), builder.mul(v, builder.extract_value(lanes.strides, 0)))
     cols = builder.udiv(builder.extract_value(lanes.shape, 1), ir.Constant(_I64, _LANE_BYTES))
@@ -434,19 +439,30 @@ def _emit_tile(builder, source, R, lanes, v, n, out, r0):
     out_stride = builder.extract_value(out.strides, 0)
     results = [builder.fsub(hsum(accs[r]), hsum(mins[r])) for r in range(R)]
 
-    def at(t, r):  # &out[t0 + t, r0 + r]
+    def at(t, r):  # &out[t0 + t, r0 + r step]
+        column = builder.add(r0, builder.mul(step, ir.Constant(_I64, r)))
         return _at(builder, out_base, builder.add(builder.mul(builder.add(t0, t), out_stride),
-                                                  builder.mul(builder.add(r0, ir.Constant(_I64, r)), ir.Constant(_I64, 4))))
+                                                  builder.mul(column, ir.Constant(_I64, 4))))
 
     full = builder.icmp_signed("==", count, ir.Constant(_I64, TOKENS))
-    with builder.if_else(builder.and_(full, ir.Constant(ir.IntType(1), R == _TILE_ROWS))) as (whole, part):
-        with whole:  # the 4 rows' results of each token together: 8 stores of 16 bytes
-            for t in range(TOKENS):
-                four = _splat(builder, builder.extract_element(results[0], ir.Constant(_I32, t)), ir.VectorType(_F32, 4))
-                for r in range(1, R):
-                    four = builder.insert_element(four, builder.extract_element(results[r], ir.Constant(_I32, t)),
-                                                  ir.Constant(_I32, r))
-                builder.store(four, builder.bitcast(at(ir.Constant(_I64, t), 0), four.type.as_pointer()), align=4)
+    adjacent = builder.icmp_signed("==", step, ir.Constant(_I64, 1))
+    with builder.if_else(full) as (whole, part):
+        with whole:
+            with builder.if_else(builder.and_(adjacent, ir.Constant(ir.IntType(1), R == _TILE_ROWS))) as (together,
+                                                                                                          apart):
+                with together:  # the 4 rows' results of each token together: 8 stores of 16 bytes
+                    for t in range(TOKENS):
+                        four = _splat(builder, builder.extract_element(results[0], ir.Constant(_I32, t)),
+                                      ir.VectorType(_F32, 4))
+                        for r in range(1, R):
+                            four = builder.insert_element(four, builder.extract_element(results[r], ir.Constant(_I32, t)),
+                                                          ir.Constant(_I32, r))
+                        builder.store(four, builder.bitcast(at(ir.Constant(_I64, t), 0), four.type.as_pointer()), align=4)
+                with apart:  # quarters' rows (or one row): each result on its own
+                    for r in range(R):
+                        for t in range(TOKENS):
+                            builder.store(builder.extract_element(results[r], ir.Constant(_I32, t)),
+                                          builder.bitcast(at(ir.Constant(_I64, t), r), _F32.as_pointer()))
         with part:
             for r in range(R):
                 with cgutils.for_range(builder, count) as loop:
@@ -458,18 +474,19 @@ def _vnni_blocks(builder, source, R, b, xv):
     """[<8 x i32>] * R: with VNNI (or portably), block b's exact integer dots of rows 0..R-1 with the
     8 tokens: each weight quad broadcast to every lane (folded into vpdpbusd as its signed operand,
     from memory) against the tokens' quad j plus 128 (xv[j], the unsigned operand), in two chains a
-    row, the first starting from the block's -128 x the quants' sum (source.correction, broadcast by
-    a load where a zeroed register and an add were), which takes off what the + 128 added. Quad j of
-    every row before quad j + 1 of any: the rows' chains are independent, and written row after row
-    they held the vpdpbusd in the scheduler behind each other."""
+    row, then the block's -128 x the quants' sum (source.correction, broadcast), which takes off what
+    the + 128 added: after the chains, not as a chain's start, so that they do not wait on the sums
+    (the same integers). Quad j of every row before quad j + 1 of any: the rows' chains are
+    independent, and written row after row they held the vpdpbusd in the scheduler behind each other."""
     zero = ir.Constant(_VI32, [0] * LANES)
-    sums = [[_splat(builder, source.correction(r), _VI32)] + [zero] * (_CHAINS - 1) for r in range(R)]
+    sums = [[zero] * _CHAINS for _ in range(R)]
     for j in range(8):
         x = builder.bitcast(xv[j], _VI8)
         for r in range(R):
             quad = builder.bitcast(_splat(builder, source.word(r, b, j), _VI32), _VI8)
             sums[r][j % _CHAINS] = int8_dots._u8_s8_quads(builder, x, quad, sums[r][j % _CHAINS])
-    return [_tree_add(builder, chains) for chains in sums]
+    return [builder.add(_tree_add(builder, chains), _splat(builder, source.correction(r), _VI32))
+            for r, chains in enumerate(sums)]
 
 
 def _signed_block(builder, source, r, b, xv, sums):
@@ -524,20 +541,20 @@ def _is_lanes(lanes, out, *ints):
 
 
 def _in_place_tile(R):
-    """An intrinsic (u8, r, lanes, v, n, out) -> 0: Q8_0 rows r..r+R-1 of u8 [rows, row_bytes] times
-    the tokens of vector v of `lanes`, into out[t, r + i] for t < n."""
+    """An intrinsic (u8, r, step, lanes, v, n, out) -> 0: Q8_0 rows r, r + step, .. r + (R - 1) step of
+    u8 [rows, row_bytes] times the tokens of vector v of `lanes`, into out[t, r + i step] for t < n."""
 
     def codegen(context, builder, sig, args):
-        lanes, out = (context.make_array(sig.args[k])(context, builder, args[k]) for k in (2, 5))
-        _emit_tile(builder, _InPlace(builder, context, sig, args, R), R, lanes, _i64(builder, args[3]),
-                   _i64(builder, args[4]), out, _i64(builder, args[1]))
+        lanes, out = (context.make_array(sig.args[k])(context, builder, args[k]) for k in (3, 6))
+        _emit_tile(builder, _InPlace(builder, context, sig, args, R), R, lanes, _i64(builder, args[4]),
+                   _i64(builder, args[5]), out, _i64(builder, args[1]), _i64(builder, args[2]))
         return context.get_constant(types.int64, 0)
 
-    def typer(typingctx, u8, r, lanes, v, n, out):
+    def typer(typingctx, u8, r, step, lanes, v, n, out):
         if not (isinstance(u8, types.Array) and u8.ndim == 2 and u8.dtype == types.uint8 and u8.layout == "C"
-                and _is_lanes(lanes, out, r, v, n)):
+                and _is_lanes(lanes, out, r, step, v, n)):
             return None
-        return types.int64(u8, r, lanes, v, n, out), codegen
+        return types.int64(u8, r, step, lanes, v, n, out), codegen
 
     typer.__name__ = f"decode_lanes_q8_0_{R}"
     return intrinsic(typer)
@@ -551,7 +568,7 @@ def _unpacked_tile(R, has_min, offset=SIGNED):
     def codegen(context, builder, sig, args):
         lanes, out = (context.make_array(sig.args[k])(context, builder, args[k]) for k in (4, 7))
         _emit_tile(builder, _Unpacked(builder, context, sig, args, R, has_min, offset), R, lanes,
-                   _i64(builder, args[5]), _i64(builder, args[6]), out, _i64(builder, args[8]))
+                   _i64(builder, args[5]), _i64(builder, args[6]), out, _i64(builder, args[8]), ir.Constant(_I64, 1))
         return context.get_constant(types.int64, 0)
 
     def typer(typingctx, ws, wa, wm, i, lanes, v, n, out, r0):
@@ -581,19 +598,18 @@ else:
 def rows(tt, u8, first, end, lanes, out):
     """out[t, r] = row r . x_hat[t] for rows first..end-1 of u8 (type code tt, one of LANE_TYPES) and
     the decode tokens in `lanes` (room, filled by put_token): what int8_dots' tiles give, bit for bit.
-    A tile's rows meet every vector of tokens while they are in L1."""
+    A tile's rows meet every vector of tokens while they are in L1; a Q8_0 tile's 4 rows are the
+    group's quarters (_PREFETCH_ROWS)."""
     n = out.shape[0]
     vectors = lanes.shape[0]
     if tt == _Q8_0:
-        r = first
-        while r + _TILE_ROWS <= end:
+        quarter = (end - first) // _TILE_ROWS
+        for k in range(quarter):
             for v in range(vectors):
-                _Q8_0_TILE(u8, r, lanes, v, n, out)
-            r += _TILE_ROWS
-        while r < end:
+                _Q8_0_TILE(u8, first + k, quarter, lanes, v, n, out)
+        for r in range(first + _TILE_ROWS * quarter, end):
             for v in range(vectors):
-                _Q8_0_TILE_1(u8, r, lanes, v, n, out)
-            r += 1
+                _Q8_0_TILE_1(u8, r, 1, lanes, v, n, out)
         return
     cols = lanes.shape[1] // _LANE_BYTES
     has_min = tt == _Q4_1 or tt == _Q5_1

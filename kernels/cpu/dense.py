@@ -10,6 +10,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from ember.kernels.cpu.quant_bits import ieee_div
 from ember.kernels.cpu.twin import JIT, Twin
 
 
@@ -173,9 +174,11 @@ def pow2(typingctx, k):  # type: ignore[no-untyped-def]
 @njit(inline="always", **JIT)
 def sigmoid(x):  # type: ignore[no-untyped-def]
     """1 / (1 + e^-x) in float32 from exp_nonpositive of -|x| (e^-x where x >= 0, else e^x / (1 + e^x)):
-    arithmetic and selects only, so its loops vectorize (libm's exp goes one value at a time)."""
+    arithmetic and selects only, so its loops vectorize (libm's exp goes one value at a time). IEEE's
+    division (1 + e >= 1, so the same quotient): numba's `/` checks for zero, a branch per value that
+    kept the loops around it scalar (8 x 2048 SwiGLU values, one thread: 88-116 -> 9-13 us)."""
     e = exp_nonpositive(-abs(x))
-    return (np.float32(1) if x >= np.float32(0) else e) / (np.float32(1) + e)
+    return ieee_div(np.float32(1) if x >= np.float32(0) else e, np.float32(1) + e)
 
 
 def _swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
