@@ -1,5 +1,6 @@
 """The Q8_0 decode-lanes tile's row order, measured: 4 adjacent rows per tile against the quarters of a
-row group (what decode_lanes.rows does), one thread, 8 tokens, weights from DRAM and from L3.
+row group (decode_lanes.rows itself, group by group as the drivers call it), one thread, 8 tokens,
+weights from DRAM and from L3.
 
 Four adjacent rows' 34-byte blocks, taken in turn, are 4 streams a row apart inside one 4 KB page,
 which the hardware prefetcher does not follow; the quarters of a 32-row group are 4 streams 8 rows
@@ -19,25 +20,25 @@ import numpy as np
 from numba import njit
 
 from ember.kernels.cpu import decode_lanes, int8_dots
+from ember.kernels.cpu.quant_matmul import _MATVEC_ROWS
+from ember.kernels.tensor_types import TensorType
 
-_GROUP = 32  # quant_matmul._MATVEC_ROWS: the row group decode_lanes.rows is given
+_Q8_0 = int(TensorType.Q8_0)
 _TILE = decode_lanes._in_place_tile(decode_lanes._TILE_ROWS)
 
 
 @njit(nogil=True)
 def _adjacent(u8, lanes, out, reps):
     for _ in range(reps):
-        for r in range(0, u8.shape[0], 4):
+        for r in range(0, u8.shape[0], decode_lanes._TILE_ROWS):
             _TILE(u8, r, 1, lanes, 0, 8, out)
 
 
 @njit(nogil=True)
-def _quarters(u8, lanes, out, reps):
+def _quarters(u8, lanes, out, reps):  # the drivers' row groups through decode_lanes.rows itself
     for _ in range(reps):
-        for first in range(0, u8.shape[0], _GROUP):
-            quarter = _GROUP // 4
-            for k in range(quarter):
-                _TILE(u8, first + k, quarter, lanes, 0, 8, out)
+        for first in range(0, u8.shape[0], _MATVEC_ROWS):
+            decode_lanes.rows(_Q8_0, u8, first, first + _MATVEC_ROWS, lanes, out)
 
 
 def _weight(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -70,7 +71,7 @@ def main() -> None:
     lanes = _lanes(args.cols, rng)
     row_bytes = args.cols // 32 * 34
     for where, megabytes in (("DRAM", 53), ("L3", 1.6)):
-        rows = int(megabytes * 1e6 / row_bytes) // _GROUP * _GROUP
+        rows = int(megabytes * 1e6 / row_bytes) // _MATVEC_ROWS * _MATVEC_ROWS
         u8 = _weight(rows, args.cols, rng)
         reps = max(1, int(40e6 / u8.nbytes))
         outs = {}
