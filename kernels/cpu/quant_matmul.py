@@ -309,12 +309,28 @@ def _rows_loop(tiles):
     *_TILES): per row, tiles of TILE_TOKENS tokens, then the 2 or 3 tokens left over in one tile; one
     token left over (the one token of plain decode) meets two rows per tile. Each type's loop is its
     own code, so the type is switched on once per call, not once per row: a per-row switch over twelve
-    types' tiles cost 1 us of a 4 us 256 x 256 Q8_0 matvec."""
+    types' tiles cost 1 us of a 4 us 256 x 256 Q8_0 matvec.
+
+    One token alone (plain decode) takes a loop of its own, the row pairs and nothing else: inside the
+    loop for any token count, LLVM kept the pair tile's constants on the stack and reloaded them every
+    pair, and the 4-token tiles' registers around it. A one-token Q4_K layer's row groups (12 layers'
+    q, k, o, gate and up, 31 MB, from DRAM, 2 threads) took 1.37 ms through it against 1.22 ms through
+    the loop of pairs alone (docs/runtime.md, 2026-12-03 evening); the same tiles, the same bits."""
     tile, tile_3, tile_2 = (tiles[TILE_SIZES.index(size)] for size in (TILE_TOKENS, 3, 2))
     tile_1, tile_pair = tiles[TILE_SIZES.index(1)], tiles[ROW_PAIR]
 
     @njit(inline="always", **_STRICT)
-    def loop(u8, first, end, xq, xd, xs, xc, out):
+    def one_token(u8, first, end, xq, xd, xs, xc, out):
+        r = first
+        while r + 2 <= end:
+            vp = tile_pair(u8, r, xq, xd, xs, xc, 0)
+            out[0, r], out[0, r + 1] = vp[0], vp[1]
+            r += 2
+        if r < end:
+            out[0, r] = tile_1(u8, r, xq, xd, xs, xc, 0)[0]
+
+    @njit(inline="always", **_STRICT)
+    def tokens(u8, first, end, xq, xd, xs, xc, out):
         n = xq.shape[0]
         whole = n - n % TILE_TOKENS
         rest = n - whole
@@ -342,6 +358,13 @@ def _rows_loop(tiles):
                 else:
                     out[whole, r] = tile_1(u8, r, xq, xd, xs, xc, whole)[0]
             r += 2 if pair else 1
+
+    @njit(inline="always", **_STRICT)
+    def loop(u8, first, end, xq, xd, xs, xc, out):
+        if xq.shape[0] == 1:
+            one_token(u8, first, end, xq, xd, xs, xc, out)
+        else:
+            tokens(u8, first, end, xq, xd, xs, xc, out)
 
     return loop
 
