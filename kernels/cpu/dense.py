@@ -181,10 +181,17 @@ def sigmoid(x):  # type: ignore[no-untyped-def]
     return ieee_div(np.float32(1) if x >= np.float32(0) else e, np.float32(1) + e)
 
 
+@njit(inline="always", **JIT)
+def silu_times(g, u):  # type: ignore[no-untyped-def]
+    """silu(g) * u, as every SwiGLU here computes it (dense's and the integer decode path's: the
+    same expression in one place, so their bits stay equal)."""
+    return g * sigmoid(g) * u
+
+
 def _swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
     g, u, o = gate.reshape(-1), up.reshape(-1), out.reshape(-1)
     for i in prange(g.size):
-        o[i] = g[i] * sigmoid(g[i]) * u[i]
+        o[i] = silu_times(g[i], u[i])
 
 
 _SWIGLU = Twin(_swiglu, fastmath=False)  # strict: a vector lane and the scalar tail round alike

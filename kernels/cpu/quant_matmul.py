@@ -576,7 +576,7 @@ def _silu_times(g, u, first, end, out):
     for t in range(out.shape[0]):
         for r in range(first, end):
             i = np.uint64(r)
-            out[t, i] = g[t, i] * dense.sigmoid(g[t, i]) * u[t, i]
+            out[t, i] = dense.silu_times(g[t, i], u[t, i])
 
 
 # Each integer kernel compiled serial and parallel (twin.py); below INT8_PARALLEL_MIN_WORK weight
