@@ -31,7 +31,7 @@ _LAYERS = 12
 _SCALES = {TensorType.Q8_0: (34, (0,)), TensorType.Q4_K: (144, (0, 2)), TensorType.Q6_K: (210, (208,))}
 
 
-def _weight(tt: TensorType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+def random_weight(tt: TensorType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random blocks of type tt with sane f16 scales (0.001-0.011): every other byte is a valid code."""
     data = rng.integers(0, 256, (rows, row_bytes(tt, cols)), dtype=np.uint8)
     size, fields = _SCALES[tt]
@@ -97,7 +97,7 @@ def main() -> None:
     ws, acts, outs = numba.typed.List(), numba.typed.List(), numba.typed.List()
     for _ in range(_LAYERS):
         for rows, cols in _LAYER:
-            ws.append(_weight(tt, rows, cols, rng))
+            ws.append(random_weight(tt, rows, cols, rng))
             acts.append(by_cols[cols])
             outs.append(np.zeros((1, rows), np.float32))
     megabytes = sum(w.nbytes for w in ws) / 1e6

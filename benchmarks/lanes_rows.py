@@ -13,7 +13,9 @@ the two in one process (this VM's speed drifts between runs).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -22,6 +24,9 @@ from numba import njit
 from ember.kernels.cpu import decode_lanes, int8_dots
 from ember.kernels.cpu.quant_matmul import _MATVEC_ROWS
 from ember.kernels.tensor_types import TensorType
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_rows import random_weight  # noqa: E402 (a sibling script)
 
 _Q8_0 = int(TensorType.Q8_0)
 _TILE = decode_lanes._in_place_tile(decode_lanes._TILE_ROWS)
@@ -39,15 +44,6 @@ def _quarters(u8, lanes, out, reps):  # the drivers' row groups through decode_l
     for _ in range(reps):
         for first in range(0, u8.shape[0], _MATVEC_ROWS):
             decode_lanes.rows(_Q8_0, u8, first, first + _MATVEC_ROWS, lanes, out)
-
-
-def _weight(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random Q8_0 rows with sane f16 scales (0.001-0.011)."""
-    blocks = cols // 32
-    data = rng.integers(0, 256, (rows, blocks * 34), dtype=np.uint8)
-    scales = (rng.random((rows, blocks)) * 0.01 + 0.001).astype(np.float16)
-    data.reshape(rows, blocks, 34)[:, :, :2] = scales.view(np.uint8).reshape(rows, blocks, 2)
-    return data
 
 
 def _lanes(cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -72,7 +68,7 @@ def main() -> None:
     row_bytes = args.cols // 32 * 34
     for where, megabytes in (("DRAM", 53), ("L3", 1.6)):
         rows = int(megabytes * 1e6 / row_bytes) // _MATVEC_ROWS * _MATVEC_ROWS
-        u8 = _weight(rows, args.cols, rng)
+        u8 = random_weight(TensorType.Q8_0, rows, args.cols, rng)
         reps = max(1, int(40e6 / u8.nbytes))
         outs = {}
         for name, fn in (("adjacent", _adjacent), ("quarters", _quarters)):
